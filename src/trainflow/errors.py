@@ -1,0 +1,13 @@
+"""Errors a user can fix: printed as one sentence, without a traceback."""
+
+
+class TrainflowError(Exception):
+    """A problem with the user's input or environment, explained in one line with the fix."""
+
+
+class ConfigError(TrainflowError):
+    """A config value that cannot work; the message starts with the key."""
+
+
+class DataError(TrainflowError):
+    """Missing, empty or too-short data."""

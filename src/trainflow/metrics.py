@@ -1,0 +1,176 @@
+"""Measured figures: FLOPs, peak FLOP/s, throughput, memory; written to jsonl, TensorBoard and the log.
+
+Step times are read at log boundaries only (with a device sync there), so
+measuring does not put a sync in every step.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import math
+import os
+import platform
+import resource
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+log = logging.getLogger(__name__)
+
+# Dense bf16 tensor-core peaks (FLOP/s) by device-name substring; fp32 runs use TF32 peaks.
+_GPU_PEAKS_BF16 = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12, "L4": 121e12,
+                   "V100": 125e12, "RTX 4090": 165e12, "RTX 3090": 71e12, "T4": 65e12}
+_PEAK_CACHE = Path("~/.cache/trainflow/peak_flops.json").expanduser()
+
+
+def count_train_flops(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor], loss_fn) -> int | None:
+    """FLOPs of one forward + backward micro-step, counted on a meta-device copy (no compute, no RNG use)."""
+    try:
+        meta_model = copy.deepcopy(model).to("meta")
+        inputs, targets = (t.to("meta") for t in batch)
+        with FlopCounterMode(display=False) as counter:
+            loss_fn(meta_model(inputs), targets).backward()
+        return int(counter.get_total_flops())
+    except Exception as exc:  # a user op without a meta kernel: MFU is then unknown, not wrong
+        log.warning("could not count model FLOPs on the meta device (%s); MFU will be missing", exc)
+        return None
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "cpu"
+
+
+def _measure_cpu_peak(threads: int) -> float:
+    """Best of a few large fp32 matmuls: what this CPU really sustains with these threads."""
+    n = 2048
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    best = math.inf
+    for _ in range(5):
+        t0 = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n**3 / best
+
+
+def peak_flops(device: torch.device, precision: str, override: float | None) -> float | None:
+    """Peak FLOP/s of one device: the override, a known GPU's datasheet, or a cached CPU measurement."""
+    if override is not None:
+        return float(override)
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for key, peak in _GPU_PEAKS_BF16.items():
+            if key in name:
+                return peak if precision == "bf16" else peak / 2
+        log.warning("unknown GPU %r: set metrics.peak_flops to get MFU", name)
+        return None
+    threads = torch.get_num_threads()
+    key = f"{_cpu_name()}|threads={threads}|torch={torch.__version__}"
+    try:
+        cache = json.loads(_PEAK_CACHE.read_text())
+    except (OSError, ValueError):
+        cache = {}
+    if key not in cache:
+        cache[key] = _measure_cpu_peak(threads)
+        try:
+            _PEAK_CACHE.parent.mkdir(parents=True, exist_ok=True)
+            tmp = _PEAK_CACHE.with_suffix(f".tmp{os.getpid()}")
+            tmp.write_text(json.dumps(cache, indent=1))
+            os.replace(tmp, _PEAK_CACHE)
+        except OSError:
+            pass  # an unwritable home only costs a re-measurement next time
+    return cache[key]
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """CUDA: max allocated by tensors. CPU: the process's peak resident set."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class MetricsWriter:
+    """metrics.jsonl always; TensorBoard when enabled. Rank 0 only: other ranks get a writer that drops."""
+
+    def __init__(self, run_dir: Path, enabled: bool, tensorboard: bool) -> None:
+        self.enabled = enabled
+        self._jsonl = open(run_dir / "metrics.jsonl", "a") if enabled else None  # noqa: SIM115 (closed in close())
+        self._tb = None
+        if enabled and tensorboard:
+            from torch.utils.tensorboard import SummaryWriter  # 2-3 s import: only when asked for
+
+            self._tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+
+    def write(self, step: int, values: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        self._jsonl.write(json.dumps({"step": step, **values}) + "\n")
+        self._jsonl.flush()
+        if self._tb is not None:
+            for key, value in values.items():
+                if isinstance(value, (int, float)) and math.isfinite(value):
+                    self._tb.add_scalar(key, value, step)
+
+    def close(self) -> None:
+        if self._jsonl is not None:
+            self._jsonl.close()
+        if self._tb is not None:
+            self._tb.close()
+
+
+class Throughput:
+    """Wall time and samples after the excluded warm-up steps: the steady-state figures."""
+
+    def __init__(self, excluded_steps: int) -> None:
+        self.excluded_steps = excluded_steps
+        self.start: float | None = None
+        self.steps = 0
+        self.samples = 0
+        self.tokens = 0
+        self.data_wait = 0.0
+
+    def begin_if_due(self, steps_done: int, now: float) -> None:
+        """Start the clock once the excluded steps are behind us (call after a device sync)."""
+        if self.start is None and steps_done >= self.excluded_steps:
+            self.start = now
+
+    def pause(self, seconds: float) -> None:
+        """Leave `seconds` of non-training work (evaluation, a checkpoint save) out of the figures."""
+        if self.start is not None:
+            self.start += seconds
+
+    def add(self, samples: int, tokens: int, data_wait: float) -> None:
+        if self.start is not None:
+            self.steps += 1
+            self.samples += samples
+            self.tokens += tokens
+            self.data_wait += data_wait
+
+    def figures(self, now: float) -> dict[str, float] | None:
+        if self.start is None or self.steps == 0:
+            return None
+        elapsed = now - self.start
+        return {
+            "steps": self.steps,
+            "excluded_steps": self.excluded_steps,
+            "step_time_s": elapsed / self.steps,
+            "samples_per_sec": self.samples / elapsed,
+            "tokens_per_sec": self.tokens / elapsed,
+            "data_wait_fraction": self.data_wait / elapsed,
+        }

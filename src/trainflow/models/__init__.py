@@ -1,0 +1,1 @@
+"""Built-in models; any other nn.Module is reachable through `model._target_`."""

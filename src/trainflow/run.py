@@ -1,0 +1,294 @@
+"""The one training loop. Every option of every stage plugs in here; none forks it.
+
+Order of assembly: distributed env -> data -> model -> parallelize -> compile
+-> optimizer -> resume -> loop -> summary.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import random
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+from torch import nn
+from torch.profiler import record_function
+
+from trainflow import distributed
+from trainflow.checkpoint import Checkpointer, TrainState
+from trainflow.compiler import Compiler
+from trainflow.config import validate
+from trainflow.data import DataBundle, StreamSampler, build_datasets, make_loader
+from trainflow.distributed import DistEnv
+from trainflow.metrics import (
+    MetricsWriter,
+    Throughput,
+    count_train_flops,
+    peak_flops,
+    peak_memory_bytes,
+    sync,
+)
+from trainflow.optim import build_optimizer
+from trainflow.profiling import Profiler
+
+log = logging.getLogger("trainflow")
+
+
+def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy for classifiers ([B, C]) and language models ([B, T, V]) alike."""
+    return F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten())
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def run(cfg: DictConfig, run_dir: str | Path | None = None) -> dict[str, Any] | None:
+    """Train as `cfg` says; return the summary on rank 0 (None on other ranks)."""
+    validate(cfg)
+    if run_dir is None:
+        from hydra.core.hydra_config import HydraConfig
+
+        run_dir = HydraConfig.get().runtime.output_dir
+    run_dir = Path(run_dir)
+    env = distributed.setup(cfg.parallelism, cfg.trainer.device)
+    try:
+        return _train(cfg, run_dir, env)
+    finally:
+        distributed.teardown(env)
+
+
+def _train(cfg: DictConfig, run_dir: Path, env: DistEnv) -> dict[str, Any] | None:
+    t = cfg.trainer
+    if env.is_main:
+        log.info("config:\n%s", OmegaConf.to_yaml(cfg, resolve=True))
+        (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+    torch.use_deterministic_algorithms(t.deterministic)
+    seed_everything(t.seed)  # the same initial weights on every rank
+
+    data = build_datasets(cfg.data, cfg.model)
+    model: nn.Module = instantiate(cfg.model).to(env.device)
+    n_params = sum(p.numel() for p in model.parameters())
+    example = data.train[torch.arange(t.batch_size)]
+    flops_per_step = count_train_flops(model, example, loss_fn)
+    if flops_per_step is not None:
+        flops_per_step *= t.grad_accum
+    model = distributed.parallelize(model, cfg.parallelism, env)
+    compiler = Compiler(cfg.compile, env, run_dir)
+    model = compiler.apply(model)
+    optimizer, scheduler = build_optimizer(model, cfg.optim, t.max_steps, env.device)
+
+    state = TrainState(model, optimizer, scheduler)
+    checkpointer = Checkpointer(cfg.checkpoint, env, run_dir)
+    checkpointer.resume(state)
+    resumed_from = state.step if state.step > 0 else None
+    seed_everything(t.seed + 1_000_003 * env.rank + state.step)  # per-rank randomness (dropout) from here on
+
+    global_batch = t.batch_size * env.world_size * t.grad_accum
+    sampler = StreamSampler(len(data.train), t.batch_size, env.rank, env.world_size, t.seed, state.samples_seen)
+    pin = cfg.data.pin_memory and env.device.type == "cuda"
+    batches = iter(make_loader(data.train, sampler, cfg.data, pin))
+    peak = peak_flops(env.device, t.precision, cfg.metrics.peak_flops)
+    autocast = torch.autocast(env.device.type, dtype=torch.bfloat16, enabled=t.precision == "bf16")
+    writer = MetricsWriter(run_dir, env.is_main, cfg.logger.tensorboard)
+    profiler = Profiler(cfg.profiler, env, run_dir, t.max_steps)
+    progress = _progress_bar(t, env, state.step)
+    throughput = Throughput(t.warmup_steps + compiler.excluded_steps())
+    if env.is_main:
+        log.info("model %s: %.2fM parameters; world size %d; global batch %d; %s",
+                 type(distributed.unwrap(model)).__name__, n_params / 1e6, env.world_size, global_batch,
+                 f"resumed at step {resumed_from}" if resumed_from else "fresh start")
+
+    first_loss: float | None = None
+    interval = {"loss": torch.zeros((), device=env.device), "steps": 0, "data_wait": 0.0}
+    val: dict[str, float] | None = None
+    sync(env.device)
+    tick = last_log = time.perf_counter()
+    throughput.begin_if_due(0, tick)
+    steps_this_run = 0
+    values: dict[str, float] = {}
+    model.train()
+    with profiler:
+        while state.step < t.max_steps:
+            data_wait = 0.0
+            for micro in range(t.grad_accum):
+                with record_function("trainflow/data"):
+                    t0 = time.perf_counter()
+                    inputs, targets = (x.to(env.device, non_blocking=pin) for x in next(batches))
+                    data_wait += time.perf_counter() - t0
+                last = micro == t.grad_accum - 1
+                with record_function("trainflow/forward_backward"), distributed.no_grad_sync(model, last):
+                    with autocast:
+                        loss = loss_fn(model(inputs), targets)
+                    (loss / t.grad_accum).backward()
+                interval["loss"] += loss.detach() / t.grad_accum
+            with record_function("trainflow/optimizer"):
+                grad_norm = nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip or math.inf)
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
+            state.step += 1
+            state.samples_seen += global_batch
+            steps_this_run += 1
+            interval["steps"] += 1
+            interval["data_wait"] += data_wait
+            profiler.step()
+
+            if steps_this_run <= throughput.excluded_steps:
+                sync(env.device)
+                now = time.perf_counter()
+                compiler.on_step_end(state.step, now - tick)
+                throughput.begin_if_due(steps_this_run, now)
+            else:
+                throughput.add(global_batch, global_batch * data.seq_len if data.is_lm else 0, data_wait)
+            tick = time.perf_counter()
+            if first_loss is None:
+                first_loss = loss.item()
+
+            done = state.step >= t.max_steps
+            if state.step % t.log_every == 0 or done:
+                sync(env.device)
+                now = time.perf_counter()
+                values = _interval_values(interval, now - last_log, optimizer, grad_norm, env, global_batch,
+                                          data, flops_per_step, peak)
+                writer.write(state.step, values)
+                progress(state.step, values)
+                interval = {"loss": torch.zeros((), device=env.device), "steps": 0, "data_wait": 0.0}
+                last_log = time.perf_counter()
+            if done or (t.eval_every and state.step % t.eval_every == 0):
+                eval_start = time.perf_counter()
+                val = evaluate(model, data, cfg, env, autocast)
+                writer.write(state.step, {f"val/{k}": v for k, v in val.items()})
+                if env.is_main:
+                    log.info("step %d: val loss %.4f%s", state.step, val["loss"],
+                             f", perplexity {val['perplexity']:.2f}" if "perplexity" in val else "")
+                model.train()
+                paused = time.perf_counter() - eval_start  # evaluation is not training time
+                throughput.pause(paused)
+                last_log += paused
+            if checkpointer.after_step(state):
+                break
+    end = time.perf_counter()
+    checkpointer.close(state)
+    writer.close()
+    progress(None, None)
+
+    steady = throughput.figures(end)
+    summary = {
+        "steps": state.step,
+        "steps_this_run": steps_this_run,
+        "resumed_from_step": resumed_from,
+        "steady_state": steady,
+        "mfu": _mfu(flops_per_step, steady, peak),
+        "data_wait_fraction": steady["data_wait_fraction"] if steady else None,
+        "peak_memory_bytes": peak_memory_bytes(env.device),
+        "loss": {"first": first_loss, "last": values.get("train/loss")},  # last: mean of the last log interval
+        "val": val,
+        "flops_per_step": flops_per_step,
+        "peak_flops": peak,
+        "parameters": n_params,
+        "world_size": env.world_size,
+        "global_batch": global_batch,
+        "device": str(env.device),
+        "compile": compiler.summary(),
+        "profiler": profiler.summary(),
+        "checkpoint": checkpointer.summary(),
+        "config": OmegaConf.to_container(cfg, resolve=True),
+    }
+    if not env.is_main:
+        return None
+    write_json(run_dir / "summary.json", summary)
+    log.info("done: %d steps; steady state %s", state.step,
+             f"{steady['samples_per_sec']:.1f} samples/s, {steady['step_time_s'] * 1e3:.1f} ms/step"
+             if steady else "not reached (too few steps after warm-up)")
+    return summary
+
+
+def _interval_values(interval: dict, elapsed: float, optimizer, grad_norm: torch.Tensor, env: DistEnv,
+                     global_batch: int, data: DataBundle, flops_per_step: int | None, peak: float | None) -> dict:
+    steps = interval["steps"]
+    loss = distributed.all_reduce_mean(interval["loss"] / steps, env).item()
+    step_time = elapsed / steps
+    values = {
+        "train/loss": loss,
+        "train/lr": optimizer.param_groups[0]["lr"],
+        "train/grad_norm": float(grad_norm),
+        "perf/step_time_s": step_time,
+        "perf/samples_per_sec": global_batch / step_time,
+        "perf/data_wait_fraction": interval["data_wait"] / elapsed,
+        "perf/memory_bytes": peak_memory_bytes(env.device),
+    }
+    if data.is_lm:
+        values["perf/tokens_per_sec"] = global_batch * data.seq_len / step_time
+    if flops_per_step and peak:
+        values["perf/mfu"] = flops_per_step / step_time / peak
+    return values
+
+
+def _mfu(flops_per_step: int | None, steady: dict | None, peak: float | None) -> float | None:
+    if not (flops_per_step and steady and peak):
+        return None
+    return flops_per_step / steady["step_time_s"] / peak
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, data: DataBundle, cfg: DictConfig, env: DistEnv, autocast) -> dict[str, float]:
+    """Mean loss over the same held-out batches every time (rank-strided, in order)."""
+    model.eval()
+    t = cfg.trainer
+    sampler = StreamSampler(len(data.val), t.batch_size, env.rank, env.world_size, seed=0, shuffle=False)
+    total = torch.zeros((), device=env.device)
+    for _, indices in zip(range(t.eval_steps), sampler, strict=False):
+        inputs, targets = (x.to(env.device) for x in data.val[indices])
+        with autocast:
+            total += loss_fn(model(inputs), targets).float()
+    loss = distributed.all_reduce_mean(total / t.eval_steps, env).item()
+    result = {"loss": loss}
+    if data.is_lm:
+        result["perplexity"] = math.exp(min(loss, 50.0))
+    return result
+
+
+def _progress_bar(t: DictConfig, env: DistEnv, start: int):
+    """A tqdm bar on rank 0 when stdout is a terminal (or asked for); plain log lines otherwise."""
+    use_bar = env.is_main and (t.progress == "bar" or (t.progress == "auto" and sys.stdout.isatty()))
+    bar = None
+    if use_bar:
+        from tqdm import tqdm
+
+        bar = tqdm(total=t.max_steps, initial=start, unit="step", dynamic_ncols=True)
+
+    def update(step: int | None, values: dict | None) -> None:
+        if step is None:
+            if bar is not None:
+                bar.close()
+            return
+        if bar is not None:
+            bar.n = step
+            bar.set_postfix(loss=f"{values['train/loss']:.4f}", lr=f"{values['train/lr']:.2e}")
+        elif env.is_main:
+            log.info("step %d/%d: loss %.4f, lr %.2e, %.1f ms/step, %.0f samples/s, data wait %.1f%%",
+                     step, t.max_steps, values["train/loss"], values["train/lr"],
+                     values["perf/step_time_s"] * 1e3, values["perf/samples_per_sec"],
+                     values["perf/data_wait_fraction"] * 100)
+
+    return update
+
+
+def write_json(path: Path, obj: Any) -> None:
+    """Write via a temporary file and rename, so readers never see half a file."""
+    tmp = path.with_suffix(path.suffix + f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps(obj, indent=2, default=str))
+    os.replace(tmp, path)
