@@ -35,6 +35,14 @@ pid_of() {
   return 1
 }
 
+# running PID: the process exists and is not a zombie waiting for init
+# to reap it (some container inits reap only every few seconds).
+running() {
+  local st
+  st=$(awk '{print $3}' "/proc/$1/stat" 2>/dev/null) || return 1
+  [[ -n $st && $st != Z ]]
+}
+
 stopped=()
 # stop LABEL PIDFILE NAME...: SIGTERM, wait, SIGKILL as a last resort.
 stop() {
@@ -43,11 +51,11 @@ stop() {
   if pid=$(pid_of "$pidfile" "$@"); then
     kill -TERM "$pid" 2>/dev/null || true
     end=$((SECONDS + TIMEOUT))
-    while [[ -e /proc/$pid ]] && ((SECONDS < end)); do sleep 0.2; done
-    if [[ -e /proc/$pid ]]; then
+    while running "$pid" && ((SECONDS < end)); do sleep 0.2; done
+    if running "$pid"; then
       say "$label did not exit after ${TIMEOUT}s, killing it"
       kill -KILL "$pid" 2>/dev/null || true
-      while [[ -e /proc/$pid ]]; do sleep 0.2; done
+      while running "$pid"; do sleep 0.2; done
     fi
     stopped+=("$label")
   fi

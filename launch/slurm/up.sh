@@ -34,13 +34,14 @@ fail() {
   exit 1
 }
 # alive PIDFILE NAME...: the pid in PIDFILE runs one of the programs NAME
-# (a stale pid file may point at a recycled pid).
+# (a stale pid file may point at a recycled pid; a zombie has exited).
 alive() {
   local pidfile=$1 pid comm name
   shift
   [[ -s $pidfile ]] || return 1
   pid=$(<"$pidfile")
   comm=$(cat "/proc/$pid/comm" 2>/dev/null) || return 1
+  [[ $(awk '{print $3}' "/proc/$pid/stat" 2>/dev/null) != Z ]] || return 1
   for name; do [[ $comm == "$name" ]] && return 0; done
   return 1
 }

@@ -90,11 +90,11 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv) -> dict[str, Any] | Non
     model = compiler.apply(model)
     optimizer, scheduler = build_optimizer(model, cfg.optim, t.max_steps, env.device)
 
+    seed_everything(t.seed + 1_000_003 * env.rank)  # per-rank randomness (dropout) from here on
     state = TrainState(model, optimizer, scheduler)
     checkpointer = Checkpointer(cfg.checkpoint, env, run_dir)
-    checkpointer.resume(state)
+    checkpointer.resume(state)  # restores every rank's RNG too, so it comes after the seeding
     resumed_from = state.step if state.step > 0 else None
-    seed_everything(t.seed + 1_000_003 * env.rank + state.step)  # per-rank randomness (dropout) from here on
 
     global_batch = t.batch_size * env.world_size * t.grad_accum
     sampler = StreamSampler(len(data.train), t.batch_size, env.rank, env.world_size, t.seed, state.samples_seen)

@@ -1,0 +1,58 @@
+"""Shared helpers: run trainflow the way users do (a real `python train.py` process) and read what it wrote."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Small, fast settings for tests: a 2-layer byte-level GPT on a slice of the standard library.
+TINY_GPT = [
+    "model=gpt_tiny", "model.n_layer=2", "model.n_embd=64", "model.n_head=2", "model.block_size=32",
+    "trainer.batch_size=8", "trainer.log_every=1", "trainer.warmup_steps=2", "logger=none", "compile=off",
+]
+
+
+@dataclass
+class Run:
+    returncode: int
+    stdout: str
+    stderr: str
+    run_dir: Path
+
+    @property
+    def summary(self) -> dict:
+        return json.loads((self.run_dir / "summary.json").read_text())
+
+    def metrics(self) -> list[dict]:
+        path = self.run_dir / "metrics.jsonl"
+        return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+    def losses(self) -> list[float]:
+        return [m["train/loss"] for m in self.metrics() if "train/loss" in m]
+
+
+def train(run_dir: Path, *overrides: str, env: dict | None = None, timeout: float = 600,
+          command: list[str] | None = None) -> Run:
+    """Run `python train.py` (or `command`) with overrides, writing into run_dir."""
+    cmd = command or [sys.executable, str(ROOT / "train.py")]
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    if "HYDRA_FULL_ERROR" not in (env or {}):
+        full_env.pop("HYDRA_FULL_ERROR", None)  # tests see what users see: no traceback
+    proc = subprocess.run(
+        [*cmd, *overrides, f"hydra.run.dir={run_dir}"],
+        cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout,
+    )
+    return Run(proc.returncode, proc.stdout, proc.stderr, Path(run_dir))
+
+
+@pytest.fixture
+def run_dir(tmp_path: Path) -> Path:
+    return tmp_path / "run"
