@@ -1,0 +1,143 @@
+"""The baseline stage: one eager process that learns, measures itself and reproduces bit for bit."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import ROOT, TINY_GPT, train
+
+
+def test_loss_and_validation_loss_fall_on_text(run_dir: Path) -> None:
+    run = train(run_dir, *TINY_GPT, "trainer.max_steps=40", "trainer.eval_every=20", "trainer.eval_steps=4",
+                "optim.lr=3e-3", "optim.warmup_steps=5")
+    assert run.returncode == 0, run.stderr
+    losses = run.losses()
+    assert len(losses) == 40
+    assert sum(losses[-5:]) / 5 < 0.7 * sum(losses[:5]) / 5  # bytes: from ~ln(256) towards ~2.5
+    vals = [m["val/loss"] for m in run.metrics() if "val/loss" in m]
+    assert len(vals) == 2 and vals[1] < vals[0]
+    summary = run.summary
+    assert summary["val"]["loss"] == pytest.approx(vals[1])
+    assert summary["val"]["perplexity"] == pytest.approx(math.exp(vals[1]), rel=1e-6)
+
+
+def test_same_seed_gives_bit_identical_losses(tmp_path: Path) -> None:
+    common = [*TINY_GPT, "trainer.max_steps=8", "data=synthetic", "model.dropout=0.1"]
+    a = train(tmp_path / "a", *common)
+    b = train(tmp_path / "b", *common)
+    c = train(tmp_path / "c", *common, "trainer.seed=7")
+    assert a.returncode == b.returncode == c.returncode == 0, a.stderr + b.stderr + c.stderr
+    assert a.losses() == b.losses()  # exact float equality, dropout included
+    assert a.losses() != c.losses()
+
+
+def test_seed_mlp_experiment_trains(run_dir: Path) -> None:
+    run = train(run_dir, "experiment=seed_mlp", "trainer.max_steps=200", "logger=none")
+    assert run.returncode == 0, run.stderr
+    summary = run.summary
+    assert summary["config"]["model"]["_target_"] == "trainflow.models.mlp.MLP"
+    assert summary["loss"]["last"] < 0.5 * summary["loss"]["first"]
+    assert summary["val"]["loss"] < 0.6  # a learnable teacher; chance level is ln(10) = 2.3
+    assert "perplexity" not in summary["val"] and summary["steady_state"]["tokens_per_sec"] == 0
+
+
+def test_flop_counter_matches_the_analytic_count_for_the_mlp() -> None:
+    from trainflow.metrics import count_train_flops
+    from trainflow.models.mlp import MLP
+    from trainflow.run import loss_fn
+
+    batch = 32
+    inputs, targets = torch.randn(batch, 100), torch.randint(10, (batch,))
+    layers = [(100, 256), (256, 10)]
+    forward = sum(2 * batch * i * o for i, o in layers)
+    weight_grads = forward  # dL/dW costs what the forward matmul costs
+    input_grads = 2 * batch * 256 * 10  # only the second layer passes a gradient back (inputs need none)
+    assert count_train_flops(MLP(), (inputs, targets), loss_fn) == forward + weight_grads + input_grads
+
+
+def test_tensorboard_scalars_read_back_with_tensorboards_reader(run_dir: Path) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    overrides = [o for o in TINY_GPT if o != "logger=none"]
+    run = train(run_dir, *overrides, "logger=tensorboard", "trainer.max_steps=6", "trainer.log_every=2")
+    assert run.returncode == 0, run.stderr
+    events = EventAccumulator(str(run_dir / "tensorboard"))
+    events.Reload()
+    tags = events.Tags()["scalars"]
+    for tag in ("train/loss", "train/lr", "train/grad_norm", "perf/step_time_s", "perf/samples_per_sec",
+                "perf/tokens_per_sec", "perf/data_wait_fraction", "perf/memory_bytes", "perf/mfu", "val/loss",
+                "val/perplexity"):
+        assert tag in tags, tag
+    tb_losses = [(e.step, e.value) for e in events.Scalars("train/loss")]
+    jsonl_losses = [(m["step"], m["train/loss"]) for m in run.metrics() if "train/loss" in m]
+    assert [s for s, _ in tb_losses] == [2, 4, 6]
+    assert [v for _, v in tb_losses] == pytest.approx([v for _, v in jsonl_losses], rel=1e-6)  # TB stores fp32
+
+
+def test_summary_has_sane_figures(run_dir: Path) -> None:
+    run = train(run_dir, *TINY_GPT, "trainer.max_steps=10", "trainer.warmup_steps=3", "trainer.log_every=5")
+    assert run.returncode == 0, run.stderr
+    s = run.summary
+    steady = s["steady_state"]
+    assert steady["excluded_steps"] == 3 and steady["steps"] == 7
+    assert steady["samples_per_sec"] == pytest.approx(8 / steady["step_time_s"], rel=1e-6)
+    assert steady["tokens_per_sec"] == pytest.approx(8 * 32 / steady["step_time_s"], rel=1e-6)
+    assert 0 <= s["data_wait_fraction"] < 0.5
+    assert 0 < s["mfu"] < 1.5  # measured matmul peak; tiny models sit well below it
+    assert s["peak_memory_bytes"] > 50e6  # a process with torch loaded
+    assert s["flops_per_step"] > 0 and s["world_size"] == 1 and s["device"] == "cpu"
+    assert s["loss"]["first"] > s["loss"]["last"] > 0
+    assert s["config"]["trainer"]["max_steps"] == 10
+    assert (run_dir / "config.yaml").exists() and (run_dir / ".hydra" / "config.yaml").exists()
+    assert "step 10/10" in (run_dir / "train.log").read_text()
+
+
+def test_help_lists_the_groups() -> None:
+    out = subprocess.run([sys.executable, "train.py", "--help"], cwd=ROOT, capture_output=True, text=True).stdout
+    for line in ("model: gpt_medium, gpt_small, gpt_tiny, mlp", "data: synthetic, text", "optim: adamw, sgd"):
+        assert line in out
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        (["model=nope"], "Could not find 'model/nope'"),
+        (["trainer.foo=1"], "Key 'foo' not in 'TrainerConfig'"),
+        (["trainer.max_steps=abc"], "trainer.max_steps"),
+        (["trainer.max_steps=0"], "trainer.max_steps: must be a positive integer; got 0"),
+        (["trainer.batch_size=-2"], "trainer.batch_size: must be a positive integer; got -2"),
+        (["optim.lr=0"], "optim.lr: must be > 0; got 0"),
+        (["data.paths=[/no/such/corpus]"], "data.paths: /no/such/corpus does not exist"),
+        (["data.paths=[]"], "data.paths: is empty"),
+        (["trainer.device=cuda"], "trainer.device: cuda was asked for but no GPU is visible"),
+    ],
+    ids=["unknown-option", "unknown-key", "wrong-type", "zero-steps", "negative-batch", "zero-lr", "missing-path",
+         "empty-paths", "cuda-without-gpu"],
+)
+def test_bad_input_is_one_clear_line(run_dir: Path, overrides: list[str], expected: str) -> None:
+    if "cuda" in overrides[0] and torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    run = train(run_dir, *TINY_GPT, *overrides)
+    assert run.returncode != 0
+    assert expected in run.stderr
+    assert "Traceback" not in run.stderr + run.stdout
+
+
+def test_corpus_shorter_than_one_sequence(run_dir: Path, tmp_path: Path) -> None:
+    corpus = tmp_path / "tiny.txt"
+    corpus.write_text("print('hi')\n")
+    run = train(run_dir, *TINY_GPT, f"data.paths=[{corpus}]", f"data.cache_dir={tmp_path / 'cache'}")
+    assert run.returncode == 2
+    assert "data.paths: the corpus has 12 bytes, too short for one training and one validation sequence" in run.stderr
+    assert "Traceback" not in run.stderr
+
+
+def test_full_error_shows_the_traceback_when_asked(run_dir: Path) -> None:
+    run = train(run_dir, *TINY_GPT, "trainer.max_steps=0", env={"HYDRA_FULL_ERROR": "1"})
+    assert run.returncode != 0 and "Traceback" in run.stderr and "ConfigError" in run.stderr
