@@ -33,15 +33,21 @@ fail() {
   fi
   exit 1
 }
+# running PID: the process exists and is not a zombie (it has exited).
+running() {
+  local st
+  st=$(awk '{print $3}' "/proc/$1/stat" 2>/dev/null) || return 1
+  [[ -n $st && $st != Z ]]
+}
 # alive PIDFILE NAME...: the pid in PIDFILE runs one of the programs NAME
-# (a stale pid file may point at a recycled pid; a zombie has exited).
+# (a stale pid file may point at a recycled pid).
 alive() {
   local pidfile=$1 pid comm name
   shift
   [[ -s $pidfile ]] || return 1
   pid=$(<"$pidfile")
+  running "$pid" || return 1
   comm=$(cat "/proc/$pid/comm" 2>/dev/null) || return 1
-  [[ $(awk '{print $3}' "/proc/$pid/stat" 2>/dev/null) != Z ]] || return 1
   for name; do [[ $comm == "$name" ]] && return 0; done
   return 1
 }
@@ -149,8 +155,10 @@ elif [[ ! $etc_conf -ef $SLURM_CONF ]]; then
 fi
 
 # --- munge -------------------------------------------------------------------
+# Keep a munged that already answers (ours from an earlier run, or the
+# system's): there can be only one on the standard socket.
 munge_ok() { munge -n | unmunge; }
-if ! wait_for 0 munge_ok; then
+if ! munge_ok >/dev/null 2>&1; then
   # The package makes the key; create one if it is missing all the same.
   if [[ ! -s /etc/munge/munge.key ]]; then
     runuser -u munge -- mungekey --create --keyfile=/etc/munge/munge.key
@@ -170,7 +178,6 @@ fi
 DB_SOCK=$RUN/mysqld/mysqld.sock
 DB_PID=$RUN/mysqld/mariadbd.pid
 DB_LOG=$LOG/mariadb.log
-sql() { mariadb --no-defaults --socket="$DB_SOCK" -u root "$@"; }
 if ! alive "$DB_PID" mariadbd mysqld; then
   if [[ ! -d $DIR/mysql/mysql ]]; then
     mariadb-install-db --no-defaults --user=mysql --datadir="$DIR/mysql" \
@@ -185,11 +192,21 @@ if ! alive "$DB_PID" mariadbd mysqld; then
     --bind-address=127.0.0.1 --port="$DB_PORT" --skip-name-resolve \
     --innodb-buffer-pool-size=512M --innodb-lock-wait-timeout=900 \
     </dev/null >/dev/null 2>&1 &
+  db_pid=$!
+  # Give up at once if the server exits (port taken, bad datadir, ...).
+  end=$((SECONDS + TIMEOUT))
+  until mariadb-admin --no-defaults --socket="$DB_SOCK" -u root ping >/dev/null 2>&1; do
+    if ! running "$db_pid" || ((SECONDS >= end)); then
+      fail "MariaDB did not start" "$DB_LOG"
+    fi
+    sleep 0.5
+  done
 fi
 wait_for "$TIMEOUT" mariadb-admin --no-defaults --socket="$DB_SOCK" -u root ping ||
-  fail "MariaDB did not start" "$DB_LOG"
+  fail "MariaDB does not answer" "$DB_LOG"
 # slurmdbd connects over TCP from 127.0.0.1 (names are not resolved).
-sql <<SQL || fail "could not create the accounting database" "$DB_LOG"
+db_sql() { mariadb --no-defaults --socket="$DB_SOCK" -u root; }
+db_sql <<SQL || fail "could not create the accounting database" "$DB_LOG"
 CREATE DATABASE IF NOT EXISTS slurm_acct_db;
 CREATE USER IF NOT EXISTS 'slurm'@'127.0.0.1';
 ALTER USER 'slurm'@'127.0.0.1' IDENTIFIED BY '$DB_PASS';
@@ -229,7 +246,7 @@ fi
 # and the accounting answers.
 node_up() { [[ $(sinfo -h -n "$HOST" -o %t) =~ ^(idle|mix|alloc)$ ]]; }
 wait_for "$TIMEOUT" node_up ||
-  fail "node $HOST is not idle (sinfo: $(sinfo -h -n "$HOST" -o %t 2>&1))" "$LOG/slurmd.log"
+  fail "node $HOST does not take jobs (state: $(sinfo -h -n "$HOST" -o %t 2>&1))" "$LOG/slurmd.log"
 wait_for "$TIMEOUT" sacct -n -X -o JobID -S now-1minutes ||
   fail "sacct does not answer" "$LOG/slurmdbd.log"
 
