@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
+from collections.abc import Callable
+from pathlib import Path
 
 from omegaconf import DictConfig
 
@@ -23,4 +26,53 @@ def run_from_hydra(cfg: DictConfig) -> float | None:
             raise
         print(f"Error: {exc}", file=sys.stderr)
         sys.exit(EXIT_USER_ERROR)
+    from trainflow.checkpoint import stop_exit_code
+
+    if (code := stop_exit_code(summary)) is not None:  # saved on SIGTERM/SIGUSR2: tell the launcher to run us again
+        sys.exit(code)
     return summary["val"]["loss"] if summary and summary.get("val") else None
+
+
+def _export(args: argparse.Namespace) -> int:
+    from trainflow.checkpoint import export_weights
+
+    info = export_weights(args.checkpoint, args.file)
+    print(f"wrote {info['path']}: {info['tensors']} tensors, {info['bytes'] / 1e6:.1f} MB, "
+          f"the model of step {info['step']} ({info['checkpoint']})")
+    return 0
+
+
+def _add_export(commands: argparse._SubParsersAction) -> None:
+    p = commands.add_parser("export", help="write a committed checkpoint's model weights as one torch.save file",
+                            description="Consolidate the model weights of a committed checkpoint (saved on any "
+                                        "number of ranks) into one file for torch.load(path, weights_only=True).")
+    p.add_argument("checkpoint", type=Path, help="a step_N folder, or a checkpoint dir / run dir (its newest)")
+    p.add_argument("file", type=Path, help="the file to write, e.g. model.pt")
+    p.set_defaults(handler=_export)
+
+
+def _add_report(commands: argparse._SubParsersAction) -> None:
+    from trainflow.report import add_command
+
+    add_command(commands)
+
+
+# One function per `trainflow <command>`: it adds its parser and sets `handler` (args -> exit code).
+SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_export, _add_report]
+
+
+def main(argv: list[str] | None = None) -> None:
+    """The `trainflow` console command (training itself is `python train.py`)."""
+    parser = argparse.ArgumentParser(prog="trainflow", description="trainflow tools for runs and checkpoints.")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="command")
+    for add in SUBCOMMANDS:
+        add(commands)
+    args = parser.parse_args(argv)
+    try:
+        code = args.handler(args)
+    except TrainflowError as exc:
+        if os.environ.get("HYDRA_FULL_ERROR") == "1":
+            raise
+        print(f"Error: {exc}", file=sys.stderr)
+        code = EXIT_USER_ERROR
+    sys.exit(code)

@@ -1,33 +1,446 @@
-"""torch.compile applied on purpose, with a report of what it did (graphs, breaks, recompiles)."""
+"""torch.compile applied on purpose, with a report of what it did (graphs, breaks, recompiles).
+
+Compiling is only worth it when it is measured and understood: this module
+compiles the model (or each of its `blocks`), keeps the compile steps out of the
+steady-state figures, checks the compiled numerics against eager when asked,
+and reports from dynamo's own records (`counters`, `graph_break_reasons`,
+`get_compilation_metrics`) what was compiled, where the graph broke and why it
+recompiled. torch._dynamo and inductor are imported only when compile is on.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import importlib
+import json
+import logging
+import math
+import os
+import re
+import sysconfig
+import time
+from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch
 from omegaconf import DictConfig
 from torch import nn
 
-from trainflow.distributed import DistEnv
+from trainflow.distributed import DistEnv, unwrap
+from trainflow.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
+TOLERANCE = {"fp32": 1e-4, "bf16": 1e-2}  # relative error that compile.check accepts, by trainer.precision
+_TORCH_DIR = str(Path(torch.__file__).parent)
+_STDLIB_DIR = sysconfig.get_paths()["stdlib"]
+_DYNAMIC_FIX = "set compile.dynamic=true, or use fewer distinct input shapes (e.g. data.seq_lens with few lengths)"
+_MAX_LISTED = 20  # reasons kept per kind in compile_report.json
+_FSDP_HINT = "with parallelism=fsdp compile each block: compile.scope=blocks"
 
 
 class Compiler:
     """Compiles the model when `compile.enabled`; reports after the warm-up steps."""
 
     def __init__(self, cfg: DictConfig, env: DistEnv, run_dir: Path) -> None:
-        self.cfg = cfg
+        self.cfg: DictConfig = cfg.compile
         self.env = env
         self.run_dir = run_dir
+        self.enabled = bool(self.cfg.enabled)
+        self.precision = cfg.trainer.precision
+        seq_lens = cfg.data.get("seq_lens")
+        # Every distinct input shape compiles (or recompiles) once: the steps until each was seen are compile steps.
+        self._compile_steps = math.ceil(len(seq_lens) / cfg.trainer.grad_accum) if seq_lens else 1
+        self._warmup_total = cfg.trainer.warmup_steps + self._compile_steps
+        self._step_times: list[float] = []
+        self._compiles: dict[tuple[str, bool], dict[str, Any]] = {}
+        self._check: dict[str, Any] | None = None
+        self._logged = False
+        self._warned_limit = False
+        self._hint: str | None = None  # a fix that fits this setup better than dynamo's generic hint
+        self.cache_dir: str | None = None
+        if self.enabled:
+            self.cache_dir = _configure_cache(self.cfg.cache_dir)
+            self.backend = _resolve_backend(self.cfg.backend)
 
-    def apply(self, model: nn.Module) -> nn.Module:
+    def apply(self, model: nn.Module, example: tuple[torch.Tensor, torch.Tensor] | None = None,
+              loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None) -> nn.Module:
+        """Compile in place (parameter names stay as they are); run `compile.check` on `example` if asked."""
+        if not self.enabled:
+            return model
+        from torch.distributed.fsdp import FSDPModule
+
+        if self.cfg.scope == "model" and isinstance(model, FSDPModule):
+            self._hint = _FSDP_HINT
+            if self.env.is_main:
+                log.warning("compile.scope=model on an FSDP-sharded model: dynamo cannot trace the calls into "
+                            "sharded blocks, so the model's own forward runs eager and only the blocks compile; %s",
+                            _FSDP_HINT)
+        for module in self._targets(model):
+            self._compile(module)
+        if self.cfg.check:
+            if example is None or loss_fn is None:
+                raise ConfigError("compile.check: needs an example batch and a loss to compare; set it to false")
+            self._check = self._run_check(model, example, loss_fn)
         return model
 
     def excluded_steps(self) -> int:
         """Steps that compile and must stay out of the steady-state figures (beyond trainer.warmup_steps)."""
-        return 0
+        return self._compile_steps if self.enabled else 0
 
     def on_step_end(self, step: int, step_time_s: float) -> None:
         """Called after each step with its synced wall time while `excluded_steps` are running."""
+        if not self.enabled:
+            return
+        self._step_times.append(step_time_s)
+        self._poll()
+        if len(self._step_times) >= self._warmup_total:
+            self._log_report()
 
-    def summary(self) -> dict[str, Any] | None:
-        return None
+    def summary(self, steady: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The compile report (also written to compile_report.json) with the steady-state step time."""
+        if not self.enabled:
+            return {"enabled": False}
+        report = self.report()
+        report["steady_step_time_s"] = steady["step_time_s"] if steady else None
+        if not self._logged:
+            self._log_report()
+        if self.env.is_main:
+            self._write(report)
+        return report
+
+    # --- compiling -------------------------------------------------------------------------------
+
+    def _targets(self, model: nn.Module) -> list[nn.Module]:
+        """The whole model, or each block. Under DDP its wrapper's forward stays eager (it breaks the graph by design);
+        the module inside still compiles with DDP's bucketed graph splitting, as it runs inside DDP's forward."""
+        from torch.nn.parallel import DistributedDataParallel
+
+        inner = model.module if isinstance(model, DistributedDataParallel) else model
+        if self.cfg.scope == "model":
+            return [inner]
+        inner = unwrap(inner)
+        blocks = getattr(inner, "blocks", None)
+        if not isinstance(blocks, (nn.ModuleList, nn.Sequential)) or len(blocks) == 0:
+            raise ConfigError(
+                f"compile.scope: blocks compiles each module of `model.blocks`, but {type(inner).__name__} has "
+                "no `blocks` list of modules; use compile.scope=model (or give the model an nn.ModuleList `blocks`)"
+            )
+        return list(blocks)
+
+    def _compile(self, module: nn.Module) -> None:
+        """What `nn.Module.compile` does, plus one-line errors for graph breaks under fullgraph."""
+        c = self.cfg
+        compiled = torch.compile(module._call_impl, backend=self.backend, mode=c.mode, fullgraph=c.fullgraph,
+                                 dynamic=c.dynamic)
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return compiled(*args, **kwargs)
+            except Exception as exc:
+                error = _explain_failure(exc, c.backend, self._hint)
+                if error is None:
+                    raise
+                if self.env.is_main:
+                    self._write(self.report())
+                raise error from exc
+
+        module._compiled_call_impl = call  # nn.Module.__call__ runs this instead of its own _call_impl
+
+    def _run_check(self, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor],
+                   loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> dict[str, Any]:
+        """One batch through the compiled and the eager model, same weights: compare the loss and every gradient."""
+        inputs, targets = (x.to(self.env.device) for x in batch)
+        autocast = torch.autocast(self.env.device.type, dtype=torch.bfloat16, enabled=self.precision == "bf16")
+        params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+
+        def loss_and_grads() -> tuple[float, dict[str, torch.Tensor]]:
+            with torch.random.fork_rng(devices=[]), autocast:  # same random numbers both times; training's untouched
+                torch.manual_seed(0)
+                loss = loss_fn(model(inputs), targets)
+            loss.backward()
+            grads = {n: _local(p.grad).detach().float().clone() for n, p in params if p.grad is not None}
+            model.zero_grad(set_to_none=True)
+            return float(loss.detach()), grads
+
+        start = time.perf_counter()
+        compiled_loss, compiled_grads = loss_and_grads()
+        compiled_s = time.perf_counter() - start
+        with torch.compiler.set_stance("force_eager"):
+            eager_loss, eager_grads = loss_and_grads()
+        tolerance = TOLERANCE[self.precision]
+        loss_err = abs(compiled_loss - eager_loss) / max(abs(eager_loss), 1e-12)
+        worst_name, worst_err = None, 0.0
+        for name, ref in eager_grads.items():
+            got = compiled_grads.get(name)
+            err = math.inf if got is None else _relative_error(got, ref)
+            if err > worst_err or worst_name is None:
+                worst_name, worst_err = name, err
+        result = {
+            "passed": loss_err <= tolerance and worst_err <= tolerance,
+            "precision": self.precision,
+            "tolerance": tolerance,
+            "loss_eager": eager_loss,
+            "loss_compiled": compiled_loss,
+            "loss_rel_error": loss_err,
+            "grad_rel_error_max": worst_err,
+            "worst_grad": worst_name,
+            "grads_compared": len(eager_grads),
+            "compiled_pass_s": compiled_s,
+        }
+        if self.env.is_main:
+            log.info("compile.check: %s (loss rel. error %.1e, worst gradient %s rel. error %.1e; tolerance %.0e)",
+                     "passed" if result["passed"] else "FAILED", loss_err, worst_name, worst_err, tolerance)
+        if not result["passed"]:
+            self._check = result
+            if self.env.is_main:
+                self._write(self.report())
+            raise ConfigError(
+                f"compile.check: compiled and eager results differ beyond the {self.precision} tolerance "
+                f"{tolerance:.0e} (loss rel. error {loss_err:.1e}, gradient of {worst_name} rel. error "
+                f"{worst_err:.1e}); compile.backend={self.cfg.backend} computes this model differently: try "
+                "compile.backend=aot_eager to find the stage at fault, compile.mode=null, or compile=off"
+            )
+        return result
+
+    # --- reporting -------------------------------------------------------------------------------
+
+    def _poll(self) -> None:
+        """Copy dynamo's compilation records (a ring of the last 64) before they roll over."""
+        from torch._dynamo.utils import get_compilation_metrics
+
+        for m in get_compilation_metrics():
+            key = (m.compile_id or "", bool(m.is_forward))
+            if key in self._compiles:
+                continue
+            seconds = m.entire_frame_compile_time_s
+            if not m.is_forward and m.backward_cumulative_compile_time_us is not None:
+                seconds = m.backward_cumulative_compile_time_us / 1e6
+            self._compiles[key] = {
+                "function": _function(m.co_name),
+                "location": _location(m.co_filename, m.co_firstlineno) if m.co_filename else None,
+                "seconds": seconds or 0.0,
+                "recompile_reason": _first_line(m.recompile_reason.split(": ", 1)[-1]) if m.recompile_reason else None,
+                "failure": _first_line(m.fail_reason) if m.fail_reason else None,
+            }
+
+    def report(self) -> dict[str, Any]:
+        """Dynamo's view of this process so far: graphs, breaks, recompiles, the limit, compile time, cache."""
+        from torch._dynamo.utils import counters
+
+        self._poll()
+        breaks = _graph_breaks()
+        recompiles = [c for c in self._compiles.values() if c["recompile_reason"]]
+        reasons = Counter(f"{c['function']}: {c['recompile_reason']}" for c in recompiles)
+        limit_hit = any(_first_line(k).startswith("Dynamo recompile limit exceeded") for k in counters["unimplemented"])
+        hits = counters["inductor"]["fxgraph_cache_hit"] + counters["aot_autograd"]["autograd_cache_hit"]
+        misses = counters["inductor"]["fxgraph_cache_miss"] + counters["aot_autograd"]["autograd_cache_miss"]
+        first = self._step_times[0] if self._step_times else None
+        return {
+            "enabled": True,
+            "backend": self.cfg.backend,
+            "mode": self.cfg.mode,
+            "fullgraph": self.cfg.fullgraph,
+            "dynamic": self.cfg.dynamic,
+            "scope": self.cfg.scope,
+            "graphs": counters["stats"]["unique_graphs"],
+            "frames_compiled": sum(1 for k, c in self._compiles.items() if k[1] and not c["failure"]),
+            "eager_frames": _eager_frames(self._compiles.values()),
+            "graph_breaks": {"count": len(breaks), "breaks": breaks[:_MAX_LISTED]},
+            "recompiles": {
+                "count": len(recompiles),
+                "reasons": [{"reason": r, "count": n} for r, n in reasons.most_common(_MAX_LISTED)],
+            },
+            "recompile_limit_hit": limit_hit,
+            "recompile_limit": _recompile_limit(),
+            "compile_time_s": sum(c["seconds"] for c in self._compiles.values()),
+            "first_step_s": first,
+            "warmup_step_times_s": list(self._step_times),
+            "compile_steps_excluded": self._compile_steps,
+            "cache": {
+                "dir": self.cache_dir,
+                "state": ("warm" if hits and not misses else "cold" if misses and not hits
+                          else "partial" if hits else "unused"),
+                "hits": hits,
+                "misses": misses,
+            },
+            "check": self._check,
+        }
+
+    def _log_report(self) -> None:
+        self._logged = True
+        r = self.report()
+        if r["recompile_limit_hit"] and not self._warned_limit:
+            self._warned_limit = True
+            log.warning("compile: the recompile limit (torch._dynamo.config.recompile_limit=%s) was hit: the "
+                        "functions that hit it now run EAGER, uncompiled, for new shapes; fix: %s",
+                        r["recompile_limit"], _DYNAMIC_FIX)
+        if not self.env.is_main:
+            return
+        lines = [
+            f"compile report (backend {r['backend']}, mode {r['mode'] or 'default'}, scope {r['scope']}, "
+            f"dynamic {_yaml(r['dynamic'])}, fullgraph {_yaml(r['fullgraph'])}):",
+            f"  graphs {r['graphs']}, graph breaks {r['graph_breaks']['count']}, recompiles {r['recompiles']['count']}"
+            f", compile time {r['compile_time_s']:.1f} s, first step "
+            + (f"{r['first_step_s']:.2f} s" if r["first_step_s"] is not None else "n/a")
+            + f" (inductor cache {r['cache']['state']}: {r['cache']['dir']})",
+        ]
+        lines += [f"  break: {b['reason']} at {b['location']}" + (f": {b['code']}" if b["code"] else "")
+                  for b in r["graph_breaks"]["breaks"][:5]]
+        lines += [f"  recompile x{x['count']}: {x['reason']}" for x in r["recompiles"]["reasons"][:5]]
+        lines += [f"  not compiled (runs eager): {f['function']} at {f['location']}: {f['reason']}"
+                  for f in r["eager_frames"][:5]]
+        log.info("\n".join(lines))
+
+    def _write(self, report: dict[str, Any]) -> None:
+        path = self.run_dir / "compile_report.json"
+        tmp = path.with_suffix(f".json.tmp{os.getpid()}")
+        tmp.write_text(json.dumps(report, indent=2, default=str))
+        os.replace(tmp, path)
+
+
+def _configure_cache(cache_dir: str | None) -> str:
+    """Point inductor's persistent cache at `compile.cache_dir` before inductor is imported (null: torch's own)."""
+    if cache_dir:
+        path = Path(cache_dir).expanduser().resolve()
+        path.mkdir(parents=True, exist_ok=True)
+        os.environ[CACHE_ENV] = str(path)  # inherited by ranks started from here
+    return os.environ.get(CACHE_ENV) or "torch default (/tmp/torchinductor_<user>)"
+
+
+def _resolve_backend(name: str) -> str | Callable[..., Any]:
+    """A registered dynamo backend by name, or a backend function by dotted path (`pkg.module.fn`)."""
+    from torch._dynamo import list_backends
+
+    known = list_backends(exclude_tags=())
+    if name in known:
+        return name
+    module, _, attr = name.rpartition(".")
+    if module:
+        try:
+            backend = getattr(importlib.import_module(module), attr)
+        except (ImportError, AttributeError):
+            backend = None
+        if callable(backend):
+            return backend
+    raise ConfigError(f"compile.backend: unknown backend {name!r}; use one of {', '.join(sorted(known))} "
+                      "or a dotted path to a backend function (pkg.module.fn)")
+
+
+def _eager_frames(compiles: Any) -> list[dict[str, Any]]:
+    """Functions dynamo gave up on as a whole (no graph break recorded): they run uncompiled."""
+    seen: dict[tuple[str, str, str], dict[str, Any]] = {}
+    for c in compiles:
+        if c["failure"]:
+            seen.setdefault((c["function"], c["location"], c["failure"]),
+                            {"function": c["function"], "location": c["location"], "reason": c["failure"]})
+    return list(seen.values())[:_MAX_LISTED]
+
+
+def _explain_failure(exc: Exception, backend: str, hint: str | None = None) -> ConfigError | None:
+    """A one-line ConfigError for compile failures a user can act on; None for anything else."""
+    from torch._dynamo import exc as dynamo_exc
+
+    if isinstance(exc, getattr(dynamo_exc, "FailOnRecompileLimitHit", ())):
+        return ConfigError(f"compile.fullgraph: the recompile limit ({_recompile_limit()}) was hit, which fullgraph "
+                           f"forbids; {_DYNAMIC_FIX}")
+    if isinstance(exc, dynamo_exc.Unsupported):
+        label = _label(exc.gb_type or str(exc))
+        frame = _user_frame(getattr(exc, "real_stack", None) or [])
+        where = f" at {_location(frame.filename, frame.lineno)}" if frame else ""
+        code = f" (`{frame.line.strip()}`)" if frame and frame.line else ""
+        fix = hint or _hint(str(exc), label)
+        return ConfigError(f"compile.fullgraph: graph break{where}{code}: {label}; fix: {fix}, "
+                           "or set compile.fullgraph=false to let it break and see compile_report.json")
+    if isinstance(exc, dynamo_exc.BackendCompilerFailed):
+        return ConfigError(f"compile.backend: the {backend} backend failed to compile the model "
+                           f"({_first_line(str(exc.inner_exception))}); try compile.backend=aot_eager, or compile=off")
+    return None
+
+
+def _graph_breaks() -> list[dict[str, Any]]:
+    """Distinct graph-break sites from dynamo's records, each with a short label, a user location and a hint."""
+    from torch._dynamo.utils import graph_break_reasons
+
+    sites: dict[tuple[str, str], dict[str, Any]] = {}
+    for r in graph_break_reasons:
+        label = _label(r.reason)
+        frame = _user_frame(r.user_stack)
+        location = _location(frame.filename, frame.lineno) if frame else "unknown"
+        site = sites.setdefault((label, location), {
+            "reason": label, "location": location, "code": frame.line.strip() if frame and frame.line else "",
+            "hint": _hint(r.reason, label), "count": 0,
+        })
+        site["count"] += 1
+    return list(sites.values())
+
+
+def _label(reason: str) -> str:
+    line = _first_line(reason)
+    if line.startswith("generic_jump"):  # dynamo's internal name for a Python branch on a tensor's value
+        return "Data-dependent branching"
+    return line
+
+
+def _hint(reason: str, label: str) -> str:
+    if label == "Data-dependent branching":
+        return "make the branch tensor-valued (torch.where) or use torch.cond"
+    for line in reason.splitlines():
+        if line.strip().startswith("Hint:"):
+            return line.strip()[len("Hint:"):].strip().rstrip(".")
+    return "move the unsupported call out of the compiled module"
+
+
+def _user_frame(stack: list[Any]) -> Any:
+    """The innermost frame outside torch and the standard library: where the user can change something."""
+    def stdlib(filename: str) -> bool:
+        return filename.startswith(_STDLIB_DIR) and "-packages" not in filename
+
+    for frame in reversed(stack):
+        if not (frame.filename.startswith(_TORCH_DIR) or stdlib(frame.filename)):
+            return frame
+    for frame in reversed(stack):  # all inside torch: name torch's line, not contextlib's
+        if not stdlib(frame.filename):
+            return frame
+    return stack[-1] if stack else None
+
+
+def _location(filename: str, lineno: int | None) -> str:
+    path = Path(filename).resolve()
+    with contextlib.suppress(ValueError):
+        path = path.relative_to(Path.cwd())
+    return f"{path}:{lineno}"
+
+
+def _function(co_name: str | None) -> str:
+    """dynamo names the code after a graph break `torch_dynamo_resume_in_<fn>_at_<line>`: say it plainly."""
+    match = re.fullmatch(r"torch_dynamo_resume_in_(.+)_at_(\d+)", co_name or "")
+    return f"{match[1]} (resumed after line {match[2]})" if match else co_name or "?"
+
+
+def _first_line(text: str) -> str:
+    return text.strip().splitlines()[0].strip() if text.strip() else ""
+
+
+def _recompile_limit() -> int:
+    from torch._dynamo import config
+
+    return int(config.recompile_limit)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor (FSDP2 gradients), the tensor itself otherwise."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _relative_error(got: torch.Tensor, ref: torch.Tensor) -> float:
+    diff = torch.linalg.vector_norm(got - ref).item()
+    scale = torch.linalg.vector_norm(ref).item()
+    return diff / scale if scale > 0 else diff
+
+
+def _yaml(value: Any) -> str:
+    return "null" if value is None else str(value).lower()

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING, DictConfig
+from omegaconf import MISSING, DictConfig, OmegaConf
 
 from trainflow.errors import ConfigError
 
@@ -66,6 +66,7 @@ class LoaderConfig:
     pin_memory: bool = False
     persistent_workers: bool = False
     prefetch_factor: int | None = None
+    seq_lens: list[int] | None = None  # language models: micro-batch k is cut to seq_lens[k % n] tokens (shapes vary)
 
 
 @dataclass
@@ -99,35 +100,218 @@ class OptimConfig:
 @dataclass
 class CompileConfig:
     enabled: bool = False
-    backend: str = "inductor"
-    mode: str | None = None
-    fullgraph: bool = False
-    dynamic: bool | None = None
-    scope: str = "model"  # model | blocks
-    cache_dir: str | None = None
-    check: bool = False
+    backend: str = "inductor"  # a dynamo backend (inductor, aot_eager, eager, ...) or a dotted path to one
+    mode: str | None = None  # inductor only: null | default | max-autotune | reduce-overhead (CUDA graphs)
+    fullgraph: bool = False  # true: the first graph break is an error naming the line
+    dynamic: bool | None = None  # null: static, dynamic once a shape changes | true | false (a graph per shape)
+    scope: str = "model"  # model | blocks (each module of model.blocks, as FSDP wraps them)
+    cache_dir: str | None = "~/.cache/trainflow/inductor"  # persistent inductor cache; null: torch's default
+    check: bool = False  # before training: compiled vs eager loss and gradients on one batch, same weights
+
+
+COMPILE_MODES = ("default", "max-autotune", "max-autotune-no-cudagraphs", "reduce-overhead")
+
+
+def validate_compile(cfg: DictConfig) -> None:
+    """Compile values a type cannot check (the backend name is checked where dynamo is imported)."""
+    d = cfg.data
+    if d.get("seq_lens") is not None:
+        lens = list(d.seq_lens)
+        _require(len(lens) > 0, "data.seq_lens", "is empty: give lengths, e.g. data.seq_lens=[32,64,128], or null")
+        _require("vocab_size" in cfg.model, "data.seq_lens",
+                 "varies sequence lengths, which needs a language model (model=gpt_*); set it to null")
+        _require(all(0 < n <= d.seq_len for n in lens), "data.seq_lens",
+                 f"each length must be in [1, data.seq_len={d.seq_len}]; got {lens}")
+    c = cfg.compile
+    if not c.enabled:
+        return
+    _require(c.mode is None or c.mode in COMPILE_MODES, "compile.mode",
+             f"must be null or one of {', '.join(COMPILE_MODES)}; got {c.mode!r}")
+    _one_of(cfg, "compile.scope", ("model", "blocks"))
+    _require(bool(c.backend), "compile.backend", "is empty: use inductor, aot_eager or eager")
+    _require(c.mode is None or c.backend == "inductor", "compile.mode",
+             f"only the inductor backend takes a mode; got compile.backend={c.backend}: "
+             "set compile.mode=null or compile.backend=inductor")
+    if c.mode == "reduce-overhead" or c.backend == "cudagraphs":
+        import torch
+
+        key, value = ("compile.mode", c.mode) if c.mode == "reduce-overhead" else ("compile.backend", c.backend)
+        on_gpu = cfg.trainer.device == "cuda" or (cfg.trainer.device == "auto" and torch.cuda.is_available())
+        _require(on_gpu, key, f"{value} uses CUDA graphs, which need a GPU, and this run is on CPU: "
+                 "use compile=default (inductor without CUDA graphs)")
 
 
 @dataclass
 class ProfilerConfig:
     enabled: bool = False
+    skip_first: int | None = None  # steps before the first cycle; null: the run's warm-up + compile steps
+    wait: int = 5  # idle steps at the start of each cycle
+    warmup: int = 2  # traced but discarded steps (the profiler's own warm-up)
+    active: int = 3  # recorded steps per window
+    repeat: int = 1  # windows; 0: cycle until the run ends
+    ranks: Any = field(default_factory=lambda: [0])  # which ranks profile: a list, or "all"
+    record_shapes: bool = False
+    profile_memory: bool = False
+    with_stack: bool = False
+    with_flops: bool = False
+    gzip: bool = False  # traces as .pt.trace.json.gz
+    row_limit: int = 20  # rows of the ops table profile/ops_rank<r>.txt
+    memory_snapshot: bool = False  # CUDA allocator history + snapshot for pytorch.org/memory_viz
+    memory_history_entries: int = 100_000  # allocator events kept for the snapshot
+
+
+def profiler_skip_and_end(p: DictConfig, excluded_steps: int) -> tuple[int, int]:
+    """Steps skipped before the first cycle, and the step (counted from the run's start) the last window ends."""
+    skip = excluded_steps if p.skip_first is None else p.skip_first
+    return skip, skip + (p.wait + p.warmup + p.active) * max(p.repeat, 1)
+
+
+def validate_profiler(cfg: DictConfig) -> None:
+    """Window and option checks; `ranks` against the world size happens in the Profiler, where it is known."""
+    p = cfg.profiler
+    if not p.enabled:
+        return
+    _require(p.active > 0, "profiler.active", f"must be a positive number of recorded steps; got {p.active}")
+    for key in ("wait", "warmup", "repeat"):
+        _require(p[key] >= 0, f"profiler.{key}", f"must be >= 0; got {p[key]}")
+    if p.skip_first is not None:
+        _require(p.skip_first >= 0, "profiler.skip_first",
+                 f"must be >= 0, or null for the run's warm-up steps; got {p.skip_first}")
+    ranks = p.ranks
+    valid = ranks == "all" or (OmegaConf.is_list(ranks) and len(ranks) > 0
+                               and all(isinstance(r, int) and not isinstance(r, bool) for r in ranks))
+    _require(valid, "profiler.ranks", f"must be all or a non-empty list of ranks such as [0,1]; got {ranks!r}")
+    if ranks != "all":
+        _require(min(ranks) >= 0, "profiler.ranks", f"rank {min(ranks)} does not exist: ranks count from 0")
+    _require(p.row_limit > 0, "profiler.row_limit", f"must be > 0; got {p.row_limit}")
+    _require(p.memory_history_entries > 0, "profiler.memory_history_entries",
+             f"must be > 0; got {p.memory_history_entries}")
+    # A window past the end would profile nothing: refuse (compile steps are added at run time, in the Profiler).
+    skip, end = profiler_skip_and_end(p, cfg.trainer.warmup_steps)
+    _require(end <= cfg.trainer.max_steps, "trainer.max_steps",
+             f"is {cfg.trainer.max_steps} but the profiler window ends at step {end} (skip_first {skip} + "
+             f"{max(p.repeat, 1)} x (wait {p.wait} + warmup {p.warmup} + active {p.active})); raise "
+             f"trainer.max_steps to >= {end} or shorten the window (profiler.skip_first/wait/warmup/active)")
+
+
+@dataclass
+class DDPConfig:
+    bucket_cap_mb: float = 25.0  # gradients are all-reduced in buckets of this size, overlapping backward
+    find_unused_parameters: bool = False  # needed only when some parameters get no gradient in a step
+    static_graph: bool = False  # the same parameters are used every step: lets DDP skip per-step searches
+    gradient_as_bucket_view: bool = False  # gradients alias the buckets: saves one copy of the gradients
+
+
+@dataclass
+class FSDPConfig:
+    reshard_after_forward: bool = True  # free gathered parameters after forward (memory) or keep them (speed)
+    param_dtype: str | None = None  # null (as stored) | fp32 | bf16 | fp16: dtype of gathered params in compute
+    reduce_dtype: str | None = None  # null (as param_dtype) | fp32 | bf16 | fp16: dtype of the gradient reduction
+    wrap: str = "auto"  # auto (blocks if the model has `blocks`, else size) | blocks | size
+    min_params: int = 1_000_000  # size wrapping: shard each submodule holding at least this many parameters
+    cpu_offload: bool = False  # keep sharded parameters, gradients and optimizer state in CPU memory
 
 
 @dataclass
 class ParallelismConfig:
     strategy: str = "single"  # single | ddp | fsdp
-    nproc_per_node: Any = 1  # int or "auto"
-    backend: str = "auto"
+    nproc_per_node: Any = 1  # processes on this node: an int, or "auto" (the number of GPUs; 1 on CPU)
+    backend: str = "auto"  # auto (nccl on CUDA, gloo on CPU) | gloo | nccl
+    global_batch: int | None = None  # when set, trainer.batch_size = global_batch / (world size * grad_accum)
+    activation_checkpointing: str = "off"  # off | full (recompute each block's activations in backward)
+    max_restarts: int = 0  # self-launched runs: how often the elastic agent restarts failed workers
+    timeout_s: float = 300.0  # how long a collective may wait for the other ranks
+    check: bool = False  # parity check: train a single-process reference on rank 0 alongside and compare
+    check_steps: int = 3  # steps after which parameters are compared
+    check_tolerance: float = 1e-4  # largest relative difference (loss and parameters) that passes
+    ddp: DDPConfig = field(default_factory=DDPConfig)
+    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
+
+
+def validate_parallelism(cfg: DictConfig) -> None:
+    """Checks that need no process group; world-size-dependent ones happen where the world size is known."""
+    p = cfg.parallelism
+    _one_of(cfg, "parallelism.strategy", ("single", "ddp", "fsdp"))
+    _one_of(cfg, "parallelism.backend", ("auto", "gloo", "nccl"))
+    _one_of(cfg, "parallelism.activation_checkpointing", ("off", "full"))
+    n = p.nproc_per_node
+    _require(n == "auto" or (isinstance(n, int) and not isinstance(n, bool) and n >= 1), "parallelism.nproc_per_node",
+             f"must be a positive integer or auto; got {n!r}")
+    _require(p.strategy != "single" or n in (1, "auto"), "parallelism.nproc_per_node",
+             f"parallelism=single runs one process; got {n}: use parallelism=ddp or parallelism=fsdp for {n} processes")
+    if p.global_batch is not None:
+        _require(p.global_batch > 0, "parallelism.global_batch",
+                 f"must be a positive integer or null; got {p.global_batch}")
+    _require(p.max_restarts >= 0, "parallelism.max_restarts", f"must be >= 0; got {p.max_restarts}")
+    _require(p.timeout_s > 0, "parallelism.timeout_s", f"must be > 0; got {p.timeout_s}")
+    _require(p.check_steps > 0, "parallelism.check_steps", f"must be a positive integer; got {p.check_steps}")
+    _require(p.check_tolerance > 0, "parallelism.check_tolerance", f"must be > 0; got {p.check_tolerance}")
+    _require(not p.check or p.strategy != "single", "parallelism.check",
+             "compares ddp/fsdp with one process, so parallelism=single has nothing to compare; set it to false")
+    _require(p.ddp.bucket_cap_mb > 0, "parallelism.ddp.bucket_cap_mb", f"must be > 0; got {p.ddp.bucket_cap_mb}")
+    for key in ("param_dtype", "reduce_dtype"):
+        _require(p.fsdp[key] in (None, "fp32", "bf16", "fp16"), f"parallelism.fsdp.{key}",
+                 f"must be null, fp32, bf16 or fp16; got {p.fsdp[key]!r}")
+    _one_of(cfg, "parallelism.fsdp.wrap", ("auto", "blocks", "size"))
+    _require(p.fsdp.min_params > 0, "parallelism.fsdp.min_params", f"must be > 0; got {p.fsdp.min_params}")
 
 
 @dataclass
 class CheckpointConfig:
     enabled: bool = False
+    mode: str = "sync"  # sync (dcp.save) | async (dcp.async_save: the loop waits only for staging)
+    dir: str | None = None  # null: <run dir>/checkpoints; an earlier run's directory continues its checkpoints
+    every_steps: int = 100
+    keep_last: int = 3  # committed checkpoints kept; the newest and the one resumed from are never deleted
+    resume: str = "auto"  # auto (newest committed in dir) | never | a path (step_N, a checkpoint dir, a run dir)
+    save_final: bool = True  # save at the last step too
+    verify: bool = True  # reload the run's first save into fresh tensors and compare exactly
+    export: bool = False  # at the end, <run dir>/model.pt: model weights for torch.load(weights_only=True)
+
+
+def validate_checkpoint(cfg: DictConfig) -> None:
+    """Checkpoint values a type cannot check (paths are checked where they are used)."""
+    c = cfg.checkpoint
+    if not c.enabled:
+        return
+    _one_of(cfg, "checkpoint.mode", ("sync", "async"))
+    _require(c.every_steps > 0, "checkpoint.every_steps", f"must be a positive number of steps; got {c.every_steps}")
+    _require(c.keep_last >= 1, "checkpoint.keep_last",
+             f"must be >= 1 (the newest committed checkpoint is always kept); got {c.keep_last}")
+    _require(bool(c.resume), "checkpoint.resume", "is empty: use auto, never or a checkpoint path")
+    _require(c.save_final or not c.export, "checkpoint.export",
+             "exports the final weights, which needs checkpoint.save_final=true")
 
 
 @dataclass
 class LoggerConfig:
     tensorboard: bool = True
+
+
+LADDER_STAGES = ("baseline", "compile", "profile", "ddp", "fsdp", "checkpoint", "resume")
+
+
+@dataclass
+class LadderConfig:
+    """experiment=ladder: which rung a job is, and what its gates accept (trainflow.ladder evaluates them)."""
+
+    stage: str | None = None  # set by the ladder/ options; null: not a ladder job
+    nproc_per_node: Any = 2  # processes of the ddp and fsdp stages: N >= 2, or auto (one per GPU)
+    loss_rtol: float | None = None  # largest relative loss difference to the baseline at any step; null: by precision
+    resume_atol: float = 0.0  # largest |resumed - uninterrupted| loss at any step; 0: bit-identical
+
+
+def validate_ladder(cfg: DictConfig) -> None:
+    """Ladder knobs a type cannot check; they matter only in ladder jobs."""
+    lad = cfg.ladder
+    if lad.stage is None:
+        return
+    _one_of(cfg, "ladder.stage", LADDER_STAGES)
+    n = lad.nproc_per_node
+    _require(n == "auto" or (isinstance(n, int) and not isinstance(n, bool) and n >= 2), "ladder.nproc_per_node",
+             f"the scale stages need 2 or more processes (or auto: one per GPU); got {n!r}")
+    _require(lad.loss_rtol is None or lad.loss_rtol > 0, "ladder.loss_rtol", f"must be > 0 or null; got {lad.loss_rtol}")
+    _require(lad.resume_atol >= 0, "ladder.resume_atol", f"must be >= 0 (0: bit-identical); got {lad.resume_atol}")
 
 
 @dataclass
@@ -142,6 +326,7 @@ class TrainConfig:
     parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
+    ladder: LadderConfig = field(default_factory=LadderConfig)
 
 
 def register_configs() -> None:
@@ -214,3 +399,8 @@ def validate(cfg: DictConfig) -> None:
 
     if cfg.metrics.peak_flops is not None:
         _require(cfg.metrics.peak_flops > 0, "metrics.peak_flops", f"must be > 0; got {cfg.metrics.peak_flops}")
+    validate_parallelism(cfg)
+    validate_profiler(cfg)
+    validate_compile(cfg)
+    validate_checkpoint(cfg)
+    validate_ladder(cfg)

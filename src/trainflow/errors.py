@@ -11,3 +11,7 @@ class ConfigError(TrainflowError):
 
 class DataError(TrainflowError):
     """Missing, empty or too-short data."""
+
+
+class CheckpointError(TrainflowError):
+    """A checkpoint that cannot be written, read or used; the message names its path and the fix."""

@@ -1,31 +1,447 @@
-"""torch.profiler on a schedule, traces per rank, and a verdict on what bounds the step."""
+"""torch.profiler on a schedule, traces per rank, and a verdict on what bounds the step.
+
+The profiler records a few steps after the run's warm-up and compile steps
+(`profiler.skip_first`, by default the steps the throughput figures exclude
+too), writes each window as a Chrome/Perfetto trace and an operator table, and
+splits the recorded step time into shares: waiting for data, forward/backward
+compute, optimizer compute, exposed communication, per-op overhead and
+compilation. The largest share names the bottleneck and the action to take.
+
+How time is attributed, per recorded step (`ProfilerStep#N`), by precedence:
+- CPU runs: the training thread's timeline. Data wait is `trainflow/data`;
+  compilation is dynamo's `(dynamo_timed)` spans; compute is the self time of
+  operators that run at least `SMALL_OP_US` (below that an operator's cost is
+  its dispatch, not its arithmetic); communication is a gloo/NCCL collective in
+  flight while the training thread computes nothing (exposed, not overlapped);
+  the rest of `trainflow/forward_backward` and `trainflow/optimizer` is
+  overhead (dispatch, Python, autograd bookkeeping); anything else is other.
+- CUDA runs: the GPU's timeline. Compute is a kernel or copy running;
+  communication is an NCCL kernel running alone; data wait is the GPU idle
+  during `trainflow/data`; overhead is the GPU idle during forward/backward and
+  the optimizer (launch gaps, syncs).
+"""
 
 from __future__ import annotations
 
+import bisect
+import logging
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
 from omegaconf import DictConfig
 
+from trainflow.config import profiler_skip_and_end
 from trainflow.distributed import DistEnv
+from trainflow.errors import ConfigError
+
+log = logging.getLogger("trainflow")
+
+SMALL_OP_US = 20.0  # on CPU, an operator whose self time is shorter than this is dispatch overhead
+TOP_OPS_IN_SUMMARY = 5
+DATA, FWD_BWD, OPTIMIZER = "trainflow/data", "trainflow/forward_backward", "trainflow/optimizer"
+
+# The partition of step time, in the order it is printed.
+SHARES = ("data_wait", "forward_backward_compute", "optimizer_compute", "communication", "overhead", "compile",
+          "other")
+
+ACTIONS = {
+    "data-bound": "the step waits for its batch: raise data.num_workers (with data.persistent_workers=true and "
+                  "data.prefetch_factor to load ahead), set data.pin_memory=true on GPU, or make loading cheaper",
+    "cpu-overhead-bound": "the step is many small operations paying per-op dispatch cost: compile the model "
+                          "(compile.enabled=true), raise trainer.batch_size so each operation does more work, and "
+                          "on GPU capture CUDA graphs (compile.mode=reduce-overhead)",
+    "retracing": "compilation ran inside the profiled steps (recompiles on changing shapes): set "
+                 "compile.dynamic=true or bucket input shapes to a few fixed sizes",
+    "communication-bound": "collectives are exposed: give each all-reduce more compute to hide behind (a larger "
+                           "per-rank trainer.batch_size or trainer.grad_accum), tune parallelism.ddp.bucket_cap_mb, "
+                           "keep FSDP parameters gathered (parallelism.fsdp.reshard_after_forward=false), or use "
+                           "fewer ranks",
+    "compute-bound": "the step is arithmetic: use trainer.precision=bf16 on hardware with bf16 units, compile to "
+                     "fuse kernels, or add devices (parallelism=ddp or fsdp); MFU shows the headroom left",
+}
+VERDICT_GROUPS = {
+    "data-bound": ("data_wait",),
+    "communication-bound": ("communication",),
+    "cpu-overhead-bound": ("overhead", "compile"),
+    "compute-bound": ("forward_backward_compute", "optimizer_compute"),
+}
+
+Interval = tuple[float, float]
+
+
+def _merge(intervals: Iterable[Interval]) -> list[Interval]:
+    """Sorted, non-overlapping union of intervals."""
+    merged: list[list[float]] = []
+    for start, end in sorted(i for i in intervals if i[1] > i[0]):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return [(s, e) for s, e in merged]
+
+
+def _contains(merged: list[Interval], starts: list[float], t: float) -> bool:
+    i = bisect.bisect_right(starts, t) - 1
+    return i >= 0 and merged[i][0] <= t < merged[i][1]
+
+
+def attribute(steps: list[Interval], sets: dict[str, list[Interval]],
+              label: Callable[[frozenset[str]], str]) -> dict[str, float]:
+    """Split the time of `steps` into labels: each instant goes to `label(names of the sets covering it)`."""
+    merged = {name: _merge(ivs) for name, ivs in sets.items()}
+    starts = {name: [s for s, _ in ivs] for name, ivs in merged.items()}
+    totals: dict[str, float] = {}
+    for step_start, step_end in steps:
+        points = {step_start, step_end}
+        for ivs in merged.values():
+            for s, e in ivs:
+                if step_start < s < step_end:
+                    points.add(s)
+                if step_start < e < step_end:
+                    points.add(e)
+        ordered = sorted(points)
+        for a, b in zip(ordered, ordered[1:], strict=False):
+            mid = (a + b) / 2
+            inside = frozenset(n for n, ivs in merged.items() if _contains(ivs, starts[n], mid))
+            key = label(inside)
+            totals[key] = totals.get(key, 0.0) + (b - a)
+    return totals
+
+
+def _covered(steps: list[Interval], intervals: list[Interval]) -> float:
+    """How much of the steps' time the intervals cover (overlaps counted once)."""
+    return attribute(steps, {"x": intervals}, lambda inside: "in" if inside else "out").get("in", 0.0)
+
+
+def _is_collective(name: str) -> bool:
+    low = name.lower()
+    return low.startswith(("gloo:", "nccl:", "c10d::")) or "nccl" in low or "record_param_comms" in low
+
+
+def _cpu_label(inside: frozenset[str]) -> str:
+    if "data" in inside:
+        return "data_wait"
+    if "compile" in inside:
+        return "compile"
+    if "compute" in inside:
+        return ("forward_backward_compute" if "fwd_bwd" in inside
+                else "optimizer_compute" if "optimizer" in inside else "other")
+    if "comm" in inside:
+        return "communication"
+    return "overhead" if inside & {"fwd_bwd", "optimizer"} else "other"
+
+
+def _gpu_label(inside: frozenset[str]) -> str:
+    if "compute" in inside:
+        return "compute"
+    if "comm" in inside:
+        return "communication"
+    if "data" in inside:
+        return "data_wait"
+    if "compile" in inside:
+        return "compile"
+    return "overhead" if inside & {"fwd_bwd", "optimizer"} else "other"
+
+
+def _self_intervals(event: Any) -> list[Interval]:
+    """The parts of an event's span not covered by its children: where its own code ran."""
+    start, end = event.time_range.start, event.time_range.end
+    pieces, cursor = [], start
+    for child in sorted(event.cpu_children, key=lambda c: c.time_range.start):
+        if child.time_range.start > cursor:
+            pieces.append((cursor, child.time_range.start))
+        cursor = max(cursor, child.time_range.end)
+    if end > cursor:
+        pieces.append((cursor, end))
+    return pieces
+
+
+def analyze_window(events: list[Any], on_gpu: bool) -> dict[str, Any]:
+    """Seconds per share of step time in one recorded window (see the module docstring)."""
+    from torch.autograd import DeviceType
+
+    steps = [e for e in events if e.name.startswith("ProfilerStep")]
+    if not steps:
+        return {"steps": 0, "step_s": 0.0, "seconds": {}, "regions": {}}
+    main_thread = steps[0].thread
+    sets: dict[str, list[Interval]] = {"data": [], "fwd_bwd": [], "optimizer": [], "comm": [], "compute": [],
+                                       "compile": []}
+    regions = {"data": DATA, "fwd_bwd": FWD_BWD, "optimizer": OPTIMIZER}
+    optimizer_device_us = 0.0
+    for e in events:
+        span = (e.time_range.start, e.time_range.end)
+        if e.device_type != DeviceType.CPU:
+            if "nccl" in e.name.lower():
+                sets["comm"].append(span)
+            elif e.name.startswith("Memcpy HtoD"):
+                sets["data"].append(span)
+            else:
+                sets["compute"].append(span)
+            continue
+        for key, name in regions.items():
+            if e.name == name and e.thread == main_thread:
+                sets[key].append(span)
+                if key == "optimizer" and on_gpu:
+                    optimizer_device_us += e.device_time_total
+        if _is_collective(e.name):
+            if not on_gpu or e.name.lower().startswith("gloo:"):
+                sets["comm"].append(span)
+        elif e.name.endswith("(dynamo_timed)"):
+            sets["compile"].append(span)
+        elif (not on_gpu and e.thread == main_thread and not e.is_user_annotation and not e.is_async
+              and not e.name.startswith("ProfilerStep") and e.self_cpu_time_total >= SMALL_OP_US):
+            sets["compute"].extend(_self_intervals(e))
+    step_spans = [(e.time_range.start, e.time_range.end) for e in steps]
+    seconds = {k: v / 1e6 for k, v in attribute(step_spans, sets, _gpu_label if on_gpu else _cpu_label).items()}
+    if on_gpu:  # the GPU timeline cannot tell which kernels the optimizer launched: its own events can
+        compute = seconds.pop("compute", 0.0)
+        seconds["optimizer_compute"] = min(compute, optimizer_device_us / 1e6)
+        seconds["forward_backward_compute"] = compute - seconds["optimizer_compute"]
+    step_s = sum(b - a for a, b in step_spans) / 1e6
+    regions = {"data": "data", "forward_backward": "fwd_bwd", "optimizer": "optimizer",
+               "communication_in_flight": "comm"}
+    region_s = {name: _covered(step_spans, sets[key]) / 1e6 for name, key in regions.items()}
+    return {"steps": len(steps), "step_s": step_s, "seconds": seconds, "regions": region_s}
+
+
+def verdict(totals: dict[str, Any], device: str) -> dict[str, Any] | None:
+    """Name the bottleneck from accumulated window seconds; None when nothing was recorded."""
+    step_s = totals["step_s"]
+    if totals["steps"] == 0 or step_s <= 0:
+        return None
+    shares = {k: round(totals["seconds"].get(k, 0.0) / step_s, 4) for k in SHARES}
+    groups = {bound: sum(shares[k] for k in keys) for bound, keys in VERDICT_GROUPS.items()}
+    bound = max(groups, key=groups.__getitem__)
+    retracing = shares["compile"] > 0
+    cause = "retracing" if bound == "cpu-overhead-bound" and shares["compile"] > shares["overhead"] else None
+    action = ACTIONS[cause or bound]
+    if retracing and cause is None:
+        action += f"; also: {ACTIONS['retracing']}"
+    result: dict[str, Any] = {
+        "bound": bound,
+        "action": action,
+        "step_time_ms": round(step_s / totals["steps"] * 1e3, 3),
+        "profiled_steps": totals["steps"],
+        "shares": shares,
+        "groups": {k: round(v, 4) for k, v in groups.items()},
+        "regions": {k: round(v / step_s, 4) for k, v in totals["regions"].items()},
+        "timeline": "gpu" if device == "cuda" else "cpu",
+    }
+    if cause:
+        result["cause"] = cause
+    return result
+
+
+def format_verdict(v: dict[str, Any], rank: int, windows: list[list[int]]) -> str:
+    """The lines printed once at the end of a run."""
+    steps = ", ".join(f"{a}-{b}" for a, b in windows)
+    shares = " | ".join(f"{k.replace('_', ' ')} {v['shares'][k] * 100:.0f}%" for k in SHARES)
+    cause = f" ({v['cause']})" if "cause" in v else ""
+    return (f"profiler verdict (rank {rank}, steps {steps}, {v['step_time_ms']:.1f} ms/step): {v['bound']}{cause}\n"
+            f"  shares of step time: {shares}\n  action: {v['action']}")
+
+
+@dataclass
+class _RankResult:
+    """What one rank's profiler found; gathered to rank 0 for summary.json."""
+
+    rank: int
+    windows: list[list[int]] = field(default_factory=list)
+    traces: list[str] = field(default_factory=list)
+    ops_table: str | None = None
+    top_ops: list[dict[str, Any]] = field(default_factory=list)
+    verdict: dict[str, Any] | None = None
+    memory_snapshot: str | None = None
 
 
 class Profiler:
-    """Steps torch.profiler on its schedule when `profiler.enabled`; a no-op otherwise."""
+    """Steps torch.profiler on its schedule when `profiler.enabled`; a no-op otherwise.
 
-    def __init__(self, cfg: DictConfig, env: DistEnv, run_dir: Path, max_steps: int) -> None:
+    `skip_first` is the number of steps this run excludes from its figures (warm-up + compile), used when
+    `profiler.skip_first` is null; `start_step` is the step the run resumed at (file names use global steps).
+    """
+
+    def __init__(self, cfg: DictConfig, env: DistEnv, run_dir: Path, max_steps: int, skip_first: int = 0,
+                 start_step: int = 0) -> None:
         self.cfg = cfg
         self.env = env
         self.run_dir = run_dir
+        self.start_step = start_step
+        self._prof: Any = None
+        self._steps = 0  # steps of this run so far
+        self._windows_done = 0
+        self._totals: dict[str, Any] = {"steps": 0, "step_s": 0.0, "seconds": {}, "regions": {}}
+        self._ops: dict[str, list[float]] = {}  # name -> [calls, self time us]
+        self._memory_history = False
+        self.result = _RankResult(env.rank)
+        self.on = bool(cfg.enabled) and self._selected(cfg.ranks, env)
+        if not cfg.enabled:
+            return
+        self.skip, end = profiler_skip_and_end(cfg, skip_first)
+        if end > max_steps - start_step:
+            message = (f"trainer.max_steps: the profiler window ends at step {start_step + end} (skip_first "
+                       f"{self.skip} + {max(cfg.repeat, 1)} x (wait {cfg.wait} + warmup {cfg.warmup} + active "
+                       f"{cfg.active})) but the run stops at step {max_steps}")
+            if start_step == 0:
+                raise ConfigError(f"{message}; raise trainer.max_steps to >= {end} or shorten the window "
+                                  "(profiler.skip_first, profiler.wait, profiler.warmup, profiler.active)")
+            if env.is_main:
+                log.warning("%s after resuming at step %d: the window may not complete", message, start_step)
+        self.device = env.device.type
+        self.dir = run_dir / "profile"
+
+    @staticmethod
+    def _selected(ranks: Any, env: DistEnv) -> bool:
+        if ranks == "all":
+            return True
+        missing = [r for r in ranks if r >= env.world_size]
+        if missing:
+            raise ConfigError(f"profiler.ranks: rank {missing[0]} does not exist in a world of {env.world_size} "
+                              f"rank(s) (0..{env.world_size - 1}); use ranks within it or profiler.ranks=all")
+        return env.rank in ranks
 
     def __enter__(self) -> Profiler:
+        if not self.on:
+            return self
+        from torch.profiler import ProfilerActivity, profile, schedule
+
+        c = self.cfg
+        self.dir.mkdir(parents=True, exist_ok=True)
+        if c.memory_snapshot:
+            if self.device == "cuda":
+                torch.cuda.memory._record_memory_history(max_entries=c.memory_history_entries)
+                self._memory_history = True
+            elif self.env.is_main:
+                log.warning("profiler.memory_snapshot: the allocator history needs CUDA and this run is on %s; "
+                            "continuing without a memory snapshot (traces, profile_memory and the verdict still "
+                            "work)", self.device)
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device == "cuda" else [])
+        by_run_step = schedule(skip_first=self.skip, wait=c.wait, warmup=c.warmup, active=c.active, repeat=c.repeat)
+        first = self.start_step + 1  # torch numbers steps from its step_num: make ProfilerStep#N our step N
+        self._prof = profile(
+            activities=activities,
+            schedule=lambda n: by_run_step(max(n - first, 0)),
+            on_trace_ready=self._on_window,
+            record_shapes=c.record_shapes,
+            profile_memory=c.profile_memory,
+            with_stack=c.with_stack,
+            with_flops=c.with_flops,
+        )
+        self._prof.step_num = first
+        self._prof.__enter__()
         return self
 
     def __exit__(self, *exc: object) -> None:
-        return None
+        if self._prof is None:
+            return
+        prof, self._prof = self._prof, None
+        prof.__exit__(*exc)  # a window cut short by the end of the run is saved here
+        if self._memory_history:
+            self._dump_memory_snapshot()
+        if self._windows_done == 0 and self.env.is_main:
+            log.warning("profiler: the run ended after %d steps, before the first profiling window closed; "
+                        "no trace or verdict was recorded", self._steps)
 
     def step(self) -> None:
         """Called once at the end of every training step."""
+        if self._prof is not None:
+            self._steps += 1
+            self._prof.step()
+
+    def _on_window(self, prof: Any) -> None:
+        """After each window: the trace, the ops table, and this window's share of the verdict."""
+        events = list(prof.events())
+        window = analyze_window(events, self.device == "cuda")
+        n = window["steps"]
+        last = self.start_step + self._steps
+        first = last - n + 1
+        self._windows_done += 1
+        self.result.windows.append([first, last])
+
+        name = f"rank{self.env.rank}.{first}.pt.trace.json" + (".gz" if self.cfg.gzip else "")
+        prof.export_chrome_trace(str(self.dir / name))
+        self.result.traces.append(f"profile/{name}")
+
+        sort_by = "self_device_time_total" if self.device == "cuda" else "self_cpu_time_total"
+        averages = prof.key_averages()
+        table = averages.table(sort_by=sort_by, row_limit=self.cfg.row_limit)
+        ops_path = self.dir / f"ops_rank{self.env.rank}.txt"
+        with ops_path.open("w" if self._windows_done == 1 else "a") as f:
+            f.write(f"rank {self.env.rank}, steps {first}-{last}, sorted by {sort_by}\n{table}\n")
+        self.result.ops_table = f"profile/ops_rank{self.env.rank}.txt"
+        for avg in averages:
+            if avg.is_user_annotation or avg.key.startswith("ProfilerStep"):
+                continue
+            calls_time = self._ops.setdefault(avg.key, [0, 0.0])
+            calls_time[0] += avg.count
+            calls_time[1] += getattr(avg, sort_by)
+
+        t = self._totals
+        t["steps"] += n
+        t["step_s"] += window["step_s"]
+        for key, seconds in window["seconds"].items():
+            t["seconds"][key] = t["seconds"].get(key, 0.0) + seconds
+        for key, seconds in window["regions"].items():
+            t["regions"][key] = t["regions"].get(key, 0.0) + seconds
+        if self._memory_history:
+            self._dump_memory_snapshot()
+
+    def _dump_memory_snapshot(self) -> None:
+        """The allocator history up to the end of the first window, for pytorch.org/memory_viz."""
+        path = self.dir / f"memory_rank{self.env.rank}.pickle"
+        torch.cuda.memory._dump_snapshot(str(path))
+        torch.cuda.memory._record_memory_history(enabled=None)
+        self._memory_history = False
+        self.result.memory_snapshot = f"profile/{path.name}"
+
+    def _finish(self) -> _RankResult | None:
+        if not self.on:
+            return None
+        r = self.result
+        r.verdict = verdict(self._totals, self.device)
+        total = sum(t for _, t in self._ops.values()) or 1.0
+        top = sorted(self._ops.items(), key=lambda kv: kv[1][1], reverse=True)[:TOP_OPS_IN_SUMMARY]
+        per_step = max(self._totals["steps"], 1)
+        r.top_ops = [{"name": name, "calls_per_step": round(calls / per_step, 2),
+                      "self_ms_per_step": round(us / per_step / 1e3, 3), "share_of_self_time": round(us / total, 4)}
+                     for name, (calls, us) in top]
+        return r
 
     def summary(self) -> dict[str, Any] | None:
-        return None
+        """Every rank's findings, gathered on rank 0 (a collective: all ranks call it); prints the verdict once."""
+        if not self.cfg.enabled:
+            return None
+        mine = self._finish()
+        results: list[_RankResult | None] = [mine]
+        if self.env.distributed:
+            import torch.distributed as dist
+
+            results = [None] * self.env.world_size
+            dist.all_gather_object(results, mine)
+        profiled = [r for r in results if r is not None]
+        if not self.env.is_main:
+            return None
+        c = self.cfg
+        with_verdict = [r for r in profiled if r.verdict]
+        head = with_verdict[0] if with_verdict else None
+        out: dict[str, Any] = {
+            "schedule": {"skip_first": self.skip, "wait": c.wait, "warmup": c.warmup, "active": c.active,
+                         "repeat": c.repeat},
+            "ranks": [r.rank for r in profiled],
+            "windows": {str(r.rank): r.windows for r in profiled},
+            "traces": [t for r in profiled for t in r.traces],
+            "ops_tables": [r.ops_table for r in profiled if r.ops_table],
+            "memory_snapshots": [r.memory_snapshot for r in profiled if r.memory_snapshot],
+            "top_ops": head.top_ops if head else [],
+            "verdict": {"rank": head.rank, **head.verdict} if head else None,
+        }
+        if len(with_verdict) > 1:
+            out["per_rank"] = {str(r.rank): {"bound": r.verdict["bound"], "shares": r.verdict["shares"]}
+                               for r in with_verdict}
+        if head:
+            others = "".join(f"\n  rank {r.rank}: {r.verdict['bound']}" for r in with_verdict[1:])
+            log.info("%s%s", format_verdict(head.verdict, head.rank, head.windows), others)
+        return out

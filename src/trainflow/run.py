@@ -63,11 +63,10 @@ def run(cfg: DictConfig, run_dir: str | Path | None = None) -> dict[str, Any] | 
 
         run_dir = HydraConfig.get().runtime.output_dir
     run_dir = Path(run_dir)
-    env = distributed.setup(cfg.parallelism, cfg.trainer.device)
-    try:
+    if distributed.should_launch(cfg):  # ddp/fsdp typed without torchrun: start the local workers ourselves
+        return distributed.launch(cfg, run_dir)
+    with distributed.process_group(cfg) as env:
         return _train(cfg, run_dir, env)
-    finally:
-        distributed.teardown(env)
 
 
 def _train(cfg: DictConfig, run_dir: Path, env: DistEnv) -> dict[str, Any] | None:
@@ -85,9 +84,10 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv) -> dict[str, Any] | Non
     flops_per_step = count_train_flops(model, example, loss_fn)
     if flops_per_step is not None:
         flops_per_step *= t.grad_accum
+    parity = distributed.ParityCheck(cfg, env, model, data.train, loss_fn)  # copies the model before wrapping
     model = distributed.parallelize(model, cfg.parallelism, env)
-    compiler = Compiler(cfg.compile, env, run_dir)
-    model = compiler.apply(model)
+    compiler = Compiler(cfg, env, run_dir)
+    model = compiler.apply(model, example, loss_fn)  # compile.check compares eager and compiled on `example`
     optimizer, scheduler = build_optimizer(model, cfg.optim, t.max_steps, env.device)
 
     seed_everything(t.seed + 1_000_003 * env.rank)  # per-rank randomness (dropout) from here on
@@ -103,9 +103,9 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv) -> dict[str, Any] | Non
     peak = peak_flops(env.device, t.precision, cfg.metrics.peak_flops)
     autocast = torch.autocast(env.device.type, dtype=torch.bfloat16, enabled=t.precision == "bf16")
     writer = MetricsWriter(run_dir, env.is_main, cfg.logger.tensorboard)
-    profiler = Profiler(cfg.profiler, env, run_dir, t.max_steps)
     progress = _progress_bar(t, env, state.step)
-    throughput = Throughput(t.warmup_steps + compiler.excluded_steps())
+    throughput = Throughput(max(t.warmup_steps + compiler.excluded_steps(), parity.steps))
+    profiler = Profiler(cfg.profiler, env, run_dir, t.max_steps, throughput.excluded_steps, state.step)
     if env.is_main:
         log.info("model %s: %.2fM parameters; world size %d; global batch %d; %s",
                  type(distributed.unwrap(model)).__name__, n_params / 1e6, env.world_size, global_batch,
@@ -134,12 +134,15 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv) -> dict[str, Any] | Non
                         loss = loss_fn(model(inputs), targets)
                     (loss / t.grad_accum).backward()
                 interval["loss"] += loss.detach() / t.grad_accum
+            log_due = (state.step + 1) % t.log_every == 0 or state.step + 1 >= t.max_steps
             with record_function("trainflow/optimizer"):
-                grad_norm = nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip or math.inf)
+                if t.grad_clip or log_due:  # the norm is a pass over all gradients: only when it is used
+                    grad_norm = nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip or math.inf)
                 optimizer.step()
                 scheduler.step()
                 optimizer.zero_grad(set_to_none=True)
             state.step += 1
+            parity.after_step(state.step, model, loss)
             state.samples_seen += global_batch
             steps_this_run += 1
             interval["steps"] += 1
@@ -158,7 +161,7 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv) -> dict[str, Any] | Non
                 first_loss = loss.item()
 
             done = state.step >= t.max_steps
-            if state.step % t.log_every == 0 or done:
+            if log_due:
                 sync(env.device)
                 now = time.perf_counter()
                 values = _interval_values(interval, now - last_log, optimizer, grad_norm, env, global_batch,
@@ -178,7 +181,11 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv) -> dict[str, Any] | Non
                 paused = time.perf_counter() - eval_start  # evaluation is not training time
                 throughput.pause(paused)
                 last_log += paused
-            if checkpointer.after_step(state):
+            stop = checkpointer.after_step(state)
+            paused = checkpointer.take_blocked_s()  # saving is not training time either
+            throughput.pause(paused)
+            last_log += paused
+            if stop:
                 break
     end = time.perf_counter()
     checkpointer.close(state)
@@ -201,8 +208,9 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv) -> dict[str, Any] | Non
         "parameters": n_params,
         "world_size": env.world_size,
         "global_batch": global_batch,
+        "parallelism": distributed.summary(cfg, env, steady, parity),
         "device": str(env.device),
-        "compile": compiler.summary(),
+        "compile": compiler.summary(steady),
         "profiler": profiler.summary(),
         "checkpoint": checkpointer.summary(),
         "config": OmegaConf.to_container(cfg, resolve=True),

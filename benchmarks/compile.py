@@ -1,0 +1,147 @@
+"""Does trainflow keep torch.compile's gain? And what does the persistent compile cache save?
+
+Steady state: four variants train the same model on batches of the same shape with the same threads,
+alternating in one process (the order rotates every round): trainflow eager (`compile=off`), trainflow
+compiled (`compile=default`), and a hand-written loop, eager and `torch.compile`d. Each variant's steady step
+time excludes its warm-up and compile steps. The gain is eager / compiled step time; trainflow's gain over the
+hand-written gain (median of the rounds) is what trainflow keeps of torch.compile's own gain (goal >= 0.98).
+
+Cold vs warm: `python train.py compile=default` twice as separate processes on a fresh cache directory: the
+first compiles from scratch (cold), the second finds inductor's and AOTAutograd's artifacts (warm).
+
+    flock /tmp/trainflow-bench.lock .venv/bin/python benchmarks/compile.py [--rounds 3] [--steps 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from hydra import compose, initialize_config_dir
+from hydra.utils import instantiate
+
+import trainflow  # noqa: F401  (registers the schemas)
+from trainflow.run import loss_fn, run
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL = ["model=gpt_tiny", "data=text", "trainer.batch_size=16", "optim=adamw"]
+COMMON = ["logger=none", "trainer.eval_every=0", "trainer.eval_steps=1", "trainer.progress=log"]
+WARMUP = 3  # steps left out before timing, in both loops (plus trainflow's own compile steps)
+
+
+def trainflow_step_time(overrides: list[str], steps: int, cache_dir: str) -> float:
+    """trainflow's steady-state step time, as its summary reports it."""
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose("train", overrides=[*MODEL, *COMMON, *overrides, f"compile.cache_dir={cache_dir}",
+                                          f"trainer.warmup_steps={WARMUP}", f"trainer.max_steps={steps + WARMUP + 1}",
+                                          f"trainer.log_every={steps + WARMUP + 1}"])
+    with tempfile.TemporaryDirectory() as tmp:
+        summary = run(cfg, Path(tmp))
+    compile_report = summary["compile"]
+    assert not compile_report.get("recompile_limit_hit"), compile_report  # would time eager code as compiled
+    return summary["steady_state"]["step_time_s"]
+
+
+def handwritten_step_time(compiled: bool, steps: int) -> float:
+    """The plain loop: the same model, loss, clipping and AdamW; `torch.compile(model)` when compiled."""
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose("train", overrides=[*MODEL, *COMMON])
+    torch.manual_seed(cfg.trainer.seed)
+    model = instantiate(cfg.model)
+    if compiled:
+        model = torch.compile(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, betas=tuple(cfg.optim.betas),
+                                  weight_decay=cfg.optim.weight_decay)
+    b, t = cfg.trainer.batch_size, cfg.data.seq_len
+    tokens = torch.randint(cfg.model.vocab_size, (steps + WARMUP + 1, b, t + 1))
+    for step in range(steps + WARMUP + 1):
+        if step == WARMUP + 1:  # the first step compiles; WARMUP more settle
+            start = time.perf_counter()
+        loss = loss_fn(model(tokens[step, :, :-1]), tokens[step, :, 1:])
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.trainer.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return (time.perf_counter() - start) / steps
+
+
+def fresh_dynamo() -> None:
+    """Each variant compiles for itself, as a new process would (inductor's disk cache stays warm)."""
+    import torch._dynamo
+    from torch._dynamo.utils import clear_compilation_metrics, counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    clear_compilation_metrics()
+
+
+def steady_state(rounds: int, steps: int, cache_dir: str) -> dict[str, object]:
+    variants = {
+        "trainflow_eager": lambda: trainflow_step_time(["compile=off"], steps, cache_dir),
+        "trainflow_compiled": lambda: trainflow_step_time(["compile=default"], steps, cache_dir),
+        "hand_eager": lambda: handwritten_step_time(False, steps),
+        "hand_compiled": lambda: handwritten_step_time(True, steps),
+    }
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    names = list(variants)
+    for r in range(rounds):
+        for name in names[r % 4:] + names[:r % 4]:
+            fresh_dynamo()
+            times[name].append(variants[name]())
+            print(f"round {r + 1}: {name} {times[name][-1] * 1e3:.1f} ms/step", file=sys.stderr, flush=True)
+    tf_gain = [e / c for e, c in zip(times["trainflow_eager"], times["trainflow_compiled"], strict=True)]
+    hand_gain = [e / c for e, c in zip(times["hand_eager"], times["hand_compiled"], strict=True)]
+    return {
+        "step_time_ms": {k: [round(v * 1e3, 1) for v in vs] for k, vs in times.items()},
+        "gain_trainflow": statistics.median(tf_gain),
+        "gain_handwritten": statistics.median(hand_gain),
+        "kept_of_torch_compile_gain": statistics.median([a / b for a, b in zip(tf_gain, hand_gain, strict=True)]),
+    }
+
+
+def cold_vs_warm(cache_dir: str) -> dict[str, object]:
+    """First-step and compile time of two `python train.py compile=default` processes on one fresh cache."""
+    result = {}
+    for name in ("cold", "warm"):
+        with tempfile.TemporaryDirectory() as tmp:
+            cmd = [sys.executable, str(ROOT / "train.py"), *MODEL, *COMMON, "compile=default",
+                   f"compile.cache_dir={cache_dir}", "trainer.max_steps=3", "trainer.warmup_steps=0",
+                   f"hydra.run.dir={tmp}"]
+            proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+            if proc.returncode:
+                raise SystemExit(proc.stderr)
+            c = json.loads((Path(tmp) / "summary.json").read_text())["compile"]
+        result[name] = {"cache": c["cache"]["state"], "first_step_s": round(c["first_step_s"], 2),
+                        "compile_time_s": round(c["compile_time_s"], 2)}
+        print(f"{name}: {result[name]}", file=sys.stderr, flush=True)
+    result["first_step_speedup"] = round(result["cold"]["first_step_s"] / result["warm"]["first_step_s"], 1)
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=20, help="timed steps per variant and round")
+    parser.add_argument("--skip-cold", action="store_true", help="only the steady-state comparison")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    results: dict[str, object] = {"torch": torch.__version__, "threads": torch.get_num_threads(), "model": MODEL}
+    with tempfile.TemporaryDirectory() as cache:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache  # the hand-written loop's inductor uses it too
+        if not args.skip_cold:
+            results["cold_vs_warm"] = cold_vs_warm(cache)
+        results["steady_state"] = steady_state(args.rounds, args.steps, cache)
+    print(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,95 @@
+"""What data parallelism buys on this machine: DDP-2 and FSDP-2 against one process, same global batch.
+
+Each variant is a real `python train.py` run (the parallel ones start their 2 workers themselves) on the same
+model, data and global batch (one process: 2 x the per-rank batch). Rounds interleave the variants (A B C,
+A B C, ...) so that drift on a shared machine hits them alike; the table gives each variant's median
+steady-state throughput (warm-up excluded), in total and per rank, and its ratio to one process. One extra
+short run per parallel variant under `profiler=schedule` gives the communication share of a step.
+
+On a CPU, one process already uses every core through intra-op threads; two ranks split the cores (one thread
+each, as torchrun does) and add gradient communication, so the honest expectation there is a ratio below 1.
+Data parallelism pays when each rank brings its own device.
+
+    flock /tmp/trainflow-bench.lock .venv/bin/python benchmarks/scale.py [--rounds 3] [--steps 30]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+COMMON = ["logger=none", "trainer.eval_every=0", "trainer.eval_steps=1", "trainer.progress=log", "compile=off"]
+VARIANTS = {  # name -> (overrides, ranks)
+    "single": (["parallelism=single"], 1),
+    "ddp-2": (["parallelism=ddp", "parallelism.nproc_per_node=2"], 2),
+    "fsdp-2": (["parallelism=fsdp", "parallelism.nproc_per_node=2"], 2),
+}
+
+
+def train(run_dir: Path, overrides: list[str]) -> dict:
+    """One `python train.py` run; its summary.json."""
+    proc = subprocess.run([sys.executable, str(ROOT / "train.py"), *overrides, f"hydra.run.dir={run_dir}"],
+                          cwd=ROOT, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"run failed ({' '.join(overrides)}):\n{proc.stderr[-3000:]}")
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--batch", type=int, default=16, help="per-rank batch of the 2-rank variants")
+    parser.add_argument("--model", default="gpt_tiny")
+    parser.add_argument("--json", type=Path, help="also write the figures here")
+    args = parser.parse_args()
+
+    base = [f"model={args.model}", "data=text", f"trainer.max_steps={args.steps}",
+            f"trainer.warmup_steps={args.warmup}", f"trainer.log_every={args.steps}", *COMMON]
+    samples: dict[str, list[float]] = {name: [] for name in VARIANTS}
+    comm: dict[str, float | None] = {}
+    with tempfile.TemporaryDirectory(prefix="trainflow-scale-") as tmp:
+        for r in range(args.rounds):
+            for name, (overrides, ranks) in VARIANTS.items():
+                batch = args.batch * 2 // ranks  # the same global batch for every variant
+                summary = train(Path(tmp) / f"{name}-{r}", [*base, *overrides, f"trainer.batch_size={batch}"])
+                samples[name].append(summary["steady_state"]["samples_per_sec"])
+                print(f"round {r + 1}/{args.rounds} {name}: {samples[name][-1]:.1f} samples/s", flush=True)
+        for name, (overrides, ranks) in VARIANTS.items():
+            if ranks == 1:
+                continue
+            profiled = [*base, *overrides, f"trainer.batch_size={args.batch}", "profiler=schedule",
+                        "trainer.max_steps=12", "trainer.warmup_steps=1", "profiler.wait=1"]
+            verdict = (train(Path(tmp) / f"{name}-profiled", profiled).get("profiler") or {}).get("verdict") or {}
+            comm[name] = verdict.get("shares", {}).get("communication")
+
+    single = statistics.median(samples["single"])
+    rows = []
+    for name, (_, ranks) in VARIANTS.items():
+        total = statistics.median(samples[name])
+        rows.append({"variant": name, "ranks": ranks, "global_batch": args.batch * 2,
+                     "samples_per_sec_total": total, "samples_per_sec_per_rank": total / ranks,
+                     "vs_single": total / single, "communication_share": comm.get(name),
+                     "rounds": samples[name]})
+    print(f"\n{args.model}, global batch {args.batch * 2}, {args.steps} steps ({args.warmup} warm-up), "
+          f"median of {args.rounds} rounds\n")
+    print("| variant | ranks | samples/s total | samples/s per rank | vs single | communication share |")
+    print("|---|---|---|---|---|---|")
+    for row in rows:
+        share = row["communication_share"]
+        print(f"| {row['variant']} | {row['ranks']} | {row['samples_per_sec_total']:.1f} | "
+              f"{row['samples_per_sec_per_rank']:.1f} | {row['vs_single']:.2f}x | "
+              f"{'-' if share is None else f'{share:.0%}'} |")
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,9 @@
+"""trainflow's Hydra launchers: `hydra/launcher=torchrun` (elastic agent per job) and `hydra/launcher=slurm` (submitit).
+
+Hydra finds the launcher classes by scanning the `hydra_plugins` namespace
+package; importing this package registers their configs in the ConfigStore.
+"""
+
+from hydra_plugins.trainflow_launchers.config import register_configs
+
+register_configs()

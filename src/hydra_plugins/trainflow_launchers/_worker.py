@@ -1,0 +1,49 @@
+"""One rank of a torchrun-launched sweep job: `python -m hydra_plugins.trainflow_launchers._worker JOB.pkl`.
+
+The launcher pickled the job (composed config, task function, Hydra's global
+state); every rank unpickles it and runs the job as Hydra would. Local rank 0
+leaves its JobReturn next to the pickle for the launcher of its node (the one
+of global rank 0 holds the job's return value). A failed job exits non-zero
+so that the elastic agent sees it (and restarts the group if it may).
+(The leading underscore keeps Hydra's plugin scan from importing this module.)
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import cloudpickle
+from hydra.core.singleton import Singleton
+from hydra.core.utils import JobStatus, setup_globals
+
+from hydra_plugins.trainflow_launchers.common import JobFailed, run_job_here
+
+RESULT_NAME = "result.pkl"
+
+
+def main(spec_path: str) -> None:
+    spec = Path(spec_path)
+    hydra_context, task_function, job, singleton_state = cloudpickle.loads(spec.read_bytes())
+    setup_globals()
+    Singleton.set_state(singleton_state)
+    ret = run_job_here(hydra_context, task_function, job)
+    if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+        try:
+            data = cloudpickle.dumps(ret)
+        except Exception:  # an exception that does not pickle still comes back as its message
+            error = ret._return_value
+            ret.return_value = JobFailed(f"{type(error).__name__}: {error}")
+            data = cloudpickle.dumps(ret)
+        tmp = spec.with_name(f"{RESULT_NAME}.tmp{os.getpid()}")
+        tmp.write_bytes(data)
+        os.replace(tmp, spec.with_name(RESULT_NAME))
+    if ret.status == JobStatus.FAILED:
+        raise ret._return_value
+
+
+if __name__ == "__main__":
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    record(main)(sys.argv[1])

@@ -1,0 +1,65 @@
+"""Typed configs of trainflow's launchers, registered as `hydra/launcher=torchrun` and `hydra/launcher=slurm`.
+
+Hydra imports this module while it scans `hydra_plugins` for plugins, so it
+must stay light: no torch, no submitit here.
+"""
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+
+PACKAGE = "hydra_plugins.trainflow_launchers"
+
+
+@dataclass
+class TorchrunLauncherConf:
+    """Each job of a sweep runs under torch's elastic agent (the torchrun CLI), one job after the other."""
+
+    _target_: str = f"{PACKAGE}.torchrun_launcher.TorchrunLauncher"
+    nproc_per_node: str = "1"  # workers per node: N, or auto | cpu | gpu as torchrun takes it
+    nnodes: str = "1"  # N, or MIN:MAX for an elastic job
+    rdzv_backend: str = "c10d"
+    # host:port where the nodes meet (the first node hosts it); null on one node: a free local port
+    rdzv_endpoint: str | None = None
+    rdzv_id: str = "trainflow"  # the same on every node; job k of the sweep meets under "<rdzv_id>-<k>"
+    rdzv_wait_s: float = 120.0  # how long a node waits for an endpoint on another host to answer
+    max_restarts: int = 0  # restarts of a job's whole worker group after a worker fails
+    monitor_interval: float = 0.5  # seconds between the agent's checks of its workers
+    shutdown_timeout_s: int = 30  # SIGTERM -> SIGKILL grace the agent gives its workers
+    # forwarded by the agent to its workers (USR1/USR2: preemption notices of a scheduler)
+    signals_to_handle: str = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1,SIGUSR2"
+    log_dir: str = "torchrun"  # inside each job's directory: the agent's log and every rank's stdout/stderr
+
+
+@dataclass
+class SlurmLauncherConf:
+    """A sweep becomes one submitit job array; each array element is one job with nodes x tasks_per_node ranks."""
+
+    _target_: str = f"{PACKAGE}.slurm_launcher.SlurmLauncher"
+    submitit_folder: str = "${hydra.sweep.dir}/.submitit/%j"
+    name: str = "${hydra.job.name}"
+    nodes: int = 1
+    gpus_per_node: int = 0
+    tasks_per_node: int | None = None  # ranks per node; null: one per GPU (1 without GPUs)
+    cpus_per_task: int | None = None
+    mem_gb: int | None = None
+    timeout_min: int = 60  # more than 10, or submitit takes every preemption notice for a timeout
+    partition: str | None = None
+    account: str | None = None
+    qos: str | None = None
+    constraint: str | None = None
+    signal_delay_s: int = 120  # USR2 this long before the time limit: time to save a checkpoint
+    max_num_timeout: int = 3  # requeues after a time limit (preemptions do not count)
+    array_parallelism: int = 256  # array elements running at once
+    additional_parameters: dict[str, Any] = field(default_factory=dict)  # more #SBATCH lines: {key: value}
+    setup: list[str] = field(default_factory=list)  # shell lines run before srun (module load, source ...)
+    srun_args: list[str] = field(default_factory=list)
+    poll_interval_s: float = 2.0  # how often the launcher checks its jobs' states and pending reasons
+    dry_run: bool = False  # write the sbatch script to the sweep dir and print its path; submit nothing
+
+
+def register_configs() -> None:
+    cs = ConfigStore.instance()
+    cs.store(group="hydra/launcher", name="torchrun", node=TorchrunLauncherConf, provider="trainflow")
+    cs.store(group="hydra/launcher", name="slurm", node=SlurmLauncherConf, provider="trainflow")

@@ -1,0 +1,337 @@
+"""`hydra/launcher=slurm`: a sweep becomes one SLURM job array through submitit; each element is one job.
+
+Process model: one SLURM task per rank (per GPU on a GPU cluster), not one
+elastic agent per node. SLURM then starts, signals and kills every rank itself:
+its preemption notice (USR2, `--signal=USR2@signal_delay_s`) reaches every
+rank directly, where torchrun would not forward it and would SIGKILL 30 s
+after a SIGTERM; and submitit's checkpoint/requeue machinery, which lives in
+the task processes, sees the real ranks. Each task exports RANK, WORLD_SIZE,
+LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR (the job's first node) and
+MASTER_PORT (derived from the job id) from SLURM's variables, so a multi-node
+job rendezvouses on its first node. What an elastic agent would add, restarts
+inside an allocation, is left to requeueing.
+
+Preemption and time limits: on USR2 trainflow's checkpoint stage saves at the
+next step boundary on every rank and the job exits with EXIT_STOPPED; rank 0
+then hands the signal to submitit, which calls `checkpoint()` (a requeue of
+the same job) and requeues it. The requeued job runs in the same directory and
+resumes from that checkpoint. A SIGTERM stop (scancel) is not requeued.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import io
+import json
+import logging
+import os
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from hydra.core.singleton import Singleton
+from hydra.core.utils import JobReturn, JobStatus, configure_log, setup_globals
+from hydra.plugins.launcher import Launcher
+from hydra.types import HydraContext, TaskFunction
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+from hydra_plugins.trainflow_launchers.common import (
+    JobFailed,
+    SweepJob,
+    compose_jobs,
+    failure_reason,
+    run_job_here,
+    user_error,
+)
+from hydra_plugins.trainflow_launchers.config import SlurmLauncherConf
+
+log = logging.getLogger(__name__)
+
+# Pending reasons after which SLURM never starts the job, whatever else runs: the key to change and why.
+_NEVER_REASONS = {
+    "PartitionNodeLimit": ("nodes", "more nodes than the partition allows"),
+    "PartitionTimeLimit": ("timeout_min", "a longer time limit than the partition allows"),
+    "PartitionConfig": ("nodes", "more nodes, CPUs, memory or GPUs than the partition's nodes have"),
+    "BadConstraints": ("constraint", "a feature no node of the partition has"),
+    "InvalidAccount": ("account", "an account SLURM does not know"),
+    "InvalidQOS": ("qos", "a QOS SLURM does not know or this account may not use"),
+    "DependencyNeverSatisfied": ("additional_parameters", "a dependency that can never be satisfied"),
+}
+_PER_JOB_LIMIT = re.compile(r"(?:QOS|Assoc)Max\w*PerJob\w*")  # a per-job limit of the QOS or account: never either
+
+# sbatch's refusals: (pattern in its message, the key to change, what to do).
+_SBATCH_ERRORS = (
+    (r"invalid partition", "partition", "pick one of the cluster's partitions (sinfo -s)"),
+    (r"Invalid feature", "constraint", "use a feature the nodes have (sinfo -o '%P %f')"),
+    (r"Invalid qos", "qos", "use a QOS of your account (sacctmgr show assoc user=$USER)"),
+    (r"Invalid account", "account", "use one of your accounts (sacctmgr show assoc user=$USER)"),
+    (r"gres|node configuration is not available|Memory specification|Node count specification|"
+     r"More processors requested|CPU count per node", "nodes",
+     "no node of the partition has what each job asks for; lower nodes, tasks_per_node, cpus_per_task, "
+     "gpus_per_node or mem_gb"),
+    (r"time limit", "timeout_min", "ask for less time than the partition's limit"),
+)
+
+
+class SlurmLauncher(Launcher):
+    def __init__(self, **params: Any) -> None:
+        self.conf = SlurmLauncherConf(**params)
+        self.config: DictConfig | None = None
+        self.hydra_context: HydraContext | None = None
+        self.task_function: TaskFunction | None = None
+
+    def setup(self, *, hydra_context: HydraContext, task_function: TaskFunction, config: DictConfig) -> None:
+        self.config = config
+        self.hydra_context = hydra_context
+        self.task_function = task_function
+        validate(self.conf)
+
+    def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
+        assert self.config is not None and self.hydra_context is not None and self.task_function is not None
+        setup_globals()
+        configure_log(self.config.hydra.hydra_logging, self.config.hydra.verbose)
+        sweep_dir = Path(str(self.config.hydra.sweep.dir))
+        sweep_dir.mkdir(parents=True, exist_ok=True)
+        jobs = compose_jobs(self.hydra_context, self.config, job_overrides, initial_job_idx)
+        params = sbatch_parameters(self.conf)
+        if self.conf.dry_run:
+            path = sweep_dir / "dry_run.sbatch"
+            path.write_text(render_sbatch(self.conf, params, len(jobs)))
+            log.info("dry run: the sbatch script for %d jobs is %s; nothing was submitted", len(jobs), path)
+            return []
+        preflight(self.conf)
+        if not OmegaConf.select(jobs[0].config, "checkpoint.enabled", default=True):
+            log.warning("checkpoint=off: a preempted or timed-out job starts again from step 0; "
+                        "use checkpoint=dcp to resume where it stopped")
+        runner = SlurmJobRunner(self.hydra_context, self.task_function, Singleton.get_state())
+        submitted = submit(self.conf, params, runner, jobs)
+        log.info("Submitted %d jobs to SLURM as array %s (logs: %s)", len(jobs),
+                 submitted[0].job_id.split("_")[0], submitted[0].paths.folder.parent)
+        for job, sj in zip(jobs, submitted, strict=True):
+            log.info("\t%s -> %s in %s", job.describe(), sj.job_id, job.dir)
+        wait(self.conf, params, submitted)
+        results = [collect(job, sj) for job, sj in zip(jobs, submitted, strict=True)]
+        for job, sj, ret in zip(jobs, submitted, results, strict=True):
+            log.info("\t#%d (%s) %s%s", job.num, sj.job_id, ret.status.name,
+                     f": {ret._return_value}" if ret.status == JobStatus.FAILED else "")
+        return results
+
+
+class SlurmJobRunner:
+    """What every SLURM task (one rank) runs: its sweep job, then, after a preemption notice, the requeue."""
+
+    def __init__(self, hydra_context: HydraContext, task_function: TaskFunction, singleton_state: Any) -> None:
+        self.hydra_context = hydra_context
+        self.task_function = task_function
+        self.singleton_state = singleton_state
+
+    def __call__(self, job: SweepJob) -> JobReturn:
+        import submitit
+        from submitit.helpers import TorchDistributedEnvironment
+
+        env = submitit.JobEnvironment()
+        # RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR=<first node>, MASTER_PORT from SLURM's variables. Every task
+        # keeps all the node's GPUs visible: trainflow picks cuda:LOCAL_RANK.
+        TorchDistributedEnvironment().export(set_cuda_visible_devices=False, overwrite=True)
+        # Like torchrun: one thread per rank unless SLURM gave the task more CPUs (else ranks fight for cores).
+        os.environ.setdefault("OMP_NUM_THREADS", os.environ.get("SLURM_CPUS_PER_TASK", "1"))
+        setup_globals()
+        Singleton.set_state(self.singleton_state)
+        # Hydra marks the config it runs read-only: run a copy, so that checkpoint() requeues the job as submitted.
+        run = SweepJob(job.num, job.overrides, copy.deepcopy(job.config), job.dir)
+        with open_dict(run.config):
+            run.config.hydra.job.id = env.job_id
+        try:
+            return run_job_here(self.hydra_context, self.task_function, run)
+        except SystemExit as exc:
+            from trainflow.checkpoint import EXIT_STOPPED  # (torch is loaded by now)
+
+            if exc.code == EXIT_STOPPED and env.global_rank == 0 and _stop_signal(job.dir) == "SIGUSR2":
+                # Saved and stopped on the preemption notice: submitit's own USR2 handler (back in place now)
+                # calls checkpoint(), requeues this job and exits.
+                handler = signal.getsignal(signal.SIGUSR2)
+                if callable(handler):
+                    handler(signal.SIGUSR2, None)
+            raise
+
+    def checkpoint(self, job: SweepJob) -> Any:
+        """submitit calls this on a preemption notice or time limit: run the same job again (it resumes)."""
+        from submitit.helpers import DelayedSubmission
+
+        return DelayedSubmission(self, job)
+
+
+def _stop_signal(job_dir: Path) -> str | None:
+    """The signal trainflow's checkpoint stage stopped on, as rank 0 just wrote it into summary.json."""
+    try:
+        summary = json.loads((job_dir / "summary.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return (summary.get("checkpoint") or {}).get("stopped_by")
+
+
+def validate(c: SlurmLauncherConf) -> None:
+    """Values SLURM would refuse or misread, named by their key."""
+    checks = (
+        ("nodes", c.nodes, 1), ("gpus_per_node", c.gpus_per_node, 0), ("tasks_per_node", c.tasks_per_node, 1),
+        ("cpus_per_task", c.cpus_per_task, 1), ("mem_gb", c.mem_gb, 1), ("timeout_min", c.timeout_min, 1),
+        ("signal_delay_s", c.signal_delay_s, 0), ("max_num_timeout", c.max_num_timeout, 0),
+        ("array_parallelism", c.array_parallelism, 1),
+    )
+    for key, value, least in checks:
+        if value is not None and value < least:
+            user_error(f"hydra.launcher.{key}: must be >= {least}; got {value}")
+    if c.signal_delay_s >= c.timeout_min * 60:
+        user_error(f"hydra.launcher.signal_delay_s: the preemption notice ({c.signal_delay_s} s before the end) "
+                   f"must come after the start: use less than timeout_min x 60 = {c.timeout_min * 60}")
+    if c.poll_interval_s <= 0:
+        user_error(f"hydra.launcher.poll_interval_s: must be > 0 seconds; got {c.poll_interval_s}")
+    if c.timeout_min <= 10:
+        log.warning("hydra.launcher.timeout_min=%d: with 10 minutes or less, submitit counts every preemption "
+                    "notice as a time limit (max_num_timeout=%d requeues in all)", c.timeout_min, c.max_num_timeout)
+
+
+def sbatch_parameters(c: SlurmLauncherConf) -> dict[str, Any]:
+    """submitit's SlurmExecutor parameters (sbatch's own names) for the launcher config."""
+    params: dict[str, Any] = {
+        "job_name": c.name,
+        "nodes": c.nodes,
+        "ntasks_per_node": c.tasks_per_node or max(c.gpus_per_node, 1),
+        "time": c.timeout_min,
+        "signal_delay_s": c.signal_delay_s,
+        "array_parallelism": c.array_parallelism,
+        # requeue-able even where the cluster's JobRequeue default says no
+        "additional_parameters": {"requeue": True, **OmegaConf.to_container(OmegaConf.create(c.additional_parameters))},
+    }
+    if c.gpus_per_node:
+        params["gpus_per_node"] = c.gpus_per_node
+    optional = {"cpus_per_task": c.cpus_per_task, "mem": f"{c.mem_gb}GB" if c.mem_gb else None,
+                "partition": c.partition, "account": c.account, "qos": c.qos, "constraint": c.constraint,
+                "setup": list(c.setup) or None, "srun_args": list(c.srun_args) or None}
+    params.update({k: v for k, v in optional.items() if v is not None})
+    return params
+
+
+def _python_command(folder: str) -> str:
+    """The command submitit puts in the script: this interpreter running submitit's job entry point."""
+    return " ".join([shlex.quote(sys.executable), "-u -m submitit.core._submit", shlex.quote(folder)])
+
+
+def render_sbatch(c: SlurmLauncherConf, params: dict[str, Any], num_jobs: int) -> str:
+    """The script `submit` hands to sbatch for `num_jobs` jobs, rendered by submitit's own template."""
+    from submitit.slurm.slurm import _make_sbatch_string
+
+    map_count = num_jobs if num_jobs > 1 else None
+    return _make_sbatch_string(command=_python_command(c.submitit_folder), folder=c.submitit_folder,
+                               map_count=map_count, **params)
+
+
+def preflight(c: SlurmLauncherConf) -> None:
+    """Cheap checks with a precise message, before anything is submitted."""
+    if shutil.which("sbatch") is None:
+        user_error("hydra/launcher=slurm: sbatch is not on PATH; run the sweep where SLURM's commands are "
+                   "(a login node), or start a local cluster with `sudo bash launch/slurm/up.sh`")
+    if c.partition is not None:
+        out = _slurm_command(["sinfo", "-h", "-o", "%R"])
+        known = sorted(set(out.split())) if out is not None else None
+        if known is not None and c.partition not in known:
+            user_error(f"hydra.launcher.partition: SLURM has no partition {c.partition!r}; "
+                       f"pick one of: {', '.join(known) or '(none)'}")
+
+
+def _slurm_command(cmd: list[str]) -> str | None:
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=30, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def submit(c: SlurmLauncherConf, params: dict[str, Any], runner: SlurmJobRunner, jobs: list[SweepJob]) -> list:
+    """Submit the jobs as one array; sbatch's refusal becomes one line naming the key to change."""
+    import submitit
+
+    executor = submitit.SlurmExecutor(folder=c.submitit_folder, max_num_timeout=c.max_num_timeout)
+    executor.update_parameters(**params)
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):  # submitit echoes sbatch's stderr; we say it once
+            return executor.map_array(runner, jobs)
+    except Exception as exc:  # submitit's FailedJobError carries sbatch's stderr
+        message = "; ".join(line.removeprefix("sbatch: error: ") for line in str(exc).splitlines() if line.strip())
+        too_big = oversized_request(c, params)
+        if too_big is not None:
+            user_error(f"hydra.launcher.{too_big[0]}: {too_big[1]}, so sbatch refused the jobs ({message})")
+        for pattern, key, fix in _SBATCH_ERRORS:
+            if re.search(pattern, message, re.IGNORECASE):
+                user_error(f"hydra.launcher.{key}: sbatch refused the jobs ({message}); {fix}")
+        user_error(f"hydra/launcher=slurm: sbatch refused the jobs: {message}")
+
+
+def oversized_request(c: SlurmLauncherConf, params: dict[str, Any]) -> tuple[str, str] | None:
+    """(key, why) when no node of the partition can hold one job's request, from what sinfo says of the nodes."""
+    out = _slurm_command(["sinfo", "-h", "-N", "-o", "%P|%c|%m|%G"]) or ""
+    rows = [line.split("|") for line in out.splitlines() if line.count("|") == 3]
+    wanted = c.partition or next((p.rstrip("*") for p, *_ in rows if p.endswith("*")), None)
+    nodes = [(int(cpus), int(mem), _gpus(gres)) for p, cpus, mem, gres in rows
+             if p.rstrip("*") == wanted and cpus.isdigit() and mem.isdigit()]
+    if not nodes:
+        return None
+    tasks, cpus_per_task = params["ntasks_per_node"], c.cpus_per_task or 1
+    fits = {
+        "nodes": (c.nodes <= len(nodes), f"{c.nodes} nodes asked for, partition {wanted} has {len(nodes)}"),
+        "gpus_per_node": (c.gpus_per_node <= max(n[2] for n in nodes),
+                          f"{c.gpus_per_node} GPUs per node asked for, the nodes of partition {wanted} have at most "
+                          f"{max(n[2] for n in nodes)}"),
+        "tasks_per_node": (tasks * cpus_per_task <= max(n[0] for n in nodes),
+                           f"{tasks} tasks x {cpus_per_task} CPUs = {tasks * cpus_per_task} CPUs per node asked for, "
+                           f"the nodes of partition {wanted} have at most {max(n[0] for n in nodes)}"),
+        "mem_gb": ((c.mem_gb or 0) * 1024 <= max(n[1] for n in nodes),
+                   f"{c.mem_gb} GB per node asked for, the nodes of partition {wanted} have at most "
+                   f"{max(n[1] for n in nodes) // 1024} GB"),
+    }
+    return next(((key, why) for key, (ok, why) in fits.items() if not ok), None)
+
+
+def _gpus(gres: str) -> int:
+    """GPUs in sinfo's GRES column, e.g. "gpu:8", "gpu:h100:4(S:0-1)", "(null)"."""
+    return sum(int(m.group(1)) for m in re.finditer(r"gpu(?::[\w.-]+)?:(\d+)", gres))
+
+
+def wait(c: SlurmLauncherConf, params: dict[str, Any], submitted: list) -> None:
+    """Wait for every job; stop at once, naming the key, when SLURM leaves a job pending forever."""
+    array_id = submitted[0].job_id.split("_")[0]
+    while not all(sj.done() for sj in submitted):
+        out = _slurm_command(["squeue", "-h", "-j", array_id, "-o", "%i|%T|%r"]) or ""
+        for line in out.splitlines():
+            job_id, state, reason = (line.split("|") + ["", ""])[:3]
+            never = _NEVER_REASONS.get(reason)
+            if never is None and _PER_JOB_LIMIT.fullmatch(reason):
+                never = ("timeout_min", "more than a per-job limit of the QOS or account allows")
+            if state != "PENDING" or never is None:
+                continue
+            _slurm_command(["scancel", array_id])
+            key, why = oversized_request(c, params) or never
+            user_error(f"hydra.launcher.{key}: {why}, so SLURM would keep job {job_id} pending forever "
+                       f"(reason {reason}); cancelled it: change hydra.launcher.{key} or the partition")
+        time.sleep(c.poll_interval_s)
+
+
+def collect(job: SweepJob, sj: Any) -> JobReturn:
+    """Rank 0's JobReturn, or a failed one whose message says why, from the job's own stderr."""
+    try:
+        return sj.task(0).result()
+    except Exception as exc:  # the job died without a result: read why from its log
+        rank0 = sj.task(0)
+        reason = failure_reason(rank0.stderr(), str(exc)) or "no error message; see the logs"
+        failed = JobReturn(overrides=job.overrides, working_dir=str(job.dir), status=JobStatus.FAILED)
+        state = sj.get_info(mode="force").get("State", "UNKNOWN")
+        failed.return_value = JobFailed(f"job #{job.num} failed on SLURM (job {sj.job_id}, state {state}): {reason} "
+                                        f"[log: {rank0.paths.stderr}]")
+        return failed

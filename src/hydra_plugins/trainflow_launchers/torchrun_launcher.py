@@ -1,0 +1,224 @@
+"""`hydra/launcher=torchrun`: every job of a sweep runs under torch's elastic agent, one job after the other.
+
+Each job is one `python -m torch.distributed.run ...` subprocess (the torchrun
+CLI), not `elastic_launch()` inside this process: the agent then owns its own
+signal handlers and its process tree, a job that crashes or hangs cannot take
+the sweep down with it, this process never imports torch, and the command in
+the log is the one a user can rerun by hand. All ranks of a job run the job
+in the job's directory; rank 0 hands the JobReturn back through a pickle.
+
+Multi-node: run the same sweep command on every node, with the same
+`nnodes`, `rdzv_endpoint` (a host:port on the first node), `rdzv_id` and
+`hydra.sweep.dir` (a shared file system path); job k of every node meets
+under "<rdzv_id>-<k>".
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import cloudpickle
+from hydra.core.singleton import Singleton
+from hydra.core.utils import JobReturn, JobStatus, configure_log, setup_globals
+from hydra.plugins.launcher import Launcher
+from hydra.types import HydraContext, TaskFunction
+from omegaconf import DictConfig
+
+from hydra_plugins.trainflow_launchers._worker import RESULT_NAME
+from hydra_plugins.trainflow_launchers.common import (
+    JobFailed,
+    SweepJob,
+    compose_jobs,
+    failure_reason,
+    one_line,
+    read_text,
+    user_error,
+)
+from hydra_plugins.trainflow_launchers.config import TorchrunLauncherConf
+from trainflow.rundir import RUN_DIR_ENV
+
+log = logging.getLogger(__name__)
+
+_NPROC_WORDS = ("auto", "cpu", "gpu", "xpu")
+_RDZV_BACKENDS = ("c10d", "etcd", "etcd-v2")
+
+
+class TorchrunLauncher(Launcher):
+    def __init__(self, **params: Any) -> None:
+        self.conf = TorchrunLauncherConf(**params)
+        self.config: DictConfig | None = None
+        self.hydra_context: HydraContext | None = None
+        self.task_function: TaskFunction | None = None
+
+    def setup(self, *, hydra_context: HydraContext, task_function: TaskFunction, config: DictConfig) -> None:
+        self.config = config
+        self.hydra_context = hydra_context
+        self.task_function = task_function
+        validate(self.conf)
+
+    def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
+        assert self.config is not None and self.hydra_context is not None
+        setup_globals()
+        configure_log(self.config.hydra.hydra_logging, self.config.hydra.verbose)
+        Path(str(self.config.hydra.sweep.dir)).mkdir(parents=True, exist_ok=True)
+        jobs = compose_jobs(self.hydra_context, self.config, job_overrides, initial_job_idx)
+        c = self.conf
+        log.info("Launching %d jobs with torchrun, each %s x %s processes (nnodes x nproc_per_node)",
+                 len(jobs), c.nnodes, c.nproc_per_node)
+        state = Singleton.get_state()
+        results = []
+        for job in jobs:
+            log.info("\t%s", job.describe())
+            ret = self._run(job, state)
+            log.info("\t#%d %s in %s%s", job.num, ret.status.name, job.dir,
+                     f": {ret._return_value}" if ret.status == JobStatus.FAILED else "")
+            results.append(ret)
+        return results
+
+    def command(self, job: SweepJob, spec: Path) -> list[str]:
+        """The torchrun command line of one job."""
+        c = self.conf
+        endpoint = c.rdzv_endpoint or "localhost:0"  # one node: the agent takes a free local port
+        return [
+            sys.executable, "-m", "torch.distributed.run",
+            f"--nnodes={c.nnodes}", f"--nproc-per-node={c.nproc_per_node}",
+            f"--rdzv-backend={c.rdzv_backend}", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={c.rdzv_id}-{job.num}",
+            f"--max-restarts={c.max_restarts}", f"--monitor-interval={c.monitor_interval}",
+            f"--shutdown-timeout={c.shutdown_timeout_s}", f"--signals-to-handle={c.signals_to_handle}",
+            f"--log-dir={spec.parent / 'ranks'}", "--tee=3",
+            "-m", "hydra_plugins.trainflow_launchers._worker", str(spec),
+        ]
+
+    def _run(self, job: SweepJob, state: Any) -> JobReturn:
+        assert self.hydra_context is not None and self.task_function is not None
+        if self.conf.rdzv_endpoint:
+            wait_for_endpoint(self.conf.rdzv_endpoint, self.conf.rdzv_wait_s)
+        job_log_dir = job.dir / self.conf.log_dir
+        if _max_nodes(self.conf.nnodes) > 1:  # every node's launcher keeps its own files in the shared job dir
+            job_log_dir = job_log_dir / f"{socket.gethostname()}-{os.getpid()}"
+        job_log_dir.mkdir(parents=True, exist_ok=True)
+        spec = job_log_dir / "job.pkl"
+        result = job_log_dir / RESULT_NAME
+        result.unlink(missing_ok=True)
+        spec.write_bytes(cloudpickle.dumps((self.hydra_context, self.task_function, job, state)))
+        cmd = self.command(job, spec)
+        agent_log = job_log_dir / "agent.log"
+        with agent_log.open("w") as out:
+            out.write(" ".join(cmd) + "\n")
+            out.flush()
+            env = {**os.environ, RUN_DIR_ENV: str(job.dir)}  # the job's directory, for every rank
+            proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                    bufsize=1, preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+            assert proc.stdout is not None
+            for line in proc.stdout:  # the agent's and the ranks' output: to the console and to agent.log
+                sys.stdout.write(line)
+                out.write(line)
+            rc = proc.wait()
+        ret = _load(result) if result.exists() else None
+        if rc == 0 and ret is not None:
+            return ret
+        restarts = len(re.findall(r"will restart worker group", read_text(agent_log)))
+        error = ret._return_value if ret is not None and ret.status == JobStatus.FAILED else None
+        reason = one_line(error) if error is not None else failure_reason(read_text(agent_log)) or "see the logs"
+        failed = ret or JobReturn(overrides=job.overrides, working_dir=str(job.dir))
+        failed.status = JobStatus.FAILED
+        failed.return_value = JobFailed(
+            f"job #{job.num} failed under torchrun (exit code {rc}, {restarts} restart(s)): {reason} "
+            f"[logs: {job_log_dir}]")
+        return failed
+
+
+def _die_with_parent() -> None:
+    """In the agent, before it starts: SIGTERM it when the launcher dies, however it dies, so that no orphaned
+    ranks keep running (the agent then stops its workers gracefully)."""
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def _load(path: Path) -> JobReturn | None:
+    try:
+        return cloudpickle.loads(path.read_bytes())
+    except Exception:  # a torn or foreign file: the job counts as failed, with its logs
+        return None
+
+
+def validate(c: TorchrunLauncherConf) -> None:
+    """Reject settings torchrun would fail on later, or (a missing endpoint) hang on."""
+    nproc = str(c.nproc_per_node)
+    if not (nproc in _NPROC_WORDS or (nproc.isdigit() and int(nproc) >= 1)):
+        user_error(f"hydra.launcher.nproc_per_node: must be a positive integer or one of "
+                   f"{', '.join(_NPROC_WORDS)}; got {nproc!r}")
+    match = re.fullmatch(r"(\d+)(?::(\d+))?", str(c.nnodes))
+    low, high = (int(match.group(1)), _max_nodes(c.nnodes)) if match else (0, 0)
+    if not match or low < 1 or high < low:
+        user_error(f"hydra.launcher.nnodes: must be N >= 1 or MIN:MAX with 1 <= MIN <= MAX; got {c.nnodes!r}")
+    if c.rdzv_backend not in _RDZV_BACKENDS:
+        user_error(f"hydra.launcher.rdzv_backend: must be one of {', '.join(_RDZV_BACKENDS)}; got {c.rdzv_backend!r}")
+    if c.rdzv_endpoint is None and high > 1:
+        user_error("hydra.launcher.rdzv_endpoint: needed when nnodes > 1; set it to host:port on the first node, "
+                   "the same on every node")
+    if c.rdzv_endpoint is not None and not re.fullmatch(r"[^\s:]+:\d+|\[[0-9a-fA-F:]+\]:\d+", c.rdzv_endpoint):
+        user_error(f"hydra.launcher.rdzv_endpoint: must be host:port, e.g. node001:29400; got {c.rdzv_endpoint!r}")
+    for key, value, least in (("max_restarts", c.max_restarts, 0), ("shutdown_timeout_s", c.shutdown_timeout_s, 0),
+                              ("rdzv_wait_s", c.rdzv_wait_s, 0)):
+        if value < least:
+            user_error(f"hydra.launcher.{key}: must be >= {least}; got {value}")
+    if c.monitor_interval <= 0:
+        user_error(f"hydra.launcher.monitor_interval: must be > 0 seconds; got {c.monitor_interval}")
+    if not c.log_dir or Path(c.log_dir).is_absolute() or ".." in Path(c.log_dir).parts:
+        user_error(f"hydra.launcher.log_dir: must be a relative path inside the job directory; got {c.log_dir!r}")
+
+
+def _max_nodes(nnodes: str) -> int:
+    return int(str(nnodes).rpartition(":")[2])
+
+
+def _is_this_machine(host: str) -> bool:
+    """Whether torchrun on this machine will host the rendezvous store for `host`."""
+    names = {"localhost", socket.gethostname(), socket.getfqdn()}
+    if host in names:
+        return True
+    try:
+        wanted = {info[4][0] for info in socket.getaddrinfo(host, None)}
+        mine = {info[4][0] for name in names for info in socket.getaddrinfo(name, None)}
+    except OSError:
+        return False
+    return any(addr.startswith("127.") or addr == "::1" for addr in wanted) or bool(wanted & mine)
+
+
+def wait_for_endpoint(endpoint: str, wait_s: float) -> None:
+    """Fail in one line, before starting an agent, when another host's rendezvous endpoint never answers.
+
+    (The agent itself would wait for minutes and then fail with a long traceback.)
+    """
+    host, _, port = endpoint.rpartition(":")
+    host = host.strip("[]")
+    try:
+        socket.getaddrinfo(host, int(port))
+    except OSError:
+        user_error(f"hydra.launcher.rdzv_endpoint: host {host!r} does not resolve; "
+                   "set it to the first node's hostname or IP address")
+    if _is_this_machine(host):
+        return  # this node's agent hosts the store
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            with socket.create_connection((host, int(port)), timeout=max(1.0, min(5.0, wait_s))):
+                return
+        except OSError as exc:
+            if time.monotonic() >= deadline:
+                user_error(f"hydra.launcher.rdzv_endpoint: nothing answers at {endpoint} after {wait_s:g} s "
+                           f"({exc.strerror or exc}); start the sweep on {host} first (it hosts the rendezvous), "
+                           "or fix the address, or raise hydra.launcher.rdzv_wait_s")
+            time.sleep(1.0)
+

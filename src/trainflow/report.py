@@ -1,0 +1,418 @@
+"""Sweep reports: the runs under a folder side by side, as report.md, report.json and report.png.
+
+A run is a folder holding a summary.json (it finished) or a `.hydra/` folder
+without one (a sweep job that failed or is still running: it appears with the
+line that says why). Each row: the run's overrides, steady-state throughput and
+its speedup against the baseline run (the ladder's baseline rung, the one named,
+or else the first), MFU, peak memory, first/last loss, the compile figures, the
+profiler verdict and the checkpoint times. The picture: throughput per run as
+bars, and every run's loss curve from its metrics.jsonl.
+
+A sweep of the workflow ladder (`experiment=ladder`) also gets the gates of
+trainflow.ladder; a FAIL makes `trainflow report` and the sweep exit non-zero.
+`ReportCallback` writes the report into every multirun sweep directory: after
+each job (so a sweep that stops early still has one) and once more at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hydra.errors import CompactHydraException
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig, OmegaConf
+
+from trainflow import ladder
+from trainflow.errors import TrainflowError
+
+log = logging.getLogger(__name__)
+
+FAILURE_FILE = "failure.txt"  # written into a failed job's folder: the line that says why
+REPORT_FILES = ("report.md", "report.json", "report.png")
+_SKIP = {"checkpoints", "profile", "tb", "tensorboard", "torchrun"}  # inside a run: never runs themselves
+
+
+class ReportError(TrainflowError):
+    """A folder or file the report cannot use, explained with the fix."""
+
+
+class GatesFailed(TrainflowError, CompactHydraException):
+    """A ladder gate failed: Hydra prints this one line and exits non-zero."""
+
+
+@dataclass
+class RunRecord:
+    """One run as the report sees it."""
+
+    name: str  # path relative to the report's folder ("." for the folder itself)
+    dir: Path
+    overrides: list[str]
+    stage: str | None
+    summary: dict[str, Any] | None
+    losses: dict[int, float] = field(default_factory=dict)
+    error: str | None = None
+
+    @property
+    def label(self) -> str:
+        return f"{self.name} {self.stage}" if self.stage else self.name
+
+    def figure(self, *keys: str) -> Any:
+        """summary[k1][k2]..., None where any level is missing."""
+        value: Any = self.summary
+        for key in keys:
+            if not isinstance(value, dict):
+                return None
+            value = value.get(key)
+        return value
+
+
+def find_runs(root: Path) -> list[Path]:
+    """Run folders under `root` (itself included), in job order for sweeps and path order otherwise."""
+    if not root.exists():
+        raise ReportError(f"{root}: no such folder; give a run folder, a sweep folder (multirun/<date>/<time>) "
+                          "or a folder holding them (e.g. outputs)")
+    if not root.is_dir():
+        raise ReportError(f"{root}: is a file, not a folder; give the folder of a run (the one holding "
+                          "summary.json) or of a sweep")
+    found = []
+    for here, dirs, files in os.walk(root):
+        if "summary.json" in files or ".hydra" in dirs:
+            found.append(Path(here))
+            dirs.clear()  # a run's own subfolders (checkpoints, profile, ...) hold no runs
+            continue
+        dirs[:] = sorted(d for d in dirs if not d.startswith(".") and d not in _SKIP)
+    if not found:
+        raise ReportError(f"{root}: no runs found (no summary.json or .hydra folder below it); point trainflow "
+                          "report at a run or sweep folder, e.g. outputs or multirun/<date>/<time>")
+    return sorted(found, key=lambda p: _order(p.relative_to(root)))
+
+
+def _order(rel: Path) -> tuple:
+    return tuple((0, int(part), "") if part.isdigit() else (1, 0, part) for part in rel.parts)
+
+
+def load_run(path: Path, root: Path) -> RunRecord:
+    """Read a run's summary, loss curve, overrides, ladder stage and (if it failed) the reason."""
+    summary = None
+    summary_path = path / "summary.json"
+    if summary_path.exists():
+        try:
+            summary = json.loads(summary_path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ReportError(f"{summary_path}: not valid JSON ({exc}); the run was cut off while writing it: "
+                              f"rerun it, or move {path} out of the folder") from None
+    overrides: list[str] = []
+    overrides_path = path / ".hydra" / "overrides.yaml"
+    if overrides_path.exists():
+        overrides = [str(o) for o in OmegaConf.load(overrides_path)]
+    stage = (summary.get("config") or {}).get("ladder", {}).get("stage") if summary else None
+    if summary is None and (path / ".hydra" / "config.yaml").exists():
+        stage = OmegaConf.select(OmegaConf.load(path / ".hydra" / "config.yaml"), "ladder.stage", default=None)
+    error = None
+    if summary is None:
+        failure = path / FAILURE_FILE
+        error = (failure.read_text().strip() if failure.exists()
+                 else "no summary.json: the run is still going, or it was killed")
+    name = str(path.relative_to(root)) if path != root else "."
+    return RunRecord(name, path, overrides, stage, summary, read_losses(path / "metrics.jsonl"), error)
+
+
+def read_losses(path: Path) -> dict[int, float]:
+    """The train loss by step; a step logged twice (a run resumed in place) keeps its last value."""
+    losses: dict[int, float] = {}
+    if not path.exists():
+        return losses
+    for line in path.read_text().splitlines():
+        try:
+            entry = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a line cut off by a killed run
+        if "train/loss" in entry:
+            losses[int(entry["step"])] = float(entry["train/loss"])
+    return losses
+
+
+def build(root: Path, baseline: str | None = None) -> dict[str, Any]:
+    """The report's content: rows, the baseline, the common overrides, and the ladder's gates if it is one."""
+    runs = [load_run(p, root) for p in find_runs(root)]
+    base = _pick_baseline(runs, baseline, root)
+    common = [o for o in runs[0].overrides if all(o in r.overrides for r in runs)] if len(runs) > 1 else []
+    base_sps = base.figure("steady_state", "samples_per_sec") if base else None
+    rows = [_row(r, common, base_sps) for r in runs]
+    report: dict[str, Any] = {
+        "folder": str(root.resolve()),
+        "written": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "baseline": base.name if base else None,
+        "common_overrides": common,
+        "runs": rows,
+        "gates": None,
+        "passed": None,
+    }
+    rungs = [ladder.Rung(r.stage, r.name, r.summary, r.losses, r.error) for r in runs if r.stage]
+    if rungs:
+        settings = _gate_settings(runs)
+        gates = [g.as_dict() for g in ladder.evaluate(rungs, settings)]
+        report["gates"] = gates
+        report["passed"] = not any(g["status"] == ladder.FAIL for g in gates)
+    report["_runs"] = runs  # for the picture; dropped before writing JSON
+    return report
+
+
+def _pick_baseline(runs: list[RunRecord], wanted: str | None, root: Path) -> RunRecord | None:
+    if wanted is not None:
+        for r in runs:
+            if r.name == wanted.rstrip("/"):
+                return r
+        raise ReportError(f"baseline {wanted!r}: no such run under {root}; use one of: "
+                          f"{', '.join(r.name for r in runs)}")
+    staged = [r for r in runs if r.stage == "baseline"]
+    return staged[0] if staged else runs[0]
+
+
+def _gate_settings(runs: list[RunRecord]) -> dict[str, Any]:
+    """Tolerances and precision from a finished ladder job's config (all jobs share them)."""
+    for r in runs:
+        cfg = (r.summary or {}).get("config") or {}
+        if r.stage and cfg:
+            lad = cfg.get("ladder", {})
+            return {"precision": cfg.get("trainer", {}).get("precision", "fp32"), "loss_rtol": lad.get("loss_rtol"),
+                    "resume_atol": lad.get("resume_atol", 0.0)}
+    return {}
+
+
+def _row(r: RunRecord, common: list[str], base_sps: float | None) -> dict[str, Any]:
+    sps = r.figure("steady_state", "samples_per_sec")
+    comp = r.figure("compile") or {}
+    verdict = r.figure("profiler", "verdict") or {}
+    ckpt = r.figure("checkpoint") or {}
+    return {
+        "name": r.name,
+        "stage": r.stage,
+        "overrides": [o for o in r.overrides if o not in common],
+        "status": "finished" if r.summary is not None else "failed",
+        "error": r.error,
+        "steps": r.figure("steps"),
+        "world_size": r.figure("world_size"),
+        "device": r.figure("device"),
+        "samples_per_sec": sps,
+        "tokens_per_sec": r.figure("steady_state", "tokens_per_sec"),
+        "step_time_s": r.figure("steady_state", "step_time_s"),
+        "speedup": sps / base_sps if sps and base_sps else None,
+        "mfu": r.figure("mfu"),
+        "peak_memory_bytes": r.figure("peak_memory_bytes"),
+        "loss_first": r.figure("loss", "first"),
+        "loss_last": r.figure("loss", "last"),
+        "val_loss": r.figure("val", "loss"),
+        "compile": {"graphs": comp.get("graphs"), "graph_breaks": comp["graph_breaks"]["count"],
+                    "recompiles": comp["recompiles"]["count"], "compile_time_s": comp.get("compile_time_s")}
+        if comp.get("enabled") else None,
+        "profiler": {"bound": verdict.get("bound"), "action": verdict.get("action")} if verdict else None,
+        "checkpoint": {"saves": ckpt.get("saves"), "blocked_s": ckpt["blocked_s"]["total"],
+                       "write_s": ckpt["write_s"]["total"], "resumed_from_step": r.figure("resumed_from_step")}
+        if ckpt else None,
+        "metrics": str(r.dir / "metrics.jsonl") if r.losses else None,
+    }
+
+
+# --- writing -----------------------------------------------------------------------------------------------
+
+
+def write(root: Path, out: Path | None = None, baseline: str | None = None) -> dict[str, Any]:
+    """Build the report of the runs under `root` and write report.md/.json/.png into `out` (default: root)."""
+    out = out or root
+    report = build(root, baseline)
+    runs = report.pop("_runs")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        _atomic(out / "report.json", json.dumps(report, indent=2, default=str))
+        _atomic(out / "report.md", markdown(report))
+        write_png(runs, report, out / "report.png")
+    except OSError as exc:
+        raise ReportError(f"{out}: cannot write the report ({exc.strerror or exc}); give a writable folder "
+                          "with --out") from None
+    return report
+
+
+def _atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def _num(value: float | None, fmt: str, suffix: str = "") -> str:
+    return "-" if value is None else f"{value:{fmt}}{suffix}"
+
+
+def _gib(n: int | None) -> str:
+    return "-" if n is None else f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
+
+
+def markdown(report: dict[str, Any]) -> str:
+    """The report as a Markdown page: the table, the gates, the profiler's advice, the picture."""
+    lines = [f"# Report: {report['folder']}", "",
+             f"Written {report['written']}. Speedups are steady-state samples/s against the baseline run "
+             f"`{report['baseline']}`; loss columns are the first step's and the last logged interval's.", ""]
+    if report["common_overrides"]:
+        lines += [f"Overrides common to all runs: `{' '.join(report['common_overrides'])}`", ""]
+    if report["gates"] is not None:
+        lines += ["## Gates", "", "| gate | status | numbers |", "| --- | --- | --- |"]
+        lines += [f"| {g['name']} | **{g['status']}** | {_cell(g['detail'])} |" for g in report["gates"]]
+        verdict = "all gates passed" if report["passed"] else "a gate FAILED: the sweep exits non-zero"
+        lines += ["", f"Result: {verdict}.", ""]
+    lines += ["## Runs", "",
+              "| run | overrides | status | samples/s | speedup | MFU | peak memory | loss first -> last | "
+              "compile: graphs / breaks / recompiles / time | profiler | checkpoint: saves / blocked / write |",
+              "| --- | --- | --- | ---: | ---: | ---: | ---: | --- | --- | --- | --- |"]
+    for row in report["runs"]:
+        c, p, k = row["compile"], row["profiler"], row["checkpoint"]
+        status = "finished" if row["status"] == "finished" else f"FAILED: {_cell(row['error'] or '')}"
+        world = f" x{row['world_size']}" if row["world_size"] and row["world_size"] > 1 else ""
+        lines.append(" | ".join([
+            f"| {row['name']}" + (f" ({row['stage']})" if row["stage"] else ""),
+            f"`{' '.join(row['overrides'])}`" if row["overrides"] else "",
+            status + world,
+            _num(row["samples_per_sec"], ".1f"),
+            _num(row["speedup"], ".2f", "x"),
+            _num(row["mfu"] * 100 if row["mfu"] is not None else None, ".2f", "%"),
+            _gib(row["peak_memory_bytes"]),
+            f"{_num(row['loss_first'], '.4f')} -> {_num(row['loss_last'], '.4f')}",
+            f"{c['graphs']} / {c['graph_breaks']} / {c['recompiles']} / {c['compile_time_s']:.1f} s" if c else "off",
+            p["bound"] if p else "off",
+            f"{k['saves']} / {k['blocked_s']:.3f} s / {k['write_s']:.3f} s" if k else "off",
+        ]) + " |")
+    advice = [(row["name"], row["profiler"]) for row in report["runs"] if row["profiler"]]
+    if advice:
+        lines += ["", "## What the profiler recommends", ""]
+        lines += [f"- `{name}`: **{p['bound']}**: {p['action']}" for name, p in advice]
+    lines += ["", "![throughput and loss curves](report.png)", ""]
+    return "\n".join(lines)
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def write_png(runs: list[RunRecord], report: dict[str, Any], path: Path) -> None:
+    """Throughput bars (speedup on top) and every run's loss curve, drawn headless with Agg."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(13, 5), layout="constrained")
+    FigureCanvasAgg(fig)
+    bars, curves = fig.subplots(1, 2, width_ratios=[1, 1.3])
+    labels = [r.label for r in runs]
+    rows = report["runs"]
+    values = [row["samples_per_sec"] or 0.0 for row in rows]
+    colors = ["tab:red" if row["status"] != "finished" else "tab:blue" for row in rows]
+    drawn = bars.bar(range(len(runs)), values, color=colors)
+    for bar, row in zip(drawn, rows, strict=True):
+        text = "failed" if row["status"] != "finished" else _num(row["speedup"], ".2f", "x")
+        bars.annotate(text, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom",
+                      fontsize=8, xytext=(0, 2), textcoords="offset points")
+    bars.set_xticks(range(len(runs)), labels, rotation=30, ha="right", fontsize=8)
+    bars.set_ylabel("samples/s (steady state)")
+    bars.set_title(f"throughput; speedup vs {report['baseline']}")
+    styles = ("-", "--", "-.", ":")  # curves that coincide (a resumed run) stay visible
+    for i, r in enumerate(runs):
+        if r.losses:
+            steps = sorted(r.losses)
+            curves.plot(steps, [r.losses[s] for s in steps], styles[i % len(styles)], label=r.label,
+                        linewidth=1.4, marker="." if len(steps) == 1 else None)
+    curves.set_xlabel("step")
+    curves.set_ylabel("train loss")
+    curves.set_title("loss curves")
+    if any(r.losses for r in runs):
+        curves.legend(fontsize=8)
+    fig.suptitle(Path(report["folder"]).name or report["folder"], fontsize=10)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}.png")
+    fig.savefig(tmp, dpi=100)
+    os.replace(tmp, path)
+
+
+def failed_gates(report: dict[str, Any]) -> list[dict[str, Any]]:
+    return [g for g in report["gates"] or [] if g["status"] == ladder.FAIL]
+
+
+# --- the sweep callback and the command ------------------------------------------------------------------------
+
+
+def _job_dir(config: DictConfig) -> Path:
+    return Path(str(config.hydra.sweep.dir)) / str(config.hydra.sweep.subdir)
+
+
+class ReportCallback(Callback):
+    """Writes report.md/.json/.png into each multirun sweep directory; fails the sweep when a ladder gate fails.
+
+    After each job the report is refreshed (and a failed job's reason saved next to it), so it exists even
+    when the sweep stops early; Hydra then exits non-zero for the failed job. After the last job it is written
+    once more and a failed gate is raised: Hydra prints that one line and exits non-zero.
+    """
+
+    def __init__(self, baseline: str | None = None) -> None:
+        self.baseline = baseline
+
+    def on_job_end(self, config: DictConfig, job_return: Any, **kwargs: Any) -> None:
+        from hydra.core.utils import JobStatus
+        from hydra.types import RunMode
+
+        if config.hydra.mode != RunMode.MULTIRUN or os.environ.get("RANK", "0") != "0":
+            return  # single runs have no sweep folder; other ranks of a job leave the report to rank 0
+
+        job_dir = _job_dir(config)
+        if job_return.status == JobStatus.FAILED:
+            error = job_return._return_value
+            reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+            if not reason.startswith("job #"):
+                reason = f"{type(error).__name__}: {reason}"
+            job_dir.mkdir(parents=True, exist_ok=True)
+            (job_dir / FAILURE_FILE).write_text(reason + "\n")
+        try:
+            write(Path(str(config.hydra.sweep.dir)), baseline=self.baseline)
+        except Exception as exc:  # the report must never take a sweep down; the final one raises
+            log.warning("sweep report not updated after job %s: %s", config.hydra.job.num, exc)
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        sweep = Path(str(config.hydra.sweep.dir))
+        if not sweep.is_dir():
+            return  # nothing ran (e.g. --info)
+        report = write(sweep, baseline=self.baseline)
+        log.info("sweep report: %s", sweep / "report.md")
+        failed = failed_gates(report)
+        if failed:
+            raise GatesFailed(f"ladder: {len(failed)} gate(s) FAILED: "
+                              + "; ".join(f"{g['name']}: {g['detail']}" for g in failed)
+                              + f" (see {sweep / 'report.md'})")
+
+
+def command(args: argparse.Namespace) -> int:
+    """`trainflow report DIR`: write the report; exit 1 when a ladder gate failed."""
+    report = write(args.folder, args.out, args.baseline)
+    out = args.out or args.folder
+    gates = report["gates"] or []
+    counts = {s: sum(g["status"] == s for g in gates) for s in (ladder.PASS, ladder.WARN, ladder.FAIL,
+                                                                   ladder.NOT_EVALUATED)}
+    tally = ", ".join(f"{n} {s}" for s, n in counts.items() if n)
+    print(f"wrote {', '.join(str(out / f) for f in REPORT_FILES)}: {len(report['runs'])} run(s)"
+          + (f"; gates: {tally}" if gates else ""))
+    for g in failed_gates(report):
+        print(f"FAIL {g['name']}: {g['detail']}")
+    return 1 if failed_gates(report) else 0
+
+
+def add_command(commands: argparse._SubParsersAction) -> None:
+    p = commands.add_parser("report", help="compare the runs under a folder: report.md, report.json, report.png",
+                            description="Write report.md, report.json and report.png comparing every run under "
+                                        "FOLDER (a sweep, a folder of single runs, or one run). A workflow-ladder "
+                                        "sweep also gets its gates; the exit code is 1 when one failed.")
+    p.add_argument("folder", type=Path, help="a sweep folder (multirun/<date>/<time>), outputs/, or one run")
+    p.add_argument("--out", type=Path, default=None, help="where to write the report (default: FOLDER)")
+    p.add_argument("--baseline", default=None,
+                   help="the run the speedups are against, as listed (default: the ladder's baseline, else the first)")
+    p.set_defaults(handler=command)

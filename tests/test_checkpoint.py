@@ -1,0 +1,485 @@
+"""Checkpoint stage, one process: real `train.py` runs, real files, real SIGKILL/SIGTERM, real full disks.
+
+The reference is one uninterrupted run (`straight`); every interrupted-and-resumed run must reproduce its
+per-step losses and final tensors bit for bit. Bad inputs must end in one line, exit 2, and leave the committed
+checkpoints on disk byte-identical.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import ROOT, TINY_GPT, Run, train
+from omegaconf import OmegaConf
+
+# 12 steps, a checkpoint every 4; evaluation only at the end, on 2 batches.
+BASE = [*TINY_GPT, "trainer.max_steps=12", "trainer.eval_every=0", "trainer.eval_steps=2",
+        "checkpoint.every_steps=4"]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# helpers
+
+
+def start(run_dir: Path, *overrides: str, new_session: bool = False) -> subprocess.Popen:
+    """Start `python train.py` without waiting; its output goes to a file beside the run directory.
+
+    `new_session`: the run and every worker it starts form one process group, to be killed together.
+    """
+    run_dir.parent.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env.pop("HYDRA_FULL_ERROR", None)
+    out = open(run_dir.parent / f"{run_dir.name}.out", "a")  # noqa: SIM115 (the child owns it)
+    return subprocess.Popen([sys.executable, str(ROOT / "train.py"), *overrides, f"hydra.run.dir={run_dir}"],
+                            cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=new_session)
+
+
+def wait_for(condition: Callable[[], bool], proc: subprocess.Popen, what: str, timeout: float = 300) -> None:
+    """Poll every millisecond until `condition` holds; fail if the process ends first."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if proc.poll() is not None:
+            pytest.fail(f"the run exited ({proc.returncode}) before {what}")
+        if time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail(f"timed out waiting for {what}")
+        time.sleep(0.001)
+
+
+def logged_steps(run_dir: Path) -> int:
+    path = run_dir / "metrics.jsonl"
+    return sum(1 for line in path.read_text().splitlines() if '"train/loss"' in line) if path.exists() else 0
+
+
+def losses_by_step(run_dir: Path) -> dict[int, float]:
+    """The loss of every step; for steps a resumed run repeated, the repeat (the last line) wins."""
+    out = {}
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        m = json.loads(line)
+        if "train/loss" in m:
+            out[m["step"]] = m["train/loss"]
+    return out
+
+
+def committed(ckpt_dir: Path) -> list[str]:
+    return sorted(p.name for p in ckpt_dir.iterdir() if (p / "manifest.json").is_file())
+
+
+def tree_hash(folder: Path) -> dict[str, str]:
+    """sha256 of every file under `folder`: to prove nothing already saved was touched."""
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def read_tensors(ckpt: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a DCP checkpoint (model and optimizer), read in this process without a process group."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    md = dcp.FileSystemReader(ckpt).read_metadata()
+    sd = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in md.state_dict_metadata.items()
+          if isinstance(m, TensorStorageMetadata)}
+    dcp.load(sd, checkpoint_id=ckpt, no_dist=True)
+    return sd
+
+
+def assert_same_tensors(a: Path, b: Path) -> None:
+    ta, tb = read_tensors(a), read_tensors(b)
+    assert ta.keys() == tb.keys()
+    different = [k for k in ta if not torch.equal(ta[k], tb[k])]
+    assert not different, f"{len(different)} tensors differ, e.g. {different[:3]}"
+
+
+def one_line_error(run: Run) -> str:
+    """The run failed the way users should see it: exit 2, one `Error:` line, no traceback."""
+    assert run.returncode == 2, run.stderr[-2000:]
+    errors = [line for line in run.stderr.splitlines() if line.startswith("Error:")]
+    assert len(errors) == 1, run.stderr[-2000:]
+    assert "Traceback" not in run.stderr
+    return errors[0]
+
+
+@contextlib.contextmanager
+def tmpfs(path: Path, size: str, read_only: bool = False) -> Iterator[Path]:
+    """A small real filesystem of our own (root only): a disk that fills up, or one that refuses writes."""
+    path.mkdir(parents=True, exist_ok=True)
+    opts = f"size={size}" + (",ro" if read_only else "")
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(path)],
+                                           capture_output=True).returncode != 0:
+        pytest.skip("needs root to mount a tmpfs")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the reference run
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory: pytest.TempPathFactory) -> Run:
+    """12 uninterrupted steps, sync saves at 4, 8, 12, keep_last=2, weights exported at the end."""
+    run = train(tmp_path_factory.mktemp("straight") / "run", *BASE, "checkpoint=dcp", "checkpoint.keep_last=2",
+                "checkpoint.export=true")
+    assert run.returncode == 0, run.stderr[-3000:]
+    return run
+
+
+def test_sync_run_commits_retains_verifies_and_exports(straight: Run) -> None:
+    ckpts = straight.run_dir / "checkpoints"
+    assert committed(ckpts) == ["step_00000008", "step_00000012"]  # step 4 fell to keep_last=2
+    assert not [p for p in ckpts.iterdir() if p.name.startswith(".tmp-")]
+    manifest = json.loads((ckpts / "step_00000012" / "manifest.json").read_text())
+    assert manifest["step"] == 12 and manifest["world_size"] == 1
+    assert manifest["samples_seen"] == 12 * 8
+    assert manifest["torch_version"] == torch.__version__ and manifest["trainflow_version"]
+    assert {name: (ckpts / "step_00000012" / name).stat().st_size for name in manifest["files"]} == manifest["files"]
+
+    summary = straight.summary
+    ck = summary["checkpoint"]
+    assert ck["saves"] == 3 and ck["steps_saved"] == [4, 8, 12]
+    assert ck["verified"] is True
+    assert len(ck["blocked_s"]["per_save"]) == 3 and all(b > 0 for b in ck["blocked_s"]["per_save"])
+    assert ck["bytes"] > 1_000_000  # 0.12M parameters + AdamW moments, fp32
+    assert summary["resumed_from_step"] is None
+
+    # the exported weights load with weights_only=True into a fresh model and equal the checkpoint's
+    weights = torch.load(straight.run_dir / "model.pt", weights_only=True)
+    saved = read_tensors(ckpts / "step_00000012")
+    assert weights.keys() == {k.removeprefix("app.model.") for k in saved if k.startswith("app.model.")}
+    assert all(torch.equal(w, saved[f"app.model.{k}"]) for k, w in weights.items())
+    from hydra.utils import instantiate
+
+    model = instantiate(OmegaConf.create(summary["config"]["model"]))
+    model.load_state_dict(weights)  # strict: every key, every shape
+
+
+def test_export_command_on_any_committed_checkpoint(straight: Run, tmp_path: Path) -> None:
+    out = tmp_path / "weights" / "step8.pt"
+    proc = subprocess.run([str(Path(sys.executable).parent / "trainflow"), "export",
+                           str(straight.run_dir / "checkpoints" / "step_00000008"), str(out)],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert "step 8" in proc.stdout
+    weights = torch.load(out, weights_only=True)
+    saved = read_tensors(straight.run_dir / "checkpoints" / "step_00000008")
+    assert all(torch.equal(w, saved[f"app.model.{k}"]) for k, w in weights.items()) and len(weights) > 10
+
+    missing = subprocess.run([str(Path(sys.executable).parent / "trainflow"), "export", str(tmp_path / "nope"),
+                              str(out)], capture_output=True, text=True)
+    assert missing.returncode == 2 and missing.stderr.count("\n") == 1 and "does not exist" in missing.stderr
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# killed, stopped, resumed: bit-identical
+
+
+@pytest.mark.parametrize("mode", ["dcp", "dcp_async"])
+def test_sigkill_during_a_save_resumes_from_the_last_committed_bit_identically(
+        straight: Run, tmp_path: Path, mode: str) -> None:
+    run_dir = tmp_path / "run"
+    ckpts = run_dir / "checkpoints"
+    tmp = ckpts / ".tmp-step_00000008"
+    proc = start(run_dir, *BASE, f"checkpoint={mode}", "checkpoint.keep_last=2")
+    wait_for(lambda: tmp.is_dir(), proc, "the save of step 8 began")
+    proc.send_signal(signal.SIGKILL)
+    assert proc.wait() == -signal.SIGKILL
+    assert committed(ckpts) == ["step_00000004"]  # the interrupted save is not a checkpoint
+    assert tmp.is_dir()
+
+    resumed = train(run_dir, *BASE, f"checkpoint={mode}", "checkpoint.keep_last=2")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert resumed.summary["resumed_from_step"] == 4
+    assert "resumed from step 4" in (run_dir / "train.log").read_text()
+    assert not tmp.exists()  # the leftover was removed at the start
+    assert losses_by_step(run_dir) == losses_by_step(straight.run_dir)  # every step, exactly
+    assert_same_tensors(ckpts / "step_00000012", straight.run_dir / "checkpoints" / "step_00000012")
+    assert committed(ckpts) == ["step_00000004", "step_00000008", "step_00000012"]  # 4: resumed from, kept
+    if mode == "dcp_async":
+        ck = resumed.summary["checkpoint"]
+        assert ck["mode"] == "async" and ck["saves"] == 2
+        assert all(w > 0 for w in ck["write_s"]["per_save"])
+
+
+def test_sigterm_saves_at_the_step_boundary_exits_75_and_resumes_exactly(straight: Run, tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    proc = start(run_dir, *BASE, "checkpoint=dcp", "checkpoint.every_steps=100")
+    wait_for(lambda: logged_steps(run_dir) >= 5, proc, "step 5")
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=120) == 75
+    summary = json.loads((run_dir / "summary.json").read_text())
+    stopped_at = summary["steps"]
+    assert 5 <= stopped_at < 12
+    assert summary["checkpoint"]["stopped_by"] == "SIGTERM"
+    assert committed(run_dir / "checkpoints") == [f"step_{stopped_at:08d}"]
+    output = (tmp_path / "run.out").read_text()
+    assert "Traceback" not in output and "exit code 75" in output
+
+    resumed = train(run_dir, *BASE, "checkpoint=dcp", "checkpoint.every_steps=100")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert resumed.summary["resumed_from_step"] == stopped_at
+    assert losses_by_step(run_dir) == losses_by_step(straight.run_dir)
+
+
+# A bigger model (20 MB checkpoints) so that a save lasts long enough to be killed at each of its stages.
+KILL = [*TINY_GPT, "model.n_embd=256", "model.n_head=4", "trainer.max_steps=8", "trainer.eval_every=0",
+        "trainer.eval_steps=2", "checkpoint.every_steps=4"]
+STAGES = {  # what is on disk of the step-8 save when the kill lands
+    "folder created": lambda tmp: tmp.is_dir(),
+    "shard written": lambda tmp: (tmp / "__0_0.distcp").is_file(),
+    ".metadata written": lambda tmp: (tmp / ".metadata").is_file(),
+    "manifest written": lambda tmp: (tmp / "manifest.json").is_file(),
+}
+
+
+@pytest.fixture(scope="module")
+def kill_reference(tmp_path_factory: pytest.TempPathFactory) -> Run:
+    run = train(tmp_path_factory.mktemp("kill_reference") / "run", *KILL, "checkpoint=dcp")
+    assert run.returncode == 0, run.stderr[-3000:]
+    return run
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", list(STAGES))
+@pytest.mark.parametrize("mode", ["dcp", "dcp_async"])
+def test_sigkill_at_every_stage_of_a_save_resumes_from_a_committed_checkpoint(
+        kill_reference: Run, tmp_path: Path, mode: str, stage: str) -> None:
+    from trainflow.checkpoint import check_intact, list_committed
+
+    run_dir = tmp_path / "run"
+    ckpts = run_dir / "checkpoints"
+    tmp = ckpts / ".tmp-step_00000008"
+    proc = start(run_dir, *KILL, f"checkpoint={mode}")
+    # a stage too short to see (the manifest lives for microseconds) lets the kill land just after the commit
+    wait_for(lambda: STAGES[stage](tmp) or (ckpts / "step_00000008").is_dir(), proc, stage, timeout=600)
+    proc.send_signal(signal.SIGKILL)
+    assert proc.wait() == -signal.SIGKILL
+    listed = list_committed(ckpts)
+    assert [c.step for c in listed] in ([4], [4, 8])
+    for c in listed:
+        check_intact(c, listed)
+        assert read_tensors(c.path)
+
+    resumed = train(run_dir, *KILL, f"checkpoint={mode}")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert resumed.summary["resumed_from_step"] == listed[-1].step
+    assert not tmp.exists()
+    assert losses_by_step(run_dir) == losses_by_step(kill_reference.run_dir)
+    assert_same_tensors(ckpts / "step_00000008", kill_reference.run_dir / "checkpoints" / "step_00000008")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# bad input: one line, exit 2, committed checkpoints untouched
+
+
+def test_bad_values_are_refused_before_training(run_dir: Path) -> None:
+    error = one_line_error(train(run_dir, *BASE, "checkpoint=dcp", "checkpoint.every_steps=0"))
+    assert error == "Error: checkpoint.every_steps: must be a positive number of steps; got 0"
+    assert not (run_dir / "checkpoints").exists()
+
+
+@pytest.mark.parametrize(("key", "value", "message"), [
+    ("every_steps", -3, "checkpoint.every_steps: must be a positive number of steps; got -3"),
+    ("keep_last", 0, "checkpoint.keep_last: must be >= 1 (the newest committed checkpoint is always kept); got 0"),
+    ("mode", "later", "checkpoint.mode: must be one of sync, async; got 'later'"),
+    ("export", True, "checkpoint.export: exports the final weights, which needs checkpoint.save_final=true"),
+])
+def test_each_bad_value_names_its_key(key: str, value, message: str) -> None:
+    from hydra import compose, initialize_config_dir
+
+    from trainflow.config import validate
+    from trainflow.errors import ConfigError
+
+    overrides = ["checkpoint=dcp", f"checkpoint.{key}={value}"] + (["checkpoint.save_final=false"] if key == "export"
+                                                                    else [])
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose("train", overrides=overrides)
+    with pytest.raises(ConfigError) as exc:
+        validate(cfg)
+    assert str(exc.value) == message
+
+
+def test_resume_path_that_does_not_exist(run_dir: Path, tmp_path: Path) -> None:
+    error = one_line_error(train(run_dir, *BASE, "checkpoint=dcp", f"checkpoint.resume={tmp_path}/nope"))
+    assert "checkpoint.resume" in error and f"{tmp_path}/nope does not exist" in error
+
+
+@pytest.fixture
+def copied(straight: Run, tmp_path: Path) -> Path:
+    """A private copy of the reference run's checkpoints (step 8 and step 12) to damage."""
+    dest = tmp_path / "ckpts"
+    shutil.copytree(straight.run_dir / "checkpoints", dest)
+    return dest
+
+
+@pytest.mark.parametrize("damage", ["truncated shard", "missing .metadata"])
+def test_corrupt_newest_checkpoint_is_refused_naming_the_previous_one(
+        copied: Path, run_dir: Path, damage: str) -> None:
+    newest = copied / "step_00000012"
+    if damage == "truncated shard":
+        shard = newest / "__0_0.distcp"
+        shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    else:
+        (newest / ".metadata").unlink()
+    before = tree_hash(copied)
+    error = one_line_error(train(run_dir, *BASE, "checkpoint=dcp", f"checkpoint.dir={copied}",
+                                 "trainer.max_steps=16"))
+    assert f"{newest}: corrupt checkpoint" in error
+    assert ("truncated" if damage == "truncated shard" else ".metadata is missing") in error
+    assert "step_00000008" in error  # the way out: the previous committed checkpoint
+    assert tree_hash(copied) == before
+
+
+def test_checkpoint_of_another_model_shape_lists_the_mismatched_keys(copied: Path, run_dir: Path) -> None:
+    before = tree_hash(copied)
+    error = one_line_error(train(run_dir, *BASE, "checkpoint=dcp", f"checkpoint.dir={copied}",
+                                 "model.n_embd=32", "trainer.max_steps=16"))
+    assert "another model shape" in error
+    assert "29 mismatched key(s)" in error and "and 23 more" in error
+    assert "blocks.0.attn.qkv.weight [192, 64] float32 saved vs [96, 32] float32 here" in error
+    assert tree_hash(copied) == before
+
+
+def test_resume_never_refuses_to_mix_histories(copied: Path, run_dir: Path) -> None:
+    before = tree_hash(copied)
+    error = one_line_error(train(run_dir, *BASE, "checkpoint=dcp", f"checkpoint.dir={copied}",
+                                 "checkpoint.resume=never"))
+    assert "checkpoint.resume=never" in error and "step_00000012" in error
+    assert tree_hash(copied) == before
+
+
+def test_unwritable_checkpoint_dir(tmp_path: Path, run_dir: Path) -> None:
+    with tmpfs(tmp_path / "readonly", "1m", read_only=True) as readonly:
+        error = one_line_error(train(run_dir, *BASE, "checkpoint=dcp", f"checkpoint.dir={readonly}/ckpts"))
+    assert f"checkpoint.dir: cannot write to {readonly}/ckpts (Read-only file system)" in error
+
+
+def test_full_disk_during_a_save_keeps_the_committed_ones(straight: Run, tmp_path: Path, run_dir: Path) -> None:
+    """A real full filesystem where we may mount one; elsewhere a file-size limit fails the same writes."""
+    def resume_into(ckpts: Path, python: list[str] | None = None) -> str:
+        shutil.copytree(straight.run_dir / "checkpoints" / "step_00000008", ckpts / "step_00000008")
+        before = tree_hash(ckpts)
+        cmd = [*(python or [sys.executable]), str(ROOT / "train.py")]
+        error = one_line_error(train(run_dir, *BASE, "checkpoint=dcp", f"checkpoint.dir={ckpts}", command=cmd))
+        assert tree_hash(ckpts) == before
+        assert sorted(p.name for p in ckpts.iterdir()) == ["step_00000008"]  # the failed save left nothing
+        assert "saving step 12" in error and "committed checkpoints are untouched (newest: step_00000008)" in error
+        return error
+
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        resume_into(tmp_path / "ckpts", ["prlimit", "--fsize=1000000", sys.executable])  # shards are 1.7 MB
+        return
+    with tmpfs(tmp_path / "small", "4m") as disk:
+        (disk / "ckpts").mkdir()
+        free = shutil.disk_usage(disk).free - 1_800_000  # what step 8's copy will take
+        (disk / "filler").write_bytes(b"\0" * (free - 300_000))  # room for the logs, not for a checkpoint
+        error = resume_into(disk / "ckpts")
+    assert re.search(r"the disk is full: 0\.\d MB free, a checkpoint needs about 1\.\d MB", error), error
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# in-process: the Checkpointer with a real model, optimizer and DCP files, no training process
+
+
+def _state(seed: int = 0):
+    from trainflow.checkpoint import TrainState
+    from trainflow.models.mlp import MLP
+    from trainflow.optim import build_optimizer
+
+    torch.manual_seed(seed)
+    model = MLP(in_features=8, hidden=16, out_features=4)
+    optim_cfg = OmegaConf.create({"name": "adamw", "lr": 1e-2, "weight_decay": 0.1, "betas": [0.9, 0.95],
+                                  "momentum": 0.9, "warmup_steps": 2, "min_lr_ratio": 0.1, "schedule": "cosine"})
+    optimizer, scheduler = build_optimizer(model, optim_cfg, 100, torch.device("cpu"))
+    return TrainState(model, optimizer, scheduler)
+
+
+def _step(state) -> None:
+    x = torch.randn(4, 8)
+    state.model(x).square().mean().backward()
+    state.optimizer.step()
+    state.scheduler.step()
+    state.optimizer.zero_grad()
+    state.step += 1
+    state.samples_seen += 4
+
+
+def _checkpointer(tmp_path: Path, **overrides):
+    from trainflow.checkpoint import Checkpointer
+    from trainflow.distributed import DistEnv
+
+    cfg = OmegaConf.create({"enabled": True, "mode": "sync", "dir": str(tmp_path / "ckpts"), "every_steps": 1,
+                            "keep_last": 3, "resume": "auto", "save_final": True, "verify": True, "export": False,
+                            **overrides})
+    return Checkpointer(cfg, DistEnv(0, 1, 0, torch.device("cpu")), tmp_path)
+
+
+def test_retention_under_many_saves_keeps_the_newest_and_the_resumed_one(tmp_path: Path) -> None:
+    state, ck = _state(), _checkpointer(tmp_path, mode="async")
+    ck.resume(state)
+    for _ in range(25):
+        _step(state)
+        ck.after_step(state)
+    ck.close(state)
+    ckpts = tmp_path / "ckpts"
+    assert committed(ckpts) == ["step_00000023", "step_00000024", "step_00000025"]
+    assert sorted(p.name for p in ckpts.iterdir()) == committed(ckpts)  # no leftovers of deletions or saves
+    assert ck.summary()["saves"] == 25
+
+    # a second run resumes from step 25 and keeps only 1: the resumed one survives beside the newest
+    resumed, ck2 = _state(seed=1), _checkpointer(tmp_path, keep_last=1)
+    ck2.resume(resumed)
+    assert resumed.step == 25 and resumed.samples_seen == 100
+    assert all(torch.equal(a, b) for a, b in zip(resumed.model.state_dict().values(),
+                                                 state.model.state_dict().values(), strict=True))
+    for _ in range(4):
+        _step(resumed)
+        ck2.after_step(resumed)
+    ck2.close(resumed)
+    assert committed(ckpts) == ["step_00000025", "step_00000029"]
+
+
+def test_listing_and_resume_ignore_unfinished_saves(tmp_path: Path) -> None:
+    from trainflow.checkpoint import list_committed
+
+    state, ck = _state(), _checkpointer(tmp_path)
+    ck.resume(state)
+    _step(state)
+    ck.after_step(state)
+    ck.close(state)
+    ckpts = tmp_path / "ckpts"
+    shutil.copytree(ckpts / "step_00000001", ckpts / ".tmp-step_00000002")  # a crashed save, all files present
+    (ckpts / ".tmp-step_00000002" / "manifest.json").unlink()
+    assert [c.step for c in list_committed(ckpts)] == [1]
+
+    fresh, ck2 = _state(seed=2), _checkpointer(tmp_path)
+    ck2.resume(fresh)
+    assert fresh.step == 1
+    assert not (ckpts / ".tmp-step_00000002").exists()
+    ck2.close(fresh)
+
+
+def test_async_and_sync_saves_hold_equal_tensors(tmp_path: Path) -> None:
+    state = _state()
+    for _ in range(3):
+        _step(state)
+    for mode in ("sync", "async"):
+        ck = _checkpointer(tmp_path / mode, mode=mode, every_steps=3)
+        ck.resume(state)
+        ck.after_step(state)
+        ck.close(state)
+    assert_same_tensors(tmp_path / "sync" / "ckpts" / "step_00000003", tmp_path / "async" / "ckpts" / "step_00000003")

@@ -1,0 +1,152 @@
+"""Checkpoint stage across ranks: DDP/FSDP2 resume bit for bit, checkpoints reshard N -> M with the sample stream
+continuing exactly, and a stop signal on one rank stops every rank at the same step.
+
+Every run keeps the global batch at 24 samples (parallelism.global_batch), so 1, 2 and 3 ranks consume the
+same global sample stream: a resharded run must reproduce the reference run's per-step losses up to the
+summation order of the gradient reduction (a repeated or skipped sample would change them by orders more).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+from conftest import TINY_GPT, Run, train
+from test_checkpoint import assert_same_tensors, committed, logged_steps, losses_by_step, start, wait_for
+
+BASE = [*TINY_GPT, "parallelism.global_batch=24", "trainer.max_steps=12", "trainer.eval_every=0",
+        "trainer.eval_steps=2", "checkpoint.every_steps=4"]
+FSDP2 = ["parallelism=fsdp", "parallelism.nproc_per_node=2"]
+RESHARD_TOLERANCE = 1e-5  # per-step loss; measured <= 5e-7 here, against ~5e-2 between neighbouring batches
+
+
+def ok(run: Run) -> Run:
+    assert run.returncode == 0, run.stderr[-3000:]
+    return run
+
+
+def assert_close_losses(resumed: dict[int, float], reference: dict[int, float], steps: range) -> None:
+    diffs = {s: abs(resumed[s] - reference[s]) for s in steps}
+    assert max(diffs.values()) < RESHARD_TOLERANCE, diffs
+    neighbours = [abs(reference[s] - reference[s - 1]) for s in steps]
+    assert sum(neighbours) / len(neighbours) > 100 * RESHARD_TOLERANCE  # it can tell one batch from another
+
+
+def kill_tree(proc) -> None:
+    """SIGKILL the launcher and every worker it started (a node going down)."""
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+def workers(launcher: int) -> list[int]:
+    """The pids of a self-launched run's workers in the order they were started (local rank 0 first)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            cmdline = (entry / "cmdline").read_bytes()
+            fields = (entry / "stat").read_text().rsplit(") ", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[1]) == launcher and b"train.py" in cmdline:  # spawned workers show the launcher's argv
+            found.append((int(fields[19]), int(entry.name)))  # (start time, pid)
+    return [pid for _, pid in sorted(found)]
+
+
+@pytest.fixture(scope="module")
+def fsdp_straight(tmp_path_factory: pytest.TempPathFactory) -> Run:
+    """The reference: FSDP2 on 2 ranks, 12 uninterrupted steps, sync saves at 4, 8, 12."""
+    return ok(train(tmp_path_factory.mktemp("fsdp") / "run", *BASE, *FSDP2, "checkpoint=dcp"))
+
+
+def test_fsdp_sigkill_and_resume_is_bit_identical(fsdp_straight: Run, tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    proc = start(run_dir, *BASE, *FSDP2, "checkpoint=dcp_async", new_session=True)
+    wait_for(lambda: logged_steps(run_dir) >= 5, proc, "step 5")
+    kill_tree(proc)
+    assert committed(run_dir / "checkpoints") == ["step_00000004"]
+
+    resumed = ok(train(run_dir, *BASE, *FSDP2, "checkpoint=dcp_async"))
+    assert resumed.summary["resumed_from_step"] == 4 and resumed.summary["world_size"] == 2
+    assert losses_by_step(run_dir) == losses_by_step(fsdp_straight.run_dir)
+    assert_same_tensors(run_dir / "checkpoints" / "step_00000012",
+                        fsdp_straight.run_dir / "checkpoints" / "step_00000012")
+    manifest = json.loads((run_dir / "checkpoints" / "step_00000012" / "manifest.json").read_text())
+    assert manifest["world_size"] == 2 and {"__0_0.distcp", "__1_0.distcp"} <= manifest["files"].keys()
+
+
+@pytest.fixture(scope="module")
+def fsdp_to_single(fsdp_straight: Run, tmp_path_factory: pytest.TempPathFactory) -> Run:
+    """FSDP2 on 2 ranks -> one process: resume step 8 of the reference, save every 2 steps."""
+    step8 = fsdp_straight.run_dir / "checkpoints" / "step_00000008"
+    return ok(train(tmp_path_factory.mktemp("single") / "run", *BASE, "checkpoint=dcp",
+                    f"checkpoint.resume={step8}", "checkpoint.every_steps=2"))
+
+
+def test_reshard_fsdp2_to_single_continues_the_sample_stream(fsdp_straight: Run, fsdp_to_single: Run) -> None:
+    summary = fsdp_to_single.summary
+    assert summary["resumed_from_step"] == 8 and summary["world_size"] == 1 and summary["global_batch"] == 24
+    assert summary["steps_this_run"] == 4
+    manifest = json.loads((fsdp_to_single.run_dir / "checkpoints" / "step_00000012" / "manifest.json").read_text())
+    assert manifest["samples_seen"] == 12 * 24
+    assert_close_losses(losses_by_step(fsdp_to_single.run_dir), losses_by_step(fsdp_straight.run_dir), range(9, 13))
+    assert "RNG states are not restored" in (fsdp_to_single.run_dir / "train.log").read_text()
+
+
+def test_reshard_single_to_fsdp3_continues_the_sample_stream(
+        fsdp_straight: Run, fsdp_to_single: Run, tmp_path: Path) -> None:
+    step10 = fsdp_to_single.run_dir / "checkpoints" / "step_00000010"
+    run = ok(train(tmp_path / "run", *BASE, "parallelism=fsdp", "parallelism.nproc_per_node=3", "checkpoint=dcp",
+                   f"checkpoint.resume={step10}"))
+    assert run.summary["resumed_from_step"] == 10 and run.summary["world_size"] == 3
+    assert_close_losses(losses_by_step(run.run_dir), losses_by_step(fsdp_straight.run_dir), range(11, 13))
+
+
+@pytest.mark.slow
+def test_reshard_fsdp2_to_fsdp3(fsdp_straight: Run, tmp_path: Path) -> None:
+    step4 = fsdp_straight.run_dir / "checkpoints" / "step_00000004"
+    run = ok(train(tmp_path / "run", *BASE, "parallelism=fsdp", "parallelism.nproc_per_node=3", "checkpoint=dcp",
+                   f"checkpoint.resume={step4}"))
+    assert run.summary["resumed_from_step"] == 4
+    assert_close_losses(losses_by_step(run.run_dir), losses_by_step(fsdp_straight.run_dir), range(5, 13))
+
+
+@pytest.mark.slow
+def test_ddp_sigkill_resume_is_bit_identical_and_reshards_to_single(fsdp_straight: Run, tmp_path: Path) -> None:
+    ddp = ["parallelism=ddp", "parallelism.nproc_per_node=2"]
+    straight = ok(train(tmp_path / "straight", *BASE, *ddp, "checkpoint=dcp"))
+    run_dir = tmp_path / "run"
+    proc = start(run_dir, *BASE, *ddp, "checkpoint=dcp", new_session=True)
+    wait_for(lambda: logged_steps(run_dir) >= 5, proc, "step 5")
+    kill_tree(proc)
+    resumed = ok(train(run_dir, *BASE, *ddp, "checkpoint=dcp"))
+    assert resumed.summary["resumed_from_step"] == 4
+    assert losses_by_step(run_dir) == losses_by_step(straight.run_dir)
+    assert_same_tensors(run_dir / "checkpoints" / "step_00000012", straight.run_dir / "checkpoints" / "step_00000012")
+
+    single = ok(train(tmp_path / "single", *BASE, "checkpoint=dcp",
+                      f"checkpoint.resume={straight.run_dir / 'checkpoints' / 'step_00000008'}"))
+    assert single.summary["resumed_from_step"] == 8
+    assert_close_losses(losses_by_step(single.run_dir), losses_by_step(straight.run_dir), range(9, 13))
+
+
+@pytest.mark.slow
+def test_sigusr2_on_one_rank_stops_every_rank_at_the_same_step(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    proc = start(run_dir, *BASE, *FSDP2, "checkpoint=dcp", "trainer.max_steps=200", "checkpoint.every_steps=100",
+                 new_session=True)
+    wait_for(lambda: logged_steps(run_dir) >= 3, proc, "step 3")
+    pids = workers(proc.pid)
+    assert len(pids) == 2, pids
+    os.kill(pids[1], signal.SIGUSR2)  # rank 1 only: rank 0 learns it from the per-step all-reduce
+    deadline = time.monotonic() + 120
+    while proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert proc.returncode == 75
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["checkpoint"]["stopped_by"] == "SIGUSR2"
+    assert committed(run_dir / "checkpoints") == [f"step_{summary['steps']:08d}"]
+    assert summary["steps"] < 200

@@ -1,0 +1,343 @@
+"""The compile stage: graph-break and recompile reports, fullgraph errors, the numerics gate, the cache.
+
+dynamo logic is tested with the cheap `eager`/`aot_eager` backends; inductor runs end to end once (cold cache).
+Models defined here are reached from `python train.py` through `model._target_=test_compile.<Name>`.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import ROOT, TINY_GPT, train
+from omegaconf import DictConfig, OmegaConf
+from torch import nn
+
+from trainflow.config import CompileConfig
+from trainflow.data import StreamSampler, SyntheticTokens, make_loader
+from trainflow.distributed import DistEnv
+from trainflow.errors import ConfigError
+
+CPU_ENV = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+HERE = Path(__file__).resolve().parent
+WITH_TEST_MODELS = {"PYTHONPATH": os.pathsep.join(p for p in (str(HERE), os.environ.get("PYTHONPATH")) if p)}
+GPT = [o for o in TINY_GPT if not o.startswith("compile=")]  # the tiny GPT, compile left to each test
+MLP = ["model=mlp", "data=synthetic", "trainer.batch_size=16", "trainer.log_every=1", "trainer.warmup_steps=1",
+       "trainer.eval_steps=2", "logger=none"]
+
+
+class BranchyMLP(nn.Module):
+    """The seed MLP with a Python `if` on a tensor's value: a graph break dynamo cannot trace through."""
+
+    def __init__(self, in_features: int = 100, hidden: int = 256, out_features: int = 10) -> None:
+        super().__init__()
+        self.hidden = nn.Linear(in_features, hidden)
+        self.out = nn.Linear(hidden, out_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.hidden(x).relu()
+        if h.mean() > 0:  # data-dependent branch
+            h = h * 2
+        return self.out(h)
+
+
+BRANCH_LINE = next(i for i, line in enumerate(inspect.getsourcelines(BranchyMLP)[0], inspect.getsourcelines(
+    BranchyMLP)[1]) if "data-dependent branch" in line)
+BRANCHY = [*MLP, "model._target_=test_compile.BranchyMLP"]
+
+
+def scaled_backend(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]):
+    """A deliberately wrong backend: every graph output comes out 1% too large."""
+
+    def run(*args: torch.Tensor):
+        out = gm(*args)
+        return type(out)(o * 1.01 if isinstance(o, torch.Tensor) and o.is_floating_point() else o for o in out)
+
+    return run
+
+
+def one_line_error(run, *fragments: str) -> str:
+    """The run failed the way users should see it: exit 2, one line on stderr, no traceback."""
+    assert run.returncode == 2, run.stdout[-2000:] + run.stderr
+    assert "Traceback" not in run.stderr, run.stderr
+    lines = [line for line in run.stderr.splitlines() if line.startswith("Error:")]
+    assert len(lines) == 1, run.stderr
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+    return lines[0]
+
+
+def compile_args(tmp_path: Path, backend: str = "eager") -> list[str]:
+    return ["compile=default", f"compile.backend={backend}", f"compile.cache_dir={tmp_path / 'inductor'}"]
+
+
+def logged(run) -> str:
+    return (run.run_dir / "train.log").read_text()
+
+
+# --- through train.py -----------------------------------------------------------------------------
+
+
+def test_graph_break_report_names_the_reason_and_the_user_line(tmp_path: Path, run_dir: Path) -> None:
+    run = train(run_dir, *BRANCHY, *compile_args(tmp_path), "compile.check=true", "trainer.max_steps=6",
+                env=WITH_TEST_MODELS)
+    assert run.returncode == 0, run.stderr
+    report = run.summary["compile"]
+    assert report == json.loads((run_dir / "compile_report.json").read_text())
+    assert report["graph_breaks"]["count"] == 1
+    brk = report["graph_breaks"]["breaks"][0]
+    assert brk["reason"] == "Data-dependent branching"
+    assert brk["location"] == f"tests/test_compile.py:{BRANCH_LINE}"
+    assert brk["code"] == "if h.mean() > 0:  # data-dependent branch"
+    assert "torch.where" in brk["hint"]
+    assert report["graphs"] == 4  # before and after the break; for training, then for evaluation (no_grad)
+    assert sorted(r["reason"] for r in report["recompiles"]["reasons"]) == [  # evaluation runs under no_grad
+        f"forward (resumed after line {BRANCH_LINE}): GLOBAL_STATE changed: grad_mode",
+        "forward: GLOBAL_STATE changed: grad_mode"]
+    # the compile steps are timed apart and kept out of the steady state
+    steady = run.summary["steady_state"]
+    assert steady["excluded_steps"] == 1 + report["compile_steps_excluded"] == 2 and steady["steps"] == 4
+    assert report["first_step_s"] == report["warmup_step_times_s"][0] > 0
+    assert report["compile_time_s"] > 0 and report["steady_step_time_s"] == steady["step_time_s"]
+    assert report["check"]["passed"] and report["check"]["grad_rel_error_max"] == 0.0  # eager backend: exact
+    assert report["cache"]["state"] == "unused"  # no inductor, nothing cached
+    log = logged(run)
+    assert log.count("compile report (backend eager") == 1
+    assert f"break: Data-dependent branching at tests/test_compile.py:{BRANCH_LINE}" in log
+
+
+def test_fullgraph_turns_the_first_break_into_one_line(tmp_path: Path, run_dir: Path) -> None:
+    run = train(run_dir, *BRANCHY, *compile_args(tmp_path), "compile.fullgraph=true", "trainer.max_steps=3",
+                env=WITH_TEST_MODELS)
+    line = one_line_error(run, "compile.fullgraph: graph break", f"tests/test_compile.py:{BRANCH_LINE}",
+                          "if h.mean() > 0", "Data-dependent branching", "torch.where", "compile.fullgraph=false")
+    assert line.startswith("Error: compile.fullgraph:")
+    assert not (run_dir / "summary.json").exists()
+
+
+def test_numerics_check_fails_a_wrong_compiled_function(tmp_path: Path, run_dir: Path) -> None:
+    run = train(run_dir, *MLP, *compile_args(tmp_path, "test_compile.scaled_backend"), "compile.check=true",
+                "trainer.max_steps=3", env=WITH_TEST_MODELS)
+    one_line_error(run, "compile.check: compiled and eager results differ", "fp32 tolerance 1e-04",
+                   "compile.backend=aot_eager")
+    check = json.loads((run_dir / "compile_report.json").read_text())["check"]
+    assert not check["passed"]
+    assert check["loss_rel_error"] > check["tolerance"] == 1e-4
+    assert 0.005 < check["grad_rel_error_max"] < 0.05  # logits 1% larger: gradients ~1% off
+    assert not (run_dir / "summary.json").exists()
+
+
+@pytest.mark.parametrize(("dynamic", "shape_recompiles", "limit_hit"), [("false", 8, True), ("true", 0, False)])
+def test_recompiles_with_varying_lengths(tmp_path: Path, run_dir: Path, dynamic: str, shape_recompiles: int,
+                                         limit_hit: bool) -> None:
+    lengths = [4, 6, 8, 10, 12, 14, 16, 18, 20, 22]  # ten shapes: more than the recompile limit (8)
+    run = train(run_dir, *GPT, *compile_args(tmp_path), f"compile.dynamic={dynamic}", "trainer.max_steps=14",
+                f"data.seq_lens=[{','.join(map(str, lengths))}]", "trainer.eval_steps=1")
+    assert run.returncode == 0, run.stderr
+    report = run.summary["compile"]
+    shape = [r for r in report["recompiles"]["reasons"] if "size mismatch" in r["reason"]]
+    assert sum(r["count"] for r in shape) == shape_recompiles, report["recompiles"]
+    if shape:
+        assert shape[0]["reason"].startswith("forward: tensor 'idx' size mismatch at index 1. expected 4, actual ")
+    assert report["recompile_limit_hit"] is limit_hit
+    assert ("the recompile limit" in logged(run)) is limit_hit
+    if limit_hit:
+        assert "compile.dynamic=true" in logged(run)
+    assert report["compile_steps_excluded"] == len(lengths)
+    assert run.summary["steady_state"]["excluded_steps"] == 2 + len(lengths)
+
+
+@pytest.mark.parametrize(("overrides", "fragments"), [
+    ([*GPT, "compile.backend=nosuch"], ["compile.backend: unknown backend 'nosuch'", "inductor", "aot_eager"]),
+    ([*GPT, "compile.mode=fastest"], ["compile.mode: must be null or one of", "max-autotune"]),
+    ([*GPT, "compile.backend=inductor", "compile.mode=reduce-overhead"],
+     ["compile.mode: reduce-overhead uses CUDA graphs", "compile=default"]),
+    ([*MLP, "compile.scope=blocks"], ["compile.scope: blocks", "MLP has no `blocks`", "compile.scope=model"]),
+])
+def test_bad_compile_settings_fail_in_one_line(tmp_path: Path, run_dir: Path, overrides: list[str],
+                                                fragments: list[str]) -> None:
+    run = train(run_dir, *compile_args(tmp_path), *overrides, "trainer.max_steps=2")
+    one_line_error(run, *fragments)
+
+
+@pytest.mark.parametrize(("overrides", "fragment"), [
+    (["compile.backend=eager", "compile.mode=max-autotune"], "compile.mode: only the inductor backend takes a mode"),
+    (["compile.backend=cudagraphs"], "compile.backend: cudagraphs uses CUDA graphs"),
+    (["data.seq_lens=[8,64]"], "data.seq_lens: each length must be in [1, data.seq_len=32]"),
+    ([*MLP, "data.seq_lens=[8]"], "data.seq_lens: varies sequence lengths"),
+])
+def test_validation_names_the_key(overrides: list[str], fragment: str) -> None:
+    from hydra import compose, initialize_config_dir
+
+    from trainflow.config import validate
+
+    base = [] if "model=mlp" in overrides else GPT
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose("train", overrides=[*base, "compile=default", *overrides])
+    with pytest.raises(ConfigError) as err:
+        validate(cfg)
+    assert str(err.value).startswith(fragment), str(err.value)
+
+
+def test_inductor_end_to_end_with_a_cold_cache(tmp_path: Path, run_dir: Path) -> None:
+    """The one real inductor compile of the suite: a tiny MLP, a fresh cache, the numerics gate on."""
+    cache = tmp_path / "inductor"
+    run = train(run_dir, *MLP, *compile_args(tmp_path, "inductor"), "compile.fullgraph=true", "compile.check=true",
+                "trainer.max_steps=6")
+    assert run.returncode == 0, run.stderr
+    report = run.summary["compile"]
+    assert report["backend"] == "inductor" and report["graph_breaks"]["count"] == 0
+    check = report["check"]
+    assert check["passed"] and check["loss_rel_error"] < 1e-4 and check["grad_rel_error_max"] < 1e-4
+    assert check["grads_compared"] == 4
+    assert report["cache"]["dir"] == str(cache) and report["cache"]["state"] == "cold"
+    assert report["cache"]["misses"] >= 2  # forward and backward graphs compiled, then stored
+    assert any(cache.rglob("*.py")), "inductor wrote no code into the persistent cache"
+    # the compile ran inside the check's compiled pass, so it dwarfs a steady step
+    assert report["compile_time_s"] > 10 * report["steady_step_time_s"]
+    assert check["compiled_pass_s"] >= 0.5 * report["compile_time_s"]
+
+
+@pytest.mark.slow
+def test_warm_cache_makes_the_second_first_step_fast(tmp_path: Path) -> None:
+    args = [*MLP, *compile_args(tmp_path, "inductor"), "trainer.max_steps=4"]
+    cold = train(tmp_path / "cold", *args).summary["compile"]
+    warm = train(tmp_path / "warm", *args).summary["compile"]
+    assert cold["cache"]["state"] == "cold" and warm["cache"]["state"] == "warm"
+    assert warm["first_step_s"] < 0.5 * cold["first_step_s"]
+    assert warm["compile_time_s"] < 0.5 * cold["compile_time_s"]
+
+
+# --- in process: dynamo logic on the built-in models ----------------------------------------------
+
+
+@pytest.fixture
+def fresh_dynamo(monkeypatch: pytest.MonkeyPatch):
+    """dynamo's caches and counters are per process: start each test as a new process would."""
+    import torch._dynamo
+    from torch._dynamo.utils import clear_compilation_metrics, counters
+
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)  # the Compiler sets it; keep it out of other tests
+
+    def reset() -> None:
+        torch._dynamo.reset()
+        counters.clear()
+        clear_compilation_metrics()
+
+    reset()
+    yield
+    reset()
+
+
+def make_compiler(tmp_path: Path, **compile_cfg: object):
+    from trainflow.compiler import Compiler
+
+    cfg: DictConfig = OmegaConf.create({
+        "compile": OmegaConf.merge(OmegaConf.structured(CompileConfig),
+                                   {"enabled": True, "backend": "eager", "cache_dir": str(tmp_path), **compile_cfg}),
+        "trainer": {"precision": "fp32", "grad_accum": 1, "warmup_steps": 0},
+        "data": {"seq_lens": None},
+    })
+    return Compiler(cfg, CPU_ENV, tmp_path)
+
+
+@pytest.mark.parametrize(("scope", "dynamic", "backend", "recompiles"), [
+    ("model", False, "eager", 1),  # static: the second length compiles again
+    ("model", True, "eager", 0),  # dynamic: one graph for both lengths
+    ("blocks", None, "eager", 1),  # automatic dynamic: the second length recompiles once, as dynamic
+])
+def test_gpt_compiles_with_fullgraph_and_no_breaks(fresh_dynamo: None, tmp_path: Path, scope: str,
+                                                   dynamic: bool | None, backend: str, recompiles: int) -> None:
+    from trainflow.models.gpt import GPT as GPTModel
+
+    torch.manual_seed(0)
+    model = GPTModel(n_layer=3, n_embd=32, n_head=2, block_size=32)
+    compiler = make_compiler(tmp_path, fullgraph=True, dynamic=dynamic, scope=scope, backend=backend)
+    assert compiler.apply(model) is model
+    assert list(dict(model.named_parameters())) == list(dict(GPTModel(n_layer=3, n_embd=32, n_head=2,
+                                                                       block_size=32).named_parameters()))
+    for length in (16, 32, 16):
+        model(torch.randint(256, (2, length))).sum().backward()
+    report = compiler.report()
+    assert report["graph_breaks"]["count"] == 0
+    assert report["recompiles"]["count"] == recompiles, report["recompiles"]
+    # blocks share one code object: the three blocks reuse one graph instead of compiling three
+    assert report["graphs"] == 1 + recompiles
+    assert report["frames_compiled"] == 1 + recompiles
+
+
+def test_mlp_compiles_with_fullgraph(fresh_dynamo: None, tmp_path: Path) -> None:
+    from trainflow.models.mlp import MLP as MLPModel
+
+    model = MLPModel()
+    compiler = make_compiler(tmp_path, fullgraph=True, dynamic=True, backend="aot_eager")
+    compiler.apply(model)
+    for batch in (8, 16):
+        model(torch.randn(batch, 100)).sum().backward()
+    report = compiler.report()
+    assert (report["graphs"], report["graph_breaks"]["count"], report["recompiles"]["count"]) == (1, 0, 0)
+
+
+def test_cache_dir_is_expanded_and_exported_for_inductor(fresh_dynamo: None, tmp_path: Path) -> None:
+    target = tmp_path / "nested" / "cache"
+    compiler = make_compiler(tmp_path, cache_dir=str(target))
+    assert compiler.cache_dir == str(target) and target.is_dir()
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(target)
+
+
+# --- variable sequence lengths --------------------------------------------------------------------
+
+
+def test_seq_lens_cut_micro_batches_by_stream_position() -> None:
+    data = SyntheticTokens(num_samples=64, vocab_size=256, seq_len=16, seed=0)
+    cfg = OmegaConf.create({"num_workers": 0, "persistent_workers": False, "prefetch_factor": None,
+                            "seq_lens": [4, 8, 16]})
+    uncut = OmegaConf.merge(cfg, {"seq_lens": None})
+    full = iter(make_loader(data, StreamSampler(64, 4, 0, 2, seed=1), uncut, False))
+    cut = iter(make_loader(data, StreamSampler(64, 4, 0, 2, seed=1), cfg, False))
+    for k in range(5):
+        (x_full, y_full), (x, y) = next(full), next(cut)
+        n = (4, 8, 16)[k % 3]
+        assert x.shape == y.shape == (4, n) and x.is_contiguous()
+        assert torch.equal(x, x_full[:, :n]) and torch.equal(y, y_full[:, :n])  # same samples, in order
+    # resuming at stream position 5 micro-batches (4 samples x 2 ranks each) continues the length cycle
+    resumed = iter(make_loader(data, StreamSampler(64, 4, 0, 2, seed=1, start=5 * 4 * 2), cfg, False))
+    assert [next(resumed)[0].shape[1] for _ in range(3)] == [16, 4, 8]
+
+
+# --- with the parallel strategies -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("strategy", "scope"), [
+    ("fsdp", "blocks"),  # fully_shard per block, then each block compiled in place: hooks stay eager
+    pytest.param("ddp", "model", marks=pytest.mark.slow),  # the module inside DDP compiles whole
+])
+def test_compiled_parallel_training_matches_one_eager_process(tmp_path: Path, run_dir: Path, strategy: str,
+                                                              scope: str) -> None:
+    run = train(run_dir, *GPT, *compile_args(tmp_path, "aot_eager"), f"compile.scope={scope}",
+                "compile.fullgraph=true", f"parallelism={strategy}", "parallelism.nproc_per_node=2",
+                "parallelism.check=true", "parallelism.check_steps=3", "trainer.max_steps=4")
+    assert run.returncode == 0, run.stderr[-3000:]
+    summary = run.summary
+    parity = summary["parallelism"]["check"]
+    assert parity["passed"] and parity["param_rel_diff"] < 1e-5, parity  # vs an eager single-process reference
+    report = summary["compile"]
+    assert report["graph_breaks"]["count"] == 0 and report["eager_frames"] == []
+    assert report["frames_compiled"] == 1  # the blocks share one compiled frame / the model compiles as one
+
+
+@pytest.mark.slow
+def test_fsdp_with_whole_model_scope_says_what_runs_eager(tmp_path: Path, run_dir: Path) -> None:
+    run = train(run_dir, *GPT, *compile_args(tmp_path, "aot_eager"), "parallelism=fsdp",
+                "parallelism.nproc_per_node=2", "trainer.max_steps=3")
+    assert run.returncode == 0, run.stderr[-3000:]
+    report = run.summary["compile"]
+    from trainflow.models.gpt import GPT as GPTModel
+
+    forward_line = inspect.getsourcelines(GPTModel.forward)[1]
+    assert [f["location"] for f in report["eager_frames"]] == [f"src/trainflow/models/gpt.py:{forward_line}"]
+    assert "compile.scope=blocks" in logged(run)

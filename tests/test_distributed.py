@@ -1,0 +1,376 @@
+"""The scale stage: DDP and FSDP2 on real gloo process groups, started by train.py itself or by torchrun."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import ROOT, TINY_GPT, Run, train
+from omegaconf import OmegaConf
+
+from trainflow.models.gpt import GPT
+
+# Random tokens: nothing to learn, but every parity comparison is as strict as on text, and no corpus to read.
+SMALL = [*TINY_GPT, "data=synthetic", "data.num_samples=4096", "trainer.eval_steps=2", "trainer.max_steps=4"]
+# The seed article's MLP: a user model without `blocks`.
+MLP_SMALL = ["experiment=seed_mlp", "logger=none", "trainer.max_steps=4", "trainer.warmup_steps=0",
+             "trainer.log_every=1", "data.num_samples=4096"]
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
+TOLERANCE = 1e-4
+
+
+class FailingGPT(GPT):
+    """A GPT whose forward raises on rank TEST_FAIL_RANK at call TEST_FAIL_AT_CALL (first attempt only)."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.calls = 0
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if (os.environ.get("RANK") == os.environ.get("TEST_FAIL_RANK")
+                and self.calls == int(os.environ.get("TEST_FAIL_AT_CALL", "2"))
+                and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"):
+            raise RuntimeError(f"injected failure on rank {os.environ['RANK']}")
+        return super().forward(idx)
+
+
+def _env(**extra: str) -> dict[str, str]:
+    """Let workers import this module (FailingGPT) by name."""
+    path = os.pathsep.join(p for p in (str(ROOT / "tests"), os.environ.get("PYTHONPATH")) if p)
+    return {"PYTHONPATH": path, **extra}
+
+
+def _run_in(cwd: Path, command: list[str], env: dict | None = None, timeout: float = 300
+            ) -> subprocess.CompletedProcess:
+    """Run without hydra.run.dir, so the run directory is the one trainflow agrees on under ./outputs."""
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    full_env.pop("HYDRA_FULL_ERROR", None)
+    return subprocess.run(command, cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout)
+
+
+def _the_one_run_dir(cwd: Path) -> Run:
+    dirs = [p.parent for p in (cwd / "outputs").glob("*/*/.hydra")]
+    made = sorted(str(p.relative_to(cwd)) for p in (cwd / "outputs").glob("*/*"))
+    assert len(dirs) == 1 and len(made) == 1, made
+    assert len(list(cwd.rglob("summary.json"))) == 1
+    return Run(0, "", "", dirs[0])
+
+
+def _check(summary: dict, world_size: int) -> dict:
+    """The run's own parity check against one process passed, with numbers."""
+    par = summary["parallelism"]
+    check = par["check"]
+    assert check["passed"] is True, check
+    assert check["loss_rel_diff"] <= TOLERANCE and check["param_rel_diff"] <= TOLERANCE
+    assert check["steps"] == 3 and len(check["losses"]) == 3
+    assert par["world_size"] == summary["world_size"] == world_size
+    assert par["global_batch"] == summary["global_batch"] == par["per_rank_batch"] * world_size * par["grad_accum"]
+    assert par["samples_per_sec_per_rank"] == pytest.approx(par["samples_per_sec_total"] / world_size)
+    assert par["samples_per_sec_total"] == pytest.approx(summary["steady_state"]["samples_per_sec"])
+    return par
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# --- parity, accumulation, one run directory -------------------------------------------------------------------
+
+
+def test_self_launched_ddp_with_accumulation_equals_one_process_on_the_whole_batch(tmp_path: Path) -> None:
+    """`python train.py parallelism=ddp` starts 2 workers itself; 2 ranks x 4 x 2 micro-steps == 1 process x 16."""
+    launched = _run_in(tmp_path, [sys.executable, str(ROOT / "train.py"), *SMALL, "parallelism=ddp",
+                                  "parallelism.nproc_per_node=2", "parallelism.check=true", "trainer.batch_size=4",
+                                  "trainer.grad_accum=2"])
+    assert launched.returncode == 0, launched.stderr
+    ddp = _the_one_run_dir(tmp_path)
+    par = _check(ddp.summary, 2)
+    assert (par["strategy"], par["per_rank_batch"], par["grad_accum"], par["global_batch"]) == ("ddp", 4, 2, 16)
+    log = (ddp.run_dir / "train.log").read_text()
+    assert log.count("step 1/4") == 1 and "starting 2 ddp workers" in log  # rank 0 speaks, once
+
+    single = train(tmp_path / "single", *SMALL, "trainer.batch_size=16")
+    assert single.returncode == 0, single.stderr
+    assert len(ddp.losses()) == len(single.losses()) == 4
+    for a, b in zip(ddp.losses(), single.losses(), strict=True):
+        assert abs(a - b) <= TOLERANCE * abs(b)
+
+
+@pytest.mark.parametrize(
+    ("strategy", "extra"),
+    [("ddp", ["trainer.batch_size=8"]),
+     ("fsdp", ["trainer.batch_size=4", "trainer.grad_accum=2", "parallelism.activation_checkpointing=full"])],
+    ids=["ddp", "fsdp-accum-checkpointing"],
+)
+def test_three_ranks_match_one_process(run_dir: Path, strategy: str, extra: list[str]) -> None:
+    run = train(run_dir, *SMALL, f"parallelism={strategy}", "parallelism.nproc_per_node=3", "parallelism.check=true",
+                *extra)
+    assert run.returncode == 0, run.stderr
+    par = _check(run.summary, 3)
+    assert par["strategy"] == strategy and par["global_batch"] == 24
+
+
+def test_torchrun_fsdp_shares_one_run_directory(tmp_path: Path) -> None:
+    proc = _run_in(tmp_path, [*TORCHRUN, "--standalone", "--nproc_per_node=2", str(ROOT / "train.py"), *SMALL,
+                              "parallelism=fsdp", "parallelism.check=true"])
+    assert proc.returncode == 0, proc.stderr
+    run = _the_one_run_dir(tmp_path)
+    par = _check(run.summary, 2)
+    assert par["strategy"] == "fsdp" and par["nodes"] == 1
+    assert (run.run_dir / ".hydra" / "config.yaml").exists() and (run.run_dir / "config.yaml").exists()
+    log = (run.run_dir / "train.log").read_text()
+    assert log.count("step 1/4") == 1 and "fsdp: 2 shard units + root over 2 ranks" in log
+    assert proc.stdout.count("step 1/4") == 1  # the other rank stays quiet on the console too
+
+
+def test_two_nodes_rendezvous_on_loopback(tmp_path: Path) -> None:
+    """Two torchrun agents (one per simulated node) meet through a c10d rendezvous and train as one job."""
+    port = _free_port()
+    node = [*TORCHRUN, "--nnodes=2", "--nproc_per_node=1", "--rdzv_backend=c10d",
+            f"--rdzv_endpoint=127.0.0.1:{port}", f"--rdzv_id=two-nodes-{port}", str(ROOT / "train.py"), *SMALL,
+            "parallelism=ddp", "parallelism.check=true"]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    procs = [subprocess.Popen(node, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    outputs = [p.communicate(timeout=300) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outputs
+    run = _the_one_run_dir(tmp_path)
+    par = _check(run.summary, 2)
+    assert par["nodes"] == 2
+
+
+# --- failures ----------------------------------------------------------------------------------------------------
+
+
+def test_a_failing_rank_is_named_with_its_traceback(run_dir: Path) -> None:
+    run = train(run_dir, *SMALL, "parallelism=ddp", "parallelism.nproc_per_node=2",
+                "model._target_=test_distributed.FailingGPT", env=_env(TEST_FAIL_RANK="1"), timeout=120)
+    assert run.returncode == 2
+    lines = run.stderr.strip().splitlines()
+    first = next(i for i, line in enumerate(lines) if line.startswith("Error:"))
+    assert lines[first].startswith("Error: rank 1 failed: RuntimeError: injected failure on rank 1")
+    assert lines[first + 1] == f"--- traceback of rank 1 (pid {lines[first + 1].split('pid ')[1]}"
+    traceback = "\n".join(lines[first + 1:])
+    assert "in forward" in traceback and 'raise RuntimeError(f"injected failure' in traceback
+    assert not (run_dir / "summary.json").exists()
+
+
+def test_torchrun_restart_rejoins_the_group_and_the_run_directory(tmp_path: Path) -> None:
+    """Rank 1 dies in the first attempt; torchrun restarts both ranks, the new group forms, the run completes."""
+    proc = _run_in(tmp_path, [*TORCHRUN, "--standalone", "--nproc_per_node=2", "--max-restarts=1",
+                              str(ROOT / "train.py"), *SMALL, "parallelism=ddp",
+                              "model._target_=test_distributed.FailingGPT"], env=_env(TEST_FAIL_RANK="1"))
+    assert proc.returncode == 0, proc.stderr
+    assert "injected failure on rank 1" in proc.stderr  # the first attempt really failed
+    run = _the_one_run_dir(tmp_path)
+    assert run.summary["steps"] == 4 and run.summary["world_size"] == 2
+
+
+# --- bad input ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        (["parallelism=ddp"], "parallelism.nproc_per_node: ddp needs 2 or more processes, got 1 (auto is one "
+         "process per GPU, and at most one GPU is visible); set parallelism.nproc_per_node=2 or more, or use "
+         "parallelism=single"),
+        (["parallelism=ddp", "parallelism.nproc_per_node=2", "parallelism.backend=nccl"],
+         "parallelism.backend: nccl needs CUDA GPUs, but this run is on cpu; use parallelism.backend=gloo (or auto)"),
+        (["parallelism=ddp", "parallelism.nproc_per_node=2", "trainer.grad_accum=2", "parallelism.global_batch=30"],
+         "parallelism.global_batch: 30 does not divide into 2 ranks x 2 accumulation steps; use a multiple of 4, "
+         "e.g. 28 or 32"),
+        (["parallelism=fsdp", "parallelism.nproc_per_node=2", "parallelism.fsdp.wrap=blocks", "model=mlp"],
+         "parallelism.fsdp.wrap: blocks shards each module of model.blocks, and MLP has none; use "
+         "parallelism.fsdp.wrap=size (or auto) (rank N)"),  # found in the workers (the model is built there)
+    ],
+    ids=["ddp-one-process", "nccl-on-cpu", "global-batch-indivisible", "wrap-blocks-without-blocks"],
+)
+def test_bad_parallel_input_is_one_clear_line(run_dir: Path, overrides: list[str], expected: str) -> None:
+    if torch.cuda.is_available():
+        pytest.skip("written for a machine without GPUs")
+    base = MLP_SMALL if "model=mlp" in overrides else SMALL
+    run = train(run_dir, *base, *(o for o in overrides if o != "model=mlp"), timeout=120)
+    assert run.returncode == 2, run.stderr
+    errors = [line for line in run.stderr.splitlines() if line.startswith("Error:")]
+    if expected.endswith("(rank N)"):  # every rank hits it; the first to report it is named
+        assert len(errors) == 1 and re.fullmatch(re.escape(f"Error: {expected[:-2]}") + r"[01]\)", errors[0]), errors
+    else:
+        assert errors == [f"Error: {expected}"]
+    assert "Traceback" not in run.stderr + run.stdout
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        (["parallelism=fsdp", "parallelism.nproc_per_node=1"], "parallelism.nproc_per_node: fsdp needs 2 or more "
+         "processes, got 1 (one was asked for); set parallelism.nproc_per_node=2 or more, or use parallelism=single"),
+        (["parallelism.nproc_per_node=2"], "parallelism.nproc_per_node: parallelism=single runs one process; got 2: "
+         "use parallelism=ddp or parallelism=fsdp for 2 processes"),
+        (["parallelism.check=true"], "parallelism.check: compares ddp/fsdp with one process, so parallelism=single "
+         "has nothing to compare; set it to false"),
+        (["parallelism=fsdp", "parallelism.nproc_per_node=2", "parallelism.fsdp.cpu_offload=true"],
+         "parallelism.fsdp.cpu_offload: the run is on CPU already, so there is nothing to offload to; set it to false"),
+        (["parallelism=fsdp", "parallelism.fsdp.param_dtype=int8"],
+         "parallelism.fsdp.param_dtype: must be null, fp32, bf16 or fp16; got 'int8'"),
+        (["parallelism.strategy=zero3"], "parallelism.strategy: must be one of single, ddp, fsdp; got 'zero3'"),
+        (["parallelism=ddp", "parallelism.nproc_per_node=0"],
+         "parallelism.nproc_per_node: must be a positive integer or auto; got 0"),
+    ],
+    ids=["fsdp-one-process", "single-two-processes", "check-single", "cpu-offload-on-cpu", "bad-dtype",
+         "unknown-strategy", "zero-processes"],
+)
+def test_bad_parallel_values_are_refused_before_any_worker_starts(overrides: list[str], expected: str) -> None:
+    """The same checks the launching process runs before it starts workers, on a composed config, in process."""
+    from hydra import compose, initialize_config_dir
+
+    from trainflow.config import validate
+    from trainflow.distributed import _preflight, resolve_nproc
+    from trainflow.errors import ConfigError
+
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose("train", overrides=[*SMALL, *overrides])
+    with pytest.raises(ConfigError) as error:
+        validate(cfg)
+        cpu = torch.device("cpu")
+        nproc = resolve_nproc(cfg.parallelism, cpu)
+        _preflight(cfg, cpu, nproc, nproc, "trainflow")
+    assert str(error.value) == expected
+
+
+def test_checkpointing_needs_blocks() -> None:
+    from trainflow.distributed import checkpoint_blocks
+    from trainflow.errors import ConfigError
+    from trainflow.models.mlp import MLP
+
+    with pytest.raises(ConfigError, match=r"^parallelism.activation_checkpointing: full recomputes each module of "
+                                          r"model.blocks, and MLP has no `blocks` list; set it to off$"):
+        checkpoint_blocks(MLP())
+
+
+def test_more_processes_than_gpus_is_refused() -> None:
+    """The GPU count is an argument here: this machine has none to run out of."""
+    from trainflow.distributed import check_nproc
+    from trainflow.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"^parallelism.nproc_per_node: 3 processes need 3 GPUs, but 2 are "
+                                          r"visible; set parallelism.nproc_per_node=2 \(or auto\)$"):
+        check_nproc(3, "cuda", 2)
+    check_nproc(2, "cuda", 2)
+    check_nproc(8, "cpu", 0)  # gloo processes on CPU need no GPU
+
+
+def _cfg(**parallelism) -> OmegaConf:
+    from trainflow.config import TrainConfig
+
+    cfg = OmegaConf.structured(TrainConfig)
+    cfg.model = {"_target_": "trainflow.models.gpt.GPT"}
+    cfg.parallelism.merge_with(parallelism)
+    return cfg
+
+
+def test_bf16_on_a_cpu_without_native_bf16_warns_with_the_measured_slowdown() -> None:
+    from trainflow.distributed import bf16_warning
+
+    cfg = _cfg(strategy="fsdp", fsdp={"param_dtype": "bf16"})
+    cfg.trainer.precision = "bf16"
+    message = bf16_warning(cfg, torch.device("cpu"), flags=frozenset({"avx2"}))
+    assert message.startswith("trainer.precision, parallelism.fsdp.param_dtype=bf16: this CPU has no native bf16")
+    ratio = float(message.split("measured ")[1].split("x the time")[0])
+    assert 0 < ratio < 100
+    assert bf16_warning(cfg, torch.device("cpu"), flags=frozenset({"avx2", "avx512_bf16"})) is None
+    cfg.trainer.precision, cfg.parallelism.fsdp.param_dtype = "fp32", None
+    assert bf16_warning(cfg, torch.device("cpu"), flags=frozenset()) is None
+
+
+def test_bf16_warning_matches_this_cpu(run_dir: Path) -> None:
+    from trainflow.distributed import cpu_flags
+
+    run = train(run_dir, *SMALL, "trainer.precision=bf16", "trainer.max_steps=1", "trainer.warmup_steps=0")
+    assert run.returncode == 0, run.stderr
+    native = bool((cpu_flags() or frozenset()) & {"avx512_bf16", "amx_bf16"})
+    warned = "this CPU has no native bf16" in run.stdout + run.stderr
+    assert warned is not native
+
+
+# --- pieces, in process ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_rank_shards_are_disjoint_and_cover_the_one_process_stream(world_size: int) -> None:
+    """Across an epoch boundary too: each epoch is reshuffled (the sampler's set_epoch is its position)."""
+    from trainflow.data import StreamSampler
+
+    n, b, micro_steps = 50, 4, 13  # at least 13 x 4 x 2 = 104 samples: more than two epochs of 50
+    one = iter(StreamSampler(n, b * world_size, 0, 1, seed=5))
+    ranks = [iter(StreamSampler(n, b, r, world_size, seed=5)) for r in range(world_size)]
+    seen = []
+    for _ in range(micro_steps):
+        shards = [next(it).tolist() for it in ranks]
+        assert sum(shards, []) == next(one).tolist()  # rank r holds the r-th slice of the global micro-batch
+        seen.extend(sum(shards, []))
+    for epoch in range(2):
+        assert sorted(seen[epoch * n:(epoch + 1) * n]) == list(range(n))  # each epoch: every sample once
+    assert seen[:n] != seen[n:2 * n]  # and reshuffled
+
+
+def test_activation_checkpointing_recomputes_blocks_with_equal_gradients() -> None:
+    from trainflow.distributed import checkpoint_blocks
+
+    def grads_and_forward_calls(checkpointed: bool) -> tuple[list[torch.Tensor], int]:
+        torch.manual_seed(0)
+        model = GPT(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
+        if checkpointed:
+            checkpoint_blocks(model)
+        calls = []
+        for block in model.blocks:
+            block.mlp[0].register_forward_hook(lambda *_: calls.append(1))  # (recomputation stops after mlp[2])
+        idx = torch.randint(64, (4, 16))
+        torch.nn.functional.cross_entropy(model(idx).flatten(0, 1), idx.flatten()).backward()
+        return [p.grad for p in model.parameters()], len(calls)
+
+    plain, plain_calls = grads_and_forward_calls(False)
+    ckpt, ckpt_calls = grads_and_forward_calls(True)
+    assert (plain_calls, ckpt_calls) == (2, 4)  # each block's forward ran again in backward
+    for a, b in zip(plain, ckpt, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    model = GPT(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
+    names = list(model.state_dict())
+    checkpoint_blocks(model)
+    assert list(model.state_dict()) == names  # checkpoints do not notice it
+
+
+def test_size_wrapping_for_models_without_blocks() -> None:
+    from trainflow.distributed import shard_units
+    from trainflow.models.mlp import MLP
+
+    mlp = MLP()  # Linear(100, 256): 25856 parameters, Linear(256, 10): 2570
+    assert shard_units(mlp, "size", 2000) == [mlp.net[0], mlp.net[2]]
+    assert shard_units(mlp, "auto", 10_000) == [mlp.net[0]]
+    assert shard_units(mlp, "size", 1_000_000) == []  # the root alone
+    gpt = GPT(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
+    assert shard_units(gpt, "auto", 1) == list(gpt.blocks)
+    # >= 1000 parameters: each block's qkv (3168), proj (1056), mlp.0 (4224), mlp.2 (4128). tok_emb (2048) is
+    # tied to head, so it stays with the root.
+    expected = [m for b in gpt.blocks for m in (b.attn.qkv, b.attn.proj, b.mlp[0], b.mlp[2])]
+    assert shard_units(gpt, "size", 1000) == expected
+
+
+def test_fsdp_size_wrapped_user_model_matches_one_process(run_dir: Path) -> None:
+    run = train(run_dir, *MLP_SMALL, "parallelism=fsdp", "parallelism.nproc_per_node=2",
+                "parallelism.fsdp.min_params=2000", "parallelism.fsdp.reshard_after_forward=false",
+                "parallelism.check=true")
+    assert run.returncode == 0, run.stderr
+    _check(run.summary, 2)
+    assert "fsdp: 2 shard units + root over 2 ranks" in (run_dir / "train.log").read_text()
+    assert json.loads(json.dumps(run.summary["config"]["parallelism"]["fsdp"]))["min_params"] == 2000

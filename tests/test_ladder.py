@@ -1,0 +1,200 @@
+"""The workflow ladder end to end: every rung as a real process, the gates from real files, a broken rung.
+
+One smoke ladder (benchmarks/gpu_ladder.sh --smoke: the tiny GPT, 16 steps, all seven rungs on CPU, ddp and
+fsdp on 2 processes) is shared by the tests that read its report. Gate logic is also exercised by altering a
+copy of that sweep's files and running `trainflow report` on it. A rung broken for real (a compile backend
+with wrong numerics, defined here) must fail its gate and the sweep's exit code.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import ROOT
+
+HERE = Path(__file__).resolve().parent
+GATES = ["baseline.learns", "compile.numerics", "compile.loss_parity", "compile.graph_breaks", "compile.recompiles",
+         "profile.next_step", "scale.ddp", "scale.fsdp", "checkpoint.restore", "checkpoint.resume_losses"]
+RUNGS = ["baseline", "compile", "profile", "ddp", "fsdp", "checkpoint", "resume"]
+TINY = ["model.n_layer=2", "model.n_embd=64", "model.n_head=2", "model.block_size=32", "trainer.batch_size=8",
+        "trainer.max_steps=8", "trainer.warmup_steps=2", "trainer.eval_steps=2", "logger=none"]
+
+
+def skewed_backend(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]) -> Callable:
+    """A deliberately broken compiler: every floating-point output of a compiled graph comes out 1% too large."""
+
+    def run(*args: torch.Tensor) -> tuple:
+        return tuple(o * 1.01 if isinstance(o, torch.Tensor) and o.is_floating_point() else o for o in gm(*args))
+
+    return run
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
+    return {**env, "PYTHONUNBUFFERED": "1", **extra}
+
+
+def png_size(path: Path) -> tuple[int, int]:
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR", f"{path} is not a PNG"
+    return struct.unpack(">II", data[16:24])
+
+
+def gates_of(report: dict) -> dict[str, dict]:
+    return {g["name"]: g for g in report["gates"]}
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.CompletedProcess, Path, Path]:
+    """`bash benchmarks/gpu_ladder.sh --smoke` on CPU, as CI and a user would run it; the report copied to $OUT."""
+    base = tmp_path_factory.mktemp("ladder")
+    out, sweep = base / "out", base / "sweep"
+    proc = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_ladder.sh"), "--smoke"], cwd=ROOT,
+                          env=clean_env(OUT=str(out), SWEEP_DIR=str(sweep), PYTHON=sys.executable),
+                          capture_output=True, text=True, timeout=900)
+    return proc, out, sweep
+
+
+def test_smoke_ladder_runs_every_rung_and_passes_every_gate(smoke) -> None:
+    proc, out, sweep = smoke
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert sorted(p.name for p in out.iterdir()) == ["console.log", "report.json", "report.md", "report.png"]
+    report = json.loads((out / "report.json").read_text())
+    assert report["passed"] is True
+    assert [r["stage"] for r in report["runs"]] == RUNGS and report["baseline"] == "0"
+    assert all(r["status"] == "finished" for r in report["runs"])
+    gates = gates_of(report)
+    assert list(gates) == GATES
+    for name, gate in gates.items():
+        assert gate["status"] == "PASS" or (name == "compile.graph_breaks" and gate["status"] == "WARN"), gate
+        assert gate["numbers"] and any(ch.isdigit() for ch in gate["detail"]), gate
+    assert gates["compile.numerics"]["numbers"]["loss_rel_error"] <= gates["compile.numerics"]["numbers"]["tolerance"]
+    for name in ("compile.loss_parity", "scale.ddp", "scale.fsdp"):
+        numbers = gates[name]["numbers"]
+        assert numbers["steps_compared"] == 16 and numbers["max_rel_diff"] <= numbers["tolerance"] == 1e-3
+    assert gates["scale.ddp"]["numbers"]["world_size"] == gates["scale.fsdp"]["numbers"]["world_size"] == 2
+    assert gates["profile.next_step"]["numbers"]["action"] in gates["profile.next_step"]["detail"]
+    restore = gates["checkpoint.restore"]["numbers"]
+    assert restore == {"verified": True, "resumed_from_step": 8, "expected_step": 8, "first_step_equal": True}
+    assert gates["checkpoint.resume_losses"]["numbers"] == {"steps_compared": 8, "max_abs_diff": 0.0,
+                                                           "tolerance": 0.0, "missing_steps": 0}
+    assert report == json.loads((sweep / "report.json").read_text())
+
+
+def test_each_rung_ran_in_its_own_process_with_its_own_settings(smoke) -> None:
+    _, _, sweep = smoke
+    summaries = {json.loads((d / "summary.json").read_text())["config"]["ladder"]["stage"]: json.loads(
+        (d / "summary.json").read_text()) for d in sweep.iterdir() if (d / "summary.json").exists()}
+    assert sorted(summaries) == sorted(RUNGS)
+    for stage in RUNGS:
+        assert (sweep / str(RUNGS.index(stage)) / ".process" / "console.log").exists()
+    assert {s["global_batch"] for s in summaries.values()} == {8}  # the same global batch on every rung
+    assert summaries["ddp"]["parallelism"]["per_rank_batch"] == 4 and summaries["ddp"]["world_size"] == 2
+    assert summaries["compile"]["compile"]["enabled"] and not summaries["baseline"]["compile"]["enabled"]
+    assert summaries["profile"]["profiler"]["verdict"]["bound"]
+    assert summaries["checkpoint"]["checkpoint"]["steps_saved"] == [8, 16]
+    assert summaries["resume"]["resumed_from_step"] == 8 and summaries["resume"]["steps_this_run"] == 8
+
+
+def test_report_png_shows_every_rung(smoke) -> None:
+    _, out, _ = smoke
+    assert png_size(out / "report.png") == (1300, 500)
+    assert (out / "report.png").stat().st_size > 30_000
+    md = (out / "report.md").read_text()
+    for gate in GATES:
+        assert f"| {gate} | **" in md
+    assert "Result: all gates passed." in md and "## What the profiler recommends" in md
+
+
+def _bump_resumed_loss(sweep: Path) -> None:
+    path = sweep / "6" / "metrics.jsonl"
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    for m in lines:
+        if m.get("step") == 12 and "train/loss" in m:
+            m["train/loss"] += 1e-6
+    path.write_text("".join(json.dumps(m) + "\n" for m in lines))
+
+
+def _edit_summary(job: str, edit: Callable[[dict], None]) -> Callable[[Path], None]:
+    def apply(sweep: Path) -> None:
+        path = sweep / job / "summary.json"
+        summary = json.loads(path.read_text())
+        edit(summary)
+        path.write_text(json.dumps(summary))
+
+    return apply
+
+
+@pytest.mark.parametrize(("tamper", "gate", "fragment"), [
+    (_bump_resumed_loss, "checkpoint.resume_losses", "max |diff| 1e-06"),
+    (_edit_summary("1", lambda s: s["compile"]["check"].update(passed=False)), "compile.numerics", "loss rel. error"),
+    (_edit_summary("1", lambda s: s["compile"].update(recompile_limit_hit=True)), "compile.recompiles", "HIT"),
+    (_edit_summary("3", lambda s: s["parallelism"]["check"].update(passed=False)), "scale.ddp", "parameter rel. diff"),
+    (_edit_summary("2", lambda s: s["profiler"].update(verdict=None)), "profile.next_step", "no verdict"),
+    (_edit_summary("5", lambda s: s["checkpoint"].update(verified=False)), "checkpoint.restore", "NOT verified"),
+], ids=["resumed-loss", "compile-check", "recompile-limit", "ddp-parity", "no-profile", "unverified-save"])
+def test_a_bad_number_fails_its_gate_and_the_report_command(smoke, tmp_path: Path, tamper, gate: str,
+                                                            fragment: str) -> None:
+    _, _, sweep = smoke
+    copy = tmp_path / "sweep"
+    shutil.copytree(sweep, copy, ignore=shutil.ignore_patterns("checkpoints", "profile"))
+    tamper(copy)
+    proc = subprocess.run([sys.executable, "-c", "from trainflow.cli import main; main()", "report", str(copy)],
+                          cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert f"FAIL {gate}: " in proc.stdout and fragment in proc.stdout, proc.stdout
+    gates = gates_of(json.loads((copy / "report.json").read_text()))
+    assert [n for n, g in gates.items() if g["status"] == "FAIL"] == [gate]
+
+
+def test_a_broken_compile_rung_fails_its_gate_and_the_sweep(tmp_path: Path) -> None:
+    """A backend with wrong numerics: compile.check stops the compile rung, the sweep goes on and exits 1."""
+    sweep = tmp_path / "sweep"
+    pythonpath = os.pathsep.join(p for p in (str(HERE), os.environ.get("PYTHONPATH")) if p)
+    proc = subprocess.run([sys.executable, str(ROOT / "train.py"), "-m", "experiment=ladder", "ladder=baseline,compile",
+                           *TINY, "compile.backend=test_ladder.skewed_backend", f"hydra.sweep.dir={sweep}"],
+                          cwd=ROOT, env=clean_env(PYTHONPATH=pythonpath), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "job #1 failed (exit code 2): compile.check: compiled and eager results differ" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    report = json.loads((sweep / "report.json").read_text())
+    assert report["passed"] is False
+    assert [r["status"] for r in report["runs"]] == ["finished", "failed"]
+    gates = gates_of(report)
+    assert gates["baseline.learns"]["status"] == "PASS"
+    for name in ("compile.numerics", "compile.loss_parity", "compile.graph_breaks", "compile.recompiles"):
+        assert gates[name]["status"] == "FAIL" and "compile.check: compiled and eager results differ" in \
+            gates[name]["detail"], gates[name]
+    for name in ("profile.next_step", "scale.ddp", "scale.fsdp", "checkpoint.restore", "checkpoint.resume_losses"):
+        assert gates[name]["status"] == "NOT EVALUATED" and "not in this sweep" in gates[name]["detail"]
+    assert "| compile.numerics | **FAIL** |" in (sweep / "report.md").read_text()
+
+
+def test_bad_ladder_setting_is_one_line(tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, str(ROOT / "train.py"), "experiment=ladder", "ladder.nproc_per_node=1",
+                           *TINY, f"hydra.run.dir={tmp_path / 'run'}"], cwd=ROOT, env=clean_env(),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("Error: ladder.nproc_per_node: the scale stages need 2 or more"), \
+        proc.stderr
+
+
+def test_gpu_script_without_a_gpu_says_to_use_smoke(tmp_path: Path) -> None:
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible: the script would run the real ladder")
+    proc = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_ladder.sh")], cwd=ROOT,
+                          env=clean_env(PYTHON=sys.executable, SWEEP_DIR=str(tmp_path / "sweep")),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == f"gpu_ladder.sh: no CUDA GPU visible to {sys.executable}; run with --smoke for the " \
+                                  "CPU check"

@@ -1,0 +1,249 @@
+"""hydra/launcher=slurm against a real SLURM cluster (`launch/slurm/up.sh` starts a local one; CI does).
+
+Without SLURM's commands (a developer machine) the cluster tests skip; the sbatch script test runs everywhere.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import ROOT, TINY_GPT
+
+SLURM = ["hydra/launcher=slurm", "hydra.launcher.poll_interval_s=0.5"]
+# one job = 2 ranks on gloo, as SLURM tasks; timeout_min > 10 so that submitit takes USR2 for a preemption
+TWO_RANKS = ["hydra.launcher.tasks_per_node=2", "hydra.launcher.cpus_per_task=1", "hydra.launcher.timeout_min=15",
+             "parallelism=ddp", "data=synthetic"]
+RESUMABLE = ["checkpoint=dcp", "checkpoint.every_steps=50", "checkpoint.verify=false"]
+
+
+@pytest.fixture(scope="module")
+def cluster() -> None:
+    """Skip without SLURM's commands; fail when they exist but no cluster answers (CI starts one)."""
+    if shutil.which("sinfo") is None:
+        pytest.skip("SLURM is not installed here (no sinfo); CI starts a local cluster with launch/slurm/up.sh")
+    out = subprocess.run(["sinfo", "-h", "-o", "%t"], capture_output=True, text=True, timeout=30)
+    if out.returncode != 0 or not re.search(r"idle|mix|alloc", out.stdout):
+        pytest.fail(f"sinfo is installed but no SLURM node takes jobs ({(out.stderr or out.stdout).strip()[:200]}); "
+                    "start the local cluster: sudo bash launch/slurm/up.sh")
+
+
+needs_cluster = pytest.mark.usefixtures("cluster")
+
+
+def _env() -> dict[str, str]:
+    return {**{k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}, "PYTHONUNBUFFERED": "1"}
+
+
+def multirun(sweep_dir: Path, *overrides: str, timeout: float = 300, env: dict | None = None
+             ) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(ROOT / "train.py"), "-m", *overrides, f"hydra.sweep.dir={sweep_dir}"],
+                          cwd=ROOT, env=env or _env(), capture_output=True, text=True, timeout=timeout)
+
+
+def one_line_error(proc: subprocess.CompletedProcess) -> str:
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2 and len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    return lines[0]
+
+
+def losses_by_step(job_dir: Path) -> dict[int, float]:
+    """train/loss per step; a step logged by two attempts keeps the last one's value."""
+    out = {}
+    for line in (job_dir / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        if "train/loss" in record:
+            out[record["step"]] = record["train/loss"]
+    return out
+
+
+def slurm_ids(sweep_dir: Path) -> list[str]:
+    """The array elements' job ids, from submitit's log folders."""
+    folder = sweep_dir / ".submitit"
+    return sorted(p.name for p in folder.iterdir() if re.fullmatch(r"\d+_\d+", p.name)) if folder.exists() else []
+
+
+def sacct(job_id: str) -> tuple[str, int]:
+    """(final state, restarts) of a job as SLURM has it; waits while the accounting still says RUNNING."""
+    deadline = time.monotonic() + 60
+    while True:
+        out = subprocess.run(["sacct", "-n", "-X", "-P", "-j", job_id, "-o", "State"], capture_output=True,
+                             text=True, timeout=30).stdout.split()
+        state = out[-1] if out else "?"
+        if state not in ("RUNNING", "COMPLETING", "PENDING", "REQUEUED", "?") or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    show = subprocess.run(["scontrol", "show", "job", job_id], capture_output=True, text=True, timeout=30).stdout
+    restarts = re.search(r"Restarts=(\d+)", show)
+    return state, int(restarts.group(1)) if restarts else -1
+
+
+def test_sbatch_script_for_four_nodes_of_eight_gpus(tmp_path: Path) -> None:
+    """Inspected, not submitted: runs without a cluster."""
+    proc = multirun(tmp_path, *SLURM, "hydra.launcher.nodes=4", "hydra.launcher.gpus_per_node=8",
+                    "hydra.launcher.cpus_per_task=10", "hydra.launcher.mem_gb=480", "hydra.launcher.timeout_min=240",
+                    "hydra.launcher.partition=gpu", "hydra.launcher.constraint=h100",
+                    "+hydra.launcher.additional_parameters.exclusive=true", "hydra.launcher.setup=[module load nccl]",
+                    "hydra.launcher.dry_run=true", "trainer.seed=1,2", timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    script = (tmp_path / "dry_run.sbatch").read_text()
+    sbatch = {line for line in script.splitlines() if line.startswith("#SBATCH")}
+    assert {"#SBATCH --nodes=4", "#SBATCH --gpus-per-node=8", "#SBATCH --ntasks-per-node=8",  # one task per GPU
+            "#SBATCH --cpus-per-task=10", "#SBATCH --mem=480GB", "#SBATCH --time=240", "#SBATCH --partition=gpu",
+            "#SBATCH --constraint=h100", "#SBATCH --exclusive", "#SBATCH --requeue", "#SBATCH --signal=USR2@120",
+            "#SBATCH --array=0-1%2", "#SBATCH --job-name=train"} <= sbatch
+    lines = script.splitlines()
+    srun = next(line for line in lines if line.startswith("srun "))
+    assert lines.index("module load nccl") < lines.index(srun)
+    assert "--unbuffered" in srun and "%A_%a_%t_log.out" in srun  # one log per task (rank)
+    assert srun.endswith(f"-u -m submitit.core._submit {tmp_path}/.submitit/%j")
+    assert not (tmp_path / ".submitit").exists()  # nothing submitted
+
+
+@needs_cluster
+def test_sweep_of_two_jobs_each_on_two_ranks(tmp_path: Path) -> None:
+    proc = multirun(tmp_path, *TINY_GPT, *SLURM, *TWO_RANKS, "trainer.max_steps=4", "trainer.seed=1,2")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    ids = slurm_ids(tmp_path)
+    assert len(ids) == 2 and ids[0].split("_")[0] == ids[1].split("_")[0]  # one array
+    losses = []
+    for num, job_id in enumerate(ids):
+        job = tmp_path / str(num)
+        summary = json.loads((job / "summary.json").read_text())
+        assert summary["world_size"] == 2 and summary["steps"] == 4
+        assert summary["config"]["trainer"]["seed"] == num + 1
+        assert sacct(job_id)[0] == "COMPLETED"
+        hydra_cfg = (job / ".hydra" / "hydra.yaml").read_text()
+        assert f"id: '{job_id}'" in hydra_cfg or f"id: {job_id}" in hydra_cfg  # hydra.job.id is SLURM's job id
+        for rank in (0, 1):  # each rank was its own SLURM task, with the rank submitit derived from SLURM
+            log = (tmp_path / ".submitit" / job_id / f"{job_id}_{rank}_log.out").read_text()
+            assert f"global_rank={rank}(2)" in log
+        losses.append(losses_by_step(job))
+    assert losses[0] != losses[1] and len(losses[0]) == 4
+    submitted = next((tmp_path / ".submitit").rglob("*_submission.sh")).read_text()
+    assert "#SBATCH --ntasks-per-node=2" in submitted and "#SBATCH --requeue" in submitted
+
+
+def _wait_for_step(proc: subprocess.Popen, job_dir: Path, step: int, timeout: float) -> None:
+    """Block until the job in job_dir has logged `step` (training runs, the stop-signal handlers are in place)."""
+    deadline = time.monotonic() + timeout
+    while not (job_dir / "metrics.jsonl").exists() or max(losses_by_step(job_dir), default=0) < step:
+        assert proc.poll() is None, proc.communicate()[0][-4000:]
+        assert time.monotonic() < deadline, f"{job_dir} did not reach step {step} in {timeout} s"
+        time.sleep(0.2)
+
+
+@needs_cluster
+def test_preemption_signal_checkpoints_requeues_and_resumes_to_the_same_losses(tmp_path: Path) -> None:
+    """Two identical jobs; job 0 gets `scancel --signal=USR2` at step 3 of 120: every rank saves at the next step
+    boundary, the job is requeued, resumes from that checkpoint and ends with job 1's (uninterrupted) losses."""
+    cmd = [sys.executable, str(ROOT / "train.py"), "-m", *TINY_GPT, *SLURM, *TWO_RANKS, *RESUMABLE,
+           "trainer.max_steps=120", "trainer.seed=5,5", f"hydra.sweep.dir={tmp_path}"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        _wait_for_step(proc, tmp_path / "0", 3, timeout=180)
+        job_id = slurm_ids(tmp_path)[0]
+        subprocess.run(["scancel", "--signal=USR2", job_id], check=True, timeout=30)
+        out, _ = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, out[-5000:]
+    state, restarts = sacct(job_id)
+    assert state == "COMPLETED" and restarts == 1
+    preempted, reference = tmp_path / "0", tmp_path / "1"
+    summary = json.loads((preempted / "summary.json").read_text())
+    assert summary["steps"] == 120 and 3 <= summary["resumed_from_step"] < 50  # the step after the signal, not 0
+    assert summary["steps_this_run"] == 120 - summary["resumed_from_step"]
+    assert losses_by_step(preempted) == losses_by_step(reference)
+    assert summary["val"]["loss"] == json.loads((reference / "summary.json").read_text())["val"]["loss"]
+    rank_logs = "".join(p.read_text() for p in (tmp_path / ".submitit" / job_id).glob("*_log.*"))
+    assert "this job is preempted" in rank_logs and "Requeued job" in rank_logs  # submitit's path, not a timeout
+
+
+@pytest.mark.slow
+@needs_cluster
+def test_time_limit_checkpoints_requeues_and_resumes_to_the_same_losses(tmp_path: Path) -> None:
+    """timeout_min=1: SLURM's own notice before the time limit (USR2@50 s) stops the job with a checkpoint;
+    submitit counts a timeout and requeues; attempts continue until the run completes, with the reference losses."""
+    steps = ["trainer.max_steps=600", "model.n_embd=128", "trainer.log_every=10", "trainer.eval_every=0"]
+    reference = tmp_path / "reference"
+    local = subprocess.run([sys.executable, str(ROOT / "train.py"), *TINY_GPT, *steps, "parallelism=ddp",
+                            "parallelism.nproc_per_node=2", "data=synthetic", f"hydra.run.dir={reference}"],
+                           cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
+    assert local.returncode == 0, local.stderr[-3000:]
+    sweep = tmp_path / "sweep"
+    proc = multirun(sweep, *TINY_GPT, *steps, *SLURM, *TWO_RANKS[:2], "hydra.launcher.timeout_min=1",
+                    "hydra.launcher.signal_delay_s=50", "hydra.launcher.max_num_timeout=6", "parallelism=ddp",
+                    "data=synthetic", *RESUMABLE, "checkpoint.every_steps=50", timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (job_id,) = slurm_ids(sweep)
+    state, restarts = sacct(job_id)
+    assert state == "COMPLETED" and restarts >= 1
+    summary = json.loads((sweep / "0" / "summary.json").read_text())
+    assert summary["steps"] == 600 and summary["resumed_from_step"] is not None
+    assert losses_by_step(sweep / "0") == losses_by_step(reference)
+    rank_logs = "".join(p.read_text() for p in (sweep / ".submitit" / job_id).glob("*_log.*"))
+    assert "this job is timed-out" in rank_logs
+
+
+@needs_cluster
+def test_failed_job_comes_back_with_its_reason(tmp_path: Path) -> None:
+    proc = multirun(tmp_path, *TINY_GPT, *SLURM, "trainer.max_steps=2", "trainer.eval_steps=0,1")
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert json.loads((tmp_path / "1" / "summary.json").read_text())["steps"] == 2  # job 1 ran despite job 0
+    assert re.search(r"job #0 failed on SLURM \(job \d+_0, state FAILED\): "
+                     r"trainer\.eval_steps: must be a positive integer; got 0", proc.stderr), proc.stderr[-3000:]
+
+
+@needs_cluster
+@pytest.mark.parametrize(("overrides", "expected"), [
+    (["hydra.launcher.partition=nope"], r"Error: hydra\.launcher\.partition: SLURM has no partition 'nope'; pick one"),
+    (["hydra.launcher.mem_gb=100000"], r"Error: hydra\.launcher\.mem_gb: 100000 GB per node asked for, the nodes "
+                                       r"of partition \w+ have at most \d+ GB, so sbatch refused the jobs \(.*Memory"),
+    (["hydra.launcher.gpus_per_node=8"], r"Error: hydra\.launcher\.gpus_per_node: 8 GPUs per node asked for, the nodes "
+                                         r"of partition \w+ have at most 0, so sbatch refused the jobs"),
+    # accepted by sbatch, then pending forever: the launcher reads SLURM's pending reason, cancels, names the key
+    (["hydra.launcher.nodes=2"], r"Error: hydra\.launcher\.nodes: 2 nodes asked for, partition \w+ has 1, so SLURM "
+                                 r"would keep job \d+ pending forever \(reason Partition\w+\); cancelled it"),
+    (["hydra.launcher.tasks_per_node=64"], r"Error: hydra\.launcher\.tasks_per_node: 64 tasks x 1 CPUs = 64 CPUs per "
+                                           r"node asked for, .* pending forever \(reason PartitionConfig\)"),
+])
+def test_requests_the_cluster_cannot_run_fail_in_one_line(tmp_path: Path, overrides: list[str], expected: str
+                                                           ) -> None:
+    proc = multirun(tmp_path, *SLURM, *overrides, "trainer.max_steps=1", timeout=120)
+    assert re.match(expected, one_line_error(proc))
+    assert not (tmp_path / "0" / "summary.json").exists()
+    ids = slurm_ids(tmp_path)
+    if ids:  # a pending job was cancelled, not left in the queue
+        queued = subprocess.run(["squeue", "-h", "-j", ids[0].split("_")[0]], capture_output=True, text=True)
+        assert queued.stdout.strip() == ""
+
+
+@pytest.mark.parametrize(("overrides", "expected"), [
+    (["hydra.launcher.nodes=0"], "Error: hydra.launcher.nodes: must be >= 1; got 0"),
+    (["hydra.launcher.tasks_per_node=0"], "Error: hydra.launcher.tasks_per_node: must be >= 1; got 0"),
+    (["hydra.launcher.signal_delay_s=600", "hydra.launcher.timeout_min=5"], "Error: hydra.launcher.signal_delay_s:"),
+])
+def test_bad_slurm_settings_fail_in_one_line(tmp_path: Path, overrides: list[str], expected: str) -> None:
+    proc = multirun(tmp_path, *SLURM, *overrides, timeout=60)
+    assert one_line_error(proc).startswith(expected)
+
+
+def test_no_sbatch_on_path_fails_in_one_line(tmp_path: Path) -> None:
+    env = {**_env(), "PATH": str(Path(sys.executable).parent)}  # python, but no SLURM commands
+    proc = multirun(tmp_path, *SLURM, "trainer.max_steps=1", env=env, timeout=60)
+    assert one_line_error(proc).startswith("Error: hydra/launcher=slurm: sbatch is not on PATH")
+
+
+def test_slurm_launcher_without_multirun_is_refused(tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, str(ROOT / "train.py"), "hydra/launcher=slurm",
+                           f"hydra.run.dir={tmp_path / 'run'}"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert "add -m" in one_line_error(proc)
+    assert not (tmp_path / "run").exists()

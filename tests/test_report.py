@@ -1,0 +1,165 @@
+"""Sweep reports: `trainflow report` on real run folders, the multirun callback, and every bad input.
+
+The runs are real `python train.py` processes (the tiny GPT, a few steps); the report is read back from
+report.json, report.md and the PNG's bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import ROOT, TINY_GPT, Run, train
+
+STEPS = ["trainer.max_steps=6", "trainer.eval_steps=2"]
+TRAINFLOW = [sys.executable, "-c", "from trainflow.cli import main; main()"]  # the console script's entry point
+
+
+def report_cmd(*args: str | Path) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
+    return subprocess.run([*TRAINFLOW, "report", *map(str, args)], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=300)
+
+
+def png_size(path: Path) -> tuple[int, int]:
+    """Width and height from a PNG's IHDR chunk, after checking the signature."""
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n", "not a PNG"
+    assert data[12:16] == b"IHDR"
+    return struct.unpack(">II", data[16:24])
+
+
+def one_line_error(proc: subprocess.CompletedProcess, *fragments: str) -> str:
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("Error: "), proc.stderr
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def single_runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[Run]]:
+    """Two single runs side by side, as `python train.py` leaves them under outputs/: batch 8 and batch 4."""
+    folder = tmp_path_factory.mktemp("outputs")
+    runs = [train(folder / "2026-01-01" / "10-00-00", *TINY_GPT, *STEPS),
+            train(folder / "2026-01-01" / "11-00-00", *TINY_GPT, *STEPS, "trainer.batch_size=4")]
+    for run in runs:
+        assert run.returncode == 0, run.stderr[-3000:]
+    return folder, runs
+
+
+def test_report_on_a_folder_of_single_runs(single_runs: tuple[Path, list[Run]], tmp_path: Path) -> None:
+    folder, runs = single_runs
+    out = tmp_path / "report"
+    proc = report_cmd(folder, "--out", out)
+    assert proc.returncode == 0, proc.stderr
+    assert "2 run(s)" in proc.stdout and "gates" not in proc.stdout  # plain runs: no ladder, no gates
+    report = json.loads((out / "report.json").read_text())
+    assert [r["name"] for r in report["runs"]] == ["2026-01-01/10-00-00", "2026-01-01/11-00-00"]
+    assert report["baseline"] == "2026-01-01/10-00-00" and report["gates"] is None
+    assert report["common_overrides"] == [*TINY_GPT, *STEPS]
+    first, second = report["runs"]
+    assert second["overrides"] == ["trainer.batch_size=4"] and first["overrides"] == []
+    for row, run in zip(report["runs"], runs, strict=True):
+        s = run.summary
+        assert row["status"] == "finished" and row["steps"] == 6
+        assert row["samples_per_sec"] == s["steady_state"]["samples_per_sec"] > 0
+        assert row["loss_first"] == s["loss"]["first"] and row["loss_last"] == s["loss"]["last"]
+        assert row["mfu"] == s["mfu"] and row["peak_memory_bytes"] == s["peak_memory_bytes"]
+        assert row["compile"] is None and row["profiler"] is None and row["checkpoint"] is None
+    assert first["speedup"] == 1.0
+    assert second["speedup"] == pytest.approx(second["samples_per_sec"] / first["samples_per_sec"])
+    md = (out / "report.md").read_text()
+    assert "| 2026-01-01/11-00-00 | `trainer.batch_size=4` | finished |" in md
+    assert f"{second['speedup']:.2f}x" in md and "![throughput and loss curves](report.png)" in md
+    width, height = png_size(out / "report.png")
+    assert (width, height) == (1300, 500)
+    assert (out / "report.png").stat().st_size > 20_000  # two panels with bars, curves and labels, not a blank
+
+
+def test_baseline_can_be_named(single_runs: tuple[Path, list[Run]], tmp_path: Path) -> None:
+    folder, _ = single_runs
+    proc = report_cmd(folder, "--out", tmp_path, "--baseline", "2026-01-01/11-00-00")
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads((tmp_path / "report.json").read_text())
+    first, second = report["runs"]
+    assert report["baseline"] == "2026-01-01/11-00-00" and second["speedup"] == 1.0
+    assert first["speedup"] == pytest.approx(first["samples_per_sec"] / second["samples_per_sec"])
+
+
+def test_one_run_folder_reports_itself(single_runs: tuple[Path, list[Run]], tmp_path: Path) -> None:
+    folder, _ = single_runs
+    run = tmp_path / "run"
+    shutil.copytree(folder / "2026-01-01" / "10-00-00", run)
+    proc = report_cmd(run)
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads((run / "report.json").read_text())
+    assert [r["name"] for r in report["runs"]] == ["."] and report["runs"][0]["speedup"] == 1.0
+
+
+def test_a_multirun_sweep_gets_its_report_from_the_callback(tmp_path: Path) -> None:
+    """Hydra's own launcher, two jobs in one process: the callback writes the report into the sweep folder."""
+    sweep = tmp_path / "sweep"
+    proc = subprocess.run([sys.executable, str(ROOT / "train.py"), "-m", *TINY_GPT, "trainer.eval_steps=2",
+                           "trainer.max_steps=4,6", f"hydra.sweep.dir={sweep}"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads((sweep / "report.json").read_text())
+    rows = report["runs"]
+    assert [r["name"] for r in rows] == ["0", "1"] and [r["steps"] for r in rows] == [4, 6]
+    assert [r["overrides"] for r in rows] == [["trainer.max_steps=4"], ["trainer.max_steps=6"]]
+    assert report["baseline"] == "0" and rows[0]["speedup"] == 1.0 and rows[1]["speedup"] > 0
+    summaries = [json.loads((sweep / n / "summary.json").read_text()) for n in ("0", "1")]
+    assert [r["loss_last"] for r in rows] == [s["loss"]["last"] for s in summaries]
+    png_size(sweep / "report.png")
+    assert "| 1 | `trainer.max_steps=6` | finished |" in (sweep / "report.md").read_text()
+
+
+# --- bad inputs: one line naming the path and the fix, exit 2 ------------------------------------------------
+
+
+def test_missing_folder(tmp_path: Path) -> None:
+    one_line_error(report_cmd(tmp_path / "nope"), f"{tmp_path / 'nope'}: no such folder", "sweep folder")
+
+
+def test_a_file_instead_of_a_folder(tmp_path: Path) -> None:
+    (tmp_path / "summary.json").write_text("{}")
+    one_line_error(report_cmd(tmp_path / "summary.json"), "is a file, not a folder", "the folder of a run")
+
+
+def test_folder_without_runs(tmp_path: Path) -> None:
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "readme.txt").write_text("no runs here")
+    one_line_error(report_cmd(tmp_path), f"{tmp_path}: no runs found", "point trainflow report at a run")
+    assert not (tmp_path / "report.md").exists()
+
+
+def test_truncated_summary(single_runs: tuple[Path, list[Run]], tmp_path: Path) -> None:
+    folder, _ = single_runs
+    copy = tmp_path / "runs"
+    shutil.copytree(folder, copy)
+    summary = copy / "2026-01-01" / "11-00-00" / "summary.json"
+    summary.write_text(summary.read_text()[:100])
+    one_line_error(report_cmd(copy), f"{summary}: not valid JSON", "rerun it")
+
+
+def test_unknown_baseline(single_runs: tuple[Path, list[Run]], tmp_path: Path) -> None:
+    folder, _ = single_runs
+    one_line_error(report_cmd(folder, "--out", tmp_path, "--baseline", "7"),
+                   "baseline '7': no such run", "2026-01-01/10-00-00, 2026-01-01/11-00-00")
+
+
+def test_unwritable_output(single_runs: tuple[Path, list[Run]], tmp_path: Path) -> None:
+    folder, _ = single_runs
+    blocker = tmp_path / "file"
+    blocker.write_text("a file where the output folder should go")
+    one_line_error(report_cmd(folder, "--out", blocker / "report"), f"{blocker / 'report'}: cannot write the report",
+                   "--out")
