@@ -179,9 +179,19 @@ def test_export_command_on_any_committed_checkpoint(straight: Run, tmp_path: Pat
     saved = read_tensors(straight.run_dir / "checkpoints" / "step_00000008")
     assert all(torch.equal(w, saved[f"app.model.{k}"]) for k, w in weights.items()) and len(weights) > 10
 
-    missing = subprocess.run([str(Path(sys.executable).parent / "trainflow"), "export", str(tmp_path / "nope"),
-                              str(out)], capture_output=True, text=True)
-    assert missing.returncode == 2 and missing.stderr.count("\n") == 1 and "does not exist" in missing.stderr
+
+def test_export_refuses_what_is_not_a_committed_checkpoint(straight: Run, tmp_path: Path) -> None:
+    from trainflow.checkpoint import export_weights
+    from trainflow.errors import CheckpointError
+
+    with pytest.raises(CheckpointError, match="nope does not exist"):
+        export_weights(tmp_path / "nope", tmp_path / "out.pt")
+    unfinished = tmp_path / ".tmp-step_00000004"
+    shutil.copytree(straight.run_dir / "checkpoints" / "step_00000008", unfinished)
+    (unfinished / "manifest.json").unlink()
+    with pytest.raises(CheckpointError, match="is not a committed checkpoint"):
+        export_weights(unfinished, tmp_path / "out.pt")
+    assert not (tmp_path / "out.pt").exists()
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -270,6 +280,7 @@ def test_sigkill_at_every_stage_of_a_save_resumes_from_a_committed_checkpoint(
     assert proc.wait() == -signal.SIGKILL
     listed = list_committed(ckpts)
     assert [c.step for c in listed] in ([4], [4, 8])
+    assert tmp.is_dir() == (listed[-1].step == 4)  # killed before the commit's rename, or after it: never between
     for c in listed:
         check_intact(c, listed)
         assert read_tensors(c.path)
@@ -354,11 +365,16 @@ def test_checkpoint_of_another_model_shape_lists_the_mismatched_keys(copied: Pat
     assert tree_hash(copied) == before
 
 
-def test_resume_never_refuses_to_mix_histories(copied: Path, run_dir: Path) -> None:
+def test_resume_never_or_an_older_path_refuses_to_mix_histories(copied: Path, tmp_path: Path) -> None:
+    from trainflow.errors import ConfigError
+
     before = tree_hash(copied)
-    error = one_line_error(train(run_dir, *BASE, "checkpoint=dcp", f"checkpoint.dir={copied}",
-                                 "checkpoint.resume=never"))
-    assert "checkpoint.resume=never" in error and "step_00000012" in error
+    for resume, message in (("never", "checkpoint.resume=never: .* up to step_00000012"),
+                            (str(copied / "step_00000008"), "checkpoint.resume: .* up to step_00000012")):
+        ck = _checkpointer(tmp_path, dir=str(copied), resume=resume)
+        with pytest.raises(ConfigError, match=message):
+            ck.resume(_gpt_state())
+        ck.close(_gpt_state())
     assert tree_hash(copied) == before
 
 
@@ -406,6 +422,18 @@ def _state(seed: int = 0):
                                   "momentum": 0.9, "warmup_steps": 2, "min_lr_ratio": 0.1, "schedule": "cosine"})
     optimizer, scheduler = build_optimizer(model, optim_cfg, 100, torch.device("cpu"))
     return TrainState(model, optimizer, scheduler)
+
+
+def _gpt_state():
+    """The model of the reference run (BASE), untrained."""
+    from trainflow.checkpoint import TrainState
+    from trainflow.models.gpt import GPT
+    from trainflow.optim import build_optimizer
+
+    model = GPT(vocab_size=256, block_size=32, n_layer=2, n_head=2, n_embd=64)
+    optim_cfg = OmegaConf.create({"name": "adamw", "lr": 1e-3, "weight_decay": 0.1, "betas": [0.9, 0.95],
+                                  "momentum": 0.9, "warmup_steps": 2, "min_lr_ratio": 0.1, "schedule": "cosine"})
+    return TrainState(model, *build_optimizer(model, optim_cfg, 12, torch.device("cpu")))
 
 
 def _step(state) -> None:

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import TINY_GPT, Run, train
 from test_checkpoint import assert_same_tensors, committed, logged_steps, losses_by_step, start, wait_for
 
@@ -96,12 +97,24 @@ def test_reshard_fsdp2_to_single_continues_the_sample_stream(fsdp_straight: Run,
     assert "RNG states are not restored" in (fsdp_to_single.run_dir / "train.log").read_text()
 
 
-def test_reshard_single_to_fsdp3_continues_the_sample_stream(
+def test_export_of_a_sharded_checkpoint_loads_into_the_plain_model(fsdp_straight: Run, tmp_path: Path) -> None:
+    from hydra.utils import instantiate
+    from omegaconf import OmegaConf
+
+    from trainflow.checkpoint import export_weights
+
+    info = export_weights(fsdp_straight.run_dir / "checkpoints" / "step_00000012", tmp_path / "model.pt")
+    assert info["step"] == 12
+    weights = torch.load(tmp_path / "model.pt", weights_only=True)
+    model = instantiate(OmegaConf.create(fsdp_straight.summary["config"]["model"]))
+    model.load_state_dict(weights)  # strict: the FSDP shards were put back together, names unwrapped
+
+
+def test_reshard_single_to_fsdp2_continues_the_sample_stream(
         fsdp_straight: Run, fsdp_to_single: Run, tmp_path: Path) -> None:
     step10 = fsdp_to_single.run_dir / "checkpoints" / "step_00000010"
-    run = ok(train(tmp_path / "run", *BASE, "parallelism=fsdp", "parallelism.nproc_per_node=3", "checkpoint=dcp",
-                   f"checkpoint.resume={step10}"))
-    assert run.summary["resumed_from_step"] == 10 and run.summary["world_size"] == 3
+    run = ok(train(tmp_path / "run", *BASE, *FSDP2, "checkpoint=dcp", f"checkpoint.resume={step10}"))
+    assert run.summary["resumed_from_step"] == 10 and run.summary["world_size"] == 2
     assert_close_losses(losses_by_step(run.run_dir), losses_by_step(fsdp_straight.run_dir), range(11, 13))
 
 

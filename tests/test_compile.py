@@ -152,19 +152,21 @@ def test_recompiles_with_varying_lengths(tmp_path: Path, run_dir: Path, dynamic:
 
 
 @pytest.mark.parametrize(("overrides", "fragments"), [
-    ([*GPT, "compile.backend=nosuch"], ["compile.backend: unknown backend 'nosuch'", "inductor", "aot_eager"]),
-    ([*GPT, "compile.mode=fastest"], ["compile.mode: must be null or one of", "max-autotune"]),
-    ([*GPT, "compile.backend=inductor", "compile.mode=reduce-overhead"],
-     ["compile.mode: reduce-overhead uses CUDA graphs", "compile=default"]),
-    ([*MLP, "compile.scope=blocks"], ["compile.scope: blocks", "MLP has no `blocks`", "compile.scope=model"]),
+    ([*GPT, "compile=default", "compile.backend=nosuch"],
+     ["compile.backend: unknown backend 'nosuch'", "inductor", "aot_eager"]),
+    ([*GPT, "compile=reduce_overhead"], ["compile.mode: reduce-overhead uses CUDA graphs", "compile=default"]),
+    ([*MLP, "compile=default", "compile.backend=eager", "compile.scope=blocks"],
+     ["compile.scope: blocks", "MLP has no `blocks`", "compile.scope=model"]),
 ])
 def test_bad_compile_settings_fail_in_one_line(tmp_path: Path, run_dir: Path, overrides: list[str],
                                                 fragments: list[str]) -> None:
-    run = train(run_dir, *compile_args(tmp_path), *overrides, "trainer.max_steps=2")
+    run = train(run_dir, *overrides, f"compile.cache_dir={tmp_path / 'inductor'}", "trainer.max_steps=2")
     one_line_error(run, *fragments)
 
 
 @pytest.mark.parametrize(("overrides", "fragment"), [
+    (["compile.mode=fastest"], "compile.mode: must be null or one of default, max-autotune"),
+    (["compile.scope=layers"], "compile.scope: must be one of model, blocks"),
     (["compile.backend=eager", "compile.mode=max-autotune"], "compile.mode: only the inductor backend takes a mode"),
     (["compile.backend=cudagraphs"], "compile.backend: cudagraphs uses CUDA graphs"),
     (["data.seq_lens=[8,64]"], "data.seq_lens: each length must be in [1, data.seq_len=32]"),
@@ -267,7 +269,7 @@ def test_gpt_compiles_with_fullgraph_and_no_breaks(fresh_dynamo: None, tmp_path:
     assert report["recompiles"]["count"] == recompiles, report["recompiles"]
     # blocks share one code object: the three blocks reuse one graph instead of compiling three
     assert report["graphs"] == 1 + recompiles
-    assert report["frames_compiled"] == 1 + recompiles
+    assert report["frames_compiled"] == 1
 
 
 def test_mlp_compiles_with_fullgraph(fresh_dynamo: None, tmp_path: Path) -> None:

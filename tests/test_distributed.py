@@ -108,7 +108,7 @@ def test_self_launched_ddp_with_accumulation_equals_one_process_on_the_whole_bat
 
 @pytest.mark.parametrize(
     ("strategy", "extra"),
-    [("ddp", ["trainer.batch_size=8"]),
+    [("ddp", ["parallelism.global_batch=24"]),  # 24 / 3 ranks: trainer.batch_size becomes 8
      ("fsdp", ["trainer.batch_size=4", "trainer.grad_accum=2", "parallelism.activation_checkpointing=full"])],
     ids=["ddp", "fsdp-accum-checkpointing"],
 )
@@ -118,6 +118,7 @@ def test_three_ranks_match_one_process(run_dir: Path, strategy: str, extra: list
     assert run.returncode == 0, run.stderr
     par = _check(run.summary, 3)
     assert par["strategy"] == strategy and par["global_batch"] == 24
+    assert run.summary["config"]["trainer"]["batch_size"] == par["per_rank_batch"] == 24 // 3 // par["grad_accum"]
 
 
 def test_torchrun_fsdp_shares_one_run_directory(tmp_path: Path) -> None:

@@ -65,9 +65,10 @@ def losses_by_step(job_dir: Path) -> dict[int, float]:
 
 
 def slurm_ids(sweep_dir: Path) -> list[str]:
-    """The array elements' job ids, from submitit's log folders."""
+    """The jobs' SLURM ids (array elements "<array>_<n>", or one plain id), from submitit's log folders."""
     folder = sweep_dir / ".submitit"
-    return sorted(p.name for p in folder.iterdir() if re.fullmatch(r"\d+_\d+", p.name)) if folder.exists() else []
+    names = [p.name for p in folder.iterdir()] if folder.exists() else []
+    return sorted(n for n in names if re.fullmatch(r"\d+_\d+", n)) or sorted(n for n in names if n.isdigit())
 
 
 def sacct(job_id: str) -> tuple[str, int]:
@@ -170,9 +171,10 @@ def test_preemption_signal_checkpoints_requeues_and_resumes_to_the_same_losses(t
 @pytest.mark.slow
 @needs_cluster
 def test_time_limit_checkpoints_requeues_and_resumes_to_the_same_losses(tmp_path: Path) -> None:
-    """timeout_min=1: SLURM's own notice before the time limit (USR2@50 s) stops the job with a checkpoint;
-    submitit counts a timeout and requeues; attempts continue until the run completes, with the reference losses."""
-    steps = ["trainer.max_steps=600", "model.n_embd=128", "trainer.log_every=10", "trainer.eval_every=0"]
+    """timeout_min=1: SLURM's own notice 30 s before the time limit (USR2, sent on its next check of time limits,
+    every 30 s) stops the job with a checkpoint; submitit counts a timeout and requeues it; attempts continue until
+    the run completes, with the losses of an uninterrupted run."""
+    steps = ["trainer.max_steps=400", "model.n_embd=128", "trainer.log_every=10", "trainer.eval_every=0"]
     reference = tmp_path / "reference"
     local = subprocess.run([sys.executable, str(ROOT / "train.py"), *TINY_GPT, *steps, "parallelism=ddp",
                             "parallelism.nproc_per_node=2", "data=synthetic", f"hydra.run.dir={reference}"],
@@ -180,14 +182,14 @@ def test_time_limit_checkpoints_requeues_and_resumes_to_the_same_losses(tmp_path
     assert local.returncode == 0, local.stderr[-3000:]
     sweep = tmp_path / "sweep"
     proc = multirun(sweep, *TINY_GPT, *steps, *SLURM, *TWO_RANKS[:2], "hydra.launcher.timeout_min=1",
-                    "hydra.launcher.signal_delay_s=50", "hydra.launcher.max_num_timeout=6", "parallelism=ddp",
+                    "hydra.launcher.signal_delay_s=30", "hydra.launcher.max_num_timeout=6", "parallelism=ddp",
                     "data=synthetic", *RESUMABLE, "checkpoint.every_steps=50", timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     (job_id,) = slurm_ids(sweep)
     state, restarts = sacct(job_id)
     assert state == "COMPLETED" and restarts >= 1
     summary = json.loads((sweep / "0" / "summary.json").read_text())
-    assert summary["steps"] == 600 and summary["resumed_from_step"] is not None
+    assert summary["steps"] == 400 and summary["resumed_from_step"] is not None
     assert losses_by_step(sweep / "0") == losses_by_step(reference)
     rank_logs = "".join(p.read_text() for p in (sweep / ".submitit" / job_id).glob("*_log.*"))
     assert "this job is timed-out" in rank_logs

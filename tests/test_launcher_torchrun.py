@@ -69,7 +69,7 @@ def test_sweep_runs_each_job_on_two_ranks_in_one_directory(sweep: tuple[subproce
         assert "--nproc-per-node=2" in (job / "torchrun" / "agent.log").read_text().splitlines()[0]
         losses.append(losses_by_step(job))
     assert len(losses[0]) == len(losses[1]) == STEPS and losses[0] != losses[1]  # the seeds reached the jobs
-    assert re.findall(r"#(\d) COMPLETED", proc.stderr) == ["0", "1"]  # the launcher's per-job report
+    assert re.findall(r"#(\d) COMPLETED", proc.stdout) == ["0", "1"]  # the launcher's report of each job
 
 
 def test_failed_job_is_reported_and_the_others_still_run(tmp_path: Path) -> None:
@@ -77,7 +77,7 @@ def test_failed_job_is_reported_and_the_others_still_run(tmp_path: Path) -> None
     assert proc.returncode == 1
     assert json.loads((tmp_path / "1" / "summary.json").read_text())["steps"] == 2  # job 1 ran despite job 0
     assert not (tmp_path / "0" / "summary.json").exists()
-    assert "#1 COMPLETED" in proc.stderr
+    assert "#1 COMPLETED" in proc.stdout
     last = proc.stderr.strip().splitlines()[-2]  # Hydra ends with "Set HYDRA_FULL_ERROR=1 ..."
     assert last.startswith("job #0 failed under torchrun (exit code 2, 0 restart(s)): "
                            "trainer.eval_steps: must be a positive integer; got 0"), proc.stderr[-2000:]
@@ -117,7 +117,9 @@ def test_restart_after_a_rank_crash_resumes_from_the_last_checkpoint(
         time.sleep(0.1)
     out, _ = proc.communicate(timeout=60)
     assert killed and proc.returncode == 0, out[-4000:]
-    assert "will restart worker group" in (job / "torchrun" / "agent.log").read_text()
+    attempts = {p.name for p in (job / "torchrun" / "ranks").glob("*/attempt_*")}
+    assert attempts == {"attempt_0", "attempt_1"}  # the elastic agent restarted the group once
+    assert "#0: the agent restarted the ranks 1 time(s)" in out
     summary = json.loads((job / "summary.json").read_text())
     assert summary["steps"] == STEPS and summary["resumed_from_step"] in range(10, STEPS, 10)  # not from 0
     assert summary["steps_this_run"] == STEPS - summary["resumed_from_step"]
@@ -145,6 +147,38 @@ def test_two_nodes_meet_at_the_rendezvous_endpoint(tmp_path: Path) -> None:
         summary = json.loads((tmp_path / str(num) / "summary.json").read_text())
         assert summary["world_size"] == 2 and summary["steps"] == 3
         assert summary["config"]["trainer"]["seed"] == num + 1
+
+
+def _job_processes(sweep_dir: Path) -> list[int]:
+    """Pids of the agents and ranks working on a job of sweep_dir (their command line names the job's pickle)."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and str(sweep_dir).encode() in (proc / "cmdline").read_bytes():
+                pids.append(int(proc.name))
+        except OSError:
+            continue
+    return pids
+
+
+@pytest.mark.slow
+def test_killing_the_launcher_leaves_no_ranks_behind(tmp_path: Path) -> None:
+    cmd = [sys.executable, str(ROOT / "train.py"), "-m", *TINY_GPT, *TORCHRUN, *DDP2, "trainer.max_steps=100000",
+           "hydra.launcher.shutdown_timeout_s=5", f"hydra.sweep.dir={tmp_path}"]
+    launcher = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    job = tmp_path / "0"
+    deadline = time.monotonic() + 120
+    while not (job / "metrics.jsonl").exists() or max(losses_by_step(job), default=0) < 2:
+        assert launcher.poll() is None and time.monotonic() < deadline
+        time.sleep(0.2)
+    workers = [pid for pid in _job_processes(tmp_path) if pid != launcher.pid]
+    assert len(workers) == 3  # the agent and two ranks
+    launcher.kill()  # SIGKILL: the launcher cannot clean up itself
+    launcher.wait()
+    deadline = time.monotonic() + 60
+    while _job_processes(tmp_path) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert _job_processes(tmp_path) == []  # the agent got SIGTERM when its parent died and stopped its ranks
 
 
 @pytest.mark.parametrize(("overrides", "expected"), [

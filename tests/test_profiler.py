@@ -68,8 +68,9 @@ def load_trace(path: Path) -> dict:
 
 
 def test_train_py_profile_writes_loadable_trace_ops_table_and_overhead_verdict(run_dir: Path) -> None:
-    # The seed MLP at batch 1: every operator is a few microseconds, so dispatch overhead bounds the step.
-    run = train(run_dir, "model=mlp", "data=synthetic", "trainer.batch_size=1", "trainer.max_steps=12",
+    # A GPT of width 16 at batch 1: every operator is a few microseconds, so dispatch overhead bounds the step.
+    run = train(run_dir, "model=gpt_tiny", "model.n_layer=2", "model.n_embd=16", "model.n_head=2",
+                "model.block_size=8", "trainer.batch_size=1", "data=synthetic", "trainer.max_steps=12",
                 "trainer.warmup_steps=2", "trainer.log_every=4", "trainer.eval_steps=1", "logger=none",
                 "trainer.progress=log", "compile=off", "profiler=schedule", env=ONE_THREAD)
     assert run.returncode == 0, run.stderr
@@ -81,7 +82,8 @@ def test_train_py_profile_writes_loadable_trace_ops_table_and_overhead_verdict(r
     trace = load_trace(run_dir / prof["traces"][0])
     names = {e.get("name") for e in trace["traceEvents"]}
     assert {"ProfilerStep#10", "ProfilerStep#11", "ProfilerStep#12", DATA, FWD_BWD, OPTIMIZER} <= names
-    assert {"aten::addmm", "aten::relu", "AddmmBackward0", "Optimizer.step#SGD.step"} <= names
+    assert {"aten::addmm", "aten::native_layer_norm", "aten::scaled_dot_product_attention", "AddmmBackward0",
+            "aten::nll_loss_backward", "Optimizer.step#AdamW.step"} <= names  # forward, backward, optimizer
     assert "ProfilerStep#9" not in names and "ProfilerStep#13" not in names
 
     table = (run_dir / "profile" / "ops_rank0.txt").read_text()

@@ -414,6 +414,8 @@ class Checkpointer:
 
     def take_blocked_s(self) -> float:
         """Seconds the loop spent on checkpoints since the last call (to keep them out of throughput)."""
+        if not self.enabled:
+            return 0.0
         blocked, self._blocked_unreported = self._blocked_unreported, 0.0
         return blocked
 

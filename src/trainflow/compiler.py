@@ -71,9 +71,7 @@ class Compiler:
         """Compile in place (parameter names stay as they are); run `compile.check` on `example` if asked."""
         if not self.enabled:
             return model
-        from torch.distributed.fsdp import FSDPModule
-
-        if self.cfg.scope == "model" and isinstance(model, FSDPModule):
+        if self.cfg.scope == "model" and _is_fsdp(model):
             self._hint = _FSDP_HINT
             if self.env.is_main:
                 log.warning("compile.scope=model on an FSDP-sharded model: dynamo cannot trace the calls into "
@@ -97,8 +95,8 @@ class Compiler:
             return
         self._step_times.append(step_time_s)
         self._poll()
-        if len(self._step_times) >= self._warmup_total:
-            self._log_report()
+        if len(self._step_times) >= self._warmup_total and not self._logged:
+            self._log_report(self.report())
 
     def summary(self, steady: dict[str, Any] | None = None) -> dict[str, Any]:
         """The compile report (also written to compile_report.json) with the steady-state step time."""
@@ -107,7 +105,8 @@ class Compiler:
         report = self.report()
         report["steady_step_time_s"] = steady["step_time_s"] if steady else None
         if not self._logged:
-            self._log_report()
+            self._log_report(report)
+        self._warn_if_limit_hit(report)  # it can be hit after the warm-up too (a new shape late in training)
         if self.env.is_main:
             self._write(report)
         return report
@@ -247,7 +246,7 @@ class Compiler:
             "dynamic": self.cfg.dynamic,
             "scope": self.cfg.scope,
             "graphs": counters["stats"]["unique_graphs"],
-            "frames_compiled": sum(1 for k, c in self._compiles.items() if k[1] and not c["failure"]),
+            "frames_compiled": len({k[0].split("/")[0] for k, c in self._compiles.items() if not c["failure"]}),
             "eager_frames": _eager_frames(self._compiles.values()),
             "graph_breaks": {"count": len(breaks), "breaks": breaks[:_MAX_LISTED]},
             "recompiles": {
@@ -270,14 +269,17 @@ class Compiler:
             "check": self._check,
         }
 
-    def _log_report(self) -> None:
-        self._logged = True
-        r = self.report()
-        if r["recompile_limit_hit"] and not self._warned_limit:
+    def _warn_if_limit_hit(self, r: dict[str, Any]) -> None:
+        if r["recompile_limit_hit"] and not self._warned_limit and self.env.is_main:
             self._warned_limit = True
             log.warning("compile: the recompile limit (torch._dynamo.config.recompile_limit=%s) was hit: the "
                         "functions that hit it now run EAGER, uncompiled, for new shapes; fix: %s",
                         r["recompile_limit"], _DYNAMIC_FIX)
+
+    def _log_report(self, r: dict[str, Any]) -> None:
+        """The short block, once, on rank 0."""
+        self._logged = True
+        self._warn_if_limit_hit(r)
         if not self.env.is_main:
             return
         lines = [
@@ -300,6 +302,14 @@ class Compiler:
         tmp = path.with_suffix(f".json.tmp{os.getpid()}")
         tmp.write_text(json.dumps(report, indent=2, default=str))
         os.replace(tmp, path)
+
+
+def _is_fsdp(model: nn.Module) -> bool:
+    if not torch.distributed.is_available():
+        return False
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
 
 
 def _configure_cache(cache_dir: str | None) -> str:

@@ -310,7 +310,8 @@ def validate_ladder(cfg: DictConfig) -> None:
     n = lad.nproc_per_node
     _require(n == "auto" or (isinstance(n, int) and not isinstance(n, bool) and n >= 2), "ladder.nproc_per_node",
              f"the scale stages need 2 or more processes (or auto: one per GPU); got {n!r}")
-    _require(lad.loss_rtol is None or lad.loss_rtol > 0, "ladder.loss_rtol", f"must be > 0 or null; got {lad.loss_rtol}")
+    _require(lad.loss_rtol is None or lad.loss_rtol > 0, "ladder.loss_rtol",
+             f"must be > 0 or null; got {lad.loss_rtol}")
     _require(lad.resume_atol >= 0, "ladder.resume_atol", f"must be >= 0 (0: bit-identical); got {lad.resume_atol}")
 
 

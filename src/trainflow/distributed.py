@@ -18,10 +18,16 @@ the failed attempt published and fail to connect.
 
 Order of model assembly (run.py): activation checkpointing -> DDP, or FSDP2 `fully_shard` on each block of
 `model.blocks` then on the root (one device mesh) -> compile -> optimizer. The optimizer must see the final
-(sharded) parameters. For per-block compilation with FSDP2 compile each block *in place* (`block.compile()`)
-after `fully_shard`: the module keeps its class and parameter names, FSDP's hooks stay outside the compiled
-region, and training matches eager (see tests/test_distributed_compile.py). Replacing a block with the
-`torch.compile(block)` wrapper instead would rename every parameter (`_orig_mod.`), which checkpoints see.
+(sharded) parameters.
+
+Per-block compile and FSDP2: compile each block *in place* (`block.compile()`) after `fully_shard`, i.e. in
+run.py's order (parallelize, then compile). Measured with torch 2.13 on CPU (2 gloo ranks, GPT blocks,
+backends aot_eager and inductor): in-place compile after `fully_shard` and before it both train like eager
+FSDP (largest per-tensor relative difference from one eager process after 3 AdamW steps: 1.0e-4 for eager
+FSDP and aot_eager, 2.6e-4 for inductor; 0 graph breaks; one graph shared by all blocks). Replacing a
+block by the `torch.compile(block)` wrapper trains as well but renames every parameter
+(`blocks.0._orig_mod.`), which checkpoints see: do not. Whole-model compile on top of FSDP2 cannot trace
+into the sharded blocks (the compile stage warns and compiles the blocks instead).
 
 Gradient accumulation: `no_grad_sync(model, sync=False)` skips the all-reduce (DDP `no_sync`) or the
 reduce-scatter (FSDP2 `set_requires_gradient_sync(False)`) on all but the last micro-step.

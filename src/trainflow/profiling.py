@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import bisect
 import logging
+import math
+import statistics
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,6 +42,9 @@ from trainflow.errors import ConfigError
 log = logging.getLogger("trainflow")
 
 SMALL_OP_US = 20.0  # on CPU, an operator whose self time is shorter than this is dispatch overhead
+# A call this many times slower than the same call in the other recorded steps was descheduled (a busy
+# machine), not computing: its time counts as "other", so contention does not pass for compute.
+STALL_FACTOR = 20.0
 TOP_OPS_IN_SUMMARY = 5
 DATA, FWD_BWD, OPTIMIZER = "trainflow/data", "trainflow/forward_backward", "trainflow/optimizer"
 
@@ -126,6 +131,8 @@ def _cpu_label(inside: frozenset[str]) -> str:
         return "data_wait"
     if "compile" in inside:
         return "compile"
+    if "stall" in inside:
+        return "stalled"
     if "compute" in inside:
         return ("forward_backward_compute" if "fwd_bwd" in inside
                 else "optimizer_compute" if "optimizer" in inside else "other")
@@ -159,21 +166,41 @@ def _self_intervals(event: Any) -> list[Interval]:
     return pieces
 
 
+def _typical_self_times(ops: list[Any], step_spans: list[Interval]) -> dict[int, float]:
+    """Each operator call's median self time over the recorded steps, matching the k-th call of an operator in
+    one step with the k-th call of it in the others (steps repeat the same sequence); needs 3 steps or more."""
+    if len(step_spans) < 3:
+        return {}
+    starts = [a for a, _ in sorted(step_spans)]
+    calls: dict[tuple[int, str], int] = {}
+    position: dict[int, tuple[str, int]] = {}
+    times: dict[tuple[str, int], list[float]] = {}
+    for e in sorted(ops, key=lambda e: e.time_range.start):
+        step = bisect.bisect_right(starts, e.time_range.start) - 1
+        k = calls[(step, e.name)] = calls.get((step, e.name), 0) + 1
+        position[id(e)] = (e.name, k)
+        times.setdefault((e.name, k), []).append(e.self_cpu_time_total)
+    return {op: statistics.median(times[key]) for op, key in position.items() if len(times[key]) >= 3}
+
+
 def analyze_window(events: list[Any], on_gpu: bool) -> dict[str, Any]:
     """Seconds per share of step time in one recorded window (see the module docstring)."""
     from torch.autograd import DeviceType
 
     steps = [e for e in events if e.name.startswith("ProfilerStep")]
     if not steps:
-        return {"steps": 0, "step_s": 0.0, "seconds": {}, "regions": {}}
+        return {"steps": 0, "step_s": 0.0, "step_ms": [], "seconds": {}, "regions": {}}
     main_thread = steps[0].thread
     sets: dict[str, list[Interval]] = {"data": [], "fwd_bwd": [], "optimizer": [], "comm": [], "compute": [],
-                                       "compile": []}
+                                       "compile": [], "stall": []}
     regions = {"data": DATA, "fwd_bwd": FWD_BWD, "optimizer": OPTIMIZER}
     optimizer_device_us = 0.0
+    ops: list[Any] = []  # the training thread's operators (CPU runs)
     for e in events:
         span = (e.time_range.start, e.time_range.end)
         if e.device_type != DeviceType.CPU:
+            if e.is_user_annotation or e.name.startswith("ProfilerStep") or e.name in regions.values():
+                continue  # an annotation mirrored on the GPU timeline spans idle gaps too
             if "nccl" in e.name.lower():
                 sets["comm"].append(span)
             elif e.name.startswith("Memcpy HtoD"):
@@ -192,19 +219,25 @@ def analyze_window(events: list[Any], on_gpu: bool) -> dict[str, Any]:
         elif e.name.endswith("(dynamo_timed)"):
             sets["compile"].append(span)
         elif (not on_gpu and e.thread == main_thread and not e.is_user_annotation and not e.is_async
-              and not e.name.startswith("ProfilerStep") and e.self_cpu_time_total >= SMALL_OP_US):
-            sets["compute"].extend(_self_intervals(e))
+              and not e.name.startswith("ProfilerStep")):
+            ops.append(e)
     step_spans = [(e.time_range.start, e.time_range.end) for e in steps]
+    typical = _typical_self_times(ops, step_spans)
+    for e in ops:
+        if e.self_cpu_time_total >= SMALL_OP_US:
+            stalled = e.self_cpu_time_total > STALL_FACTOR * max(typical.get(id(e), math.inf), 1.0)
+            sets["stall" if stalled else "compute"].extend(_self_intervals(e))
     seconds = {k: v / 1e6 for k, v in attribute(step_spans, sets, _gpu_label if on_gpu else _cpu_label).items()}
     if on_gpu:  # the GPU timeline cannot tell which kernels the optimizer launched: its own events can
         compute = seconds.pop("compute", 0.0)
         seconds["optimizer_compute"] = min(compute, optimizer_device_us / 1e6)
         seconds["forward_backward_compute"] = compute - seconds["optimizer_compute"]
-    step_s = sum(b - a for a, b in step_spans) / 1e6
+    step_ms = [(b - a) / 1e3 for a, b in step_spans]
     regions = {"data": "data", "forward_backward": "fwd_bwd", "optimizer": "optimizer",
                "communication_in_flight": "comm"}
     region_s = {name: _covered(step_spans, sets[key]) / 1e6 for name, key in regions.items()}
-    return {"steps": len(steps), "step_s": step_s, "seconds": seconds, "regions": region_s}
+    return {"steps": len(steps), "step_s": sum(step_ms) / 1e3, "step_ms": step_ms, "seconds": seconds,
+            "regions": region_s}
 
 
 def verdict(totals: dict[str, Any], device: str) -> dict[str, Any] | None:
@@ -212,7 +245,9 @@ def verdict(totals: dict[str, Any], device: str) -> dict[str, Any] | None:
     step_s = totals["step_s"]
     if totals["steps"] == 0 or step_s <= 0:
         return None
-    shares = {k: round(totals["seconds"].get(k, 0.0) / step_s, 4) for k in SHARES}
+    seconds = totals["seconds"]
+    shares = {k: round((seconds.get(k, 0.0) + (seconds.get("stalled", 0.0) if k == "other" else 0.0)) / step_s, 4)
+              for k in SHARES}
     groups = {bound: sum(shares[k] for k in keys) for bound, keys in VERDICT_GROUPS.items()}
     bound = max(groups, key=groups.__getitem__)
     retracing = shares["compile"] > 0
@@ -224,8 +259,11 @@ def verdict(totals: dict[str, Any], device: str) -> dict[str, Any] | None:
         "bound": bound,
         "action": action,
         "step_time_ms": round(step_s / totals["steps"] * 1e3, 3),
+        "median_step_ms": round(statistics.median(totals["step_ms"]), 3),
+        "slowest_step_ms": round(max(totals["step_ms"]), 3),
         "profiled_steps": totals["steps"],
         "shares": shares,
+        "stalled": round(seconds.get("stalled", 0.0) / step_s, 4),  # part of "other": descheduled operators
         "groups": {k: round(v, 4) for k, v in groups.items()},
         "regions": {k: round(v / step_s, 4) for k, v in totals["regions"].items()},
         "timeline": "gpu" if device == "cuda" else "cpu",
@@ -273,7 +311,7 @@ class Profiler:
         self._prof: Any = None
         self._steps = 0  # steps of this run so far
         self._windows_done = 0
-        self._totals: dict[str, Any] = {"steps": 0, "step_s": 0.0, "seconds": {}, "regions": {}}
+        self._totals: dict[str, Any] = {"steps": 0, "step_s": 0.0, "step_ms": [], "seconds": {}, "regions": {}}
         self._ops: dict[str, list[float]] = {}  # name -> [calls, self time us]
         self._memory_history = False
         self.result = _RankResult(env.rank)
@@ -382,6 +420,7 @@ class Profiler:
         t = self._totals
         t["steps"] += n
         t["step_s"] += window["step_s"]
+        t["step_ms"] += window["step_ms"]
         for key, seconds in window["seconds"].items():
             t["seconds"][key] = t["seconds"].get(key, 0.0) + seconds
         for key, seconds in window["regions"].items():

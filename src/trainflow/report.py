@@ -167,6 +167,7 @@ def build(root: Path, baseline: str | None = None) -> dict[str, Any]:
 
 def _pick_baseline(runs: list[RunRecord], wanted: str | None, root: Path) -> RunRecord | None:
     if wanted is not None:
+        wanted = str(wanted)  # a sweep job's number may come as an int from the callback's config
         for r in runs:
             if r.name == wanted.rstrip("/"):
                 return r
@@ -264,7 +265,9 @@ def markdown(report: dict[str, Any]) -> str:
     if report["gates"] is not None:
         lines += ["## Gates", "", "| gate | status | numbers |", "| --- | --- | --- |"]
         lines += [f"| {g['name']} | **{g['status']}** | {_cell(g['detail'])} |" for g in report["gates"]]
-        verdict = "all gates passed" if report["passed"] else "a gate FAILED: the sweep exits non-zero"
+        skipped = sum(g["status"] == ladder.NOT_EVALUATED for g in report["gates"])
+        verdict = ("a gate FAILED: the sweep exits non-zero" if not report["passed"]
+                   else f"no gate failed; {skipped} not evaluated" if skipped else "all gates passed")
         lines += ["", f"Result: {verdict}.", ""]
     lines += ["## Runs", "",
               "| run | overrides | status | samples/s | speedup | MFU | peak memory | loss first -> last | "

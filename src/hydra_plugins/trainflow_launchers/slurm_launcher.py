@@ -118,7 +118,7 @@ class SlurmLauncher(Launcher):
         for job, sj in zip(jobs, submitted, strict=True):
             log.info("\t%s -> %s in %s", job.describe(), sj.job_id, job.dir)
         wait(self.conf, params, submitted)
-        results = [collect(job, sj) for job, sj in zip(jobs, submitted, strict=True)]
+        results = [collect(self.hydra_context, job, sj) for job, sj in zip(jobs, submitted, strict=True)]
         for job, sj, ret in zip(jobs, submitted, results, strict=True):
             log.info("\t#%d (%s) %s%s", job.num, sj.job_id, ret.status.name,
                      f": {ret._return_value}" if ret.status == JobStatus.FAILED else "")
@@ -229,9 +229,9 @@ def render_sbatch(c: SlurmLauncherConf, params: dict[str, Any], num_jobs: int) -
     """The script `submit` hands to sbatch for `num_jobs` jobs, rendered by submitit's own template."""
     from submitit.slurm.slurm import _make_sbatch_string
 
+    folder = str(Path(c.submitit_folder).expanduser().absolute())  # as submitit's executor has it
     map_count = num_jobs if num_jobs > 1 else None
-    return _make_sbatch_string(command=_python_command(c.submitit_folder), folder=c.submitit_folder,
-                               map_count=map_count, **params)
+    return _make_sbatch_string(command=_python_command(folder), folder=folder, map_count=map_count, **params)
 
 
 def preflight(c: SlurmLauncherConf) -> None:
@@ -323,7 +323,7 @@ def wait(c: SlurmLauncherConf, params: dict[str, Any], submitted: list) -> None:
         time.sleep(c.poll_interval_s)
 
 
-def collect(job: SweepJob, sj: Any) -> JobReturn:
+def collect(hydra_context: HydraContext, job: SweepJob, sj: Any) -> JobReturn:
     """Rank 0's JobReturn, or a failed one whose message says why, from the job's own stderr."""
     try:
         return sj.task(0).result()
@@ -334,4 +334,6 @@ def collect(job: SweepJob, sj: Any) -> JobReturn:
         state = sj.get_info(mode="force").get("State", "UNKNOWN")
         failed.return_value = JobFailed(f"job #{job.num} failed on SLURM (job {sj.job_id}, state {state}): {reason} "
                                         f"[log: {rank0.paths.stderr}]")
+        # the ranks died before Hydra's on_job_end ran there: run the callbacks here
+        hydra_context.callbacks.on_job_end(config=job.config, job_return=failed)
         return failed

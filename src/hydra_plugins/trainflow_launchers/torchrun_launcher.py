@@ -125,10 +125,12 @@ class TorchrunLauncher(Launcher):
                 sys.stdout.write(line)
                 out.write(line)
             rc = proc.wait()
+        restarts = _restarts(job_log_dir / "ranks")
+        if restarts:
+            log.info("\t#%d: the agent restarted the ranks %d time(s)", job.num, restarts)
         ret = _load(result) if result.exists() else None
         if rc == 0 and ret is not None:
             return ret
-        restarts = len(re.findall(r"will restart worker group", read_text(agent_log)))
         error = ret._return_value if ret is not None and ret.status == JobStatus.FAILED else None
         reason = one_line(error) if error is not None else failure_reason(read_text(agent_log)) or "see the logs"
         failed = ret or JobReturn(overrides=job.overrides, working_dir=str(job.dir))
@@ -136,7 +138,16 @@ class TorchrunLauncher(Launcher):
         failed.return_value = JobFailed(
             f"job #{job.num} failed under torchrun (exit code {rc}, {restarts} restart(s)): {reason} "
             f"[logs: {job_log_dir}]")
+        if ret is None:  # the ranks died before Hydra's on_job_end ran there: run the callbacks here
+            self.hydra_context.callbacks.on_job_end(config=job.config, job_return=failed)
         return failed
+
+
+def _restarts(ranks_dir: Path) -> int:
+    """Restarts of the newest agent run whose rank logs are in ranks_dir (one attempt_<n> folder per attempt)."""
+    runs = sorted(ranks_dir.glob("*/"), key=lambda p: p.stat().st_mtime)
+    attempts = [int(p.name.split("_")[1]) for p in runs[-1].glob("attempt_*")] if runs else []
+    return max(attempts, default=0)
 
 
 def _die_with_parent() -> None:
