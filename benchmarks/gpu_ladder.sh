@@ -39,11 +39,11 @@ print(' '.join(m for m in ('torch', 'hydra', 'omegaconf', 'cloudpickle', 'matplo
 GPUS="$("$PYTHON" -c "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)")"
 
 if [[ $SMOKE == 1 ]]; then
-  # Same rungs, a 2-layer model and 16 steps: checks this script and the ladder, not speed. The aot_eager
+  # Same rungs, a 2-layer model and 12 steps: checks this script and the ladder, not speed. The aot_eager
   # backend traces and checks like inductor but skips its code generation (a minute of CPU on a cold cache).
   RUNGS="baseline,compile,profile,ddp,fsdp,checkpoint,resume"
   ARGS=(model=gpt_tiny model.n_layer=2 model.n_embd=64 model.n_head=2 model.block_size=32
-        trainer.batch_size=8 trainer.max_steps=16 trainer.warmup_steps=2 trainer.eval_steps=2
+        trainer.batch_size=8 trainer.max_steps=12 trainer.warmup_steps=2 trainer.eval_steps=2
         compile.backend=aot_eager profiler.wait=1 profiler.warmup=1 profiler.active=2 logger=none)
   if [[ $GPUS -ge 2 ]]; then ARGS+=(ladder.nproc_per_node=2); fi
   if [[ $GPUS -eq 1 ]]; then RUNGS="baseline,compile,profile,checkpoint,resume"; fi

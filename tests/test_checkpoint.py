@@ -369,7 +369,7 @@ def test_resume_never_or_an_older_path_refuses_to_mix_histories(copied: Path, tm
     from trainflow.errors import ConfigError
 
     before = tree_hash(copied)
-    for resume, message in (("never", "checkpoint.resume=never: .* up to step_00000012"),
+    for resume, message in (("never", r"checkpoint.resume=never: .* \(up to step_00000012\)"),
                             (str(copied / "step_00000008"), "checkpoint.resume: .* up to step_00000012")):
         ck = _checkpointer(tmp_path, dir=str(copied), resume=resume)
         with pytest.raises(ConfigError, match=message):
@@ -384,13 +384,18 @@ def test_unwritable_checkpoint_dir(tmp_path: Path, run_dir: Path) -> None:
     assert f"checkpoint.dir: cannot write to {readonly}/ckpts (Read-only file system)" in error
 
 
-def test_full_disk_during_a_save_keeps_the_committed_ones(straight: Run, tmp_path: Path, run_dir: Path) -> None:
-    """A real full filesystem where we may mount one; elsewhere a file-size limit fails the same writes."""
+@pytest.mark.parametrize("mode", ["dcp", "dcp_async"])
+def test_full_disk_during_a_save_keeps_the_committed_ones(
+        straight: Run, tmp_path: Path, run_dir: Path, mode: str) -> None:
+    """A real full filesystem where we may mount one; elsewhere a file-size limit fails the same writes.
+
+    Async: the background write fails; the error surfaces when the run waits for it at the end.
+    """
     def resume_into(ckpts: Path, python: list[str] | None = None) -> str:
         shutil.copytree(straight.run_dir / "checkpoints" / "step_00000008", ckpts / "step_00000008")
         before = tree_hash(ckpts)
         cmd = [*(python or [sys.executable]), str(ROOT / "train.py")]
-        error = one_line_error(train(run_dir, *BASE, "checkpoint=dcp", f"checkpoint.dir={ckpts}", command=cmd))
+        error = one_line_error(train(run_dir, *BASE, f"checkpoint={mode}", f"checkpoint.dir={ckpts}", command=cmd))
         assert tree_hash(ckpts) == before
         assert sorted(p.name for p in ckpts.iterdir()) == ["step_00000008"]  # the failed save left nothing
         assert "saving step 12" in error and "committed checkpoints are untouched (newest: step_00000008)" in error

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, TINY_GPT, train
+from conftest import ROOT, TINY_GPT, Run, train
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
@@ -45,8 +45,8 @@ class BranchyMLP(nn.Module):
         return self.out(h)
 
 
-BRANCH_LINE = next(i for i, line in enumerate(inspect.getsourcelines(BranchyMLP)[0], inspect.getsourcelines(
-    BranchyMLP)[1]) if "data-dependent branch" in line)
+_SOURCE, _FIRST_LINE = inspect.getsourcelines(BranchyMLP)
+BRANCH_LINE = _FIRST_LINE + next(i for i, line in enumerate(_SOURCE) if "data-dependent branch" in line)
 BRANCHY = [*MLP, "model._target_=test_compile.BranchyMLP"]
 
 
@@ -60,7 +60,7 @@ def scaled_backend(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor])
     return run
 
 
-def one_line_error(run, *fragments: str) -> str:
+def one_line_error(run: Run, *fragments: str) -> str:
     """The run failed the way users should see it: exit 2, one line on stderr, no traceback."""
     assert run.returncode == 2, run.stdout[-2000:] + run.stderr
     assert "Traceback" not in run.stderr, run.stderr
@@ -75,7 +75,7 @@ def compile_args(tmp_path: Path, backend: str = "eager") -> list[str]:
     return ["compile=default", f"compile.backend={backend}", f"compile.cache_dir={tmp_path / 'inductor'}"]
 
 
-def logged(run) -> str:
+def logged(run: Run) -> str:
     return (run.run_dir / "train.log").read_text()
 
 

@@ -12,6 +12,7 @@ import shutil
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -108,27 +109,47 @@ def test_sbatch_script_for_four_nodes_of_eight_gpus(tmp_path: Path) -> None:
     assert not (tmp_path / ".submitit").exists()  # nothing submitted
 
 
-@needs_cluster
-def test_sweep_of_two_jobs_each_on_two_ranks(tmp_path: Path) -> None:
-    proc = multirun(tmp_path, *TINY_GPT, *SLURM, *TWO_RANKS, "trainer.max_steps=4", "trainer.seed=1,2")
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    ids = slurm_ids(tmp_path)
+@dataclass
+class Sweep:
+    dir: Path
+    returncode: int
+    output: str  # the launcher's stdout and stderr
+    preempted: str  # the SLURM id of the job that got the preemption notice
+
+
+@pytest.fixture(scope="module")
+def sweep(cluster: None, tmp_path_factory: pytest.TempPathFactory) -> Sweep:
+    """A 2-job array of identical jobs, 2 ranks (SLURM tasks) each; job 0 gets `scancel --signal=USR2` at step 3
+    of 120, as a preempting scheduler sends it. Job 1 runs through: the reference."""
+    sweep_dir = tmp_path_factory.mktemp("sweep")
+    cmd = [sys.executable, str(ROOT / "train.py"), "-m", *TINY_GPT, *SLURM, *TWO_RANKS, *RESUMABLE,
+           "trainer.max_steps=120", "trainer.seed=5,5", f"hydra.sweep.dir={sweep_dir}"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        _wait_for_step(proc, sweep_dir / "0", 3, timeout=240)
+        job_id = slurm_ids(sweep_dir)[0]
+        subprocess.run(["scancel", "--signal=USR2", job_id], check=True, timeout=30)
+        out, _ = proc.communicate(timeout=400)
+    finally:
+        proc.kill()
+    return Sweep(sweep_dir, proc.returncode, out, job_id)
+
+
+def test_sweep_of_two_jobs_each_on_two_ranks(sweep: Sweep) -> None:
+    assert sweep.returncode == 0, sweep.output[-5000:]
+    ids = slurm_ids(sweep.dir)
     assert len(ids) == 2 and ids[0].split("_")[0] == ids[1].split("_")[0]  # one array
-    losses = []
     for num, job_id in enumerate(ids):
-        job = tmp_path / str(num)
+        job = sweep.dir / str(num)
         summary = json.loads((job / "summary.json").read_text())
-        assert summary["world_size"] == 2 and summary["steps"] == 4
-        assert summary["config"]["trainer"]["seed"] == num + 1
+        assert summary["world_size"] == 2 and summary["steps"] == 120
         assert sacct(job_id)[0] == "COMPLETED"
-        hydra_cfg = (job / ".hydra" / "hydra.yaml").read_text()
-        assert f"id: '{job_id}'" in hydra_cfg or f"id: {job_id}" in hydra_cfg  # hydra.job.id is SLURM's job id
-        for rank in (0, 1):  # each rank was its own SLURM task, with the rank submitit derived from SLURM
-            log = (tmp_path / ".submitit" / job_id / f"{job_id}_{rank}_log.out").read_text()
+        assert f"id: {job_id}" in (job / ".hydra" / "hydra.yaml").read_text().replace("'", "")  # SLURM's id
+        for rank in (0, 1):  # each rank was its own SLURM task, with the rank submitit derived from SLURM's
+            log = (sweep.dir / ".submitit" / job_id / f"{job_id}_{rank}_log.out").read_text()
             assert f"global_rank={rank}(2)" in log
-        losses.append(losses_by_step(job))
-    assert losses[0] != losses[1] and len(losses[0]) == 4
-    submitted = next((tmp_path / ".submitit").rglob("*_submission.sh")).read_text()
+    assert re.findall(r"#(\d) \(\d+_\d\) COMPLETED", sweep.output) == ["0", "1"]  # the launcher's report
+    submitted = next((sweep.dir / ".submitit").rglob("*_submission.sh")).read_text()
     assert "#SBATCH --ntasks-per-node=2" in submitted and "#SBATCH --requeue" in submitted
 
 
@@ -141,30 +162,19 @@ def _wait_for_step(proc: subprocess.Popen, job_dir: Path, step: int, timeout: fl
         time.sleep(0.2)
 
 
-@needs_cluster
-def test_preemption_signal_checkpoints_requeues_and_resumes_to_the_same_losses(tmp_path: Path) -> None:
-    """Two identical jobs; job 0 gets `scancel --signal=USR2` at step 3 of 120: every rank saves at the next step
-    boundary, the job is requeued, resumes from that checkpoint and ends with job 1's (uninterrupted) losses."""
-    cmd = [sys.executable, str(ROOT / "train.py"), "-m", *TINY_GPT, *SLURM, *TWO_RANKS, *RESUMABLE,
-           "trainer.max_steps=120", "trainer.seed=5,5", f"hydra.sweep.dir={tmp_path}"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        _wait_for_step(proc, tmp_path / "0", 3, timeout=180)
-        job_id = slurm_ids(tmp_path)[0]
-        subprocess.run(["scancel", "--signal=USR2", job_id], check=True, timeout=30)
-        out, _ = proc.communicate(timeout=300)
-    finally:
-        proc.kill()
-    assert proc.returncode == 0, out[-5000:]
-    state, restarts = sacct(job_id)
+def test_preemption_signal_checkpoints_requeues_and_resumes_to_the_same_losses(sweep: Sweep) -> None:
+    """Every rank of job 0 saved at the step boundary after USR2; submitit requeued the job (a preemption, not a
+    timeout); it resumed from that checkpoint and ended with job 1's (uninterrupted) losses, bit for bit."""
+    assert sweep.returncode == 0, sweep.output[-5000:]
+    state, restarts = sacct(sweep.preempted)
     assert state == "COMPLETED" and restarts == 1
-    preempted, reference = tmp_path / "0", tmp_path / "1"
+    preempted, reference = sweep.dir / "0", sweep.dir / "1"
     summary = json.loads((preempted / "summary.json").read_text())
     assert summary["steps"] == 120 and 3 <= summary["resumed_from_step"] < 50  # the step after the signal, not 0
     assert summary["steps_this_run"] == 120 - summary["resumed_from_step"]
     assert losses_by_step(preempted) == losses_by_step(reference)
     assert summary["val"]["loss"] == json.loads((reference / "summary.json").read_text())["val"]["loss"]
-    rank_logs = "".join(p.read_text() for p in (tmp_path / ".submitit" / job_id).glob("*_log.*"))
+    rank_logs = "".join(p.read_text() for p in (sweep.dir / ".submitit" / sweep.preempted).glob("*_log.*"))
     assert "this job is preempted" in rank_logs and "Requeued job" in rank_logs  # submitit's path, not a timeout
 
 

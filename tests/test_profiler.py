@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, TINY_GPT, train
+from conftest import ROOT, train
 from omegaconf import OmegaConf
 from torch import nn
 from torch.profiler import record_function
@@ -100,6 +100,27 @@ def test_train_py_profile_writes_loadable_trace_ops_table_and_overhead_verdict(r
     assert "trainer.batch_size" in v["action"]
     assert run.stdout.count("profiler verdict (rank 0, steps 10-12") == 1  # printed once, at the end
     assert run.stdout.index("profiler verdict") > run.stdout.index("step 12/12")
+
+
+def test_ddp_on_gloo_shows_the_communication_share_on_every_rank(run_dir: Path) -> None:
+    # 8.4M parameters (a 33 MB all-reduce per step) against one sample per rank: the collective dominates.
+    run = train(run_dir, "parallelism=ddp", "parallelism.nproc_per_node=2", "model=mlp", "model.in_features=1024",
+                "model.hidden=4096", "model.out_features=1024", "data=synthetic", "trainer.batch_size=1",
+                "optim=sgd", "optim.momentum=0", "optim.weight_decay=0", "trainer.grad_clip=0", "compile=off",
+                "logger=none", "trainer.max_steps=12", "trainer.warmup_steps=2", "trainer.log_every=4",
+                "trainer.eval_steps=1", "profiler=schedule", "profiler.ranks=all")
+    assert run.returncode == 0, run.stderr
+    prof = run.summary["profiler"]
+    assert prof["ranks"] == [0, 1] and prof["windows"] == {"0": [[10, 12]], "1": [[10, 12]]}
+    assert prof["ops_tables"] == ["profile/ops_rank0.txt", "profile/ops_rank1.txt"]
+    for rank in (0, 1):
+        events = load_trace(run_dir / "profile" / f"rank{rank}.10.pt.trace.json")["traceEvents"]
+        allreduces = [e for e in events if e.get("name") == "gloo:all_reduce"]
+        assert len(allreduces) >= 3 and sum(e["dur"] for e in allreduces) > 0  # at least one bucket per step
+        assert prof["per_rank"][str(rank)]["shares"]["communication"] > 0.15, prof["per_rank"]
+    v = prof["verdict"]
+    assert v["regions"]["communication_in_flight"] >= v["shares"]["communication"] > 0.15
+    assert run.stdout.count("profiler verdict (rank 0") == 1 and "rank 1: " in run.stdout
 
 
 def test_sleeping_loader_is_data_bound(tmp_path: Path) -> None:
@@ -257,7 +278,8 @@ def test_window_pushed_past_the_end_by_excluded_steps_is_refused(tmp_path: Path)
                            "use ranks within it or profiler.ranks=all"),
 ])
 def test_cli_bad_input_is_one_line_and_exit_2(run_dir: Path, override: str, line: str) -> None:
-    run = train(run_dir, *TINY_GPT, "data=synthetic", "trainer.max_steps=20", "profiler=schedule", override)
+    run = train(run_dir, "model=mlp", "data=synthetic", "compile=off", "logger=none", "trainer.max_steps=20",
+                "profiler=schedule", override)
     assert run.returncode == 2
     assert run.stderr.strip().splitlines()[-1] == line
     assert "Traceback" not in run.stderr

@@ -37,8 +37,10 @@ import random
 import re
 import shutil
 import signal
+import threading
 import time
 import warnings
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -358,7 +360,11 @@ class Checkpointer:
         self._need_bytes = 0  # what a save writes, at least: to recognise a full disk
         self._signal: int | None = None
         self._stopped_by: str | None = None
-        self._previous_handlers = {s: signal.signal(s, self._on_signal) for s in STOP_SIGNALS}
+        self._previous_handlers: dict[int, Any] = {}
+        if threading.current_thread() is threading.main_thread():  # Python delivers signals to the main thread only
+            self._previous_handlers = {s: signal.signal(s, self._on_signal) for s in STOP_SIGNALS}
+        elif env.is_main:
+            log.warning("checkpoint: training runs outside the main thread: SIGTERM/SIGUSR2 will not save and stop")
 
     # -- hooks called by run.py --------------------------------------------------------------------------------
 
@@ -427,7 +433,7 @@ class Checkpointer:
             if self._pending is not None:
                 self._finish_pending()
             if self._stopped_by is None:
-                if self.cfg.save_final and state.step != self._last_saved_step:
+                if self.cfg.save_final and state.step not in (0, self._last_saved_step):
                     self._save(state, blocking=True)
                 if self.cfg.export:
                     self._exported = self._on_rank0(self._export)
@@ -721,23 +727,23 @@ class Checkpointer:
         if self.env.distributed:
             dist.barrier(group=self._ctl)
 
-    def _on_rank0(self, fn):
-        """Run `fn` on rank 0 only; every rank gets its result, or raises the same error."""
+    def _on_rank0(self, fn: Callable[[], Any]) -> Any:
+        """Run `fn` on rank 0 only; every rank gets its result, or raises the same one-line error."""
         result, error = None, None
         if self.env.is_main:
             try:
                 result = fn()
-            except (OSError, CheckpointError, ConfigError) as exc:
+            except (ConfigError, CheckpointError) as exc:
                 error = exc
+            except Exception as exc:  # any failure must reach the other ranks, or they wait for it forever
+                error = CheckpointError(f"checkpoint.dir: {_cause(exc)}; committed checkpoints are untouched")
+                error.__cause__ = exc
         if self.env.distributed:
             box = [(result, type(error).__name__ if error else None, str(error) if error else None)]
             dist.broadcast_object_list(box, src=0, group=self._ctl)
             result, kind, message = box[0]
             if kind is not None and not self.env.is_main:
                 error = ConfigError(message) if kind == "ConfigError" else CheckpointError(message)
-        if isinstance(error, OSError):
-            raise CheckpointError(f"checkpoint.dir: {error.strerror} ({error.filename}); "
-                                  "point checkpoint.dir at a writable folder") from error
         if error is not None:
             raise error
         return result

@@ -190,8 +190,8 @@ def bf16_warning(cfg: DictConfig, device: torch.device, flags: frozenset[str] | 
     if flags is not None and flags & {"avx512_bf16", "amx_bf16"}:
         return None
     ratio = bf16_slowdown()
-    return (f"{', '.join(keys)}=bf16: this CPU has no native bf16 (no avx512_bf16/amx_bf16 flag); a bf16 matmul "
-            f"measured {ratio:.1f}x the time of fp32 here, so expect a slower run; use fp32 on this machine")
+    return (f"{', '.join(keys)}=bf16: this CPU has no native bf16 (no avx512_bf16/amx_bf16 flag), so bf16 is "
+            f"emulated: a bf16 matmul measured {ratio:.2g}x the time of fp32 here; use fp32 on this machine")
 
 
 def _preflight(cfg: DictConfig, device: torch.device, world_size: int, local_world_size: int, started_by: str) -> str:
@@ -317,7 +317,7 @@ def process_group(cfg: DictConfig) -> Iterator[DistEnv]:
 
 def launch(cfg: DictConfig, run_dir: Path) -> dict[str, Any] | None:
     """Start parallelism.nproc_per_node workers running `run(cfg, run_dir)`; return rank 0's summary."""
-    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -335,12 +335,28 @@ def launch(cfg: DictConfig, run_dir: Path) -> dict[str, Any] | None:
             min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"trainflow-{uuid.uuid4().hex[:12]}",
             rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=p.max_restarts, monitor_interval=0.1,
             start_method="spawn" if device.type == "cuda" else "fork", logs_specs=DefaultLogsSpecs(log_dir=logs),
+            signals_to_handle="SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR2",  # passed on to the workers
         )
+        started = time.time()
         try:
             results = elastic_launch(config, _worker)(container, str(run_dir))
         except ChildFailedError as exc:
             raise explain_failure(exc) from None
+        except SignalException as exc:
+            return _after_signal(exc.sigval.name, run_dir / "summary.json", started)
     return results.get(0)
+
+
+def _after_signal(signal_name: str, summary: Path, started: float) -> dict[str, Any]:
+    """The agent passed a stop signal on and waited for the workers: rank 0's summary if it finished one.
+
+    (The checkpoint stage saves at the next step boundary on SIGTERM/SIGUSR2 and ends the run normally; its
+    summary says so, and the exit code follows from it as in a single process.)
+    """
+    if summary.exists() and summary.stat().st_mtime >= started:
+        log.warning("%s: the workers stopped; rank 0 finished its summary", signal_name)
+        return json.loads(summary.read_text())
+    raise TrainflowError(f"stopped by {signal_name} before the workers finished (no summary.json was written)")
 
 
 def _worker(container: dict, run_dir: str) -> dict[str, Any] | None:

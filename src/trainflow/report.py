@@ -333,7 +333,11 @@ def write_png(runs: list[RunRecord], report: dict[str, Any], path: Path) -> None
     curves.set_title("loss curves")
     if any(r.losses for r in runs):
         curves.legend(fontsize=8)
-    fig.suptitle(Path(report["folder"]).name or report["folder"], fontsize=10)
+    title = report["folder"]
+    if report["gates"] is not None:
+        counts = {s: sum(g["status"] == s for g in report["gates"]) for s in (ladder.PASS, ladder.WARN, ladder.FAIL)}
+        title += "   gates: " + ", ".join(f"{n} {s}" for s, n in counts.items())
+    fig.suptitle(title, fontsize=10)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}.png")
     fig.savefig(tmp, dpi=100)
     os.replace(tmp, path)
