@@ -1,84 +1,97 @@
 """What `profiler=schedule` costs on the steps it does not record, against `profiler=off`.
 
-Both runs go through trainflow's `run()` in this one process, alternating off / schedule each round, on the
-same model, data and threads, logging every step. The steps compared are those outside the profiler's
-warm-up and active window (and past the run's own warm-up): the profiler's idle `step()` calls and its
-record_function step markers are all that differs there. Per round, the median step time of those steps
-under schedule is divided by the same steps' median under off; the median over rounds is reported as the
-throughput loss (goal: <= 2%).
+One process trains one model with the training loop's shape (the same `record_function` regions as
+`run.py`, one `Profiler.step()` per step) in alternating blocks: a block with the profiler off, then a
+block with it on a schedule whose window closes early in the block, and so on. Only the steps the profiler
+does not record are timed: its idle wait steps and every step after its window closed (the window itself,
+its warm-up and the step that exports the trace are left out). Per pair of blocks, the median step time
+with the profiler on is divided by the median with it off; the median over pairs is the cost (goal: a
+throughput loss of at most 2%). Alternating blocks in one process keeps a busy machine's drift out of the
+ratio.
 
-    python benchmarks/profiler.py [--rounds 5] [--steps 60] [--cases tiny,gpt_tiny]
+    python benchmarks/profiler.py [--pairs 10] [--steps 40] [--cases tiny,gpt_tiny]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import statistics
 import tempfile
+import time
 from pathlib import Path
 
-from hydra import compose, initialize_config_dir
+import torch
+from omegaconf import OmegaConf
+from torch.profiler import record_function
 
-import trainflow  # noqa: F401  (registers the schemas)
-from trainflow.config import profiler_skip_and_end
-from trainflow.run import run
+from trainflow.config import ProfilerConfig
+from trainflow.distributed import DistEnv
+from trainflow.models.gpt import GPT
+from trainflow.profiling import DATA, FWD_BWD, OPTIMIZER, Profiler
+from trainflow.run import loss_fn
 
-ROOT = Path(__file__).resolve().parents[1]
-
-CASES = {
-    # milliseconds per step: the case where a fixed per-step cost shows most
-    "tiny": ["model=gpt_tiny", "model.n_layer=2", "model.n_embd=64", "model.n_head=2", "model.block_size=32",
-             "trainer.batch_size=8"],
-    "gpt_tiny": ["model=gpt_tiny", "trainer.batch_size=16"],  # the default model: ~0.4 s per step on 2 cores
+CASES = {  # model keyword arguments, batch size
+    "tiny": (dict(n_layer=2, n_embd=64, n_head=2, block_size=32), 8),  # milliseconds per step: worst case
+    "gpt_tiny": (dict(n_layer=4, n_embd=256, n_head=4, block_size=128), 16),  # the default model
 }
-COMMON = ["data=synthetic", "compile=off", "logger=none", "trainer.eval_every=0", "trainer.eval_steps=1",
-          "trainer.log_every=1", "trainer.warmup_steps=5", "trainer.progress=log"]
+WAIT, WARMUP, ACTIVE = 2, 1, 2  # the window closes at step 5; steps 1-2 and 7.. are unrecorded
+ENV = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
 
 
-def step_times(overrides: list[str]) -> tuple[dict[int, float], object]:
-    """Per-step wall times of one run (log_every=1), keyed by step; and its config."""
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        cfg = compose("train", overrides=overrides)
-    with tempfile.TemporaryDirectory() as tmp:
-        run(cfg, Path(tmp))
-        lines = (Path(tmp) / "metrics.jsonl").read_text().splitlines()
-    records = [json.loads(line) for line in lines]
-    return {r["step"]: r["perf/step_time_s"] for r in records if "perf/step_time_s" in r}, cfg
+def block(model: GPT, optimizer: torch.optim.Optimizer, batch: torch.Tensor, steps: int, on: bool,
+          run_dir: Path) -> list[float]:
+    """Per-step wall times of the unrecorded steps of one block."""
+    cfg = OmegaConf.structured(ProfilerConfig(enabled=on, skip_first=0, wait=WAIT, warmup=WARMUP, active=ACTIVE))
+    profiler = Profiler(cfg, ENV, run_dir, max_steps=steps)
+    times = []
+    with profiler:
+        for step in range(1, steps + 1):
+            start = time.perf_counter()
+            with record_function(DATA):
+                inputs, targets = batch[:, :-1], batch[:, 1:]
+            with record_function(FWD_BWD):
+                loss_fn(model(inputs), targets).backward()
+            with record_function(OPTIMIZER):
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+            profiler.step()
+            if step <= WAIT or step > WAIT + WARMUP + ACTIVE + 1:
+                times.append(time.perf_counter() - start)
+    return times
 
 
-def compare(case: str, rounds: int, steps: int) -> list[float]:
-    """Per round: median time of the unrecorded steps under schedule / under off."""
-    base = [*CASES[case], *COMMON, f"trainer.max_steps={steps}"]
+def compare(case: str, pairs: int, steps: int) -> list[float]:
+    kwargs, batch_size = CASES[case]
+    torch.manual_seed(0)
+    model = GPT(**kwargs)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    batch = torch.randint(256, (batch_size, kwargs["block_size"] + 1))
+    block(model, optimizer, batch, 5, False, Path("."))  # warm up allocator and caches
     ratios = []
-    for i in range(rounds):
-        off, _ = step_times([*base, "profiler=off"])
-        on, cfg = step_times([*base, "profiler=schedule"])
-        p = cfg.profiler
-        skip, end = profiler_skip_and_end(p, cfg.trainer.warmup_steps)
-        traced = range(skip + p.wait + 1, end + 2)  # warm-up and active steps, and the one after (trace export)
-        outside = [s for s in on if s > cfg.trainer.warmup_steps and s not in traced]
-        ratio = statistics.median(on[s] for s in outside) / statistics.median(off[s] for s in outside)
-        ratios.append(ratio)
-        print(f"{case} round {i + 1}: {len(outside)} unrecorded steps, median step "
-              f"{statistics.median(off[s] for s in outside) * 1e3:.2f} ms off, "
-              f"{statistics.median(on[s] for s in outside) * 1e3:.2f} ms schedule: ratio {ratio:.4f}", flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        for i in range(pairs):
+            off = statistics.median(block(model, optimizer, batch, steps, False, Path(tmp)))
+            on = statistics.median(block(model, optimizer, batch, steps, True, Path(tmp)))
+            ratios.append(on / off)
+            print(f"{case} pair {i + 1}: median unrecorded step {off * 1e3:.3f} ms off, {on * 1e3:.3f} ms "
+                  f"schedule: ratio {on / off:.4f}", flush=True)
     return ratios
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--pairs", type=int, default=10)
+    parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--cases", default="tiny,gpt_tiny")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
     for case in args.cases.split(","):
-        ratios = compare(case, args.rounds, args.steps)
+        ratios = compare(case, args.pairs, args.steps)
         median = statistics.median(ratios)
-        print(f"{case}: schedule/off step time, median of {args.rounds} rounds = {median:.4f} "
-              f"(throughput loss {(1 - 1 / median) * 100:+.2f}%; rounds {min(ratios):.4f}..{max(ratios):.4f})")
+        print(f"{case}: schedule/off unrecorded step time, median of {args.pairs} pairs = {median:.4f} "
+              f"(throughput loss {(1 - 1 / median) * 100:+.2f}%; pairs {min(ratios):.4f}..{max(ratios):.4f})")
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ On a CPU, one process already uses every core through intra-op threads; two rank
 each, as torchrun does) and add gradient communication, so the honest expectation there is a ratio below 1.
 Data parallelism pays when each rank brings its own device.
 
-    flock /tmp/trainflow-bench.lock .venv/bin/python benchmarks/scale.py [--rounds 3] [--steps 30]
+    flock /tmp/trainflow-bench.lock .venv/bin/python benchmarks/scale.py [--rounds 3] [--steps 20] [--batch 8]
 """
 
 from __future__ import annotations
@@ -44,9 +44,9 @@ def train(run_dir: Path, overrides: list[str]) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--batch", type=int, default=16, help="per-rank batch of the 2-rank variants")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--batch", type=int, default=8, help="per-rank batch of the 2-rank variants")
     parser.add_argument("--model", default="gpt_tiny")
     parser.add_argument("--json", type=Path, help="also write the figures here")
     args = parser.parse_args()

@@ -5,9 +5,11 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -175,6 +177,27 @@ def test_torchrun_restart_rejoins_the_group_and_the_run_directory(tmp_path: Path
     assert "injected failure on rank 1" in proc.stderr  # the first attempt really failed
     run = _the_one_run_dir(tmp_path)
     assert run.summary["steps"] == 4 and run.summary["world_size"] == 2
+
+
+def test_stop_signal_to_a_self_launched_run_reaches_the_workers(run_dir: Path) -> None:
+    """SIGTERM to `python train.py`: its agent passes it on, the ranks save and stop, the exit code says resume."""
+    cmd = [sys.executable, str(ROOT / "train.py"), *SMALL, "trainer.max_steps=100000", "parallelism=ddp",
+           "parallelism.nproc_per_node=2", "checkpoint=dcp", f"hydra.run.dir={run_dir}"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not (run_dir / "metrics.jsonl").exists() or not (run_dir / "metrics.jsonl").read_text():
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    sent = time.monotonic()
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 75, stderr  # saved and stopped: run the same command to resume
+    assert time.monotonic() - sent < 25  # not the agent's 30 s shutdown timeout
+    summary = json.loads((run_dir / "summary.json").read_text())
+    step = summary["steps"]
+    assert summary["checkpoint"]["stopped_by"] == "SIGTERM" and 0 < step < 100000
+    assert (run_dir / "checkpoints" / f"step_{step:08d}" / "manifest.json").exists()
 
 
 # --- bad input ---------------------------------------------------------------------------------------------------

@@ -179,6 +179,22 @@ def test_a_broken_compile_rung_fails_its_gate_and_the_sweep(tmp_path: Path) -> N
     assert "| compile.numerics | **FAIL** |" in (sweep / "report.md").read_text()
 
 
+def test_a_failed_gate_of_finished_rungs_fails_the_sweep_in_one_line(tmp_path: Path) -> None:
+    """Every rung finishes but a gate fails (SGD at lr 100 blows the loss up): the sweep still exits 1."""
+    sweep = tmp_path / "sweep"
+    proc = subprocess.run([sys.executable, str(ROOT / "train.py"), "-m", "experiment=ladder", "ladder=baseline",
+                           *TINY, "optim=sgd", "optim.lr=100", "optim.warmup_steps=0", "optim.schedule=constant",
+                           "trainer.grad_clip=0", f"hydra.sweep.dir={sweep}"], cwd=ROOT, env=clean_env(),
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines()[-1].startswith("ladder: 1 gate(s) FAILED: baseline.learns: 8 steps"), \
+        proc.stderr
+    assert "it did not decrease" in proc.stderr and "Traceback" not in proc.stderr
+    gates = gates_of(json.loads((sweep / "report.json").read_text()))
+    assert gates["baseline.learns"]["status"] == "FAIL"
+    assert not gates["baseline.learns"]["numbers"]["loss_last"] < gates["baseline.learns"]["numbers"]["loss_first"]
+
+
 def test_bad_ladder_setting_is_one_line(tmp_path: Path) -> None:
     proc = subprocess.run([sys.executable, str(ROOT / "train.py"), "experiment=ladder", "ladder.nproc_per_node=1",
                            *TINY, f"hydra.run.dir={tmp_path / 'run'}"], cwd=ROOT, env=clean_env(),

@@ -42,8 +42,10 @@ import json
 import logging
 import math
 import os
+import signal
 import sys
 import tempfile
+import threading
 import time
 import traceback
 import uuid
@@ -337,32 +339,37 @@ def launch(cfg: DictConfig, run_dir: Path) -> dict[str, Any] | None:
             start_method="spawn" if device.type == "cuda" else "fork", logs_specs=DefaultLogsSpecs(log_dir=logs),
             signals_to_handle="SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR2",  # passed on to the workers
         )
-        started = time.time()
+        started = time.time() - 1.0  # (file times may be coarser than the clock)
         try:
-            results = elastic_launch(config, _worker)(container, str(run_dir))
+            elastic_launch(config, _worker)(container, str(run_dir))
         except ChildFailedError as exc:
             raise explain_failure(exc) from None
         except SignalException as exc:
-            return _after_signal(exc.sigval.name, run_dir / "summary.json", started)
-    return results.get(0)
+            return _rank0_summary(run_dir / "summary.json", started, exc.sigval.name)
+    return _rank0_summary(run_dir / "summary.json", started)
 
 
-def _after_signal(signal_name: str, summary: Path, started: float) -> dict[str, Any]:
-    """The agent passed a stop signal on and waited for the workers: rank 0's summary if it finished one.
+def _rank0_summary(path: Path, started: float, signal_name: str | None = None) -> dict[str, Any]:
+    """Rank 0's summary, read from the file it wrote (also after a stop signal the agent passed on: the
+    checkpoint stage then saves at the next step boundary and ends the run normally, and says so in it)."""
+    if path.exists() and path.stat().st_mtime >= started:
+        if signal_name:
+            log.warning("%s: the workers stopped; rank 0 finished its summary", signal_name)
+        return json.loads(path.read_text())
+    if signal_name:
+        raise TrainflowError(f"stopped by {signal_name} before the workers finished (no summary.json was written)")
+    raise WorkerError(f"the workers finished, but rank 0 wrote no {path}")
 
-    (The checkpoint stage saves at the next step boundary on SIGTERM/SIGUSR2 and ends the run normally; its
-    summary says so, and the exit code follows from it as in a single process.)
-    """
-    if summary.exists() and summary.stat().st_mtime >= started:
-        log.warning("%s: the workers stopped; rank 0 finished its summary", signal_name)
-        return json.loads(summary.read_text())
-    raise TrainflowError(f"stopped by {signal_name} before the workers finished (no summary.json was written)")
 
-
-def _worker(container: dict, run_dir: str) -> dict[str, Any] | None:
+def _worker(container: dict, run_dir: str) -> None:
     """One self-launched rank: the parent's config and run directory, no Hydra."""
     global _self_launched
     _self_launched = True
+    # A forked worker inherits the agent's handlers (they raise in Python, which a rank blocked in a collective
+    # never reaches): a signal must act on it as on any process.
+    for name in ("SIGTERM", "SIGHUP", "SIGQUIT", "SIGUSR2"):
+        signal.signal(getattr(signal, name), signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         rank = int(os.environ["RANK"])
         _configure_worker_logging(Path(run_dir), rank)
@@ -372,7 +379,7 @@ def _worker(container: dict, run_dir: str) -> dict[str, Any] | None:
 
         cfg = OmegaConf.create(container)
         OmegaConf.set_struct(cfg, True)
-        return run(cfg, run_dir)
+        run(cfg, run_dir)
     except (KeyboardInterrupt, SystemExit):
         raise
     except BaseException as exc:
@@ -380,6 +387,13 @@ def _worker(container: dict, run_dir: str) -> dict[str, Any] | None:
         # whether this was a user error and when exactly it happened (which rank failed first).
         record_failure(exc)
         raise SystemExit(1) from None
+    # A worker may exit only once the agent has read its return value. An agent shutting down on a stop signal
+    # reads none and would wait its whole shutdown timeout (30 s), so leave by ourselves a little later. The
+    # summary travels as the file rank 0 wrote: the small return value never fills the pipe.
+    timer = threading.Timer(5.0, os._exit, args=(0,))
+    timer.daemon = True
+    timer.start()
+    return None
 
 
 def _configure_worker_logging(run_dir: Path, rank: int) -> None:

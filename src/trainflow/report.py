@@ -20,12 +20,12 @@ import argparse
 import json
 import logging
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hydra.errors import CompactHydraException
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
@@ -35,16 +35,13 @@ from trainflow.errors import TrainflowError
 log = logging.getLogger(__name__)
 
 FAILURE_FILE = "failure.txt"  # written into a failed job's folder: the line that says why
+EXIT_GATE_FAILED = 1  # `trainflow report` and a sweep whose ladder gate failed (user errors exit 2)
 REPORT_FILES = ("report.md", "report.json", "report.png")
 _SKIP = {"checkpoints", "profile", "tb", "tensorboard", "torchrun"}  # inside a run: never runs themselves
 
 
 class ReportError(TrainflowError):
     """A folder or file the report cannot use, explained with the fix."""
-
-
-class GatesFailed(TrainflowError, CompactHydraException):
-    """A ladder gate failed: Hydra prints this one line and exits non-zero."""
 
 
 @dataclass
@@ -359,7 +356,8 @@ class ReportCallback(Callback):
 
     After each job the report is refreshed (and a failed job's reason saved next to it), so it exists even
     when the sweep stops early; Hydra then exits non-zero for the failed job. After the last job it is written
-    once more and a failed gate is raised: Hydra prints that one line and exits non-zero.
+    once more. Hydra turns a callback's exceptions into warnings, so a failed gate ends the process itself:
+    one line on stderr and exit code 1 (SystemExit passes through Hydra, as trainflow's user errors do).
     """
 
     def __init__(self, baseline: str | None = None) -> None:
@@ -380,10 +378,7 @@ class ReportCallback(Callback):
                 reason = f"{type(error).__name__}: {reason}"
             job_dir.mkdir(parents=True, exist_ok=True)
             (job_dir / FAILURE_FILE).write_text(reason + "\n")
-        try:
-            write(Path(str(config.hydra.sweep.dir)), baseline=self.baseline)
-        except Exception as exc:  # the report must never take a sweep down; the final one raises
-            log.warning("sweep report not updated after job %s: %s", config.hydra.job.num, exc)
+        write(Path(str(config.hydra.sweep.dir)), baseline=self.baseline)  # Hydra warns if this raises
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         sweep = Path(str(config.hydra.sweep.dir))
@@ -393,9 +388,9 @@ class ReportCallback(Callback):
         log.info("sweep report: %s", sweep / "report.md")
         failed = failed_gates(report)
         if failed:
-            raise GatesFailed(f"ladder: {len(failed)} gate(s) FAILED: "
-                              + "; ".join(f"{g['name']}: {g['detail']}" for g in failed)
-                              + f" (see {sweep / 'report.md'})")
+            print(f"ladder: {len(failed)} gate(s) FAILED: " + "; ".join(f"{g['name']}: {g['detail']}" for g in failed)
+                  + f" (see {sweep / 'report.md'})", file=sys.stderr)
+            sys.exit(EXIT_GATE_FAILED)
 
 
 def command(args: argparse.Namespace) -> int:
@@ -410,7 +405,7 @@ def command(args: argparse.Namespace) -> int:
           + (f"; gates: {tally}" if gates else ""))
     for g in failed_gates(report):
         print(f"FAIL {g['name']}: {g['detail']}")
-    return 1 if failed_gates(report) else 0
+    return EXIT_GATE_FAILED if failed_gates(report) else 0
 
 
 def add_command(commands: argparse._SubParsersAction) -> None:

@@ -65,6 +65,8 @@ _NEVER_REASONS = {
     "InvalidQOS": ("qos", "a QOS SLURM does not know or this account may not use"),
     "DependencyNeverSatisfied": ("additional_parameters", "a dependency that can never be satisfied"),
 }
+_HELD = {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "RESIZING",
+         "SUSPENDED", "STOPPED"}  # squeue states of a job that is not over yet
 _PER_JOB_LIMIT = re.compile(r"(?:QOS|Assoc)Max\w*PerJob\w*")  # a per-job limit of the QOS or account: never either
 
 # sbatch's refusals: (pattern in its message, the key to change, what to do).
@@ -152,9 +154,11 @@ class SlurmJobRunner:
         try:
             return run_job_here(self.hydra_context, self.task_function, run)
         except SystemExit as exc:
-            from trainflow.checkpoint import EXIT_STOPPED  # (torch is loaded by now)
-
-            if exc.code == EXIT_STOPPED and env.global_rank == 0 and _stop_signal(job.dir) == "SIGUSR2":
+            # Not imported here: a notice during start-up interrupts `import torch`, and importing again would
+            # fail on the half-imported module. A run trainflow stopped has loaded it.
+            stopped = getattr(sys.modules.get("trainflow.checkpoint"), "EXIT_STOPPED", None)
+            if stopped is not None and exc.code == stopped and env.global_rank == 0 \
+                    and _stop_signal(job.dir) == "SIGUSR2":
                 # Saved and stopped on the preemption notice: submitit's own USR2 handler (back in place now)
                 # calls checkpoint(), requeues this job and exits.
                 handler = signal.getsignal(signal.SIGUSR2)
@@ -305,21 +309,27 @@ def _gpus(gres: str) -> int:
 
 
 def wait(c: SlurmLauncherConf, params: dict[str, Any], submitted: list) -> None:
-    """Wait for every job; stop at once, naming the key, when SLURM leaves a job pending forever."""
+    """Wait until every job is over; stop at once, naming the key, when SLURM leaves a job pending forever.
+
+    A job is over when submitit has its result and SLURM no longer holds it: a result file alone can be the one
+    of an attempt that was requeued since.
+    """
     array_id = submitted[0].job_id.split("_")[0]
-    while not all(sj.done() for sj in submitted):
-        out = _slurm_command(["squeue", "-h", "-j", array_id, "-o", "%i|%T|%r"]) or ""
-        for line in out.splitlines():
-            job_id, state, reason = (line.split("|") + ["", ""])[:3]
+    while True:
+        out = _slurm_command(["squeue", "-h", "-r", "-j", array_id, "-o", "%i|%T|%r"])
+        queue = {job_id: (state, reason) for job_id, state, reason in
+                 ((line.split("|") + ["", ""])[:3] for line in (out or "").splitlines())}
+        for job_id, (state, reason) in queue.items():
             never = _NEVER_REASONS.get(reason)
             if never is None and _PER_JOB_LIMIT.fullmatch(reason):
                 never = ("timeout_min", "more than a per-job limit of the QOS or account allows")
-            if state != "PENDING" or never is None:
-                continue
-            _slurm_command(["scancel", array_id])
-            key, why = oversized_request(c, params) or never
-            user_error(f"hydra.launcher.{key}: {why}, so SLURM would keep job {job_id} pending forever "
-                       f"(reason {reason}); cancelled it: change hydra.launcher.{key} or the partition")
+            if state == "PENDING" and never is not None:
+                _slurm_command(["scancel", array_id])
+                key, why = oversized_request(c, params) or never
+                user_error(f"hydra.launcher.{key}: {why}, so SLURM would keep job {job_id} pending forever "
+                           f"(reason {reason}); cancelled it: change hydra.launcher.{key} or the partition")
+        if all(sj.done() and queue.get(sj.job_id, ("",))[0] not in _HELD for sj in submitted):
+            return
         time.sleep(c.poll_interval_s)
 
 
