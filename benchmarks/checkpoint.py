@@ -19,6 +19,7 @@ import json
 import os
 import resource
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -155,6 +156,10 @@ def async_vs_sync(state: TrainState, tmp: Path, steps: int, every: int, size: in
     }
 
 
+def progress(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
 def rss_bytes() -> int:
     return int(Path("/proc/self/statm").read_text().split()[1]) * resource.getpagesize()
 
@@ -192,8 +197,11 @@ def main() -> None:
     params = sum(p.numel() for p in state.model.parameters())
     with tempfile.TemporaryDirectory(prefix="trainflow-ckpt-bench-", dir=args.dir) as folder:
         tmp = Path(folder)
+        progress("1/3 bandwidth: trainflow sync save vs torch.save vs raw write")
         bw = bandwidth(state, tmp, args.repeats)
+        progress("2/3 training with sync, then async saves")
         av = async_vs_sync(state, tmp, args.steps, args.every, args.batch)
+        progress(f"3/3 RSS over {args.rss_saves} async saves")
         rss = rss_over_saves(state, tmp, args.rss_saves) if args.rss_saves else None
 
     mb = bw["bytes"] / 1e6

@@ -248,6 +248,12 @@ def test_bad_slurm_settings_fail_in_one_line(tmp_path: Path, overrides: list[str
     assert one_line_error(proc).startswith(expected)
 
 
+def test_bad_setting_shows_the_traceback_with_hydra_full_error(tmp_path: Path) -> None:
+    proc = multirun(tmp_path, *SLURM, "hydra.launcher.nodes=0", env={**_env(), "HYDRA_FULL_ERROR": "1"}, timeout=60)
+    assert proc.returncode != 0 and "Traceback" in proc.stderr
+    assert "trainflow.errors.ConfigError: hydra.launcher.nodes: must be >= 1; got 0" in proc.stderr
+
+
 def test_no_sbatch_on_path_fails_in_one_line(tmp_path: Path) -> None:
     env = {**_env(), "PATH": str(Path(sys.executable).parent)}  # python, but no SLURM commands
     proc = multirun(tmp_path, *SLURM, "trainer.max_steps=1", env=env, timeout=60)

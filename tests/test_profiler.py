@@ -123,6 +123,24 @@ def test_ddp_on_gloo_shows_the_communication_share_on_every_rank(run_dir: Path) 
     assert run.stdout.count("profiler verdict (rank 0") == 1 and "rank 1: " in run.stdout
 
 
+@pytest.mark.slow
+def test_compiled_run_profiles_compiled_regions_after_the_compile_steps(run_dir: Path) -> None:
+    run = train(run_dir, "model=gpt_tiny", "model.n_layer=2", "model.n_embd=64", "model.n_head=2",
+                "model.block_size=32", "trainer.batch_size=8", "data=synthetic", "compile=default", "logger=none",
+                "trainer.warmup_steps=2", "trainer.max_steps=20", "trainer.log_every=5", "trainer.eval_steps=1",
+                "profiler=schedule")
+    assert run.returncode == 0, run.stderr
+    summary = run.summary
+    prof = summary["profiler"]
+    skip = summary["steady_state"]["excluded_steps"]
+    assert skip > 2 and prof["schedule"]["skip_first"] == skip  # warm-up plus the compiling steps
+    first = skip + 5 + 2 + 1
+    assert prof["windows"] == {"0": [[first, first + 2]]}
+    names = {e.get("name", "") for e in load_trace(run_dir / prof["traces"][0])["traceEvents"]}
+    assert any(n.startswith("Torch-Compiled Region") for n in names) and "CompiledFunction" in names
+    assert prof["verdict"]["shares"]["compile"] == 0 and "cause" not in prof["verdict"]  # no compiling in the window
+
+
 def test_sleeping_loader_is_data_bound(tmp_path: Path) -> None:
     def slow_batch() -> tuple[torch.Tensor, torch.Tensor]:
         time.sleep(0.03)

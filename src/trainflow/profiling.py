@@ -126,10 +126,13 @@ def _is_collective(name: str) -> bool:
     return low.startswith(("gloo:", "nccl:", "c10d::")) or "nccl" in low or "record_param_comms" in low
 
 
+TRAINING = frozenset({"fwd_bwd", "optimizer"})
+
+
 def _cpu_label(inside: frozenset[str]) -> str:
     if "data" in inside:
         return "data_wait"
-    if "compile" in inside:
+    if "compile" in inside and inside & TRAINING:  # not evaluation's one-off compile under no_grad
         return "compile"
     if "stall" in inside:
         return "stalled"
@@ -138,7 +141,7 @@ def _cpu_label(inside: frozenset[str]) -> str:
                 else "optimizer_compute" if "optimizer" in inside else "other")
     if "comm" in inside:
         return "communication"
-    return "overhead" if inside & {"fwd_bwd", "optimizer"} else "other"
+    return "overhead" if inside & TRAINING else "other"
 
 
 def _gpu_label(inside: frozenset[str]) -> str:
@@ -148,9 +151,9 @@ def _gpu_label(inside: frozenset[str]) -> str:
         return "communication"
     if "data" in inside:
         return "data_wait"
-    if "compile" in inside:
+    if "compile" in inside and inside & TRAINING:
         return "compile"
-    return "overhead" if inside & {"fwd_bwd", "optimizer"} else "other"
+    return "overhead" if inside & TRAINING else "other"
 
 
 def _self_intervals(event: Any) -> list[Interval]:

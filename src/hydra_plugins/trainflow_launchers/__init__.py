@@ -2,6 +2,9 @@
 
 Hydra finds the launcher classes by scanning the `hydra_plugins` namespace
 package; importing this package registers their configs in the ConfigStore.
+The scan executes each module before it is in `sys.modules`, which breaks
+dataclasses under `from __future__ import annotations`: the modules that
+define dataclasses here (config, common) do without it.
 """
 
 from hydra_plugins.trainflow_launchers.config import register_configs
