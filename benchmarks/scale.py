@@ -8,7 +8,9 @@ short run per parallel variant under `profiler=schedule` gives the communication
 
 On a CPU, one process already uses every core through intra-op threads; two ranks split the cores (one thread
 each, as torchrun does) and add gradient communication, so the honest expectation there is a ratio below 1.
-Data parallelism pays when each rank brings its own device.
+Data parallelism pays when each rank brings its own device. On a machine that other work keeps busy the
+comparison tilts the other way: a process whose threads meet at every parallel region waits for its slowest,
+preempted thread, single-threaded ranks do not. The load average is printed with the figures for that reason.
 
     flock /tmp/trainflow-bench.lock .venv/bin/python benchmarks/scale.py [--rounds 3] [--steps 20] [--batch 8]
 """
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -54,6 +57,7 @@ def main() -> None:
     base = [f"model={args.model}", "data=text", f"trainer.max_steps={args.steps}",
             f"trainer.warmup_steps={args.warmup}", f"trainer.log_every={args.steps}", *COMMON]
     samples: dict[str, list[float]] = {name: [] for name in VARIANTS}
+    load_before = os.getloadavg()[0]
     comm: dict[str, float | None] = {}
     with tempfile.TemporaryDirectory(prefix="trainflow-scale-") as tmp:
         for r in range(args.rounds):
@@ -70,6 +74,7 @@ def main() -> None:
             verdict = (train(Path(tmp) / f"{name}-profiled", profiled).get("profiler") or {}).get("verdict") or {}
             comm[name] = verdict.get("shares", {}).get("communication")
 
+    load = (load_before, os.getloadavg()[0])
     single = statistics.median(samples["single"])
     rows = []
     for name, (_, ranks) in VARIANTS.items():
@@ -77,9 +82,10 @@ def main() -> None:
         rows.append({"variant": name, "ranks": ranks, "global_batch": args.batch * 2,
                      "samples_per_sec_total": total, "samples_per_sec_per_rank": total / ranks,
                      "vs_single": total / single, "communication_share": comm.get(name),
-                     "rounds": samples[name]})
+                     "rounds": samples[name], "load_average": load})
     print(f"\n{args.model}, global batch {args.batch * 2}, {args.steps} steps ({args.warmup} warm-up), "
-          f"median of {args.rounds} rounds\n")
+          f"median of {args.rounds} rounds; {os.cpu_count()} cores, load average {load[0]:.1f} before, "
+          f"{load[1]:.1f} after\n")
     print("| variant | ranks | samples/s total | samples/s per rank | vs single | communication share |")
     print("|---|---|---|---|---|---|")
     for row in rows:

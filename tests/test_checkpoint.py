@@ -8,6 +8,7 @@ checkpoints on disk byte-identical.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import os
@@ -16,6 +17,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -112,14 +114,26 @@ def one_line_error(run: Run) -> str:
     return errors[0]
 
 
+@functools.cache
+def can_mount() -> bool:
+    """Whether this process may mount a small filesystem of its own (root, outside restricted containers)."""
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        return False
+    probe = Path(tempfile.mkdtemp(prefix="trainflow-mount-probe-"))
+    ok = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(probe)],
+                        capture_output=True).returncode == 0
+    if ok:
+        subprocess.run(["umount", str(probe)], check=False)
+    probe.rmdir()
+    return ok
+
+
 @contextlib.contextmanager
 def tmpfs(path: Path, size: str, read_only: bool = False) -> Iterator[Path]:
-    """A small real filesystem of our own (root only): a disk that fills up, or one that refuses writes."""
+    """A small real filesystem: a disk that fills up, or one that refuses writes (needs can_mount())."""
     path.mkdir(parents=True, exist_ok=True)
-    opts = f"size={size}" + (",ro" if read_only else "")
-    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(path)],
-                                           capture_output=True).returncode != 0:
-        pytest.skip("needs root to mount a tmpfs")
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}" + (",ro" if read_only else ""), "tmpfs", str(path)],
+                   check=True)
     try:
         yield path
     finally:
@@ -379,6 +393,15 @@ def test_resume_never_or_an_older_path_refuses_to_mix_histories(copied: Path, tm
 
 
 def test_unwritable_checkpoint_dir(tmp_path: Path, run_dir: Path) -> None:
+    """A read-only filesystem (root ignores permission bits), else a folder without write permission."""
+    if not can_mount():
+        if os.geteuid() == 0:
+            pytest.skip("root without mount rights: nothing here can make a folder unwritable")
+        readonly = tmp_path / "readonly"
+        readonly.mkdir(mode=0o555)
+        error = one_line_error(train(run_dir, *BASE, "checkpoint=dcp", f"checkpoint.dir={readonly}/ckpts"))
+        assert f"checkpoint.dir: cannot write to {readonly}/ckpts (Permission denied)" in error
+        return
     with tmpfs(tmp_path / "readonly", "1m", read_only=True) as readonly:
         error = one_line_error(train(run_dir, *BASE, "checkpoint=dcp", f"checkpoint.dir={readonly}/ckpts"))
     assert f"checkpoint.dir: cannot write to {readonly}/ckpts (Read-only file system)" in error
@@ -401,7 +424,7 @@ def test_full_disk_during_a_save_keeps_the_committed_ones(
         assert "saving step 12" in error and "committed checkpoints are untouched (newest: step_00000008)" in error
         return error
 
-    if os.geteuid() != 0 or shutil.which("mount") is None:
+    if not can_mount():
         resume_into(tmp_path / "ckpts", ["prlimit", "--fsize=1000000", sys.executable])  # shards are 1.7 MB
         return
     with tmpfs(tmp_path / "small", "4m") as disk:

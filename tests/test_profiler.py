@@ -96,7 +96,8 @@ def test_train_py_profile_writes_loadable_trace_ops_table_and_overhead_verdict(r
     assert v["bound"] == "cpu-overhead-bound", v
     assert v["rank"] == 0 and v["profiled_steps"] == 3 and v["timeline"] == "cpu"
     assert sum(v["shares"].values()) == pytest.approx(1.0, abs=1e-3)
-    assert v["shares"]["overhead"] > 0.5 and v["shares"]["communication"] == 0 and v["shares"]["compile"] == 0
+    assert v["groups"]["cpu-overhead-bound"] > 3 * v["groups"]["compute-bound"]  # a busy machine's stalls: "other"
+    assert v["shares"]["communication"] == 0 and v["shares"]["compile"] == 0
     assert "trainer.batch_size" in v["action"]
     assert run.stdout.count("profiler verdict (rank 0, steps 10-12") == 1  # printed once, at the end
     assert run.stdout.index("profiler verdict") > run.stdout.index("step 12/12")
@@ -149,7 +150,7 @@ def test_sleeping_loader_is_data_bound(tmp_path: Path) -> None:
     p = Profiler(profiler_cfg(skip_first=0, wait=1, warmup=1, active=3), CPU_ENV, tmp_path, max_steps=5)
     v = drive(p, mlp(32, 64, 4), slow_batch, steps=5)["verdict"]
     assert v["bound"] == "data-bound", v
-    assert v["shares"]["data_wait"] > 0.8
+    assert v["shares"]["data_wait"] > 0.6
     assert v["regions"]["data"] == pytest.approx(v["shares"]["data_wait"], abs=1e-3)
     assert "data.num_workers" in v["action"] and "pin_memory" in v["action"] and "prefetch" in v["action"]
 
@@ -170,7 +171,7 @@ def test_tiny_ops_at_batch_one_are_overhead_bound_with_adamw(tmp_path: Path) -> 
     p = Profiler(profiler_cfg(skip_first=1, wait=1, warmup=1, active=3), CPU_ENV, tmp_path, max_steps=6)
     v = drive(p, model, lambda: (x, y), steps=6, optimizer=torch.optim.AdamW(model.parameters()))["verdict"]
     assert v["bound"] == "cpu-overhead-bound", v
-    assert v["shares"]["overhead"] > 0.5
+    assert v["groups"]["cpu-overhead-bound"] > 3 * v["groups"]["compute-bound"]
     assert v["regions"]["optimizer"] > 0.1  # AdamW's per-parameter loop of tiny ops is visible as its own region
     assert "compile" in v["action"] and "CUDA graphs" in v["action"]
 
@@ -206,6 +207,15 @@ def test_gzip_and_repeat_write_one_gzipped_trace_and_table_section_per_window(tm
     table = (tmp_path / "profile" / "ops_rank0.txt").read_text()
     assert table.count("rank 0, steps") == 2 and "steps 105-106" in table
     assert s["verdict"]["profiled_steps"] == 4
+
+
+def test_run_ending_inside_the_window_saves_the_steps_it_recorded(tmp_path: Path) -> None:
+    x, y = torch.randn(4, 8), torch.randint(2, (4,))
+    p = Profiler(profiler_cfg(skip_first=0, wait=1, warmup=1, active=3), CPU_ENV, tmp_path, max_steps=100)
+    s = drive(p, mlp(8, 2), lambda: (x, y), steps=4)  # stops after 2 of the 3 active steps (3, 4)
+    assert s["windows"] == {"0": [[3, 4]]} and s["verdict"]["profiled_steps"] == 2
+    names = {e.get("name") for e in load_trace(tmp_path / "profile" / "rank0.3.pt.trace.json")["traceEvents"]}
+    assert {"ProfilerStep#3", "ProfilerStep#4", "aten::addmm"} <= names
 
 
 def test_memory_mode_on_cpu_warns_once_and_still_profiles(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:

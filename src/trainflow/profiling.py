@@ -186,13 +186,19 @@ def _typical_self_times(ops: list[Any], step_spans: list[Interval]) -> dict[int,
     return {op: statistics.median(times[key]) for op, key in position.items() if len(times[key]) >= 3}
 
 
-def analyze_window(events: list[Any], on_gpu: bool) -> dict[str, Any]:
-    """Seconds per share of step time in one recorded window (see the module docstring)."""
+def analyze_window(events: list[Any], on_gpu: bool, last_step: int) -> dict[str, Any]:
+    """Seconds per share of step time in one recorded window (see the module docstring).
+
+    Steps after `last_step` are left out: when a run ends inside a window, the step marker opened by the last
+    `step()` is closed empty.
+    """
     from torch.autograd import DeviceType
 
-    steps = [e for e in events if e.name.startswith("ProfilerStep")]
+    steps = [e for e in events if e.name.startswith("ProfilerStep")
+             and int(e.trace_name.rpartition("#")[2]) <= last_step]
     if not steps:
-        return {"steps": 0, "step_s": 0.0, "step_ms": [], "seconds": {}, "regions": {}}
+        return {"steps": 0, "first": None, "last": None, "step_s": 0.0, "step_ms": [], "seconds": {}, "regions": {}}
+    numbers = [int(e.trace_name.rpartition("#")[2]) for e in steps]
     main_thread = steps[0].thread
     sets: dict[str, list[Interval]] = {"data": [], "fwd_bwd": [], "optimizer": [], "comm": [], "compute": [],
                                        "compile": [], "stall": []}
@@ -239,8 +245,8 @@ def analyze_window(events: list[Any], on_gpu: bool) -> dict[str, Any]:
     regions = {"data": "data", "forward_backward": "fwd_bwd", "optimizer": "optimizer",
                "communication_in_flight": "comm"}
     region_s = {name: _covered(step_spans, sets[key]) / 1e6 for name, key in regions.items()}
-    return {"steps": len(steps), "step_s": sum(step_ms) / 1e3, "step_ms": step_ms, "seconds": seconds,
-            "regions": region_s}
+    return {"steps": len(steps), "first": min(numbers), "last": max(numbers), "step_s": sum(step_ms) / 1e3,
+            "step_ms": step_ms, "seconds": seconds, "regions": region_s}
 
 
 def verdict(totals: dict[str, Any], device: str) -> dict[str, Any] | None:
@@ -394,11 +400,10 @@ class Profiler:
 
     def _on_window(self, prof: Any) -> None:
         """After each window: the trace, the ops table, and this window's share of the verdict."""
-        events = list(prof.events())
-        window = analyze_window(events, self.device == "cuda")
-        n = window["steps"]
-        last = self.start_step + self._steps
-        first = last - n + 1
+        window = analyze_window(list(prof.events()), self.device == "cuda", self.start_step + self._steps)
+        if window["steps"] == 0:
+            return
+        n, first, last = window["steps"], window["first"], window["last"]
         self._windows_done += 1
         self.result.windows.append([first, last])
 
