@@ -4,7 +4,9 @@ Each variant is a real `python train.py` run (the parallel ones start their 2 wo
 model, data and global batch (one process: 2 x the per-rank batch). Rounds interleave the variants (A B C,
 A B C, ...) so that drift on a shared machine hits them alike; the table gives each variant's median
 steady-state throughput (warm-up excluded), in total and per rank, and its ratio to one process. One extra
-short run per parallel variant under `profiler=schedule` gives the communication share of a step.
+short run per parallel variant under `profiler=schedule` gives the communication share of a step. A
+one-process run on one thread (one core, what each rank has) gives the scaling efficiency: throughput over
+ranks x that run's.
 
 On a CPU, one process already uses every core through intra-op threads; two ranks split the cores (one thread
 each, as torchrun does) and add gradient communication, so the honest expectation there is a ratio below 1.
@@ -28,17 +30,18 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 COMMON = ["logger=none", "trainer.eval_every=0", "trainer.eval_steps=1", "trainer.progress=log", "compile=off"]
-VARIANTS = {  # name -> (overrides, ranks)
-    "single": (["parallelism=single"], 1),
-    "ddp-2": (["parallelism=ddp", "parallelism.nproc_per_node=2"], 2),
-    "fsdp-2": (["parallelism=fsdp", "parallelism.nproc_per_node=2"], 2),
+VARIANTS = {  # name -> (overrides, ranks, environment)
+    "single": (["parallelism=single"], 1, {}),
+    "single-1-thread": (["parallelism=single"], 1, {"OMP_NUM_THREADS": "1"}),  # what one rank has: one core
+    "ddp-2": (["parallelism=ddp", "parallelism.nproc_per_node=2"], 2, {}),
+    "fsdp-2": (["parallelism=fsdp", "parallelism.nproc_per_node=2"], 2, {}),
 }
 
 
-def train(run_dir: Path, overrides: list[str]) -> dict:
+def train(run_dir: Path, overrides: list[str], env: dict[str, str]) -> dict:
     """One `python train.py` run; its summary.json."""
     proc = subprocess.run([sys.executable, str(ROOT / "train.py"), *overrides, f"hydra.run.dir={run_dir}"],
-                          cwd=ROOT, capture_output=True, text=True)
+                          cwd=ROOT, capture_output=True, text=True, env={**os.environ, **env})
     if proc.returncode != 0:
         raise SystemExit(f"run failed ({' '.join(overrides)}):\n{proc.stderr[-3000:]}")
     return json.loads((run_dir / "summary.json").read_text())
@@ -61,37 +64,39 @@ def main() -> None:
     comm: dict[str, float | None] = {}
     with tempfile.TemporaryDirectory(prefix="trainflow-scale-") as tmp:
         for r in range(args.rounds):
-            for name, (overrides, ranks) in VARIANTS.items():
+            for name, (overrides, ranks, env) in VARIANTS.items():
                 batch = args.batch * 2 // ranks  # the same global batch for every variant
-                summary = train(Path(tmp) / f"{name}-{r}", [*base, *overrides, f"trainer.batch_size={batch}"])
+                summary = train(Path(tmp) / f"{name}-{r}", [*base, *overrides, f"trainer.batch_size={batch}"], env)
                 samples[name].append(summary["steady_state"]["samples_per_sec"])
                 print(f"round {r + 1}/{args.rounds} {name}: {samples[name][-1]:.1f} samples/s", flush=True)
-        for name, (overrides, ranks) in VARIANTS.items():
+        for name, (overrides, ranks, env) in VARIANTS.items():
             if ranks == 1:
                 continue
             profiled = [*base, *overrides, f"trainer.batch_size={args.batch}", "profiler=schedule",
                         "trainer.max_steps=12", "trainer.warmup_steps=1", "profiler.wait=1"]
-            verdict = (train(Path(tmp) / f"{name}-profiled", profiled).get("profiler") or {}).get("verdict") or {}
+            verdict = (train(Path(tmp) / f"{name}-profiled", profiled, env).get("profiler") or {}).get("verdict") or {}
             comm[name] = verdict.get("shares", {}).get("communication")
 
     load = (load_before, os.getloadavg()[0])
     single = statistics.median(samples["single"])
+    one_core = statistics.median(samples["single-1-thread"])
     rows = []
-    for name, (_, ranks) in VARIANTS.items():
+    for name, (_, ranks, _) in VARIANTS.items():
         total = statistics.median(samples[name])
         rows.append({"variant": name, "ranks": ranks, "global_batch": args.batch * 2,
                      "samples_per_sec_total": total, "samples_per_sec_per_rank": total / ranks,
-                     "vs_single": total / single, "communication_share": comm.get(name),
-                     "rounds": samples[name], "load_average": load})
+                     "vs_single": total / single, "scaling_efficiency": total / (ranks * one_core),
+                     "communication_share": comm.get(name), "rounds": samples[name], "load_average": load})
     print(f"\n{args.model}, global batch {args.batch * 2}, {args.steps} steps ({args.warmup} warm-up), "
           f"median of {args.rounds} rounds; {os.cpu_count()} cores, load average {load[0]:.1f} before, "
           f"{load[1]:.1f} after\n")
-    print("| variant | ranks | samples/s total | samples/s per rank | vs single | communication share |")
-    print("|---|---|---|---|---|---|")
+    print("| variant | ranks | samples/s total | samples/s per rank | vs single | vs ranks x 1 thread "
+          "| communication share |")
+    print("|---|---|---|---|---|---|---|")
     for row in rows:
         share = row["communication_share"]
         print(f"| {row['variant']} | {row['ranks']} | {row['samples_per_sec_total']:.1f} | "
-              f"{row['samples_per_sec_per_rank']:.1f} | {row['vs_single']:.2f}x | "
+              f"{row['samples_per_sec_per_rank']:.1f} | {row['vs_single']:.2f}x | {row['scaling_efficiency']:.2f} | "
               f"{'-' if share is None else f'{share:.0%}'} |")
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))

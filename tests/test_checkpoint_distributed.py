@@ -147,19 +147,25 @@ def test_ddp_sigkill_resume_is_bit_identical_and_reshards_to_single(fsdp_straigh
 
 
 @pytest.mark.slow
-def test_sigusr2_on_one_rank_stops_every_rank_at_the_same_step(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("target", "sig"), [("rank 1", signal.SIGUSR2), ("launcher", signal.SIGTERM)])
+def test_a_stop_signal_stops_every_rank_at_the_same_step_with_exit_75(
+        tmp_path: Path, target: str, sig: signal.Signals) -> None:
+    """On one rank (the others learn it from the per-step all-reduce), or on the launcher (which passes it on)."""
     run_dir = tmp_path / "run"
     proc = start(run_dir, *BASE, *FSDP2, "checkpoint=dcp", "trainer.max_steps=200", "checkpoint.every_steps=100",
                  new_session=True)
     wait_for(lambda: logged_steps(run_dir) >= 3, proc, "step 3")
-    pids = workers(proc.pid)
-    assert len(pids) == 2, pids
-    os.kill(pids[1], signal.SIGUSR2)  # rank 1 only: rank 0 learns it from the per-step all-reduce
+    if target == "launcher":
+        proc.send_signal(sig)
+    else:
+        pids = workers(proc.pid)
+        assert len(pids) == 2, pids
+        os.kill(pids[1], sig)
     deadline = time.monotonic() + 120
     while proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)
     assert proc.returncode == 75
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["checkpoint"]["stopped_by"] == "SIGUSR2"
+    assert summary["checkpoint"]["stopped_by"] == sig.name
     assert committed(run_dir / "checkpoints") == [f"step_{summary['steps']:08d}"]
     assert summary["steps"] < 200
