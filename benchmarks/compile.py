@@ -9,7 +9,7 @@ hand-written gain (median of the rounds) is what trainflow keeps of torch.compil
 Cold vs warm: `python train.py compile=default` twice as separate processes on a fresh cache directory: the
 first compiles from scratch (cold), the second finds inductor's and AOTAutograd's artifacts (warm).
 
-    flock /tmp/trainflow-bench.lock .venv/bin/python benchmarks/compile.py [--rounds 3] [--steps 20]
+    python benchmarks/compile.py [--rounds 3] [--steps 20] [--skip-cold]
 """
 
 from __future__ import annotations

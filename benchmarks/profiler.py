@@ -9,7 +9,10 @@ with the profiler on is divided by the median with it off; the median over pairs
 throughput loss of at most 2%). Alternating blocks in one process keeps a busy machine's drift out of the
 ratio.
 
-    python benchmarks/profiler.py [--pairs 10] [--steps 40] [--cases tiny,gpt_tiny]
+    python benchmarks/profiler.py [--pairs 20] [--steps 30] [--threads 1] [--cases tiny,gpt_tiny]
+
+One intra-op thread by default: on a busy 2-core machine, waits at intra-op barriers make tiny steps jump
+between milliseconds and a hundred, which drowns a per-step cost of microseconds.
 """
 
 from __future__ import annotations
@@ -81,11 +84,13 @@ def compare(case: str, pairs: int, steps: int) -> list[float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--pairs", type=int, default=10)
-    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--pairs", type=int, default=20)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--cases", default="tiny,gpt_tiny")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
+    torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
     for case in args.cases.split(","):
         ratios = compare(case, args.pairs, args.steps)

@@ -394,7 +394,7 @@ class Checkpointer:
         self._exported: dict[str, Any] | None = None
         self._fingerprint: str | None = None
         self._need_bytes = 0  # what a save writes, at least: to recognise a full disk
-        self._signal: int | None = None
+        self._signal: int | None = None  # set by the signal handler only
         self._stopped_by: str | None = None
         self._previous_handlers: dict[int, Any] = {}
         if threading.current_thread() is threading.main_thread():  # Python delivers signals to the main thread only
@@ -443,16 +443,16 @@ class Checkpointer:
         """Save when due; return True when the run must stop now (a stop signal was handled)."""
         if not self.enabled:
             return False
-        stop, uploaded = self._poll()
+        stop_signal, uploaded = self._poll()
         start = time.perf_counter()
         if uploaded:
             self._finish_pending()
-        if stop:
-            self._stop(state)
+        if stop_signal:
+            self._stop(state, stop_signal)
         elif state.step % self.cfg.every_steps == 0:
             self._save(state, blocking=self.cfg.mode == "sync")
         self._blocked_unreported += time.perf_counter() - start
-        return stop
+        return stop_signal is not None
 
     def take_blocked_s(self) -> float:
         """Seconds the loop spent on checkpoints since the last call (to keep them out of throughput)."""
@@ -642,9 +642,9 @@ class Checkpointer:
         if self.env.is_main:
             log.info("checkpoint step %d verified: reloaded into fresh tensors, all equal", state.step)
 
-    def _stop(self, state: TrainState) -> None:
+    def _stop(self, state: TrainState, signum: int) -> None:
         global _stopped_by
-        name = signal.Signals(self._signal).name
+        name = signal.Signals(signum).name
         if self._pending is not None:
             self._finish_pending(wait=True)
         if state.step != self._last_saved_step:
@@ -745,17 +745,18 @@ class Checkpointer:
         self._signal = signum
         signal.signal(signum, self._previous_handlers[signum])  # a second signal acts as it would without us
 
-    def _poll(self) -> tuple[bool, bool]:
-        """(a rank got a stop signal, every rank's async upload is done): one small all-reduce per step.
+    def _poll(self) -> tuple[int | None, bool]:
+        """(the stop signal every rank agrees on, every rank's async upload is done): one small all-reduce a step.
 
-        The all-reduce also gives every rank the signal's number, so every rank stops at this same step.
+        The decision uses only the reduced value, so every rank stops at the same step; a signal that lands
+        during the all-reduce stays in `_signal` (only the handler writes it) and counts at the next step.
         """
         uploading = self._pending is not None and not self._pending.future.done()
-        if self.env.distributed:
-            flags = torch.tensor([self._signal or 0, int(uploading)])
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._ctl)
-            self._signal, uploading = int(flags[0]) or None, bool(flags[1])
-        return self._signal is not None, self._pending is not None and not uploading
+        if not self.env.distributed:
+            return self._signal, self._pending is not None and not uploading
+        flags = torch.tensor([self._signal or 0, int(uploading)])
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._ctl)
+        return int(flags[0]) or None, self._pending is not None and not bool(flags[1])
 
     def _any(self, flag: bool) -> bool:
         if not self.env.distributed:
