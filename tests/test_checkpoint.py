@@ -239,20 +239,30 @@ def test_sigkill_during_a_save_resumes_from_the_last_committed_bit_identically(
         assert all(w > 0 for w in ck["write_s"]["per_save"])
 
 
-def test_sigterm_saves_at_the_step_boundary_exits_75_and_resumes_exactly(straight: Run, tmp_path: Path) -> None:
-    run_dir = tmp_path / "run"
+def stop_with(sig: signal.Signals, run_dir: Path) -> int:
+    """Start the reference config, send `sig` after step 5; check the clean stop; return the step it stopped at."""
     proc = start(run_dir, *BASE, "checkpoint=dcp", "checkpoint.every_steps=100")
     wait_for(lambda: logged_steps(run_dir) >= 5, proc, "step 5")
-    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(sig)
     assert proc.wait(timeout=120) == 75
     summary = json.loads((run_dir / "summary.json").read_text())
     stopped_at = summary["steps"]
     assert 5 <= stopped_at < 12
-    assert summary["checkpoint"]["stopped_by"] == "SIGTERM"
+    assert summary["checkpoint"]["stopped_by"] == sig.name
     assert committed(run_dir / "checkpoints") == [f"step_{stopped_at:08d}"]
-    output = (tmp_path / "run.out").read_text()
+    output = (run_dir.parent / f"{run_dir.name}.out").read_text()
     assert "Traceback" not in output and "exit code 75" in output
+    return stopped_at
 
+
+def test_sigterm_saves_at_the_step_boundary_and_exits_75(tmp_path: Path) -> None:
+    stop_with(signal.SIGTERM, tmp_path / "run")
+
+
+@pytest.mark.slow
+def test_after_sigusr2_the_same_command_resumes_exactly(straight: Run, tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    stopped_at = stop_with(signal.SIGUSR2, run_dir)
     resumed = train(run_dir, *BASE, "checkpoint=dcp", "checkpoint.every_steps=100")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert resumed.summary["resumed_from_step"] == stopped_at

@@ -6,13 +6,13 @@ import gzip
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 import torch
 from conftest import ROOT, train
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 from torch import nn
 from torch.profiler import record_function
 
@@ -26,14 +26,14 @@ ONE_THREAD = {"OMP_NUM_THREADS": "1"}  # on a busy 2-core machine, waits at intr
 
 
 @pytest.fixture(autouse=True)
-def one_thread():
+def one_thread() -> Iterator[None]:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
 
 
-def profiler_cfg(**overrides: object):
+def profiler_cfg(**overrides: object) -> DictConfig:
     return OmegaConf.merge(OmegaConf.structured(ProfilerConfig), {"enabled": True, **overrides})
 
 

@@ -156,8 +156,12 @@ class Compiler:
         autocast = torch.autocast(self.env.device.type, dtype=torch.bfloat16, enabled=self.precision == "bf16")
         params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
 
+        device = self.env.device
+        rng_devices = [device.index or 0] if device.type == "cuda" else []
+
         def loss_and_grads() -> tuple[float, dict[str, torch.Tensor]]:
-            with torch.random.fork_rng(devices=[]), autocast:  # same random numbers both times; training's untouched
+            # the same random numbers both times, and the training's random stream untouched
+            with torch.random.fork_rng(devices=rng_devices, device_type=device.type), autocast:
                 torch.manual_seed(0)
                 loss = loss_fn(model(inputs), targets)
             loss.backward()
