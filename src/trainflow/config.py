@@ -334,16 +334,11 @@ def register_configs() -> None:
     """Put the schemas where the YAML defaults lists can find them."""
     cs = ConfigStore.instance()
     cs.store(name="train_schema", node=TrainConfig)
-    cs.store(group="model", name="gpt_schema", node=GPTConfig)
-    cs.store(group="model", name="mlp_schema", node=MLPConfig)
-    cs.store(group="data", name="text_schema", node=TextDataConfig)
-    cs.store(group="data", name="synthetic_schema", node=SyntheticDataConfig)
-    cs.store(group="optim", name="schema", node=OptimConfig)
-    cs.store(group="compile", name="schema", node=CompileConfig)
-    cs.store(group="profiler", name="schema", node=ProfilerConfig)
-    cs.store(group="parallelism", name="schema", node=ParallelismConfig)
-    cs.store(group="checkpoint", name="schema", node=CheckpointConfig)
-    cs.store(group="logger", name="schema", node=LoggerConfig)
+    # Options whose keys differ (model and data kinds) extend these; the other groups are typed by TrainConfig.
+    cs.store(group="schema/model", name="gpt", node=GPTConfig)
+    cs.store(group="schema/model", name="mlp", node=MLPConfig)
+    cs.store(group="schema/data", name="text", node=TextDataConfig)
+    cs.store(group="schema/data", name="synthetic", node=SyntheticDataConfig)
 
 
 def _require(ok: bool, key: str, message: str) -> None:

@@ -158,7 +158,7 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv) -> dict[str, Any] | Non
                 throughput.add(global_batch, global_batch * data.seq_len if data.is_lm else 0, data_wait)
             tick = time.perf_counter()
             if first_loss is None:
-                first_loss = loss.item()
+                first_loss = distributed.all_reduce_mean(loss.detach().clone(), env).item()  # all ranks' mean
 
             done = state.step >= t.max_steps
             if log_due:
