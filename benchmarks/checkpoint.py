@@ -113,22 +113,27 @@ def training_with_saves(state: TrainState, tmp: Path, mode: str, steps: int, eve
     ck = checkpointer(tmp / mode, mode, every)
     ck.resume(state)
     data = batch(size)
-    starts, durations, save_starts = [], [], []
+    starts, durations, save_starts, hook_s = [], [], [], []
     for _ in range(steps):
         t0 = time.perf_counter()
         train_step(state, data)
         durations.append(time.perf_counter() - t0)
         starts.append(t0)
+        t0 = time.perf_counter()
         if state.step % every == 0:
-            save_starts.append(time.perf_counter())
+            save_starts.append(t0)
         ck.after_step(state)
+        hook_s.append(time.perf_counter() - t0)
     ck.close(state)
     summary = ck.summary()  # per save: blocked = staging + waits + commit, wherever the loop paid them
     write_s = summary["write_s"]["per_save"]
     # a step overlaps an upload when it started before that save's write finished (write_s counts from its start)
     overlapped = [any(s0 <= start < s0 + w for s0, w in zip(save_starts, write_s, strict=False)) for start in starts]
+    at_save = [h for i, h in enumerate(hook_s) if (i + 1) % every == 0]  # staging (async) or the whole save
+    between = sorted((h for i, h in enumerate(hook_s) if (i + 1) % every), reverse=True)[:len(at_save)]
     return {"durations": durations, "overlapped": overlapped, "blocked_s": summary["blocked_s"]["per_save"],
-            "write_s": write_s, "saves": summary["saves"]}
+            "write_s": write_s, "saves": summary["saves"], "hook_at_save_s": at_save,
+            "hook_commit_s": between}  # async: the longest other hooks are the commits of finished uploads
 
 
 def async_vs_sync(state: TrainState, tmp: Path, steps: int, every: int, size: int) -> dict:
@@ -146,6 +151,8 @@ def async_vs_sync(state: TrainState, tmp: Path, steps: int, every: int, size: in
         "sync_save_s": sync_save,
         "async_blocked_s": async_blocked,
         "async_blocked_over_sync": async_blocked / sync_save,
+        "async_staging_s": statistics.median(asyn["hook_at_save_s"][1:] or asyn["hook_at_save_s"]),
+        "async_commit_s": statistics.median(asyn["hook_commit_s"]),
         "async_write_s": statistics.median(asyn["write_s"]),
         "steps_during_upload_per_save": len(during) / saves,
         "step_s_during_upload": statistics.median(during) if during else None,
@@ -214,6 +221,8 @@ def main() -> None:
     print(f"  sync save, loop blocked          {av['sync_save_s']:.3f} s")
     print(f"  async save, loop blocked         {av['async_blocked_s']:.3f} s   "
           f"= {av['async_blocked_over_sync']:.3f} x sync")
+    print(f"    of which staging (copy)        {av['async_staging_s']:.3f} s, commit at a later step "
+          f"{av['async_commit_s']:.3f} s")
     print(f"  async background write           {av['async_write_s']:.3f} s, over "
           f"{av['steps_during_upload_per_save']:.1f} steps per save")
     if av["slowdown_during_upload"] is not None:

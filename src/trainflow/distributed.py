@@ -282,8 +282,10 @@ def teardown(env: DistEnv) -> None:
 def record_failure(exc: BaseException) -> None:
     """Write the exception where the elastic agent looks (TORCHELASTIC_ERROR_FILE), so the launcher can name it."""
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if not path:
+    if not path or getattr(exc, "_trainflow_recorded", False):  # keep the first record: its time counts
         return
+    with contextlib.suppress(AttributeError, TypeError):
+        exc._trainflow_recorded = True
     data: dict[str, Any] = {
         "message": {
             "message": f"{type(exc).__name__}: {exc}",
@@ -343,7 +345,7 @@ def launch(cfg: DictConfig, run_dir: Path) -> dict[str, Any] | None:
         try:
             elastic_launch(config, _worker)(container, str(run_dir))
         except ChildFailedError as exc:
-            raise explain_failure(exc) from None
+            raise explain_failure(exc, Path(logs)) from None
         except SignalException as exc:
             return _rank0_summary(run_dir / "summary.json", started, exc.sigval.name)
     return _rank0_summary(run_dir / "summary.json", started)
@@ -413,31 +415,49 @@ def _configure_worker_logging(run_dir: Path, rank: int) -> None:
     root.setLevel(level)
 
 
-def explain_failure(exc: Any) -> TrainflowError:
+def _records(logs: Path) -> dict[int, dict[str, Any]]:
+    """Every rank's error record of the last attempt: the agent itself reports only the first exit it saw,
+    which may be a rank that merely lost its connection to the one that failed."""
+    def attempt(path: Path) -> int:
+        return int(path.parent.parent.name.removeprefix("attempt_"))
+
+    files = list(logs.glob("*/attempt_*/*/error.json"))
+    last = max(map(attempt, files), default=-1)
+    records = {}
+    for path in files:
+        if attempt(path) == last:
+            with contextlib.suppress(OSError, ValueError):
+                records[int(path.parent.name)] = json.loads(path.read_text())
+    return records
+
+
+def explain_failure(exc: Any, logs: Path | None = None) -> TrainflowError:
     """The root cause as one error: a user error (the lowest rank that hit it: usually all do), else the rank
     that failed first (the others were stopped after it), with its traceback."""
-    def order(item: tuple[int, Any]) -> tuple[int, float, int]:
-        rank, failure = item
-        data = failure.error_file_data
+    records = _records(logs) if logs else {}
+    for rank, failure in exc.failures.items():
+        records.setdefault(rank, failure.error_file_data)
+
+    def order(rank: int) -> tuple[int, float, int]:
+        data = records[rank]
         if "trainflow_user_error" in data:
             return (0, 0.0, rank)
-        return (1 if "trainflow_time" in data else 2, data.get("trainflow_time", failure.timestamp), rank)
+        return (1, data["trainflow_time"], rank) if "trainflow_time" in data else (2, 0.0, rank)
 
-    rank, failure = min(exc.failures.items(), key=order)
-    data = failure.error_file_data
+    rank = min(records, key=order)
+    data, failure = records[rank], exc.failures.get(rank)
     if "trainflow_user_error" in data:
         return TrainflowError(f"{data['trainflow_user_error']} (rank {rank})")
-    others = sorted(r for r in exc.failures if r != rank)
-    after = f"; rank{'s' if len(others) > 1 else ''} {', '.join(map(str, others))} stopped after it" if others else ""
-    message = failure.message
+    message = data.get("message")
     if isinstance(message, dict):
         stack = message.get("extraInfo", {}).get("py_callstack", "").rstrip()
-        return WorkerError(f"rank {rank} failed: {message.get('message')}{after}\n"
-                           f"--- traceback of rank {rank} (pid {failure.pid}) ---\n{stack}")
-    if failure.exitcode < 0:
-        return WorkerError(f"rank {rank} (pid {failure.pid}) was killed by signal {failure.signal_name()}{after}")
-    return WorkerError(f"rank {rank} (pid {failure.pid}) exited with code {failure.exitcode}{after}; "
-                       "its output above says why")
+        return WorkerError(f"rank {rank} failed: {message.get('message')}; the other ranks were stopped\n"
+                           f"--- traceback of rank {rank} ---\n{stack}")
+    if failure is not None and failure.exitcode < 0:
+        return WorkerError(f"rank {rank} (pid {failure.pid}) was killed by signal {failure.signal_name()}; "
+                           "the other ranks were stopped")
+    code = failure.exitcode if failure is not None else "?"
+    return WorkerError(f"rank {rank} exited with code {code}; the other ranks were stopped; its output above says why")
 
 
 # ---------------------------------------------------------------------------------------------------------------
