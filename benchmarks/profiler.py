@@ -6,8 +6,9 @@ block with it on a schedule whose window closes early in the block, and so on. O
 does not record are timed: its idle wait steps and every step after its window closed (the window itself,
 its warm-up and the step that exports the trace are left out). Per pair of blocks, the median step time
 with the profiler on is divided by the median with it off; the median over pairs is the cost (goal: a
-throughput loss of at most 2%). Alternating blocks in one process keeps a busy machine's drift out of the
-ratio.
+throughput loss of at most 2%). Alternating blocks in one process keeps a busy machine's slow drift out of
+the ratio, not its fast jitter; so the time of the `profiler.step()` calls themselves (the only code that
+differs on those steps) is measured too, and given as a share of the median step.
 
     python benchmarks/profiler.py [--pairs 20] [--steps 30] [--threads 1] [--cases tiny,gpt_tiny]
 
@@ -43,11 +44,11 @@ ENV = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
 
 
 def block(model: GPT, optimizer: torch.optim.Optimizer, batch: torch.Tensor, steps: int, on: bool,
-          run_dir: Path) -> list[float]:
-    """Per-step wall times of the unrecorded steps of one block."""
+          run_dir: Path) -> tuple[list[float], list[float]]:
+    """Wall times of the unrecorded steps of one block, and of the `profiler.step()` calls within them."""
     cfg = OmegaConf.structured(ProfilerConfig(enabled=on, skip_first=0, wait=WAIT, warmup=WARMUP, active=ACTIVE))
     profiler = Profiler(cfg, ENV, run_dir, max_steps=steps)
-    times = []
+    times, step_calls = [], []
     with profiler:
         for step in range(1, steps + 1):
             start = time.perf_counter()
@@ -58,28 +59,36 @@ def block(model: GPT, optimizer: torch.optim.Optimizer, batch: torch.Tensor, ste
             with record_function(OPTIMIZER):
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
+            before_step = time.perf_counter()
             profiler.step()
+            end = time.perf_counter()
             if step <= WAIT or step > WAIT + WARMUP + ACTIVE + 1:
-                times.append(time.perf_counter() - start)
-    return times
+                times.append(end - start)
+                step_calls.append(end - before_step)
+    return times, step_calls
 
 
-def compare(case: str, pairs: int, steps: int) -> list[float]:
+def compare(case: str, pairs: int, steps: int) -> tuple[list[float], float, float, float]:
+    """Per pair the on/off ratio of median step times; and the median step, profiler.step() off and on (s)."""
     kwargs, batch_size = CASES[case]
     torch.manual_seed(0)
     model = GPT(**kwargs)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     batch = torch.randint(256, (batch_size, kwargs["block_size"] + 1))
     block(model, optimizer, batch, 5, False, Path("."))  # warm up allocator and caches
-    ratios = []
+    ratios, off_steps, off_calls, on_calls = [], [], [], []
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(pairs):
-            off = statistics.median(block(model, optimizer, batch, steps, False, Path(tmp)))
-            on = statistics.median(block(model, optimizer, batch, steps, True, Path(tmp)))
+            off_times, off_call = block(model, optimizer, batch, steps, False, Path(tmp))
+            on_times, on_call = block(model, optimizer, batch, steps, True, Path(tmp))
+            off, on = statistics.median(off_times), statistics.median(on_times)
             ratios.append(on / off)
+            off_steps += off_times
+            off_calls += off_call
+            on_calls += on_call
             print(f"{case} pair {i + 1}: median unrecorded step {off * 1e3:.3f} ms off, {on * 1e3:.3f} ms "
                   f"schedule: ratio {on / off:.4f}", flush=True)
-    return ratios
+    return ratios, statistics.median(off_steps), statistics.median(off_calls), statistics.median(on_calls)
 
 
 def main() -> None:
@@ -93,10 +102,13 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
     for case in args.cases.split(","):
-        ratios = compare(case, args.pairs, args.steps)
+        ratios, step, off_call, on_call = compare(case, args.pairs, args.steps)
         median = statistics.median(ratios)
         print(f"{case}: schedule/off unrecorded step time, median of {args.pairs} pairs = {median:.4f} "
               f"(throughput loss {(1 - 1 / median) * 100:+.2f}%; pairs {min(ratios):.4f}..{max(ratios):.4f})")
+        print(f"{case}: profiler.step() on an unrecorded step: {on_call * 1e6:.1f} us on, {off_call * 1e6:.1f} us "
+              f"off; the difference is {(on_call - off_call) / step * 100:.3f}% of the median "
+              f"{step * 1e3:.2f} ms step")
 
 
 if __name__ == "__main__":
