@@ -113,14 +113,15 @@ def training_with_saves(state: TrainState, tmp: Path, mode: str, steps: int, eve
     ck = checkpointer(tmp / mode, mode, every)
     ck.resume(state)
     data = batch(size)
-    starts, durations, save_starts, hook_s = [], [], [], []
+    starts, durations, save_starts, hook_s, saved = [], [], [], [], []
     for _ in range(steps):
         t0 = time.perf_counter()
         train_step(state, data)
         durations.append(time.perf_counter() - t0)
         starts.append(t0)
         t0 = time.perf_counter()
-        if state.step % every == 0:
+        saved.append(state.step % every == 0)
+        if saved[-1]:
             save_starts.append(t0)
         ck.after_step(state)
         hook_s.append(time.perf_counter() - t0)
@@ -129,8 +130,8 @@ def training_with_saves(state: TrainState, tmp: Path, mode: str, steps: int, eve
     write_s = summary["write_s"]["per_save"]
     # a step overlaps an upload when it started before that save's write finished (write_s counts from its start)
     overlapped = [any(s0 <= start < s0 + w for s0, w in zip(save_starts, write_s, strict=False)) for start in starts]
-    at_save = [h for i, h in enumerate(hook_s) if (i + 1) % every == 0]  # staging (async) or the whole save
-    between = sorted((h for i, h in enumerate(hook_s) if (i + 1) % every), reverse=True)[:len(at_save)]
+    at_save = [h for h, s in zip(hook_s, saved, strict=True) if s]  # staging (async) or the whole save (sync)
+    between = sorted((h for h, s in zip(hook_s, saved, strict=True) if not s), reverse=True)[:len(at_save)]
     return {"durations": durations, "overlapped": overlapped, "blocked_s": summary["blocked_s"]["per_save"],
             "write_s": write_s, "saves": summary["saves"], "hook_at_save_s": at_save,
             "hook_commit_s": between}  # async: the longest other hooks are the commits of finished uploads

@@ -44,11 +44,13 @@ ENV = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
 
 
 def block(model: GPT, optimizer: torch.optim.Optimizer, batch: torch.Tensor, steps: int, on: bool,
-          run_dir: Path) -> tuple[list[float], list[float]]:
-    """Wall times of the unrecorded steps of one block, and of the `profiler.step()` calls within them."""
+          run_dir: Path) -> tuple[list[float], dict[str, list[float]]]:
+    """Wall times of the unrecorded steps of one block, and of the `profiler.step()` calls in them, split into
+    the idle steps before the window ("wait") and the steps after it ("after")."""
     cfg = OmegaConf.structured(ProfilerConfig(enabled=on, skip_first=0, wait=WAIT, warmup=WARMUP, active=ACTIVE))
     profiler = Profiler(cfg, ENV, run_dir, max_steps=steps)
-    times, step_calls = [], []
+    times: list[float] = []
+    calls: dict[str, list[float]] = {"wait": [], "after": []}
     with profiler:
         for step in range(1, steps + 1):
             start = time.perf_counter()
@@ -64,31 +66,39 @@ def block(model: GPT, optimizer: torch.optim.Optimizer, batch: torch.Tensor, ste
             end = time.perf_counter()
             if step <= WAIT or step > WAIT + WARMUP + ACTIVE + 1:
                 times.append(end - start)
-                step_calls.append(end - before_step)
-    return times, step_calls
+                calls["wait" if step <= WAIT else "after"].append(end - before_step)
+    return times, calls
 
 
-def compare(case: str, pairs: int, steps: int) -> tuple[list[float], float, float, float]:
-    """Per pair the on/off ratio of median step times; and the median step, profiler.step() off and on (s)."""
+def compare(case: str, pairs: int, steps: int) -> list[float]:
+    """Print each pair's on/off ratio of median step times and the cost of the profiler.step() calls; return
+    the ratios."""
     kwargs, batch_size = CASES[case]
     torch.manual_seed(0)
     model = GPT(**kwargs)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     batch = torch.randint(256, (batch_size, kwargs["block_size"] + 1))
     block(model, optimizer, batch, 5, False, Path("."))  # warm up allocator and caches
-    ratios, off_steps, off_calls, on_calls = [], [], [], []
+    ratios, off_steps = [], []
+    calls: dict[tuple[bool, str], list[float]] = {(on, p): [] for on in (False, True) for p in ("wait", "after")}
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(pairs):
-            off_times, off_call = block(model, optimizer, batch, steps, False, Path(tmp))
-            on_times, on_call = block(model, optimizer, batch, steps, True, Path(tmp))
-            off, on = statistics.median(off_times), statistics.median(on_times)
-            ratios.append(on / off)
-            off_steps += off_times
-            off_calls += off_call
-            on_calls += on_call
-            print(f"{case} pair {i + 1}: median unrecorded step {off * 1e3:.3f} ms off, {on * 1e3:.3f} ms "
-                  f"schedule: ratio {on / off:.4f}", flush=True)
-    return ratios, statistics.median(off_steps), statistics.median(off_calls), statistics.median(on_calls)
+            medians = []
+            for on in (False, True):
+                times, phase_calls = block(model, optimizer, batch, steps, on, Path(tmp))
+                medians.append(statistics.median(times))
+                off_steps += times if not on else []
+                for phase, values in phase_calls.items():
+                    calls[(on, phase)] += values
+            ratios.append(medians[1] / medians[0])
+            print(f"{case} pair {i + 1}: median unrecorded step {medians[0] * 1e3:.3f} ms off, "
+                  f"{medians[1] * 1e3:.3f} ms schedule: ratio {ratios[-1]:.4f}", flush=True)
+    step = statistics.median(off_steps)
+    for phase in ("wait", "after"):
+        on, off = (statistics.median(calls[(flag, phase)]) for flag in (True, False))
+        print(f"{case}: profiler.step() on the {phase} steps: {on * 1e6:.1f} us on, {off * 1e6:.1f} us off: "
+              f"{(on - off) / step * 100:.3f}% of the median {step * 1e3:.2f} ms step")
+    return ratios
 
 
 def main() -> None:
@@ -102,13 +112,10 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
     for case in args.cases.split(","):
-        ratios, step, off_call, on_call = compare(case, args.pairs, args.steps)
+        ratios = compare(case, args.pairs, args.steps)
         median = statistics.median(ratios)
         print(f"{case}: schedule/off unrecorded step time, median of {args.pairs} pairs = {median:.4f} "
               f"(throughput loss {(1 - 1 / median) * 100:+.2f}%; pairs {min(ratios):.4f}..{max(ratios):.4f})")
-        print(f"{case}: profiler.step() on an unrecorded step: {on_call * 1e6:.1f} us on, {off_call * 1e6:.1f} us "
-              f"off; the difference is {(on_call - off_call) / step * 100:.3f}% of the median "
-              f"{step * 1e3:.2f} ms step")
 
 
 if __name__ == "__main__":

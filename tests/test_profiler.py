@@ -220,7 +220,6 @@ def test_run_ending_inside_the_window_saves_the_steps_it_recorded(tmp_path: Path
 
 def test_memory_mode_on_cpu_warns_once_and_still_profiles(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     cfg = OmegaConf.merge(OmegaConf.load(ROOT / "conf" / "profiler" / "memory.yaml"), {"skip_first": 0})
-    cfg.pop("defaults")
     x, y = torch.randn(4, 8), torch.randint(2, (4,))
     with caplog.at_level(logging.WARNING, logger="trainflow"):
         s = drive(Profiler(profiler_cfg(**cfg), CPU_ENV, tmp_path, max_steps=10), mlp(8, 8, 2), lambda: (x, y), 10)

@@ -328,6 +328,7 @@ class Profiler:
         if not cfg.enabled:
             return
         self.skip, end = profiler_skip_and_end(cfg, skip_first)
+        self._last_window_end = end if cfg.repeat > 0 else math.inf  # no torch.profiler step() after it
         if end > max_steps - start_step:
             message = (f"trainer.max_steps: the profiler window ends at step {start_step + end} (skip_first "
                        f"{self.skip} + {max(cfg.repeat, 1)} x (wait {cfg.wait} + warmup {cfg.warmup} + active "
@@ -396,7 +397,8 @@ class Profiler:
         """Called once at the end of every training step."""
         if self._prof is not None:
             self._steps += 1
-            self._prof.step()
+            if self._steps <= self._last_window_end:
+                self._prof.step()
 
     def _on_window(self, prof: Any) -> None:
         """After each window: the trace, the ops table, and this window's share of the verdict."""
