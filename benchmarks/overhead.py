@@ -40,7 +40,7 @@ CASES = {
 COMMON = ["compile=off", "logger=none", "trainer.eval_every=0", "trainer.eval_steps=1", "trainer.grad_clip=0"]
 
 
-def trainflow_rate(cfg, steps: int, warmup: int) -> float:  # noqa: ARG001 (same signature as its twin)
+def trainflow_rate(cfg) -> float:
     """Steady-state samples/s of trainflow's own loop, as its summary reports it."""
     with tempfile.TemporaryDirectory() as tmp:
         summary = run(cfg, Path(tmp))
@@ -104,7 +104,7 @@ def main() -> None:
                                               f"trainer.warmup_steps={warmup}", f"trainer.log_every={steps}"])
         ratios = []
         for _ in range(args.rounds):
-            ours = trainflow_rate(cfg, steps, warmup)
+            ours = trainflow_rate(cfg)
             theirs = handwritten_rate(cfg, steps, warmup)
             ratios.append(ours / theirs)
         print(f"{name:9s} throughput trainflow / hand-written: median {statistics.median(ratios):.3f} "

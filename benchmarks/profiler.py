@@ -39,18 +39,18 @@ CASES = {  # model keyword arguments, batch size
     "tiny": (dict(n_layer=2, n_embd=64, n_head=2, block_size=32), 8),  # milliseconds per step: worst case
     "gpt_tiny": (dict(n_layer=4, n_embd=256, n_head=4, block_size=128), 16),  # the default model
 }
-WAIT, WARMUP, ACTIVE = 2, 1, 2  # the window closes at step 5; steps 1-2 and 7.. are unrecorded
+WAIT, WARMUP, ACTIVE = 6, 1, 2  # the window closes at step 9; steps 1-6 and 11.. are unrecorded
+PHASES = ("first", "wait", "after")  # step 1 (the profiler's first step() call), steps 2-6, steps 11..
 ENV = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
 
 
 def block(model: GPT, optimizer: torch.optim.Optimizer, batch: torch.Tensor, steps: int, on: bool,
           run_dir: Path) -> tuple[list[float], dict[str, list[float]]]:
-    """Wall times of the unrecorded steps of one block, and of the `profiler.step()` calls in them, split into
-    the idle steps before the window ("wait") and the steps after it ("after")."""
+    """Wall times of the unrecorded steps of one block, and of the `profiler.step()` calls in them by phase."""
     cfg = OmegaConf.structured(ProfilerConfig(enabled=on, skip_first=0, wait=WAIT, warmup=WARMUP, active=ACTIVE))
     profiler = Profiler(cfg, ENV, run_dir, max_steps=steps)
     times: list[float] = []
-    calls: dict[str, list[float]] = {"wait": [], "after": []}
+    calls: dict[str, list[float]] = {phase: [] for phase in PHASES}
     with profiler:
         for step in range(1, steps + 1):
             start = time.perf_counter()
@@ -66,7 +66,7 @@ def block(model: GPT, optimizer: torch.optim.Optimizer, batch: torch.Tensor, ste
             end = time.perf_counter()
             if step <= WAIT or step > WAIT + WARMUP + ACTIVE + 1:
                 times.append(end - start)
-                calls["wait" if step <= WAIT else "after"].append(end - before_step)
+                calls["first" if step == 1 else "wait" if step <= WAIT else "after"].append(end - before_step)
     return times, calls
 
 
@@ -80,7 +80,7 @@ def compare(case: str, pairs: int, steps: int) -> list[float]:
     batch = torch.randint(256, (batch_size, kwargs["block_size"] + 1))
     block(model, optimizer, batch, 5, False, Path("."))  # warm up allocator and caches
     ratios, off_steps = [], []
-    calls: dict[tuple[bool, str], list[float]] = {(on, p): [] for on in (False, True) for p in ("wait", "after")}
+    calls: dict[tuple[bool, str], list[float]] = {(on, p): [] for on in (False, True) for p in PHASES}
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(pairs):
             medians = []
@@ -94,7 +94,7 @@ def compare(case: str, pairs: int, steps: int) -> list[float]:
             print(f"{case} pair {i + 1}: median unrecorded step {medians[0] * 1e3:.3f} ms off, "
                   f"{medians[1] * 1e3:.3f} ms schedule: ratio {ratios[-1]:.4f}", flush=True)
     step = statistics.median(off_steps)
-    for phase in ("wait", "after"):
+    for phase in PHASES:
         on, off = (statistics.median(calls[(flag, phase)]) for flag in (True, False))
         print(f"{case}: profiler.step() on the {phase} steps: {on * 1e6:.1f} us on, {off * 1e6:.1f} us off: "
               f"{(on - off) / step * 100:.3f}% of the median {step * 1e3:.2f} ms step")

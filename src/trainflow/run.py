@@ -27,7 +27,7 @@ from torch.profiler import record_function
 from trainflow import distributed
 from trainflow.checkpoint import Checkpointer, TrainState
 from trainflow.compiler import Compiler
-from trainflow.config import validate
+from trainflow.config import TrainerConfig, validate
 from trainflow.data import DataBundle, StreamSampler, build_datasets, make_loader
 from trainflow.distributed import DistEnv
 from trainflow.metrics import (
@@ -70,7 +70,7 @@ def run(cfg: DictConfig, run_dir: str | Path | None = None) -> dict[str, Any] | 
 
 
 def _train(cfg: DictConfig, run_dir: Path, env: DistEnv) -> dict[str, Any] | None:
-    t = cfg.trainer
+    t = OmegaConf.to_object(cfg.trainer)  # a plain dataclass: each DictConfig read costs ~20 us in the hot loop
     if env.is_main:
         log.info("config:\n%s", OmegaConf.to_yaml(cfg, resolve=True))
         (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
@@ -269,7 +269,7 @@ def evaluate(model: nn.Module, data: DataBundle, cfg: DictConfig, env: DistEnv, 
     return result
 
 
-def _progress_bar(t: DictConfig, env: DistEnv, start: int):
+def _progress_bar(t: TrainerConfig, env: DistEnv, start: int):
     """A tqdm bar on rank 0 when stdout is a terminal (or asked for); plain log lines otherwise."""
     use_bar = env.is_main and (t.progress == "bar" or (t.progress == "auto" and sys.stdout.isatty()))
     bar = None
