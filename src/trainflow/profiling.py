@@ -26,6 +26,7 @@ from __future__ import annotations
 import bisect
 import logging
 import math
+import os
 import statistics
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -287,8 +288,9 @@ def format_verdict(v: dict[str, Any], rank: int, windows: list[list[int]]) -> st
     steps = ", ".join(f"{a}-{b}" for a, b in windows)
     shares = " | ".join(f"{k.replace('_', ' ')} {v['shares'][k] * 100:.0f}%" for k in SHARES)
     cause = f" ({v['cause']})" if "cause" in v else ""
+    note = f"\n  note: {v['note']}" if "note" in v else ""
     return (f"profiler verdict (rank {rank}, steps {steps}, {v['step_time_ms']:.1f} ms/step): {v['bound']}{cause}\n"
-            f"  shares of step time: {shares}\n  action: {v['action']}")
+            f"  shares of step time: {shares}\n  action: {v['action']}{note}")
 
 
 @dataclass
@@ -323,6 +325,7 @@ class Profiler:
         self._totals: dict[str, Any] = {"steps": 0, "step_s": 0.0, "step_ms": [], "seconds": {}, "regions": {}}
         self._ops: dict[str, list[float]] = {}  # name -> [calls, self time us]
         self._memory_history = False
+        self._load = 0.0  # the highest 1-minute load average seen at the end of a window
         self.result = _RankResult(env.rank)
         self.on = bool(cfg.enabled) and self._selected(cfg.ranks, env)
         if not cfg.enabled:
@@ -435,6 +438,8 @@ class Profiler:
             t["seconds"][key] = t["seconds"].get(key, 0.0) + seconds
         for key, seconds in window["regions"].items():
             t["regions"][key] = t["regions"].get(key, 0.0) + seconds
+        if hasattr(os, "getloadavg"):
+            self._load = max(self._load, os.getloadavg()[0])
         if self._memory_history:
             self._dump_memory_snapshot()
 
@@ -451,6 +456,11 @@ class Profiler:
             return None
         r = self.result
         r.verdict = verdict(self._totals, self.device)
+        cores = os.cpu_count() or 1
+        if r.verdict and self.device == "cpu" and self._load > cores:
+            r.verdict["note"] = (f"the machine was oversubscribed (load average {self._load:.1f} on {cores} cores): "
+                                 "operator times include waiting for a core, so compute and overhead are inflated; "
+                                 "profile on a quieter machine or with fewer threads (OMP_NUM_THREADS)")
         total = sum(t for _, t in self._ops.values()) or 1.0
         top = sorted(self._ops.items(), key=lambda kv: kv[1][1], reverse=True)[:TOP_OPS_IN_SUMMARY]
         per_step = max(self._totals["steps"], 1)
