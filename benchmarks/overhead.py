@@ -53,12 +53,15 @@ def handwritten_rate(cfg, steps: int, warmup: int) -> float:
     data = build_datasets(cfg.data, cfg.model)
     model = instantiate(cfg.model)
     optimizer, scheduler = build_optimizer(model, cfg.optim, steps, torch.device("cpu"))
-    b = cfg.trainer.batch_size
-    order = torch.randperm(len(data.train))
+    b, n = cfg.trainer.batch_size, len(data.train)
+    per_epoch = n // b
     for step in range(steps):
         if step == warmup:
             start = time.perf_counter()
-        inputs, targets = data.train[order[step * b:(step + 1) * b]]
+        if step % per_epoch == 0:  # a fresh shuffle each epoch, as the article's DataLoader(shuffle=True) does
+            order = torch.randperm(n)
+        first = step % per_epoch * b
+        inputs, targets = data.train[order[first:first + b]]
         loss = loss_fn(model(inputs), targets)
         loss.backward()
         optimizer.step()

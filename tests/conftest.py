@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -56,3 +61,29 @@ def train(run_dir: Path, *overrides: str, env: dict | None = None, timeout: floa
 @pytest.fixture
 def run_dir(tmp_path: Path) -> Path:
     return tmp_path / "run"
+
+
+@functools.cache
+def can_mount() -> bool:
+    """Whether this process may mount a small filesystem of its own (root, outside restricted containers)."""
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        return False
+    probe = Path(tempfile.mkdtemp(prefix="trainflow-mount-probe-"))
+    ok = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(probe)],
+                        capture_output=True).returncode == 0
+    if ok:
+        subprocess.run(["umount", str(probe)], check=False)
+    probe.rmdir()
+    return ok
+
+
+@contextlib.contextmanager
+def tmpfs(path: Path, size: str, read_only: bool = False) -> Iterator[Path]:
+    """A small real filesystem: a disk that fills up, or one that refuses writes (needs can_mount())."""
+    path.mkdir(parents=True, exist_ok=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}" + (",ro" if read_only else ""), "tmpfs", str(path)],
+                   check=True)
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)

@@ -154,11 +154,6 @@ def test_recompiles_with_varying_lengths(tmp_path: Path, run_dir: Path, dynamic:
     assert run.summary["steady_state"]["excluded_steps"] == 2 + len(lengths)
 
 
-def test_reduce_overhead_on_cpu_fails_in_one_line(run_dir: Path) -> None:
-    run = train(run_dir, *GPT, "compile=reduce_overhead", "trainer.max_steps=2")
-    one_line_error(run, "compile.mode: reduce-overhead uses CUDA graphs", "on CPU", "compile=default")
-
-
 @pytest.mark.parametrize(("overrides", "fragment"), [
     (["compile.mode=fastest"], "compile.mode: must be null or one of default, max-autotune"),
     (["compile.scope=layers"], "compile.scope: must be one of model, blocks"),

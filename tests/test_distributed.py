@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import socket
 import subprocess
@@ -203,37 +202,6 @@ def test_stop_signal_to_a_self_launched_run_reaches_the_workers(run_dir: Path) -
 
 
 # --- bad input ---------------------------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize(
-    ("overrides", "expected"),
-    [
-        (["parallelism=ddp"], "parallelism.nproc_per_node: ddp needs 2 or more processes, got 1 (auto is one "
-         "process per GPU, and at most one GPU is visible); set parallelism.nproc_per_node=2 or more, or use "
-         "parallelism=single"),
-        (["parallelism=ddp", "parallelism.nproc_per_node=2", "parallelism.backend=nccl"],
-         "parallelism.backend: nccl needs CUDA GPUs, but this run is on cpu; use parallelism.backend=gloo (or auto)"),
-        (["parallelism=ddp", "parallelism.nproc_per_node=2", "trainer.grad_accum=2", "parallelism.global_batch=30"],
-         "parallelism.global_batch: 30 does not divide into 2 ranks x 2 accumulation steps; use a multiple of 4, "
-         "e.g. 28 or 32"),
-        (["parallelism=fsdp", "parallelism.nproc_per_node=2", "parallelism.fsdp.wrap=blocks", "model=mlp"],
-         "parallelism.fsdp.wrap: blocks shards each module of model.blocks, and MLP has none; use "
-         "parallelism.fsdp.wrap=size (or auto) (rank N)"),  # found in the workers (the model is built there)
-    ],
-    ids=["ddp-one-process", "nccl-on-cpu", "global-batch-indivisible", "wrap-blocks-without-blocks"],
-)
-def test_bad_parallel_input_is_one_clear_line(run_dir: Path, overrides: list[str], expected: str) -> None:
-    if torch.cuda.is_available():
-        pytest.skip("written for a machine without GPUs")
-    base = MLP_SMALL if "model=mlp" in overrides else SMALL
-    run = train(run_dir, *base, *(o for o in overrides if o != "model=mlp"), timeout=120)
-    assert run.returncode == 2, run.stderr
-    errors = [line for line in run.stderr.splitlines() if line.startswith("Error:")]
-    if expected.endswith("(rank N)"):  # every rank hits it; the first to report it is named
-        assert len(errors) == 1 and re.fullmatch(re.escape(f"Error: {expected[:-2]}") + r"[01]\)", errors[0]), errors
-    else:
-        assert errors == [f"Error: {expected}"]
-    assert "Traceback" not in run.stderr + run.stdout
 
 
 @pytest.mark.parametrize(

@@ -25,6 +25,10 @@ Stop signals: SIGTERM or SIGUSR2 on any rank makes every rank agree (an all-redu
 boundary) to save at that step boundary; the process then exits with EXIT_STOPPED = 75 (EX_TEMPFAIL: "try
 again"); running the same command again resumes. A second signal terminates at once.
 
+One run at a time: rank 0 holds an exclusive `flock` on `checkpoint.dir/.lock` from the start to the end of the
+run (the kernel drops it when the process dies, so a crash never leaves a stale lock). A second run pointed at
+the same folder is refused before it removes anything, naming the run that holds it.
+
 A corrupt committed checkpoint (a truncated shard, a missing .metadata) is refused, never skipped: resuming from
 an older one silently would hide lost training. The error names it and the previous committed checkpoint; nothing
 on disk is changed.
@@ -33,6 +37,7 @@ on disk is changed.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import json
 import logging
@@ -42,6 +47,7 @@ import random
 import re
 import shutil
 import signal
+import socket
 import threading
 import time
 import warnings
@@ -66,6 +72,7 @@ log = logging.getLogger(__name__)
 EXIT_STOPPED = 75  # saved on SIGTERM/SIGUSR2 and stopped: run the same command again to resume
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR2)
 MANIFEST = "manifest.json"
+LOCK_FILE = ".lock"
 TMP_PREFIX = ".tmp-"
 MODEL_PREFIX = "app.model."  # where the model's tensors live in the flattened DCP keys
 _STEP_DIR = re.compile(r"step_(\d+)")
@@ -298,6 +305,29 @@ def _cause(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[0] if text else ''}"
 
 
+class DirLock:
+    """An exclusive flock on `folder/.lock` for this process's lifetime; the file says who holds it."""
+
+    def __init__(self, folder: Path) -> None:
+        self.path = folder / LOCK_FILE
+        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(self._fd, 4096, 0).decode(errors="replace").strip() or "a process"
+            os.close(self._fd)
+            raise ConfigError(f"checkpoint.dir: {folder} is in use by another run ({holder}); wait for it to end, "
+                              "or point checkpoint.dir at another folder") from None
+        os.ftruncate(self._fd, 0)
+        started = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+        os.pwrite(self._fd, f"pid {os.getpid()} on {socket.gethostname()}, since {started}\n".encode(), 0)
+
+    def release(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)  # closing the last descriptor drops the flock
+            self._fd = -1
+
+
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -397,6 +427,7 @@ class Checkpointer:
         self._signal: int | None = None  # set by the signal handler only
         self._stopped_by: str | None = None
         self._previous_handlers: dict[int, Any] = {}
+        self._lock: DirLock | None = None  # rank 0, from resume() to close()
         if threading.current_thread() is threading.main_thread():  # Python delivers signals to the main thread only
             self._previous_handlers = {s: signal.signal(s, self._on_signal) for s in STOP_SIGNALS}
         elif env.is_main:
@@ -475,6 +506,8 @@ class Checkpointer:
                     self._exported = self._on_rank0(self._export)
         finally:
             self._stager = None  # the staging buffers: a whole copy of the state
+            if self._lock is not None:
+                self._lock.release()
             for sig, handler in self._previous_handlers.items():
                 signal.signal(sig, handler)
 
@@ -558,11 +591,11 @@ class Checkpointer:
         if self.env.is_main:
             shutil.rmtree(tmp, ignore_errors=True)
         cause = _cause(error) if error is not None else "failed on another rank"
-        with contextlib.suppress(OSError):  # a full disk shows up as many different errors: say it plainly
+        with contextlib.suppress(OSError):  # a full disk shows up as many different errors: say only that
             free = shutil.disk_usage(self.dir).free
             if free < self._need_bytes:
                 cause = (f"the disk is full: {free / 1e6:.1f} MB free, a checkpoint needs about "
-                         f"{self._need_bytes / 1e6:.1f} MB; {cause}")
+                         f"{self._need_bytes / 1e6:.1f} MB")
         committed = list_committed(self.dir)
         newest = f"newest: {committed[-1].path.name}" if committed else "there are none yet"
         raise CheckpointError(f"checkpoint.dir: saving step {step} to {self.dir} failed ({cause}); free space or "
@@ -673,12 +706,10 @@ class Checkpointer:
         return path
 
     def _prepare_dir(self) -> None:
-        """Rank 0: the folder exists and is writable; leftovers of crashed saves are removed."""
-        probe = self.dir / f"{TMP_PREFIX}probe{os.getpid()}"
+        """Rank 0: the folder exists, is writable and is ours alone; leftovers of crashed saves are removed."""
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
-            probe.write_bytes(b"")
-            probe.unlink()
+            self._lock = DirLock(self.dir)
         except OSError as exc:
             raise ConfigError(f"checkpoint.dir: cannot write to {self.dir} ({exc.strerror}); "
                               "point checkpoint.dir at a writable folder") from exc

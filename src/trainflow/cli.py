@@ -7,12 +7,21 @@ import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import NoReturn
 
 from omegaconf import DictConfig
 
-from trainflow.errors import TrainflowError
+from trainflow.errors import ConfigError, TrainflowError
 
 EXIT_USER_ERROR = 2
+
+
+def user_error(message: str) -> NoReturn:
+    """Stop with one line and exit code 2, as trainflow does for every input a user can fix."""
+    if os.environ.get("HYDRA_FULL_ERROR") == "1":
+        raise ConfigError(message)
+    print(f"Error: {message}", file=sys.stderr)
+    sys.exit(EXIT_USER_ERROR)
 
 
 def run_from_hydra(cfg: DictConfig) -> float | None:

@@ -248,8 +248,14 @@ def _store(rank: int, world_size: int, timeout: timedelta) -> dist.Store:
                              "export MASTER_ADDR and MASTER_PORT too (torchrun does)") from None
     agent_hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # torchrun's agent runs it
     is_master = rank == 0 and not agent_hosts_store
-    base = dist.TCPStore(addr, port, world_size if is_master else None, is_master=is_master, timeout=timeout,
-                         wait_for_workers=False)
+    try:
+        base = dist.TCPStore(addr, port, world_size if is_master else None, is_master=is_master, timeout=timeout,
+                             wait_for_workers=False)
+    except dist.DistNetworkError as exc:
+        if "EADDRINUSE" not in str(exc):
+            raise
+        raise TrainflowError(f"environment: MASTER_PORT={port} on {addr} is in use by another process; pick a free "
+                             "port (or let torchrun choose one)") from exc
     return dist.PrefixStore(f"trainflow/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", base)
 
 

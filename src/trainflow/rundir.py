@@ -11,9 +11,13 @@ directory. Only rank 0 writes Hydra's saved config and the log file.
 from __future__ import annotations
 
 import os
+import tempfile
 from datetime import datetime, timedelta
+from pathlib import Path
+from typing import Any
 
-from omegaconf import OmegaConf
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig, OmegaConf
 
 RUN_DIR_ENV = "TRAINFLOW_RUN_DIR"  # set by our launchers for the processes they start
 
@@ -71,3 +75,24 @@ def register_resolvers() -> None:
     ):
         if not OmegaConf.has_resolver(name):
             OmegaConf.register_new_resolver(name, fn, use_cache=True)
+
+
+class OutputDirCheck(Callback):
+    """Makes the run (or sweep) directory before Hydra does, so an unwritable one is one line, not a traceback."""
+
+    def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        _check_writable("hydra.run.dir", str(config.hydra.run.dir))
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        _check_writable("hydra.sweep.dir", str(config.hydra.sweep.dir))
+
+
+def _check_writable(key: str, folder: str) -> None:
+    from trainflow.cli import user_error
+
+    try:
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as exc:
+        user_error(f"{key}: cannot create {folder} ({exc.strerror}); point {key} at a writable folder")

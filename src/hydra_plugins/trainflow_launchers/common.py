@@ -7,10 +7,9 @@ and nodes), then pickled with the task function to the processes that run it.
 
 import os
 import re
-import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 from hydra.core.utils import JobReturn, run_job
 from hydra.errors import CompactHydraException
@@ -18,21 +17,13 @@ from hydra.experimental.callback import Callback
 from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from trainflow.cli import EXIT_USER_ERROR
-from trainflow.errors import ConfigError, TrainflowError
+from trainflow.cli import user_error
+from trainflow.errors import TrainflowError
 from trainflow.rundir import RUN_DIR_ENV
 
 
 class JobFailed(TrainflowError, CompactHydraException):
     """A launched job failed. Hydra prints it as one line (its traceback lives in the job's logs)."""
-
-
-def user_error(message: str) -> NoReturn:
-    """Stop the launch with one line and exit code 2, as trainflow does for every input a user can fix."""
-    if os.environ.get("HYDRA_FULL_ERROR") == "1":
-        raise ConfigError(message)
-    print(f"Error: {message}", file=sys.stderr)
-    sys.exit(EXIT_USER_ERROR)
 
 
 @dataclass

@@ -1,0 +1,339 @@
+"""Every bad input we know of, tried in a real process, as a table.
+
+For each row: the exact one-line message (some line of stderr matches it whole), the exit code, no traceback,
+and every committed checkpoint on disk byte-identical afterwards. Every `train.py` row runs beside two committed
+checkpoints of an earlier run (steps 2 and 4) in `checkpoint.dir`, so a bad input that got as far as touching
+them would show. README's "Reliability" section is rendered from this table (see test_reliability_readme.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import ROOT, TINY_GPT, can_mount, tmpfs, train
+
+# 8 steps, a save every 2; the committed checkpoints of the reference run (steps 2 and 4) sit in checkpoint.dir.
+BASE = [*TINY_GPT, "trainer.max_steps=8", "trainer.eval_every=0", "trainer.eval_steps=2", "checkpoint=dcp",
+        "checkpoint.every_steps=2", "checkpoint.dir={ckpts}"]
+
+
+@dataclass
+class Ctx:
+    """What a row's arguments and setup may refer to: {tmp}, {ckpts}, {port}."""
+
+    tmp: Path
+    ckpts: Path
+    port: int
+    hold: contextlib.ExitStack  # resources a setup keeps alive while the run goes (mounts, locks, sockets)
+
+    def fill(self, text: str) -> str:
+        return text.format(tmp=self.tmp, ckpts=self.ckpts, port=self.port)
+
+
+@dataclass(frozen=True)
+class Case:
+    id: str
+    area: str
+    what: str  # the bad input, in words (README)
+    args: tuple[str, ...]
+    message: str  # the whole line; {tmp} {ckpts} {port} are filled in, {n} stands for a number, {any} for text
+    exit: int = 2
+    tool: str = "train"  # train: python train.py; multirun: python train.py -m; trainflow: the console command
+    setup: Callable[[Ctx], None] | None = None
+    env: tuple[tuple[str, str], ...] = ()
+    needs: str | None = None  # "mount": a filesystem of our own; "no-gpu": a machine without CUDA
+
+
+# -- setups -----------------------------------------------------------------------------------------------------
+
+
+def tiny_corpus(ctx: Ctx) -> None:
+    (ctx.tmp / "tiny.txt").write_text("print('hi')\n")
+
+
+def truncate_newest_shard(ctx: Ctx) -> None:
+    shard = ctx.ckpts / "step_00000004" / "__0_0.distcp"
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+
+
+def remove_newest_metadata(ctx: Ctx) -> None:
+    (ctx.ckpts / "step_00000004" / ".metadata").unlink()
+
+
+def garble_newest_manifest(ctx: Ctx) -> None:
+    (ctx.ckpts / "step_00000004" / "manifest.json").write_text("{not json")
+
+
+def lock_checkpoint_dir(ctx: Ctx) -> None:
+    from trainflow.checkpoint import DirLock
+
+    ctx.hold.callback(DirLock(ctx.ckpts).release)  # this test process plays the other run
+
+
+def read_only_disk(ctx: Ctx) -> None:
+    ctx.hold.enter_context(tmpfs(ctx.tmp / "ro", "1m", read_only=True))
+
+
+def nearly_full_disk(ctx: Ctx) -> None:
+    """A 4 MB filesystem holding the step-4 checkpoint, with room for logs but not for the next save."""
+    disk = ctx.hold.enter_context(tmpfs(ctx.tmp / "small", "4m"))
+    shutil.copytree(ctx.ckpts / "step_00000004", disk / "ckpts" / "step_00000004")
+    (disk / "filler").write_bytes(b"\0" * (shutil.disk_usage(disk).free - 300_000))
+
+
+def busy_port(ctx: Ctx) -> None:
+    sock = ctx.hold.enter_context(socket.socket())
+    sock.bind(("127.0.0.1", ctx.port))
+    sock.listen()
+
+
+def unfinished_save(ctx: Ctx) -> None:
+    shutil.copytree(ctx.ckpts / "step_00000004", ctx.tmp / ".tmp-step_00000006")
+    (ctx.tmp / ".tmp-step_00000006" / "manifest.json").unlink()
+
+
+# -- the table --------------------------------------------------------------------------------------------------
+
+RANK_ENV = (("RANK", "0"), ("WORLD_SIZE", "2"), ("LOCAL_RANK", "0"), ("LOCAL_WORLD_SIZE", "2"),
+            ("MASTER_ADDR", "127.0.0.1"))
+CASES = [
+    # config keys and values
+    Case("unknown-option", "config", "an option a group does not have", ("model=nope",),
+         "In 'train': Could not find 'model/nope'", exit=1),
+    Case("unknown-key", "config", "a key no schema has", ("trainer.foo=1",),
+         "Could not override 'trainer.foo'.", exit=1),
+    Case("wrong-type", "config", "a value of the wrong type", ("trainer.max_steps=abc",),
+         "Value 'abc' of type 'str' could not be converted to Integer", exit=1),
+    Case("zero-steps", "config", "no training steps", ("trainer.max_steps=0",),
+         "Error: trainer.max_steps: must be a positive integer; got 0"),
+    Case("negative-batch", "config", "a negative batch size", ("trainer.batch_size=-2",),
+         "Error: trainer.batch_size: must be a positive integer; got -2"),
+    Case("zero-accumulation", "config", "zero accumulation steps", ("trainer.grad_accum=0",),
+         "Error: trainer.grad_accum: must be a positive integer; got 0"),
+    Case("zero-lr", "config", "a zero learning rate", ("optim.lr=0",),
+         "Error: optim.lr: must be > 0; got 0.0"),
+    Case("unknown-precision", "config", "a precision trainflow does not train in", ("trainer.precision=fp16",),
+         "Error: trainer.precision: must be one of fp32, bf16; got 'fp16'"),
+    Case("reduce-overhead-on-cpu", "compile", "CUDA graphs on a CPU", ("compile=reduce_overhead",),
+         "Error: compile.mode: reduce-overhead uses CUDA graphs, which need a GPU, and this run is on CPU: use "
+         "compile=default (inductor without CUDA graphs)"),
+    Case("profiler-nothing-recorded", "profile", "a profiler window that records no step",
+         ("profiler=schedule", "profiler.active=0", "trainer.max_steps=20"),
+         "Error: profiler.active: must be a positive number of recorded steps; got 0"),
+    Case("profiler-window-past-end", "profile", "a profiler window that ends after the run", ("profiler=schedule",),
+         "Error: trainer.max_steps: is 8 but the profiler window ends at step 12 (skip_first 2 + 1 x (wait 5 + "
+         "warmup 2 + active 3)); raise trainer.max_steps to >= 12 or shorten the window "
+         "(profiler.skip_first/wait/warmup/active)"),
+    Case("ddp-one-process", "scale", "ddp with one process", ("parallelism=ddp",),
+         "Error: parallelism.nproc_per_node: ddp needs 2 or more processes, got 1 (auto is one process per GPU, "
+         "and at most one GPU is visible); set parallelism.nproc_per_node=2 or more, or use parallelism=single"),
+    Case("nccl-on-cpu", "scale", "the NCCL backend without GPUs",
+         ("parallelism=ddp", "parallelism.nproc_per_node=2", "parallelism.backend=nccl"),
+         "Error: parallelism.backend: nccl needs CUDA GPUs, but this run is on cpu; use parallelism.backend=gloo "
+         "(or auto)"),
+    Case("global-batch-indivisible", "scale", "a global batch the ranks cannot share",
+         ("parallelism=ddp", "parallelism.nproc_per_node=2", "trainer.grad_accum=2", "parallelism.global_batch=30"),
+         "Error: parallelism.global_batch: 30 does not divide into 2 ranks x 2 accumulation steps; use a multiple "
+         "of 4, e.g. 28 or 32"),
+    Case("fsdp-blocks-without-blocks", "scale", "FSDP per-block wrapping of a model without blocks",
+         ("model=mlp", "data=synthetic", "parallelism=fsdp", "parallelism.nproc_per_node=2",
+          "parallelism.fsdp.wrap=blocks"),
+         "Error: parallelism.fsdp.wrap: blocks shards each module of model.blocks, and MLP has none; use "
+         "parallelism.fsdp.wrap=size (or auto) (rank {n})"),  # found in the workers, where the model is built
+    Case("zero-keep-last", "checkpoint", "retention that keeps nothing", ("checkpoint.keep_last=0",),
+         "Error: checkpoint.keep_last: must be >= 1 (the newest committed checkpoint is always kept); got 0"),
+    Case("export-without-final-save", "checkpoint", "export without a final save",
+         ("checkpoint.export=true", "checkpoint.save_final=false"),
+         "Error: checkpoint.export: exports the final weights, which needs checkpoint.save_final=true"),
+    # files and paths
+    Case("missing-corpus", "data", "a corpus path that does not exist", ("data.paths=[/no/such/corpus]",),
+         "Error: data.paths: /no/such/corpus does not exist; give existing files or folders"),
+    Case("empty-corpus-list", "data", "an empty corpus list", ("data.paths=[]",),
+         "Error: data.paths: is empty: give files or folders, e.g. data.paths=[/path/to/corpus], or null for the "
+         "default"),
+    Case("corpus-too-short", "data", "a corpus shorter than one sequence",
+         ("data.paths=[{tmp}/tiny.txt]", "data.cache_dir={tmp}/cache"),
+         "Error: data.paths: the corpus has 12 bytes, too short for one training and one validation sequence of "
+         "33 bytes (val_fraction=0.05); add text or lower data.seq_len", setup=tiny_corpus),
+    Case("seq-lens-too-long", "data", "varied lengths longer than the model's context", ("data.seq_lens=[8,64]",),
+         "Error: data.seq_lens: each length must be in [1, data.seq_len=32]; got [8, 64]"),
+    # checkpoints
+    Case("resume-missing", "checkpoint", "a resume path that does not exist", ("checkpoint.resume={tmp}/nope",),
+         "Error: checkpoint.resume: {tmp}/nope does not exist; give a committed checkpoint (a step_N folder), a "
+         "checkpoint dir holding some, or a run dir"),
+    Case("resume-older-into-newer", "checkpoint", "resuming an older checkpoint into a folder with newer ones",
+         ("checkpoint.resume={ckpts}/step_00000002",),
+         "Error: checkpoint.resume: {ckpts} already holds checkpoints up to step_00000004; continuing from "
+         "{ckpts}/step_00000002 there would mix two histories; point checkpoint.dir at a new folder to branch off"),
+    Case("fresh-start-over-history", "checkpoint", "resume=never in a folder with checkpoints",
+         ("checkpoint.resume=never",),
+         "Error: checkpoint.resume=never: {ckpts} already holds committed checkpoints (up to step_00000004) of an "
+         "earlier run, and a fresh start there would mix two histories; point checkpoint.dir at an empty folder, "
+         "or resume=auto to continue"),
+    Case("truncated-shard", "checkpoint", "a truncated shard in the newest checkpoint", (),
+         "Error: {ckpts}/step_00000004: corrupt checkpoint (__0_0.distcp is {n} bytes, the manifest says {n} "
+         "(truncated)); nothing was changed: move it out of {ckpts} to resume from step_00000002 (the previous "
+         "committed checkpoint)", setup=truncate_newest_shard),
+    Case("missing-metadata", "checkpoint", "a newest checkpoint without .metadata", (),
+         "Error: {ckpts}/step_00000004: corrupt checkpoint (.metadata is missing); nothing was changed: move it "
+         "out of {ckpts} to resume from step_00000002 (the previous committed checkpoint)",
+         setup=remove_newest_metadata),
+    Case("garbled-manifest", "checkpoint", "an unreadable manifest in the newest checkpoint", (),
+         "Error: {ckpts}/step_00000004: corrupt checkpoint (manifest.json is unreadable); nothing was changed: "
+         "move it out of {ckpts} to resume from step_00000002 (the previous committed checkpoint)",
+         setup=garble_newest_manifest),
+    Case("other-model-shape", "checkpoint", "a checkpoint of another model shape", ("model.n_embd=32",),
+         "Error: {ckpts}/step_00000004 was saved from another model shape: 29 mismatched key(s): "
+         "blocks.0.attn.proj.bias [64] float32 saved vs [32] float32 here; blocks.0.attn.proj.weight [64, 64] "
+         "float32 saved vs [32, 32] float32 here; blocks.0.attn.qkv.bias [192] float32 saved vs [96] float32 here; "
+         "blocks.0.attn.qkv.weight [192, 64] float32 saved vs [96, 32] float32 here; blocks.0.ln1.bias [64] float32 "
+         "saved vs [32] float32 here; blocks.0.ln1.weight [64] float32 saved vs [32] float32 here and 23 more; "
+         "resume with the model config it was saved with, or set checkpoint.dir to a new folder to start fresh"),
+    Case("checkpoint-dir-in-use", "checkpoint", "a checkpoint dir another run holds", (),
+         "Error: checkpoint.dir: {ckpts} is in use by another run (pid {n} on {any}, since {any}); wait for it to "
+         "end, or point checkpoint.dir at another folder", setup=lock_checkpoint_dir),
+    Case("read-only-checkpoint-dir", "environment", "a checkpoint dir on a read-only filesystem",
+         ("checkpoint.dir={tmp}/ro/ckpts",),
+         "Error: checkpoint.dir: cannot write to {tmp}/ro/ckpts (Read-only file system); point checkpoint.dir at "
+         "a writable folder", setup=read_only_disk, needs="mount"),
+    Case("full-disk-sync", "environment", "a disk that fills up during a save",
+         ("checkpoint.dir={tmp}/small/ckpts",),
+         "Error: checkpoint.dir: saving step 6 to {tmp}/small/ckpts failed (the disk is full: {n} MB free, a "
+         "checkpoint needs about {n} MB); free space or point checkpoint.dir at a writable disk; committed "
+         "checkpoints are untouched (newest: step_00000004)", setup=nearly_full_disk, needs="mount"),
+    Case("full-disk-async", "environment", "a disk that fills up during an async save",
+         ("checkpoint.dir={tmp}/small/ckpts", "checkpoint.mode=async"),
+         "Error: checkpoint.dir: saving step 6 to {tmp}/small/ckpts failed (the disk is full: {n} MB free, a "
+         "checkpoint needs about {n} MB); free space or point checkpoint.dir at a writable disk; committed "
+         "checkpoints are untouched (newest: step_00000004)", setup=nearly_full_disk, needs="mount"),
+    Case("read-only-output-dir", "environment", "a run directory on a read-only filesystem",
+         ("hydra.run.dir={tmp}/ro/run",),
+         "Error: hydra.run.dir: cannot create {tmp}/ro/run (Read-only file system); point hydra.run.dir at a "
+         "writable folder", setup=read_only_disk, needs="mount"),
+    Case("cuda-without-gpu", "environment", "trainer.device=cuda on a machine without a GPU",
+         ("trainer.device=cuda",),
+         "Error: trainer.device: cuda was asked for but no GPU is visible; use trainer.device=cpu or auto",
+         needs="no-gpu"),
+    Case("port-in-use", "environment", "a rendezvous port another process listens on", ("parallelism=ddp",),
+         "Error: environment: MASTER_PORT={port} on 127.0.0.1 is in use by another process; pick a free port "
+         "(or let torchrun choose one)", setup=busy_port, env=(*RANK_ENV, ("MASTER_PORT", "{port}"))),
+    Case("rank-without-master", "environment", "RANK and WORLD_SIZE without MASTER_ADDR", ("parallelism=ddp",),
+         "Error: environment: RANK and WORLD_SIZE are set but MASTER_ADDR is not; a launcher must export "
+         "MASTER_ADDR and MASTER_PORT too (torchrun does)", env=RANK_ENV[:4]),
+    # launch combinations
+    Case("launcher-without-multirun", "launch", "a sweep launcher without -m", ("hydra/launcher=torchrun",),
+         "Error: hydra/launcher=torchrun: the torchrun launcher runs sweeps, and this is a single run; add -m "
+         "(python train.py -m hydra/launcher=torchrun ...) to run it as a one-job sweep"),
+    Case("launcher-zero-processes", "launch", "a torchrun launcher with no processes",
+         ("hydra/launcher=torchrun", "hydra.launcher.nproc_per_node=0"),
+         "Error: hydra.launcher.nproc_per_node: must be a positive integer or one of auto, cpu, gpu, xpu; got '0'",
+         tool="multirun"),
+    # tools
+    Case("export-unfinished-save", "tools", "exporting a save that never finished",
+         ("export", "{tmp}/.tmp-step_00000006", "{tmp}/model.pt"),
+         "Error: {tmp}/.tmp-step_00000006 is not a committed checkpoint (no manifest.json: a save that never "
+         "finished); pick a step_N folder that has one", tool="trainflow", setup=unfinished_save),
+    Case("report-missing-folder", "tools", "a report on a folder that does not exist", ("report", "{tmp}/nope"),
+         "Error: {tmp}/nope: no such folder; give a run folder, a sweep folder (multirun/<date>/<time>) or a folder "
+         "holding them (e.g. outputs)", tool="trainflow"),
+]
+
+
+# -- running a row ----------------------------------------------------------------------------------------------
+
+
+def committed_hashes(root: Path) -> dict[str, str]:
+    """sha256 of every file of every committed checkpoint (a step_N folder with a manifest) under `root`."""
+    return {str(f.relative_to(root)): hashlib.sha256(f.read_bytes()).hexdigest()
+            for manifest in sorted(root.rglob("step_*/manifest.json"))
+            for f in sorted(manifest.parent.rglob("*")) if f.is_file()}
+
+
+def pattern(ctx: Ctx, message: str) -> re.Pattern:
+    parts = re.split(r"(\{n\}|\{any\})", message)
+    wild = {"{n}": r"[0-9.]+", "{any}": r".+?"}
+    return re.compile("".join(wild.get(p) or re.escape(ctx.fill(p)) for p in parts))
+
+
+def command(case: Case, ctx: Ctx) -> list[str]:
+    args = [ctx.fill(a) for a in case.args]
+    if case.tool == "trainflow":
+        return [str(Path(sys.executable).parent / "trainflow"), *args]
+    keys = {a.split("=")[0] for a in args}
+    # a row's own value wins; a row choosing another model drops the base's model.* settings
+    base = [ctx.fill(a) for a in BASE if a.split("=")[0] not in keys and a.split(".")[0] not in keys]
+    run_dir = [] if "hydra.run.dir" in keys else [f"hydra.run.dir={ctx.tmp / 'run'}"]
+    multirun = ["-m", f"hydra.sweep.dir={ctx.tmp / 'sweep'}"] if case.tool == "multirun" else []
+    return [sys.executable, str(ROOT / "train.py"), *multirun, *base, *args, *run_dir]
+
+
+@pytest.fixture(scope="module")
+def reference_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    run = train(tmp_path_factory.mktemp("reference") / "run", *TINY_GPT, "trainer.max_steps=4",
+                "trainer.eval_every=0", "trainer.eval_steps=2", "checkpoint=dcp", "checkpoint.every_steps=2")
+    assert run.returncode == 0, run.stderr[-3000:]
+    return run.run_dir / "checkpoints"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_bad_input(case: Case, reference_checkpoints: Path, tmp_path: Path) -> None:
+    if case.needs == "mount" and not can_mount():
+        pytest.skip("needs a filesystem of its own (root with mount rights)")
+    if case.needs == "no-gpu" and torch.cuda.is_available():
+        pytest.skip("needs a machine without a GPU")
+    with contextlib.ExitStack() as hold:
+        ctx = Ctx(tmp_path, tmp_path / "ckpts", free_port(), hold)
+        shutil.copytree(reference_checkpoints, ctx.ckpts)
+        if case.setup:
+            case.setup(ctx)
+        before = committed_hashes(tmp_path)
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **{k: ctx.fill(v) for k, v in case.env}}
+        for key in ("HYDRA_FULL_ERROR", *(k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+                                          if k not in dict(case.env))):
+            env.pop(key, None)
+        proc = subprocess.run(command(case, ctx), cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+        after = committed_hashes(tmp_path)
+    lines = proc.stderr.splitlines()
+    assert proc.returncode == case.exit, proc.stderr[-3000:]
+    expected = pattern(ctx, case.message)
+    assert any(expected.fullmatch(line) for line in lines), f"{expected.pattern}\nnot in\n{proc.stderr[-3000:]}"
+    if case.exit == 2:
+        assert sum(line.startswith("Error:") for line in lines) == 1, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr + proc.stdout
+    assert any(name.startswith("ckpts/step_00000002/") for name in before)  # the hashes cover the reference run's
+    assert after == before
+
+
+def test_full_error_shows_the_traceback_when_asked(tmp_path: Path) -> None:
+    run = train(tmp_path / "run", *TINY_GPT, "trainer.max_steps=0", env={"HYDRA_FULL_ERROR": "1"})
+    assert run.returncode != 0 and "Traceback" in run.stderr and "ConfigError" in run.stderr
+
+
+def markdown_rows() -> list[str]:
+    """The table as README shows it: {tmp} and {ckpts} are folders of the test, {n} a number, {any} text."""
+    rows = ["| area | bad input | try it | exit | what trainflow says |", "|---|---|---|---|---|"]
+    for c in CASES:
+        shown = " ".join(c.args).replace("{ckpts}", "<ckpts>").replace("{tmp}", "<dir>")
+        shown = {"trainflow": f"trainflow {shown}", "multirun": f"-m {shown}"}.get(c.tool, shown)
+        message = (c.message.replace("{any}", "…").replace("{n}", "N").replace("{ckpts}", "<ckpts>")
+                   .replace("{tmp}", "<dir>").replace("{port}", "<port>").replace("|", "\\|"))
+        rows.append(f"| {c.area} | {c.what} | {f'`{shown}`' if shown else '-'} | {c.exit} | {message} |")
+    return rows

@@ -1,0 +1,205 @@
+"""Faults during real runs, each with the outcome asserted.
+
+Kills at random moments of saves, two runs on one checkpoint folder, leftovers of crashed saves, and disk use
+under retention. Other faults are tested beside the feature they exercise; FAULTS below lists every fault with
+the test that injects it, and README's "Reliability" section is rendered from it (test_reliability_readme.py).
+
+The random-kill loop tries 2 moments per save mode in CI; `pytest -m slow tests/test_faults.py` tries 12 more each.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import random
+import shutil
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from conftest import TINY_GPT, Run, train
+from test_checkpoint import committed, losses_by_step, read_tensors, start, wait_for
+
+from trainflow.checkpoint import check_intact, list_committed
+
+
+@dataclass(frozen=True)
+class Fault:
+    fault: str
+    outcome: str  # what trainflow does, asserted by the test
+    test: str  # file::function that injects it
+
+
+FAULTS = [
+    Fault("SIGKILL of the whole run at random moments of sync and async saves",
+          "resume lands on the newest committed checkpoint, 0 corrupt, losses bit-identical to an unkilled run",
+          "test_faults.py::test_sigkill_at_random_moments_of_saves"),
+    Fault("SIGKILL at each stage of a save (folder, shard, .metadata, manifest)",
+          "the save is committed or absent, never half; resume is bit-identical",
+          "test_checkpoint.py::test_sigkill_at_every_stage_of_a_save_resumes_from_a_committed_checkpoint"),
+    Fault("SIGKILL of one rank mid-step under torchrun",
+          "torchrun restarts the group, which rejoins the run directory and resumes from the last checkpoint",
+          "test_launcher_torchrun.py::test_restart_after_a_rank_crash_resumes_from_the_last_checkpoint"),
+    Fault("SIGKILL of an FSDP or DDP run", "resume on the same or another number of ranks is bit-identical",
+          "test_checkpoint_distributed.py::test_fsdp_sigkill_and_resume_is_bit_identical"),
+    Fault("SIGTERM or SIGUSR2 (preemption, `scancel --signal`)",
+          "every rank saves at the same step boundary, exit 75; the same command resumes",
+          "test_checkpoint.py::test_sigterm_saves_at_the_step_boundary_and_exits_75"),
+    Fault("SLURM preemption and time limit", "checkpoint, requeue, resume to the same losses",
+          "test_launcher_slurm.py::test_preemption_signal_checkpoints_requeues_and_resumes_to_the_same_losses"),
+    Fault("a stale partial checkpoint from an earlier crash",
+          "never listed or resumed from; removed at the next start, which resumes from the last committed one",
+          "test_faults.py::test_leftovers_of_crashed_saves_are_removed_and_never_resumed"),
+    Fault("two runs pointed at the same checkpoint dir at once",
+          "the second is refused in one line naming the holder; after a SIGKILL of the first, the lock is gone",
+          "test_faults.py::test_a_second_run_on_a_checkpoint_dir_in_use_is_refused"),
+    Fault("a long run under retention", "disk use stays within keep_last + 1 checkpoints",
+          "test_faults.py::test_disk_use_under_retention_is_bounded_by_keep_last"),
+    Fault("the disk fills up during a sync or async save",
+          "one line naming the step and free space, exit 2, committed checkpoints byte-identical",
+          "test_bad_inputs.py::test_bad_input[full-disk-async]"),
+    Fault("a rank raises mid-run", "the run fails naming the rank and its traceback; the other ranks stop",
+          "test_distributed.py::test_a_failing_rank_is_named_with_its_traceback"),
+    Fault("the torchrun launcher is killed", "no rank is left behind",
+          "test_launcher_torchrun.py::test_killing_the_launcher_leaves_no_ranks_behind"),
+]
+
+# A 20 MB checkpoint (long enough a save to land kills in it), saved every 2 of 8 steps.
+KILL = [*TINY_GPT, "model.n_embd=256", "model.n_head=4", "trainer.max_steps=8", "trainer.eval_every=0",
+        "trainer.eval_steps=2", "checkpoint=dcp", "checkpoint.every_steps=2", "checkpoint.keep_last=2"]
+MOMENTS = 12  # per save mode in the slow loop
+
+
+@pytest.fixture(scope="module")
+def unkilled(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Run]:
+    """One run per save mode that nothing interrupts: the losses every killed-and-resumed run must equal."""
+    runs = {}
+    for mode in ("sync", "async"):
+        run = train(tmp_path_factory.mktemp(f"unkilled-{mode}") / "run", *KILL, f"checkpoint.mode={mode}")
+        assert run.returncode == 0, run.stderr[-3000:]
+        runs[mode] = run
+    return runs
+
+
+def save_seconds(run: Run) -> float:
+    """How long one save of the reference run took from its start to its commit."""
+    ck = run.summary["checkpoint"]
+    per_save = ck["write_s"]["per_save"] if ck["mode"] == "async" else ck["blocked_s"]["per_save"]
+    return max(per_save)
+
+
+def kill_at_a_random_moment(unkilled: Run, run_dir: Path, mode: str, rng: random.Random) -> dict:
+    """Start the run, SIGKILL it a random time into a random save, check the disk, resume, compare."""
+    step = rng.choice([2, 4, 6])
+    delay = rng.uniform(0, 1.2 * save_seconds(unkilled))
+    ckpts = run_dir / "checkpoints"
+    tmp = ckpts / f".tmp-step_{step:08d}"
+    proc = start(run_dir, *KILL, f"checkpoint.mode={mode}")
+    wait_for(lambda: tmp.is_dir() or (ckpts / f"step_{step:08d}").is_dir(), proc, f"the save of step {step}")
+    time.sleep(delay)
+    in_save = tmp.is_dir()
+    proc.kill()
+    assert proc.wait() == -signal.SIGKILL
+    listed = list_committed(ckpts)
+    for c in listed:  # every committed checkpoint is whole: manifest sizes and every tensor readable
+        check_intact(c, listed)
+        assert read_tensors(c.path)
+    resumed = train(run_dir, *KILL, f"checkpoint.mode={mode}")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert resumed.summary["resumed_from_step"] == (listed[-1].step if listed else None)
+    assert losses_by_step(run_dir) == losses_by_step(unkilled.run_dir)
+    return {"mode": mode, "save": step, "delay_s": round(delay, 3), "landed": "in the save" if in_save else
+            "after its commit", "committed": [c.step for c in listed]}
+
+
+def kill_loop(unkilled: Run, tmp_path: Path, mode: str, moments: int) -> list[dict]:
+    rng = random.Random(f"trainflow-{mode}")  # the same moments every time: a failure can be replayed
+    outcomes = [kill_at_a_random_moment(unkilled, tmp_path / f"kill{i}" / "run", mode, rng) for i in range(moments)]
+    print(json.dumps(outcomes))
+    return outcomes
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_sigkill_at_random_moments_of_saves(unkilled: dict[str, Run], tmp_path: Path, mode: str) -> None:
+    kill_loop(unkilled[mode], tmp_path, mode, 2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_sigkill_at_many_random_moments_of_saves(unkilled: dict[str, Run], tmp_path: Path, mode: str) -> None:
+    outcomes = kill_loop(unkilled[mode], tmp_path, mode, MOMENTS)
+    assert sum(o["landed"] == "in the save" for o in outcomes) >= MOMENTS // 2, outcomes  # or it tests nothing
+
+
+def test_leftovers_of_crashed_saves_are_removed_and_never_resumed(unkilled: dict[str, Run], tmp_path: Path) -> None:
+    ckpts = tmp_path / "run" / "checkpoints"
+    source = unkilled["sync"].run_dir / "checkpoints"
+    shutil.copytree(source / "step_00000006", ckpts / "step_00000006")
+    for leftover in (".tmp-step_00000008", ".tmp-deleting-step_00000004"):  # a crashed save, a crashed deletion
+        shutil.copytree(source / "step_00000008", ckpts / leftover)
+    (ckpts / ".tmp-step_00000008" / "manifest.json").unlink()
+    run = train(tmp_path / "run", *KILL)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.summary["resumed_from_step"] == 6
+    assert committed(ckpts) == ["step_00000006", "step_00000008"]
+    assert not list(ckpts.glob(".tmp-*"))
+    log = (tmp_path / "run" / "train.log").read_text()
+    assert log.count("the leftover of a save that never finished") == 2
+    assert losses_by_step(tmp_path / "run") == {k: v for k, v in losses_by_step(unkilled["sync"].run_dir).items()
+                                                if k > 6}
+
+
+def test_a_second_run_on_a_checkpoint_dir_in_use_is_refused(tmp_path: Path) -> None:
+    shared = tmp_path / "shared"
+
+    def args(max_steps: int) -> list[str]:
+        return [*TINY_GPT, f"trainer.max_steps={max_steps}", "trainer.eval_every=0", "trainer.eval_steps=2",
+                "checkpoint=dcp", "checkpoint.every_steps=5", f"checkpoint.dir={shared}"]
+
+    first = start(tmp_path / "first", *args(100_000))
+    wait_for(lambda: shared.is_dir() and len(committed(shared)) >= 1, first, "the first run's first save")
+    second = train(tmp_path / "second", *args(100_000))
+    assert second.returncode == 2
+    errors = [line for line in second.stderr.splitlines() if line.startswith("Error:")]
+    assert len(errors) == 1 and f"checkpoint.dir: {shared} is in use by another run (pid {first.pid} on " in errors[0]
+    assert first.poll() is None  # the first run goes on
+    first.kill()
+    first.wait()
+    # the kernel dropped the dead run's lock: the next run resumes from its newest checkpoint
+    newest = list_committed(shared)[-1].step
+    third = train(tmp_path / "third", *args(newest + 2))
+    assert third.returncode == 0, third.stderr[-3000:]
+    assert third.summary["resumed_from_step"] == newest
+
+
+def test_disk_use_under_retention_is_bounded_by_keep_last(tmp_path: Path) -> None:
+    ckpts = tmp_path / "run" / "checkpoints"
+    proc = start(tmp_path / "run", *TINY_GPT, "trainer.max_steps=40", "trainer.eval_every=0", "trainer.eval_steps=2",
+                 "checkpoint=dcp_async", "checkpoint.every_steps=1", "checkpoint.keep_last=2")
+    peak = 0
+    while proc.poll() is None:
+        if ckpts.is_dir():
+            with contextlib.suppress(FileNotFoundError):  # a folder vanished under the walk: retention at work
+                peak = max(peak, sum(f.stat().st_size for f in ckpts.rglob("*") if f.is_file()))
+        time.sleep(0.002)
+    assert proc.returncode == 0
+    listed = list_committed(ckpts)
+    assert [c.step for c in listed] == [39, 40]
+    one = max(sum(f.stat().st_size for f in c.path.rglob("*") if f.is_file()) for c in listed)
+    assert one * 2 <= peak <= one * 3 + 4096  # keep_last committed + the one being written, never more
+
+
+def test_no_environment_reaches_what_a_run_writes(tmp_path: Path) -> None:
+    """A secret in the environment appears in no file of the run: logs, configs, summary, checkpoints, weights."""
+    secret = "tf-secret-7c1e9a"
+    run = train(tmp_path / "run", *TINY_GPT, "trainer.max_steps=2", "trainer.eval_steps=1", "logger=tensorboard",
+                "checkpoint=dcp", "checkpoint.export=true", env={"AWS_SECRET_ACCESS_KEY": secret,
+                                                                 "WANDB_API_KEY": secret})
+    assert run.returncode == 0, run.stderr[-3000:]
+    files = [f for f in run.run_dir.rglob("*") if f.is_file()]
+    names = {f.name for f in files}
+    assert {"config.yaml", "summary.json", "train.log", "model.pt", ".metadata", "hydra.yaml"} <= names
+    assert [f for f in files if secret.encode() in f.read_bytes()] == []
+    assert secret not in run.stdout + run.stderr
