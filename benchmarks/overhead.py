@@ -4,8 +4,8 @@ Throughput: trainflow's `run()` and the seed article's plain loop train the same
 with the same threads, alternating in one process; each round's steady state (after warm-up) is compared,
 and the median ratio trainflow / hand-written is reported.
 
-Start-up: `python train.py trainer.max_steps=1` against a bare script that imports torch, builds the same
-model and takes one step, alternating as separate processes.
+Start-up: `python train.py trainer.max_steps=1 trainer.eval_steps=1` against a bare script that imports torch,
+builds the same model, takes one step and evaluates one batch, alternating as separate processes.
 
     python benchmarks/overhead.py [--rounds 5] [--steps 60]
 """
@@ -71,20 +71,22 @@ def handwritten_rate(cfg, steps: int, warmup: int) -> float:
 
 
 def startup_times(rounds: int) -> tuple[float, float]:
-    """Median wall time to finish one step: `python train.py` vs a bare script."""
+    """Median wall time of a process that takes one training step and one validation batch: `python train.py`
+    vs a bare script doing the same on the same model."""
     bare = (
         "import torch, torch.nn.functional as F\n"
         "from trainflow.models.gpt import GPT\n"
         "torch.manual_seed(0); m = GPT(); opt = torch.optim.AdamW(m.parameters(), lr=1e-3)\n"
         "x = torch.randint(256, (16, 129))\n"
         "F.cross_entropy(m(x[:, :-1]).flatten(0, 1), x[:, 1:].flatten()).backward(); opt.step()\n"
+        "with torch.no_grad(): F.cross_entropy(m(x[:, :-1]).flatten(0, 1), x[:, 1:].flatten()).item()\n"
     )
     ours, theirs = [], []
     for _ in range(rounds):
         with tempfile.TemporaryDirectory() as tmp:
             t0 = time.perf_counter()
-            subprocess.run([sys.executable, "train.py", "trainer.max_steps=1", "compile=off", "logger=none",
-                            f"hydra.run.dir={tmp}"], cwd=ROOT, check=True, capture_output=True)
+            subprocess.run([sys.executable, "train.py", "trainer.max_steps=1", "trainer.eval_steps=1", "compile=off",
+                            "logger=none", f"hydra.run.dir={tmp}"], cwd=ROOT, check=True, capture_output=True)
             ours.append(time.perf_counter() - t0)
         t0 = time.perf_counter()
         subprocess.run([sys.executable, "-c", bare], cwd=ROOT, check=True, capture_output=True)

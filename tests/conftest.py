@@ -44,6 +44,16 @@ class Run:
         return [m["train/loss"] for m in self.metrics() if "train/loss" in m]
 
 
+def losses_by_step(run_dir: Path) -> dict[int, float]:
+    """train/loss of every step; a step logged twice (before a crash and after the resume) keeps its last value."""
+    out = {}
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        if "train/loss" in record:
+            out[record["step"]] = record["train/loss"]
+    return out
+
+
 def train(run_dir: Path, *overrides: str, env: dict | None = None, timeout: float = 600,
           command: list[str] | None = None) -> Run:
     """Run `python train.py` (or `command`) with overrides, writing into run_dir."""

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, TINY_GPT, Run, train
+from conftest import ROOT, TINY_GPT, Run, losses_by_step, train
 from omegaconf import OmegaConf
 
 from trainflow.checkpoint import LOCK_FILE
@@ -63,15 +63,6 @@ def logged_steps(run_dir: Path) -> int:
     path = run_dir / "metrics.jsonl"
     return sum(1 for line in path.read_text().splitlines() if '"train/loss"' in line) if path.exists() else 0
 
-
-def losses_by_step(run_dir: Path) -> dict[int, float]:
-    """The loss of every step; for steps a resumed run repeated, the repeat (the last line) wins."""
-    out = {}
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        m = json.loads(line)
-        if "train/loss" in m:
-            out[m["step"]] = m["train/loss"]
-    return out
 
 
 def committed(ckpt_dir: Path) -> list[str]:

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY_GPT, Run, train
-from test_checkpoint import assert_same_tensors, committed, logged_steps, losses_by_step, start, wait_for
+from conftest import TINY_GPT, Run, losses_by_step, train
+from test_checkpoint import assert_same_tensors, committed, logged_steps, start, wait_for
 
 BASE = [*TINY_GPT, "parallelism.global_batch=24", "trainer.max_steps=12", "trainer.eval_every=0",
         "trainer.eval_steps=2", "checkpoint.every_steps=4"]

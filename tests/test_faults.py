@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from conftest import TINY_GPT, Run, train
-from test_checkpoint import committed, losses_by_step, read_tensors, start, wait_for
+from conftest import TINY_GPT, Run, losses_by_step, train
+from test_checkpoint import committed, read_tensors, start, wait_for
 
 from trainflow.checkpoint import check_intact, list_committed
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, TINY_GPT
+from conftest import ROOT, TINY_GPT, losses_by_step
 
 SLURM = ["hydra/launcher=slurm", "hydra.launcher.poll_interval_s=0.5"]
 # one job = 2 ranks on gloo, as SLURM tasks; timeout_min > 10 so that submitit takes USR2 for a preemption
@@ -54,15 +54,6 @@ def one_line_error(proc: subprocess.CompletedProcess) -> str:
     assert proc.returncode == 2 and len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     return lines[0]
 
-
-def losses_by_step(job_dir: Path) -> dict[int, float]:
-    """train/loss per step; a step logged by two attempts keeps the last one's value."""
-    out = {}
-    for line in (job_dir / "metrics.jsonl").read_text().splitlines():
-        record = json.loads(line)
-        if "train/loss" in record:
-            out[record["step"]] = record["train/loss"]
-    return out
 
 
 def slurm_ids(sweep_dir: Path) -> list[str]:

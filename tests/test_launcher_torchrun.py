@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, TINY_GPT
+from conftest import ROOT, TINY_GPT, losses_by_step
 
 TORCHRUN = ["hydra/launcher=torchrun", "hydra.launcher.monitor_interval=0.2"]
 DDP2 = ["parallelism=ddp", "hydra.launcher.nproc_per_node=2", "data=synthetic"]
@@ -29,15 +29,6 @@ def multirun(sweep_dir: Path, *overrides: str, timeout: float = 300) -> subproce
                           cwd=ROOT, env={**env, "PYTHONUNBUFFERED": "1"}, capture_output=True, text=True,
                           timeout=timeout)
 
-
-def losses_by_step(job_dir: Path) -> dict[int, float]:
-    """train/loss per step; a step logged twice (before a crash and after the resume) keeps its last value."""
-    out = {}
-    for line in (job_dir / "metrics.jsonl").read_text().splitlines():
-        record = json.loads(line)
-        if "train/loss" in record:
-            out[record["step"]] = record["train/loss"]
-    return out
 
 
 def one_line_error(proc: subprocess.CompletedProcess) -> str:

@@ -75,7 +75,8 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv) -> dict[str, Any] | Non
     if env.is_main:
         log.info("config:\n%s", OmegaConf.to_yaml(cfg, resolve=True))
         (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
-    torch.use_deterministic_algorithms(t.deterministic)
+    if t.deterministic != torch.are_deterministic_algorithms_enabled():  # the call imports inductor: 1.5 s
+        torch.use_deterministic_algorithms(t.deterministic)
     seed_everything(t.seed)  # the same initial weights on every rank
 
     data = build_datasets(cfg.data, cfg.model)

@@ -18,9 +18,7 @@ import cloudpickle
 from hydra.core.singleton import Singleton
 from hydra.core.utils import JobStatus, setup_globals
 
-from hydra_plugins.trainflow_launchers.common import JobFailed, run_job_here
-
-RESULT_NAME = "result.pkl"
+from hydra_plugins.trainflow_launchers.common import RESULT_NAME, JobFailed, run_job_here
 
 
 def main(spec_path: str) -> None:

@@ -1,25 +1,37 @@
-"""What both launchers share: composing each sweep job, running it in a rank, and turning failures into one line.
+"""What the launchers share: Hydra's setup, composing each sweep job, running a job in a child process or a
+rank, and turning failures into one line.
 
 Each job's config is composed once, in the launching process (so `${now:}` in
 the sweep directory and every other cached value is the same for all ranks
 and nodes), then pickled with the task function to the processes that run it.
 """
 
+import logging
 import os
 import re
+import subprocess
+import sys
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hydra.core.utils import JobReturn, run_job
+import cloudpickle
+from hydra.core.singleton import Singleton
+from hydra.core.utils import JobReturn, JobStatus, configure_log, run_job, setup_globals
 from hydra.errors import CompactHydraException
 from hydra.experimental.callback import Callback
+from hydra.plugins.launcher import Launcher
 from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from trainflow.cli import user_error
 from trainflow.errors import TrainflowError
 from trainflow.rundir import RUN_DIR_ENV
+
+log = logging.getLogger(__name__)
+
+RESULT_NAME = "result.pkl"  # a job's pickled JobReturn, left beside its pickled spec by the process that ran it
 
 
 class JobFailed(TrainflowError, CompactHydraException):
@@ -67,6 +79,83 @@ def run_job_here(hydra_context: HydraContext, task_function: TaskFunction, job: 
         job_dir_key="hydra.sweep.dir",
         job_subdir_key="hydra.sweep.subdir",
     )
+
+
+class SweepLauncher(Launcher):
+    """Hydra's launcher interface as every trainflow launcher takes it: settings checked at setup, each job
+    composed here, jobs run in turn with their outcome logged."""
+
+    def __init__(self, conf: Any = None) -> None:
+        self.conf = conf
+        self.config: DictConfig | None = None
+        self.hydra_context: HydraContext | None = None
+        self.task_function: TaskFunction | None = None
+
+    def setup(self, *, hydra_context: HydraContext, task_function: TaskFunction, config: DictConfig) -> None:
+        self.config = config
+        self.hydra_context = hydra_context
+        self.task_function = task_function
+        self.validate()
+
+    def validate(self) -> None:
+        """Refuse settings that cannot work, before any job is composed (launchers with settings override it)."""
+
+    def compose(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> list[SweepJob]:
+        """Hydra's logging and globals as its own launchers set them; the sweep folder; every job's config."""
+        assert self.config is not None and self.hydra_context is not None
+        setup_globals()
+        configure_log(self.config.hydra.hydra_logging, self.config.hydra.verbose)
+        Path(str(self.config.hydra.sweep.dir)).mkdir(parents=True, exist_ok=True)
+        return compose_jobs(self.hydra_context, self.config, job_overrides, initial_job_idx)
+
+    def run_in_turn(self, jobs: list[SweepJob], run_one: Callable[[SweepJob, Any], JobReturn]) -> list[JobReturn]:
+        """Run the jobs one after the other, each given Hydra's global state to take along."""
+        state = Singleton.get_state()
+        results = []
+        for job in jobs:
+            log.info("\t%s", job.describe())
+            ret = run_one(job, state)
+            log_outcome(f"#{job.num}", ret, job.dir)
+            results.append(ret)
+        return results
+
+    def run_child(self, job: SweepJob, state: Any, cmd: Callable[[Path], list[str]], folder: Path, console: str,
+                  **popen: Any) -> tuple[int, JobReturn | None]:
+        """Pickle the job into `folder`, run `cmd(spec)`, tee its output to the console and to `folder/console`;
+        return its exit code and the JobReturn it left (None: it died first, or left a torn file)."""
+        spec, result = folder / "job.pkl", folder / RESULT_NAME
+        result.unlink(missing_ok=True)
+        spec.write_bytes(cloudpickle.dumps((self.hydra_context, self.task_function, job, state)))
+        command = cmd(spec)
+        with (folder / console).open("w") as out:
+            out.write(" ".join(command) + "\n")
+            out.flush()
+            proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
+                                    **popen)
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                sys.stdout.write(line)
+                out.write(line)
+            rc = proc.wait()
+        try:
+            return rc, cloudpickle.loads(result.read_bytes())
+        except Exception:  # missing, torn or foreign: the job counts as failed, with its output
+            return rc, None
+
+    def failed(self, job: SweepJob, ret: JobReturn | None, message: str) -> JobReturn:
+        """The job's JobReturn marked failed with one line; Hydra's on_job_end runs here if the job died first."""
+        assert self.hydra_context is not None
+        failed = ret or JobReturn(overrides=job.overrides, working_dir=str(job.dir), cfg=job.config)
+        failed.status = JobStatus.FAILED
+        failed.return_value = JobFailed(message)
+        if ret is None:
+            self.hydra_context.callbacks.on_job_end(config=job.config, job_return=failed)
+        return failed
+
+
+def log_outcome(name: str, ret: JobReturn, where: Path) -> None:
+    log.info("\t%s %s in %s%s", name, ret.status.name, where,
+             f": {ret._return_value}" if ret.status == JobStatus.FAILED else "")
 
 
 # trainflow's one-line user errors ("Error: <key>: ..."), also behind torchrun's "[rank0]:" prefix

@@ -38,16 +38,16 @@ from pathlib import Path
 from typing import Any
 
 from hydra.core.singleton import Singleton
-from hydra.core.utils import JobReturn, JobStatus, configure_log, setup_globals
-from hydra.plugins.launcher import Launcher
+from hydra.core.utils import JobReturn, JobStatus, setup_globals
 from hydra.types import HydraContext, TaskFunction
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import OmegaConf, open_dict
 
 from hydra_plugins.trainflow_launchers.common import (
     JobFailed,
     SweepJob,
-    compose_jobs,
+    SweepLauncher,
     failure_reason,
+    log_outcome,
     run_job_here,
     user_error,
 )
@@ -83,26 +83,17 @@ _SBATCH_ERRORS = (
 )
 
 
-class SlurmLauncher(Launcher):
+class SlurmLauncher(SweepLauncher):
     def __init__(self, **params: Any) -> None:
-        self.conf = SlurmLauncherConf(**params)
-        self.config: DictConfig | None = None
-        self.hydra_context: HydraContext | None = None
-        self.task_function: TaskFunction | None = None
+        super().__init__(SlurmLauncherConf(**params))
 
-    def setup(self, *, hydra_context: HydraContext, task_function: TaskFunction, config: DictConfig) -> None:
-        self.config = config
-        self.hydra_context = hydra_context
-        self.task_function = task_function
+    def validate(self) -> None:
         validate(self.conf)
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
         assert self.config is not None and self.hydra_context is not None and self.task_function is not None
-        setup_globals()
-        configure_log(self.config.hydra.hydra_logging, self.config.hydra.verbose)
+        jobs = self.compose(job_overrides, initial_job_idx)
         sweep_dir = Path(str(self.config.hydra.sweep.dir))
-        sweep_dir.mkdir(parents=True, exist_ok=True)
-        jobs = compose_jobs(self.hydra_context, self.config, job_overrides, initial_job_idx)
         params = sbatch_parameters(self.conf)
         if self.conf.dry_run:
             path = sweep_dir / "dry_run.sbatch"
@@ -122,8 +113,7 @@ class SlurmLauncher(Launcher):
         wait(self.conf, params, submitted)
         results = [collect(self.hydra_context, job, sj) for job, sj in zip(jobs, submitted, strict=True)]
         for job, sj, ret in zip(jobs, submitted, results, strict=True):
-            log.info("\t#%d (%s) %s%s", job.num, sj.job_id, ret.status.name,
-                     f": {ret._return_value}" if ret.status == JobStatus.FAILED else "")
+            log_outcome(f"#{job.num} ({sj.job_id})", ret, job.dir)
         return results
 
 

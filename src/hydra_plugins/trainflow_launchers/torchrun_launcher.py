@@ -21,25 +21,17 @@ import os
 import re
 import signal
 import socket
-import subprocess
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import cloudpickle
-from hydra.core.singleton import Singleton
-from hydra.core.utils import JobReturn, JobStatus, configure_log, setup_globals
-from hydra.plugins.launcher import Launcher
-from hydra.types import HydraContext, TaskFunction
-from omegaconf import DictConfig
+from hydra.core.utils import JobReturn, JobStatus
 
-from hydra_plugins.trainflow_launchers._worker import RESULT_NAME
 from hydra_plugins.trainflow_launchers.common import (
-    JobFailed,
     SweepJob,
-    compose_jobs,
+    SweepLauncher,
     failure_reason,
     one_line,
     read_text,
@@ -54,37 +46,18 @@ _NPROC_WORDS = ("auto", "cpu", "gpu", "xpu")
 _RDZV_BACKENDS = ("c10d", "etcd", "etcd-v2")
 
 
-class TorchrunLauncher(Launcher):
+class TorchrunLauncher(SweepLauncher):
     def __init__(self, **params: Any) -> None:
-        self.conf = TorchrunLauncherConf(**params)
-        self.config: DictConfig | None = None
-        self.hydra_context: HydraContext | None = None
-        self.task_function: TaskFunction | None = None
+        super().__init__(TorchrunLauncherConf(**params))
 
-    def setup(self, *, hydra_context: HydraContext, task_function: TaskFunction, config: DictConfig) -> None:
-        self.config = config
-        self.hydra_context = hydra_context
-        self.task_function = task_function
+    def validate(self) -> None:
         validate(self.conf)
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
-        assert self.config is not None and self.hydra_context is not None
-        setup_globals()
-        configure_log(self.config.hydra.hydra_logging, self.config.hydra.verbose)
-        Path(str(self.config.hydra.sweep.dir)).mkdir(parents=True, exist_ok=True)
-        jobs = compose_jobs(self.hydra_context, self.config, job_overrides, initial_job_idx)
-        c = self.conf
+        jobs = self.compose(job_overrides, initial_job_idx)
         log.info("Launching %d jobs with torchrun, each %s x %s processes (nnodes x nproc_per_node)",
-                 len(jobs), c.nnodes, c.nproc_per_node)
-        state = Singleton.get_state()
-        results = []
-        for job in jobs:
-            log.info("\t%s", job.describe())
-            ret = self._run(job, state)
-            log.info("\t#%d %s in %s%s", job.num, ret.status.name, job.dir,
-                     f": {ret._return_value}" if ret.status == JobStatus.FAILED else "")
-            results.append(ret)
-        return results
+                 len(jobs), self.conf.nnodes, self.conf.nproc_per_node)
+        return self.run_in_turn(jobs, self._run)
 
     def command(self, job: SweepJob, spec: Path) -> list[str]:
         """The torchrun command line of one job."""
@@ -101,46 +74,25 @@ class TorchrunLauncher(Launcher):
         ]
 
     def _run(self, job: SweepJob, state: Any) -> JobReturn:
-        assert self.hydra_context is not None and self.task_function is not None
         if self.conf.rdzv_endpoint:
             wait_for_endpoint(self.conf.rdzv_endpoint, self.conf.rdzv_wait_s)
         job_log_dir = job.dir / self.conf.log_dir
         if _max_nodes(self.conf.nnodes) > 1:  # every node's launcher keeps its own files in the shared job dir
             job_log_dir = job_log_dir / f"{socket.gethostname()}-{os.getpid()}"
         job_log_dir.mkdir(parents=True, exist_ok=True)
-        spec = job_log_dir / "job.pkl"
-        result = job_log_dir / RESULT_NAME
-        result.unlink(missing_ok=True)
-        spec.write_bytes(cloudpickle.dumps((self.hydra_context, self.task_function, job, state)))
-        cmd = self.command(job, spec)
-        agent_log = job_log_dir / "agent.log"
-        with agent_log.open("w") as out:
-            out.write(" ".join(cmd) + "\n")
-            out.flush()
-            env = {**os.environ, RUN_DIR_ENV: str(job.dir)}  # the job's directory, for every rank
-            proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                    bufsize=1, preexec_fn=_die_with_parent if sys.platform == "linux" else None)
-            assert proc.stdout is not None
-            for line in proc.stdout:  # the agent's and the ranks' output: to the console and to agent.log
-                sys.stdout.write(line)
-                out.write(line)
-            rc = proc.wait()
+        env = {**os.environ, RUN_DIR_ENV: str(job.dir)}  # the job's directory, for every rank
+        rc, ret = self.run_child(job, state, lambda spec: self.command(job, spec), job_log_dir, "agent.log", env=env,
+                                 preexec_fn=_die_with_parent if sys.platform == "linux" else None)
         restarts = _restarts(job_log_dir / "ranks")
         if restarts:
             log.info("\t#%d: the agent restarted the ranks %d time(s)", job.num, restarts)
-        ret = _load(result) if result.exists() else None
         if rc == 0 and ret is not None:
             return ret
         error = ret._return_value if ret is not None and ret.status == JobStatus.FAILED else None
-        reason = one_line(error) if error is not None else failure_reason(read_text(agent_log)) or "see the logs"
-        failed = ret or JobReturn(overrides=job.overrides, working_dir=str(job.dir))
-        failed.status = JobStatus.FAILED
-        failed.return_value = JobFailed(
-            f"job #{job.num} failed under torchrun (exit code {rc}, {restarts} restart(s)): {reason} "
-            f"[logs: {job_log_dir}]")
-        if ret is None:  # the ranks died before Hydra's on_job_end ran there: run the callbacks here
-            self.hydra_context.callbacks.on_job_end(config=job.config, job_return=failed)
-        return failed
+        reason = one_line(error) if error is not None else \
+            failure_reason(read_text(job_log_dir / "agent.log")) or "see the logs"
+        return self.failed(job, ret, f"job #{job.num} failed under torchrun (exit code {rc}, {restarts} "
+                                     f"restart(s)): {reason} [logs: {job_log_dir}]")
 
 
 def _restarts(ranks_dir: Path) -> int:
@@ -154,13 +106,6 @@ def _die_with_parent() -> None:
     """In the agent, before it starts: SIGTERM it when the launcher dies, however it dies, so that no orphaned
     ranks keep running (the agent then stops its workers gracefully)."""
     ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
-def _load(path: Path) -> JobReturn | None:
-    try:
-        return cloudpickle.loads(path.read_bytes())
-    except Exception:  # a torn or foreign file: the job counts as failed, with its logs
-        return None
 
 
 def validate(c: TorchrunLauncherConf) -> None:
