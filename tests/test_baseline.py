@@ -101,3 +101,22 @@ def test_help_lists_the_groups() -> None:
     out = subprocess.run([sys.executable, "train.py", "--help"], cwd=ROOT, capture_output=True, text=True).stdout
     for line in ("model: gpt_medium, gpt_small, gpt_tiny, mlp", "data: synthetic, text", "optim: adamw, sgd"):
         assert line in out
+
+
+def test_a_cached_cpu_peak_below_what_a_run_achieved_is_measured_again(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """A peak cached while the machine was loaded would put MFU above 1: it is re-measured and the max kept."""
+    import json
+
+    from trainflow import metrics
+
+    cache = tmp_path / "peak_flops.json"
+    monkeypatch.setattr(metrics, "_PEAK_CACHE", cache)
+    cpu = torch.device("cpu")
+    first = metrics.peak_flops(cpu, "fp32", None)
+    (key,) = json.loads(cache.read_text())
+    cache.write_text(json.dumps({key: 1e6}))  # as if measured on a machine busy with something else
+    assert metrics.peak_flops(cpu, "fp32", None) == 1e6  # below what runs achieve: kept until one shows it
+    refreshed = metrics.peak_flops(cpu, "fp32", None, at_least=2e6)
+    assert refreshed > 0.2 * first and json.loads(cache.read_text()) == {key: refreshed}
+    assert metrics.peak_flops(cpu, "fp32", 5e9, at_least=1e12) == 5e9  # an explicit metrics.peak_flops wins

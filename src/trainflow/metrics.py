@@ -13,7 +13,9 @@ import math
 import os
 import platform
 import resource
+import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -64,8 +66,12 @@ def _measure_cpu_peak(threads: int) -> float:
     return 2 * n**3 / best
 
 
-def peak_flops(device: torch.device, precision: str, override: float | None) -> float | None:
-    """Peak FLOP/s of one device: the override, a known GPU's datasheet, or a cached CPU measurement."""
+def peak_flops(device: torch.device, precision: str, override: float | None, at_least: float = 0.0) -> float | None:
+    """Peak FLOP/s of one device: the override, a known GPU's datasheet, or a cached CPU measurement.
+
+    `at_least`: FLOP/s a run achieved. A cached CPU peak below it was measured under load: it is measured again
+    and the higher figure kept, so MFU never rests on a stale, low peak.
+    """
     if override is not None:
         return float(override)
     if device.type == "cuda":
@@ -81,8 +87,11 @@ def peak_flops(device: torch.device, precision: str, override: float | None) -> 
         cache = json.loads(_PEAK_CACHE.read_text())
     except (OSError, ValueError):
         cache = {}
-    if key not in cache:
-        cache[key] = _measure_cpu_peak(threads)
+    if key not in cache or cache[key] < at_least:
+        cache[key] = max(cache.get(key, 0.0), _measure_cpu_peak(threads))
+        if at_least:
+            log.info("the cached CPU peak was below the FLOP/s this run achieved: measured again, %.1f GFLOP/s",
+                     cache[key] / 1e9)
         try:
             _PEAK_CACHE.parent.mkdir(parents=True, exist_ok=True)
             tmp = _PEAK_CACHE.with_suffix(f".tmp{os.getpid()}")
@@ -174,3 +183,46 @@ class Throughput:
             "tokens_per_sec": self.tokens / elapsed,
             "data_wait_fraction": self.data_wait / elapsed,
         }
+
+
+def mfu(flops_per_step: int | None, steady: dict | None, peak: float | None) -> float | None:
+    if not (flops_per_step and steady and peak):
+        return None
+    return flops_per_step / steady["step_time_s"] / peak
+
+
+def progress_reporter(max_steps: int, mode: str, is_main: bool, start: int) -> Callable[[int | None, dict | None],
+                                                                                         None]:
+    """A tqdm bar on rank 0 when stdout is a terminal (or asked for); plain log lines otherwise.
+
+    Call it with (step, values) at each log step, and with (None, None) at the end.
+    """
+    use_bar = is_main and (mode == "bar" or (mode == "auto" and sys.stdout.isatty()))
+    bar = None
+    if use_bar:
+        from tqdm import tqdm
+
+        bar = tqdm(total=max_steps, initial=start, unit="step", dynamic_ncols=True)
+
+    def update(step: int | None, values: dict | None) -> None:
+        if step is None:
+            if bar is not None:
+                bar.close()
+            return
+        if bar is not None:
+            bar.n = step
+            bar.set_postfix(loss=f"{values['train/loss']:.4f}", lr=f"{values['train/lr']:.2e}")
+        elif is_main:
+            log.info("step %d/%d: loss %.4f, lr %.2e, %.1f ms/step, %.0f samples/s, data wait %.1f%%",
+                     step, max_steps, values["train/loss"], values["train/lr"],
+                     values["perf/step_time_s"] * 1e3, values["perf/samples_per_sec"],
+                     values["perf/data_wait_fraction"] * 100)
+
+    return update
+
+
+def write_json(path: Path, obj: Any) -> None:
+    """Write via a temporary file and rename, so readers never see half a file."""
+    tmp = path.with_suffix(path.suffix + f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps(obj, indent=2, default=str))
+    os.replace(tmp, path)
