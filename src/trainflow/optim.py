@@ -20,13 +20,16 @@ def build_optimizer(model: nn.Module, cfg: DictConfig, max_steps: int, device: t
     else:
         optimizer = torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum)
 
+    # plain values: the schedule runs every step, and each DictConfig read costs ~20 us
+    warmup, constant, floor = int(cfg.warmup_steps), cfg.schedule == "constant", float(cfg.min_lr_ratio)
+
     def factor(step: int) -> float:
-        if step < cfg.warmup_steps:
-            return (step + 1) / cfg.warmup_steps
-        if cfg.schedule == "constant":
+        if step < warmup:
+            return (step + 1) / warmup
+        if constant:
             return 1.0
-        progress = min(1.0, (step - cfg.warmup_steps) / max(1, max_steps - cfg.warmup_steps))
-        return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+        progress = min(1.0, (step - warmup) / max(1, max_steps - warmup))
+        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
 
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
     return optimizer, scheduler
