@@ -333,6 +333,7 @@ def markdown_rows() -> list[str]:
     for c in CASES:
         shown = " ".join(c.args).replace("{ckpts}", "<ckpts>").replace("{tmp}", "<dir>")
         shown = {"trainflow": f"trainflow {shown}", "multirun": f"-m {shown}"}.get(c.tool, shown)
+        shown = " ".join([*(f"{k}={v}" for k, v in c.env), shown]).replace("{port}", "<port>")
         message = (c.message.replace("{any}", "…").replace("{n}", "N").replace("{ckpts}", "<ckpts>")
                    .replace("{tmp}", "<dir>").replace("{port}", "<port>").replace("|", "\\|"))
         rows.append(f"| {c.area} | {c.what} | {f'`{shown}`' if shown else '-'} | {c.exit} | {message} |")
