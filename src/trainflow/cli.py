@@ -34,7 +34,7 @@ def run_from_hydra(cfg: DictConfig) -> float | None:
         if os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise
         print(f"Error: {exc}", file=sys.stderr)
-        sys.exit(EXIT_USER_ERROR)
+        sys.exit(exc.exit_code)
     from trainflow.checkpoint import stop_exit_code
 
     if (code := stop_exit_code(summary)) is not None:  # saved on SIGTERM/SIGUSR2: tell the launcher to run us again
@@ -83,5 +83,5 @@ def main(argv: list[str] | None = None) -> None:
         if os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise
         print(f"Error: {exc}", file=sys.stderr)
-        code = EXIT_USER_ERROR
+        code = exc.exit_code
     sys.exit(code)

@@ -72,6 +72,8 @@ _self_launched = False  # set in workers started by `launch`: the launching proc
 class WorkerError(TrainflowError):
     """A rank of a launched run failed; the message names the rank and carries its traceback."""
 
+    exit_code = 1  # a crash, not a usage error
+
 
 @dataclass(frozen=True)
 class DistEnv:

@@ -4,6 +4,8 @@
 class TrainflowError(Exception):
     """A problem with the user's input or environment, explained in one line with the fix."""
 
+    exit_code = 2  # the usage-error code: the command cannot work as typed
+
 
 class ConfigError(TrainflowError):
     """A config value that cannot work; the message starts with the key."""
