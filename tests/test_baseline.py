@@ -120,3 +120,14 @@ def test_a_cached_cpu_peak_below_what_a_run_achieved_is_measured_again(tmp_path:
     refreshed = metrics.peak_flops(cpu, "fp32", None, at_least=2e6)
     assert refreshed > 0.2 * first and json.loads(cache.read_text()) == {key: refreshed}
     assert metrics.peak_flops(cpu, "fp32", 5e9, at_least=1e12) == 5e9  # an explicit metrics.peak_flops wins
+
+
+def test_tokens_per_second_counts_the_tokens_of_varied_lengths(run_dir: Path) -> None:
+    """With data.seq_lens the batches are shorter than data.seq_len: tokens/s counts what was trained on."""
+    run = train(run_dir, *TINY_GPT, "data.seq_lens=[8,16]", "trainer.max_steps=8", "trainer.eval_steps=1")
+    assert run.returncode == 0, run.stderr[-3000:]
+    steady = run.summary["steady_state"]
+    tokens_per_sample = steady["tokens_per_sec"] / steady["samples_per_sec"]
+    assert 8 <= tokens_per_sample <= 16  # 32 (the full length) before the fix
+    logged = [m["perf/tokens_per_sec"] / m["perf/samples_per_sec"] for m in run.metrics() if "train/loss" in m]
+    assert sorted({round(t, 6) for t in logged}) == [8, 16]  # each step trains on one of the two lengths

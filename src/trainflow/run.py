@@ -117,7 +117,7 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv) -> dict[str, Any] | Non
                  f"resumed at step {resumed_from}" if resumed_from else "fresh start")
 
     first_loss: float | None = None
-    interval = {"loss": torch.zeros((), device=env.device), "steps": 0, "data_wait": 0.0}
+    interval = {"loss": torch.zeros((), device=env.device), "steps": 0, "data_wait": 0.0, "tokens": 0}
     val: dict[str, float] | None = None
     sync(env.device)
     tick = last_log = time.perf_counter()
@@ -127,12 +127,13 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv) -> dict[str, Any] | Non
     model.train()
     with profiler:
         while state.step < t.max_steps:
-            data_wait = 0.0
+            data_wait, tokens = 0.0, 0  # tokens of this rank's micro-batches (data.seq_lens varies their length)
             for micro in range(t.grad_accum):
                 with label("trainflow/data"):
                     t0 = time.perf_counter()
                     inputs, targets = (x.to(env.device, non_blocking=pin) for x in next(batches))
                     data_wait += time.perf_counter() - t0
+                    tokens += targets.numel() if data.is_lm else 0
                 last = micro == t.grad_accum - 1
                 with label("trainflow/forward_backward"), distributed.no_grad_sync(model, last):
                     with autocast:
@@ -153,6 +154,7 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv) -> dict[str, Any] | Non
             steps_this_run += 1
             interval["steps"] += 1
             interval["data_wait"] += data_wait
+            interval["tokens"] += tokens * env.world_size
             profiler.step()
 
             if steps_this_run <= throughput.excluded_steps:
@@ -161,7 +163,7 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv) -> dict[str, Any] | Non
                 compiler.on_step_end(state.step, now - tick)
                 throughput.begin_if_due(steps_this_run, now)
             else:
-                throughput.add(global_batch, global_batch * data.seq_len if data.is_lm else 0, data_wait)
+                throughput.add(global_batch, tokens * env.world_size, data_wait)
             tick = time.perf_counter()
             if first_loss is None:
                 first_loss = distributed.all_reduce_mean(loss.detach().clone(), env).item()  # all ranks' mean
@@ -174,7 +176,7 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv) -> dict[str, Any] | Non
                                           data, flops_per_step, peak)
                 writer.write(state.step, values)
                 progress(state.step, values)
-                interval = {"loss": torch.zeros((), device=env.device), "steps": 0, "data_wait": 0.0}
+                interval = {"loss": torch.zeros((), device=env.device), "steps": 0, "data_wait": 0.0, "tokens": 0}
                 last_log = time.perf_counter()
             if done or (t.eval_every and state.step % t.eval_every == 0):
                 eval_start = time.perf_counter()
@@ -255,7 +257,7 @@ def _interval_values(interval: dict, elapsed: float, optimizer, grad_norm: torch
         "perf/memory_bytes": peak_memory_bytes(env.device),
     }
     if data.is_lm:
-        values["perf/tokens_per_sec"] = global_batch * data.seq_len / step_time
+        values["perf/tokens_per_sec"] = interval["tokens"] / elapsed
     if flops_per_step and peak:
         values["perf/mfu"] = flops_per_step / step_time / peak
     return values
