@@ -164,6 +164,7 @@ def test_a_second_run_on_a_checkpoint_dir_in_use_is_refused(tmp_path: Path) -> N
     assert second.returncode == 2
     errors = [line for line in second.stderr.splitlines() if line.startswith("Error:")]
     assert len(errors) == 1 and f"checkpoint.dir: {shared} is in use by another run (pid {first.pid} on " in errors[0]
+    assert f", run dir {(tmp_path / 'first').resolve()}, since " in errors[0]
     assert first.poll() is None  # the first run goes on
     first.kill()
     first.wait()

@@ -308,7 +308,7 @@ def _cause(exc: BaseException) -> str:
 class DirLock:
     """An exclusive flock on `folder/.lock` for this process's lifetime; the file says who holds it."""
 
-    def __init__(self, folder: Path) -> None:
+    def __init__(self, folder: Path, run_dir: Path | None = None) -> None:
         self.path = folder / LOCK_FILE
         self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
@@ -320,7 +320,8 @@ class DirLock:
                               "or point checkpoint.dir at another folder") from None
         os.ftruncate(self._fd, 0)
         started = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
-        os.pwrite(self._fd, f"pid {os.getpid()} on {socket.gethostname()}, since {started}\n".encode(), 0)
+        run = f", run dir {run_dir.resolve()}" if run_dir else ""
+        os.pwrite(self._fd, f"pid {os.getpid()} on {socket.gethostname()}{run}, since {started}\n".encode(), 0)
 
     def release(self) -> None:
         if self._fd >= 0:
@@ -709,7 +710,7 @@ class Checkpointer:
         """Rank 0: the folder exists, is writable and is ours alone; leftovers of crashed saves are removed."""
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
-            self._lock = DirLock(self.dir)
+            self._lock = DirLock(self.dir, self.run_dir)
         except OSError as exc:
             raise ConfigError(f"checkpoint.dir: cannot write to {self.dir} ({exc.strerror}); "
                               "point checkpoint.dir at a writable folder") from exc
