@@ -324,6 +324,15 @@ def copied(straight: Run, tmp_path: Path) -> Path:
     return dest
 
 
+def test_resuming_a_finished_run_trains_nothing_and_says_so(copied: Path, run_dir: Path) -> None:
+    before = tree_hash(copied)
+    run = train(run_dir, *BASE, "checkpoint=dcp", f"checkpoint.dir={copied}", "trainer.max_steps=10")
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "the checkpoint is at step 12, trainer.max_steps is 10: nothing left to train" in run.stdout + run.stderr
+    assert (run.summary["steps"], run.summary["steps_this_run"]) == (12, 0)
+    assert tree_hash(copied) == before
+
+
 def test_resume_never_or_an_older_path_refuses_to_mix_histories(copied: Path, tmp_path: Path) -> None:
     from trainflow.errors import ConfigError
 

@@ -98,6 +98,9 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv) -> dict[str, Any] | Non
     checkpointer = Checkpointer(cfg.checkpoint, env, run_dir)
     checkpointer.resume(state)  # restores every rank's RNG too, so it comes after the seeding
     resumed_from = state.step if state.step > 0 else None
+    if resumed_from and resumed_from >= t.max_steps and env.is_main:  # a finished run started again: nothing to do
+        log.warning("the checkpoint is at step %d, trainer.max_steps is %d: nothing left to train; raise "
+                    "trainer.max_steps to continue this run", resumed_from, t.max_steps)
 
     global_batch = t.batch_size * env.world_size * t.grad_accum
     sampler = StreamSampler(len(data.train), t.batch_size, env.rank, env.world_size, t.seed, state.samples_seen)
