@@ -63,6 +63,14 @@ def tiny_corpus(ctx: Ctx) -> None:
     (ctx.tmp / "tiny.txt").write_text("print('hi')\n")
 
 
+def empty_corpus(ctx: Ctx) -> None:
+    (ctx.tmp / "empty.txt").write_text("")
+
+
+def file_in_the_way(ctx: Ctx) -> None:
+    (ctx.tmp / "notes").write_text("not a folder")
+
+
 def truncate_newest_shard(ctx: Ctx) -> None:
     shard = ctx.ckpts / "step_00000004" / "__0_0.distcp"
     shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
@@ -163,6 +171,9 @@ CASES = [
     Case("empty-corpus-list", "data", "an empty corpus list", ("data.paths=[]",),
          "Error: data.paths: is empty: give files or folders, e.g. data.paths=[/path/to/corpus], or null for the "
          "default"),
+    Case("empty-corpus-file", "data", "a corpus of empty files", ("data.paths=[{tmp}/empty.txt]",),
+         "Error: data.paths: the corpus (1 file(s)) is empty; point data.paths at text",
+         setup=empty_corpus),
     Case("corpus-too-short", "data", "a corpus shorter than one sequence",
          ("data.paths=[{tmp}/tiny.txt]", "data.cache_dir={tmp}/cache"),
          "Error: data.paths: the corpus has 12 bytes, too short for one training and one validation sequence of "
@@ -201,6 +212,9 @@ CASES = [
          "blocks.0.attn.qkv.weight [192, 64] float32 saved vs [96, 32] float32 here; blocks.0.ln1.bias [64] float32 "
          "saved vs [32] float32 here; blocks.0.ln1.weight [64] float32 saved vs [32] float32 here and 23 more; "
          "resume with the model config it was saved with, or set checkpoint.dir to a new folder to start fresh"),
+    Case("checkpoint-dir-is-a-file", "checkpoint", "a checkpoint dir that is a file", ("checkpoint.dir={tmp}/notes",),
+         "Error: checkpoint.dir: {tmp}/notes is a file, not a folder; point checkpoint.dir at a folder",
+         setup=file_in_the_way),
     Case("checkpoint-dir-in-use", "checkpoint", "a checkpoint dir another run holds", (),
          "Error: checkpoint.dir: {ckpts} is in use by another run (pid {n} on {any}, since {any}); wait for it to "
          "end, or point checkpoint.dir at another folder", setup=lock_checkpoint_dir),

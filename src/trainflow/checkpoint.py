@@ -708,6 +708,8 @@ class Checkpointer:
 
     def _prepare_dir(self) -> None:
         """Rank 0: the folder exists, is writable and is ours alone; leftovers of crashed saves are removed."""
+        if self.dir.exists() and not self.dir.is_dir():
+            raise ConfigError(f"checkpoint.dir: {self.dir} is a file, not a folder; point checkpoint.dir at a folder")
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
             self._lock = DirLock(self.dir, self.run_dir)

@@ -75,7 +75,7 @@ def load_tokens(cfg: DictConfig) -> np.ndarray:
         os.replace(tmp, cache)  # atomic: concurrent ranks never see a half-written cache
         log.info("tokenized %d files (%.1f MB) into %s", len(files), cache.stat().st_size / 1e6, cache)
     if cache.stat().st_size == 0:
-        raise DataError(f"data.paths: the corpus ({len(files)} files) is empty; point data.paths at text")
+        raise DataError(f"data.paths: the corpus ({len(files)} file(s)) is empty; point data.paths at text")
     return np.memmap(cache, dtype=np.uint8, mode="r")
 
 
