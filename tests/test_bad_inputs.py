@@ -134,6 +134,17 @@ CASES = [
          "Error: optim.lr: must be > 0; got 0.0"),
     Case("unknown-precision", "config", "a precision trainflow does not train in", ("trainer.precision=fp16",),
          "Error: trainer.precision: must be one of fp32, bf16; got 'fp16'"),
+    Case("model-not-importable", "config", "a model class that cannot be imported", ("model._target_=nosuch.Net",),
+         "Error: model._target_: cannot import 'nosuch.Net'; give the import path of an nn.Module class, e.g. "
+         "mypackage.models.MyNet (its folder on PYTHONPATH)"),
+    Case("model-arguments-refused", "config", "model arguments the model refuses", ("model.n_head=3",),
+         "Error: model: trainflow.models.gpt.GPT(vocab_size=256, block_size=32, n_layer=2, n_head=3, n_embd=64, "
+         "dropout=0.0, bias=True) failed: ValueError: n_embd (64) must be divisible by n_head (3); fix the model.* "
+         "values"),
+    Case("model-not-a-module", "config", "a model target that is not an nn.Module",
+         ("model._target_=collections.OrderedDict",),
+         "Error: model._target_: collections.OrderedDict is not an nn.Module (it made a OrderedDict object); point "
+         "it at an nn.Module class"),
     Case("reduce-overhead-on-cpu", "compile", "CUDA graphs on a CPU", ("compile=reduce_overhead",),
          "Error: compile.mode: reduce-overhead uses CUDA graphs, which need a GPU, and this run is on CPU: use "
          "compile=default (inductor without CUDA graphs)"),

@@ -17,7 +17,6 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
-from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 from torch.profiler import record_function
@@ -39,6 +38,7 @@ from trainflow.metrics import (
     sync,
     write_json,
 )
+from trainflow.models import build_model
 from trainflow.optim import build_optimizer
 from trainflow.profiling import Profiler
 
@@ -81,7 +81,7 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv) -> dict[str, Any] | Non
     seed_everything(t.seed)  # the same initial weights on every rank
 
     data = build_datasets(cfg.data, cfg.model)
-    model: nn.Module = instantiate(cfg.model).to(env.device)
+    model = build_model(cfg.model).to(env.device)
     n_params = sum(p.numel() for p in model.parameters())
     example = data.train[torch.arange(t.batch_size)]
     flops_per_step = count_train_flops(model, example, loss_fn)
