@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import random
 import shutil
 import signal
+import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,6 +49,9 @@ FAULTS = [
     Fault("SIGTERM or SIGUSR2 (preemption, `scancel --signal`)",
           "every rank saves at the same step boundary, exit 75; the same command resumes",
           "test_checkpoint.py::test_sigterm_saves_at_the_step_boundary_and_exits_75"),
+    Fault("Ctrl-C (SIGINT) on one process or on a self-launched group",
+          "one line, exit 130, no traceback, no rank left; committed checkpoints intact",
+          "test_faults.py::test_ctrl_c_on_a_self_launched_run_stops_every_rank_in_one_line"),
     Fault("SLURM preemption and time limit", "checkpoint, requeue, resume to the same losses",
           "test_launcher_slurm.py::test_preemption_signal_checkpoints_requeues_and_resumes_to_the_same_losses"),
     Fault("a stale partial checkpoint from an earlier crash",
@@ -159,7 +164,7 @@ def test_a_second_run_on_a_checkpoint_dir_in_use_is_refused(tmp_path: Path) -> N
                 "checkpoint=dcp", "checkpoint.every_steps=5", f"checkpoint.dir={shared}"]
 
     first = start(tmp_path / "first", *args(100_000))
-    wait_for(lambda: shared.is_dir() and len(committed(shared)) >= 1, first, "the first run's first save")
+    wait_for(lambda: len(list_committed(shared)) >= 1, first, "the first run's first save")
     second = train(tmp_path / "second", *args(100_000))
     assert second.returncode == 2
     errors = [line for line in second.stderr.splitlines() if line.startswith("Error:")]
@@ -204,3 +209,36 @@ def test_no_environment_reaches_what_a_run_writes(tmp_path: Path) -> None:
     assert {"config.yaml", "summary.json", "train.log", "model.pt", ".metadata", "hydra.yaml"} <= names
     assert [f for f in files if secret.encode() in f.read_bytes()] == []
     assert secret not in run.stdout + run.stderr
+
+
+def test_ctrl_c_stops_in_one_line_and_keeps_the_committed_checkpoints(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    proc = start(run_dir, *TINY_GPT, "trainer.max_steps=100000", "trainer.eval_every=0", "checkpoint=dcp",
+                 "checkpoint.every_steps=3")
+    ckpts = run_dir / "checkpoints"
+    wait_for(lambda: len(list_committed(ckpts)) >= 2, proc, "two committed checkpoints")
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=60) == 130
+    output = (tmp_path / "run.out").read_text()
+    assert "Interrupted: stopped at once, without a save; committed checkpoints are untouched" in output
+    assert "Traceback" not in output and "KeyboardInterrupt" not in output
+    listed = list_committed(ckpts)
+    for c in listed:
+        check_intact(c, listed)
+    assert len(listed) >= 2
+
+
+def test_ctrl_c_on_a_self_launched_run_stops_every_rank_in_one_line(tmp_path: Path) -> None:
+    """The terminal's Ctrl-C reaches the launcher and both workers (one process group)."""
+    run_dir = tmp_path / "run"
+    proc = start(run_dir, *TINY_GPT, "trainer.max_steps=100000", "trainer.eval_every=0", "parallelism=ddp",
+                 "parallelism.nproc_per_node=2", new_session=True)
+    wait_for(lambda: (run_dir / "metrics.jsonl").exists(), proc, "the first logged step")
+    os.killpg(proc.pid, signal.SIGINT)
+    assert proc.wait(timeout=60) == 128 + signal.SIGINT
+    output = (tmp_path / "run.out").read_text()
+    errors = [line for line in output.splitlines() if line.startswith(("Error:", "Interrupted:"))]
+    assert errors == ["Error: stopped by SIGINT before the workers finished (no summary.json was written)"], errors
+    assert "Traceback" not in output
+    time.sleep(1)
+    assert subprocess.run(["pgrep", "-g", str(proc.pid)], capture_output=True).stdout == b""  # no rank left

@@ -12,8 +12,10 @@ from typing import NoReturn
 from omegaconf import DictConfig
 
 from trainflow.errors import ConfigError, TrainflowError
+from trainflow.rundir import env_rank
 
 EXIT_USER_ERROR = 2
+EXIT_INTERRUPTED = 130  # the shell's code for a process ended by Ctrl-C (128 + SIGINT)
 
 
 def user_error(message: str) -> NoReturn:
@@ -35,6 +37,13 @@ def run_from_hydra(cfg: DictConfig) -> float | None:
             raise
         print(f"Error: {exc}", file=sys.stderr)
         sys.exit(exc.exit_code)
+    except KeyboardInterrupt:
+        if os.environ.get("HYDRA_FULL_ERROR") == "1":
+            raise
+        if env_rank() == 0:  # every rank gets the terminal's Ctrl-C: one line is enough
+            print("Interrupted: stopped at once, without a save; committed checkpoints are untouched (SIGTERM or "
+                  "SIGUSR2 save at the next step boundary, then stop)", file=sys.stderr)
+        sys.exit(EXIT_INTERRUPTED)
     from trainflow.checkpoint import stop_exit_code
 
     if (code := stop_exit_code(summary)) is not None:  # saved on SIGTERM/SIGUSR2: tell the launcher to run us again

@@ -355,19 +355,28 @@ def launch(cfg: DictConfig, run_dir: Path) -> dict[str, Any] | None:
         except ChildFailedError as exc:
             raise explain_failure(exc, Path(logs)) from None
         except SignalException as exc:
-            return _rank0_summary(run_dir / "summary.json", started, exc.sigval.name)
+            return _rank0_summary(run_dir / "summary.json", started, exc.sigval)
     return _rank0_summary(run_dir / "summary.json", started)
 
 
-def _rank0_summary(path: Path, started: float, signal_name: str | None = None) -> dict[str, Any]:
+class StoppedBySignal(TrainflowError):
+    """The launcher was signalled and the workers stopped before rank 0 wrote its summary."""
+
+    def __init__(self, message: str, signum: int) -> None:
+        super().__init__(message)
+        self.exit_code = 128 + signum  # what a shell reports for a process a signal ended
+
+
+def _rank0_summary(path: Path, started: float, stop: signal.Signals | None = None) -> dict[str, Any]:
     """Rank 0's summary, read from the file it wrote (also after a stop signal the agent passed on: the
     checkpoint stage then saves at the next step boundary and ends the run normally, and says so in it)."""
     if path.exists() and path.stat().st_mtime >= started:
-        if signal_name:
-            log.warning("%s: the workers stopped; rank 0 finished its summary", signal_name)
+        if stop:
+            log.warning("%s: the workers stopped; rank 0 finished its summary", stop.name)
         return json.loads(path.read_text())
-    if signal_name:
-        raise TrainflowError(f"stopped by {signal_name} before the workers finished (no summary.json was written)")
+    if stop:
+        raise StoppedBySignal(f"stopped by {stop.name} before the workers finished (no summary.json was written)",
+                              int(stop))
     raise WorkerError(f"the workers finished, but rank 0 wrote no {path}")
 
 
