@@ -175,7 +175,8 @@ def test_time_limit_checkpoints_requeues_and_resumes_to_the_same_losses(tmp_path
     """timeout_min=2: SLURM's own notice before the time limit (USR2@60 s; SLURM checks limits every 30 s and may
     send it that much earlier) stops the job with a checkpoint; submitit counts a timeout and requeues it; attempts
     continue until the run completes, with the losses of an uninterrupted run."""
-    steps = ["trainer.max_steps=800", "model.n_embd=128", "trainer.eval_every=0"]
+    # ~95 s of training on an idle 2-core machine (23 ms steps): longer than one attempt's ~60 s before the notice
+    steps = ["trainer.max_steps=4000", "model.n_embd=128", "trainer.eval_every=0"]
     reference = tmp_path / "reference"
     local = subprocess.run([sys.executable, str(ROOT / "train.py"), *TINY_GPT, *steps, "parallelism=ddp",
                             "parallelism.nproc_per_node=2", "data=synthetic", f"hydra.run.dir={reference}"],
@@ -183,14 +184,14 @@ def test_time_limit_checkpoints_requeues_and_resumes_to_the_same_losses(tmp_path
     assert local.returncode == 0, local.stderr[-3000:]
     sweep = tmp_path / "sweep"
     proc = multirun(sweep, *TINY_GPT, *steps, *SLURM, *TWO_RANKS[:2], "hydra.launcher.timeout_min=2",
-                    "hydra.launcher.signal_delay_s=60", "hydra.launcher.max_num_timeout=6", "parallelism=ddp",
-                    "data=synthetic", *RESUMABLE, "checkpoint.every_steps=50", timeout=900)
+                    "hydra.launcher.signal_delay_s=60", "hydra.launcher.max_num_timeout=10", "parallelism=ddp",
+                    "data=synthetic", *RESUMABLE, "checkpoint.every_steps=200", timeout=1500)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     (job_id,) = slurm_ids(sweep)
     state, restarts = sacct(job_id)
     assert state == "COMPLETED" and restarts >= 1
     summary = json.loads((sweep / "0" / "summary.json").read_text())
-    assert summary["steps"] == 800 and summary["resumed_from_step"] is not None
+    assert summary["steps"] == 4000 and summary["resumed_from_step"] is not None
     assert losses_by_step(sweep / "0") == losses_by_step(reference)
     rank_logs = "".join(p.read_text() for p in (sweep / ".submitit" / job_id).glob("*_log.*"))
     assert "this job is timed-out" in rank_logs
