@@ -18,9 +18,14 @@ EXIT_USER_ERROR = 2
 EXIT_INTERRUPTED = 130  # the shell's code for a process ended by Ctrl-C (128 + SIGINT)
 
 
+def traceback_wanted() -> bool:
+    """HYDRA_FULL_ERROR=1: re-raise user errors with their traceback, as Hydra does for its own."""
+    return os.environ.get("HYDRA_FULL_ERROR") == "1"
+
+
 def user_error(message: str) -> NoReturn:
     """Stop with one line and exit code 2, as trainflow does for every input a user can fix."""
-    if os.environ.get("HYDRA_FULL_ERROR") == "1":
+    if traceback_wanted():
         raise ConfigError(message)
     print(f"Error: {message}", file=sys.stderr)
     sys.exit(EXIT_USER_ERROR)
@@ -33,12 +38,12 @@ def run_from_hydra(cfg: DictConfig) -> float | None:
     try:
         summary = run(cfg)
     except TrainflowError as exc:
-        if os.environ.get("HYDRA_FULL_ERROR") == "1":
+        if traceback_wanted():
             raise
         print(f"Error: {exc}", file=sys.stderr)
         sys.exit(exc.exit_code)
     except KeyboardInterrupt:
-        if os.environ.get("HYDRA_FULL_ERROR") == "1":
+        if traceback_wanted():
             raise
         if env_rank() == 0:  # every rank gets the terminal's Ctrl-C: one line is enough
             print("Interrupted: stopped at once, without a save; committed checkpoints are untouched (SIGTERM or "
@@ -89,7 +94,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         code = args.handler(args)
     except TrainflowError as exc:
-        if os.environ.get("HYDRA_FULL_ERROR") == "1":
+        if traceback_wanted():
             raise
         print(f"Error: {exc}", file=sys.stderr)
         code = exc.exit_code

@@ -195,11 +195,11 @@ def analyze_window(events: list[Any], on_gpu: bool, last_step: int) -> dict[str,
     """
     from torch.autograd import DeviceType
 
-    steps = [e for e in events if e.name.startswith("ProfilerStep")
-             and int(e.trace_name.rpartition("#")[2]) <= last_step]
+    numbered = [(int(e.trace_name.rpartition("#")[2]), e) for e in events if e.name.startswith("ProfilerStep")]
+    numbers = [n for n, _ in numbered if n <= last_step]
+    steps = [e for n, e in numbered if n <= last_step]
     if not steps:
         return {"steps": 0, "first": None, "last": None, "step_s": 0.0, "step_ms": [], "seconds": {}, "regions": {}}
-    numbers = [int(e.trace_name.rpartition("#")[2]) for e in steps]
     main_thread = steps[0].thread
     sets: dict[str, list[Interval]] = {"data": [], "fwd_bwd": [], "optimizer": [], "comm": [], "compute": [],
                                        "compile": [], "stall": []}

@@ -120,7 +120,7 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv) -> dict[str, Any] | Non
                  f"resumed at step {resumed_from}" if resumed_from else "fresh start")
 
     first_loss: float | None = None
-    interval = {"loss": torch.zeros((), device=env.device), "steps": 0, "data_wait": 0.0, "tokens": 0}
+    interval = _new_interval(env.device)
     val: dict[str, float] | None = None
     sync(env.device)
     tick = last_log = time.perf_counter()
@@ -179,7 +179,7 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv) -> dict[str, Any] | Non
                                           data, flops_per_step, peak)
                 writer.write(state.step, values)
                 progress(state.step, values)
-                interval = {"loss": torch.zeros((), device=env.device), "steps": 0, "data_wait": 0.0, "tokens": 0}
+                interval = _new_interval(env.device)
                 last_log = time.perf_counter()
             if done or (t.eval_every and state.step % t.eval_every == 0):
                 eval_start = time.perf_counter()
@@ -236,6 +236,11 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv) -> dict[str, Any] | Non
              f"{steady['samples_per_sec']:.1f} samples/s, {steady['step_time_s'] * 1e3:.1f} ms/step"
              if steady else "not reached (too few steps after warm-up)")
     return summary
+
+
+def _new_interval(device: torch.device) -> dict[str, Any]:
+    """What the loop sums between two log steps (the loss stays on the device: no sync per step)."""
+    return {"loss": torch.zeros((), device=device), "steps": 0, "data_wait": 0.0, "tokens": 0}
 
 
 def _unlabelled(_name: str) -> contextlib.nullcontext:

@@ -119,15 +119,15 @@ class SweepLauncher(Launcher):
             results.append(ret)
         return results
 
-    def run_child(self, job: SweepJob, state: Any, cmd: Callable[[Path], list[str]], folder: Path, console: str,
+    def run_child(self, job: SweepJob, state: Any, cmd: Callable[[Path], list[str]], console: Path,
                   **popen: Any) -> tuple[int, JobReturn | None]:
-        """Pickle the job into `folder`, run `cmd(spec)`, tee its output to the console and to `folder/console`;
+        """Pickle the job beside `console`, run `cmd(spec)`, tee its output to this console and to `console`;
         return its exit code and the JobReturn it left (None: it died first, or left a torn file)."""
-        spec, result = folder / "job.pkl", folder / RESULT_NAME
+        spec, result = console.with_name("job.pkl"), console.with_name(RESULT_NAME)
         result.unlink(missing_ok=True)
         spec.write_bytes(cloudpickle.dumps((self.hydra_context, self.task_function, job, state)))
         command = cmd(spec)
-        with (folder / console).open("w") as out:
+        with console.open("w") as out:
             out.write(" ".join(command) + "\n")
             out.flush()
             proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,

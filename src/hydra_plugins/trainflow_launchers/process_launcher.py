@@ -39,10 +39,10 @@ class ProcessLauncher(SweepLauncher):
     def _run(self, job: SweepJob, state: Any) -> JobReturn:
         folder = job.dir / JOB_FOLDER
         folder.mkdir(parents=True, exist_ok=True)
-        rc, ret = self.run_child(job, state, _worker_command, folder, "console.log")
+        console = folder / "console.log"
+        rc, ret = self.run_child(job, state, _worker_command, console)
         if rc == 0 and ret is not None:
             return ret
-        console = folder / "console.log"
         reason = (str(ret._return_value) if ret is not None and ret.status == JobStatus.FAILED else None) \
             or failure_reason(read_text(console)) or "see its output"
         return self.failed(job, ret, f"job #{job.num} failed (exit code {rc}): {reason} [output: {console}]")

@@ -81,7 +81,8 @@ class TorchrunLauncher(SweepLauncher):
             job_log_dir = job_log_dir / f"{socket.gethostname()}-{os.getpid()}"
         job_log_dir.mkdir(parents=True, exist_ok=True)
         env = {**os.environ, RUN_DIR_ENV: str(job.dir)}  # the job's directory, for every rank
-        rc, ret = self.run_child(job, state, lambda spec: self.command(job, spec), job_log_dir, "agent.log", env=env,
+        agent_log = job_log_dir / "agent.log"
+        rc, ret = self.run_child(job, state, lambda spec: self.command(job, spec), agent_log, env=env,
                                  preexec_fn=_die_with_parent if sys.platform == "linux" else None)
         restarts = _restarts(job_log_dir / "ranks")
         if restarts:
@@ -90,7 +91,7 @@ class TorchrunLauncher(SweepLauncher):
             return ret
         error = ret._return_value if ret is not None and ret.status == JobStatus.FAILED else None
         reason = one_line(error) if error is not None else \
-            failure_reason(read_text(job_log_dir / "agent.log")) or "see the logs"
+            failure_reason(read_text(agent_log)) or "see the logs"
         return self.failed(job, ret, f"job #{job.num} failed under torchrun (exit code {rc}, {restarts} "
                                      f"restart(s)): {reason} [logs: {job_log_dir}]")
 
