@@ -37,7 +37,6 @@ on disk is changed.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import json
 import logging
@@ -47,7 +46,6 @@ import random
 import re
 import shutil
 import signal
-import socket
 import threading
 import time
 import warnings
@@ -66,13 +64,13 @@ from torch import nn
 
 from trainflow.distributed import DistEnv
 from trainflow.errors import CheckpointError, ConfigError
+from trainflow.locks import LOCK_FILE, DirLock  # noqa: F401  (LOCK_FILE: the name the tests and tools see)
 
 log = logging.getLogger(__name__)
 
 EXIT_STOPPED = 75  # saved on SIGTERM/SIGUSR2 and stopped: run the same command again to resume
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR2)
 MANIFEST = "manifest.json"
-LOCK_FILE = ".lock"
 TMP_PREFIX = ".tmp-"
 MODEL_PREFIX = "app.model."  # where the model's tensors live in the flattened DCP keys
 _STEP_DIR = re.compile(r"step_(\d+)")
@@ -303,30 +301,6 @@ def _cause(exc: BaseException) -> str:
         return f"{exc.strerror}" + (f": {exc.filename}" if exc.filename else "")
     text = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {text[0] if text else ''}"
-
-
-class DirLock:
-    """An exclusive flock on `folder/.lock` for this process's lifetime; the file says who holds it."""
-
-    def __init__(self, folder: Path, run_dir: Path | None = None) -> None:
-        self.path = folder / LOCK_FILE
-        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(self._fd, 4096, 0).decode(errors="replace").strip() or "a process"
-            os.close(self._fd)
-            raise ConfigError(f"checkpoint.dir: {folder} is in use by another run ({holder}); wait for it to end, "
-                              "or point checkpoint.dir at another folder") from None
-        os.ftruncate(self._fd, 0)
-        started = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
-        run = f", run dir {run_dir.resolve()}" if run_dir else ""
-        os.pwrite(self._fd, f"pid {os.getpid()} on {socket.gethostname()}{run}, since {started}\n".encode(), 0)
-
-    def release(self) -> None:
-        if self._fd >= 0:
-            os.close(self._fd)  # closing the last descriptor drops the flock
-            self._fd = -1
 
 
 def _fsync_dir(path: Path) -> None:
