@@ -32,6 +32,8 @@ class TrainerConfig:
     warmup_steps: int = 5  # excluded from steady-state figures
     deterministic: bool = False
     progress: str = "auto"  # auto (bar when stdout is a terminal) | bar | log
+    nonfinite: str = "stop"  # stop (at the next sync point, before any save) | skip_step (one host sync a step)
+    run_name: str | None = None  # checkpointed runs live in outputs/runs/<run_name>; null: made from the overrides
 
 
 @dataclass
@@ -364,6 +366,7 @@ def validate(cfg: DictConfig) -> None:
     _one_of(cfg, "trainer.device", ("auto", "cpu", "cuda"))
     _one_of(cfg, "trainer.precision", ("fp32", "bf16"))
     _one_of(cfg, "trainer.progress", ("auto", "bar", "log"))
+    _one_of(cfg, "trainer.nonfinite", ("stop", "skip_step"))
 
     o = cfg.optim
     _one_of(cfg, "optim.name", ("adamw", "sgd"))

@@ -17,3 +17,7 @@ class DataError(TrainflowError):
 
 class CheckpointError(TrainflowError):
     """A checkpoint that cannot be written, read or used; the message names its path and the fix."""
+
+
+class NonFiniteError(TrainflowError):
+    """Training produced a non-finite loss or gradient norm; the message names the step and the way out."""

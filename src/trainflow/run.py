@@ -39,6 +39,7 @@ from trainflow.metrics import (
     write_json,
 )
 from trainflow.models import build_model
+from trainflow.nonfinite import NonFiniteGuard
 from trainflow.optim import build_optimizer
 from trainflow.profiling import Profiler
 
@@ -96,6 +97,7 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv) -> dict[str, Any] | Non
     seed_everything(t.seed + 1_000_003 * env.rank)  # per-rank randomness (dropout) from here on
     state = TrainState(model, optimizer, scheduler)
     checkpointer = Checkpointer(cfg.checkpoint, env, run_dir)
+    guard = NonFiniteGuard(t.nonfinite, env, checkpointer.summary)
     checkpointer.resume(state)  # restores every rank's RNG too, so it comes after the seeding
     resumed_from = state.step if state.step > 0 else None
     if resumed_from and resumed_from >= t.max_steps and env.is_main:  # a finished run started again: nothing to do
@@ -127,10 +129,13 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv) -> dict[str, Any] | Non
     throughput.begin_if_due(0, tick)
     steps_this_run = 0
     values: dict[str, float] = {}
+    save_every = int(cfg.checkpoint.every_steps) if checkpointer.enabled else 0
+    grad_norm = None
     model.train()
     with profiler:
         while state.step < t.max_steps:
             data_wait, tokens = 0.0, 0  # tokens of this rank's micro-batches (data.seq_lens varies their length)
+            step_loss = None  # this rank's loss of the step, on the device
             for micro in range(t.grad_accum):
                 with label("trainflow/data"):
                     t0 = time.perf_counter()
@@ -143,15 +148,22 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv) -> dict[str, Any] | Non
                         loss = loss_fn(model(inputs), targets)
                     share = loss / t.grad_accum if t.grad_accum > 1 else loss
                     share.backward()
-                interval["loss"] += share.detach()
+                step_loss = share.detach() if step_loss is None else step_loss + share.detach()
             log_due = (state.step + 1) % t.log_every == 0 or state.step + 1 >= t.max_steps
             with label("trainflow/optimizer"):
-                if t.grad_clip or log_due:  # the norm is a pass over all gradients: only when it is used
-                    grad_norm = nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip or math.inf)
-                optimizer.step()
-                scheduler.step()
-                optimizer.zero_grad(set_to_none=True)
+                norm_due = t.grad_clip or log_due or guard.skips  # the norm is a pass over all gradients
+                grad_norm = nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip or math.inf) if norm_due \
+                    else None
+                if guard.skips and guard.skip_update(state.step + 1, grad_norm):
+                    guard.drop_update(optimizer, scheduler)
+                    interval["skipped"] += 1
+                else:
+                    optimizer.step()
+                    scheduler.step()
+                    optimizer.zero_grad(set_to_none=True)
+                    interval["loss"] += step_loss
             state.step += 1
+            guard.note(state.step, step_loss, grad_norm)
             parity.after_step(state.step, model, loss)
             state.samples_seen += global_batch
             steps_this_run += 1
@@ -168,10 +180,12 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv) -> dict[str, Any] | Non
             else:
                 throughput.add(global_batch, tokens * env.world_size, data_wait)
             tick = time.perf_counter()
+            done = state.step >= t.max_steps
+            if log_due or steps_this_run == 1 or (save_every and (done or state.step % save_every == 0)):
+                guard.check()  # where the loop syncs anyway: nothing non-finite is logged as progress or saved
             if first_loss is None:
                 first_loss = distributed.all_reduce_mean(loss.detach().clone(), env).item()  # all ranks' mean
 
-            done = state.step >= t.max_steps
             if log_due:
                 sync(env.device)
                 now = time.perf_counter()
@@ -227,6 +241,7 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv) -> dict[str, Any] | Non
         "compile": compiler.summary(steady),
         "profiler": profiler.summary(),
         "checkpoint": checkpointer.summary(),
+        "nonfinite": guard.summary(),
         "config": OmegaConf.to_container(cfg, resolve=True),
     }
     if not env.is_main:
@@ -240,7 +255,7 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv) -> dict[str, Any] | Non
 
 def _new_interval(device: torch.device) -> dict[str, Any]:
     """What the loop sums between two log steps (the loss stays on the device: no sync per step)."""
-    return {"loss": torch.zeros((), device=device), "steps": 0, "data_wait": 0.0, "tokens": 0}
+    return {"loss": torch.zeros((), device=device), "steps": 0, "skipped": 0, "data_wait": 0.0, "tokens": 0}
 
 
 def _unlabelled(_name: str) -> contextlib.nullcontext:
@@ -253,7 +268,8 @@ _NO_LABEL = contextlib.nullcontext()  # reusable: it holds no state
 def _interval_values(interval: dict, elapsed: float, optimizer, grad_norm: torch.Tensor, env: DistEnv,
                      global_batch: int, data: DataBundle, flops_per_step: int | None, peak: float | None) -> dict:
     steps = interval["steps"]
-    loss = distributed.all_reduce_mean(interval["loss"] / steps, env).item()
+    applied = steps - interval["skipped"]  # skip_step: the loss is the mean over the steps that were applied
+    loss = distributed.all_reduce_mean(interval["loss"] / applied, env).item() if applied else math.nan
     step_time = elapsed / steps
     values = {
         "train/loss": loss,

@@ -1,0 +1,135 @@
+"""Non-finite losses and gradient norms: stop before they reach a checkpoint, or skip the steps that have them.
+
+`trainer.nonfinite=stop` (the default) costs no host sync of its own: each step's loss and gradient norm stay on
+the device, in a list, until the loop syncs anyway (the first step, every log step, before a checkpoint save);
+then they are read in one go and the first non-finite one stops the run, naming its step. Parameters a
+non-finite update damaged are therefore never saved: the check comes before any save at that step.
+
+`trainer.nonfinite=skip_step` must know before `optimizer.step()` whether the gradients are finite: one host
+sync per step (on a GPU this costs the overlap of the next step's launch). A step whose gradient norm is not
+finite is not applied (its gradients are dropped); a run that skips MAX_SKIPS_IN_A_ROW steps in a row has
+diverged and stops.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from trainflow import distributed
+from trainflow.distributed import DistEnv
+from trainflow.errors import NonFiniteError
+
+log = logging.getLogger("trainflow")
+
+MAX_SKIPS_IN_A_ROW = 10  # skip_step: this many non-finite steps in a row is divergence, not a glitch
+_LISTED_SKIPS = 100  # skipped steps listed in summary.json (the count covers them all)
+
+
+def _local(value: torch.Tensor) -> torch.Tensor:
+    """The whole value of a (possibly FSDP DTensor) gradient norm, detached."""
+    return (value.full_tensor() if hasattr(value, "full_tensor") else value).detach()
+
+
+class NonFiniteGuard:
+    """What the loop does about non-finite values, as `trainer.nonfinite` says.
+
+    `checkpoints` is the checkpoint stage's summary: the newest committed checkpoint (the run's resume point)
+    goes into the message.
+    """
+
+    def __init__(self, mode: str, env: DistEnv, checkpoints: Callable[[], dict[str, Any] | None]) -> None:
+        self.mode = mode
+        self.skips = mode == "skip_step"
+        self.env = env
+        self._checkpoints = checkpoints
+        self._steps: list[int] = []  # steps noted since the last check, with their losses on the device
+        self._losses: list[torch.Tensor] = []
+        self._norms: dict[int, torch.Tensor] = {}
+        self.skipped: list[int] = []
+        self._skipped_count = 0
+        self._in_a_row: list[int] = []
+
+    # -- stop ----------------------------------------------------------------------------------------------------
+
+    def note(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor | None) -> None:
+        """Keep a step's loss (and gradient norm, when the step computed one) for the next check: no sync."""
+        if self.skips:
+            return
+        self._steps.append(step)
+        self._losses.append(loss)
+        if grad_norm is not None:
+            self._norms[step] = grad_norm
+
+    def check(self) -> None:
+        """At a sync point, on every rank: raise NonFiniteError naming the first step whose loss (the mean over
+        ranks) or gradient norm is not finite."""
+        if self.skips or not self._steps:
+            return
+        steps, losses = self._steps, torch.stack(self._losses).float()
+        norm_steps = list(self._norms)
+        losses = distributed.all_reduce_mean(losses, self.env)  # a NaN on any rank makes the mean NaN
+        norms = [_local(n).float().reshape(1).to(losses.device) for n in self._norms.values()]
+        values = torch.cat([losses, *norms]).tolist()  # the one host read
+        self._steps, self._losses, self._norms = [], [], {}
+        loss_at = dict(zip(steps, values[:len(steps)], strict=True))
+        norm_at = dict(zip(norm_steps, values[len(steps):], strict=True))
+        for step in steps:
+            loss, norm = loss_at[step], norm_at.get(step)
+            if not math.isfinite(loss):
+                what = f"the loss at step {step} is {loss}" + (f" (gradient norm {norm})" if norm is not None else "")
+            elif norm is not None and not math.isfinite(norm):
+                what = f"the gradient norm at step {step} is {norm} (loss {loss:.4g})"
+            else:
+                continue
+            raise NonFiniteError(f"trainer.nonfinite: {what}; lower optim.lr, check the data, or set "
+                                 f"trainer.nonfinite=skip_step to skip such steps; {self._saved()}")
+
+    # -- skip_step -----------------------------------------------------------------------------------------------
+
+    def skip_update(self, step: int, grad_norm: torch.Tensor) -> bool:
+        """skip_step: whether this step's update must be skipped (its gradient norm is not finite).
+
+        The norm is the same on every rank (taken after the gradients were reduced), so every rank decides alike.
+        """
+        norm = float(_local(grad_norm))  # the host sync skip_step costs
+        if math.isfinite(norm):
+            self._in_a_row = []
+            return False
+        self._in_a_row.append(step)
+        if len(self._in_a_row) >= MAX_SKIPS_IN_A_ROW:
+            raise NonFiniteError(
+                f"trainer.nonfinite: skip_step met {len(self._in_a_row)} steps in a row with a non-finite gradient "
+                f"norm (steps {self._in_a_row[0]}-{step}; it stops at K={MAX_SKIPS_IN_A_ROW}): the run diverged; "
+                f"lower optim.lr or check the data; {self._saved()}")
+        self._skipped_count += 1
+        if len(self.skipped) < _LISTED_SKIPS:
+            self.skipped.append(step)
+        if self.env.is_main:
+            log.warning("step %d: the gradient norm is %s: update skipped (trainer.nonfinite=skip_step; %d skipped "
+                        "so far)", step, norm, self._skipped_count)
+        return True
+
+    @staticmethod
+    def drop_update(optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler) -> None:
+        """Drop a skipped step's gradients; the schedule still advances with the step count (as a resume does)."""
+        optimizer.zero_grad(set_to_none=True)
+        with warnings.catch_warnings():  # a skipped first step: torch warns that the schedule ran before the optimizer
+            warnings.simplefilter("ignore", UserWarning)
+            scheduler.step()
+
+    # -- reporting -----------------------------------------------------------------------------------------------
+
+    def _saved(self) -> str:
+        committed = (self._checkpoints() or {}).get("committed")
+        if not committed:
+            return "no checkpoint holds this state"
+        return f"no checkpoint holds this state (newest committed: {committed[-1]})"
+
+    def summary(self) -> dict[str, Any]:
+        return {"mode": self.mode, "skipped_steps": self._skipped_count, "skipped_at": self.skipped}
