@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -52,8 +53,29 @@ def run_from_hydra(cfg: DictConfig) -> float | None:
     from trainflow.checkpoint import stop_exit_code
 
     if (code := stop_exit_code(summary)) is not None:  # saved on SIGTERM/SIGUSR2: tell the launcher to run us again
+        if env_rank() == 0 and _single_run():
+            print(f"Stopped after a committed checkpoint; to resume, run the same command: {resume_command()}",
+                  file=sys.stderr)
         sys.exit(code)
     return summary["val"]["loss"] if summary and summary.get("val") else None
+
+
+def _single_run() -> bool:
+    """Whether this is `python train.py ...` (or torchrun of it) rather than a job of a -m sweep."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.RUN
+
+
+def resume_command() -> str:
+    """This process's command line, which resumes the run (its directory follows from it); a checkpoint.resume
+    given to it is dropped: the run's own newest checkpoint is where to continue."""
+    args = [a for a in sys.argv[1:] if not a.startswith("checkpoint.resume=")]
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # a rank under torchrun: its options are not ours to see
+        return "torchrun <the same options> " + shlex.join([sys.argv[0], *args])
+    interpreter = sys.orig_argv[:len(sys.orig_argv) - len(sys.argv)]
+    return shlex.join([*interpreter, sys.argv[0], *args])
 
 
 def _export(args: argparse.Namespace) -> int:

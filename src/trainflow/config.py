@@ -367,6 +367,10 @@ def validate(cfg: DictConfig) -> None:
     _one_of(cfg, "trainer.precision", ("fp32", "bf16"))
     _one_of(cfg, "trainer.progress", ("auto", "bar", "log"))
     _one_of(cfg, "trainer.nonfinite", ("stop", "skip_step"))
+    if t.run_name is not None:
+        _require(bool(t.run_name.strip()) and "/" not in t.run_name and t.run_name not in (".", ".."),
+                 "trainer.run_name", f"{t.run_name!r} is not a folder name; give a name without '/', e.g. "
+                 "trainer.run_name=gpt-small-try2")
 
     o = cfg.optim
     _one_of(cfg, "optim.name", ("adamw", "sgd"))

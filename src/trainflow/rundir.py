@@ -6,11 +6,22 @@ milliseconds: the well-known "one directory per rank" bug. Here the name is
 agreed through torchrun's own key-value store (the first rank to ask sets it,
 the others read it), so all ranks, nodes and restarts of a job share one
 directory. Only rank 0 writes Hydra's saved config and the log file.
+
+A checkpointed run (or one given `trainer.run_name`) has a stable identity instead:
+`outputs/runs/<run name>`, the name made from the overrides that change what is
+trained. The same command therefore finds the same directory and resumes from its
+checkpoints, on every rank, after any stop or crash.
+
+One run at a time: rank 0 locks the run directory (`<run dir>/.lock`) before
+Hydra writes anything into it, so a second run there is refused without touching
+the first one's files.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
+import re
 import tempfile
 from datetime import datetime, timedelta
 from pathlib import Path
@@ -19,7 +30,19 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
+from trainflow.errors import ConfigError
+from trainflow.locks import DirLock
+
 RUN_DIR_ENV = "TRAINFLOW_RUN_DIR"  # set by our launchers for the processes they start
+RUNS_DIR = "outputs/runs"  # where runs with a stable identity live, one folder per run name
+
+# Overrides that change how a run goes, not what it trains: left out of the run name, so that the same run
+# continues with them (more steps, another logger, another world size, checkpoint settings, ...).
+_NOT_IN_RUN_NAME = ("hydra", "checkpoint", "compile", "parallelism", "profiler", "logger", "metrics",
+                    "trainer.max_steps", "trainer.log_every", "trainer.eval_every", "trainer.eval_steps",
+                    "trainer.progress", "trainer.nonfinite", "trainer.device", "trainer.run_name")
+_IN_RUN_NAME = ("checkpoint.dir",)  # another checkpoint folder is another history
+_READABLE_CHARS = 80
 
 
 def env_rank() -> int:
@@ -50,10 +73,39 @@ def _agreed_under_torchrun() -> str:
     return agreed
 
 
-def run_dir() -> str:
-    """Hydra's run directory: ours when a trainflow launcher chose it, else outputs/<date>/<time>."""
+def _override_key(override: str) -> str:
+    """`model.n_embd` of `model.n_embd=64`, `+x=1`, `~x`; `hydra/launcher` of a group choice."""
+    return override.split("=", 1)[0].lstrip("~+").split("@", 1)[0]
+
+
+def _names_the_run(override: str) -> bool:
+    key = _override_key(override)
+    left_out = any(key == p or key.startswith((f"{p}.", f"{p}/")) for p in _NOT_IN_RUN_NAME)
+    return key in _IN_RUN_NAME or not left_out
+
+
+def run_name(overrides: list[str]) -> str:
+    """The default trainer.run_name: the overrides that change what is trained, readable, plus a short hash of
+    them all; their order does not matter."""
+    kept = sorted(o for o in overrides if _names_the_run(o))
+    readable = re.sub(r"[^A-Za-z0-9._=,+-]", "_", ",".join(kept))[:_READABLE_CHARS] or "default"
+    return f"{readable}-{hashlib.sha256(chr(10).join(kept).encode()).hexdigest()[:8]}"
+
+
+def run_dir(checkpointed: bool = False, name: str | None = None, overrides: Any = ()) -> str:
+    """Hydra's run directory: ours when a trainflow launcher chose it; outputs/runs/<run name> for a checkpointed
+    or named run (the same command, the same directory); else outputs/<date>/<time>."""
     if os.environ.get(RUN_DIR_ENV):
         return os.environ[RUN_DIR_ENV]
+    if name is not None:
+        if not name.strip() or "/" in name or name in (".", ".."):
+            from trainflow.cli import user_error
+
+            user_error(f"trainer.run_name: {name!r} is not a folder name; give a name without '/', e.g. "
+                       "trainer.run_name=gpt-small-try2")
+        return f"{RUNS_DIR}/{name}"
+    if checkpointed:
+        return f"{RUNS_DIR}/{run_name([str(o) for o in overrides])}"
     if "TORCHELASTIC_RUN_ID" in os.environ and "MASTER_ADDR" in os.environ:
         return f"outputs/{_agreed_under_torchrun()}"
     return f"outputs/{_timestamp()}"
@@ -85,6 +137,51 @@ class OutputDirCheck(Callback):
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         _check_writable("hydra.sweep.dir", str(config.hydra.sweep.dir))
+
+
+_claimed: dict[Path, DirLock] = {}  # this process's run-directory locks (DirLock), by folder
+
+
+def claim_run_dir(folder: Path, key: str) -> None:
+    """Rank 0: lock `folder` for this process's lifetime, or stop in one line naming the run that holds it.
+
+    Other ranks write nothing Hydra-owned and take no lock; workers this process starts inherit its lock.
+    """
+    if env_rank() != 0:
+        return
+    folder = folder.absolute()
+    if folder in _claimed:
+        return
+    fix = ("point hydra.sweep.dir at another folder" if key == "hydra.sweep.dir" else
+           "give this run its own directory (another trainer.run_name, or hydra.run.dir=<folder>)")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        _claimed[folder] = DirLock(folder, key=key, fix=fix)
+    except ConfigError as exc:
+        from trainflow.cli import user_error
+
+        user_error(str(exc))
+    except OSError as exc:
+        from trainflow.cli import user_error
+
+        user_error(f"{key}: cannot create {folder} ({exc.strerror}); point {key} at a writable folder")
+
+
+class RunDirLock(Callback):
+    """Locks the run directory before Hydra writes its saved config, log file or anything else into it.
+
+    A single run: at on_run_start, before Hydra's run_job. Jobs of trainflow's launchers lock in run_job_here
+    (before run_job); Hydra's own basic launcher gives no earlier hook than on_job_start.
+    """
+
+    def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        claim_run_dir(Path(str(config.hydra.run.dir)), "hydra.run.dir")
+
+    def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
+        from hydra.types import RunMode
+
+        key = "hydra.run.dir" if config.hydra.mode == RunMode.RUN else "hydra.sweep.dir"
+        claim_run_dir(Path(str(config.hydra.runtime.output_dir)), key)
 
 
 def _check_writable(key: str, folder: str) -> None:

@@ -27,7 +27,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from trainflow.cli import user_error
 from trainflow.errors import TrainflowError
-from trainflow.rundir import RUN_DIR_ENV
+from trainflow.rundir import RUN_DIR_ENV, claim_run_dir
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +72,7 @@ def run_job_here(hydra_context: HydraContext, task_function: TaskFunction, job: 
     the log file to rank 0, and TRAINFLOW_RUN_DIR points every rank to the same directory.
     """
     os.environ[RUN_DIR_ENV] = str(job.dir)
+    claim_run_dir(job.dir, "hydra.sweep.dir")  # rank 0, before Hydra writes the job's .hydra/ and log file
     return run_job(
         hydra_context=hydra_context,
         task_function=task_function,
