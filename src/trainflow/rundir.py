@@ -42,7 +42,7 @@ _NOT_IN_RUN_NAME = ("hydra", "checkpoint", "compile", "parallelism", "profiler",
                     "trainer.max_steps", "trainer.log_every", "trainer.eval_every", "trainer.eval_steps",
                     "trainer.progress", "trainer.nonfinite", "trainer.device", "trainer.run_name")
 _IN_RUN_NAME = ("checkpoint.dir",)  # another checkpoint folder is another history
-_READABLE_CHARS = 80
+_READABLE_CHARS = 160  # a folder name may have 255 bytes
 
 
 def env_rank() -> int:
