@@ -90,6 +90,13 @@ def lock_checkpoint_dir(ctx: Ctx) -> None:
     ctx.hold.callback(DirLock(ctx.ckpts).release)  # this test process plays the other run
 
 
+def lock_run_dir(ctx: Ctx) -> None:
+    from trainflow.locks import DirLock
+
+    (ctx.tmp / "run").mkdir()
+    ctx.hold.callback(DirLock(ctx.tmp / "run").release)  # this test process plays the live run
+
+
 def read_only_disk(ctx: Ctx) -> None:
     ctx.hold.enter_context(tmpfs(ctx.tmp / "ro", "1m", read_only=True))
 
@@ -257,6 +264,10 @@ CASES = [
     Case("rank-without-master", "environment", "RANK and WORLD_SIZE without MASTER_ADDR", ("parallelism=ddp",),
          "Error: environment: RANK and WORLD_SIZE are set but MASTER_ADDR is not; a launcher must export "
          "MASTER_ADDR and MASTER_PORT too (torchrun does)", env=RANK_ENV[:4]),
+    Case("run-dir-in-use", "environment", "a run directory a live run holds", (),
+         "Error: hydra.run.dir: {tmp}/run is in use by another run (pid {n} on {any}, since {any}); wait for it to "
+         "end, or give this run its own directory (another trainer.run_name, or hydra.run.dir=<folder>)",
+         setup=lock_run_dir),
     # launch combinations
     Case("launcher-without-multirun", "launch", "a sweep launcher without -m", ("hydra/launcher=torchrun",),
          "Error: hydra/launcher=torchrun: the torchrun launcher runs sweeps, and this is a single run; add -m "
