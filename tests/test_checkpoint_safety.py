@@ -5,27 +5,22 @@ resumes that say what they change. In-process Checkpointer runs on real DCP file
 
 from __future__ import annotations
 
-import io
 import json
 import logging
 import math
 import os
 import pickle
 import shutil
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, TINY_GPT, train
 from omegaconf import OmegaConf
-from test_checkpoint import KILL, committed, one_line_error, start, tree_hash, wait_for
+from test_checkpoint import committed, tree_hash
 
 from trainflow.checkpoint import Checkpointer, TrainState, list_committed
 from trainflow.distributed import DistEnv
-from trainflow.errors import CheckpointError, ConfigError
+from trainflow.errors import CheckpointError
 from trainflow.models.mlp import MLP
 from trainflow.optim import build_optimizer
 
@@ -141,3 +136,152 @@ def test_verify_compares_nan_as_equal_and_names_a_damaged_key(tmp_path: Path) ->
         checkpointer(tmp_path)._verify(state)
     assert str(exc.value) == (f"checkpoint.verify: {path} does not read back what was saved (model.net.0.weight); "
                               "the storage under checkpoint.dir is unreliable: use another disk")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# integrity: checksums, steps, folders without a manifest, renamed folders
+
+
+def test_a_flipped_byte_is_refused_before_loading(tmp_path: Path) -> None:
+    from trainflow.checkpoint import export_weights
+
+    state = train_and_save(tmp_path, 3, keep_last=2)
+    ckpts = tmp_path / "ckpts"
+    manifest = json.loads((ckpts / "step_00000003" / "manifest.json").read_text())
+    assert set(manifest["checksums"]) == set(manifest["files"]) >= {"__0_0.distcp", ".metadata", "state.json",
+                                                                     "rng_rank00000.json"}
+    flip_a_byte_of(state.model.net[2].bias, shard(ckpts / "step_00000003"))
+    before = tree_hash(ckpts)
+    expected = (rf"{ckpts}/step_00000003: corrupt checkpoint \(__0_0.distcp has checksum [0-9a-f]{{8}}, the manifest "
+                rf"says {manifest['checksums']['__0_0.distcp']} \(its bytes changed after the save\)\); nothing was "
+                rf"changed: move it out of {ckpts} to resume from step_00000002 \(the previous committed checkpoint\)")
+    ck = checkpointer(tmp_path)
+    with pytest.raises(CheckpointError, match=f"^{expected}$"):
+        ck.resume(make_state(seed=1))
+    ck.close(make_state())
+    with pytest.raises(CheckpointError, match=f"^{expected}$"):
+        export_weights(ckpts / "step_00000003", tmp_path / "out.pt")
+    assert tree_hash(ckpts) == before and not (tmp_path / "out.pt").exists()
+
+
+def test_a_newest_step_folder_without_a_manifest_is_refused_not_skipped(tmp_path: Path) -> None:
+    train_and_save(tmp_path, 3)
+    ckpts = tmp_path / "ckpts"
+    shutil.copytree(ckpts / "step_00000003", ckpts / "step_00000004")
+    (ckpts / "step_00000004" / "manifest.json").unlink()
+    before = tree_hash(ckpts)
+    ck = checkpointer(tmp_path)
+    with pytest.raises(CheckpointError) as exc:
+        ck.resume(make_state())
+    ck.close(make_state())
+    assert str(exc.value) == (f"{ckpts}/step_00000004: a checkpoint folder without manifest.json, newer than every "
+                              "committed one (a save that never committed, or a manifest that was lost); nothing was "
+                              f"changed: move it out of {ckpts} to resume from step_00000003")
+    assert tree_hash(ckpts) == before
+
+
+def test_a_renamed_folder_neither_leads_nor_makes_retention_delete(tmp_path: Path, caplog) -> None:
+    from trainflow.checkpoint import check_intact
+
+    train_and_save(tmp_path, 3, keep_last=2)
+    ckpts = tmp_path / "ckpts"
+    os.rename(ckpts / "step_00000002", ckpts / "step_00000100")  # a folder renamed by hand
+    assert [c.step for c in list_committed(ckpts)] == [2, 3]  # ordered by the manifest's step
+    with pytest.raises(CheckpointError, match=r"the folder is named step_00000100 but its manifest says step 2"):
+        check_intact(list_committed(ckpts)[0], list_committed(ckpts))
+
+    state = make_state(seed=5)
+    with caplog.at_level(logging.WARNING, logger="trainflow.checkpoint"):
+        train_and_save(tmp_path, 3, state=state, keep_last=2)
+    assert state.step == 6  # resumed from step 3, not from the folder named 100
+    assert "step_00000100 holds step 2 (its manifest says so): a renamed folder" in caplog.text
+    # keep_last=2 kept 5 and 6, 3 as the one resumed from; the folder named 100 is never deleted
+    assert committed(ckpts) == ["step_00000003", "step_00000005", "step_00000006", "step_00000100"]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# loading runs no code
+
+
+def trap(marker: Path) -> bytes:
+    """A pickle that creates `marker` when it is unpickled."""
+
+    class Trap:
+        def __reduce__(self):
+            return exec, (f"open({str(marker)!r}, 'w').close()",)
+
+    return pickle.dumps(Trap())
+
+
+def rewrite_manifest(folder: Path) -> None:
+    """What a tamperer does: sizes and checksums made to match the new files."""
+    from trainflow.checkpoint_io import file_checksum
+
+    path = folder / "manifest.json"
+    manifest = json.loads(path.read_text())
+    files = {p.name: p.stat().st_size for p in sorted(folder.iterdir()) if p.is_file() and p.name != "manifest.json"}
+    path.write_text(json.dumps({**manifest, "files": files, "checksums": {n: file_checksum(folder / n) for n in files},
+                                "bytes": sum(files.values())}))
+
+
+def plant_in_a_shard(folder: Path, payload: bytes) -> None:
+    """Declare a model tensor of `folder` as a pickled object stored in a shard of its own, holding `payload`."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
+
+    from trainflow.checkpoint_io import read_metadata
+
+    (folder / "__1_0.distcp").write_bytes(payload)
+    metadata = read_metadata(folder)
+    key = "app.model.net.0.weight"
+    metadata.state_dict_metadata[key] = BytesStorageMetadata()
+    metadata.storage_data[MetadataIndex(key)] = _StorageInfo("__1_0.distcp", 0, len(payload))
+    (folder / ".metadata").write_bytes(pickle.dumps(metadata))
+
+
+def test_the_traps_are_live(tmp_path: Path) -> None:
+    """The payloads the next tests plant really run when read the usual way (pickle, stock DCP)."""
+    import torch.distributed.checkpoint as dcp
+
+    pickle.loads(trap(tmp_path / "unpickled"))
+    assert (tmp_path / "unpickled").exists()
+    state = train_and_save(tmp_path, 2)
+    folder = tmp_path / "ckpts" / "step_00000002"
+    plant_in_a_shard(folder, trap(tmp_path / "loaded"))
+    with pytest.raises(BaseException):  # noqa: B017,PT011 (the planted object is no tensor: DCP fails after running it)
+        dcp.load({"app": {"model": state.model.state_dict()}}, checkpoint_id=folder, no_dist=True)
+    assert (tmp_path / "loaded").exists()
+
+
+@pytest.mark.parametrize("where", [".metadata", "shard payload", "rng", "state.json"])
+def test_a_booby_trapped_checkpoint_is_refused_without_running_it(tmp_path: Path, where: str) -> None:
+    from trainflow.checkpoint import export_weights
+
+    train_and_save(tmp_path, 2)
+    folder, marker = tmp_path / "ckpts" / "step_00000002", tmp_path / "ran"
+    if where == ".metadata":
+        (folder / ".metadata").write_bytes(trap(marker))
+    elif where == "shard payload":  # a model tensor declared as a pickled object in a shard of its own
+        plant_in_a_shard(folder, trap(marker))
+    elif where == "rng":
+        (folder / "rng_rank00000.json").write_bytes(trap(marker))
+    else:
+        (folder / "state.json").write_bytes(trap(marker))
+    rewrite_manifest(folder)
+
+    messages = []
+    ck = checkpointer(tmp_path)
+    with pytest.raises(CheckpointError) as exc:
+        ck.resume(make_state())
+    ck.close(make_state())
+    messages.append(str(exc.value))
+    if where in (".metadata", "shard payload"):  # export reads these two as well
+        with pytest.raises(CheckpointError) as exc:
+            export_weights(folder, tmp_path / "out.pt")
+        messages.append(str(exc.value))
+    assert not marker.exists()
+    assert all("\n" not in m and str(folder) in m for m in messages), messages
+    expected = {".metadata": "refused without running it: it refers to builtins.exec",
+                "shard payload": "app.model.net.0.weight is stored as a pickled object, which trainflow does not load",
+                "rng": "rng_rank00000.json: unreadable", "state.json": "state.json: unreadable"}[where]
+    assert all(expected in m for m in messages), messages

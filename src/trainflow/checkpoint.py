@@ -297,6 +297,11 @@ def export_weights(checkpoint: Path, out: Path) -> dict[str, Any]:
     ck = resolve_checkpoint(checkpoint)
     check_intact(ck, list_committed(ck.path.parent))
     metadata = read_metadata(ck.path)
+    pickled = [k for k, m in metadata.state_dict_metadata.items()
+               if k.startswith(MODEL_PREFIX) and not isinstance(m, TensorStorageMetadata)]
+    if pickled:
+        raise CheckpointError(f"{ck.path}: {pickled[0]} is stored as a pickled object, which trainflow does not load "
+                              "(it could run code); the checkpoint was tampered with or is not trainflow's")
     weights = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in metadata.state_dict_metadata.items()
                if k.startswith(MODEL_PREFIX) and isinstance(m, TensorStorageMetadata)}
     try:
