@@ -285,3 +285,123 @@ def test_a_booby_trapped_checkpoint_is_refused_without_running_it(tmp_path: Path
                 "shard payload": "app.model.net.0.weight is stored as a pickled object, which trainflow does not load",
                 "rng": "rng_rank00000.json: unreadable", "state.json": "state.json: unreadable"}[where]
     assert all(expected in m for m in messages), messages
+
+
+def save_in_the_format_before_checksums(state: TrainState, folder: Path) -> None:
+    """A checkpoint as trainflow wrote it before this format (b7225b5): one DCP save of the whole AppState, with the
+    optimizer's param_groups, the scheduler, the progress and a pickled RNG blob inside the shards."""
+    import random
+
+    import numpy as np
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from trainflow.checkpoint import _model_shapes, fingerprint
+
+    model_sd, optim_sd = get_state_dict(state.model, state.optimizer)
+    rng = pickle.dumps({"python": random.getstate(), "numpy": np.random.get_state(),
+                        "torch": torch.get_rng_state().numpy()})
+    app = {"model": model_sd, "optim": optim_sd, "scheduler": state.scheduler.state_dict(),
+           "progress": {"step": state.step, "samples_seen": state.samples_seen}, "rng": {"rank0": rng}}
+    dcp.save({"app": app}, checkpoint_id=folder, no_dist=True)
+    files = {p.name: p.stat().st_size for p in sorted(folder.iterdir()) if p.is_file()}
+    (folder / "manifest.json").write_text(json.dumps({
+        "step": state.step, "samples_seen": state.samples_seen, "world_size": 1, "save_s": 0.1,
+        "committed_at": "2026-11-29T13:53:40+00:00", "trainflow_version": "0.1.0", "torch_version": torch.__version__,
+        "model_fingerprint": fingerprint(_model_shapes(state.model)), "files": files, "bytes": sum(files.values())}))
+
+
+def test_a_checkpoint_from_before_is_refused_in_full_and_loads_as_weights(tmp_path: Path) -> None:
+    from trainflow.checkpoint import export_weights
+
+    old = make_state()
+    for _ in range(3):
+        step(old)
+    folder = tmp_path / "old" / "step_00000003"
+    save_in_the_format_before_checksums(old, folder)
+    before = tree_hash(folder)
+
+    ck = checkpointer(tmp_path, dir=str(tmp_path / "old"))
+    with pytest.raises(CheckpointError) as exc:
+        ck.resume(make_state(seed=1))
+    ck.close(make_state())
+    assert str(exc.value) == (
+        f"{folder}: saved by an older trainflow, which pickled the RNG and optimizer settings into the shards; "
+        "trainflow no longer unpickles checkpoints (that could run code from them); continue from its weights only "
+        f"with checkpoint.load=model checkpoint.resume={folder} and checkpoint.dir at a new folder (fresh optimizer "
+        "from step 0), or export them with `trainflow export`")
+
+    fresh = make_state(seed=1)
+    ck = checkpointer(tmp_path, dir=str(tmp_path / "new"), resume=str(folder), load="model")
+    ck.resume(fresh)
+    assert (fresh.step, fresh.samples_seen, fresh.optimizer.state) == (0, 0, {})
+    assert all(torch.equal(a, b) for a, b in zip(fresh.model.state_dict().values(), old.model.state_dict().values(),
+                                                 strict=True))
+    ck.close(fresh)
+    info = export_weights(folder, tmp_path / "weights.pt")
+    weights = torch.load(tmp_path / "weights.pt", weights_only=True)
+    assert info["step"] == 3 and all(torch.equal(weights[k], v) for k, v in old.model.state_dict().items())
+    assert tree_hash(folder) == before
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# resume says what it changes
+
+
+def test_a_changed_learning_rate_is_applied_and_said(tmp_path: Path, caplog) -> None:
+    saved = train_and_save(tmp_path, 3)
+    same = make_state(seed=1)
+    ck = checkpointer(tmp_path, save_final=False)
+    ck.resume(same)
+    ck.close(same)
+    assert ck.summary()["resume_changes"] == []
+    assert same.optimizer.param_groups[0]["lr"] == saved.optimizer.param_groups[0]["lr"]  # exactly, unchanged
+
+    changed = make_state(seed=1, lr=5e-3, betas=[0.8, 0.95])
+    ck = checkpointer(tmp_path, save_final=False)
+    with caplog.at_level(logging.WARNING, logger="trainflow.checkpoint"):
+        ck.resume(changed)
+    ck.close(changed)
+    assert ck.summary()["resume_changes"] == [
+        {"key": "optim.betas", "checkpoint": (0.9, 0.95), "used": (0.8, 0.95)},
+        {"key": "optim.lr", "checkpoint": 0.01, "used": 0.005}]
+    assert "resume: optim.lr is 0.005 in the config, 0.01 in the checkpoint; using the config's 0.005" in caplog.text
+    factor = saved.optimizer.param_groups[0]["lr"] / 1e-2  # where the schedule is at step 3
+    groups = changed.optimizer.param_groups
+    assert groups[0]["initial_lr"] == 5e-3 and groups[0]["lr"] == pytest.approx(5e-3 * factor, rel=1e-12)
+    assert groups[0]["betas"] == (0.8, 0.95)
+    assert changed.scheduler.base_lrs == [5e-3, 5e-3]
+    step(changed)  # the schedule goes on from step 3 with the new base LR
+    assert groups[0]["lr"] == pytest.approx(5e-3 * changed.scheduler.lr_lambdas[0](4), rel=1e-12)
+    assert changed.step == 4
+
+
+def test_a_changed_optimizer_says_so_and_loads_weights_only_when_asked(tmp_path: Path) -> None:
+    saved = train_and_save(tmp_path, 3)
+    path = tmp_path / "ckpts" / "step_00000003"
+    sgd = make_state(seed=1, name="sgd")
+    ck = checkpointer(tmp_path)
+    with pytest.raises(CheckpointError) as exc:
+        ck.resume(sgd)
+    ck.close(sgd)
+    assert str(exc.value) == (
+        f"{path}: saved with the AdamW optimizer, this run builds SGD (optim.name); its optimizer state does not fit: "
+        "to continue from its weights only (fresh optimizer and LR schedule from step 0), run with "
+        f"checkpoint.load=model checkpoint.resume={path} and checkpoint.dir at a new folder, or set optim.name back")
+
+    ck = checkpointer(tmp_path, dir=str(tmp_path / "sgd"), resume=str(path), load="model", every_steps=2)
+    ck.resume(sgd)
+    assert (sgd.step, sgd.samples_seen, sgd.scheduler.last_epoch) == (0, 0, 0)
+    assert all(torch.equal(a, b) for a, b in zip(sgd.model.state_dict().values(), saved.model.state_dict().values(),
+                                                 strict=True))
+    for _ in range(2):
+        step(sgd)
+        ck.after_step(sgd)
+    ck.close(sgd)
+    assert committed(tmp_path / "sgd") == ["step_00000002"]
+
+    again = make_state(seed=2, name="sgd")  # the same command again: this run's own checkpoint, in full
+    ck = checkpointer(tmp_path, dir=str(tmp_path / "sgd"), resume=str(path), load="model")
+    ck.resume(again)
+    ck.close(again)
+    assert again.step == 2 and ck.summary()["resumed_from"] == str(tmp_path / "sgd" / "step_00000002")
