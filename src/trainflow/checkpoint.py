@@ -127,7 +127,7 @@ def _rng_file(rank: int) -> str:
     return f"rng_rank{rank:05d}.json"
 
 
-def _split_state(state: TrainState) -> tuple[dict[str, Any], dict[str, Any]]:
+def split_state(state: TrainState) -> tuple[dict[str, Any], dict[str, Any]]:
     """(the tensors, for the DCP shards; every other value, for state.json): nothing in a checkpoint is pickled."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
@@ -545,7 +545,7 @@ class Checkpointer:
                 f"(optim.name); its optimizer state does not fit: to continue from its weights only (fresh "
                 f"optimizer and LR schedule from step 0), run with checkpoint.load=model "
                 f"checkpoint.resume={target.path} and checkpoint.dir at a new folder, or set optim.name back")
-        tensors, live = _split_state(state)
+        tensors, live = split_state(state)
         self._load(target, tensors)
         loaded = merge_tensors(tensors, plain.get("non_tensor") or {})
         changes = _hyperparameter_changes(plain["param_groups"], live["param_groups"])
@@ -665,7 +665,7 @@ class Checkpointer:
         if self._pending is not None:  # at most one save in flight: the next one waits for it
             self._finish_pending(wait=True)
         self._need_bytes = max(self._need_bytes, _state_bytes(state), self._saves[-1]["bytes"] if self._saves else 0)
-        tensors, plain = _split_state(state)
+        tensors, plain = split_state(state)
         self._refuse_nonfinite(tensors, state.step)
         tmp = self.dir / f"{TMP_PREFIX}step_{state.step:08d}"
         self._on_rank0(lambda: self._fresh(tmp))
@@ -834,7 +834,7 @@ class Checkpointer:
         import torch.distributed.checkpoint as dcp
 
         path = self.dir / f"step_{state.step:08d}"
-        live, _ = _split_state(state)
+        live, _ = split_state(state)
         fresh = _blank_like(live)
         dcp.load({"app": fresh}, storage_reader=SafeReader(path), process_group=self._ctl)
         bad = _differences(live, fresh)

@@ -284,7 +284,7 @@ def validate_checkpoint(cfg: DictConfig) -> None:
              "exports the final weights, which needs checkpoint.save_final=true")
     _one_of(cfg, "checkpoint.load", ("all", "model"))
     _require(c.load == "all" or c.resume not in ("auto", "never"), "checkpoint.load",
-             f"=model loads the weights of the checkpoint named by checkpoint.resume, which is {c.resume}; "
+             f"model loads the weights of the checkpoint named by checkpoint.resume, which is {c.resume}; "
              "set checkpoint.resume=<a step_N folder or run dir>")
 
 
