@@ -2,26 +2,32 @@
 
 Layout of `checkpoint.dir` (default `<run dir>/checkpoints`):
 
-    step_00000100/          a committed checkpoint: DCP shards, .metadata, manifest.json
+    step_00000100/          a committed checkpoint: DCP shards, .metadata, state.json, rng_rankN.json, manifest.json
     .tmp-step_00000200/     a save in progress, or the leftover of a crashed one (removed at the next start)
 
-A save writes into `.tmp-step_N`. Only after every rank finished (sync: `dcp.save` returned everywhere, then a
-barrier; async: every rank's upload future completed) rank 0 writes manifest.json into it and renames it to
-`step_N` in one atomic rename. Listing, resume and retention see only `step_N` folders holding a manifest, so a
+A save writes into `.tmp-step_N`. Only after every rank finished (sync: `dcp.save` returned everywhere; async:
+every rank's upload future completed) and the ranks exchanged their files' CRC32s, rank 0 writes manifest.json
+(sizes and checksums of every file, `finite: true`) into it and renames it to `step_N` in one atomic rename.
+Listing, resume and retention see only `step_N` folders holding a manifest, ordered by the manifest's step, so a
 checkpoint is committed or absent; retention renames a doomed folder back to a `.tmp-` name before deleting it.
 
-What is saved, through one Stateful app state (FSDP/DDP-aware via get_state_dict/set_state_dict): model,
-optimizer, LR scheduler, step, samples_seen (the position in data.py's world-size-independent sample stream), and
-the RNG state of every rank (torch CPU and CUDA, Python, NumPy) under per-rank keys. A checkpoint loads on any
-number of ranks and the sample stream continues exactly; RNG states are restored when the world size is the same
-(on another world size each rank keeps its fresh per-rank seed, and a warning says so).
+What is saved (FSDP/DDP-aware via get_state_dict/set_state_dict): the model and optimizer tensors as DCP shards;
+as JSON beside them (see checkpoint_io.py: nothing is pickled, nothing loaded runs code) the optimizer's type and
+hyperparameters, the LR scheduler, step, samples_seen (the position in data.py's world-size-independent sample
+stream), and the RNG state of every rank (torch CPU and CUDA, Python, NumPy), one file per rank. A checkpoint
+loads on any number of ranks and the sample stream continues exactly; RNG states are restored when the world size
+is the same (on another world size each rank keeps its fresh per-rank seed, and a warning says so). A save whose
+tensors hold a NaN or an infinity is refused before anything is written.
+
+On resume the config's optimizer hyperparameters win (each change logged and listed in the summary); another
+optimizer type is refused, with `checkpoint.load=model` (weights only, step 0) as the way to keep the weights.
 
 Async (`mode=async`): `dcp.async_save` on a dedicated gloo group (on the default group it hangs training); the
 loop waits only while the state is copied into CPU buffers that are reused from save to save (one extra copy of
 the state stays resident); at most one save is in flight; the next save, a stop signal and the end of the run
 wait for it, and its errors are raised there.
 
-Stop signals: SIGTERM or SIGUSR2 on any rank makes every rank agree (an all-reduce of the flag at each step
+Stop signals: SIGTERM, SIGUSR2 or SIGHUP on any rank makes every rank agree (an all-reduce of the flag at each step
 boundary) to save at that step boundary; the process then exits with EXIT_STOPPED = 75 (EX_TEMPFAIL: "try
 again"); running the same command again resumes. A second signal terminates at once.
 
@@ -29,7 +35,8 @@ One run at a time: rank 0 holds an exclusive `flock` on `checkpoint.dir/.lock` f
 run (the kernel drops it when the process dies, so a crash never leaves a stale lock). A second run pointed at
 the same folder is refused before it removes anything, naming the run that holds it.
 
-A corrupt committed checkpoint (a truncated shard, a missing .metadata) is refused, never skipped: resuming from
+A corrupt committed checkpoint (a checksum or size that differs, a missing .metadata, a renamed folder, a newest
+step folder without a manifest) is refused, never skipped: resuming from
 an older one silently would hide lost training. The error names it and the previous committed checkpoint; nothing
 on disk is changed.
 """
@@ -489,7 +496,8 @@ class Checkpointer:
         if threading.current_thread() is threading.main_thread():  # Python delivers signals to the main thread only
             self._previous_handlers = {s: signal.signal(s, self._on_signal) for s in STOP_SIGNALS}
         elif env.is_main:
-            log.warning("checkpoint: training runs outside the main thread: SIGTERM/SIGUSR2 will not save and stop")
+            log.warning("checkpoint: training runs outside the main thread: SIGTERM/SIGUSR2/SIGHUP will not save "
+                        "and stop")
 
     # -- hooks called by run.py --------------------------------------------------------------------------------
 
