@@ -281,6 +281,9 @@ def test_a_booby_trapped_checkpoint_is_refused_without_running_it(tmp_path: Path
         messages.append(str(exc.value))
     assert not marker.exists()
     assert all("\n" not in m and str(folder) in m for m in messages), messages
+    if where == ".metadata":
+        assert messages == [f"{folder}/.metadata: refused without running it: it refers to builtins.exec, which DCP "
+                            "metadata never holds; the checkpoint is damaged or was tampered with: do not use it"] * 2
     expected = {".metadata": "refused without running it: it refers to builtins.exec",
                 "shard payload": "app.model.net.0.weight is stored as a pickled object, which trainflow does not load",
                 "rng": "rng_rank00000.json: unreadable", "state.json": "state.json: unreadable"}[where]

@@ -935,13 +935,13 @@ class Checkpointer:
         return target, self.cfg.load == "model" and not own
 
     def _check_fits(self, target: Committed, model: nn.Module) -> None:
-        """Refuse a checkpoint of another model shape, listing the keys that differ."""
+        """Refuse a checkpoint of another model shape, listing the keys that differ (and unreadable metadata)."""
+        metadata = read_metadata(target.path)  # here, not inside DCP, which would wrap its one-line error
         if target.manifest.get("model_fingerprint") == self._fingerprint:
             return
         shapes = _model_shapes(model)
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-        metadata = read_metadata(target.path)
         saved = {k.removeprefix(MODEL_PREFIX): (tuple(m.size), str(m.properties.dtype).removeprefix("torch."))
                  for k, m in metadata.state_dict_metadata.items()
                  if k.startswith(MODEL_PREFIX) and isinstance(m, TensorStorageMetadata)}
