@@ -152,7 +152,7 @@ def test_a_flipped_byte_is_refused_before_loading(tmp_path: Path) -> None:
                                                                      "rng_rank00000.json"}
     flip_a_byte_of(state.model.net[2].bias, shard(ckpts / "step_00000003"))
     before = tree_hash(ckpts)
-    expected = (rf"{ckpts}/step_00000003: corrupt checkpoint \(__0_0.distcp has checksum [0-9a-f]{{8}}, the manifest "
+    expected = (rf"{ckpts}/step_00000003: corrupt checkpoint \(__0_0.distcp has checksum [0-9a-f]{{16}}, the manifest "
                 rf"says {manifest['checksums']['__0_0.distcp']} \(its bytes changed after the save\)\); nothing was "
                 rf"changed: move it out of {ckpts} to resume from step_00000002 \(the previous committed checkpoint\)")
     ck = checkpointer(tmp_path)

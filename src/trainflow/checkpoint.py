@@ -6,7 +6,7 @@ Layout of `checkpoint.dir` (default `<run dir>/checkpoints`):
     .tmp-step_00000200/     a save in progress, or the leftover of a crashed one (removed at the next start)
 
 A save writes into `.tmp-step_N`. Only after every rank finished (sync: `dcp.save` returned everywhere; async:
-every rank's upload future completed) and the ranks exchanged their files' CRC32s, rank 0 writes manifest.json
+every rank's upload future completed) and the ranks exchanged their files' checksums, rank 0 writes manifest.json
 (sizes and checksums of every file, `finite: true`) into it and renames it to `step_N` in one atomic rename.
 Listing, resume and retention see only `step_N` folders holding a manifest, ordered by the manifest's step, so a
 checkpoint is committed or absent; retention renames a doomed folder back to a `.tmp-` name before deleting it.
@@ -776,6 +776,7 @@ class Checkpointer:
             "samples_seen": samples_seen,
             "world_size": self.env.world_size,
             "finite": True,  # _refuse_nonfinite checked every tensor before the save
+            "checksum": "xxh3_64",
             "save_s": round(write_s, 4),
             "committed_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "trainflow_version": _trainflow_version(),
@@ -798,7 +799,7 @@ class Checkpointer:
             return checksums
         everyone: list[dict[str, str] | None] = [None] * self.env.world_size
         dist.all_gather_object(everyone, checksums, group=self._ctl)
-        return {name: crc for sums in everyone for name, crc in (sums or {}).items()}
+        return {name: digest for sums in everyone for name, digest in (sums or {}).items()}
 
     @staticmethod
     def _rename_committed(tmp: Path, final: Path, manifest: dict[str, Any], checksums: dict[str, str]) -> int:

@@ -3,8 +3,10 @@
 Trust model. A checkpoint folder is data, never code. DCP shards hold tensors only (read with torch's
 `weights_only` unpickler); `.metadata` is read by an allow-list unpickler that knows the DCP metadata classes,
 torch dtypes/sizes/layouts and nothing else; every other value (progress, LR schedule, optimizer hyperparameters,
-RNG states) is JSON. The per-file CRC32s in the manifest catch damage (a flipped byte, a truncated shard), not
-tampering: whoever can write the folder can rewrite the manifest too.
+RNG states) is JSON. The per-file xxh3-64 checksums in the manifest catch damage (a flipped byte, a truncated
+shard), not tampering: whoever can write the folder can rewrite the manifest too. xxh3-64 rather than CRC32 or
+a cryptographic hash: it is 5x faster than zlib.crc32 here (benchmarks/checkpoint.py), so hashing costs a few
+percent of a save; its 64 bits make an undetected random corruption vanishingly unlikely.
 """
 
 from __future__ import annotations
@@ -16,7 +18,6 @@ import json
 import os
 import pickle
 import random
-import zlib
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -24,6 +25,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import xxhash
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
@@ -37,21 +39,21 @@ _CHUNK = 8 << 20
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Writing: one CRC32 per file, computed from the bytes while they are written
+# Writing: one checksum per file, computed from the bytes while they are written
 
 
 class _ChecksummedFile(io.RawIOBase):
-    """An unbuffered file that folds every byte written into a CRC32 (torch.save writes sequentially)."""
+    """An unbuffered file that hashes every byte written (torch.save writes sequentially)."""
 
     def __init__(self, path: Path) -> None:
         self._raw = open(path, "wb", buffering=0)  # noqa: SIM115 (closed in close())
-        self.crc = 0
+        self.hash = xxhash.xxh3_64()
 
     def writable(self) -> bool:
         return True
 
     def write(self, b: Any) -> int:
-        self.crc = zlib.crc32(b, self.crc)
+        self.hash.update(b)
         return self._raw.write(b)
 
     def tell(self) -> int:
@@ -66,7 +68,7 @@ class _ChecksummedFile(io.RawIOBase):
 
 
 class _ChecksummingFileSystem(FileSystem):
-    """DCP's local file system, recording the CRC32 of every file it writes under its final name."""
+    """DCP's local file system, recording the checksum of every file it writes under its final name."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -83,7 +85,7 @@ class _ChecksummingFileSystem(FileSystem):
             yield stream
         finally:
             stream.close()
-        self.checksums[Path(path).name] = f"{stream.crc:08x}"
+        self.checksums[Path(path).name] = stream.hash.hexdigest()
 
     def rename(self, path: str | os.PathLike, new_path: str | os.PathLike) -> None:
         super().rename(path, new_path)
@@ -92,7 +94,7 @@ class _ChecksummingFileSystem(FileSystem):
 
 
 class ChecksummingWriter(FileSystemWriter):
-    """DCP's file writer with a CRC32 per file; torch.save's own per-record CRC32 is skipped (ours covers it)."""
+    """DCP's file writer with a checksum per file; torch.save's own per-record CRC32 is skipped (ours covers it)."""
 
     def __init__(self, path: Path, **kwargs: Any) -> None:
         super().__init__(path, **kwargs)
@@ -110,27 +112,27 @@ class ChecksummingWriter(FileSystemWriter):
 
 
 def write_json(path: Path, value: Any) -> str:
-    """Write `value` as JSON, fsync'd; return its CRC32 (the bytes are at hand)."""
+    """Write `value` as JSON, fsync'd; return its checksum (the bytes are at hand)."""
     data = json.dumps(value, indent=1).encode()
     with open(path, "wb") as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
-    return f"{zlib.crc32(data):08x}"
+    return xxhash.xxh3_64_hexdigest(data)
 
 
 def file_checksum(path: Path) -> str:
-    crc = 0
+    digest = xxhash.xxh3_64()
     with open(path, "rb", buffering=0) as f:
         while chunk := f.read(_CHUNK):
-            crc = zlib.crc32(chunk, crc)
-    return f"{crc:08x}"
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def check_files(folder: Path, checksums: dict[str, str]) -> str | None:
-    """The first file whose CRC32 differs from the manifest's, as a phrase; None when all match."""
+    """The first file whose checksum differs from the manifest's, as a phrase; None when all match."""
     names = sorted(checksums)
-    with ThreadPoolExecutor(max_workers=min(4, len(names) or 1)) as pool:  # zlib.crc32 releases the GIL
+    with ThreadPoolExecutor(max_workers=min(4, len(names) or 1)) as pool:  # xxhash releases the GIL
         actual = list(pool.map(lambda name: file_checksum(folder / name), names))
     for name, got in zip(names, actual, strict=True):
         if got != checksums[name]:
