@@ -149,14 +149,13 @@ def split_state(state: TrainState) -> tuple[dict[str, Any], dict[str, Any]]:
 # optimizer param-group keys under the config key that sets them
 _OPTIM_KEYS = {"initial_lr": "optim.lr", "weight_decay": "optim.weight_decay", "betas": "optim.betas",
                "momentum": "optim.momentum"}
-_SCHEDULED = {"params", "lr", "initial_lr"}  # not hyperparameters as such: the LR schedule sets `lr` each step
 
 
 def _hyperparameter_changes(saved: list[dict[str, Any]], live: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Optimizer hyperparameters whose value in the config differs from the checkpoint's (the config's is used)."""
     changes, seen = [], set()
     for old, new in zip(saved, live, strict=False):
-        for key in sorted(new.keys() - {"params", "lr"}):
+        for key in sorted(new.keys() - {"params", "lr"}):  # `lr` is the schedule's; `initial_lr` is optim.lr
             before, after = old.get(key), new[key]
             if isinstance(after, tuple):
                 before = tuple(before) if isinstance(before, list) else before
@@ -259,10 +258,23 @@ def check_intact(ck: Committed, others: list[Committed]) -> None:
             problem = check_files(ck.path, ck.manifest.get("checksums", {}))
             if problem is None and set(ck.manifest.get("checksums", {})) != set(ck.manifest.get("files", {})):
                 problem = "the manifest lacks a checksum for some of its files"
-            if problem is None and read_json(ck.path / STATE_FILE).get("step") != ck.step:
+            if problem is None and _read_state(ck.path)["step"] != ck.step:
                 problem = f"{STATE_FILE} holds another step than the manifest's {ck.step}"
     if problem:
         raise CheckpointError(f"{ck.path}: corrupt checkpoint ({problem}); {_corrupt_fix(ck, others)}")
+
+
+_STATE_KEYS = {"step": int, "samples_seen": int, "optimizer": str, "param_groups": list, "scheduler": dict}
+
+
+def _read_state(folder: Path) -> dict[str, Any]:
+    """A checkpoint's state.json, with the keys and types a resume needs."""
+    plain = read_json(folder / STATE_FILE)
+    wrong = [k for k, kind in _STATE_KEYS.items() if not isinstance(plain, dict) or not isinstance(plain.get(k), kind)]
+    if wrong:
+        raise CheckpointError(f"{folder / STATE_FILE}: not a trainflow training state ({wrong[0]} is missing or of "
+                              "the wrong type); the checkpoint is corrupt")
+    return plain
 
 
 def _corrupt_fix(ck: Committed, others: list[Committed]) -> str:
@@ -545,7 +557,7 @@ class Checkpointer:
                 "shards; trainflow no longer unpickles checkpoints (that could run code from them); continue from "
                 f"its weights only with checkpoint.load=model checkpoint.resume={target.path} and checkpoint.dir at "
                 "a new folder (fresh optimizer from step 0), or export them with `trainflow export`")
-        plain = read_json(target.path / STATE_FILE)
+        plain = _read_state(target.path)
         here = type(state.optimizer).__name__
         if plain.get("optimizer") != here:
             raise CheckpointError(
