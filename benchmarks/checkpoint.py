@@ -2,8 +2,10 @@
 
 One process, one GPT-shaped state (default 19M parameters + AdamW moments = ~230 MB), measured side by side:
 
-1. bandwidth: a synchronous trainflow save (DCP shards, fsync, manifest, atomic rename), `torch.save` of the same
-   state dicts (+ fsync), and a raw sequential write of as many bytes (+ fsync); medians of --repeats, interleaved;
+1. bandwidth: a synchronous trainflow save (DCP shards with an xxh3-64 checksum per file, fsync, manifest, atomic
+   rename), `torch.save` of the same state dicts (+ fsync), and a raw sequential write of as many bytes (+ fsync); then
+   the writer alone, stock DCP against trainflow's checksumming writer, with 1 and 2 writer threads; and the
+   checksum functions over the same bytes in memory (what choosing one costs); medians of --repeats, interleaved;
 2. async vs sync, while training: the same loop twice (a save every --every steps), once with `checkpoint.mode=sync`
    and once `async`; per save, the time the loop was blocked, and the extra time of the steps that ran while the
    background upload was writing (on few cores the writer competes with training);
@@ -15,19 +17,24 @@ One process, one GPT-shaped state (default 19M parameters + AdamW moments = ~230
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import resource
+import shutil
 import statistics
 import sys
 import tempfile
 import time
+import zlib
 from pathlib import Path
 
 import torch
+import xxhash
 from omegaconf import OmegaConf
 
-from trainflow.checkpoint import Checkpointer, TrainState
+from trainflow.checkpoint import Checkpointer, TrainState, split_state
+from trainflow.checkpoint_io import ChecksummingWriter
 from trainflow.distributed import DistEnv
 from trainflow.models.gpt import GPT
 from trainflow.optim import build_optimizer
@@ -62,7 +69,7 @@ def train_step(state: TrainState, data: tuple[torch.Tensor, torch.Tensor]) -> No
 def checkpointer(folder: Path, mode: str, every: int, keep_last: int = 2) -> Checkpointer:
     cfg = OmegaConf.create({"enabled": True, "mode": mode, "dir": str(folder), "every_steps": every,
                             "keep_last": keep_last, "resume": "never", "save_final": False, "verify": False,
-                            "export": False})
+                            "export": False, "load": "all"})
     return Checkpointer(cfg, DistEnv(0, 1, 0, torch.device("cpu")), folder)
 
 
@@ -106,6 +113,66 @@ def bandwidth(state: TrainState, tmp: Path, repeats: int) -> dict:
     return {"bytes": nbytes, "median_s": med, "all_s": times,
             "mb_per_s": {k: nbytes / v / 1e6 for k, v in med.items()},
             "vs_raw": {k: med["raw_write"] / v for k, v in med.items()}}
+
+
+def writers(state: TrainState, tmp: Path, repeats: int) -> dict:
+    """Median seconds of dcp.save alone (no manifest, no commit) with DCP's writer and trainflow's, 1 or 2 threads."""
+    import torch.distributed.checkpoint as dcp
+
+    tensors, _ = split_state(state)
+    variants = {
+        "dcp_stock": lambda path: dcp.FileSystemWriter(path),
+        "dcp_stock_2_threads": lambda path: dcp.FileSystemWriter(path, thread_count=2),
+        "checksumming": lambda path: ChecksummingWriter(path),
+        "checksumming_2_threads": lambda path: ChecksummingWriter(path, thread_count=2),
+    }
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    for _ in range(repeats):
+        for name, make in variants.items():
+            path = tmp / f"writer-{name}"
+            t0 = time.perf_counter()
+            dcp.save({"app": tensors}, storage_writer=make(path), no_dist=True)
+            times[name].append(time.perf_counter() - t0)
+            shutil.rmtree(path)
+    return {name: statistics.median(v) for name, v in times.items()}
+
+
+def checksums(nbytes: int, repeats: int) -> dict:
+    """Median seconds of each candidate checksum over `nbytes` in memory (8 MB chunks, as the reader feeds it)."""
+    payload = os.urandom(1 << 23) * max(1, nbytes >> 23)
+
+    def chunked(update) -> None:
+        view = memoryview(payload)
+        for i in range(0, len(view), 1 << 23):
+            update(view[i:i + (1 << 23)])
+
+    def crc32() -> None:
+        crc = 0
+
+        def update(b) -> None:
+            nonlocal crc
+            crc = zlib.crc32(b, crc)
+        chunked(update)
+
+    def adler32() -> None:
+        value = 1
+
+        def update(b) -> None:
+            nonlocal value
+            value = zlib.adler32(b, value)
+        chunked(update)
+
+    candidates = {"xxh3_64 (used)": lambda: chunked(xxhash.xxh3_64().update),
+                  "xxh3_128": lambda: chunked(xxhash.xxh3_128().update),
+                  "crc32": crc32, "adler32": adler32, "blake2b": lambda: chunked(hashlib.blake2b().update),
+                  "sha256": lambda: chunked(hashlib.sha256().update), "md5": lambda: chunked(hashlib.md5().update)}
+    times: dict[str, list[float]] = {name: [] for name in candidates}
+    for _ in range(repeats):
+        for name, fn in candidates.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append((time.perf_counter() - t0) * nbytes / len(payload))
+    return {name: statistics.median(v) for name, v in times.items()}
 
 
 def training_with_saves(state: TrainState, tmp: Path, mode: str, steps: int, every: int, size: int) -> dict:
@@ -207,6 +274,9 @@ def main() -> None:
         tmp = Path(folder)
         progress("1/3 bandwidth: trainflow sync save vs torch.save vs raw write")
         bw = bandwidth(state, tmp, args.repeats)
+        progress("1b/3 the writer alone: stock DCP vs checksumming, 1 and 2 threads; checksum functions")
+        wr = writers(state, tmp, args.repeats)
+        sums = checksums(bw["bytes"], args.repeats)
         progress("2/3 training with sync, then async saves")
         av = async_vs_sync(state, tmp, args.steps, args.every, args.batch)
         progress(f"3/3 RSS over {args.rss_saves} async saves")
@@ -218,6 +288,13 @@ def main() -> None:
     print("\nsave (fsync'd)          median s    MB/s   fraction of raw-write speed")
     for name in ("raw_write", "torch_save", "dcp_sync"):
         print(f"  {name:20s} {bw['median_s'][name]:9.3f} {bw['mb_per_s'][name]:7.0f}   {bw['vs_raw'][name]:.2f}")
+    print("\ndcp.save alone (fsync'd)  median s   fraction of raw-write speed")
+    for name, sec in wr.items():
+        print(f"  {name:22s} {sec:8.3f}   {bw['median_s']['raw_write'] / sec:.2f}")
+    sync_s = bw["median_s"]["dcp_sync"]
+    print(f"\nchecksum of the {mb:.0f} MB in memory   s       fraction of a sync save ({sync_s:.3f} s)")
+    for name, sec in sums.items():
+        print(f"  {name:22s} {sec:8.3f}   {sec / sync_s:.2f}")
     print(f"\nwhile training ({args.steps} steps, a save every {args.every}; clean step {av['step_s_clean']:.3f} s):")
     print(f"  sync save, loop blocked          {av['sync_save_s']:.3f} s")
     print(f"  async save, loop blocked         {av['async_blocked_s']:.3f} s   "
@@ -235,7 +312,8 @@ def main() -> None:
         print(f"\nRSS over {rss['saves']} async saves: {rss['rss_after_warmup'] / 1e6:.0f} MB -> "
               f"{rss['rss_after'] / 1e6:.0f} MB ({rss['growth_pct']:+.1f}%)")
     if args.json:
-        args.json.write_text(json.dumps({"parameters": params, "bandwidth": bw, "async_vs_sync": av, "rss": rss,
+        args.json.write_text(json.dumps({"parameters": params, "bandwidth": bw, "writers": wr, "checksums": sums,
+                                         "async_vs_sync": av, "rss": rss,
                                          "args": {k: str(v) for k, v in vars(args).items()}}, indent=1))
 
 

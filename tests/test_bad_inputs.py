@@ -84,6 +84,42 @@ def garble_newest_manifest(ctx: Ctx) -> None:
     (ctx.ckpts / "step_00000004" / "manifest.json").write_text("{not json")
 
 
+def flip_a_byte_of_the_newest_shard(ctx: Ctx) -> None:
+    shard = ctx.ckpts / "step_00000004" / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    shard.write_bytes(bytes(data))
+
+
+def garble_the_newest_metadata(ctx: Ctx) -> None:
+    metadata = ctx.ckpts / "step_00000004" / ".metadata"
+    metadata.write_bytes(b"x" * metadata.stat().st_size)
+
+
+def newest_step_folder_without_manifest(ctx: Ctx) -> None:
+    shutil.copytree(ctx.ckpts / "step_00000004", ctx.ckpts / "step_00000006")
+    (ctx.ckpts / "step_00000006" / "manifest.json").unlink()
+
+
+def booby_trap_the_newest_metadata(ctx: Ctx) -> None:
+    """A .metadata that would create {tmp}/ran if unpickled, with sizes and checksums made to match."""
+    import json
+    import pickle
+
+    from trainflow.checkpoint_io import file_checksum
+
+    class Trap:
+        def __reduce__(self):
+            return exec, (f"open({str(ctx.tmp / 'ran')!r}, 'w').close()",)
+
+    folder = ctx.ckpts / "step_00000004"
+    (folder / ".metadata").write_bytes(pickle.dumps(Trap()))
+    manifest = json.loads((folder / "manifest.json").read_text())
+    manifest["files"][".metadata"] = (folder / ".metadata").stat().st_size
+    manifest["checksums"][".metadata"] = file_checksum(folder / ".metadata")
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+
+
 def lock_checkpoint_dir(ctx: Ctx) -> None:
     from trainflow.checkpoint import DirLock
 
@@ -230,6 +266,32 @@ CASES = [
          "blocks.0.attn.qkv.weight [192, 64] float32 saved vs [96, 32] float32 here; blocks.0.ln1.bias [64] float32 "
          "saved vs [32] float32 here; blocks.0.ln1.weight [64] float32 saved vs [32] float32 here and 23 more; "
          "resume with the model config it was saved with, or set checkpoint.dir to a new folder to start fresh"),
+    Case("flipped-byte", "checkpoint", "a flipped byte in the newest checkpoint's shard", (),
+         "Error: {ckpts}/step_00000004: corrupt checkpoint (__0_0.distcp has checksum {any}, the manifest says {any} "
+         "(its bytes changed after the save)); nothing was changed: move it out of {ckpts} to resume from "
+         "step_00000002 (the previous committed checkpoint)", setup=flip_a_byte_of_the_newest_shard),
+    Case("step-folder-without-manifest", "checkpoint", "a newest step_N folder without a manifest", (),
+         "Error: {ckpts}/step_00000006: a checkpoint folder without manifest.json, newer than every committed one (a "
+         "save that never committed, or a manifest that was lost); nothing was changed: move it out of {ckpts} to "
+         "resume from step_00000004", setup=newest_step_folder_without_manifest),
+    Case("booby-trapped-metadata", "checkpoint", "a .metadata that would run code when unpickled", (),
+         "Error: {ckpts}/step_00000004/.metadata: refused without running it: it refers to builtins.exec, which DCP "
+         "metadata never holds; the checkpoint is damaged or was tampered with: do not use it",
+         setup=booby_trap_the_newest_metadata),
+    Case("optimizer-changed", "checkpoint", "resuming with another optimizer", ("optim=sgd",),
+         "Error: {ckpts}/step_00000004: saved with the AdamW optimizer, this run builds SGD (optim.name); its "
+         "optimizer state does not fit: to continue from its weights only (fresh optimizer and LR schedule from "
+         "step 0), run with checkpoint.load=model checkpoint.resume={ckpts}/step_00000004 and checkpoint.dir at a "
+         "new folder, or set optim.name back"),
+    Case("load-model-without-source", "checkpoint", "weights only, but from no named checkpoint",
+         ("checkpoint.load=model",),
+         "Error: checkpoint.load: model loads the weights of the checkpoint named by checkpoint.resume, which is "
+         "auto; set checkpoint.resume=<a step_N folder or run dir>"),
+    Case("export-garbled-metadata", "checkpoint", "exporting a checkpoint whose .metadata is garbled",
+         ("export", "{ckpts}/step_00000004", "{tmp}/model.pt"),
+         "Error: {ckpts}/step_00000004: corrupt checkpoint (.metadata has checksum {any}, the manifest says {any} "
+         "(its bytes changed after the save)); nothing was changed: move it out of {ckpts} to resume from "
+         "step_00000002 (the previous committed checkpoint)", tool="trainflow", setup=garble_the_newest_metadata),
     Case("checkpoint-dir-is-a-file", "checkpoint", "a checkpoint dir that is a file", ("checkpoint.dir={tmp}/notes",),
          "Error: checkpoint.dir: {tmp}/notes is a file, not a folder; point checkpoint.dir at a folder",
          setup=file_in_the_way),
@@ -356,6 +418,7 @@ def test_bad_input(case: Case, reference_checkpoints: Path, tmp_path: Path) -> N
     assert "Traceback" not in proc.stderr + proc.stdout
     assert any(name.startswith("ckpts/step_00000002/") for name in before)  # the hashes cover the reference run's
     assert after == before
+    assert not (tmp_path / "ran").exists()  # no row's checkpoint ran code
 
 
 def test_full_error_shows_the_traceback_when_asked(tmp_path: Path) -> None:

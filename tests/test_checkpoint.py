@@ -227,6 +227,31 @@ def test_sigterm_saves_at_the_step_boundary_and_exits_75(tmp_path: Path) -> None
     stop_with(signal.SIGTERM, tmp_path / "run")
 
 
+def test_sighup_saves_at_the_step_boundary_and_exits_75(tmp_path: Path) -> None:
+    """A closed terminal or ssh session: saved and stopped like SIGTERM, not lost."""
+    stop_with(signal.SIGHUP, tmp_path / "run")
+
+
+def test_ctrl_c_inside_a_save_exits_130_in_one_line(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    ckpts = run_dir / "checkpoints"
+    tmp = ckpts / ".tmp-step_00000008"
+    proc = start(run_dir, *KILL, "checkpoint=dcp")
+    wait_for(lambda: (tmp / "__0_0.distcp").is_file(), proc, "the shard of step 8 began")
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=120) == 130
+    assert tmp.is_dir() and committed(ckpts) == ["step_00000004"]  # the interrupt landed inside the save
+    output = (run_dir.parent / f"{run_dir.name}.out").read_text()
+    assert "Traceback" not in output and "free space" not in output
+    assert [line for line in output.splitlines() if line.startswith(("Interrupted", "Error"))] == [
+        "Interrupted: stopped at once, without a save; committed checkpoints are untouched (SIGTERM or SIGUSR2 save "
+        "at the next step boundary, then stop)"]
+
+    resumed = train(run_dir, *KILL, "checkpoint=dcp")  # the leftover goes, the run goes on from step 4
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert resumed.summary["resumed_from_step"] == 4 and not tmp.exists()
+
+
 @pytest.mark.slow
 def test_after_sigusr2_the_same_command_resumes_exactly(straight: Run, tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
@@ -391,6 +416,7 @@ def _checkpointer(tmp_path: Path, **overrides):
 
     cfg = OmegaConf.create({"enabled": True, "mode": "sync", "dir": str(tmp_path / "ckpts"), "every_steps": 1,
                             "keep_last": 3, "resume": "auto", "save_final": True, "verify": True, "export": False,
+                            "load": "all",
                             **overrides})
     return Checkpointer(cfg, DistEnv(0, 1, 0, torch.device("cpu")), tmp_path)
 

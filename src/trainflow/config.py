@@ -269,6 +269,7 @@ class CheckpointConfig:
     save_final: bool = True  # save at the last step too
     verify: bool = True  # reload the run's first save into fresh tensors and compare exactly
     export: bool = False  # at the end, <run dir>/model.pt: model weights for torch.load(weights_only=True)
+    load: str = "all"  # all | model (weights only from checkpoint.resume=<path>: fresh optimizer, step 0)
 
 
 def validate_checkpoint(cfg: DictConfig) -> None:
@@ -283,6 +284,10 @@ def validate_checkpoint(cfg: DictConfig) -> None:
     _require(bool(c.resume), "checkpoint.resume", "is empty: use auto, never or a checkpoint path")
     _require(c.save_final or not c.export, "checkpoint.export",
              "exports the final weights, which needs checkpoint.save_final=true")
+    _one_of(cfg, "checkpoint.load", ("all", "model"))
+    _require(c.load == "all" or c.resume not in ("auto", "never"), "checkpoint.load",
+             f"model loads the weights of the checkpoint named by checkpoint.resume, which is {c.resume}; "
+             "set checkpoint.resume=<a step_N folder or run dir>")
 
 
 @dataclass

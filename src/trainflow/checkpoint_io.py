@@ -1,0 +1,301 @@
+"""The bytes of a checkpoint: written with a checksum per file, read back without running code from them.
+
+Trust model. A checkpoint folder is data, never code. DCP shards hold tensors only (read with torch's
+`weights_only` unpickler); `.metadata` is read by an allow-list unpickler that knows the DCP metadata classes,
+torch dtypes/sizes/layouts and nothing else; every other value (progress, LR schedule, optimizer hyperparameters,
+RNG states) is JSON. The per-file xxh3-64 checksums in the manifest catch damage (a flipped byte, a truncated
+shard), not tampering: whoever can write the folder can rewrite the manifest too. xxh3-64 rather than CRC32 or
+a cryptographic hash: it is 5x faster than zlib.crc32 here (benchmarks/checkpoint.py), so hashing costs a few
+percent of a save; its 64 bits make an undetected random corruption vanishingly unlikely.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import io
+import json
+import os
+import pickle
+import random
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import xxhash
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.filesystem import FileSystem
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import LoadItemType
+
+from trainflow.errors import CheckpointError
+
+FORMAT = 2  # 1: trainflow before checksums (pickled RNG and non-tensor state inside the shards)
+STATE_FILE = "state.json"  # progress, LR schedule, optimizer hyperparameters: the non-tensor state
+_CHUNK = 8 << 20
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Writing: one checksum per file, computed from the bytes while they are written
+
+
+class _ChecksummedFile(io.RawIOBase):
+    """An unbuffered file that hashes every byte written (torch.save writes sequentially)."""
+
+    def __init__(self, path: Path) -> None:
+        self._raw = open(path, "wb", buffering=0)  # noqa: SIM115 (closed in close())
+        self.hash = xxhash.xxh3_64()
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, b: Any) -> int:
+        self.hash.update(b)
+        return self._raw.write(b)
+
+    def tell(self) -> int:
+        return self._raw.tell()
+
+    def fileno(self) -> int:
+        return self._raw.fileno()
+
+    def close(self) -> None:
+        self._raw.close()
+        super().close()
+
+
+class _ChecksummingFileSystem(FileSystem):
+    """DCP's local file system, recording the checksum of every file it writes under its final name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.checksums: dict[str, str] = {}
+
+    @contextlib.contextmanager
+    def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[io.IOBase]:
+        if "w" not in mode:
+            with super().create_stream(path, mode) as stream:
+                yield stream
+            return
+        stream = _ChecksummedFile(Path(path))
+        try:
+            yield stream
+        finally:
+            stream.close()
+        self.checksums[Path(path).name] = stream.hash.hexdigest()
+
+    def rename(self, path: str | os.PathLike, new_path: str | os.PathLike) -> None:
+        super().rename(path, new_path)
+        if Path(path).name in self.checksums:
+            self.checksums[Path(new_path).name] = self.checksums.pop(Path(path).name)
+
+
+class ChecksummingWriter(FileSystemWriter):
+    """DCP's file writer with a checksum per file; torch.save's own per-record CRC32 is skipped (ours covers it)."""
+
+    def __init__(self, path: Path, **kwargs: Any) -> None:
+        super().__init__(path, **kwargs)
+        self.fs = _ChecksummingFileSystem()
+
+    @property
+    def checksums(self) -> dict[str, str]:
+        return self.fs.checksums
+
+    def write_data(self, plan: Any, planner: Any) -> Any:
+        from torch.utils.serialization import config
+
+        with config.patch({"save.compute_crc32": False}):
+            return super().write_data(plan, planner)
+
+
+def write_json(path: Path, value: Any) -> str:
+    """Write `value` as JSON, fsync'd; return its checksum (the bytes are at hand)."""
+    data = json.dumps(value, indent=1).encode()
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    return xxhash.xxh3_64_hexdigest(data)
+
+
+def file_checksum(path: Path) -> str:
+    digest = xxhash.xxh3_64()
+    with open(path, "rb", buffering=0) as f:
+        while chunk := f.read(_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def check_files(folder: Path, checksums: dict[str, str]) -> str | None:
+    """The first file whose checksum differs from the manifest's, as a phrase; None when all match."""
+    names = sorted(checksums)
+    with ThreadPoolExecutor(max_workers=min(4, len(names) or 1)) as pool:  # xxhash releases the GIL
+        actual = list(pool.map(lambda name: file_checksum(folder / name), names))
+    for name, got in zip(names, actual, strict=True):
+        if got != checksums[name]:
+            return f"{name} has checksum {got}, the manifest says {checksums[name]} (its bytes changed after the save)"
+    return None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Reading: no code runs
+
+
+_METADATA_CLASSES = {
+    "torch.distributed.checkpoint.metadata": {"Metadata", "TensorStorageMetadata", "BytesStorageMetadata",
+                                              "ChunkStorageMetadata", "TensorProperties", "MetadataIndex",
+                                              "StorageMeta", "_MEM_FORMAT_ENCODING"},
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch": {"Size"},
+    "torch.serialization": {"_get_layout"},  # a lookup of torch.strided & co by name
+    "pathlib": {"PosixPath", "PurePosixPath"},
+    "collections": {"OrderedDict"},
+}
+
+
+class UnsafeCheckpoint(CheckpointError):
+    """A checkpoint file that would need code to be run (or objects built) to be read."""
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Builds only DCP metadata: its dataclasses, torch dtypes, sizes and layouts, and plain builtin values."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if name in _METADATA_CLASSES.get(module, ()):
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise UnsafeCheckpoint(f"it refers to {module}.{name}, which DCP metadata never holds")
+
+
+def read_metadata(path: Path) -> Metadata:
+    """A checkpoint's `.metadata` through the allow-list unpickler; one-line CheckpointError when it is not one."""
+    try:
+        with open(path / ".metadata", "rb") as f:
+            metadata = _MetadataUnpickler(f).load()
+    except UnsafeCheckpoint as exc:
+        raise UnsafeCheckpoint(f"{path}/.metadata: refused without running it: {exc}; the checkpoint is damaged or "
+                               "was tampered with: do not use it") from None
+    except (OSError, EOFError, pickle.UnpicklingError, ValueError, TypeError, AttributeError, IndexError) as exc:
+        raise CheckpointError(f"{path}/.metadata: unreadable ({type(exc).__name__}: {exc}); the checkpoint is "
+                              "corrupt") from None
+    if not isinstance(metadata, Metadata):
+        raise CheckpointError(f"{path}/.metadata: holds a {type(metadata).__name__}, not DCP metadata; the "
+                              "checkpoint is corrupt")
+    return metadata
+
+
+class SafeReader(FileSystemReader):
+    """DCP's file reader with the allow-list `.metadata` unpickler, refusing non-tensor (pickled) items."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        metadata = read_metadata(Path(self.path))
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+    def read_data(self, plan: Any, planner: Any) -> Any:
+        pickled = [item.storage_index.fqn for item in plan.items if item.type == LoadItemType.BYTE_IO]
+        if pickled:
+            raise UnsafeCheckpoint(f"{self.path}: {pickled[0]} is stored as a pickled object, which trainflow does "
+                                   "not load (it could run code); the checkpoint was tampered with or is not "
+                                   "trainflow's")
+        return super().read_data(plan, planner)
+
+
+def read_json(path: Path) -> Any:
+    """A JSON file of a checkpoint: plain values only, however it was written."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{path}: unreadable ({exc}); the checkpoint is corrupt") from None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Non-tensor state as JSON
+
+
+def split_tensors(tree: Any) -> tuple[Any, Any]:
+    """(the tensors of a nested dict, everything else): the first goes to DCP, the second to JSON."""
+    if isinstance(tree, torch.Tensor):
+        return tree, None
+    if isinstance(tree, dict):
+        tensors, plain = {}, {}
+        for key, value in tree.items():
+            t, p = split_tensors(value)
+            if t is not None and t != {}:
+                tensors[key] = t
+            if p is not None or t is None:
+                plain[str(key)] = p
+        return tensors, plain
+    return None, tree
+
+
+def merge_tensors(tensors: Any, plain: Any) -> Any:
+    """The inverse of split_tensors (keys are strings: FQNs and state-dict names)."""
+    if isinstance(tensors, dict) or isinstance(plain, dict):
+        tensors, plain = tensors or {}, plain or {}
+        return {k: merge_tensors(tensors.get(k), plain.get(k)) for k in {**tensors, **plain}}
+    return tensors if tensors is not None else plain
+
+
+def rng_state() -> dict[str, Any]:
+    """This process's random generators as JSON values (no pickle): Python, NumPy, torch CPU and CUDA."""
+    version, internal, gauss = random.getstate()
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    state = {"python": [version, list(internal), gauss], "numpy": [kind, keys.tolist(), pos, has_gauss, cached],
+             "torch": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = base64.b64encode(torch.cuda.get_rng_state().numpy().tobytes()).decode()
+    return state
+
+
+def set_rng_state(state: dict[str, Any], where: Path) -> None:
+    def byte_tensor(text: str) -> torch.Tensor:
+        return torch.frombuffer(bytearray(base64.b64decode(text, validate=True)), dtype=torch.uint8)
+
+    try:
+        version, internal, gauss = state["python"]
+        random.setstate((version, tuple(internal), gauss))
+        kind, keys, pos, has_gauss, cached = state["numpy"]
+        np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
+        torch.set_rng_state(byte_tensor(state["torch"]))
+        if "cuda" in state and torch.cuda.is_available():
+            torch.cuda.set_rng_state(byte_tensor(state["cuda"]))
+    except (KeyError, TypeError, ValueError, RuntimeError) as exc:
+        raise CheckpointError(f"{where}: not a random generator state ({type(exc).__name__}: {exc}); the "
+                              "checkpoint is corrupt") from None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Non-finite values
+
+
+def first_nonfinite(tensors: dict[str, torch.Tensor]) -> str | None:
+    """The first key whose tensor holds a NaN or an infinity: one fused max-abs over this rank's local shards."""
+    named = [(k, t.to_local() if hasattr(t, "to_local") else t) for k, t in tensors.items()]
+    named = [(k, t.detach()) for k, t in named if t.is_floating_point() and t.numel() > 0]
+    if not named:
+        return None
+    by_device: dict[torch.device, list[tuple[str, torch.Tensor]]] = {}
+    for k, t in named:
+        by_device.setdefault(t.device, []).append((k, t))
+    for group in by_device.values():
+        norms = torch.stack([n.float() for n in torch._foreach_norm([t for _, t in group], ord=float("inf"))])
+        finite = torch.isfinite(norms)
+        if not bool(finite.all()):  # the one host sync of the check
+            return group[int((~finite).nonzero()[0])][0]
+    return None
+
+
+def flatten(tree: Any, prefix: str = "") -> dict[str, torch.Tensor]:
+    """Tensors of a nested dict under dotted keys (the names DCP gives them)."""
+    if isinstance(tree, torch.Tensor):
+        return {prefix.rstrip("."): tree}
+    if isinstance(tree, dict):
+        return {k: v for key, value in tree.items() for k, v in flatten(value, f"{prefix}{key}.").items()}
+    return {}
