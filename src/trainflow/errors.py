@@ -17,6 +17,10 @@ class DataError(TrainflowError):
     """Missing, empty or too-short data."""
 
 
+class RunDirError(TrainflowError):
+    """The run directory stopped taking writes (a full disk, a lost mount); the message names it and the fix."""
+
+
 class CheckpointError(TrainflowError):
     """A checkpoint that cannot be written, read or used; the message names its path and the fix."""
 
