@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import os
 import re
 import shutil
@@ -39,7 +40,10 @@ class Ctx:
     hold: contextlib.ExitStack  # resources a setup keeps alive while the run goes (mounts, locks, sockets)
 
     def fill(self, text: str) -> str:
-        return text.format(tmp=self.tmp, ckpts=self.ckpts, port=self.port)
+        """The placeholders only: a row's own braces (an interpolation such as ${trainer.seed}) stay as typed."""
+        for name, value in (("tmp", self.tmp), ("ckpts", self.ckpts), ("port", self.port)):
+            text = text.replace(f"{{{name}}}", str(value))
+        return text
 
 
 @dataclass(frozen=True)
@@ -54,6 +58,7 @@ class Case:
     setup: Callable[[Ctx], None] | None = None
     env: tuple[tuple[str, str], ...] = ()
     needs: str | None = None  # "mount": a filesystem of our own; "no-gpu": a machine without CUDA
+    after: Callable[[Ctx], None] | None = None  # checks on what the run left behind
 
 
 # -- setups -----------------------------------------------------------------------------------------------------
@@ -142,6 +147,30 @@ def nearly_full_disk(ctx: Ctx) -> None:
     disk = ctx.hold.enter_context(tmpfs(ctx.tmp / "small", "4m"))
     shutil.copytree(ctx.ckpts / "step_00000004", disk / "ckpts" / "step_00000004")
     (disk / "filler").write_bytes(b"\0" * (shutil.disk_usage(disk).free - 300_000))
+
+
+def small_corpus(ctx: Ctx) -> None:
+    """2000 bytes: 59 training samples of 33 bytes (95% of them, in non-overlapping windows)."""
+    (ctx.tmp / "small.txt").write_text("x = 1\n" * 333 + "yy")
+
+
+def corpus_with_broken_link(ctx: Ctx) -> None:
+    (ctx.tmp / "corpus").mkdir()
+    (ctx.tmp / "corpus" / "a.py").write_text("print('hi')\n" * 400)
+    (ctx.tmp / "corpus" / "b.py").symlink_to(ctx.tmp / "gone.py")
+
+
+def disk_filling_under_the_run(ctx: Ctx) -> None:
+    """A 1 MB filesystem for the run directory with 64 KB free: metrics.jsonl and train.log fill it within the run."""
+    disk = ctx.hold.enter_context(tmpfs(ctx.tmp / "small", "1m"))
+    (disk / "filler").write_bytes(b"\0" * (shutil.disk_usage(disk).free - 64_000))
+
+
+def metrics_lines_are_whole(ctx: Ctx) -> None:
+    text = (ctx.tmp / "small" / "run" / "metrics.jsonl").read_text()
+    records = [json.loads(line) for line in text.splitlines()]
+    assert text.endswith("\n") and len(records) >= 10, text[-300:]
+    assert [r["step"] for r in records] == list(range(5, 5 + len(records)))  # resumed at 4, one line a step
 
 
 def busy_port(ctx: Ctx) -> None:
@@ -234,6 +263,78 @@ CASES = [
          "33 bytes (val_fraction=0.05); add text or lower data.seq_len", setup=tiny_corpus),
     Case("seq-lens-too-long", "data", "varied lengths longer than the model's context", ("data.seq_lens=[8,64]",),
          "Error: data.seq_lens: each length must be in [1, data.seq_len=32]; got [8, 64]"),
+    # more config, data and environment values
+    Case("interpolation-to-missing-key", "config", "an interpolation to a key that does not exist",
+         ("optim.lr=${trainer.nonexistent}",),
+         "Error: optim.lr: interpolation key 'trainer.nonexistent' not found; point the ${...} at an existing key of "
+         "the right type, or give a value"),
+    Case("interpolation-of-wrong-type", "config", "an interpolation to a value of the wrong type",
+         ("optim.lr=${trainer.device}",),
+         "Error: optim.lr: while dereferencing interpolation '${trainer.device}': Value 'auto' of type 'str' could "
+         "not be converted to Float; point the ${...} at an existing key of the right type, or give a value"),
+    Case("infinite-lr", "config", "an infinite learning rate", ("optim.lr=inf",),
+         "Error: optim.lr: must be a finite number; got inf"),
+    Case("nan-grad-clip", "config", "a NaN clipping threshold", ("trainer.grad_clip=nan",),
+         "Error: trainer.grad_clip: must be a finite number; got nan"),
+    Case("betas-out-of-range", "config", "Adam betas outside [0, 1)", ("optim.betas=[1.5,0.9]",),
+         "Error: optim.betas: each must be in [0, 1), e.g. [0.9,0.95]; got [1.5, 0.9]"),
+    Case("huge-seed", "config", "a seed beyond 64 bits", ("trainer.seed=1180591620717411303424",),
+         "Error: trainer.seed: must be an integer in [0, 4294967295]; got 1180591620717411303424"),
+    Case("zero-width-model", "config", "a model of width 0", ("model.n_embd=0",),
+         "Error: model.n_embd: must be a positive integer; got 0"),
+    Case("no-layers", "config", "a model with no layers", ("model.n_layer=0",),
+         "Error: model.n_layer: must be a positive integer; got 0"),
+    Case("zero-seq-len", "data", "sequences of no tokens", ("data.seq_len=0",),
+         "Error: data.seq_len: must be a positive number of tokens; got 0"),
+    Case("seq-len-over-context", "data", "sequences longer than the model's context", ("data.seq_len=64",),
+         "Error: data.seq_len: 64 is longer than the model's context, model.block_size=32; lower data.seq_len to "
+         "<= 32 or raise model.block_size"),
+    Case("vocab-below-bytes", "data", "a vocabulary smaller than the data's tokens", ("model.vocab_size=100",),
+         "Error: model.vocab_size: is 100, but data=text is byte-level: its tokens go up to 255; set "
+         "model.vocab_size=256 or more"),
+    Case("batch-over-dataset", "data", "a micro-batch larger than the training set",
+         ("data.paths=[{tmp}/small.txt]", "data.cache_dir={tmp}/cache", "trainer.batch_size=64"),
+         "Error: trainer.batch_size: a micro-batch of 64 samples is more than the training set holds (59 samples); "
+         "lower trainer.batch_size so that each rank's micro-batch is <= 59, or give more data", setup=small_corpus),
+    Case("batch-over-memory", "data", "a micro-batch whose activations cannot fit in memory",
+         ("trainer.batch_size=100000", "model.vocab_size=262144"),
+         "Error: trainer.batch_size: a micro-batch of 100000 samples needs about {n} TB for its inputs and "
+         "activations, and {n} {any} of {any} memory is available; lower trainer.batch_size (about {n} samples "
+         "fit), raising trainer.grad_accum to keep the global batch"),
+    Case("broken-link-in-corpus", "data", "a dangling symlink in a corpus folder",
+         ("data.paths=[{tmp}/corpus]", "data.cache_dir={tmp}/cache"),
+         "Error: data.paths: {tmp}/corpus/b.py is a broken symbolic link (to {tmp}/gone.py, which does not exist); "
+         "remove it, or fix it, or narrow data.suffixes", setup=corpus_with_broken_link),
+    Case("data-cache-blocked", "environment", "a token cache folder blocked by a file",
+         ("data.cache_dir={tmp}/notes/cache",),
+         "Error: data.cache_dir: cannot write the token cache in {tmp}/notes/cache ({tmp}/notes is a file, not a "
+         "folder); point data.cache_dir at a writable folder with room for the corpus", setup=file_in_the_way),
+    Case("data-cache-read-only", "environment", "a token cache folder on a read-only filesystem",
+         ("data.cache_dir={tmp}/ro/cache",),
+         "Error: data.cache_dir: cannot write the token cache in {tmp}/ro/cache (Read-only file system); point "
+         "data.cache_dir at a writable folder with room for the corpus", setup=read_only_disk, needs="mount"),
+    Case("home-blocked", "environment", "a HOME that is a file (the default caches live under ~)", (),
+         "Error: data.cache_dir: cannot write the token cache in {tmp}/notes/.cache/trainflow/tokens (~ is "
+         "HOME={tmp}/notes) ({tmp}/notes is a file, not a folder); point data.cache_dir at a writable folder with "
+         "room for the corpus", setup=file_in_the_way, env=(("HOME", "{tmp}/notes"),)),
+    Case("compile-cache-blocked", "compile", "an inductor cache folder blocked by a file",
+         ("compile=default", "compile.cache_dir={tmp}/notes/inductor"),
+         "Error: compile.cache_dir: cannot write the inductor cache in {tmp}/notes/inductor ({tmp}/notes is a file, "
+         "not a folder); point compile.cache_dir at a writable folder", setup=file_in_the_way),
+    Case("compile-cache-read-only", "compile", "an inductor cache on a read-only filesystem",
+         ("compile=default", "compile.cache_dir={tmp}/ro"),
+         "Error: compile.cache_dir: cannot write the inductor cache in {tmp}/ro (Read-only file system); point "
+         "compile.cache_dir at a writable folder", setup=read_only_disk, needs="mount"),
+    Case("home-read-only", "environment", "a HOME on a read-only filesystem, compiling with the default cache",
+         ("compile=default", "data.cache_dir={tmp}/cache"),
+         "Error: compile.cache_dir: cannot write the inductor cache in {tmp}/ro/.cache/trainflow/inductor (~ is "
+         "HOME={tmp}/ro) (Read-only file system); point compile.cache_dir at a writable folder",
+         setup=read_only_disk, env=(("HOME", "{tmp}/ro"),), needs="mount"),
+    Case("disk-fills-while-training", "environment", "a run directory whose disk fills during training",
+         ("hydra.run.dir={tmp}/small/run", "trainer.max_steps=600", "checkpoint.every_steps=1000"),
+         "Error: hydra.run.dir: writing metrics.jsonl in {tmp}/small/run failed (No space left on device); free "
+         "space or point hydra.run.dir at a writable disk", setup=disk_filling_under_the_run,
+         after=metrics_lines_are_whole, needs="mount"),
     # checkpoints
     Case("resume-missing", "checkpoint", "a resume path that does not exist", ("checkpoint.resume={tmp}/nope",),
          "Error: checkpoint.resume: {tmp}/nope does not exist; give a committed checkpoint (a step_N folder), a "
@@ -409,6 +510,8 @@ def test_bad_input(case: Case, reference_checkpoints: Path, tmp_path: Path) -> N
             env.pop(key, None)
         proc = subprocess.run(command(case, ctx), cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
         after = committed_hashes(tmp_path)
+        if case.after:
+            case.after(ctx)
     lines = proc.stderr.splitlines()
     assert proc.returncode == case.exit, proc.stderr[-3000:]
     expected = pattern(ctx, case.message)

@@ -18,6 +18,7 @@ import math
 import os
 import re
 import sysconfig
+import tempfile
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -29,7 +30,7 @@ from omegaconf import DictConfig
 from torch import nn
 
 from trainflow.distributed import DistEnv, unwrap
-from trainflow.errors import ConfigError
+from trainflow.errors import ConfigError, home_note, unwritable_reason
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +64,7 @@ class Compiler:
         self._hint: str | None = None  # a fix that fits this setup better than dynamo's generic hint
         self.cache_dir: str | None = None
         if self.enabled:
-            self.cache_dir = _configure_cache(self.cfg.cache_dir)
+            self.cache_dir = _configure_cache(self.cfg.cache_dir, self.cfg.backend)
             self.backend = _resolve_backend(self.cfg.backend)
 
     def apply(self, model: nn.Module, example: tuple[torch.Tensor, torch.Tensor] | None = None,
@@ -316,13 +317,30 @@ def _is_fsdp(model: nn.Module) -> bool:
     return isinstance(model, FSDPModule)
 
 
-def _configure_cache(cache_dir: str | None) -> str:
-    """Point inductor's persistent cache at `compile.cache_dir` before inductor is imported (null: torch's own)."""
+def _configure_cache(cache_dir: str | None, backend: str) -> str:
+    """Point inductor's persistent cache at `compile.cache_dir` before inductor is imported (null: torch's own).
+
+    The folder is made and written to once here: an unwritable cache would otherwise fail the first compile and
+    read as a failing backend.
+    """
     if cache_dir:
-        path = Path(cache_dir).expanduser().resolve()
-        path.mkdir(parents=True, exist_ok=True)
-        os.environ[CACHE_ENV] = str(path)  # inherited by ranks started from here
-    return os.environ.get(CACHE_ENV) or "torch default (/tmp/torchinductor_<user>)"
+        os.environ[CACHE_ENV] = str(Path(cache_dir).expanduser().resolve())  # inherited by ranks started from here
+    elif backend != "inductor":
+        return os.environ.get(CACHE_ENV) or "torch default (/tmp/torchinductor_<user>)"
+    from torch._inductor.runtime.cache_dir_utils import cache_dir as inductor_cache_dir
+
+    try:
+        path = inductor_cache_dir()  # the env var or torch's default, made if missing
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as exc:
+        raise _unwritable_cache(Path(os.environ[CACHE_ENV]), cache_dir, exc) from None
+    return path
+
+
+def _unwritable_cache(path: Path, configured: str | None, exc: OSError) -> ConfigError:
+    return ConfigError(f"compile.cache_dir: cannot write the inductor cache in {path}{home_note(configured or '')} "
+                       f"({unwritable_reason(path, exc)}); point compile.cache_dir at a writable folder")
 
 
 def _resolve_backend(name: str) -> str | Callable[..., Any]:
@@ -369,6 +387,10 @@ def _explain_failure(exc: Exception, backend: str, hint: str | None = None) -> C
         fix = hint or _hint(str(exc), label)
         return ConfigError(f"compile.fullgraph: graph break{where}{code}: {label}; fix: {fix}, "
                            "or set compile.fullgraph=false to let it break and see compile_report.json")
+    if isinstance(exc, dynamo_exc.BackendCompilerFailed) and isinstance(exc.inner_exception, OSError):
+        cache = os.environ.get(CACHE_ENV)  # a cache made unwritable after the check at start, or a full disk
+        if cache and exc.inner_exception.filename and str(exc.inner_exception.filename).startswith(cache):
+            return _unwritable_cache(Path(cache), None, exc.inner_exception)
     if isinstance(exc, dynamo_exc.BackendCompilerFailed):
         return ConfigError(f"compile.backend: the {backend} backend failed to compile the model "
                            f"({_first_line(str(exc.inner_exception))}); try compile.backend=aot_eager, or compile=off")

@@ -8,11 +8,13 @@ express (positive steps, known choices) live in `validate`.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf.errors import InterpolationResolutionError, MissingMandatoryValue
 
 from trainflow.errors import ConfigError
 
@@ -360,14 +362,66 @@ def _one_of(cfg: DictConfig, key: str, choices: tuple) -> None:
     _require(value in choices, key, f"must be one of {', '.join(map(str, choices))}; got {value!r}")
 
 
+SEED_RANGE = 2**32  # numpy's seed range; per-rank and per-epoch seeds derived from it stay within torch's 64 bits
+BYTE_VOCAB = 256  # data=text is byte-level: tokens are the values 0..255
+
+
+def _resolved(cfg: DictConfig) -> dict[str, Any]:
+    """The config with every ${...} resolved: a broken interpolation is one line naming the key that holds it."""
+    try:
+        return OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
+    except (InterpolationResolutionError, MissingMandatoryValue) as exc:
+        problem = str(exc.msg).strip().splitlines()[0] if exc.msg else type(exc).__name__
+        raise ConfigError(f"{exc.full_key}: {problem[0].lower()}{problem[1:]}; point the ${{...}} at an existing key "
+                          "of the right type, or give a value") from None
+
+
+def _non_finite(node: Any, key: str = "") -> tuple[str, Any] | None:
+    """The first key holding an inf or nan float (in a list too), with its value; None when all are finite."""
+    if isinstance(node, dict):
+        for name, value in node.items():
+            if found := _non_finite(value, f"{key}.{name}" if key else str(name)):
+                return found
+    elif isinstance(node, list):
+        if any(_non_finite(v, key) for v in node):
+            return key, node
+    elif isinstance(node, float) and not math.isfinite(node):
+        return key, node
+    return None
+
+
+def validate_model(cfg: DictConfig) -> None:
+    """Sizes of the built-in models, and what the data asks of them, checked before anything is built."""
+    m, d = cfg.model, cfg.data
+    if str(m._target_).startswith("trainflow.models."):
+        for key, value in m.items():
+            if isinstance(value, int) and not isinstance(value, bool):
+                _require(value > 0, f"model.{key}", f"must be a positive integer; got {value}")
+        if "dropout" in m:
+            _require(0 <= m.dropout < 1, "model.dropout", f"must be in [0, 1); got {m.dropout}")
+    if "block_size" in m:
+        _require(d.seq_len <= m.block_size, "data.seq_len",
+                 f"{d.seq_len} is longer than the model's context, model.block_size={m.block_size}; lower "
+                 f"data.seq_len to <= {m.block_size} or raise model.block_size")
+    if d.kind == "text" and "vocab_size" in m:
+        _require(m.vocab_size >= BYTE_VOCAB, "model.vocab_size",
+                 f"is {m.vocab_size}, but data=text is byte-level: its tokens go up to {BYTE_VOCAB - 1}; set "
+                 f"model.vocab_size={BYTE_VOCAB} or more")
+
+
 def validate(cfg: DictConfig) -> None:
     """Check the values a type cannot; raise ConfigError naming the key and the fix."""
+    if found := _non_finite(_resolved(cfg)):
+        key, value = found
+        what = "finite numbers" if isinstance(value, list) else "a finite number"
+        raise ConfigError(f"{key}: must be {what}; got {value}")
     t = cfg.trainer
     for key in ("max_steps", "batch_size", "grad_accum", "log_every", "eval_steps"):
         _require(t[key] > 0, f"trainer.{key}", f"must be a positive integer; got {t[key]}")
     for key in ("eval_every", "warmup_steps"):
         _require(t[key] >= 0, f"trainer.{key}", f"must be >= 0; got {t[key]}")
     _require(t.grad_clip >= 0, "trainer.grad_clip", f"must be >= 0 (0 disables clipping); got {t.grad_clip}")
+    _require(0 <= t.seed < SEED_RANGE, "trainer.seed", f"must be an integer in [0, {SEED_RANGE - 1}]; got {t.seed}")
     _one_of(cfg, "trainer.device", ("auto", "cpu", "cuda"))
     _one_of(cfg, "trainer.precision", ("fp32", "bf16"))
     _one_of(cfg, "trainer.progress", ("auto", "bar", "log"))
@@ -385,12 +439,16 @@ def validate(cfg: DictConfig) -> None:
     _require(o.warmup_steps >= 0, "optim.warmup_steps", f"must be >= 0; got {o.warmup_steps}")
     _require(0 <= o.min_lr_ratio <= 1, "optim.min_lr_ratio", f"must be in [0, 1]; got {o.min_lr_ratio}")
     _require(len(o.betas) == 2, "optim.betas", f"must be two numbers, e.g. [0.9,0.95]; got {list(o.betas)}")
+    _require(all(0 <= b < 1 for b in o.betas), "optim.betas",
+             f"each must be in [0, 1), e.g. [0.9,0.95]; got {list(o.betas)}")
+    _require(o.momentum >= 0, "optim.momentum", f"must be >= 0; got {o.momentum}")
 
     _require("_target_" in cfg.model, "model._target_",
              "missing: pick model=gpt_tiny|gpt_small|gpt_medium|mlp or set model._target_ to an nn.Module class")
     d = cfg.data
     _require(d.get("kind") in ("text", "synthetic"), "data.kind",
              "unknown data source: pick data=text or data=synthetic")
+    _require(d.seq_len > 0, "data.seq_len", f"must be a positive number of tokens; got {d.seq_len}")
     _require(d.num_workers >= 0, "data.num_workers", f"must be >= 0; got {d.num_workers}")
     if d.prefetch_factor is not None:
         _require(d.num_workers > 0, "data.prefetch_factor", "needs data.num_workers > 0 (or set it to null)")
@@ -407,6 +465,7 @@ def validate(cfg: DictConfig) -> None:
 
     if cfg.metrics.peak_flops is not None:
         _require(cfg.metrics.peak_flops > 0, "metrics.peak_flops", f"must be > 0; got {cfg.metrics.peak_flops}")
+    validate_model(cfg)
     validate_parallelism(cfg)
     validate_profiler(cfg)
     validate_compile(cfg)

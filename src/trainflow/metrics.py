@@ -6,6 +6,7 @@ measuring does not put a sync in every step.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import logging
@@ -22,6 +23,8 @@ from typing import Any
 import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
+
+from trainflow.errors import RunDirError
 
 log = logging.getLogger(__name__)
 
@@ -119,7 +122,9 @@ class MetricsWriter:
 
     def __init__(self, run_dir: Path, enabled: bool, tensorboard: bool) -> None:
         self.enabled = enabled
-        self._jsonl = open(run_dir / "metrics.jsonl", "a") if enabled else None  # noqa: SIM115 (closed in close())
+        self.run_dir = run_dir
+        # unbuffered: each line reaches the file in one call, so a failed write can be taken back whole
+        self._jsonl = open(run_dir / "metrics.jsonl", "ab", buffering=0) if enabled else None  # noqa: SIM115
         self._tb = None
         if enabled and tensorboard:
             from torch.utils.tensorboard import SummaryWriter  # 2-3 s import: only when asked for
@@ -129,18 +134,41 @@ class MetricsWriter:
     def write(self, step: int, values: dict[str, Any]) -> None:
         if not self.enabled:
             return
-        self._jsonl.write(json.dumps({"step": step, **values}) + "\n")
-        self._jsonl.flush()
+        self._append_line(json.dumps({"step": step, **values}) + "\n")
         if self._tb is not None:
             for key, value in values.items():
                 if isinstance(value, (int, float)) and math.isfinite(value):
                     self._tb.add_scalar(key, value, step)
+
+    def _append_line(self, line: str) -> None:
+        """Whole lines only: a write the disk cuts short is taken back, and the run stops with one line."""
+        data = line.encode()
+        end = self._jsonl.seek(0, os.SEEK_END)
+        try:
+            written = 0
+            while written < len(data):
+                written += self._jsonl.write(data[written:])
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                self._jsonl.truncate(end)
+            raise run_dir_error(self.run_dir, "metrics.jsonl", exc) from None
 
     def close(self) -> None:
         if self._jsonl is not None:
             self._jsonl.close()
         if self._tb is not None:
             self._tb.close()
+
+
+class RunLogHandler(logging.FileHandler):
+    """train.log's handler: a failed write (a full disk) is dropped quietly instead of printing a traceback.
+
+    The run does not go on unnoticed: its next metrics.jsonl line meets the same disk and stops it in one line.
+    """
+
+    def handleError(self, record: logging.LogRecord) -> None:  # noqa: N802 (logging's name)
+        if not isinstance(sys.exc_info()[1], OSError):
+            super().handleError(record)
 
 
 class Throughput:
@@ -224,5 +252,15 @@ def progress_reporter(max_steps: int, mode: str, is_main: bool, start: int) -> C
 def write_json(path: Path, obj: Any) -> None:
     """Write via a temporary file and rename, so readers never see half a file."""
     tmp = path.with_suffix(path.suffix + f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps(obj, indent=2, default=str))
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(json.dumps(obj, indent=2, default=str))
+        os.replace(tmp, path)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise run_dir_error(path.parent, path.name, exc) from None
+
+
+def run_dir_error(run_dir: Path, name: str, exc: OSError) -> RunDirError:
+    return RunDirError(f"hydra.run.dir: writing {name} in {run_dir} failed ({exc.strerror or exc}); free space or "
+                       "point hydra.run.dir at a writable disk")

@@ -27,6 +27,7 @@ from trainflow.compiler import Compiler
 from trainflow.config import TrainerConfig, validate
 from trainflow.data import DataBundle, StreamSampler, build_datasets, make_loader
 from trainflow.distributed import DistEnv
+from trainflow.limits import check_batch
 from trainflow.metrics import (
     MetricsWriter,
     Throughput,
@@ -84,6 +85,7 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv) -> dict[str, Any] | Non
     data = build_datasets(cfg.data, cfg.model)
     model = build_model(cfg.model).to(env.device)
     n_params = sum(p.numel() for p in model.parameters())
+    check_batch(cfg, t.batch_size, model, data.train, loss_fn, env.device)  # before a batch of that size exists
     example = data.train[torch.arange(t.batch_size)]
     flops_per_step = count_train_flops(model, example, loss_fn)
     if flops_per_step is not None:

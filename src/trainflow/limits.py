@@ -1,0 +1,122 @@
+"""Batch sizes that cannot work, refused before anything of their size is allocated.
+
+A micro-batch larger than the training set, or one whose inputs and activations cannot fit in the memory this
+process can have, would otherwise end in an index error, or in minutes of swapping and an out-of-memory kill.
+The activations are counted on the meta device (shapes only, no memory, no compute): every tensor autograd
+keeps for backward during one forward and loss, at the real batch size.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig
+from torch import nn
+from torch.func import functional_call
+from torch.utils.data import Dataset
+
+from trainflow.errors import ConfigError
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def check_batch(cfg: DictConfig, batch_size: int, model: nn.Module, dataset: Dataset, loss_fn: LossFn,
+                device: torch.device) -> None:
+    """Refuse a micro-batch the training set cannot fill or the memory cannot hold, naming the key to change."""
+    key = "trainer.batch_size" if cfg.parallelism.global_batch is None else "parallelism.global_batch"
+    n = len(dataset)
+    if batch_size > n:
+        raise ConfigError(f"{key}: a micro-batch of {batch_size} samples is more than the training set holds ({n} "
+                          f"samples); lower {key} so that each rank's micro-batch is <= {n}, or give more data")
+    available = available_bytes(device)
+    if available is None:
+        return
+    sample = dataset[torch.arange(1)]
+    needed = micro_batch_bytes(model, sample, batch_size, loss_fn,
+                               cfg.parallelism.activation_checkpointing == "full")
+    if needed > available:
+        fits = max(0, math.floor(available / (needed / batch_size)))
+        raise ConfigError(f"{key}: a micro-batch of {batch_size} samples needs about {_size(needed)} for its inputs "
+                          f"and activations, and {_size(available)} of {device.type} memory is available; lower "
+                          f"{key} (about {fits} samples fit), raising trainer.grad_accum to keep the global batch")
+
+
+def micro_batch_bytes(model: nn.Module, sample: tuple[torch.Tensor, torch.Tensor], batch_size: int,
+                      loss_fn: LossFn, activation_checkpointing: bool = False) -> int:
+    """Inputs, targets and the tensors autograd saves for backward of one micro-batch, counted on the meta device.
+
+    With activation checkpointing, each of `model.blocks` keeps only its input, and one block's activations exist
+    at a time (while it is recomputed in backward).
+    """
+    inputs, targets = (torch.empty((batch_size, *t.shape[1:]), dtype=t.dtype, device="meta") for t in sample)
+    state = {name: torch.empty_like(t, device="meta").requires_grad_(t.requires_grad)
+             for name, t in [*model.named_parameters(), *model.named_buffers()]}
+    weights = {id(t) for t in state.values()}
+    blocks = list(getattr(model, "blocks", None) or [])
+    per_block = [0] * len(blocks)
+    block_inputs = 0
+    current: list[int] = []  # the block running now (blocks do not nest)
+    outside = 0
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        nonlocal outside
+        if id(t) not in weights and id(t._base) not in weights:  # a weight (or a view of one) is not an activation
+            if current:
+                per_block[current[-1]] += t.numel() * t.element_size()
+            else:
+                outside += t.numel() * t.element_size()
+        return t
+
+    def enter(index: int) -> Callable:
+        def hook(_module: nn.Module, args: tuple) -> None:
+            nonlocal block_inputs
+            current.append(index)
+            block_inputs += sum(a.numel() * a.element_size() for a in args if isinstance(a, torch.Tensor))
+        return hook
+
+    def leave(_module: nn.Module, _args: tuple, _output: object) -> None:
+        current.pop()
+
+    handles = [b.register_forward_pre_hook(enter(i)) for i, b in enumerate(blocks)]
+    handles += [b.register_forward_hook(leave) for b in blocks]
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss_fn(functional_call(model, state, (inputs,)), targets)
+    finally:
+        for h in handles:
+            h.remove()
+    batch = inputs.numel() * inputs.element_size() + targets.numel() * targets.element_size()
+    if activation_checkpointing and blocks:
+        return batch + outside + block_inputs + max(per_block)
+    return batch + outside + sum(per_block)
+
+
+def available_bytes(device: torch.device) -> int | None:
+    """Memory this process can still take: free device memory on CUDA; on CPU, the smaller of the system's
+    available memory and what the cgroup (a container, a SLURM job) still allows. None where unknown."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        meminfo = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
+        available = int(meminfo["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return None
+    cgroup = Path("/sys/fs/cgroup")
+    try:
+        limit = (cgroup / "memory.max").read_text().strip()
+        if limit != "max":
+            available = min(available, int(limit) - int((cgroup / "memory.current").read_text()))
+    except (OSError, ValueError):
+        pass
+    return available
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1000:
+            return f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} TB"
