@@ -79,6 +79,10 @@ def _check(summary: dict, world_size: int) -> dict:
     return par
 
 
+def _grad_norms(run: Run) -> list[float]:
+    return [m["train/grad_norm"] for m in run.metrics() if "train/grad_norm" in m]
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -89,8 +93,13 @@ def _free_port() -> int:
 
 
 def test_self_launched_ddp_with_accumulation_equals_one_process_on_the_whole_batch(tmp_path: Path) -> None:
-    """`python train.py parallelism=ddp` starts 2 workers itself; 2 ranks x 4 x 2 micro-steps == 1 process x 16."""
-    launched = _run_in(tmp_path, [sys.executable, str(ROOT / "train.py"), *SMALL, "parallelism=ddp",
+    """`python train.py parallelism=ddp` starts 2 workers itself; 2 ranks x 4 x 2 micro-steps == 1 process x 16.
+
+    Plain SGD (no momentum, no clipping) and the gradient norm compared: AdamW normalises the update and
+    clipping caps it, so either would hide micro-step gradients summed instead of averaged (twice the norm).
+    """
+    plain_sgd = ["optim=sgd", "optim.momentum=0", "trainer.grad_clip=0"]
+    launched = _run_in(tmp_path, [sys.executable, str(ROOT / "train.py"), *SMALL, *plain_sgd, "parallelism=ddp",
                                   "parallelism.nproc_per_node=2", "parallelism.check=true", "trainer.batch_size=4",
                                   "trainer.grad_accum=2"])
     assert launched.returncode == 0, launched.stderr
@@ -100,11 +109,15 @@ def test_self_launched_ddp_with_accumulation_equals_one_process_on_the_whole_bat
     log = (ddp.run_dir / "train.log").read_text()
     assert log.count("step 1/4") == 1 and "starting 2 ddp workers" in log  # rank 0 speaks, once
 
-    single = train(tmp_path / "single", *SMALL, "trainer.batch_size=16")
+    single = train(tmp_path / "single", *SMALL, *plain_sgd, "trainer.batch_size=16")
     assert single.returncode == 0, single.stderr
     assert len(ddp.losses()) == len(single.losses()) == 4
     for a, b in zip(ddp.losses(), single.losses(), strict=True):
         assert abs(a - b) <= TOLERANCE * abs(b)
+    ddp_norms, single_norms = (_grad_norms(r) for r in (ddp, single))
+    assert len(ddp_norms) == len(single_norms) == 4
+    for a, b in zip(ddp_norms, single_norms, strict=True):
+        assert abs(a - b) <= TOLERANCE * abs(b), (ddp_norms, single_norms)
 
 
 @pytest.mark.parametrize(
