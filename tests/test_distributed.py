@@ -43,6 +43,17 @@ class FailingGPT(GPT):
         return super().forward(idx)
 
 
+class RankSkewedGPT(GPT):
+    """A GPT whose rank 1 starts from weights 1% larger than rank 0's: the ranks no longer train one model."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        if os.environ.get("RANK") == "1":
+            with torch.no_grad():
+                for param in self.parameters():
+                    param.mul_(1.01)
+
+
 def _env(**extra: str) -> dict[str, str]:
     """Let workers import this module (FailingGPT) by name."""
     path = os.pathsep.join(p for p in (str(ROOT / "tests"), os.environ.get("PYTHONPATH")) if p)
@@ -162,6 +173,19 @@ def test_two_nodes_rendezvous_on_loopback(tmp_path: Path) -> None:
     run = _the_one_run_dir(tmp_path)
     par = _check(run.summary, 2)
     assert par["nodes"] == 2
+
+
+def test_parity_check_fails_on_a_skewed_rank(run_dir: Path) -> None:
+    """FSDP2 keeps each rank's own shard of its initial weights: rank 1's skew reaches the sharded model, and the
+    parity check against rank 0's one-process reference must fail and say so, with numbers above its tolerance."""
+    run = train(run_dir, *SMALL, "parallelism=fsdp", "parallelism.nproc_per_node=2", "parallelism.check=true",
+                "model._target_=test_distributed.RankSkewedGPT", env=_env())
+    assert run.returncode == 0, run.stderr[-3000:]  # a failed check is reported, the run itself completes
+    check = run.summary["parallelism"]["check"]
+    assert check["passed"] is False and check["steps"] == 3 and check["tolerance"] == TOLERANCE
+    assert check["param_rel_diff"] > 10 * TOLERANCE and check["loss_rel_diff"] > TOLERANCE, check
+    log = (run_dir / "train.log").read_text()
+    assert "parity check FAILED: fsdp on 2 ranks vs one process after 3 steps: loss rel diff" in log
 
 
 # --- failures ----------------------------------------------------------------------------------------------------
