@@ -7,8 +7,6 @@ masks come from the RNG, and a resume that restarts the generators from the init
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 from conftest import TINY_GPT, Run, losses_by_step, train
 from test_checkpoint import assert_same_tensors
