@@ -542,6 +542,8 @@ class Checkpointer:
         self._need_bytes = max(self._need_bytes, _state_bytes(state), self._saves[-1]["bytes"] if self._saves else 0)
         tmp = self.dir / f"{TMP_PREFIX}step_{state.step:08d}"
         self._on_rank0(lambda: self._fresh(tmp))
+        if self.env.is_main:
+            log.info("checkpoint step %d: saving to %s", state.step, tmp)
         app = {"app": AppState(state, self.env.rank)}
         started = time.perf_counter()
         if blocking:
@@ -654,6 +656,7 @@ class Checkpointer:
             if c.path not in keep:
                 try:
                     _remove(c.path)
+                    log.info("checkpoint: retention deleted %s (checkpoint.keep_last=%d)", c.path, self.cfg.keep_last)
                 except OSError as exc:
                     log.warning("checkpoint: could not delete %s (%s); it stays", c.path, exc.strerror)
 
