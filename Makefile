@@ -21,7 +21,7 @@ train: setup
 
 test: setup
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -q --durations=25
+	$(BIN)/python -m pytest -q -rs --durations=25
 
 lint: setup
 	$(BIN)/ruff check .

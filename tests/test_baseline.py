@@ -79,6 +79,31 @@ def test_tensorboard_scalars_read_back_with_tensorboards_reader(run_dir: Path) -
     assert [v for _, v in tb_losses] == pytest.approx([v for _, v in jsonl_losses], rel=1e-6)  # TB stores fp32
 
 
+def gpt_train_flops(model: dict, batch: int, seq_len: int) -> int:
+    """Matmul FLOPs of one forward + backward step of trainflow's GPT, counted the way FlopCounterMode counts.
+
+    A matmul of [m, k] x [k, n] is 2*m*k*n FLOPs. Per block: qkv (C -> 3C), proj (C -> C) and the MLP
+    (C -> 4C -> C) are 24*N*C^2 for N = batch * seq_len tokens; attention is Q @ K^T and P @ V, 2*B*T*T*C each
+    (the causal mask saves nothing in the count). The tied head is 2*N*C*V. Backward costs twice the forward:
+    every matmul needs the gradient of its input and of its weight (the embeddings' output needs a gradient
+    too, so even the first block's inputs do); layer norms, GELU, softmax and the loss count no FLOPs.
+    """
+    n_layer, c, vocab = model["n_layer"], model["n_embd"], model["vocab_size"]
+    tokens = batch * seq_len
+    forward = n_layer * (24 * tokens * c * c + 4 * batch * seq_len * seq_len * c) + 2 * tokens * c * vocab
+    return 3 * forward
+
+
+def test_gpt_flop_count_equals_the_analytic_count_at_other_sizes() -> None:
+    from trainflow.metrics import count_train_flops
+    from trainflow.models.gpt import GPT
+    from trainflow.run import loss_fn
+
+    model = {"n_layer": 3, "n_embd": 96, "n_head": 4, "vocab_size": 100, "block_size": 16}
+    tokens = torch.randint(100, (5, 16))
+    assert count_train_flops(GPT(**model), (tokens, tokens), loss_fn) == gpt_train_flops(model, batch=5, seq_len=16)
+
+
 def test_summary_has_sane_figures(run_dir: Path) -> None:
     run = train(run_dir, *TINY_GPT, "trainer.max_steps=10", "trainer.warmup_steps=3", "trainer.log_every=5")
     assert run.returncode == 0, run.stderr
@@ -91,6 +116,8 @@ def test_summary_has_sane_figures(run_dir: Path) -> None:
     assert 0 < s["mfu"] < 1.5  # measured matmul peak; tiny models sit well below it
     assert s["peak_memory_bytes"] > 50e6  # a process with torch loaded
     assert s["flops_per_step"] > 0 and s["world_size"] == 1 and s["device"] == "cpu"
+    assert s["flops_per_step"] == gpt_train_flops(s["config"]["model"], batch=8, seq_len=32)
+    assert s["mfu"] == pytest.approx(s["flops_per_step"] / steady["step_time_s"] / s["peak_flops"], rel=1e-12)
     assert s["loss"]["first"] > s["loss"]["last"] > 0
     assert s["config"]["trainer"]["max_steps"] == 10
     assert (run_dir / "config.yaml").exists() and (run_dir / ".hydra" / "config.yaml").exists()

@@ -43,6 +43,17 @@ class FailingGPT(GPT):
         return super().forward(idx)
 
 
+class RankSkewedGPT(GPT):
+    """A GPT whose rank 1 starts from weights 1% larger than rank 0's: the ranks no longer train one model."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        if os.environ.get("RANK") == "1":
+            with torch.no_grad():
+                for param in self.parameters():
+                    param.mul_(1.01)
+
+
 def _env(**extra: str) -> dict[str, str]:
     """Let workers import this module (FailingGPT) by name."""
     path = os.pathsep.join(p for p in (str(ROOT / "tests"), os.environ.get("PYTHONPATH")) if p)
@@ -79,6 +90,10 @@ def _check(summary: dict, world_size: int) -> dict:
     return par
 
 
+def _grad_norms(run: Run) -> list[float]:
+    return [m["train/grad_norm"] for m in run.metrics() if "train/grad_norm" in m]
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -89,8 +104,13 @@ def _free_port() -> int:
 
 
 def test_self_launched_ddp_with_accumulation_equals_one_process_on_the_whole_batch(tmp_path: Path) -> None:
-    """`python train.py parallelism=ddp` starts 2 workers itself; 2 ranks x 4 x 2 micro-steps == 1 process x 16."""
-    launched = _run_in(tmp_path, [sys.executable, str(ROOT / "train.py"), *SMALL, "parallelism=ddp",
+    """`python train.py parallelism=ddp` starts 2 workers itself; 2 ranks x 4 x 2 micro-steps == 1 process x 16.
+
+    Plain SGD (no momentum, no clipping) and the gradient norm compared: AdamW normalises the update and
+    clipping caps it, so either would hide micro-step gradients summed instead of averaged (twice the norm).
+    """
+    plain_sgd = ["optim=sgd", "optim.momentum=0", "trainer.grad_clip=0"]
+    launched = _run_in(tmp_path, [sys.executable, str(ROOT / "train.py"), *SMALL, *plain_sgd, "parallelism=ddp",
                                   "parallelism.nproc_per_node=2", "parallelism.check=true", "trainer.batch_size=4",
                                   "trainer.grad_accum=2"])
     assert launched.returncode == 0, launched.stderr
@@ -100,11 +120,15 @@ def test_self_launched_ddp_with_accumulation_equals_one_process_on_the_whole_bat
     log = (ddp.run_dir / "train.log").read_text()
     assert log.count("step 1/4") == 1 and "starting 2 ddp workers" in log  # rank 0 speaks, once
 
-    single = train(tmp_path / "single", *SMALL, "trainer.batch_size=16")
+    single = train(tmp_path / "single", *SMALL, *plain_sgd, "trainer.batch_size=16")
     assert single.returncode == 0, single.stderr
     assert len(ddp.losses()) == len(single.losses()) == 4
     for a, b in zip(ddp.losses(), single.losses(), strict=True):
         assert abs(a - b) <= TOLERANCE * abs(b)
+    ddp_norms, single_norms = (_grad_norms(r) for r in (ddp, single))
+    assert len(ddp_norms) == len(single_norms) == 4
+    for a, b in zip(ddp_norms, single_norms, strict=True):
+        assert abs(a - b) <= TOLERANCE * abs(b), (ddp_norms, single_norms)
 
 
 @pytest.mark.parametrize(
@@ -149,6 +173,20 @@ def test_two_nodes_rendezvous_on_loopback(tmp_path: Path) -> None:
     run = _the_one_run_dir(tmp_path)
     par = _check(run.summary, 2)
     assert par["nodes"] == 2
+
+
+def test_parity_check_fails_on_a_skewed_rank(run_dir: Path) -> None:
+    """FSDP2 keeps each rank's own shard of its initial weights: rank 1's skew reaches the sharded model, and the
+    parity check against rank 0's one-process reference must fail and say so, with numbers above its tolerance."""
+    run = train(run_dir, *SMALL, "parallelism=fsdp", "parallelism.nproc_per_node=2", "parallelism.check=true",
+                "model._target_=test_distributed.RankSkewedGPT", env=_env())
+    assert run.returncode == 0, run.stderr[-3000:]  # a failed check is reported, the run itself completes
+    check = run.summary["parallelism"]["check"]
+    assert check["passed"] is False and check["steps"] == 3 and check["tolerance"] == TOLERANCE
+    # random tokens keep the logits near uniform: the loss moves less (7e-5 measured) than the parameters (7e-3)
+    assert check["param_rel_diff"] > 10 * TOLERANCE and check["loss_rel_diff"] > 0, check
+    log = (run_dir / "train.log").read_text()
+    assert "parity check FAILED: fsdp on 2 ranks vs one process after 3 steps: loss rel diff" in log
 
 
 # --- failures ----------------------------------------------------------------------------------------------------

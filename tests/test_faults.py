@@ -13,6 +13,7 @@ import contextlib
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -72,8 +73,9 @@ FAULTS = [
 ]
 
 # A 20 MB checkpoint (long enough a save to land kills in it), saved every 2 of 8 steps.
+KEEP_LAST = 2
 KILL = [*TINY_GPT, "model.n_embd=256", "model.n_head=4", "trainer.max_steps=8", "trainer.eval_every=0",
-        "trainer.eval_steps=2", "checkpoint=dcp", "checkpoint.every_steps=2", "checkpoint.keep_last=2"]
+        "trainer.eval_steps=2", "checkpoint=dcp", "checkpoint.every_steps=2", f"checkpoint.keep_last={KEEP_LAST}"]
 MOMENTS = 12  # per save mode in the slow loop
 
 
@@ -84,6 +86,8 @@ def unkilled(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Run]:
     for mode in ("sync", "async"):
         run = train(tmp_path_factory.mktemp(f"unkilled-{mode}") / "run", *KILL, f"checkpoint.mode={mode}")
         assert run.returncode == 0, run.stderr[-3000:]
+        log = (run.run_dir / "train.log").read_text()
+        assert committed_after_each_commit(log, KEEP_LAST, set()) == [{2}, {2, 4}, {4, 6}, {6, 8}]
         runs[mode] = run
     return runs
 
@@ -95,40 +99,80 @@ def save_seconds(run: Run) -> float:
     return max(per_save)
 
 
-def kill_at_a_random_moment(unkilled: Run, run_dir: Path, mode: str, rng: random.Random) -> dict:
-    """Start the run, SIGKILL it a random time into a random save, check the disk, resume, compare."""
+def wait_for_log(run_dir: Path, line: str, proc: subprocess.Popen, timeout: float = 300) -> None:
+    """Wait until the run's own train.log holds `line`: a marker of its progress, not a guess at its timing."""
+    log = run_dir / "train.log"
+    wait_for(lambda: log.exists() and line in log.read_text(), proc, repr(line), timeout)
+
+
+def committed_after_each_commit(log: str, keep_last: int, on_disk: set[int], resumed: int | None = None
+                                ) -> list[set[int]]:
+    """Replay a run's log (commits and retention's deletions, in order) from the checkpoints `on_disk` at its start.
+
+    Retention runs between a checkpoint's rename and its "committed" line, so at each commit the disk held the
+    set before its deletions plus the new one (never more than keep_last + 1), and after them exactly the newest
+    keep_last checkpoints and the one this run resumed from. Returns the set after each commit.
+    """
+    on_disk, after = set(on_disk), []
+    for line in log.splitlines():
+        if deleted := re.search(r"checkpoint: retention deleted .*/step_(\d+) ", line):
+            on_disk.remove(int(deleted.group(1)))
+        elif done := re.search(r"checkpoint step (\d+) committed: ", line):
+            assert len(on_disk) + 1 <= keep_last + 1 + (resumed is not None), (line, on_disk)
+            on_disk.add(int(done.group(1)))
+            expected = set(sorted(on_disk)[-keep_last:]) | ({resumed} & on_disk)
+            assert on_disk == expected, (line, on_disk, expected)
+            after.append(set(on_disk))
+    return after
+
+
+def kill_at_a_random_moment(unkilled: Run, run_dir: Path, mode: str, delay: float, rng: random.Random) -> dict:
+    """Start the run, SIGKILL it `delay` seconds after a random save began, check the disk, resume, compare."""
     step = rng.choice([2, 4, 6])
-    delay = rng.uniform(0, 1.2 * save_seconds(unkilled))
     ckpts = run_dir / "checkpoints"
-    tmp = ckpts / f".tmp-step_{step:08d}"
     proc = start(run_dir, *KILL, f"checkpoint.mode={mode}")
-    wait_for(lambda: tmp.is_dir() or (ckpts / f"step_{step:08d}").is_dir(), proc, f"the save of step {step}")
+    wait_for_log(run_dir, f"checkpoint step {step}: saving to ", proc)  # logged before the first shard is written
     time.sleep(delay)
-    in_save = tmp.is_dir()
     proc.kill()
     assert proc.wait() == -signal.SIGKILL
+    # What the disk says after the kill: the save's temporary folder still there and its step not committed
+    in_save = (ckpts / f".tmp-step_{step:08d}").is_dir() and not (ckpts / f"step_{step:08d}").exists()
     listed = list_committed(ckpts)
     for c in listed:  # every committed checkpoint is whole: manifest sizes and every tensor readable
         check_intact(c, listed)
         assert read_tensors(c.path)
+    killed_log = (run_dir / "train.log").read_text()
+    if in_save:
+        assert step not in [c.step for c in listed] and f"checkpoint step {step} committed" not in killed_log
+        assert all(c.step < step for c in listed)  # nothing later than the interrupted save either
+    else:  # committed (retention may since have deleted it for newer ones)
+        assert listed and listed[-1].step >= step and f"checkpoint step {step} committed" in killed_log
     resumed = train(run_dir, *KILL, f"checkpoint.mode={mode}")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert resumed.summary["resumed_from_step"] == (listed[-1].step if listed else None)
+    resumed_from = listed[-1].step if listed else None
+    assert resumed.summary["resumed_from_step"] == resumed_from
     assert losses_by_step(run_dir) == losses_by_step(unkilled.run_dir)
+    resumed_log = (run_dir / "train.log").read_text()[len(killed_log):]
+    after = committed_after_each_commit(resumed_log, KEEP_LAST, {c.step for c in listed}, resumed_from)
+    assert after[-1] == {c.step for c in list_committed(ckpts)} and 8 in after[-1]  # the replay is the disk
     return {"mode": mode, "save": step, "delay_s": round(delay, 3), "landed": "in the save" if in_save else
             "after its commit", "committed": [c.step for c in listed]}
 
 
 def kill_loop(unkilled: Run, tmp_path: Path, mode: str, moments: int) -> list[dict]:
+    """Kill moments spread over 0-1.2x a save's duration (each a random time in its own slice), from the start."""
     rng = random.Random(f"trainflow-{mode}")  # the same moments every time: a failure can be replayed
-    outcomes = [kill_at_a_random_moment(unkilled, tmp_path / f"kill{i}" / "run", mode, rng) for i in range(moments)]
+    span = 1.2 * save_seconds(unkilled) / moments
+    outcomes = [kill_at_a_random_moment(unkilled, tmp_path / f"kill{i}" / "run", mode,
+                                        rng.uniform(i * span, (i + 1) * span), rng) for i in range(moments)]
     print(json.dumps(outcomes))
     return outcomes
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_sigkill_at_random_moments_of_saves(unkilled: dict[str, Run], tmp_path: Path, mode: str) -> None:
-    kill_loop(unkilled[mode], tmp_path, mode, 2)
+    outcomes = kill_loop(unkilled[mode], tmp_path, mode, 2)
+    assert any(o["landed"] == "in the save" for o in outcomes), outcomes  # or it tests nothing
 
 
 @pytest.mark.slow

@@ -124,6 +124,20 @@ def _bump_resumed_loss(sweep: Path) -> None:
     path.write_text("".join(json.dumps(m) + "\n" for m in lines))
 
 
+def _scale_loss(job: str, step: int, factor: float) -> Callable[[Path], None]:
+    """One rung's logged loss at one step off by `factor`: what a numerics bug in that rung would look like."""
+
+    def apply(sweep: Path) -> None:
+        path = sweep / job / "metrics.jsonl"
+        lines = [json.loads(line) for line in path.read_text().splitlines()]
+        hit = [m for m in lines if m.get("step") == step and "train/loss" in m]
+        assert len(hit) == 1, hit
+        hit[0]["train/loss"] *= factor
+        path.write_text("".join(json.dumps(m) + "\n" for m in lines))
+
+    return apply
+
+
 def _edit_summary(job: str, edit: Callable[[dict], None]) -> Callable[[Path], None]:
     def apply(sweep: Path) -> None:
         path = sweep / job / "summary.json"
@@ -141,7 +155,11 @@ def _edit_summary(job: str, edit: Callable[[dict], None]) -> Callable[[Path], No
     (_edit_summary("3", lambda s: s["parallelism"]["check"].update(passed=False)), "scale.ddp", "parameter rel. diff"),
     (_edit_summary("2", lambda s: s["profiler"].update(verdict=None)), "profile.next_step", "no verdict"),
     (_edit_summary("5", lambda s: s["checkpoint"].update(verified=False)), "checkpoint.restore", "NOT verified"),
-], ids=["resumed-loss", "compile-check", "recompile-limit", "ddp-parity", "no-profile", "unverified-save"])
+    (_scale_loss("1", 7, 1.01), "compile.loss_parity", "max rel. difference 1.0e-02 at step 7; tolerance 1e-03"),
+    (_scale_loss("3", 5, 1.002), "scale.ddp", "max rel. difference 2.0e-03 at step 5 (tolerance 1e-03)"),
+    (_scale_loss("4", 9, 0.99), "scale.fsdp", "max rel. difference 1.0e-02 at step 9 (tolerance 1e-03)"),
+], ids=["resumed-loss", "compile-check", "recompile-limit", "ddp-parity", "no-profile", "unverified-save",
+        "compile-loss", "ddp-loss", "fsdp-loss"])
 def test_a_bad_number_fails_its_gate_and_the_report_command(smoke, tmp_path: Path, tamper, gate: str,
                                                             fragment: str) -> None:
     _, _, sweep = smoke

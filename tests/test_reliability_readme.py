@@ -5,7 +5,9 @@ After changing a table: `python tests/test_reliability_readme.py` rewrites the s
 
 from __future__ import annotations
 
+import ast
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -20,9 +22,40 @@ BEGIN, END = "<!-- reliability table: begin (rendered by tests/test_reliability_
     "<!-- reliability table: end -->"
 
 
+def _needs_cluster(file: str, name: str) -> bool:
+    """Whether a test asks for the `cluster` fixture (which skips without SLURM), itself or through its fixtures."""
+    functions = {n.name: n for n in ast.parse((TESTS / file).read_text()).body if isinstance(n, ast.FunctionDef)}
+    assert name in functions, f"tests/{file} has no test {name}"
+
+    def needs(function: ast.FunctionDef) -> bool:
+        if "needs_cluster" in {ast.unparse(d) for d in function.decorator_list}:
+            return True
+        return any(a.arg == "cluster" or (a.arg in functions and needs(functions[a.arg])) for a in function.args.args)
+
+    return needs(functions[name])
+
+
+def why_not_by_default(test: str) -> str | None:
+    """Why `make test` (the default suite) may not run a cited test here: marked slow, or skipped without something."""
+    file, name = test.split("::")
+    function, _, param = name.partition("[")
+    source = (TESTS / file).read_text()
+    if re.search(r"@pytest\.mark\.slow\n(@.*\n)*def " + function + r"\(", source):
+        return "slow: `pytest -m slow`"
+    if _needs_cluster(file, function):
+        return "skipped without a SLURM cluster"
+    needs = {c.id: c.needs for c in CASES}.get(param.rstrip("]"))
+    return {"mount": "skipped without mount rights", "no-gpu": "skipped where a GPU is visible"}.get(needs or "")
+
+
+def cited(test: str) -> str:
+    why = why_not_by_default(test)
+    return f"`tests/{test}`" + (f" ({why})" if why else "")
+
+
 def rendered() -> str:
     faults = ["| fault | what trainflow does | test |", "|---|---|---|"]
-    faults += [f"| {f.fault} | {f.outcome} | `tests/{f.test}` |" for f in FAULTS]
+    faults += [f"| {f.fault} | {f.outcome} | {cited(f.test)} |" for f in FAULTS]
     return "\n".join([
         BEGIN,
         f"{len(CASES)} bad inputs, each run as a real process by `tests/test_bad_inputs.py` (`<dir>` is a test "
@@ -49,6 +82,20 @@ def test_every_fault_names_a_test_that_exists() -> None:
         assert f"def {function}(" in (TESTS / file).read_text(), fault.test
         if "[" in name:
             assert name.split("[")[1].rstrip("]") in {c.id for c in CASES}, fault.test
+
+
+def test_every_cited_test_is_in_the_default_suite_or_says_slow() -> None:
+    """Collected by a plain `pytest` (what `make test` runs) exactly when its row does not say "slow"."""
+    files = sorted({f"tests/{f.test.split('::')[0]}" for f in FAULTS})
+    proc = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *files],
+                          cwd=TESTS.parent, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    collected = {line.removeprefix("tests/") for line in proc.stdout.splitlines() if "::" in line}
+    for fault in FAULTS:
+        slow = (why_not_by_default(fault.test) or "").startswith("slow")
+        runs = any(test == fault.test or test.startswith(f"{fault.test}[") for test in collected)  # or a param of it
+        assert runs is not slow, (fault.test, "slow" if slow else "not collected")
+        assert ("(slow" in cited(fault.test)) == slow
 
 
 if __name__ == "__main__":

@@ -663,6 +663,8 @@ class Checkpointer:
         self._refuse_nonfinite(tensors, state.step)
         tmp = self.dir / f"{TMP_PREFIX}step_{state.step:08d}"
         self._on_rank0(lambda: self._fresh(tmp))
+        if self.env.is_main:
+            log.info("checkpoint step %d: saving to %s", state.step, tmp)
         started = time.perf_counter()
         sums = self._write_plain(tmp, plain, state.step)
         if blocking:
@@ -819,6 +821,7 @@ class Checkpointer:
             if c.path not in keep:
                 try:
                     _remove(c.path)
+                    log.info("checkpoint: retention deleted %s (checkpoint.keep_last=%d)", c.path, self.cfg.keep_last)
                 except OSError as exc:
                     log.warning("checkpoint: could not delete %s (%s); it stays", c.path, exc.strerror)
 
