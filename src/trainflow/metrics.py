@@ -17,11 +17,14 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
+
+if TYPE_CHECKING:
+    from trainflow.tensorboard import Dashboard
 
 log = logging.getLogger(__name__)
 
@@ -115,16 +118,15 @@ def sync(device: torch.device) -> None:
 
 
 class MetricsWriter:
-    """metrics.jsonl always; TensorBoard when enabled. Rank 0 only: other ranks get a writer that drops."""
+    """metrics.jsonl always; the TensorBoard dashboard when given. Rank 0 only: other ranks get a writer that drops.
 
-    def __init__(self, run_dir: Path, enabled: bool, tensorboard: bool) -> None:
+    The dashboard is closed by its owner (it records the run's summary at the end).
+    """
+
+    def __init__(self, run_dir: Path, enabled: bool, dashboard: Dashboard | None) -> None:
         self.enabled = enabled
         self._jsonl = open(run_dir / "metrics.jsonl", "a") if enabled else None  # noqa: SIM115 (closed in close())
-        self._tb = None
-        if enabled and tensorboard:
-            from torch.utils.tensorboard import SummaryWriter  # 2-3 s import: only when asked for
-
-            self._tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+        self._tb = dashboard
 
     def write(self, step: int, values: dict[str, Any]) -> None:
         if not self.enabled:
@@ -132,15 +134,11 @@ class MetricsWriter:
         self._jsonl.write(json.dumps({"step": step, **values}) + "\n")
         self._jsonl.flush()
         if self._tb is not None:
-            for key, value in values.items():
-                if isinstance(value, (int, float)) and math.isfinite(value):
-                    self._tb.add_scalar(key, value, step)
+            self._tb.scalars(step, values)
 
     def close(self) -> None:
         if self._jsonl is not None:
             self._jsonl.close()
-        if self._tb is not None:
-            self._tb.close()
 
 
 class Throughput:
