@@ -3,10 +3,10 @@
 `tensorboard --logdir outputs` (or a sweep folder) shows every run below it. To compare them:
 
 - each run records a session of TensorBoard's HParams plugin in its own event file: its hyperparameters are
-  the overrides typed for it (`.hydra/overrides.yaml`), its metrics are its scalar tags, and at the end the
-  run's final figures are written as `summary/*` scalars (the HParams table shows each tag's last value);
-  no experiment summary is written, so TensorBoard builds the table from the union of all sessions
-  (one written per run would hide the hyperparameters of runs that override other keys);
+  its group choices, a few headline knobs and the overrides typed for it (what Hydra saved in `.hydra/`), its
+  metrics are its scalar tags, and at the end the run's final figures are written as `summary/*` scalars (the
+  HParams table shows each tag's last value); no experiment summary is written, so TensorBoard builds the
+  table from the union of all sessions (one written per run would hide the keys other runs override);
 - a sweep job writes into `tensorboard/<the job's values of the swept keys>`, so the run list names it by what
   it varies, not only by its number;
 - tag groups sort so that loss comes first: TensorBoard orders groups by name and opens the first two.
@@ -28,21 +28,30 @@ MIB = 2**20
 # metrics.jsonl name -> TensorBoard tag, where the dashboard needs another group or unit than the log.
 _TAGS = {"train/loss": "loss/train", "val/loss": "loss/val", "perf/memory_bytes": "perf/peak_memory_mib"}
 _SCALE = {"perf/memory_bytes": 1 / MIB}
+# Recorded for every run, typed or not: the knobs runs are most often compared by.
+HEADLINE_KEYS = ("optim.lr", "trainer.batch_size", "trainer.max_steps", "trainer.precision")
 HparamValue = str | float | int | bool
 
 
-def hyperparameters(overrides: list[str]) -> dict[str, HparamValue]:
-    """The typed overrides as HParams values: numbers, bools and strings as typed; anything else as its text."""
+def hyperparameters(cfg: DictConfig, choices: dict[str, Any], overrides: list[str]) -> dict[str, HparamValue]:
+    """A run's HParams values: its group choices, the headline knobs, then every typed override.
+
+    The choices and headline knobs are recorded for every run, typed or not, so that a run left at the default
+    learning rate still shows it next to one that changed it (TensorBoard compares only the values recorded).
+    Overrides keep the type they were typed with; lists, dicts and null become their text.
+    """
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    values: dict[str, HparamValue] = {}
+    values: dict[str, HparamValue] = {group: str(choice) for group, choice in choices.items()
+                                      if choice is not None and not group.startswith("hydra/")}
+    values.update({key: OmegaConf.select(cfg, key) for key in HEADLINE_KEYS if OmegaConf.select(cfg, key) is not None})
     for o in OverridesParser.create().parse_overrides(overrides):
         value = o.value()
         if o.is_delete():
             values[o.key_or_group] = "(deleted)"
         elif isinstance(value, (str, int, float, bool)):
             values[o.key_or_group] = value
-        else:  # null, lists, dicts
+        else:
             values[o.key_or_group] = o.get_value_element_as_str()
     return values
 
@@ -60,9 +69,6 @@ def swept_keys(multirun_yaml: Path) -> list[str]:
 
 def job_name(overrides: list[str], run_dir: Path) -> str | None:
     """A sweep job's readable name, e.g. `optim.lr=0.001,trainer.batch_size=8`; None outside a sweep."""
-    hydra_yaml = run_dir / ".hydra" / "hydra.yaml"
-    if not hydra_yaml.exists() or OmegaConf.select(OmegaConf.load(hydra_yaml), "hydra.mode") != "MULTIRUN":
-        return None
     multirun_yaml = next((d / "multirun.yaml" for d in run_dir.parents if (d / "multirun.yaml").exists()), None)
     if multirun_yaml is None:
         return None
@@ -72,10 +78,14 @@ def job_name(overrides: list[str], run_dir: Path) -> str | None:
     return ",".join(varied).replace("/", "_")[:200] or None
 
 
-def run_overrides(run_dir: Path) -> list[str]:
-    """What was typed for this run (Hydra saves it in every run directory it makes)."""
-    path = run_dir / ".hydra" / "overrides.yaml"
-    return [str(o) for o in OmegaConf.load(path)] if path.exists() else []
+def saved_hydra(run_dir: Path) -> tuple[str | None, dict[str, Any], list[str]]:
+    """The run mode, the group choices and the typed overrides Hydra saved in the run directory (none: nothing)."""
+    hydra_yaml, overrides_yaml = run_dir / ".hydra" / "hydra.yaml", run_dir / ".hydra" / "overrides.yaml"
+    if not (hydra_yaml.exists() and overrides_yaml.exists()):
+        return None, {}, []
+    hydra = OmegaConf.load(hydra_yaml).hydra
+    choices = OmegaConf.to_container(hydra.runtime.choices) if "runtime" in hydra else {}
+    return hydra.get("mode"), choices, [str(o) for o in OmegaConf.load(overrides_yaml)]
 
 
 def final_figures(summary: dict[str, Any]) -> dict[str, float]:
@@ -113,11 +123,11 @@ class Dashboard:
     def __init__(self, cfg: DictConfig, run_dir: Path) -> None:
         from torch.utils.tensorboard import SummaryWriter  # 2-3 s import: only when TensorBoard is on
 
-        overrides = run_overrides(run_dir)
-        name = job_name(overrides, run_dir)
+        mode, choices, overrides = saved_hydra(run_dir)
+        name = job_name(overrides, run_dir) if mode == "MULTIRUN" else None
         self.dir = run_dir / EVENTS_DIR / name if name else run_dir / EVENTS_DIR
         self._writer = SummaryWriter(log_dir=str(self.dir), flush_secs=10)  # a running run shows within seconds
-        self._add(_session_start(hyperparameters(overrides)))
+        self._add(_session_start(hyperparameters(cfg, choices, overrides)))
         self._add(_text_summary("config", f"```yaml\n{OmegaConf.to_yaml(cfg, resolve=True)}```"))
 
     def scalars(self, step: int, values: dict[str, Any]) -> None:
