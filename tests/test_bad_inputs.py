@@ -206,6 +206,9 @@ CASES = [
          "Error: optim.lr: must be > 0; got 0.0"),
     Case("unknown-precision", "config", "a precision trainflow does not train in", ("trainer.precision=fp16",),
          "Error: trainer.precision: must be one of fp32, bf16; got 'fp16'"),
+    Case("unknown-eval-schedule", "config", "an evaluation schedule that is neither auto nor a step count",
+         ("trainer.eval_every=often",),
+         "Error: trainer.eval_every: must be auto or a number of steps >= 0 (0: only at the end); got 'often'"),
     Case("model-not-importable", "config", "a model class that cannot be imported", ("model._target_=nosuch.Net",),
          "Error: model._target_: cannot import 'nosuch.Net'; give the import path of an nn.Module class, e.g. "
          "mypackage.models.MyNet (its folder on PYTHONPATH)"),

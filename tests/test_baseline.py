@@ -69,11 +69,11 @@ def test_tensorboard_scalars_read_back_with_tensorboards_reader(run_dir: Path) -
     events = EventAccumulator(str(run_dir / "tensorboard"))
     events.Reload()
     tags = events.Tags()["scalars"]
-    for tag in ("train/loss", "train/lr", "train/grad_norm", "perf/step_time_s", "perf/samples_per_sec",
-                "perf/tokens_per_sec", "perf/data_wait_fraction", "perf/memory_bytes", "perf/mfu", "val/loss",
+    for tag in ("loss/train", "train/lr", "train/grad_norm", "perf/step_time_s", "perf/samples_per_sec",
+                "perf/tokens_per_sec", "perf/data_wait_fraction", "perf/peak_memory_mib", "perf/mfu", "loss/val",
                 "val/perplexity"):
         assert tag in tags, tag
-    tb_losses = [(e.step, e.value) for e in events.Scalars("train/loss")]
+    tb_losses = [(e.step, e.value) for e in events.Scalars("loss/train")]
     jsonl_losses = [(m["step"], m["train/loss"]) for m in run.metrics() if "train/loss" in m]
     assert [s for s, _ in tb_losses] == [2, 4, 6]
     assert [v for _, v in tb_losses] == pytest.approx([v for _, v in jsonl_losses], rel=1e-6)  # TB stores fp32

@@ -29,13 +29,19 @@ class TrainerConfig:
     precision: str = "fp32"  # fp32 | bf16 (autocast)
     grad_clip: float = 1.0  # 0 disables clipping (the norm is still measured)
     log_every: int = 10
-    eval_every: int = 50  # 0: only at the end
+    eval_every: Any = "auto"  # steps between evaluations; 0: only at the end; auto: see eval_interval
     eval_steps: int = 10
     warmup_steps: int = 5  # excluded from steady-state figures
     deterministic: bool = False
     progress: str = "auto"  # auto (bar when stdout is a terminal) | bar | log
     nonfinite: str = "stop"  # stop (at the next sync point, before any save) | skip_step (one host sync a step)
     run_name: str | None = None  # checkpointed runs live in outputs/runs/<run_name>; null: made from the overrides
+
+    def eval_interval(self) -> int:
+        """auto: 10 evaluations (a validation curve) in runs of 100 steps or more; shorter runs once, at the end."""
+        if self.eval_every == "auto":
+            return self.max_steps // 10 if self.max_steps >= 100 else 0
+        return self.eval_every
 
 
 @dataclass
@@ -418,8 +424,10 @@ def validate(cfg: DictConfig) -> None:
     t = cfg.trainer
     for key in ("max_steps", "batch_size", "grad_accum", "log_every", "eval_steps"):
         _require(t[key] > 0, f"trainer.{key}", f"must be a positive integer; got {t[key]}")
-    for key in ("eval_every", "warmup_steps"):
-        _require(t[key] >= 0, f"trainer.{key}", f"must be >= 0; got {t[key]}")
+    _require(t.warmup_steps >= 0, "trainer.warmup_steps", f"must be >= 0; got {t.warmup_steps}")
+    e = t.eval_every
+    _require(e == "auto" or (isinstance(e, int) and not isinstance(e, bool) and e >= 0), "trainer.eval_every",
+             f"must be auto or a number of steps >= 0 (0: only at the end); got {e!r}")
     _require(t.grad_clip >= 0, "trainer.grad_clip", f"must be >= 0 (0 disables clipping); got {t.grad_clip}")
     _require(0 <= t.seed < SEED_RANGE, "trainer.seed", f"must be an integer in [0, {SEED_RANGE - 1}]; got {t.seed}")
     _one_of(cfg, "trainer.device", ("auto", "cpu", "cuda"))

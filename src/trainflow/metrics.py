@@ -18,13 +18,16 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from trainflow.errors import RunDirError
+
+if TYPE_CHECKING:
+    from trainflow.tensorboard import Dashboard
 
 log = logging.getLogger(__name__)
 
@@ -118,27 +121,24 @@ def sync(device: torch.device) -> None:
 
 
 class MetricsWriter:
-    """metrics.jsonl always; TensorBoard when enabled. Rank 0 only: other ranks get a writer that drops."""
+    """metrics.jsonl always; the TensorBoard dashboard when given. Rank 0 only: other ranks get a writer that drops.
 
-    def __init__(self, run_dir: Path, enabled: bool, tensorboard: bool) -> None:
+    The dashboard is closed by its owner (it records the run's summary at the end).
+    """
+
+    def __init__(self, run_dir: Path, enabled: bool, dashboard: Dashboard | None) -> None:
         self.enabled = enabled
         self.run_dir = run_dir
         # unbuffered: each line reaches the file in one call, so a failed write can be taken back whole
         self._jsonl = open(run_dir / "metrics.jsonl", "ab", buffering=0) if enabled else None  # noqa: SIM115
-        self._tb = None
-        if enabled and tensorboard:
-            from torch.utils.tensorboard import SummaryWriter  # 2-3 s import: only when asked for
-
-            self._tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+        self._tb = dashboard
 
     def write(self, step: int, values: dict[str, Any]) -> None:
         if not self.enabled:
             return
         self._append_line(json.dumps({"step": step, **values}) + "\n")
         if self._tb is not None:
-            for key, value in values.items():
-                if isinstance(value, (int, float)) and math.isfinite(value):
-                    self._tb.add_scalar(key, value, step)
+            self._tb.scalars(step, values)
 
     def _append_line(self, line: str) -> None:
         """Whole lines only: a write the disk cuts short is taken back, and the run stops with one line."""
@@ -156,8 +156,6 @@ class MetricsWriter:
     def close(self) -> None:
         if self._jsonl is not None:
             self._jsonl.close()
-        if self._tb is not None:
-            self._tb.close()
 
 
 class RunLogHandler(logging.FileHandler):

@@ -43,6 +43,7 @@ from trainflow.models import build_model
 from trainflow.nonfinite import NonFiniteGuard
 from trainflow.optim import build_optimizer
 from trainflow.profiling import Profiler
+from trainflow.tensorboard import Dashboard
 
 log = logging.getLogger("trainflow")
 
@@ -113,7 +114,8 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv) -> dict[str, Any] | Non
     peak = peak_flops(env.device, t.precision, cfg.metrics.peak_flops)
     # even disabled, torch.autocast costs a few us a step: ~1% of the seed MLP's step, so fp32 skips it
     autocast = torch.autocast(env.device.type, torch.bfloat16) if t.precision == "bf16" else contextlib.nullcontext()
-    writer = MetricsWriter(run_dir, env.is_main, cfg.logger.tensorboard)
+    dashboard = Dashboard(cfg, run_dir) if env.is_main and cfg.logger.tensorboard else None
+    writer = MetricsWriter(run_dir, env.is_main, dashboard)
     progress = progress_reporter(t.max_steps, t.progress, env.is_main, state.step)
     throughput = Throughput(max(t.warmup_steps + compiler.excluded_steps(), parity.steps))
     profiler = Profiler(cfg.profiler, env, run_dir, t.max_steps, throughput.excluded_steps, state.step)
@@ -125,6 +127,7 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv) -> dict[str, Any] | Non
 
     first_loss: float | None = None
     interval = _new_interval(env.device)
+    eval_every = t.eval_interval()
     val: dict[str, float] | None = None
     sync(env.device)
     tick = last_log = time.perf_counter()
@@ -197,7 +200,7 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv) -> dict[str, Any] | Non
                 progress(state.step, values)
                 interval = _new_interval(env.device)
                 last_log = time.perf_counter()
-            if done or (t.eval_every and state.step % t.eval_every == 0):
+            if done or (eval_every and state.step % eval_every == 0):
                 eval_start = time.perf_counter()
                 val = evaluate(model, data, cfg, env, autocast)
                 writer.write(state.step, {f"val/{k}": v for k, v in val.items()})
@@ -246,6 +249,8 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv) -> dict[str, Any] | Non
         "nonfinite": guard.summary(),
         "config": OmegaConf.to_container(cfg, resolve=True),
     }
+    if dashboard is not None:
+        dashboard.finish(summary)
     if not env.is_main:
         return None
     write_json(run_dir / "summary.json", summary)
