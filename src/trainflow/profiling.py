@@ -314,6 +314,7 @@ class _RankResult:
     top_ops: list[dict[str, Any]] = field(default_factory=list)
     verdict: dict[str, Any] | None = None
     memory_snapshot: str | None = None
+    memory_snapshot_write_s: float | None = None  # pickling it after the loop (C++ stacks made this minutes)
 
 
 class Profiler:
@@ -474,12 +475,15 @@ class Profiler:
     def _write_memory_snapshot(self) -> None:
         """Pickle the snapshot for pytorch.org/memory_viz, after the loop."""
         import pickle
+        import time
 
         path = self.dir / f"memory_rank{self.env.rank}.pickle"
+        start = time.perf_counter()
         with path.open("wb") as f:
             pickle.dump(self._snapshot, f)
         self._snapshot = None
         self.result.memory_snapshot = f"profile/{path.name}"
+        self.result.memory_snapshot_write_s = round(time.perf_counter() - start, 3)
 
     def _finish(self) -> _RankResult | None:
         if not self.on:
@@ -524,6 +528,7 @@ class Profiler:
             "traces": [t for r in profiled for t in r.traces],
             "ops_tables": [r.ops_table for r in profiled if r.ops_table],
             "memory_snapshots": [r.memory_snapshot for r in profiled if r.memory_snapshot],
+            "memory_snapshot_write_s": max((r.memory_snapshot_write_s or 0.0 for r in profiled), default=0.0),
             "top_ops": head.top_ops if head else [],
             "verdict": {"rank": head.rank, **head.verdict} if head else None,
         }
