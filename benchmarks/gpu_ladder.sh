@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The workflow ladder on one GPU: gpt_small in bf16 on CUDA, baseline -> compile -> profile (CUDA timeline,
-# memory snapshot) -> scale (only with 2+ GPUs) -> checkpoint (async, CUDA staging) -> resume in a fresh process.
-# Budget: about 5 minutes on one H100/H200 (cold inductor cache included), at most 8.
+# memory snapshot) -> scale (only with 2+ GPUs) -> checkpoint (async, CUDA staging) -> resume in a fresh process;
+# then benchmarks/gpu_checks.py: the items of docs/gpu.md only a GPU confirms (pinning, TF32, CUDA graphs with
+# evaluation, async save + resume, memory snapshot time), side by side.
+# Budget: about 5 minutes on one H100/H200 for the ladder (cold inductor cache included) + at most 3 for the checks.
 #
 #   bash benchmarks/gpu_ladder.sh            # on the GPU machine
 #   bash benchmarks/gpu_ladder.sh --smoke    # anywhere, CPU included: tiny model, few steps (the tests run this)
@@ -74,10 +76,21 @@ set +e
 rc=${PIPESTATUS[0]}
 set -e
 echo "gpu_ladder.sh: the ladder took $((SECONDS - start)) s; exit code $rc; report: $SWEEP/report.md"
+checks_rc=0
+if [[ $SMOKE == 0 ]]; then
+  # What only a GPU confirms (docs/gpu.md): pinning, TF32, CUDA graphs with eval, async save + resume, snapshot.
+  set +e
+  "$PYTHON" benchmarks/gpu_checks.py --out "$SWEEP" --budget-s "${CHECKS_BUDGET_S:-180}" 2>&1 \
+    | tee -a "$SWEEP/console.log"
+  checks_rc=${PIPESTATUS[0]}
+  set -e
+  echo "gpu_ladder.sh: checks exit code $checks_rc; report: $SWEEP/gpu_checks.md"
+fi
 if [[ -n "${OUT:-}" ]]; then
   mkdir -p "$OUT"
-  for f in report.md report.json report.png console.log; do
+  for f in report.md report.json report.png console.log gpu_checks.md gpu_checks.json; do
     if [[ -f "$SWEEP/$f" ]]; then cp "$SWEEP/$f" "$OUT/"; fi
   done
 fi
+if [[ $rc == 0 ]]; then rc=$checks_rc; fi
 exit "$rc"

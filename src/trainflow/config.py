@@ -27,6 +27,7 @@ class TrainerConfig:
     seed: int = 1234
     device: str = "auto"  # auto | cpu | cuda
     precision: str = "fp32"  # fp32 | bf16 (autocast)
+    tf32: bool = True  # CUDA: fp32 matmuls and convolutions on TF32 tensor cores; false: full fp32 arithmetic
     grad_clip: float = 1.0  # 0 disables clipping (the norm is still measured)
     log_every: int = 10
     eval_every: Any = "auto"  # steps between evaluations; 0: only at the end; auto: see eval_interval
@@ -73,7 +74,7 @@ class MLPConfig:
 class LoaderConfig:
     seq_len: int = 128  # tokens per sample for language models; defaults to the model's block_size
     num_workers: int = 0
-    pin_memory: bool = False
+    pin_memory: bool | None = None  # null: pinned on CUDA (asynchronous copies), off on CPU
     persistent_workers: bool = False
     prefetch_factor: int | None = None
     seq_lens: list[int] | None = None  # language models: micro-batch k is cut to seq_lens[k % n] tokens (shapes vary)
@@ -146,6 +147,11 @@ def validate_compile(cfg: DictConfig) -> None:
         import torch
 
         key, value = ("compile.mode", c.mode) if c.mode == "reduce-overhead" else ("compile.backend", c.backend)
+        strategy = cfg.parallelism.strategy
+        _require(strategy == "single", key,
+                 f"{value} captures CUDA graphs, which break under parallelism={strategy} (open PyTorch issues: "
+                 "cudagraph trees with DDP's hooks and FSDP's all-gathers); use "
+                 "compile.mode=max-autotune-no-cudagraphs or compile=default")
         on_gpu = cfg.trainer.device == "cuda" or (cfg.trainer.device == "auto" and torch.cuda.is_available())
         _require(on_gpu, key, f"{value} uses CUDA graphs, which need a GPU, and this run is on CPU: "
                  "use compile=default (inductor without CUDA graphs)")
@@ -215,8 +221,8 @@ class DDPConfig:
 @dataclass
 class FSDPConfig:
     reshard_after_forward: bool = True  # free gathered parameters after forward (memory) or keep them (speed)
-    param_dtype: str | None = None  # null (as stored) | fp32 | bf16 | fp16: dtype of gathered params in compute
-    reduce_dtype: str | None = None  # null (as param_dtype) | fp32 | bf16 | fp16: dtype of the gradient reduction
+    param_dtype: str | None = None  # null (bf16 under trainer.precision=bf16, else as stored) | fp32 | bf16
+    reduce_dtype: str | None = None  # null (fp32) | fp32 | bf16: dtype of the gradient reduce-scatter
     wrap: str = "auto"  # auto (blocks if the model has `blocks`, else size) | blocks | size
     min_params: int = 1_000_000  # size wrapping: shard each submodule holding at least this many parameters
     cpu_offload: bool = False  # keep sharded parameters, gradients and optimizer state in CPU memory
@@ -233,7 +239,7 @@ class ParallelismConfig:
     timeout_s: float = 300.0  # how long a collective may wait for the other ranks
     check: bool = False  # parity check: train a single-process reference on rank 0 alongside and compare
     check_steps: int = 3  # steps after which parameters are compared
-    check_tolerance: float = 1e-4  # largest relative difference (loss and parameters) that passes
+    check_tolerance: float | None = None  # largest relative difference that passes; null: by trainer.precision
     ddp: DDPConfig = field(default_factory=DDPConfig)
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
 
@@ -255,13 +261,17 @@ def validate_parallelism(cfg: DictConfig) -> None:
     _require(p.max_restarts >= 0, "parallelism.max_restarts", f"must be >= 0; got {p.max_restarts}")
     _require(p.timeout_s > 0, "parallelism.timeout_s", f"must be > 0; got {p.timeout_s}")
     _require(p.check_steps > 0, "parallelism.check_steps", f"must be a positive integer; got {p.check_steps}")
-    _require(p.check_tolerance > 0, "parallelism.check_tolerance", f"must be > 0; got {p.check_tolerance}")
+    _require(p.check_tolerance is None or p.check_tolerance > 0, "parallelism.check_tolerance",
+             f"must be > 0, or null for the precision's default; got {p.check_tolerance}")
     _require(not p.check or p.strategy != "single", "parallelism.check",
              "compares ddp/fsdp with one process, so parallelism=single has nothing to compare; set it to false")
     _require(p.ddp.bucket_cap_mb > 0, "parallelism.ddp.bucket_cap_mb", f"must be > 0; got {p.ddp.bucket_cap_mb}")
     for key in ("param_dtype", "reduce_dtype"):
         _require(p.fsdp[key] in (None, "fp32", "bf16", "fp16"), f"parallelism.fsdp.{key}",
                  f"must be null, fp32, bf16 or fp16; got {p.fsdp[key]!r}")
+        _require(p.fsdp[key] != "fp16", f"parallelism.fsdp.{key}",
+                 "fp16 gradients overflow without a loss scaler, and trainflow runs none; use bf16 (the same "
+                 "memory, fp32's range)")
     _one_of(cfg, "parallelism.fsdp.wrap", ("auto", "blocks", "size"))
     _require(p.fsdp.min_params > 0, "parallelism.fsdp.min_params", f"must be > 0; got {p.fsdp.min_params}")
 

@@ -153,7 +153,7 @@ class TokenWindows(Dataset):
     def __getitem__(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         starts = np.asarray(indices, dtype=np.int64) * self.seq_len
         window = torch.from_numpy(self.tokens[starts[:, None] + np.arange(self.seq_len + 1)].astype(np.int64))
-        return window[:, :-1], window[:, 1:]
+        return window[:, :-1].contiguous(), window[:, 1:].contiguous()  # pinned copies need contiguous tensors
 
 
 class SyntheticClassification(Dataset):
@@ -183,7 +183,7 @@ class SyntheticTokens(Dataset):
 
     def __getitem__(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         window = self.tokens[indices]
-        return window[:, :-1], window[:, 1:]
+        return window[:, :-1].contiguous(), window[:, 1:].contiguous()
 
 
 class StreamSampler:
@@ -281,36 +281,54 @@ class VariableLengths:
             yield inputs[:, :n].contiguous(), targets[:, :n].contiguous()
 
 
+class Pinned:
+    """Batches copied into page-locked memory, so that `.to(cuda, non_blocking=True)` does not wait."""
+
+    def __init__(self, loader: Iterable[Batch]) -> None:
+        self.loader = loader
+
+    def __iter__(self) -> Iterator[Batch]:
+        for batch in self.loader:
+            yield tuple(t.pin_memory() for t in batch)
+
+
 class InProcessBatches:
     """Micro-batches gathered in this process: with no workers, DataLoader's machinery only adds ~0.1 ms a
     batch (7% of the seed MLP's step), so it is left out."""
 
-    def __init__(self, dataset: Dataset, sampler: StreamSampler, pin_memory: bool) -> None:
+    def __init__(self, dataset: Dataset, sampler: StreamSampler) -> None:
         self.dataset = dataset
         self.sampler = sampler
-        self.pin_memory = pin_memory
 
     def __iter__(self) -> Iterator[Batch]:
         for indices in self.sampler:
-            batch = self.dataset[indices]
-            yield tuple(t.pin_memory() for t in batch) if self.pin_memory else batch
+            yield self.dataset[indices]
 
 
 def make_loader(
     dataset: Dataset, sampler: StreamSampler, cfg: DictConfig, pin_memory: bool
 ) -> Iterable[Batch]:
-    """A loader over whole micro-batches: the sampler yields index lists the dataset gathers at once."""
+    """A loader over whole micro-batches: the sampler yields index lists the dataset gathers at once.
+
+    Pinning comes last (cutting a pinned batch to a length would copy it back into pageable memory); with
+    workers and no cutting, DataLoader pins in its own thread instead.
+    """
     loader: Iterable[Batch]
+    seq_lens = cfg.get("seq_lens")
     if cfg.num_workers == 0:
-        loader = InProcessBatches(dataset, sampler, pin_memory)
+        loader = InProcessBatches(dataset, sampler)
     else:
         loader = DataLoader(
             dataset,
             batch_size=None,
             sampler=sampler,
             num_workers=cfg.num_workers,
-            pin_memory=pin_memory,
+            pin_memory=pin_memory and not seq_lens,
             persistent_workers=cfg.persistent_workers,
             prefetch_factor=cfg.prefetch_factor,
         )
-    return VariableLengths(loader, list(cfg.seq_lens), sampler) if cfg.get("seq_lens") else loader
+    if seq_lens:
+        loader = VariableLengths(loader, list(seq_lens), sampler)
+    if pin_memory and (cfg.num_workers == 0 or seq_lens):
+        loader = Pinned(loader)
+    return loader

@@ -61,10 +61,15 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from trainflow.errors import ConfigError, TrainflowError
+from trainflow.metrics import matmul_math
 
 log = logging.getLogger(__name__)
 
 _DTYPES = {None: None, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# The parity check's default tolerance by the matmuls' arithmetic (trainflow.metrics.matmul_math): fp32 all-reduce
+# reorderings stay ~1e-5; bf16 (and TF32) gradients of 2-sample shards round differently from the one-process
+# batch (~4e-3 measured for bf16).
+PARITY_TOLERANCE = {"fp32": 1e-4, "tf32": 1e-2, "bf16": 2e-2}
 _LOG_FORMAT = "[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"  # Hydra's default, for workers without it
 _self_launched = False  # set in workers started by `launch`: the launching process already spoke for them
 
@@ -96,12 +101,36 @@ class DistEnv:
 # Checks that need the world size or the hardware (the rest is config.validate_parallelism)
 
 
-def resolve_device(requested: str, local_rank: int) -> torch.device:
+def resolve_device(requested: str, local_rank: int, local_world_size: int = 1) -> torch.device:
     if requested == "cuda" and not torch.cuda.is_available():
         raise ConfigError("trainer.device: cuda was asked for but no GPU is visible; use trainer.device=cpu or auto")
     if requested == "cpu" or (requested == "auto" and not torch.cuda.is_available()):
         return torch.device("cpu")
-    return torch.device("cuda", local_rank)
+    return torch.device("cuda", cuda_index(local_rank, local_world_size, torch.cuda.device_count(),
+                                           gpus_bound_per_task()))
+
+
+def gpus_bound_per_task() -> bool:
+    """Whether a scheduler bound this task to its own GPUs (SLURM --gpus-per-task / --gpu-bind).
+
+    Then CUDA_VISIBLE_DEVICES lists this task's GPUs only, and each task sees fewer GPUs than there are ranks on
+    its node: its own device is the first one it sees, whatever its local rank.
+    """
+    return "SLURM_LOCALID" in os.environ and bool(os.environ.get("CUDA_VISIBLE_DEVICES"))
+
+
+def cuda_index(local_rank: int, local_world_size: int, visible: int, bound_per_task: bool) -> int:
+    """The CUDA device of this rank among the `visible` ones.
+
+    Every rank of a node sees all of its GPUs (torchrun, srun without binding): device LOCAL_RANK. The scheduler
+    bound GPUs to each task: the task's first visible device. Anything else would put two ranks on one GPU.
+    """
+    if visible >= local_world_size:
+        return local_rank
+    if bound_per_task:
+        return 0
+    check_nproc(local_world_size, "cuda", visible)  # raises: more ranks on this node than GPUs they can share
+    return local_rank
 
 
 def resolve_backend(cfg: DictConfig, device: torch.device) -> str:
@@ -207,7 +236,7 @@ def _preflight(cfg: DictConfig, device: torch.device, world_size: int, local_wor
         raise ConfigError("parallelism.fsdp.cpu_offload: the run is on CPU already, so there is nothing to offload "
                           "to; set it to false")
     per_rank_batch(cfg, world_size)
-    if device.type == "cuda":
+    if device.type == "cuda" and not gpus_bound_per_task():
         check_nproc(local_world_size, "cuda", torch.cuda.device_count())
     if int(os.environ.get("RANK", "0")) == 0 and not _self_launched:
         for warning in (bf16_warning(cfg, device), _oversubscription_warning(device, local_world_size)):
@@ -267,7 +296,7 @@ def setup(cfg: DictConfig) -> DistEnv:
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    device = resolve_device(cfg.trainer.device, local_rank)
+    device = resolve_device(cfg.trainer.device, local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     started_by = "trainflow" if _self_launched else "the launcher"
     backend = _preflight(cfg, device, world_size, int(os.environ.get("LOCAL_WORLD_SIZE", "1")), started_by)
     cfg.trainer.batch_size = per_rank_batch(cfg, world_size)
@@ -481,14 +510,14 @@ def explain_failure(exc: Any, logs: Path | None = None) -> TrainflowError:
 # Wrapping the model
 
 
-def parallelize(model: nn.Module, cfg: DictConfig, env: DistEnv) -> nn.Module:
+def parallelize(model: nn.Module, cfg: DictConfig, env: DistEnv, precision: str = "fp32") -> nn.Module:
     """Activation checkpointing, then DDP or FSDP2 for the chosen strategy; one process trains the model as is."""
     if cfg.activation_checkpointing == "full":
         checkpoint_blocks(model)
     if not env.distributed:
         return model
     if cfg.strategy == "fsdp":
-        return shard(model, cfg.fsdp, env)
+        return shard(model, cfg.fsdp, env, precision)
     from torch.nn.parallel import DistributedDataParallel
 
     d = cfg.ddp
@@ -550,20 +579,31 @@ def shard_units(model: nn.Module, wrap: str, min_params: int) -> list[nn.Module]
     return units
 
 
-def shard(model: nn.Module, cfg: DictConfig, env: DistEnv) -> nn.Module:
+def fsdp_dtypes(param_dtype: str | None, reduce_dtype: str | None, precision: str) -> tuple[str | None, str | None]:
+    """FSDP2's (param, reduce) dtypes: what the user set, else bf16 parameters under bf16 autocast (gathering fp32
+    would move twice the bytes for matmuls that run in bf16 anyway) and an fp32 reduce-scatter (summing bf16
+    gradients over many ranks loses precision)."""
+    param = param_dtype or ("bf16" if precision == "bf16" else None)
+    reduce = reduce_dtype or ("fp32" if param not in (None, "fp32") else None)
+    return param, reduce
+
+
+def shard(model: nn.Module, cfg: DictConfig, env: DistEnv, precision: str = "fp32") -> nn.Module:
     """FSDP2: `fully_shard` each unit (blocks, or modules by size), then the root, over one device mesh."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
+    param_dtype, reduce_dtype = fsdp_dtypes(cfg.param_dtype, cfg.reduce_dtype, precision)
     options = {
         "mesh": init_device_mesh(env.device.type, (env.world_size,)),
-        "reshard_after_forward": cfg.reshard_after_forward,
-        "mp_policy": MixedPrecisionPolicy(param_dtype=_DTYPES[cfg.param_dtype], reduce_dtype=_DTYPES[cfg.reduce_dtype]),
+        "mp_policy": MixedPrecisionPolicy(param_dtype=_DTYPES[param_dtype], reduce_dtype=_DTYPES[reduce_dtype]),
         "offload_policy": CPUOffloadPolicy() if cfg.cpu_offload else OffloadPolicy(),
     }
     units = shard_units(model, cfg.wrap, cfg.min_params)
     for unit in units:
-        fully_shard(unit, **options)
+        fully_shard(unit, reshard_after_forward=cfg.reshard_after_forward, **options)
+    # The root's reshard_after_forward is left to FSDP (kept gathered: backward needs it first); passing True
+    # would cost an all-gather at the start of every backward.
     fully_shard(model, **options)
     if env.is_main:
         log.info("fsdp: %d shard units + root over %d ranks", len(units), env.world_size)
@@ -640,7 +680,7 @@ class ParityCheck:
         p = cfg.parallelism
         self.enabled = bool(p.check) and env.distributed
         self.steps = min(p.check_steps, cfg.trainer.max_steps) if self.enabled else 0
-        self.tolerance = p.check_tolerance
+        self.tolerance = p.check_tolerance or PARITY_TOLERANCE[matmul_math(env.device, cfg.trainer.precision)]
         self.env = env
         self.result: dict[str, Any] | None = None
         self._losses: list[tuple[float, float]] = []  # (ranks' mean, reference), on rank 0
@@ -724,13 +764,19 @@ class ParityCheck:
         return self.result or {"skipped": f"the run ended before parallelism.check_steps={self.steps}"}
 
 
+def node_count(world_size: int) -> int:
+    """Nodes of the run: ranks over ranks per node (GROUP_WORLD_SIZE is torchrun's alone; SLURM does not set it)."""
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world_size) or world_size)
+    return max(1, world_size // max(per_node, 1))
+
+
 def summary(cfg: DictConfig, env: DistEnv, steady: dict[str, float] | None, check: ParityCheck) -> dict[str, Any]:
     """The parallel layout, global batch, throughput in total and per rank, and the parity check's verdict."""
     t = cfg.trainer
     out: dict[str, Any] = {
         "strategy": env.strategy,
         "world_size": env.world_size,
-        "nodes": int(os.environ.get("GROUP_WORLD_SIZE", "1")),
+        "nodes": node_count(env.world_size),
         "backend": dist.get_backend() if env.distributed and dist.is_initialized() else None,
         "per_rank_batch": t.batch_size,
         "grad_accum": t.grad_accum,

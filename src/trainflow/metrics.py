@@ -13,6 +13,7 @@ import logging
 import math
 import os
 import platform
+import re
 import resource
 import sys
 import time
@@ -31,9 +32,32 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# Dense bf16 tensor-core peaks (FLOP/s) by device-name substring; fp32 runs use TF32 peaks.
-_GPU_PEAKS_BF16 = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12, "L4": 121e12,
-                   "V100": 125e12, "RTX 4090": 165e12, "RTX 3090": 71e12, "T4": 65e12}
+# Dense (no sparsity) datasheet peaks in TFLOP/s by the math a run uses: fp32 (CUDA cores), tf32 and bf16 (tensor
+# cores), fp8. Matched against the whole device name (vendor words dropped): "H100 PCIe" is not an H100 SXM, "L40"
+# is not an L4. None: the device has no such units (V100 and T4 have no bf16 or tf32).
+_HOPPER_SXM = {"fp32": 66.9, "tf32": 494.7, "bf16": 989.4, "fp8": 1978.9}
+_HOPPER_NVL = {"fp32": 60.0, "tf32": 417.5, "bf16": 835.5, "fp8": 1670.5}
+_A100 = {"fp32": 19.5, "tf32": 156.0, "bf16": 312.0, "fp8": None}
+_A10 = {"fp32": 31.2, "tf32": 62.5, "bf16": 125.0, "fp8": None}
+_GPU_PEAKS_TFLOPS: list[tuple[str, dict[str, float | None]]] = [
+    (r"H100( 80GB HBM3| SXM5? ?\d*GB)?", _HOPPER_SXM),
+    (r"H100 PCIe", {"fp32": 51.2, "tf32": 378.0, "bf16": 756.0, "fp8": 1513.0}),
+    (r"H100 NVL", _HOPPER_NVL),
+    (r"H200( \d+GB HBM3e)?", _HOPPER_SXM),
+    (r"H200 NVL", _HOPPER_NVL),
+    (r"GH200 \d+GB", _HOPPER_SXM),
+    (r"B200", {"fp32": None, "tf32": 1100.0, "bf16": 2250.0, "fp8": 4500.0}),
+    (r"A100[- ].*", _A100),
+    (r"A10G?", _A10),
+    (r"L40S", {"fp32": 91.6, "tf32": 183.0, "bf16": 362.1, "fp8": 733.0}),
+    (r"L40", {"fp32": 90.5, "tf32": 90.5, "bf16": 181.0, "fp8": 362.0}),
+    (r"L4", {"fp32": 30.3, "tf32": 60.0, "bf16": 121.0, "fp8": 242.5}),
+    (r"V100-SXM2-\d+GB", {"fp32": 15.7, "tf32": None, "bf16": None, "fp8": None}),
+    (r"V100S?-PCIE-\d+GB", {"fp32": 14.0, "tf32": None, "bf16": None, "fp8": None}),
+    (r"T4", {"fp32": 8.1, "tf32": None, "bf16": None, "fp8": None}),
+    (r"RTX 4090", {"fp32": 82.6, "tf32": 82.6, "bf16": 165.2, "fp8": 330.3}),
+    (r"RTX 3090", {"fp32": 35.6, "tf32": 35.6, "bf16": 71.0, "fp8": None}),
+]
 _PEAK_CACHE = Path("~/.cache/trainflow/peak_flops.json").expanduser()
 
 
@@ -82,11 +106,11 @@ def peak_flops(device: torch.device, precision: str, override: float | None, at_
         return float(override)
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
-        for key, peak in _GPU_PEAKS_BF16.items():
-            if key in name:
-                return peak if precision == "bf16" else peak / 2
-        log.warning("unknown GPU %r: set metrics.peak_flops to get MFU", name)
-        return None
+        math_used = matmul_math(device, precision)
+        peak = gpu_peak_flops(name, math_used)
+        if peak is None:
+            log.warning("no %s peak known for the GPU %r: set metrics.peak_flops to get MFU", math_used, name)
+        return peak
     threads = torch.get_num_threads()
     key = f"{_cpu_name()}|threads={threads}|torch={torch.__version__}"
     try:
@@ -106,6 +130,41 @@ def peak_flops(device: torch.device, precision: str, override: float | None, at_
         except OSError:
             pass  # an unwritable home only costs a re-measurement next time
     return cache[key]
+
+
+def gpu_peak_flops(name: str, math_used: str) -> float | None:
+    """The datasheet's dense peak FLOP/s of the GPU named `name` for `math_used` (fp32, tf32, bf16, fp8)."""
+    model = re.sub(r"^(NVIDIA |Tesla )*(GeForce )?", "", name.strip())
+    for pattern, peaks in _GPU_PEAKS_TFLOPS:
+        if re.fullmatch(pattern, model):
+            tflops = peaks.get(math_used)
+            return tflops * 1e12 if tflops else None
+    return None
+
+
+def configure_matmul(device: torch.device, precision: str, tf32: bool) -> None:
+    """fp32 matmuls and convolutions on CUDA in TF32 (10-bit mantissa, ~8x the fp32 rate on tensor cores) when
+    `tf32`; off, full fp32. bf16 runs are unaffected (autocast picks bf16 kernels)."""
+    if device.type != "cuda":
+        return
+    mode = "tf32" if tf32 and precision == "fp32" else "ieee"
+    if hasattr(torch.backends.cuda.matmul, "fp32_precision"):
+        torch.backends.cuda.matmul.fp32_precision = mode
+        torch.backends.cudnn.conv.fp32_precision = mode
+    else:  # torch < 2.9
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = mode == "tf32"
+
+
+def matmul_math(device: torch.device, precision: str) -> str:
+    """The arithmetic a run's matmuls use, whose peak MFU divides by and whose rounding tolerances follow: bf16,
+    tf32 (CUDA only) or fp32."""
+    if precision == "bf16":
+        return "bf16"
+    if device.type != "cuda":
+        return "fp32"
+    if hasattr(torch.backends.cuda.matmul, "fp32_precision"):
+        return "tf32" if torch.backends.cuda.matmul.fp32_precision == "tf32" else "fp32"
+    return "tf32" if torch.backends.cuda.matmul.allow_tf32 else "fp32"
 
 
 def peak_memory_bytes(device: torch.device) -> int:

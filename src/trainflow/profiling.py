@@ -58,7 +58,7 @@ ACTIONS = {
                   "data.prefetch_factor to load ahead), set data.pin_memory=true on GPU, or make loading cheaper",
     "cpu-overhead-bound": "the step is many small operations paying per-op dispatch cost: compile the model "
                           "(compile.enabled=true), raise trainer.batch_size so each operation does more work, and "
-                          "on GPU capture CUDA graphs (compile.mode=reduce-overhead)",
+                          "on one GPU capture CUDA graphs (compile.mode=reduce-overhead)",
     "retracing": "compilation ran inside the profiled steps (recompiles on changing shapes): set "
                  "compile.dynamic=true or bucket input shapes to a few fixed sizes",
     "communication-bound": "collectives are exposed: give each all-reduce more compute to hide behind (a larger "
@@ -68,6 +68,11 @@ ACTIONS = {
     "compute-bound": "the step is arithmetic: use trainer.precision=bf16 on hardware with bf16 units, compile to "
                      "fuse kernels, or add devices (parallelism=ddp or fsdp); MFU shows the headroom left",
 }
+# CUDA graphs under DDP/FSDP hit open upstream bugs (cudagraph trees with DDP's hooks and FSDP's all-gathers):
+# across ranks the verdict recommends only what works there.
+_MULTI_RANK_OVERHEAD = ("the step is many small operations paying per-op dispatch cost: compile the model "
+                        "(compile.enabled=true, compile.mode=max-autotune-no-cudagraphs on GPU) and raise "
+                        "trainer.batch_size so each operation does more work (CUDA graphs are not used with ddp/fsdp)")
 VERDICT_GROUPS = {
     "data-bound": ("data_wait",),
     "communication-bound": ("communication",),
@@ -250,8 +255,11 @@ def analyze_window(events: list[Any], on_gpu: bool, last_step: int) -> dict[str,
             "step_ms": step_ms, "seconds": seconds, "regions": region_s}
 
 
-def verdict(totals: dict[str, Any], device: str) -> dict[str, Any] | None:
-    """Name the bottleneck from accumulated window seconds; None when nothing was recorded."""
+def verdict(totals: dict[str, Any], device: str, distributed: bool = False) -> dict[str, Any] | None:
+    """Name the bottleneck from accumulated window seconds; None when nothing was recorded.
+
+    `distributed`: the run has several ranks, so the action never recommends CUDA graphs (see above).
+    """
     step_s = totals["step_s"]
     if totals["steps"] == 0 or step_s <= 0:
         return None
@@ -263,6 +271,8 @@ def verdict(totals: dict[str, Any], device: str) -> dict[str, Any] | None:
     retracing = shares["compile"] > 0
     cause = "retracing" if bound == "cpu-overhead-bound" and shares["compile"] > shares["overhead"] else None
     action = ACTIONS[cause or bound]
+    if distributed and (cause or bound) == "cpu-overhead-bound":
+        action = _MULTI_RANK_OVERHEAD
     if retracing and cause is None:
         action += f"; also: {ACTIONS['retracing']}"
     result: dict[str, Any] = {
@@ -304,6 +314,7 @@ class _RankResult:
     top_ops: list[dict[str, Any]] = field(default_factory=list)
     verdict: dict[str, Any] | None = None
     memory_snapshot: str | None = None
+    memory_snapshot_write_s: float | None = None  # pickling it after the loop (C++ stacks made this minutes)
 
 
 class Profiler:
@@ -325,6 +336,7 @@ class Profiler:
         self._totals: dict[str, Any] = {"steps": 0, "step_s": 0.0, "step_ms": [], "seconds": {}, "regions": {}}
         self._ops: dict[str, list[float]] = {}  # name -> [calls, self time us]
         self._memory_history = False
+        self._snapshot: dict[str, Any] | None = None  # the CUDA allocator history, written after the loop
         self._load = 0.0  # the highest 1-minute load average seen at the end of a window
         self.result = _RankResult(env.rank)
         self.on = bool(cfg.enabled) and self._selected(cfg.ranks, env)
@@ -363,7 +375,8 @@ class Profiler:
         self.dir.mkdir(parents=True, exist_ok=True)
         if c.memory_snapshot:
             if self.device == "cuda":
-                torch.cuda.memory._record_memory_history(max_entries=c.memory_history_entries)
+                # Python stacks only: C++ stacks ("all") make the dump symbolize every frame, minutes on 8 GPUs.
+                torch.cuda.memory._record_memory_history(max_entries=c.memory_history_entries, stacks="python")
                 self._memory_history = True
             elif self.env.is_main:
                 log.warning("profiler.memory_snapshot: the allocator history needs CUDA and this run is on %s; "
@@ -391,7 +404,9 @@ class Profiler:
         prof, self._prof = self._prof, None
         prof.__exit__(*exc)  # a window cut short by the end of the run is saved here
         if self._memory_history:
-            self._dump_memory_snapshot()
+            self._take_memory_snapshot()
+        if self._snapshot is not None:
+            self._write_memory_snapshot()
         if self._windows_done == 0 and self.env.is_main:
             log.warning("profiler: the run ended after %d steps, before the first profiling window closed; "
                         "no trace or verdict was recorded", self._steps)
@@ -441,21 +456,40 @@ class Profiler:
         if hasattr(os, "getloadavg"):
             self._load = max(self._load, os.getloadavg()[0])
         if self._memory_history:
-            self._dump_memory_snapshot()
+            self._take_memory_snapshot()
 
-    def _dump_memory_snapshot(self) -> None:
-        """The allocator history up to the end of the first window, for pytorch.org/memory_viz."""
-        path = self.dir / f"memory_rank{self.env.rank}.pickle"
-        torch.cuda.memory._dump_snapshot(str(path))
+    def _take_memory_snapshot(self) -> None:
+        """The allocator history from the first step to the end of the first window, kept in memory.
+
+        Only taken here, inside the loop; pickling it to disk waits for the end of the run (`_write_memory_snapshot`),
+        so the loop's timing does not include a dump of seconds.
+        """
+        self._snapshot = torch.cuda.memory._snapshot()
         torch.cuda.memory._record_memory_history(enabled=None)
         self._memory_history = False
+        entries = sum(len(trace) for trace in self._snapshot.get("device_traces", []))
+        if entries >= self.cfg.memory_history_entries and self.env.is_main:
+            log.warning("profiler.memory_snapshot: the allocator history holds only its last %d events, so the first "
+                        "steps are missing from it; raise profiler.memory_history_entries", entries)
+
+    def _write_memory_snapshot(self) -> None:
+        """Pickle the snapshot for pytorch.org/memory_viz, after the loop."""
+        import pickle
+        import time
+
+        path = self.dir / f"memory_rank{self.env.rank}.pickle"
+        start = time.perf_counter()
+        with path.open("wb") as f:
+            pickle.dump(self._snapshot, f)
+        self._snapshot = None
         self.result.memory_snapshot = f"profile/{path.name}"
+        self.result.memory_snapshot_write_s = round(time.perf_counter() - start, 3)
 
     def _finish(self) -> _RankResult | None:
         if not self.on:
             return None
         r = self.result
-        r.verdict = verdict(self._totals, self.device)
+        r.verdict = verdict(self._totals, self.device, self.env.distributed)
         cores = os.cpu_count() or 1
         if r.verdict and self.device == "cpu" and self._load > cores:
             r.verdict["note"] = (f"the machine was oversubscribed (load average {self._load:.1f} on {cores} cores): "
@@ -494,6 +528,7 @@ class Profiler:
             "traces": [t for r in profiled for t in r.traces],
             "ops_tables": [r.ops_table for r in profiled if r.ops_table],
             "memory_snapshots": [r.memory_snapshot for r in profiled if r.memory_snapshot],
+            "memory_snapshot_write_s": max((r.memory_snapshot_write_s or 0.0 for r in profiled), default=0.0),
             "top_ops": head.top_ops if head else [],
             "verdict": {"rank": head.rank, **head.verdict} if head else None,
         }

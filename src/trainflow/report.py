@@ -180,7 +180,8 @@ def _gate_settings(runs: list[RunRecord]) -> dict[str, Any]:
         cfg = (r.summary or {}).get("config") or {}
         if r.stage and cfg:
             lad = cfg.get("ladder", {})
-            return {"precision": cfg.get("trainer", {}).get("precision", "fp32"), "loss_rtol": lad.get("loss_rtol"),
+            precision = r.summary.get("matmul_math") or cfg.get("trainer", {}).get("precision", "fp32")
+            return {"precision": precision, "loss_rtol": lad.get("loss_rtol"),
                     "resume_atol": lad.get("resume_atol", 0.0)}
     return {}
 

@@ -31,7 +31,9 @@ from trainflow.limits import check_batch
 from trainflow.metrics import (
     MetricsWriter,
     Throughput,
+    configure_matmul,
     count_train_flops,
+    matmul_math,
     mfu,
     peak_flops,
     peak_memory_bytes,
@@ -81,6 +83,7 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv) -> dict[str, Any] | Non
         (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
     if t.deterministic != torch.are_deterministic_algorithms_enabled():  # the call imports inductor: 1.5 s
         torch.use_deterministic_algorithms(t.deterministic)
+    configure_matmul(env.device, t.precision, t.tf32)
     seed_everything(t.seed)  # the same initial weights on every rank
 
     data = build_datasets(cfg.data, cfg.model)
@@ -92,7 +95,7 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv) -> dict[str, Any] | Non
     if flops_per_step is not None:
         flops_per_step *= t.grad_accum
     parity = distributed.ParityCheck(cfg, env, model, data.train, loss_fn)  # copies the model before wrapping
-    model = distributed.parallelize(model, cfg.parallelism, env)
+    model = distributed.parallelize(model, cfg.parallelism, env, t.precision)
     compiler = Compiler(cfg, env, run_dir)
     model = compiler.apply(model, example, loss_fn)  # compile.check compares eager and compiled on `example`
     optimizer, scheduler = build_optimizer(model, cfg.optim, t.max_steps, env.device)
@@ -109,7 +112,7 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv) -> dict[str, Any] | Non
 
     global_batch = t.batch_size * env.world_size * t.grad_accum
     sampler = StreamSampler(len(data.train), t.batch_size, env.rank, env.world_size, t.seed, state.samples_seen)
-    pin = cfg.data.pin_memory and env.device.type == "cuda"
+    pin = cfg.data.pin_memory is not False and env.device.type == "cuda"  # null: pinned on CUDA
     batches = iter(make_loader(data.train, sampler, cfg.data, pin))
     peak = peak_flops(env.device, t.precision, cfg.metrics.peak_flops)
     # even disabled, torch.autocast costs a few us a step: ~1% of the seed MLP's step, so fp32 skips it
@@ -144,8 +147,9 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv) -> dict[str, Any] | Non
             for micro in range(t.grad_accum):
                 with label("trainflow/data"):
                     t0 = time.perf_counter()
-                    inputs, targets = (x.to(env.device, non_blocking=pin) for x in next(batches))
-                    data_wait += time.perf_counter() - t0
+                    batch = next(batches)
+                    data_wait += time.perf_counter() - t0  # the copy below may wait for the GPU: not data
+                    inputs, targets = (x.to(env.device, non_blocking=pin) for x in batch)
                     tokens += targets.numel() if data.is_lm else 0
                 last = micro == t.grad_accum - 1
                 with label("trainflow/forward_backward"), distributed.no_grad_sync(model, last):
@@ -243,6 +247,7 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv) -> dict[str, Any] | Non
         "global_batch": global_batch,
         "parallelism": distributed.summary(cfg, env, steady, parity),
         "device": str(env.device),
+        "matmul_math": matmul_math(env.device, t.precision),
         "compile": compiler.summary(steady),
         "profiler": profiler.summary(),
         "checkpoint": checkpointer.summary(),

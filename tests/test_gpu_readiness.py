@@ -1,0 +1,198 @@
+"""The decisions trainflow makes for CUDA runs, tested on CPU: device mapping, CUDA graphs, FSDP2 dtypes and
+resharding, TF32 and the peaks MFU divides by, tolerances by arithmetic, pinned batches.
+
+What only a GPU can show (speed, the memory snapshot's dump time) is in docs/gpu.md and benchmarks/gpu_ladder.sh.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+from torch import nn
+
+from trainflow.compiler import TOLERANCE, effective_mode
+from trainflow.config import TrainConfig, validate_compile, validate_parallelism
+from trainflow.data import Pinned, StreamSampler, SyntheticTokens, TokenWindows, VariableLengths, make_loader
+from trainflow.distributed import PARITY_TOLERANCE, DistEnv, ParityCheck, cuda_index, fsdp_dtypes, node_count
+from trainflow.errors import ConfigError
+from trainflow.metrics import configure_matmul, gpu_peak_flops, matmul_math
+from trainflow.profiling import verdict
+
+
+def cfg(**overrides) -> OmegaConf:
+    config = OmegaConf.structured(TrainConfig)
+    config.model = {"_target_": "trainflow.models.gpt.GPT"}
+    config.data = {"seq_len": 32}
+    return OmegaConf.merge(config, overrides)
+
+
+# -- which GPU a rank uses ----------------------------------------------------------------------------------------
+
+
+def test_every_task_seeing_all_gpus_uses_its_local_rank() -> None:
+    assert [cuda_index(r, 8, 8, bound_per_task=False) for r in range(8)] == list(range(8))
+    assert cuda_index(3, 4, 8, bound_per_task=True) == 3  # 8 visible, 4 ranks: LOCAL_RANK still fits
+
+
+def test_one_gpu_bound_per_task_is_that_tasks_device_zero() -> None:
+    """SLURM --gpus-per-task=1 / --gpu-bind: each task sees one GPU, whatever its local rank."""
+    assert [cuda_index(r, 8, 1, bound_per_task=True) for r in range(8)] == [0] * 8
+
+
+def test_more_ranks_than_gpus_without_binding_is_refused() -> None:
+    with pytest.raises(ConfigError, match=r"parallelism.nproc_per_node: 4 processes need 4 GPUs, but 2 are visible"):
+        cuda_index(3, 4, 2, bound_per_task=False)
+
+
+def test_nodes_are_ranks_over_ranks_per_node(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    monkeypatch.delenv("GROUP_WORLD_SIZE", raising=False)  # SLURM sets no GROUP_WORLD_SIZE
+    assert node_count(32) == 4
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    assert node_count(4) == 1
+
+
+# -- CUDA graphs ------------------------------------------------------------------------------------------------
+
+
+def test_max_autotune_drops_cuda_graphs_on_several_ranks_only() -> None:
+    assert effective_mode("max-autotune", 1) == "max-autotune"
+    assert effective_mode("max-autotune", 2) == "max-autotune-no-cudagraphs"
+    assert effective_mode("default", 8) == "default" and effective_mode(None, 8) is None
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_reduce_overhead_under_ddp_or_fsdp_is_refused_in_one_line(strategy: str) -> None:
+    config = cfg(compile={"enabled": True, "mode": "reduce-overhead"}, parallelism={"strategy": strategy})
+    with pytest.raises(ConfigError) as err:
+        validate_compile(config)
+    assert str(err.value) == (
+        f"compile.mode: reduce-overhead captures CUDA graphs, which break under parallelism={strategy} (open "
+        "PyTorch issues: cudagraph trees with DDP's hooks and FSDP's all-gathers); use "
+        "compile.mode=max-autotune-no-cudagraphs or compile=default")
+
+
+def test_the_verdict_recommends_cuda_graphs_only_to_one_process() -> None:
+    overhead_bound = {"steps": 3, "step_s": 0.3, "step_ms": [100.0] * 3,
+                      "seconds": {"overhead": 0.25, "forward_backward_compute": 0.05}, "regions": {}}
+    single = verdict(overhead_bound, "cuda")
+    several = verdict(overhead_bound, "cuda", distributed=True)
+    assert single["bound"] == several["bound"] == "cpu-overhead-bound"
+    assert "compile.mode=reduce-overhead" in single["action"]
+    assert "reduce-overhead" not in several["action"] and "max-autotune-no-cudagraphs" in several["action"]
+
+
+# -- FSDP2 --------------------------------------------------------------------------------------------------------
+
+
+def test_fsdp_dtypes_follow_torchtitan_under_bf16() -> None:
+    assert fsdp_dtypes(None, None, "bf16") == ("bf16", "fp32")  # bf16 all-gathers, fp32 reduce-scatter
+    assert fsdp_dtypes(None, None, "fp32") == (None, None)
+    assert fsdp_dtypes("fp32", None, "bf16") == ("fp32", None)
+    assert fsdp_dtypes("bf16", "bf16", "fp32") == ("bf16", "bf16")  # what the user set wins
+
+
+@pytest.mark.parametrize("key", ["param_dtype", "reduce_dtype"])
+def test_fp16_without_a_loss_scaler_is_refused(key: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        validate_parallelism(cfg(parallelism={"strategy": "fsdp", "fsdp": {key: "fp16"}}))
+    assert str(err.value).startswith(f"parallelism.fsdp.{key}: fp16 gradients overflow without a loss scaler")
+
+
+class TwoBlocks(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Linear(8, 8), nn.Linear(8, 8)])
+        self.head = nn.Linear(8, 2)  # the root's own parameters: its FSDP unit
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.blocks[1](self.blocks[0](x)))
+
+
+def test_fsdp_reshards_blocks_but_leaves_the_root_gathered_and_uses_bf16_params_fp32_reduce() -> None:
+    """On a real one-rank gloo group: FSDP2's own state says what each unit does after forward."""
+    import torch.distributed as dist
+
+    from trainflow.config import FSDPConfig
+    from trainflow.distributed import shard
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model = shard(TwoBlocks(), OmegaConf.structured(FSDPConfig), DistEnv(0, 1, 0, torch.device("cpu")), "bf16")
+        model(torch.randn(2, 8)).sum().backward()  # FSDP settles the root's resharding at its first forward
+        groups = {name: m._get_fsdp_state()._fsdp_param_group for name, m in
+                  [("root", model), ("block", model.blocks[0])]}
+        # post_forward_mesh_info None: parameters stay gathered after forward (no all-gather at backward's start)
+        assert groups["root"].post_forward_mesh_info is None
+        assert groups["block"].post_forward_mesh_info is not None
+        policy = groups["block"].mp_policy
+        assert (policy.param_dtype, policy.reduce_dtype) == (torch.bfloat16, torch.float32)
+    finally:
+        dist.destroy_process_group()
+
+
+# -- arithmetic: TF32, peaks, tolerances ----------------------------------------------------------------------
+
+
+@pytest.fixture
+def restore_tf32():
+    before = torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.conv.fp32_precision
+    yield
+    torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.conv.fp32_precision = before
+
+
+def test_fp32_runs_on_cuda_use_tf32_unless_turned_off(restore_tf32) -> None:
+    cuda = torch.device("cuda", 0)  # only flags are set: no GPU is touched
+    configure_matmul(cuda, "fp32", tf32=True)
+    assert torch.backends.cuda.matmul.fp32_precision == "tf32" and matmul_math(cuda, "fp32") == "tf32"
+    configure_matmul(cuda, "fp32", tf32=False)
+    assert torch.backends.cuda.matmul.fp32_precision == "ieee" and matmul_math(cuda, "fp32") == "fp32"
+    assert matmul_math(cuda, "bf16") == "bf16" and matmul_math(torch.device("cpu"), "fp32") == "fp32"
+
+
+@pytest.mark.parametrize(("name", "math", "tflops"), [
+    ("NVIDIA H100 80GB HBM3", "bf16", 989.4), ("NVIDIA H100 80GB HBM3", "tf32", 494.7),
+    ("NVIDIA H100 80GB HBM3", "fp32", 66.9), ("NVIDIA H100 PCIe", "bf16", 756.0), ("NVIDIA H100 NVL", "bf16", 835.5),
+    ("NVIDIA H200", "bf16", 989.4), ("NVIDIA H200 NVL", "tf32", 417.5), ("NVIDIA A100-SXM4-80GB", "tf32", 156.0),
+    ("NVIDIA A100 80GB PCIe", "bf16", 312.0), ("NVIDIA L40", "bf16", 181.0), ("NVIDIA L4", "bf16", 121.0),
+    ("NVIDIA L40S", "bf16", 362.1), ("Tesla T4", "fp32", 8.1), ("NVIDIA GeForce RTX 4090", "bf16", 165.2),
+])
+def test_peaks_match_whole_device_names_per_arithmetic(name: str, math: str, tflops: float) -> None:
+    assert gpu_peak_flops(name, math) == pytest.approx(tflops * 1e12)
+
+
+def test_unknown_devices_and_missing_units_have_no_peak() -> None:
+    assert gpu_peak_flops("NVIDIA H100X Prototype", "bf16") is None
+    assert gpu_peak_flops("Tesla V100-SXM2-16GB", "bf16") is None  # no bf16 units
+    assert gpu_peak_flops("Tesla V100-SXM2-16GB", "fp32") == pytest.approx(15.7e12)
+
+
+def test_tolerances_follow_the_arithmetic() -> None:
+    assert TOLERANCE["fp32"] < TOLERANCE["tf32"] and TOLERANCE["fp32"] < TOLERANCE["bf16"]
+    for precision, expected in (("fp32", PARITY_TOLERANCE["fp32"]), ("bf16", PARITY_TOLERANCE["bf16"])):
+        config = cfg(trainer={"precision": precision}, parallelism={"strategy": "ddp", "check": True})
+        check = ParityCheck(config, DistEnv(1, 2, 1, torch.device("cpu"), "ddp"), nn.Linear(2, 2), None, None)
+        assert check.tolerance == expected  # rank 1 keeps no reference: nothing else is built
+    config = cfg(parallelism={"strategy": "ddp", "check": True, "check_tolerance": 0.5})
+    assert ParityCheck(config, DistEnv(1, 2, 1, torch.device("cpu"), "ddp"), nn.Linear(2, 2), None, None
+                       ).tolerance == 0.5
+    assert PARITY_TOLERANCE["bf16"] >= 5 * 4e-3  # bf16 gradients of 2-sample shards differ by ~4e-3
+
+
+# -- batches ready for asynchronous copies ----------------------------------------------------------------------
+
+
+def test_batches_are_contiguous_and_pinning_comes_after_cutting() -> None:
+    import numpy as np
+
+    windows = TokenWindows(np.arange(1000, dtype=np.uint16), seq_len=16)
+    synthetic = SyntheticTokens(64, 256, 16, seed=0)
+    for dataset in (windows, synthetic):
+        assert all(t.is_contiguous() for t in dataset[torch.arange(4)])
+    loader_cfg = OmegaConf.create({"num_workers": 0, "seq_lens": [8, 16], "persistent_workers": False,
+                                   "prefetch_factor": None})
+    loader = make_loader(synthetic, StreamSampler(64, 4, 0, 1, seed=0), loader_cfg, pin_memory=True)
+    assert isinstance(loader, Pinned) and isinstance(loader.loader, VariableLengths)
+    unpinned = make_loader(synthetic, StreamSampler(64, 4, 0, 1, seed=0), loader_cfg, pin_memory=False)
+    assert isinstance(unpinned, VariableLengths)
