@@ -196,3 +196,15 @@ def test_batches_are_contiguous_and_pinning_comes_after_cutting() -> None:
     assert isinstance(loader, Pinned) and isinstance(loader.loader, VariableLengths)
     unpinned = make_loader(synthetic, StreamSampler(64, 4, 0, 1, seed=0), loader_cfg, pin_memory=False)
     assert isinstance(unpinned, VariableLengths)
+
+
+def test_peak_memory_on_cpu_is_the_process_peak_and_has_no_reserved_figure() -> None:
+    import resource
+
+    from trainflow.metrics import PeakMemory
+
+    memory = PeakMemory(torch.device("cpu"))
+    memory.reset()  # the resident-set peak cannot be reset: it stays the process's
+    assert memory.take() == resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    summary = memory.summary()
+    assert summary["peak_memory_bytes"] >= 50e6 and summary["peak_memory_reserved_bytes"] is None

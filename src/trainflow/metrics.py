@@ -174,6 +174,42 @@ def peak_memory_bytes(device: torch.device) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+class PeakMemory:
+    """Peak memory of the training steps: per log interval, and over the run.
+
+    CUDA: the allocator's own peaks (allocated, and reserved by its cache), reset when training starts, when the
+    steady state begins and after each log interval, so that the FLOP count's copy, compile.check's two passes and
+    the parity check's reference do not hide what training holds (FSDP's savings). CPU: the process's peak
+    resident set, which cannot be reset.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.allocated = 0  # the largest interval peak since the last reset()
+        self.reserved = 0
+
+    def reset(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self.allocated = self.reserved = 0
+
+    def take(self) -> int:
+        """The peak of the interval that ends now (CUDA) or of the process (CPU); the next interval starts."""
+        if self.device.type != "cuda":
+            return peak_memory_bytes(self.device)
+        allocated = int(torch.cuda.max_memory_allocated(self.device))
+        self.allocated = max(self.allocated, allocated)
+        self.reserved = max(self.reserved, int(torch.cuda.max_memory_reserved(self.device)))
+        torch.cuda.reset_peak_memory_stats(self.device)
+        return allocated
+
+    def summary(self) -> dict[str, int | None]:
+        if self.device.type != "cuda":
+            return {"peak_memory_bytes": peak_memory_bytes(self.device), "peak_memory_reserved_bytes": None}
+        self.take()
+        return {"peak_memory_bytes": self.allocated, "peak_memory_reserved_bytes": self.reserved}
+
+
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)

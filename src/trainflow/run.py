@@ -30,13 +30,13 @@ from trainflow.distributed import DistEnv
 from trainflow.limits import check_batch
 from trainflow.metrics import (
     MetricsWriter,
+    PeakMemory,
     Throughput,
     configure_matmul,
     count_train_flops,
     matmul_math,
     mfu,
     peak_flops,
-    peak_memory_bytes,
     progress_reporter,
     sync,
     write_json,
@@ -132,6 +132,8 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv) -> dict[str, Any] | Non
     interval = _new_interval(env.device)
     eval_every = t.eval_interval()
     val: dict[str, float] | None = None
+    memory = PeakMemory(env.device)
+    memory.reset()  # the FLOP count, compile.check and the parity copy are not training
     sync(env.device)
     tick = last_log = time.perf_counter()
     throughput.begin_if_due(0, tick)
@@ -186,6 +188,8 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv) -> dict[str, Any] | Non
                 now = time.perf_counter()
                 compiler.on_step_end(state.step, now - tick)
                 throughput.begin_if_due(steps_this_run, now)
+                if steps_this_run == throughput.excluded_steps:
+                    memory.reset()  # the steady state's peak leaves out compilation's
             else:
                 throughput.add(global_batch, tokens * env.world_size, data_wait)
             tick = time.perf_counter()
@@ -199,7 +203,7 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv) -> dict[str, Any] | Non
                 sync(env.device)
                 now = time.perf_counter()
                 values = _interval_values(interval, now - last_log, optimizer, grad_norm, env, global_batch,
-                                          data, flops_per_step, peak)
+                                          data, flops_per_step, peak, memory.take())
                 writer.write(state.step, values)
                 progress(state.step, values)
                 interval = _new_interval(env.device)
@@ -237,7 +241,7 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv) -> dict[str, Any] | Non
         "steady_state": steady,
         "mfu": mfu(flops_per_step, steady, peak),
         "data_wait_fraction": steady["data_wait_fraction"] if steady else None,
-        "peak_memory_bytes": peak_memory_bytes(env.device),
+        **memory.summary(),
         "loss": {"first": first_loss, "last": values.get("train/loss")},  # last: mean of the last log interval
         "val": val,
         "flops_per_step": flops_per_step,
@@ -278,7 +282,8 @@ _NO_LABEL = contextlib.nullcontext()  # reusable: it holds no state
 
 
 def _interval_values(interval: dict, elapsed: float, optimizer, grad_norm: torch.Tensor, env: DistEnv,
-                     global_batch: int, data: DataBundle, flops_per_step: int | None, peak: float | None) -> dict:
+                     global_batch: int, data: DataBundle, flops_per_step: int | None, peak: float | None,
+                     memory_bytes: int) -> dict:
     steps = interval["steps"]
     applied = steps - interval["skipped"]  # skip_step: the loss is the mean over the steps that were applied
     loss = distributed.all_reduce_mean(interval["loss"] / applied, env).item() if applied else math.nan
@@ -290,7 +295,7 @@ def _interval_values(interval: dict, elapsed: float, optimizer, grad_norm: torch
         "perf/step_time_s": step_time,
         "perf/samples_per_sec": global_batch / step_time,
         "perf/data_wait_fraction": interval["data_wait"] / elapsed,
-        "perf/memory_bytes": peak_memory_bytes(env.device),
+        "perf/memory_bytes": memory_bytes,
     }
     if data.is_lm:
         values["perf/tokens_per_sec"] = interval["tokens"] / elapsed
