@@ -182,6 +182,17 @@ def test_the_run_name_leaves_out_what_does_not_change_the_training() -> None:
     assert run_name(["model=gpt_small", "optim.lr=0.01", "checkpoint.dir=/x"]) != base  # another history
 
 
+@pytest.mark.parametrize("pinned", [False, True], ids=["named-dir", "pinned-dir"])
+def test_a_run_name_that_is_not_a_folder_name_is_one_line(tmp_path: Path, pinned: bool) -> None:
+    command = [sys.executable, str(ROOT / "train.py"), *SHORT, "trainer.run_name=a/b"]
+    run = subprocess.run([*command, *([f"hydra.run.dir={tmp_path / 'run'}"] if pinned else [])], cwd=tmp_path,
+                         env=clean_env(), capture_output=True, text=True, timeout=300)
+    assert run.returncode == 2 and "Traceback" not in run.stderr
+    assert errors(run.stderr) == ["Error: trainer.run_name: 'a/b' is not a folder name; give a name without '/', "
+                                  "e.g. trainer.run_name=gpt-small-try2"]
+    assert not (tmp_path / "outputs").exists()
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # one run per run directory
 

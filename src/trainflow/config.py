@@ -423,6 +423,11 @@ def validate_model(cfg: DictConfig) -> None:
         _require(m.vocab_size >= BYTE_VOCAB, "model.vocab_size",
                  f"is {m.vocab_size}, but data=text is byte-level: its tokens go up to {BYTE_VOCAB - 1}; set "
                  f"model.vocab_size={BYTE_VOCAB} or more")
+def run_name_problem(name: str) -> str | None:
+    """Why `name` cannot be a run's folder name (trainer.run_name), or None."""
+    if name.strip() and "/" not in name and name not in (".", ".."):
+        return None
+    return f"{name!r} is not a folder name; give a name without '/', e.g. trainer.run_name=gpt-small-try2"
 
 
 def validate(cfg: DictConfig) -> None:
@@ -444,10 +449,8 @@ def validate(cfg: DictConfig) -> None:
     _one_of(cfg, "trainer.precision", ("fp32", "bf16"))
     _one_of(cfg, "trainer.progress", ("auto", "bar", "log"))
     _one_of(cfg, "trainer.nonfinite", ("stop", "skip_step"))
-    if t.run_name is not None:
-        _require(bool(t.run_name.strip()) and "/" not in t.run_name and t.run_name not in (".", ".."),
-                 "trainer.run_name", f"{t.run_name!r} is not a folder name; give a name without '/', e.g. "
-                 "trainer.run_name=gpt-small-try2")
+    if t.run_name is not None and (problem := run_name_problem(t.run_name)):
+        raise ConfigError(f"trainer.run_name: {problem}")
 
     o = cfg.optim
     _one_of(cfg, "optim.name", ("adamw", "sgd"))

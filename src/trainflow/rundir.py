@@ -98,11 +98,12 @@ def run_dir(checkpointed: bool = False, name: str | None = None, overrides: Any 
     if os.environ.get(RUN_DIR_ENV):
         return os.environ[RUN_DIR_ENV]
     if name is not None:
-        if not name.strip() or "/" in name or name in (".", ".."):
+        from trainflow.config import run_name_problem
+
+        if problem := run_name_problem(name):
             from trainflow.cli import user_error
 
-            user_error(f"trainer.run_name: {name!r} is not a folder name; give a name without '/', e.g. "
-                       "trainer.run_name=gpt-small-try2")
+            user_error(f"trainer.run_name: {problem}")
         return f"{RUNS_DIR}/{name}"
     if checkpointed:
         return f"{RUNS_DIR}/{run_name([str(o) for o in overrides])}"
