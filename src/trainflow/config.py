@@ -423,6 +423,8 @@ def validate_model(cfg: DictConfig) -> None:
         _require(m.vocab_size >= BYTE_VOCAB, "model.vocab_size",
                  f"is {m.vocab_size}, but data=text is byte-level: its tokens go up to {BYTE_VOCAB - 1}; set "
                  f"model.vocab_size={BYTE_VOCAB} or more")
+
+
 def run_name_problem(name: str) -> str | None:
     """Why `name` cannot be a run's folder name (trainer.run_name), or None."""
     if name.strip() and "/" not in name and name not in (".", ".."):
