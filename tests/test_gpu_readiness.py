@@ -6,6 +6,8 @@ What only a GPU can show (speed, the memory snapshot's dump time) is in docs/gpu
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from omegaconf import OmegaConf
@@ -208,3 +210,54 @@ def test_peak_memory_on_cpu_is_the_process_peak_and_has_no_reserved_figure() -> 
     assert memory.take() == resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     summary = memory.summary()
     assert summary["peak_memory_bytes"] >= 50e6 and summary["peak_memory_reserved_bytes"] is None
+
+
+# -- checkpoint and run-directory locks on filesystems without flock ----------------------------------------------
+
+
+def test_only_a_missing_flock_falls_back_to_a_lock_file() -> None:
+    import errno
+
+    from trainflow.locks import flock_unsupported
+
+    assert flock_unsupported(OSError(errno.ENOLCK, "no locks")) and flock_unsupported(OSError(errno.EOPNOTSUPP, ""))
+    assert not flock_unsupported(OSError(errno.EACCES, "denied")) and not flock_unsupported(OSError(errno.EROFS, ""))
+
+
+def test_the_lock_file_refuses_a_second_run_and_is_removed_at_the_end(tmp_path: Path) -> None:
+    import os
+    import subprocess
+    import sys
+
+    from trainflow.locks import OWNER_FILE, DirLock
+
+    lock = DirLock(tmp_path, use_flock=False)
+    owner = tmp_path / OWNER_FILE
+    assert owner.read_text().startswith(f"pid {os.getpid()} on ")
+    other = subprocess.run([sys.executable, "-c", "import sys; from pathlib import Path; from trainflow.locks "
+                            "import DirLock; DirLock(Path(sys.argv[1]), use_flock=False)", str(tmp_path)],
+                           capture_output=True, text=True, timeout=120)
+    assert other.returncode != 0
+    assert f"checkpoint.dir: {tmp_path} is in use by another run (pid {os.getpid()} on " in other.stderr
+    lock.release()
+    assert not owner.exists()
+
+
+def test_a_dead_holder_on_this_host_is_stale_and_one_on_another_host_is_named(tmp_path: Path) -> None:
+    import socket
+    import subprocess
+    import sys
+
+    from trainflow.locks import OWNER_FILE, DirLock
+
+    finished = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    owner = tmp_path / OWNER_FILE
+    owner.write_text(f"pid {finished.stdout.strip()} on {socket.gethostname()}, since earlier\n")
+    lock = DirLock(tmp_path, use_flock=False)  # the crashed holder's file is taken over
+    assert f"pid {finished.stdout.strip()} " not in owner.read_text()
+    lock.release()
+    owner.write_text("pid 4242 on another-node, since earlier\n")
+    with pytest.raises(ConfigError) as err:
+        DirLock(tmp_path, use_flock=False)
+    assert "(pid 4242 on another-node, since earlier; this filesystem has no flock" in str(err.value)
+    assert str(err.value).endswith(f"if that run is gone (its host crashed), delete {owner}")

@@ -3,11 +3,18 @@
 An exclusive `flock` on `<folder>/.lock`, held for the process's lifetime (the kernel drops it when the process
 dies, so a crash never leaves a stale lock); the file names the holder. Within one process a folder is locked
 once: a second lock on the same folder (a checkpoint dir that is the run dir itself) shares the first.
+
+Cluster filesystems mounted without flock support (ENOLCK, EOPNOTSUPP) get a lock file created with O_EXCL
+instead (`<folder>/.lock.owner`, naming host and pid). A crash leaves that file behind: on the same host a holder
+whose pid is gone is stale and the lock is taken over; a holder on another host cannot be checked from here, so
+the refusal says which file to delete once that run is known to be gone.
 """
 
 from __future__ import annotations
 
+import errno
 import fcntl
+import logging
 import os
 import socket
 from dataclasses import dataclass
@@ -16,13 +23,33 @@ from pathlib import Path
 
 from trainflow.errors import ConfigError
 
+log = logging.getLogger(__name__)
+
 LOCK_FILE = ".lock"
+OWNER_FILE = ".lock.owner"  # the O_EXCL lock where flock is not supported
+_NO_FLOCK = frozenset({errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS, errno.EINVAL})
+
+
+def flock_unsupported(exc: OSError) -> bool:
+    """Whether a failed flock means the filesystem has no flock (use a lock file), not that the folder is busy."""
+    return exc.errno in _NO_FLOCK
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    return True
 
 
 @dataclass
 class _Held:
-    fd: int
+    fd: int  # the flock's descriptor, or -1 for an O_EXCL lock file
     users: int
+    owner_file: Path | None = None
 
 
 _held: dict[Path, _Held] = {}  # this process's locks by lock file (a forked child inherits them, and their fds)
@@ -35,24 +62,33 @@ class DirLock:
     """
 
     def __init__(self, folder: Path, run_dir: Path | None = None, key: str = "checkpoint.dir",
-                 fix: str = "point checkpoint.dir at another folder") -> None:
+                 fix: str = "point checkpoint.dir at another folder", use_flock: bool = True) -> None:
         self.path = (folder / LOCK_FILE).absolute()
         self._released = False
         if self.path in _held:
             _held[self.path].users += 1
             return
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "a process"
-            os.close(fd)
-            raise ConfigError(f"{key}: {folder} is in use by another run ({holder}); wait for it to end, "
-                              f"or {fix}") from None
-        os.ftruncate(fd, 0)
         started = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
         run = f", run dir {run_dir.resolve()}" if run_dir else ""
-        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}{run}, since {started}\n".encode(), 0)
+        holder = f"pid {os.getpid()} on {socket.gethostname()}{run}, since {started}\n"
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            if not use_flock:
+                raise OSError(errno.ENOLCK, "flock not used")
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            other = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "a process"
+            os.close(fd)
+            raise ConfigError(f"{key}: {folder} is in use by another run ({other}); wait for it to end, "
+                              f"or {fix}") from None
+        except OSError as exc:
+            os.close(fd)
+            if not flock_unsupported(exc):
+                raise
+            _held[self.path] = _Held(-1, 1, _take_owner_file(folder, holder, key, fix))
+            return
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, holder.encode(), 0)
         _held[self.path] = _Held(fd, 1)
 
     def release(self) -> None:
@@ -63,4 +99,32 @@ class DirLock:
         held.users -= 1
         if held.users == 0:
             del _held[self.path]
-            os.close(held.fd)  # closing the last descriptor drops the flock
+            if held.owner_file is not None:
+                held.owner_file.unlink(missing_ok=True)
+            else:
+                os.close(held.fd)  # closing the last descriptor drops the flock
+
+
+def _take_owner_file(folder: Path, holder: str, key: str, fix: str) -> Path:
+    """The O_EXCL lock: create `.lock.owner` or find who holds it (a dead pid on this host is taken over)."""
+    path = (folder / OWNER_FILE).absolute()
+    host = socket.gethostname()
+    for _ in range(2):
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            other = path.read_text(errors="replace").strip() if path.exists() else ""
+            pid, _, other_host = other.removeprefix("pid ").partition(" on ")
+            other_host = other_host.split(",")[0]
+            if other_host == host and pid.isdigit() and not _pid_alive(int(pid)):
+                log.warning("%s: removed the stale lock of pid %s on %s (no such process)", key, pid, host)
+                path.unlink(missing_ok=True)
+                continue
+            raise ConfigError(f"{key}: {folder} is in use by another run ({other or 'a process'}; this filesystem "
+                              f"has no flock, so the lock is the file {path}, which that run deletes at its end); "
+                              f"wait for it to end, or {fix}; if that run is gone (its host crashed), delete "
+                              f"{path}") from None
+        with os.fdopen(fd, "w") as f:
+            f.write(holder)
+        return path
+    raise ConfigError(f"{key}: {path} keeps reappearing; another run is starting there: {fix}")
