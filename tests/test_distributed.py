@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, TINY_GPT, Run, train
+from conftest import ROOT, TINY_GPT, Run, train, wait_for_log
 from omegaconf import OmegaConf
 
 from trainflow.models.gpt import GPT
@@ -224,10 +224,7 @@ def test_stop_signal_to_a_self_launched_run_reaches_the_workers(run_dir: Path) -
     grace = 90  # the agent's wait for the workers after passing a signal on (torch's default: 30 s); 2 busy cores
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(grace)}
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 120
-    while not (run_dir / "metrics.jsonl").exists() or not (run_dir / "metrics.jsonl").read_text():
-        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
-        time.sleep(0.2)
+    wait_for_log(run_dir, "step 1/100000: loss ", proc, timeout=120)
     proc.send_signal(signal.SIGTERM)
     sent = time.monotonic()
     _, stderr = proc.communicate(timeout=grace + 60)

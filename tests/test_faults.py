@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 from conftest import TINY_GPT, Run, losses_by_step, train, wait_for_log
-from test_checkpoint import committed, read_tensors, start, wait_for
+from test_checkpoint import committed, read_tensors, start
 
 from trainflow.checkpoint import check_intact, list_committed
 
@@ -203,7 +203,7 @@ def test_a_second_run_on_a_checkpoint_dir_in_use_is_refused(tmp_path: Path) -> N
                 "checkpoint=dcp", "checkpoint.every_steps=5", f"checkpoint.dir={shared}"]
 
     first = start(tmp_path / "first", *args(100_000))
-    wait_for(lambda: len(list_committed(shared)) >= 1, first, "the first run's first save")
+    wait_for_log(tmp_path / "first", "checkpoint step 5 committed: ", first)
     second = train(tmp_path / "second", *args(100_000))
     assert second.returncode == 2
     errors = [line for line in second.stderr.splitlines() if line.startswith("Error:")]
@@ -234,6 +234,9 @@ def test_disk_use_under_retention_is_bounded_by_keep_last(tmp_path: Path) -> Non
     assert [c.step for c in listed] == [39, 40]
     one = max(sum(f.stat().st_size for f in c.path.rglob("*") if f.is_file()) for c in listed)
     assert one * 2 <= peak <= one * 3 + 4096  # keep_last committed + the one being written, never more
+    log = (tmp_path / "run" / "train.log").read_text()
+    after = committed_after_each_commit(log, 2, set())  # counted at every one of the 40 commits, not sampled
+    assert len(after) == 40 and after[-1] == {39, 40} and all(len(a) == min(i + 1, 2) for i, a in enumerate(after))
 
 
 def test_no_environment_reaches_what_a_run_writes(tmp_path: Path) -> None:
@@ -255,7 +258,7 @@ def test_ctrl_c_stops_in_one_line_and_keeps_the_committed_checkpoints(tmp_path: 
     proc = start(run_dir, *TINY_GPT, "trainer.max_steps=100000", "trainer.eval_every=0", "checkpoint=dcp",
                  "checkpoint.every_steps=3")
     ckpts = run_dir / "checkpoints"
-    wait_for(lambda: len(list_committed(ckpts)) >= 2, proc, "two committed checkpoints")
+    wait_for_log(run_dir, "checkpoint step 6 committed: ", proc)
     proc.send_signal(signal.SIGINT)
     assert proc.wait(timeout=60) == 130
     output = (tmp_path / "run.out").read_text()
