@@ -122,13 +122,13 @@ def test_self_launched_ddp_with_accumulation_equals_one_process_on_the_whole_bat
 
     single = train(tmp_path / "single", *SMALL, *plain_sgd, "trainer.batch_size=16")
     assert single.returncode == 0, single.stderr
+    ddp_norms, single_norms = (_grad_norms(r) for r in (ddp, single))
+    assert len(ddp_norms) == len(single_norms) == 4
+    for a, b in zip(ddp_norms, single_norms, strict=True):  # step 1 already: the same weights, the same batch
+        assert abs(a - b) <= TOLERANCE * abs(b), (ddp_norms, single_norms)
     assert len(ddp.losses()) == len(single.losses()) == 4
     for a, b in zip(ddp.losses(), single.losses(), strict=True):
         assert abs(a - b) <= TOLERANCE * abs(b)
-    ddp_norms, single_norms = (_grad_norms(r) for r in (ddp, single))
-    assert len(ddp_norms) == len(single_norms) == 4
-    for a, b in zip(ddp_norms, single_norms, strict=True):
-        assert abs(a - b) <= TOLERANCE * abs(b), (ddp_norms, single_norms)
 
 
 @pytest.mark.parametrize(
