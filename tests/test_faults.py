@@ -143,8 +143,8 @@ def kill_at_a_random_moment(unkilled: Run, run_dir: Path, mode: str, delay: floa
     if in_save:
         assert step not in [c.step for c in listed] and f"checkpoint step {step} committed" not in killed_log
         assert all(c.step < step for c in listed)  # nothing later than the interrupted save either
-    else:  # committed (retention may since have deleted it for newer ones)
-        assert listed and listed[-1].step >= step and f"checkpoint step {step} committed" in killed_log
+    else:  # committed (its log line may not be written yet; retention may since have deleted it for newer ones)
+        assert listed and listed[-1].step >= step
     resumed = train(run_dir, *KILL, f"checkpoint.mode={mode}")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     resumed_from = listed[-1].step if listed else None
@@ -152,7 +152,8 @@ def kill_at_a_random_moment(unkilled: Run, run_dir: Path, mode: str, delay: floa
     assert losses_by_step(run_dir) == losses_by_step(unkilled.run_dir)
     resumed_log = (run_dir / "train.log").read_text()[len(killed_log):]
     after = committed_after_each_commit(resumed_log, KEEP_LAST, {c.step for c in listed}, resumed_from)
-    assert after[-1] == {c.step for c in list_committed(ckpts)} and 8 in after[-1]  # the replay is the disk
+    assert (after[-1] if after else {c.step for c in listed}) == {c.step for c in list_committed(ckpts)}  # = disk
+    assert resumed_from == 8 or len(after) == len(range(resumed_from or 0, 8, 2))  # one commit per save left
     return {"mode": mode, "save": step, "delay_s": round(delay, 3), "landed": "in the save" if in_save else
             "after its commit", "committed": [c.step for c in listed]}
 
