@@ -10,6 +10,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -66,6 +67,21 @@ def train(run_dir: Path, *overrides: str, env: dict | None = None, timeout: floa
         cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout,
     )
     return Run(proc.returncode, proc.stdout, proc.stderr, Path(run_dir))
+
+
+def wait_for_log(run_dir: Path, line: str, proc: subprocess.Popen, timeout: float = 300) -> None:
+    """Wait until the run's own train.log holds `line`: a marker of its progress, not a guess at its timing.
+
+    Polls every millisecond; fails if the run exits first or the timeout passes (then the run is killed).
+    """
+    log, deadline = run_dir / "train.log", time.monotonic() + timeout
+    while not (log.exists() and line in log.read_text()):
+        if proc.poll() is not None:
+            pytest.fail(f"the run exited ({proc.returncode}) before it logged {line!r}")
+        if time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail(f"timed out waiting for the run to log {line!r}")
+        time.sleep(0.001)
 
 
 @pytest.fixture

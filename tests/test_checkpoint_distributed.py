@@ -11,12 +11,11 @@ from __future__ import annotations
 import json
 import os
 import signal
-import time
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY_GPT, Run, losses_by_step, train
+from conftest import TINY_GPT, Run, losses_by_step, train, wait_for_log
 from test_checkpoint import assert_same_tensors, committed, logged_steps, start, wait_for
 
 BASE = [*TINY_GPT, "parallelism.global_batch=24", "trainer.max_steps=12", "trainer.eval_every=0",
@@ -66,9 +65,12 @@ def fsdp_straight(tmp_path_factory: pytest.TempPathFactory) -> Run:
 def test_fsdp_sigkill_and_resume_is_bit_identical(fsdp_straight: Run, tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     proc = start(run_dir, *BASE, *FSDP2, "checkpoint=dcp_async", new_session=True)
-    wait_for(lambda: logged_steps(run_dir) >= 5, proc, "step 5")
+    wait_for_log(run_dir, "checkpoint step 8: saving to ", proc)  # rank 0 logs it before any shard is written
     kill_tree(proc)
+    # the kill landed inside the save of step 8 (its folder was never renamed): resume from step 4
+    assert (run_dir / "checkpoints" / ".tmp-step_00000008").is_dir()
     assert committed(run_dir / "checkpoints") == ["step_00000004"]
+    assert "checkpoint step 8 committed" not in (run_dir / "train.log").read_text()
 
     resumed = ok(train(run_dir, *BASE, *FSDP2, "checkpoint=dcp_async"))
     assert resumed.summary["resumed_from_step"] == 4 and resumed.summary["world_size"] == 2
@@ -161,10 +163,7 @@ def test_a_stop_signal_stops_every_rank_at_the_same_step_with_exit_75(
         pids = workers(proc.pid)
         assert len(pids) == 2, pids
         os.kill(pids[1], sig)
-    deadline = time.monotonic() + 120
-    while proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert proc.returncode == 75
+    assert proc.wait(timeout=120) == 75
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["checkpoint"]["stopped_by"] == sig.name
     assert committed(run_dir / "checkpoints") == [f"step_{summary['steps']:08d}"]

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, TINY_GPT, Run, train
+from conftest import ROOT, TINY_GPT, Run, train, wait_for_log
 from omegaconf import OmegaConf
 
 from trainflow.models.gpt import GPT
@@ -122,13 +122,13 @@ def test_self_launched_ddp_with_accumulation_equals_one_process_on_the_whole_bat
 
     single = train(tmp_path / "single", *SMALL, *plain_sgd, "trainer.batch_size=16")
     assert single.returncode == 0, single.stderr
+    ddp_norms, single_norms = (_grad_norms(r) for r in (ddp, single))
+    assert len(ddp_norms) == len(single_norms) == 4
+    for a, b in zip(ddp_norms, single_norms, strict=True):  # step 1 already: the same weights, the same batch
+        assert abs(a - b) <= TOLERANCE * abs(b), (ddp_norms, single_norms)
     assert len(ddp.losses()) == len(single.losses()) == 4
     for a, b in zip(ddp.losses(), single.losses(), strict=True):
         assert abs(a - b) <= TOLERANCE * abs(b)
-    ddp_norms, single_norms = (_grad_norms(r) for r in (ddp, single))
-    assert len(ddp_norms) == len(single_norms) == 4
-    for a, b in zip(ddp_norms, single_norms, strict=True):
-        assert abs(a - b) <= TOLERANCE * abs(b), (ddp_norms, single_norms)
 
 
 @pytest.mark.parametrize(
@@ -224,10 +224,7 @@ def test_stop_signal_to_a_self_launched_run_reaches_the_workers(run_dir: Path) -
     grace = 90  # the agent's wait for the workers after passing a signal on (torch's default: 30 s); 2 busy cores
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(grace)}
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 120
-    while not (run_dir / "metrics.jsonl").exists() or not (run_dir / "metrics.jsonl").read_text():
-        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
-        time.sleep(0.2)
+    wait_for_log(run_dir, "step 1/100000: loss ", proc, timeout=120)
     proc.send_signal(signal.SIGTERM)
     sent = time.monotonic()
     _, stderr = proc.communicate(timeout=grace + 60)

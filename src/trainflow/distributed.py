@@ -356,6 +356,9 @@ def process_group(cfg: DictConfig) -> Iterator[DistEnv]:
 # Starting local workers
 
 
+_PASSED_ON = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR2")  # signals the agent passes on to the workers
+
+
 def launch(cfg: DictConfig, run_dir: Path) -> dict[str, Any] | None:
     """Start parallelism.nproc_per_node workers running `run(cfg, run_dir)`; return rank 0's summary."""
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException
@@ -376,16 +379,23 @@ def launch(cfg: DictConfig, run_dir: Path) -> dict[str, Any] | None:
             min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"trainflow-{uuid.uuid4().hex[:12]}",
             rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=p.max_restarts, monitor_interval=0.1,
             start_method="spawn" if device.type == "cuda" else "fork", logs_specs=DefaultLogsSpecs(log_dir=logs),
-            signals_to_handle="SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR2",  # passed on to the workers
+            signals_to_handle=",".join(_PASSED_ON),  # passed on to the workers
         )
         started = time.time() - 1.0  # (file times may be coarser than the clock)
+        handlers = {name: signal.getsignal(getattr(signal, name)) for name in _PASSED_ON}
+        stop = None
         try:
             elastic_launch(config, _worker)(container, str(run_dir))
         except ChildFailedError as exc:
             raise explain_failure(exc, Path(logs)) from None
         except SignalException as exc:
-            return _rank0_summary(run_dir / "summary.json", started, exc.sigval)
-    return _rank0_summary(run_dir / "summary.json", started)
+            stop = exc.sigval
+        finally:
+            # The agent's handlers stay installed and raise in this process: a Ctrl-C pressed again while it
+            # exits would print their traceback. After a stop the workers are gone: ignore a repeated signal.
+            for name, handler in handlers.items():
+                signal.signal(getattr(signal, name), signal.SIG_IGN if stop else handler)
+    return _rank0_summary(run_dir / "summary.json", started, stop)
 
 
 class StoppedBySignal(TrainflowError):
@@ -409,6 +419,14 @@ def _rank0_summary(path: Path, started: float, stop: signal.Signals | None = Non
     raise WorkerError(f"the workers finished, but rank 0 wrote no {path}")
 
 
+def _interrupt_once(_signum: int, _frame: Any) -> None:
+    """Stop this worker at the first SIGINT and ignore the next ones: the terminal's Ctrl-C reaches it, and the
+    agent then passes the same signal on. A second KeyboardInterrupt could land after the first was handled,
+    where nothing catches it, and print a traceback of the multiprocessing child."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    raise KeyboardInterrupt
+
+
 def _worker(container: dict, run_dir: str) -> None:
     """One self-launched rank: the parent's config and run directory, no Hydra."""
     global _self_launched
@@ -417,7 +435,7 @@ def _worker(container: dict, run_dir: str) -> None:
     # never reaches): a signal must act on it as on any process.
     for name in ("SIGTERM", "SIGHUP", "SIGQUIT", "SIGUSR2"):
         signal.signal(getattr(signal, name), signal.SIG_DFL)
-    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGINT, _interrupt_once)
     try:
         rank = int(os.environ["RANK"])
         _configure_worker_logging(Path(run_dir), rank)

@@ -1,0 +1,120 @@
+"""Every `train.py` command README shows is one trainflow accepts.
+
+The commands are taken from README's code blocks and inline code (`python train.py ...` and `torchrun ...
+train.py ...`), split as a shell splits them, parsed by Hydra's override parser, expanded into the jobs of a
+sweep, composed against conf/ and checked by trainflow.config.validate: the checks a run does before any work.
+Training each would need GPUs, a SLURM cluster or a user's corpus; the commands that train here on CPU are run
+for real by the other tests. A command that fails names itself and the reason.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+from conftest import ROOT
+from hydra import compose, initialize_config_dir
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.errors import HydraException
+
+import trainflow  # noqa: F401  (the schemas and resolvers train.py registers)
+from trainflow.config import validate
+
+COMMAND = re.compile(r"^(?:python\s+(?:\S*/)?train\.py|torchrun\s.*?(?:\S*/)?train\.py)(?=\s|$)")
+
+
+def readme_commands(text: str) -> list[str]:
+    """`train.py` commands of README.md in order, each on one line (inline code may wrap; blocks use `\\`)."""
+    found, fenced = [], False
+    for line in re.sub(r"\\\n\s*", " ", text).splitlines():
+        if line.lstrip().startswith("```"):
+            fenced = not fenced
+        elif (fenced or line.startswith(("    ", "\t"))) and COMMAND.match(line.strip()):
+            found.append(" ".join(re.split(r"\s#\s", line.strip())[0].split()))  # without a trailing comment
+    for span in re.findall(r"(?<!`)`([^`]+)`(?!`)", text):
+        span = " ".join(span.split())
+        if COMMAND.match(span):
+            found.append(span)
+    return list(dict.fromkeys(found))
+
+
+def overrides_of(command: str) -> tuple[list[str], bool]:
+    """(the Hydra overrides, whether it is a -m sweep) of a command line; Hydra's own flags are set aside."""
+    words = shlex.split(command)
+    words = words[next(i for i, w in enumerate(words) if w.endswith("train.py")) + 1:]
+    multirun = False
+    overrides, skip = [], False
+    for word in words:
+        if skip:
+            skip = False
+        elif word in ("-m", "--multirun"):
+            multirun = True
+        elif word in ("--cfg", "-c", "--package", "-p"):
+            skip = True  # takes a value (job, hydra, all / a package name)
+        elif word.startswith("-"):
+            continue  # --help, --info, ...
+        else:
+            overrides.append(word)
+    return overrides, multirun
+
+
+def jobs_of(overrides: list[str]) -> list[list[str]]:
+    """The jobs a sweep would run: one override list per combination of the swept values."""
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+
+    parsed = OverridesParser.create().parse_overrides(overrides)
+    return [list(job) for batch in BasicSweeper.split_arguments(parsed, None) for job in batch]
+
+
+COMMANDS = readme_commands((ROOT / "README.md").read_text())
+
+
+def test_readme_shows_commands_of_every_stage() -> None:
+    assert len(COMMANDS) >= 20, COMMANDS
+    for fragment in ("experiment=seed_mlp", "profiler=schedule", "parallelism=fsdp", "checkpoint=dcp",
+                     "experiment=ladder", "hydra/launcher=slurm", "data.paths="):
+        assert any(fragment in c for c in COMMANDS), fragment
+
+
+def test_the_extractor_finds_wrapped_and_continued_commands() -> None:
+    text = ("Inline `python train.py a=1\nb=2` and `trainflow export x`.\n\n"
+            "    python train.py -m c=3 \\\n        d=4   # a comment\n    torchrun --nproc_per_node=2 train.py e=5\n")
+    assert readme_commands(text) == ["python train.py -m c=3 d=4", "torchrun --nproc_per_node=2 train.py e=5",
+                                     "python train.py a=1 b=2"]
+    assert overrides_of("python train.py -m --cfg job 'x=[\"~/a\"]' y=1,2") == (['x=["~/a"]', "y=1,2"], True)
+    assert jobs_of(["y=1,2", "z=3"]) == [["y=1", "z=3"], ["y=2", "z=3"]]
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_readme_command_parses_and_composes(command: str) -> None:
+    overrides, multirun = overrides_of(command)
+    try:
+        jobs = jobs_of(overrides) if multirun else [overrides]
+        OverridesParser.create().parse_overrides(overrides)
+    except HydraException as exc:
+        pytest.fail(f"README command `{command}`: Hydra cannot parse it: {str(exc).splitlines()[0]}")
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        for job in jobs:
+            try:
+                validate(compose("train", overrides=job))
+            except Exception as exc:  # noqa: BLE001 (any failure is reported with the command that caused it)
+                pytest.fail(f"README command `{command}` (job {job}): {type(exc).__name__}: {exc}")
+
+
+def test_a_broken_command_is_named() -> None:
+    """What the tests above report for README's old `data.paths=[~/corpus]`, which Hydra's grammar rejects."""
+    with pytest.raises(pytest.fail.Exception, match=r"README command `python train.py data.paths=\[~/corpus\]`: "
+                                                    r"Hydra cannot parse it"):
+        test_readme_command_parses_and_composes("python train.py data.paths=[~/corpus]")
+
+
+def test_the_corpus_example_reaches_trainflow_as_a_path_it_expands() -> None:
+    """README quotes it as shells and Hydra need: trainflow gets the string `~/corpus`, which data.paths expands."""
+    command = next(c for c in COMMANDS if "~/corpus" in c)
+    overrides, _ = overrides_of(command)
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose("train", overrides=[o for o in overrides if not o.startswith(("experiment=", "trainer."))])
+    assert list(cfg.data.paths) == ["~/corpus"]
+    assert Path(cfg.data.paths[0]).expanduser() == Path.home() / "corpus"
