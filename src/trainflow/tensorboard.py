@@ -44,7 +44,9 @@ def hyperparameters(cfg: DictConfig, choices: dict[str, Any], overrides: list[st
 
     values: dict[str, HparamValue] = {group: str(choice) for group, choice in choices.items()
                                       if choice is not None and not group.startswith("hydra/")}
-    values.update({key: OmegaConf.select(cfg, key) for key in HEADLINE_KEYS if OmegaConf.select(cfg, key) is not None})
+    for key in HEADLINE_KEYS:
+        if (value := OmegaConf.select(cfg, key)) is not None:
+            values[key] = value
     for o in OverridesParser.create().parse_overrides(overrides):
         value = o.value()
         if o.is_delete():
