@@ -191,9 +191,9 @@ def test_hyperparameters_keep_their_types() -> None:
                       "checkpoint.dir": "null", "extra.flag": False, "metrics.peak_flops": "(deleted)"}
     from tensorboard.plugins.hparams import metadata
 
-    from trainflow.tensorboard import _session_start
+    from trainflow.tensorboard import session_start_record
 
-    record = _session_start(values).value[0]
+    record = session_start_record(values).value[0]
     stored = metadata.parse_session_start_info_plugin_data(record.metadata.plugin_data.content).hparams
     assert record.tag == "_hparams_/session_start_info"
     assert stored["trainer.deterministic"].bool_value is True and stored["extra.flag"].HasField("bool_value")
