@@ -174,3 +174,27 @@ def test_validation_is_a_curve_by_default_in_long_runs(outputs: Path) -> None:
                           (100, 0, 0)])
 def test_eval_interval(max_steps: int, eval_every: int | str, interval: int) -> None:
     assert TrainerConfig(max_steps=max_steps, eval_every=eval_every).eval_interval() == interval
+
+
+def test_hyperparameters_keep_their_types() -> None:
+    """Numbers stay numbers and bools bools (TensorBoard filters and charts them so); the rest is its text."""
+    from omegaconf import OmegaConf
+
+    from trainflow.tensorboard import hyperparameters
+
+    cfg = OmegaConf.create({"optim": {"lr": 3e-4}, "trainer": {"batch_size": 8, "max_steps": 20, "precision": "fp32"}})
+    choices = {"model": "gpt_tiny", "experiment": None, "hydra/launcher": "basic"}
+    values = hyperparameters(cfg, choices, ["optim.lr=3e-4", "trainer.deterministic=true", "data.paths=[/a,/b]",
+                                            "checkpoint.dir=null", "+extra.flag=false", "~metrics.peak_flops"])
+    assert values == {"model": "gpt_tiny", "optim.lr": 3e-4, "trainer.batch_size": 8, "trainer.max_steps": 20,
+                      "trainer.precision": "fp32", "trainer.deterministic": True, "data.paths": "[/a,/b]",
+                      "checkpoint.dir": "null", "extra.flag": False, "metrics.peak_flops": "(deleted)"}
+    from tensorboard.plugins.hparams import metadata
+
+    from trainflow.tensorboard import session_start_record
+
+    record = session_start_record(values).value[0]
+    stored = metadata.parse_session_start_info_plugin_data(record.metadata.plugin_data.content).hparams
+    assert record.tag == "_hparams_/session_start_info"
+    assert stored["trainer.deterministic"].bool_value is True and stored["extra.flag"].HasField("bool_value")
+    assert stored["optim.lr"].number_value == 3e-4 and stored["data.paths"].string_value == "[/a,/b]"

@@ -44,7 +44,9 @@ def hyperparameters(cfg: DictConfig, choices: dict[str, Any], overrides: list[st
 
     values: dict[str, HparamValue] = {group: str(choice) for group, choice in choices.items()
                                       if choice is not None and not group.startswith("hydra/")}
-    values.update({key: OmegaConf.select(cfg, key) for key in HEADLINE_KEYS if OmegaConf.select(cfg, key) is not None})
+    for key in HEADLINE_KEYS:
+        if (value := OmegaConf.select(cfg, key)) is not None:
+            values[key] = value
     for o in OverridesParser.create().parse_overrides(overrides):
         value = o.value()
         if o.is_delete():
@@ -127,7 +129,7 @@ class Dashboard:
         name = job_name(overrides, run_dir) if mode == "MULTIRUN" else None
         self.dir = run_dir / EVENTS_DIR / name if name else run_dir / EVENTS_DIR
         self._writer = SummaryWriter(log_dir=str(self.dir), flush_secs=10)  # a running run shows within seconds
-        self._add(_session_start(hyperparameters(cfg, choices, overrides)))
+        self._add(session_start_record(hyperparameters(cfg, choices, overrides)))
         self._add(_text_summary("config", f"```yaml\n{OmegaConf.to_yaml(cfg, resolve=True)}```"))
 
     def scalars(self, step: int, values: dict[str, Any]) -> None:
@@ -151,7 +153,7 @@ class Dashboard:
         self._writer.file_writer.add_summary(summary, step)
 
 
-def _session_start(hparams: dict[str, HparamValue]) -> Any:
+def session_start_record(hparams: dict[str, HparamValue]) -> Any:
     """The HParams plugin's session start record: this run's hyperparameters."""
     from tensorboard.plugins.hparams import metadata, plugin_data_pb2
 
