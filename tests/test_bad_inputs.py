@@ -459,9 +459,10 @@ def markdown_rows() -> list[str]:
     """The table as README shows it: {tmp} and {ckpts} are folders of the test, {n} a number, {any} text."""
     rows = ["| area | bad input | try it | exit | what trainflow says |", "|---|---|---|---|---|"]
     for c in CASES:
-        shown = " ".join(c.args).replace("{ckpts}", "<ckpts>").replace("{tmp}", "<dir>")
+        shown = " ".join(c.args)
         shown = {"trainflow": f"trainflow {shown}", "multirun": f"-m {shown}"}.get(c.tool, shown)
-        shown = " ".join([*(f"{k}={v}" for k, v in c.env), shown]).replace("{port}", "<port>")
+        shown = " ".join([*(f"{k}={v}" for k, v in c.env), *([shown] if shown else [])])
+        shown = shown.replace("{ckpts}", "<ckpts>").replace("{tmp}", "<dir>").replace("{port}", "<port>")
         message = (c.message.replace("{any}", "…").replace("{n}", "N").replace("{ckpts}", "<ckpts>")
                    .replace("{tmp}", "<dir>").replace("{port}", "<port>").replace("|", "\\|"))
         rows.append(f"| {c.area} | {c.what} | {f'`{shown}`' if shown else '-'} | {c.exit} | {message} |")
