@@ -223,12 +223,12 @@ CASES = [
     # more config, data and environment values
     Case("interpolation-to-missing-key", "config", "an interpolation to a key that does not exist",
          ("optim.lr=${trainer.nonexistent}",),
-         "Error: optim.lr: interpolation key 'trainer.nonexistent' not found; point the ${...} at an existing key of "
-         "the right type, or give a value"),
+         "Error: optim.lr: interpolation key 'trainer.nonexistent' not found; fix the ${...} or give the value "
+         "directly"),
     Case("interpolation-of-wrong-type", "config", "an interpolation to a value of the wrong type",
          ("optim.lr=${trainer.device}",),
          "Error: optim.lr: while dereferencing interpolation '${trainer.device}': Value 'auto' of type 'str' could "
-         "not be converted to Float; point the ${...} at an existing key of the right type, or give a value"),
+         "not be converted to Float; fix the ${...} or give the value directly"),
     Case("infinite-lr", "config", "an infinite learning rate", ("optim.lr=inf",),
          "Error: optim.lr: must be a finite number; got inf"),
     Case("nan-grad-clip", "config", "a NaN clipping threshold", ("trainer.grad_clip=nan",),
