@@ -269,12 +269,12 @@ CASES = [
     # more config, data and environment values
     Case("interpolation-to-missing-key", "config", "an interpolation to a key that does not exist",
          ("optim.lr=${trainer.nonexistent}",),
-         "Error: optim.lr: interpolation key 'trainer.nonexistent' not found; point the ${...} at an existing key of "
-         "the right type, or give a value"),
+         "Error: optim.lr: interpolation key 'trainer.nonexistent' not found; fix the ${...} or give the value "
+         "directly"),
     Case("interpolation-of-wrong-type", "config", "an interpolation to a value of the wrong type",
          ("optim.lr=${trainer.device}",),
          "Error: optim.lr: while dereferencing interpolation '${trainer.device}': Value 'auto' of type 'str' could "
-         "not be converted to Float; point the ${...} at an existing key of the right type, or give a value"),
+         "not be converted to Float; fix the ${...} or give the value directly"),
     Case("infinite-lr", "config", "an infinite learning rate", ("optim.lr=inf",),
          "Error: optim.lr: must be a finite number; got inf"),
     Case("nan-grad-clip", "config", "a NaN clipping threshold", ("trainer.grad_clip=nan",),
@@ -536,9 +536,10 @@ def markdown_rows() -> list[str]:
     """The table as README shows it: {tmp} and {ckpts} are folders of the test, {n} a number, {any} text."""
     rows = ["| area | bad input | try it | exit | what trainflow says |", "|---|---|---|---|---|"]
     for c in CASES:
-        shown = " ".join(c.args).replace("{ckpts}", "<ckpts>").replace("{tmp}", "<dir>")
+        shown = " ".join(c.args)
         shown = {"trainflow": f"trainflow {shown}", "multirun": f"-m {shown}"}.get(c.tool, shown)
-        shown = " ".join([*(f"{k}={v}" for k, v in c.env), shown]).replace("{port}", "<port>")
+        shown = " ".join([*(f"{k}={v}" for k, v in c.env), *([shown] if shown else [])])
+        shown = shown.replace("{ckpts}", "<ckpts>").replace("{tmp}", "<dir>").replace("{port}", "<port>")
         message = (c.message.replace("{any}", "…").replace("{n}", "N").replace("{ckpts}", "<ckpts>")
                    .replace("{tmp}", "<dir>").replace("{port}", "<port>").replace("|", "\\|"))
         rows.append(f"| {c.area} | {c.what} | {f'`{shown}`' if shown else '-'} | {c.exit} | {message} |")

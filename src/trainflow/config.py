@@ -388,8 +388,9 @@ def _resolved(cfg: DictConfig) -> dict[str, Any]:
         return OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
     except (InterpolationResolutionError, MissingMandatoryValue) as exc:
         problem = str(exc.msg).strip().splitlines()[0] if exc.msg else type(exc).__name__
-        raise ConfigError(f"{exc.full_key}: {problem[0].lower()}{problem[1:]}; point the ${{...}} at an existing key "
-                          "of the right type, or give a value") from None
+        if problem.split()[0][1:].islower():  # a sentence goes on in lower case; a name (KeyError) keeps its capital
+            problem = problem[0].lower() + problem[1:]
+        raise ConfigError(f"{exc.full_key}: {problem}; fix the ${{...}} or give the value directly") from None
 
 
 def _non_finite(node: Any, key: str = "") -> tuple[str, Any] | None:

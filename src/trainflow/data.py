@@ -105,15 +105,12 @@ def _write_cache(files: list[Path], cache: Path, configured: str) -> None:
                 _append(f, out)
         os.replace(tmp, cache)
     except OSError as exc:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
         raise DataError(f"data.cache_dir: cannot write the token cache in {cache.parent}{home_note(configured)} "
                         f"({unwritable_reason(cache.parent, exc)}); point data.cache_dir at a writable folder with "
                         "room for the corpus") from None
-    except BaseException:
+    finally:
         with contextlib.suppress(OSError):
-            tmp.unlink()
-        raise
+            tmp.unlink()  # what a failed write left (after the rename there is nothing to remove)
     log.info("tokenized %d files (%.1f MB) into %s", len(files), cache.stat().st_size / 1e6, cache)
 
 

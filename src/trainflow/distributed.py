@@ -61,7 +61,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from trainflow.errors import ConfigError, TrainflowError
-from trainflow.metrics import matmul_math
+from trainflow.metrics import RunLogHandler, matmul_math
 
 log = logging.getLogger(__name__)
 
@@ -469,7 +469,7 @@ def _configure_worker_logging(run_dir: Path, rank: int) -> None:
         root.removeHandler(handler)
     if rank == 0:
         handlers: list[logging.Handler] = [logging.StreamHandler(sys.stdout),
-                                           logging.FileHandler(run_dir / "train.log")]
+                                           RunLogHandler(run_dir / "train.log")]
         fmt, level = _LOG_FORMAT, logging.INFO
     else:
         handlers, fmt, level = [logging.StreamHandler(sys.stderr)], f"[rank {rank}]{_LOG_FORMAT}", logging.WARNING

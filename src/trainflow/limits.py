@@ -8,6 +8,7 @@ keeps for backward during one forward and loss, at the real batch size.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable
 from pathlib import Path
@@ -19,6 +20,8 @@ from torch.func import functional_call
 from torch.utils.data import Dataset
 
 from trainflow.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -35,8 +38,12 @@ def check_batch(cfg: DictConfig, batch_size: int, model: nn.Module, dataset: Dat
     if available is None:
         return
     sample = dataset[torch.arange(1)]
-    needed = micro_batch_bytes(model, sample, batch_size, loss_fn,
-                               cfg.parallelism.activation_checkpointing == "full")
+    try:
+        needed = micro_batch_bytes(model, sample, batch_size, loss_fn,
+                                   cfg.parallelism.activation_checkpointing == "full")
+    except Exception as exc:  # a model that cannot run on the meta device (it reads values, or an op lacks a kernel)
+        log.info("the memory a micro-batch needs could not be estimated on the meta device (%s); not checked", exc)
+        return
     if needed > available:
         fits = max(0, math.floor(available / (needed / batch_size)))
         raise ConfigError(f"{key}: a micro-batch of {batch_size} samples needs about {_size(needed)} for its inputs "
