@@ -59,8 +59,10 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from trainflow.errors import ConfigError, TrainflowError
+from trainflow.hsdp import build_mesh, hsdp_shape
 from trainflow.metrics import matmul_math
 
 log = logging.getLogger(__name__)
@@ -71,6 +73,7 @@ _DTYPES = {None: None, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": to
 # batch (~4e-3 measured for bf16).
 PARITY_TOLERANCE = {"fp32": 1e-4, "tf32": 1e-2, "bf16": 2e-2}
 _LOG_FORMAT = "[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"  # Hydra's default, for workers without it
+SHARDED = ("fsdp", "hsdp")  # the strategies that shard with FSDP2 (over one mesh dimension, or two)
 _self_launched = False  # set in workers started by `launch`: the launching process already spoke for them
 
 
@@ -161,7 +164,7 @@ def check_world_size(cfg: DictConfig, world_size: int, started_by: str) -> None:
     if cfg.strategy == "single" and world_size > 1:
         raise ConfigError(f"parallelism.strategy: single trains in one process, but {started_by} started "
                           f"{world_size}; use parallelism=ddp or parallelism=fsdp")
-    if cfg.strategy != "single" and world_size < 2:
+    if cfg.strategy not in ("single", "auto") and world_size < 2:
         if started_by != "trainflow":
             why = f"{started_by} started one"
         elif cfg.nproc_per_node == "auto":
@@ -215,7 +218,7 @@ def bf16_slowdown(size: int = 384, repeats: int = 5) -> float:
 def bf16_warning(cfg: DictConfig, device: torch.device, flags: frozenset[str] | None = None) -> str | None:
     """A warning when bf16 is asked for on a CPU without native bf16 (emulated bf16 is slower than fp32)."""
     keys = ["trainer.precision"] if cfg.trainer.precision == "bf16" else []
-    if cfg.parallelism.strategy == "fsdp":
+    if cfg.parallelism.strategy in SHARDED:
         keys += [f"parallelism.fsdp.{k}" for k in ("param_dtype", "reduce_dtype") if cfg.parallelism.fsdp[k] == "bf16"]
     if not keys or device.type != "cpu":
         return None
@@ -232,10 +235,12 @@ def _preflight(cfg: DictConfig, device: torch.device, world_size: int, local_wor
     p = cfg.parallelism
     check_world_size(p, world_size, started_by)
     backend = resolve_backend(p, device)
-    if p.strategy == "fsdp" and p.fsdp.cpu_offload and device.type == "cpu":
+    if p.strategy in SHARDED and p.fsdp.cpu_offload and device.type == "cpu":
         raise ConfigError("parallelism.fsdp.cpu_offload: the run is on CPU already, so there is nothing to offload "
                           "to; set it to false")
     per_rank_batch(cfg, world_size)
+    if p.strategy == "hsdp":
+        hsdp_shape(p, world_size)  # raises: a shape that does not fit this world
     if device.type == "cuda" and not gpus_bound_per_task():
         check_nproc(local_world_size, "cuda", torch.cuda.device_count())
     if int(os.environ.get("RANK", "0")) == 0 and not _self_launched:
@@ -266,8 +271,11 @@ def launched() -> bool:
 
 
 def should_launch(cfg: DictConfig) -> bool:
-    """ddp/fsdp typed without a launcher: this process starts the workers itself."""
-    return cfg.parallelism.strategy != "single" and not launched()
+    """ddp/fsdp/hsdp typed without a launcher (auto: for more than one process): this process starts them."""
+    p = cfg.parallelism
+    if p.strategy == "auto" and resolve_nproc(p, resolve_device(cfg.trainer.device, 0)) == 1:
+        return False
+    return p.strategy != "single" and not launched()
 
 
 def _store(rank: int, world_size: int, timeout: timedelta) -> dist.Store:
@@ -516,8 +524,9 @@ def parallelize(model: nn.Module, cfg: DictConfig, env: DistEnv, precision: str 
         checkpoint_blocks(model)
     if not env.distributed:
         return model
-    if cfg.strategy == "fsdp":
-        return shard(model, cfg.fsdp, env, precision)
+    if cfg.strategy in SHARDED:
+        shape = hsdp_shape(cfg, env.world_size) if cfg.strategy == "hsdp" else None
+        return shard(model, cfg.fsdp, env, precision, build_mesh(env.device.type, env.world_size, shape))
     from torch.nn.parallel import DistributedDataParallel
 
     d = cfg.ddp
@@ -588,17 +597,19 @@ def fsdp_dtypes(param_dtype: str | None, reduce_dtype: str | None, precision: st
     return param, reduce
 
 
-def shard(model: nn.Module, cfg: DictConfig, env: DistEnv, precision: str = "fp32") -> nn.Module:
-    """FSDP2: `fully_shard` each unit (blocks, or modules by size), then the root, over one device mesh."""
-    from torch.distributed.device_mesh import init_device_mesh
+def shard(model: nn.Module, cfg: DictConfig, env: DistEnv, precision: str = "fp32",
+          mesh: DeviceMesh | None = None) -> nn.Module:
+    """FSDP2: `fully_shard` each unit (blocks, or modules by size), then the root, over one device mesh (FSDP: one
+    dimension; HSDP: replicate x shard)."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     param_dtype, reduce_dtype = fsdp_dtypes(cfg.param_dtype, cfg.reduce_dtype, precision)
     options = {
-        "mesh": init_device_mesh(env.device.type, (env.world_size,)),
+        "mesh": mesh or build_mesh(env.device.type, env.world_size),
         "mp_policy": MixedPrecisionPolicy(param_dtype=_DTYPES[param_dtype], reduce_dtype=_DTYPES[reduce_dtype]),
         "offload_policy": CPUOffloadPolicy() if cfg.cpu_offload else OffloadPolicy(),
     }
+    mesh = options["mesh"]
     units = shard_units(model, cfg.wrap, cfg.min_params)
     for unit in units:
         fully_shard(unit, reshard_after_forward=cfg.reshard_after_forward, **options)
@@ -606,7 +617,8 @@ def shard(model: nn.Module, cfg: DictConfig, env: DistEnv, precision: str = "fp3
     # would cost an all-gather at the start of every backward.
     fully_shard(model, **options)
     if env.is_main:
-        log.info("fsdp: %d shard units + root over %d ranks", len(units), env.world_size)
+        log.info("%s: %d shard units + root over %d ranks (mesh %s)", env.strategy, len(units), env.world_size,
+                 " x ".join(f"{size} {name}" for name, size in zip(mesh.mesh_dim_names, mesh.shape, strict=True)))
     return model
 
 
