@@ -62,7 +62,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from trainflow.errors import ConfigError, TrainflowError
-from trainflow.hsdp import build_mesh, hsdp_shape
+from trainflow.hsdp import MESH_DIMS, build_mesh, hsdp_shape
 from trainflow.metrics import matmul_math
 
 log = logging.getLogger(__name__)
@@ -795,6 +795,9 @@ def summary(cfg: DictConfig, env: DistEnv, steady: dict[str, float] | None, chec
         "global_batch": t.batch_size * env.world_size * t.grad_accum,
         "check": check.summary(),
     }
+    if env.strategy in SHARDED:
+        shape = hsdp_shape(cfg.parallelism, env.world_size) if env.strategy == "hsdp" else (1, env.world_size)
+        out["mesh"] = dict(zip(MESH_DIMS, shape, strict=True))
     if steady:
         for key in ("samples_per_sec", "tokens_per_sec"):
             out[f"{key}_total"] = steady[key]

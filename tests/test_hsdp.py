@@ -1,0 +1,82 @@
+"""HSDP: 4 gloo ranks as 2 replicas x 2 shards train like one process, resume exactly, and their checkpoints
+reshard to FSDP 2, DDP 2 and one process, and back.
+
+Every run keeps the global batch at 8 samples (parallelism.global_batch), so 1, 2 and 4 ranks consume the same
+global sample stream: a resharded run must reproduce the reference's per-step losses up to the summation order
+of the gradient reduction (tolerance and its reason in test_checkpoint_distributed).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from conftest import TINY_GPT, Run, losses_by_step, train
+from test_checkpoint import assert_same_tensors
+from test_checkpoint_distributed import assert_close_losses, ok
+
+BASE = [*TINY_GPT, "trainer.batch_size=2", "parallelism.global_batch=8", "trainer.max_steps=8",
+        "trainer.eval_every=0", "trainer.eval_steps=1", "checkpoint=dcp"]
+HSDP_2X2 = ["parallelism=hsdp", "parallelism.nproc_per_node=4", "parallelism.hsdp.shard_size=2"]
+OTHERS = {
+    "fsdp2": ["parallelism=fsdp", "parallelism.nproc_per_node=2"],
+    "ddp2": ["parallelism=ddp", "parallelism.nproc_per_node=2"],
+    "single": [],
+}
+
+
+@pytest.fixture(scope="module")
+def hsdp_straight(tmp_path_factory: pytest.TempPathFactory) -> Run:
+    """The reference: HSDP 2 x 2, 8 uninterrupted steps with the parity check, saves at 4 and 8."""
+    return ok(train(tmp_path_factory.mktemp("hsdp") / "run", *BASE, *HSDP_2X2, "checkpoint.every_steps=4",
+                    "parallelism.check=true"))
+
+
+def checkpoint(run: Run, step: int) -> Path:
+    return run.run_dir / "checkpoints" / f"step_{step:08d}"
+
+
+@pytest.fixture(scope="module")
+def resharded_from_hsdp(hsdp_straight: Run, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Run]:
+    """HSDP's step 4 resumed under FSDP 2, DDP 2 and one process, each saving every 2 steps."""
+    return {name: ok(train(tmp_path_factory.mktemp(name) / "run", *BASE, *layout, "checkpoint.every_steps=2",
+                           f"checkpoint.resume={checkpoint(hsdp_straight, 4)}"))
+            for name, layout in OTHERS.items()}
+
+
+def test_hsdp_2x2_trains_like_one_process(hsdp_straight: Run) -> None:
+    parallelism = hsdp_straight.summary["parallelism"]
+    assert parallelism["strategy"] == "hsdp" and parallelism["world_size"] == 4
+    assert parallelism["mesh"] == {"replicate": 2, "shard": 2}
+    check = parallelism["check"]
+    assert check["passed"] and check["steps"] == 3, check
+    assert check["param_rel_diff"] <= check["tolerance"] and check["loss_rel_diff"] <= check["tolerance"]
+    assert "hsdp: 2 shard units + root over 4 ranks (mesh 2 replicate x 2 shard)" in hsdp_straight.stdout
+
+
+def test_hsdp_resume_is_bit_identical(hsdp_straight: Run, tmp_path: Path) -> None:
+    run = ok(train(tmp_path / "run", *BASE, *HSDP_2X2, "checkpoint.every_steps=4",
+                   f"checkpoint.resume={checkpoint(hsdp_straight, 4)}"))
+    assert run.summary["resumed_from_step"] == 4 and run.summary["steps_this_run"] == 4
+    resumed, reference = losses_by_step(run.run_dir), losses_by_step(hsdp_straight.run_dir)
+    assert {s: resumed[s] for s in range(5, 9)} == {s: reference[s] for s in range(5, 9)}
+    assert_same_tensors(checkpoint(run, 8), checkpoint(hsdp_straight, 8))
+    manifest = json.loads((checkpoint(run, 8) / "manifest.json").read_text())
+    assert manifest["world_size"] == 4
+
+
+@pytest.mark.parametrize("name", list(OTHERS))
+def test_hsdp_checkpoint_reshards_to(name: str, hsdp_straight: Run, resharded_from_hsdp: dict[str, Run]) -> None:
+    run = resharded_from_hsdp[name]
+    assert run.summary["resumed_from_step"] == 4
+    assert run.summary["world_size"] == {"fsdp2": 2, "ddp2": 2, "single": 1}[name]
+    assert_close_losses(losses_by_step(run.run_dir), losses_by_step(hsdp_straight.run_dir), range(5, 9))
+
+
+@pytest.mark.parametrize("name", ["fsdp2", "single"])
+def test_checkpoint_reshards_back_to_hsdp(name: str, hsdp_straight: Run, resharded_from_hsdp: dict[str, Run],
+                                          tmp_path: Path) -> None:
+    run = ok(train(tmp_path / "run", *BASE, *HSDP_2X2, f"checkpoint.resume={checkpoint(resharded_from_hsdp[name], 6)}"))
+    assert run.summary["resumed_from_step"] == 6 and run.summary["parallelism"]["mesh"] == {"replicate": 2, "shard": 2}
+    assert_close_losses(losses_by_step(run.run_dir), losses_by_step(hsdp_straight.run_dir), range(7, 9))
