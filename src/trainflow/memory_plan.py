@@ -158,9 +158,10 @@ def measure_activations(model: nn.Module, example: tuple[torch.Tensor, torch.Ten
     return total, checkpointed
 
 
-def model_facts(model: nn.Module, optim_cfg: DictConfig, fsdp_cfg: DictConfig, example: tuple, loss_fn: Callable,
-                autocast: Any) -> ModelFacts:
-    """Everything the table needs from this model, measured once on rank 0's view (every rank has the same)."""
+def model_facts(model: nn.Module, optim_cfg: DictConfig, fsdp_cfg: DictConfig, example: tuple | None = None,
+                loss_fn: Callable | None = None, autocast: Any = None) -> ModelFacts:
+    """Everything the table needs from this model (the same on every rank); without an example (a model on the
+    meta device) the activations are left at 0."""
     from trainflow.distributed import _blocks, shard_units
 
     blocks = _blocks(model)
@@ -174,8 +175,10 @@ def model_facts(model: nn.Module, optim_cfg: DictConfig, fsdp_cfg: DictConfig, e
     units = shard_units(model, wrap, fsdp_cfg.min_params)
     in_units = {id(p) for unit in units for p in unit.parameters()}
     scaled, scalars = optimizer_state(model, optim_cfg)
-    full, checkpointed = measure_activations(model, example, loss_fn, list(blocks) if blocks is not None else [],
-                                             autocast)
+    full = checkpointed = 0
+    if example is not None:
+        full, checkpointed = measure_activations(model, example, loss_fn, list(blocks) if blocks is not None else [],
+                                                 autocast)
     return ModelFacts(
         params=[(p.shape, p.element_size(), s) for p, s in zip(model.parameters(), scaled, strict=True)],
         optimizer_scalar_bytes=scalars,
