@@ -348,6 +348,9 @@ def check_estimate(plan: Plan, device: torch.device, baseline: int, resident_mod
     """
     row = plan.table[plan.choice.name]
     peak = measured_peak(device) - baseline + resident_model
+    for module in model.modules():  # the last forward (evaluation) left the root gathered: count the shards
+        if hasattr(module, "reshard") and hasattr(module, "set_requires_gradient_sync"):
+            module.reshard()
     state = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
     return {
         "estimated_bytes": row["total"],
