@@ -284,11 +284,11 @@ def refusal(facts: ModelFacts, plan: Plan, batch_size: int, precision: str) -> s
             fixes.append(f"trainer.batch_size={smaller}")
     if precision == "fp32" and row["total"] - row["activations"] // 2 <= plan.budget_bytes:
         fixes.append("trainer.precision=bf16 (about half the activations)")
-    fix = " or ".join(fixes) if fixes else "a device with more memory"
+    fix = f"it would fit with {' or '.join(fixes)}" if fixes else "only a device with more memory would fit it"
     return (f"{key}: no strategy fits: the leanest, {leanest.name}, needs {row['total'] / GB:.3g} GB per rank "
             f"(parameters, gradients and optimizer state {(row['params'] + row['grads'] + row['optimizer']) / GB:.3g}"
             f" GB, activations {row['activations'] / GB:.3g} GB), and the budget is {plan.budget_bytes / GB:.3g} GB "
-            f"({plan.budget_source}); it would fit with {fix}")
+            f"({plan.budget_source}); {fix}")
 
 
 def format_table(plan: Plan) -> str:
