@@ -103,3 +103,69 @@ def test_a_model_without_blocks_is_sharded_by_size_and_said_once(tmp_path: Path)
     note = "has no `blocks` list, so FSDP would shard modules by size"
     assert run.stdout.count(note) == 1, run.stdout[-2000:]
     assert list(run.summary["parallelism"]["plan"]["table"]) == ["single"]  # no activation checkpointing offered
+
+
+def test_slurm_four_nodes_of_eight_gpus_rendezvous_once_and_auto_picks_hsdp_8_by_4(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sbatch script of nodes=4 tasks_per_node=8 gpus_per_node=8 (dry run, nothing submitted) starts one srun
+    of 32 tasks, which all meet at one address; under parallelism=auto with sharding needed, rank 0 of those 32
+    (a fake process group stands in for the cluster) chooses HSDP: 8 shards within a node x 4 replicas."""
+    import copy
+
+    import torch
+    import torch.distributed as dist
+    from hydra import compose, initialize_config_dir
+    from submitit.helpers import TorchDistributedEnvironment
+    from test_launcher_slurm import SLURM, multirun
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from trainflow.distributed import DistEnv
+    from trainflow.hsdp import build_mesh, hsdp_shape
+    from trainflow.memory_plan import apply_auto
+    from trainflow.models import build_model
+    from trainflow.run import loss_fn
+
+    proc = multirun(tmp_path, *SLURM, "hydra.launcher.nodes=4", "hydra.launcher.tasks_per_node=8",
+                    "hydra.launcher.gpus_per_node=8", "hydra.launcher.dry_run=true", "parallelism=auto", timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    script = (tmp_path / "dry_run.sbatch").read_text().splitlines()
+    assert {"#SBATCH --nodes=4", "#SBATCH --ntasks-per-node=8", "#SBATCH --gpus-per-node=8"} <= set(script)
+    assert len([line for line in script if line.startswith("srun ")]) == 1  # one job step: every task in it
+
+    # What each of the 32 tasks exports (the job runner's TorchDistributedEnvironment) from SLURM's variables
+    monkeypatch.setenv("SUBMITIT_EXECUTOR", "slurm")
+    seen = set()
+    for rank in range(32):
+        for key, value in {"SLURM_JOB_ID": "4242", "SLURM_NTASKS": "32", "SLURM_JOB_NUM_NODES": "4",
+                           "SLURM_NODEID": str(rank // 8), "SLURM_JOB_NODELIST": "gpu[01-04]",
+                           "SLURM_PROCID": str(rank), "SLURM_LOCALID": str(rank % 8)}.items():
+            monkeypatch.setenv(key, value)
+        e = TorchDistributedEnvironment()
+        seen.add((e.master_addr, e.master_port, e.world_size, e.local_world_size))
+        assert e.rank == rank and e.local_rank == rank % 8
+    assert len(seen) == 1 and next(iter(seen))[::2] == ("gpu01", 32)  # one rendezvous for all 32 ranks
+    assert next(iter(seen))[3] == 8  # ranks per node: what HSDP shards over by default
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    from trainflow.config import register_configs
+
+    register_configs()
+    with initialize_config_dir(str(Path(__file__).resolve().parents[1] / "conf"), version_base=None):
+        cfg = compose("train", overrides=[*TINY_GPT, "parallelism=auto"])
+    model = build_model(cfg.model)
+    example = (torch.zeros(1, cfg.model.block_size, dtype=torch.long),) * 2
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=32)
+    try:
+        env = DistEnv(0, 32, 0, torch.device("cpu"), "auto")
+        probe = copy.deepcopy(cfg)
+        probe.parallelism.memory_budget_gb = 1.0
+        table = apply_auto(probe, env, model, example, loss_fn)[1].plan.table
+        assert list(table)[:3] == ["ddp", "hsdp", "fsdp"]
+        cfg.parallelism.memory_budget_gb = float(budget_between(table, "hsdp", "ddp").split("=")[1])
+        env, auto = apply_auto(cfg, env, model, example, loss_fn)
+        assert auto.plan.choice.name == "hsdp" and env.strategy == cfg.parallelism.strategy == "hsdp"
+        assert hsdp_shape(cfg.parallelism, 32) == (4, 8)
+        mesh = build_mesh("cpu", 32, hsdp_shape(cfg.parallelism, 32))
+        assert mesh.mesh_dim_names == ("replicate", "shard") and tuple(mesh.shape) == (4, 8)
+    finally:
+        dist.destroy_process_group()
