@@ -50,6 +50,17 @@ def test_ddp_when_it_fits(roomy: Run) -> None:
     assert plan["check"]["params_bytes"] == ddp["params"] and plan["check"]["optimizer_bytes"] == ddp["optimizer"]
 
 
+def test_the_sweep_report_shows_the_decision(roomy: Run, tmp_path: Path) -> None:
+    from trainflow import report
+
+    plan = roomy.summary["parallelism"]["plan"]
+    written = report.write(roomy.run_dir, tmp_path)
+    assert written["runs"][0]["plan"] == plan
+    page = (tmp_path / "report.md").read_text()
+    ddp_mib = plan["table"]["ddp"]["total"] / 2**20
+    assert f"**ddp {ddp_mib:.1f}**, fsdp " in page and "parallelism.memory_budget_gb=1" in page
+
+
 def test_fsdp_when_ddp_does_not_fit(roomy: Run, tmp_path: Path) -> None:
     table = roomy.summary["parallelism"]["plan"]["table"]
     run = ok(train(tmp_path / "run", *BASE, budget_between(table, "fsdp", "ddp")))
