@@ -80,3 +80,16 @@ def test_checkpoint_reshards_back_to_hsdp(name: str, hsdp_straight: Run, reshard
     run = ok(train(tmp_path / "run", *BASE, *HSDP_2X2, f"checkpoint.resume={checkpoint(resharded_from_hsdp[name], 6)}"))
     assert run.summary["resumed_from_step"] == 6 and run.summary["parallelism"]["mesh"] == {"replicate": 2, "shard": 2}
     assert_close_losses(losses_by_step(run.run_dir), losses_by_step(hsdp_straight.run_dir), range(7, 9))
+
+
+@pytest.mark.parametrize(("world", "per_node", "shard", "replicate", "expected"), [
+    (32, 8, None, None, (4, 8)),  # defaults: shard within a node of 8, replicate across the 4 nodes
+    (4, 4, None, None, (1, 4)),  # one node: one copy sharded over all (FSDP's layout)
+    (32, 8, None, 2, (2, 16)),  # only the replicas set: the shard size follows
+    (4, 4, 2, None, (2, 2)),  # the CPU tests' 2 x 2
+])
+def test_mesh_shape_defaults_come_from_the_launch(world: int, per_node: int, shard: int | None,
+                                                  replicate: int | None, expected: tuple[int, int]) -> None:
+    from trainflow.hsdp import mesh_shape
+
+    assert mesh_shape(world, per_node, shard, replicate) == expected
