@@ -1,5 +1,5 @@
-"""HSDP: 4 gloo ranks as 2 replicas x 2 shards train like one process, resume exactly, and their checkpoints
-reshard to FSDP 2, DDP 2 and one process, and back.
+"""HSDP: 4 gloo ranks as 2 replicas x 2 shards (2 accumulation micro-steps: the gradient sync skipped on the first)
+train like one process, resume exactly, and their checkpoints reshard to FSDP 2, DDP 2 and one process, and back.
 
 Every run keeps the global batch at 8 samples (parallelism.global_batch), so 1, 2 and 4 ranks consume the same
 global sample stream: a resharded run must reproduce the reference's per-step losses up to the summation order
@@ -16,7 +16,7 @@ from conftest import TINY_GPT, Run, losses_by_step, train
 from test_checkpoint import assert_same_tensors
 from test_checkpoint_distributed import assert_close_losses, ok
 
-BASE = [*TINY_GPT, "trainer.batch_size=2", "parallelism.global_batch=8", "trainer.max_steps=8",
+BASE = [*TINY_GPT, "trainer.grad_accum=2", "parallelism.global_batch=8", "trainer.max_steps=8",
         "trainer.eval_every=0", "trainer.eval_steps=1", "checkpoint=dcp"]
 HSDP_2X2 = ["parallelism=hsdp", "parallelism.nproc_per_node=4", "parallelism.hsdp.shard_size=2"]
 OTHERS = {
