@@ -93,3 +93,14 @@ def test_mesh_shape_defaults_come_from_the_launch(world: int, per_node: int, sha
     from trainflow.hsdp import mesh_shape
 
     assert mesh_shape(world, per_node, shard, replicate) == expected
+
+
+def test_hsdp_with_compiled_blocks_and_activation_checkpointing_matches_one_process(tmp_path: Path) -> None:
+    """compile.scope=blocks (aot_eager: the graphs of inductor without its C++ build time) over the 2-D mesh."""
+    run = ok(train(tmp_path / "run", *BASE, *HSDP_2X2, "checkpoint=off", "trainer.max_steps=3", "compile=default",
+                   "compile.backend=aot_eager", "compile.scope=blocks", "parallelism.check=true",
+                   "parallelism.activation_checkpointing=full"))
+    check, compiled = run.summary["parallelism"]["check"], run.summary["compile"]
+    assert check["passed"] and check["param_rel_diff"] <= check["tolerance"], check
+    assert compiled["enabled"] and compiled["scope"] == "blocks" and compiled["graphs"] >= 1
+    assert compiled["graph_breaks"]["count"] == 0
