@@ -2,7 +2,7 @@
 
 Who starts the ranks:
 - `parallelism=single`: one process, no process group.
-- `python train.py parallelism=ddp|fsdp parallelism.nproc_per_node=N`: `launch` starts N local workers
+- `python train.py parallelism=ddp|fsdp|hsdp|auto parallelism.nproc_per_node=N`: `launch` starts N local workers
   through torch's elastic agent (`elastic_launch`, c10d rendezvous on a free localhost port). The workers get
   the composed, resolved config and the run directory the launching process chose, so Hydra runs once and
   there is one run directory. Rank 0's summary is returned to the launching process; a failure on any rank
@@ -17,8 +17,9 @@ torchrun keeps one store across restarts, and without the prefix a restarted gro
 the failed attempt published and fail to connect.
 
 Order of model assembly (run.py): activation checkpointing -> DDP, or FSDP2 `fully_shard` on each block of
-`model.blocks` then on the root (one device mesh) -> compile -> optimizer. The optimizer must see the final
-(sharded) parameters.
+`model.blocks` then on the root (one device mesh: 1-D for FSDP, replicate x shard for HSDP, see trainflow.hsdp)
+-> compile -> optimizer. `parallelism=auto` picks one of these before (trainflow.memory_plan). The optimizer
+must see the final (sharded) parameters.
 
 Per-block compile and FSDP2: compile each block *in place* (`block.compile()`) after `fully_shard`, i.e. in
 run.py's order (parallelize, then compile). Measured with torch 2.13 on CPU (2 gloo ranks, GPT blocks,
@@ -604,12 +605,12 @@ def shard(model: nn.Module, cfg: DictConfig, env: DistEnv, precision: str = "fp3
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     param_dtype, reduce_dtype = fsdp_dtypes(cfg.param_dtype, cfg.reduce_dtype, precision)
+    mesh = mesh or build_mesh(env.device.type, env.world_size)
     options = {
-        "mesh": mesh or build_mesh(env.device.type, env.world_size),
+        "mesh": mesh,
         "mp_policy": MixedPrecisionPolicy(param_dtype=_DTYPES[param_dtype], reduce_dtype=_DTYPES[reduce_dtype]),
         "offload_policy": CPUOffloadPolicy() if cfg.cpu_offload else OffloadPolicy(),
     }
-    mesh = options["mesh"]
     units = shard_units(model, cfg.wrap, cfg.min_params)
     for unit in units:
         fully_shard(unit, reshard_after_forward=cfg.reshard_after_forward, **options)
