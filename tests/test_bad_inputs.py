@@ -434,6 +434,23 @@ CASES = [
          "Error: hydra.run.dir: {tmp}/run is in use by another run (pid {n} on {any}, since {any}); wait for it to "
          "end, or give this run its own directory (another trainer.run_name, or hydra.run.dir=<folder>)",
          setup=lock_run_dir),
+    # scale decisions
+    Case("hsdp-shard-size", "scale", "an HSDP shard size that does not divide the world size",
+         ("parallelism=hsdp", "parallelism.nproc_per_node=4", "parallelism.hsdp.shard_size=3"),
+         "Error: parallelism.hsdp.shard_size: 3 does not divide the world size 4; use one of 1, 2 or 4"),
+    Case("hsdp-replicate-size", "scale", "HSDP replicas x shard size other than the world size",
+         ("parallelism=hsdp", "parallelism.nproc_per_node=4", "parallelism.hsdp.shard_size=2",
+          "parallelism.hsdp.replicate_size=3"),
+         "Error: parallelism.hsdp.replicate_size: 3 x shard_size 2 = 6 ranks, but the world has 4; set "
+         "parallelism.hsdp.replicate_size=2 (or null)"),
+    Case("hsdp-one-rank", "scale", "HSDP on one rank", ("parallelism=hsdp", "parallelism.nproc_per_node=1"),
+         "Error: parallelism.nproc_per_node: hsdp needs 2 or more processes, got 1 (one was asked for); set "
+         "parallelism.nproc_per_node=2 or more, or use parallelism=single"),
+    Case("auto-budget-too-small", "scale", "a memory budget too small for any strategy",
+         ("parallelism=auto", "parallelism.memory_budget_gb=0.000001"),
+         "Error: parallelism.memory_budget_gb: no strategy fits: the leanest, single + activation checkpointing, "
+         "needs {any} GB per rank (parameters, gradients and optimizer state {any} GB, activations {any} GB), and "
+         "the budget is {any} GB (parallelism.memory_budget_gb=1e-06); only a device with more memory would fit it"),
     # launch combinations
     Case("launcher-without-multirun", "launch", "a sweep launcher without -m", ("hydra/launcher=torchrun",),
          "Error: hydra/launcher=torchrun: the torchrun launcher runs sweeps, and this is a single run; add -m "

@@ -229,8 +229,14 @@ class FSDPConfig:
 
 
 @dataclass
+class HSDPConfig:
+    shard_size: int | None = None  # ranks one copy of the model is sharded over; null: the ranks of one node
+    replicate_size: int | None = None  # copies of the sharded model; null: world size / shard_size (the nodes)
+
+
+@dataclass
 class ParallelismConfig:
-    strategy: str = "single"  # single | ddp | fsdp
+    strategy: str = "single"  # single | ddp | fsdp | hsdp (shard within a node, replicate across) | auto
     nproc_per_node: Any = 1  # processes on this node: an int, or "auto" (the number of GPUs; 1 on CPU)
     backend: str = "auto"  # auto (nccl on CUDA, gloo on CPU) | gloo | nccl
     global_batch: int | None = None  # when set, trainer.batch_size = global_batch / (world size * grad_accum)
@@ -241,13 +247,16 @@ class ParallelismConfig:
     check_steps: int = 3  # steps after which parameters are compared
     check_tolerance: float | None = None  # largest relative difference that passes; null: by trainer.precision
     ddp: DDPConfig = field(default_factory=DDPConfig)
-    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
+    fsdp: FSDPConfig = field(default_factory=FSDPConfig)  # also the sharding options of hsdp
+    hsdp: HSDPConfig = field(default_factory=HSDPConfig)
+    memory_budget_gb: float | None = None  # auto: memory one rank may use; null: free memory x memory_headroom
+    memory_headroom: float = 0.8  # auto: the share of the free memory a plan may fill
 
 
 def validate_parallelism(cfg: DictConfig) -> None:
     """Checks that need no process group; world-size-dependent ones happen where the world size is known."""
     p = cfg.parallelism
-    _one_of(cfg, "parallelism.strategy", ("single", "ddp", "fsdp"))
+    _one_of(cfg, "parallelism.strategy", ("single", "ddp", "fsdp", "hsdp", "auto"))
     _one_of(cfg, "parallelism.backend", ("auto", "gloo", "nccl"))
     _one_of(cfg, "parallelism.activation_checkpointing", ("off", "full"))
     n = p.nproc_per_node
@@ -274,6 +283,14 @@ def validate_parallelism(cfg: DictConfig) -> None:
                  "memory, fp32's range)")
     _one_of(cfg, "parallelism.fsdp.wrap", ("auto", "blocks", "size"))
     _require(p.fsdp.min_params > 0, "parallelism.fsdp.min_params", f"must be > 0; got {p.fsdp.min_params}")
+    for key in ("shard_size", "replicate_size"):
+        value = p.hsdp[key]
+        _require(value is None or value >= 1, f"parallelism.hsdp.{key}", f"must be a positive integer or null; got "
+                 f"{value}")
+    _require(p.memory_budget_gb is None or p.memory_budget_gb > 0, "parallelism.memory_budget_gb",
+             f"must be > 0, or null for the device's free memory; got {p.memory_budget_gb}")
+    _require(0 < p.memory_headroom <= 1, "parallelism.memory_headroom",
+             f"must be in (0, 1]; got {p.memory_headroom}")
 
 
 @dataclass

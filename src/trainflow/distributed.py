@@ -2,7 +2,7 @@
 
 Who starts the ranks:
 - `parallelism=single`: one process, no process group.
-- `python train.py parallelism=ddp|fsdp parallelism.nproc_per_node=N`: `launch` starts N local workers
+- `python train.py parallelism=ddp|fsdp|hsdp|auto parallelism.nproc_per_node=N`: `launch` starts N local workers
   through torch's elastic agent (`elastic_launch`, c10d rendezvous on a free localhost port). The workers get
   the composed, resolved config and the run directory the launching process chose, so Hydra runs once and
   there is one run directory. Rank 0's summary is returned to the launching process; a failure on any rank
@@ -17,8 +17,9 @@ torchrun keeps one store across restarts, and without the prefix a restarted gro
 the failed attempt published and fail to connect.
 
 Order of model assembly (run.py): activation checkpointing -> DDP, or FSDP2 `fully_shard` on each block of
-`model.blocks` then on the root (one device mesh) -> compile -> optimizer. The optimizer must see the final
-(sharded) parameters.
+`model.blocks` then on the root (one device mesh: 1-D for FSDP, replicate x shard for HSDP, see trainflow.hsdp)
+-> compile -> optimizer. `parallelism=auto` picks one of these before (trainflow.memory_plan). The optimizer
+must see the final (sharded) parameters.
 
 Per-block compile and FSDP2: compile each block *in place* (`block.compile()`) after `fully_shard`, i.e. in
 run.py's order (parallelize, then compile). Measured with torch 2.13 on CPU (2 gloo ranks, GPT blocks,
@@ -59,8 +60,10 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from trainflow.errors import ConfigError, TrainflowError
+from trainflow.hsdp import MESH_DIMS, build_mesh, hsdp_shape
 from trainflow.metrics import RunLogHandler, matmul_math
 
 log = logging.getLogger(__name__)
@@ -71,6 +74,7 @@ _DTYPES = {None: None, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": to
 # batch (~4e-3 measured for bf16).
 PARITY_TOLERANCE = {"fp32": 1e-4, "tf32": 1e-2, "bf16": 2e-2}
 _LOG_FORMAT = "[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"  # Hydra's default, for workers without it
+SHARDED = ("fsdp", "hsdp")  # the strategies that shard with FSDP2 (over one mesh dimension, or two)
 _self_launched = False  # set in workers started by `launch`: the launching process already spoke for them
 
 
@@ -161,7 +165,7 @@ def check_world_size(cfg: DictConfig, world_size: int, started_by: str) -> None:
     if cfg.strategy == "single" and world_size > 1:
         raise ConfigError(f"parallelism.strategy: single trains in one process, but {started_by} started "
                           f"{world_size}; use parallelism=ddp or parallelism=fsdp")
-    if cfg.strategy != "single" and world_size < 2:
+    if cfg.strategy not in ("single", "auto") and world_size < 2:
         if started_by != "trainflow":
             why = f"{started_by} started one"
         elif cfg.nproc_per_node == "auto":
@@ -215,7 +219,7 @@ def bf16_slowdown(size: int = 384, repeats: int = 5) -> float:
 def bf16_warning(cfg: DictConfig, device: torch.device, flags: frozenset[str] | None = None) -> str | None:
     """A warning when bf16 is asked for on a CPU without native bf16 (emulated bf16 is slower than fp32)."""
     keys = ["trainer.precision"] if cfg.trainer.precision == "bf16" else []
-    if cfg.parallelism.strategy == "fsdp":
+    if cfg.parallelism.strategy in SHARDED:
         keys += [f"parallelism.fsdp.{k}" for k in ("param_dtype", "reduce_dtype") if cfg.parallelism.fsdp[k] == "bf16"]
     if not keys or device.type != "cpu":
         return None
@@ -232,10 +236,12 @@ def _preflight(cfg: DictConfig, device: torch.device, world_size: int, local_wor
     p = cfg.parallelism
     check_world_size(p, world_size, started_by)
     backend = resolve_backend(p, device)
-    if p.strategy == "fsdp" and p.fsdp.cpu_offload and device.type == "cpu":
+    if p.strategy in SHARDED and p.fsdp.cpu_offload and device.type == "cpu":
         raise ConfigError("parallelism.fsdp.cpu_offload: the run is on CPU already, so there is nothing to offload "
                           "to; set it to false")
     per_rank_batch(cfg, world_size)
+    if p.strategy == "hsdp":
+        hsdp_shape(p, world_size)  # raises: a shape that does not fit this world
     if device.type == "cuda" and not gpus_bound_per_task():
         check_nproc(local_world_size, "cuda", torch.cuda.device_count())
     if int(os.environ.get("RANK", "0")) == 0 and not _self_launched:
@@ -266,8 +272,11 @@ def launched() -> bool:
 
 
 def should_launch(cfg: DictConfig) -> bool:
-    """ddp/fsdp typed without a launcher: this process starts the workers itself."""
-    return cfg.parallelism.strategy != "single" and not launched()
+    """ddp/fsdp/hsdp typed without a launcher (auto: for more than one process): this process starts them."""
+    p = cfg.parallelism
+    if p.strategy == "auto" and resolve_nproc(p, resolve_device(cfg.trainer.device, 0)) == 1:
+        return False
+    return p.strategy != "single" and not launched()
 
 
 def _store(rank: int, world_size: int, timeout: timedelta) -> dist.Store:
@@ -534,8 +543,9 @@ def parallelize(model: nn.Module, cfg: DictConfig, env: DistEnv, precision: str 
         checkpoint_blocks(model)
     if not env.distributed:
         return model
-    if cfg.strategy == "fsdp":
-        return shard(model, cfg.fsdp, env, precision)
+    if cfg.strategy in SHARDED:
+        shape = hsdp_shape(cfg, env.world_size) if cfg.strategy == "hsdp" else None
+        return shard(model, cfg.fsdp, env, precision, build_mesh(env.device.type, env.world_size, shape))
     from torch.nn.parallel import DistributedDataParallel
 
     d = cfg.ddp
@@ -606,14 +616,16 @@ def fsdp_dtypes(param_dtype: str | None, reduce_dtype: str | None, precision: st
     return param, reduce
 
 
-def shard(model: nn.Module, cfg: DictConfig, env: DistEnv, precision: str = "fp32") -> nn.Module:
-    """FSDP2: `fully_shard` each unit (blocks, or modules by size), then the root, over one device mesh."""
-    from torch.distributed.device_mesh import init_device_mesh
+def shard(model: nn.Module, cfg: DictConfig, env: DistEnv, precision: str = "fp32",
+          mesh: DeviceMesh | None = None) -> nn.Module:
+    """FSDP2: `fully_shard` each unit (blocks, or modules by size), then the root, over one device mesh (FSDP: one
+    dimension; HSDP: replicate x shard)."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     param_dtype, reduce_dtype = fsdp_dtypes(cfg.param_dtype, cfg.reduce_dtype, precision)
+    mesh = mesh or build_mesh(env.device.type, env.world_size)
     options = {
-        "mesh": init_device_mesh(env.device.type, (env.world_size,)),
+        "mesh": mesh,
         "mp_policy": MixedPrecisionPolicy(param_dtype=_DTYPES[param_dtype], reduce_dtype=_DTYPES[reduce_dtype]),
         "offload_policy": CPUOffloadPolicy() if cfg.cpu_offload else OffloadPolicy(),
     }
@@ -624,7 +636,8 @@ def shard(model: nn.Module, cfg: DictConfig, env: DistEnv, precision: str = "fp3
     # would cost an all-gather at the start of every backward.
     fully_shard(model, **options)
     if env.is_main:
-        log.info("fsdp: %d shard units + root over %d ranks", len(units), env.world_size)
+        log.info("%s: %d shard units + root over %d ranks (mesh %s)", env.strategy, len(units), env.world_size,
+                 " x ".join(f"{size} {name}" for name, size in zip(mesh.mesh_dim_names, mesh.shape, strict=True)))
     return model
 
 
@@ -801,6 +814,9 @@ def summary(cfg: DictConfig, env: DistEnv, steady: dict[str, float] | None, chec
         "global_batch": t.batch_size * env.world_size * t.grad_accum,
         "check": check.summary(),
     }
+    if env.strategy in SHARDED:
+        shape = hsdp_shape(cfg.parallelism, env.world_size) if env.strategy == "hsdp" else (1, env.world_size)
+        out["mesh"] = dict(zip(MESH_DIMS, shape, strict=True))
     if steady:
         for key in ("samples_per_sec", "tokens_per_sec"):
             out[f"{key}_total"] = steady[key]

@@ -217,6 +217,7 @@ def _row(r: RunRecord, common: list[str], base_sps: float | None) -> dict[str, A
                        "write_s": ckpt["write_s"]["total"], "resumed_from_step": r.figure("resumed_from_step")}
         if ckpt else None,
         "metrics": str(r.dir / "metrics.jsonl") if r.losses else None,
+        "plan": r.figure("parallelism", "plan"),  # parallelism=auto's decision and table
     }
 
 
@@ -292,6 +293,14 @@ def markdown(report: dict[str, Any]) -> str:
     if advice:
         lines += ["", "## What the profiler recommends", ""]
         lines += [f"- `{name}`: **{p['bound']}**: {p['action']}" for name, p in advice]
+    plans = [(row["name"], row["plan"]) for row in report["runs"] if row.get("plan")]
+    if plans:
+        lines += ["", "## parallelism=auto: per-rank memory (MiB) of each layout, the chosen one in bold", ""]
+        lines += [f"- `{name}`: " + ", ".join(
+            (f"**{layout} {t['total'] / 2**20:.1f}**" if layout == plan["choice"] else f"{layout} "
+             f"{t['total'] / 2**20:.1f}") for layout, t in plan["table"].items())
+            + f"; budget {plan['budget_bytes'] / 2**20:.1f} ({plan['budget_source']}); measured peak / estimate "
+            + _num((plan["check"] or {}).get("peak_over_estimate"), ".2f") for name, plan in plans]
     lines += ["", "![throughput and loss curves](report.png)", ""]
     return "\n".join(lines)
 

@@ -21,7 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 from torch.profiler import record_function
 
-from trainflow import distributed
+from trainflow import distributed, memory_plan
 from trainflow.checkpoint import Checkpointer, TrainState
 from trainflow.compiler import Compiler
 from trainflow.config import TrainerConfig, validate
@@ -94,6 +94,9 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv) -> dict[str, Any] | Non
     flops_per_step = count_train_flops(model, example, loss_fn)
     if flops_per_step is not None:
         flops_per_step *= t.grad_accum
+    auto = None
+    if cfg.parallelism.strategy == "auto":  # measures memory, decides, writes the decision into cfg.parallelism
+        env, auto = memory_plan.apply_auto(cfg, env, model, example, loss_fn)
     parity = distributed.ParityCheck(cfg, env, model, data.train, loss_fn)  # copies the model before wrapping
     model = distributed.parallelize(model, cfg.parallelism, env, t.precision)
     compiler = Compiler(cfg, env, run_dir)
@@ -258,6 +261,8 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv) -> dict[str, Any] | Non
         "nonfinite": guard.summary(),
         "config": OmegaConf.to_container(cfg, resolve=True),
     }
+    if auto:
+        summary["parallelism"]["plan"] = memory_plan.finish(auto, env.device, model, optimizer)
     if dashboard is not None:
         dashboard.finish(summary)
     if not env.is_main:
