@@ -111,6 +111,14 @@ def test_a_non_finite_state_is_never_committed_and_the_newest_finite_one_stays(t
     assert tree_hash(ckpts) == before
 
 
+def test_large_finite_values_are_not_taken_for_non_finite_ones() -> None:
+    from trainflow.checkpoint_io import first_nonfinite
+
+    assert first_nonfinite({"big": torch.full((4,), 1e30), "ok": torch.ones(3)}) is None  # its L2 norm overflows
+    assert first_nonfinite({"big": torch.full((4,), 1e30), "bad": torch.tensor([1.0, -math.inf])}) == "bad"
+    assert first_nonfinite({"steps": torch.tensor([3]), "nan": torch.tensor([math.nan])}) == "nan"
+
+
 def test_retention_keeps_the_newest_finite_checkpoint(tmp_path: Path) -> None:
     train_and_save(tmp_path, 3)
     ckpts = tmp_path / "ckpts"

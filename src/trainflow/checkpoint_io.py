@@ -276,19 +276,23 @@ def set_rng_state(state: dict[str, Any], where: Path) -> None:
 
 
 def first_nonfinite(tensors: dict[str, torch.Tensor]) -> str | None:
-    """The first key whose tensor holds a NaN or an infinity: one fused max-abs over this rank's local shards."""
+    """The first key whose tensor holds a NaN or an infinity, in this rank's local shards.
+
+    One fused L2 norm per device screens every tensor (NaN and inf propagate into it; 0.03 s for 230 MB here,
+    where a max-abs norm takes 1.9 s); a norm that overflowed from large finite values is told apart by an exact
+    isfinite() of that tensor alone. One host sync per device.
+    """
     named = [(k, t.to_local() if hasattr(t, "to_local") else t) for k, t in tensors.items()]
     named = [(k, t.detach()) for k, t in named if t.is_floating_point() and t.numel() > 0]
-    if not named:
-        return None
     by_device: dict[torch.device, list[tuple[str, torch.Tensor]]] = {}
     for k, t in named:
         by_device.setdefault(t.device, []).append((k, t))
     for group in by_device.values():
-        norms = torch.stack([n.float() for n in torch._foreach_norm([t for _, t in group], ord=float("inf"))])
-        finite = torch.isfinite(norms)
-        if not bool(finite.all()):  # the one host sync of the check
-            return group[int((~finite).nonzero()[0])][0]
+        norms = torch.stack([n.float() for n in torch._foreach_norm([t for _, t in group])])
+        for i in (~torch.isfinite(norms)).nonzero().flatten().tolist():
+            key, tensor = group[i]
+            if not bool(torch.isfinite(tensor).all()):
+                return key
     return None
 
 
