@@ -1,6 +1,7 @@
 """Checkpoints a user can trust: nothing non-finite committed, damage caught before loading, no code run on load,
-resumes that say what they change. In-process Checkpointer runs on real DCP files, and real `train.py` /
-`trainflow export` processes where the promise is about what a user sees.
+resumes that say what they change. The Checkpointer in this process, on real DCP files damaged or booby-trapped on
+disk; what a user sees of the same cases in a real process is in test_bad_inputs.py (one line, exit 2) and
+test_checkpoint.py (signals).
 """
 
 from __future__ import annotations
