@@ -358,6 +358,20 @@ def test_resuming_a_finished_run_trains_nothing_and_says_so(copied: Path, run_di
     assert tree_hash(copied) == before
 
 
+def test_a_changed_learning_rate_on_resume_is_said_used_and_recorded(
+        straight: Run, copied: Path, run_dir: Path) -> None:
+    saved_lr = straight.summary["config"]["optim"]["lr"]
+    run = train(run_dir, *BASE, "checkpoint=dcp", f"checkpoint.dir={copied}", "trainer.max_steps=14",
+                f"optim.lr={saved_lr / 2}")
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert (f"resume: optim.lr is {saved_lr / 2} in the config, {saved_lr} in the checkpoint; using the config's "
+            f"{saved_lr / 2}") in run.stdout + run.stderr
+    assert run.summary["checkpoint"]["resume_changes"] == [{"key": "optim.lr", "checkpoint": saved_lr,
+                                                            "used": saved_lr / 2}]
+    assert OmegaConf.load(run_dir / "config.yaml").optim.lr == saved_lr / 2
+    assert run.summary["resumed_from_step"] == 12 and run.summary["steps"] == 14
+
+
 def test_resume_never_or_an_older_path_refuses_to_mix_histories(copied: Path, tmp_path: Path) -> None:
     from trainflow.errors import ConfigError
 

@@ -1,6 +1,7 @@
 """Checkpoints a user can trust: nothing non-finite committed, damage caught before loading, no code run on load,
-resumes that say what they change. In-process Checkpointer runs on real DCP files, and real `train.py` /
-`trainflow export` processes where the promise is about what a user sees.
+resumes that say what they change. The Checkpointer in this process, on real DCP files damaged or booby-trapped on
+disk; what a user sees of the same cases in a real process is in test_bad_inputs.py (one line, exit 2) and
+test_checkpoint.py (signals).
 """
 
 from __future__ import annotations
@@ -109,6 +110,14 @@ def test_a_non_finite_state_is_never_committed_and_the_newest_finite_one_stays(t
         ck._save(state, blocking=True)
     ck.close(state)
     assert tree_hash(ckpts) == before
+
+
+def test_large_finite_values_are_not_taken_for_non_finite_ones() -> None:
+    from trainflow.checkpoint_io import first_nonfinite
+
+    assert first_nonfinite({"big": torch.full((4,), 1e30), "ok": torch.ones(3)}) is None  # its L2 norm overflows
+    assert first_nonfinite({"big": torch.full((4,), 1e30), "bad": torch.tensor([1.0, -math.inf])}) == "bad"
+    assert first_nonfinite({"steps": torch.tensor([3]), "nan": torch.tensor([math.nan])}) == "nan"
 
 
 def test_retention_keeps_the_newest_finite_checkpoint(tmp_path: Path) -> None:

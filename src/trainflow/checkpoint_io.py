@@ -43,10 +43,15 @@ _CHUNK = 8 << 20
 
 
 class _ChecksummedFile(io.RawIOBase):
-    """An unbuffered file that hashes every byte written (torch.save writes sequentially)."""
+    """A file that hashes every byte written (torch.save writes sequentially), without a flush per item.
+
+    DCP flushes the stream after each of the hundreds of items it writes, and torch.save writes each item in
+    dozens of small pieces: flush() is a no-op here and a 1 MB buffer gathers the small writes (big ones go
+    straight through). DCP asks for fileno() only to fsync the finished file, so the buffer is flushed there.
+    """
 
     def __init__(self, path: Path) -> None:
-        self._raw = open(path, "wb", buffering=0)  # noqa: SIM115 (closed in close())
+        self._file = open(path, "wb", buffering=1 << 20)  # noqa: SIM115 (closed in close())
         self.hash = xxhash.xxh3_64()
 
     def writable(self) -> bool:
@@ -54,16 +59,21 @@ class _ChecksummedFile(io.RawIOBase):
 
     def write(self, b: Any) -> int:
         self.hash.update(b)
-        return self._raw.write(b)
+        return self._file.write(b)
 
     def tell(self) -> int:
-        return self._raw.tell()
+        return self._file.tell()
+
+    def flush(self) -> None:
+        """Nothing: the data reaches the OS when the buffer fills, before fsync, or at close."""
 
     def fileno(self) -> int:
-        return self._raw.fileno()
+        self._file.flush()
+        return self._file.fileno()
 
     def close(self) -> None:
-        self._raw.close()
+        if not self.closed:
+            self._file.close()
         super().close()
 
 
@@ -276,19 +286,23 @@ def set_rng_state(state: dict[str, Any], where: Path) -> None:
 
 
 def first_nonfinite(tensors: dict[str, torch.Tensor]) -> str | None:
-    """The first key whose tensor holds a NaN or an infinity: one fused max-abs over this rank's local shards."""
+    """The first key whose tensor holds a NaN or an infinity, in this rank's local shards.
+
+    One fused L2 norm per device screens every tensor (NaN and inf propagate into it; 0.03 s for 230 MB here,
+    where a max-abs norm takes 1.9 s); a norm that overflowed from large finite values is told apart by an exact
+    isfinite() of that tensor alone. One host sync per device.
+    """
     named = [(k, t.to_local() if hasattr(t, "to_local") else t) for k, t in tensors.items()]
     named = [(k, t.detach()) for k, t in named if t.is_floating_point() and t.numel() > 0]
-    if not named:
-        return None
     by_device: dict[torch.device, list[tuple[str, torch.Tensor]]] = {}
     for k, t in named:
         by_device.setdefault(t.device, []).append((k, t))
     for group in by_device.values():
-        norms = torch.stack([n.float() for n in torch._foreach_norm([t for _, t in group], ord=float("inf"))])
-        finite = torch.isfinite(norms)
-        if not bool(finite.all()):  # the one host sync of the check
-            return group[int((~finite).nonzero()[0])][0]
+        norms = torch.stack([n.float() for n in torch._foreach_norm([t for _, t in group])])
+        for i in (~torch.isfinite(norms)).nonzero().flatten().tolist():
+            key, tensor = group[i]
+            if not bool(torch.isfinite(tensor).all()):
+                return key
     return None
 
 
