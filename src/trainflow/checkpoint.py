@@ -391,13 +391,17 @@ def _remove(path: Path) -> None:
     shutil.rmtree(doomed)
 
 
-def _staging_buffers():
+def _staging_buffers(device: torch.device):
     """An async stager that copies the state into the same CPU buffers at every save.
 
     The loop waits only for this copy. Reusing the buffers halves it on CPU (no fresh 100s of MB to fault in)
-    and keeps memory flat over many saves; it is safe because at most one save is in flight. (DCP's own
-    DefaultStager needs an accelerator for its default options; its caching variant pins memory, same.)
+    and keeps memory flat over many saves; it is safe because at most one save is in flight. From a GPU the
+    buffers are pinned and every tensor is copied asynchronously, then one synchronize: device-to-host copies at
+    the link's speed, not pageable memcpy's. The copies are complete when `stage` returns, before the upload
+    thread reads them and before the next optimizer step changes the state. (DCP's own DefaultStager needs an
+    accelerator for its default options; its caching variant pins memory, same.)
     """
+    pin = device.type == "cuda"
     from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
     from torch.distributed.checkpoint.staging import AsyncStager
 
@@ -409,11 +413,14 @@ def _staging_buffers():
 
         def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
             if self.buffers is None:
-                self.buffers = _create_cpu_state_dict(state_dict)
-            return _copy_state_dict(state_dict, self.buffers)  # tensors into the buffers; other values fresh
+                self.buffers = _create_cpu_state_dict(state_dict, pin_memory=pin)
+            staged = _copy_state_dict(state_dict, self.buffers, non_blocking=pin)  # tensors into the buffers
+            if pin:
+                torch.cuda.synchronize()
+            return staged
 
         def synchronize_staging(self) -> None:
-            """The copy above is synchronous: nothing to wait for."""
+            """`stage` returns with the copies done: nothing to wait for."""
 
         def close(self) -> None:
             self.buffers = None
@@ -465,6 +472,7 @@ class Checkpointer:
             if cfg.mode == "async":
                 self._async_group = dist.new_group(backend="gloo")
         self._pending: _Pending | None = None
+        self._poll_in_flight: tuple[torch.Tensor, Any, _Pending | None] | None = None  # flags, work, pending save
         self._stager = None  # async: CPU buffers the state is copied into, reused save after save
         self._saves: list[dict[str, Any]] = []
         self._blocked_unreported = 0.0
@@ -615,6 +623,7 @@ class Checkpointer:
         if not self.enabled:
             return
         try:
+            self._finish_poll()  # every rank started one at its last step: complete it before the group goes
             if self._pending is not None:
                 self._finish_pending()
             if self._stopped_by is None:
@@ -681,7 +690,7 @@ class Checkpointer:
             self._verify(state)
             return
         if self._stager is None:
-            self._stager = _staging_buffers()
+            self._stager = _staging_buffers(self.env.device)
         writer = ChecksummingWriter(tmp, per_thread_copy_ahead=0)  # the staged state is in CPU memory already
         future = dcp.async_save({"app": tensors}, storage_writer=writer, async_stager=self._stager,
                                 process_group=self._async_group)
@@ -957,17 +966,36 @@ class Checkpointer:
         signal.signal(signum, self._previous_handlers[signum])  # a second signal acts as it would without us
 
     def _poll(self) -> tuple[int | None, bool]:
-        """(the stop signal every rank agrees on, every rank's async upload is done): one small all-reduce a step.
+        """(the stop signal every rank agrees on, every rank's async upload is done), one step late.
 
-        The decision uses only the reduced value, so every rank stops at the same step; a signal that lands
-        during the all-reduce stays in `_signal` (only the handler writes it) and counts at the next step.
+        Each step starts a small asynchronous all-reduce of this rank's flags and reads the one started a step
+        earlier, which finished while the step ran: no cross-rank wait in the step itself (between nodes a
+        blocking one costs a network round trip every step). The decision uses only reduced values, so every rank
+        stops at the same step, one step after the signal; a signal that lands meanwhile stays in `_signal` (only
+        the handler writes it) and counts at the next poll.
         """
         uploading = self._pending is not None and not self._pending.future.done()
         if not self.env.distributed:
             return self._signal, self._pending is not None and not uploading
+        agreed, polled_pending = self._finish_poll()
         flags = torch.tensor([self._signal or 0, int(uploading)])
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._ctl)
-        return int(flags[0]) or None, self._pending is not None and not bool(flags[1])
+        work = dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._ctl, async_op=True)
+        self._poll_in_flight = (flags, work, self._pending)
+        if agreed is None:
+            return None, False
+        # uploaded: the save that was pending when those flags were taken (still the pending one) is done everywhere
+        uploaded = self._pending is not None and polled_pending is self._pending and not bool(agreed[1])
+        return int(agreed[0]) or None, uploaded
+
+    def _finish_poll(self) -> tuple[torch.Tensor | None, _Pending | None]:
+        """Wait for the all-reduce started at the previous poll (it has normally finished): its reduced flags and
+        the save that was pending when they were taken."""
+        if self._poll_in_flight is None:
+            return None, None
+        flags, work, pending = self._poll_in_flight
+        self._poll_in_flight = None
+        work.wait()
+        return flags, pending
 
     def _any(self, flag: bool) -> bool:
         if not self.env.distributed:
@@ -1007,9 +1035,19 @@ class Checkpointer:
 
 
 def _blank_like(obj: Any) -> Any:
-    """The same nesting with zeroed tensors and empty leaves: load targets that share nothing with the live state."""
+    """The same nesting with zeroed CPU tensors and empty leaves: load targets that share nothing with the live state.
+
+    In CPU memory, so that verifying the first save of a GPU run does not need a second copy of the state on the
+    device; sharded tensors stay sharded (the same mesh and placements, a CPU local shard).
+    """
     if isinstance(obj, torch.Tensor):
-        return torch.zeros_like(obj)
+        from torch.distributed.tensor import DTensor
+
+        if isinstance(obj, DTensor):
+            local = torch.zeros(obj.to_local().shape, dtype=obj.dtype, device="cpu")
+            return DTensor.from_local(local, obj.device_mesh, obj.placements, run_check=False, shape=obj.shape,
+                                      stride=obj.stride())
+        return torch.zeros(obj.shape, dtype=obj.dtype, device="cpu")
     if isinstance(obj, dict):
         return {k: _blank_like(v) for k, v in obj.items()}
     if isinstance(obj, list) and any(isinstance(v, dict | list | torch.Tensor) for v in obj):
@@ -1025,6 +1063,7 @@ def _differences(live: Any, loaded: Any, path: str = "") -> list[str]:
         return [d for i, (a, b) in enumerate(zip(live, loaded, strict=True)) for d in _differences(a, b, f"{path}{i}.")]
     if isinstance(live, torch.Tensor):
         a, b = (t.to_local() if hasattr(t, "to_local") else t for t in (live, loaded))
+        a = a.to(b.device)  # the live tensor, one at a time, next to the CPU copy read back
         if a.dtype != b.dtype or a.shape != b.shape:
             return [path.rstrip(".")]
         same = bool(torch.isclose(a, b, 0, 0, equal_nan=True).all()) if a.is_floating_point() else torch.equal(a, b)
