@@ -244,8 +244,8 @@ def test_ctrl_c_inside_a_save_exits_130_in_one_line(tmp_path: Path) -> None:
     output = (run_dir.parent / f"{run_dir.name}.out").read_text()
     assert "Traceback" not in output and "free space" not in output
     assert [line for line in output.splitlines() if line.startswith(("Interrupted", "Error"))] == [
-        "Interrupted: stopped at once, without a save; committed checkpoints are untouched (SIGTERM or SIGUSR2 save "
-        "at the next step boundary, then stop)"]
+        "Interrupted: stopped at once, without a save; committed checkpoints are untouched (SIGTERM, SIGUSR2 or "
+        "SIGHUP save at the next step boundary, then stop)"]
 
     resumed = train(run_dir, *KILL, "checkpoint=dcp")  # the leftover goes, the run goes on from step 4
     assert resumed.returncode == 0, resumed.stderr[-3000:]

@@ -47,8 +47,8 @@ def run_from_hydra(cfg: DictConfig) -> float | None:
         if traceback_wanted():
             raise
         if env_rank() == 0:  # every rank gets the terminal's Ctrl-C: one line is enough
-            print("Interrupted: stopped at once, without a save; committed checkpoints are untouched (SIGTERM or "
-                  "SIGUSR2 save at the next step boundary, then stop)", file=sys.stderr)
+            print("Interrupted: stopped at once, without a save; committed checkpoints are untouched (SIGTERM, "
+                  "SIGUSR2 or SIGHUP save at the next step boundary, then stop)", file=sys.stderr)
         sys.exit(EXIT_INTERRUPTED)
     from trainflow.checkpoint import stop_exit_code
 
