@@ -11,7 +11,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -69,19 +69,22 @@ def train(run_dir: Path, *overrides: str, env: dict | None = None, timeout: floa
     return Run(proc.returncode, proc.stdout, proc.stderr, Path(run_dir))
 
 
-def wait_for_log(run_dir: Path, line: str, proc: subprocess.Popen, timeout: float = 300) -> None:
-    """Wait until the run's own train.log holds `line`: a marker of its progress, not a guess at its timing.
-
-    Polls every millisecond; fails if the run exits first or the timeout passes (then the run is killed).
-    """
-    log, deadline = run_dir / "train.log", time.monotonic() + timeout
-    while not (log.exists() and line in log.read_text()):
+def wait_for(condition: Callable[[], bool], proc: subprocess.Popen, what: str, timeout: float = 300) -> None:
+    """Poll every millisecond until `condition` holds; fail if the process ends first (or kill it at the timeout)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
         if proc.poll() is not None:
-            pytest.fail(f"the run exited ({proc.returncode}) before it logged {line!r}")
+            pytest.fail(f"the run exited ({proc.returncode}) before {what}")
         if time.monotonic() > deadline:
             proc.kill()
-            pytest.fail(f"timed out waiting for the run to log {line!r}")
+            pytest.fail(f"timed out waiting for {what}")
         time.sleep(0.001)
+
+
+def wait_for_log(run_dir: Path, line: str, proc: subprocess.Popen, timeout: float = 300) -> None:
+    """Wait until the run's own train.log holds `line`: a marker of its progress, not a guess at its timing."""
+    log = run_dir / "train.log"
+    wait_for(lambda: log.exists() and line in log.read_text(), proc, f"it logged {line!r}", timeout)
 
 
 @pytest.fixture

@@ -14,13 +14,11 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, TINY_GPT, Run, losses_by_step, train
+from conftest import ROOT, TINY_GPT, Run, losses_by_step, train, wait_for
 from omegaconf import OmegaConf
 
 from trainflow.checkpoint import LOCK_FILE
@@ -45,18 +43,6 @@ def start(run_dir: Path, *overrides: str, new_session: bool = False) -> subproce
     out = open(run_dir.parent / f"{run_dir.name}.out", "a")  # noqa: SIM115 (the child owns it)
     return subprocess.Popen([sys.executable, str(ROOT / "train.py"), *overrides, f"hydra.run.dir={run_dir}"],
                             cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=new_session)
-
-
-def wait_for(condition: Callable[[], bool], proc: subprocess.Popen, what: str, timeout: float = 300) -> None:
-    """Poll every millisecond until `condition` holds; fail if the process ends first."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if proc.poll() is not None:
-            pytest.fail(f"the run exited ({proc.returncode}) before {what}")
-        if time.monotonic() > deadline:
-            proc.kill()
-            pytest.fail(f"timed out waiting for {what}")
-        time.sleep(0.001)
 
 
 def logged_steps(run_dir: Path) -> int:

@@ -14,11 +14,10 @@ import shlex
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, TINY_GPT, train
+from conftest import ROOT, TINY_GPT, train, wait_for
 
 SHORT = [*TINY_GPT, "trainer.eval_every=0", "trainer.eval_steps=2"]
 DIVERGES = ["optim.lr=1e30", "optim.warmup_steps=0"]  # the first update throws the weights to ~1e30: NaN at step 2
@@ -35,17 +34,6 @@ def committed(ckpt_dir: Path) -> list[str]:
 def tree_hash(folder: Path) -> dict[str, str]:
     return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
             for p in sorted(folder.rglob("*")) if p.is_file()}
-
-
-def wait_until(condition, proc: subprocess.Popen, what: str, timeout: float = 300) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if proc.poll() is not None:
-            pytest.fail(f"the run exited ({proc.returncode}) before {what}")
-        if time.monotonic() > deadline:
-            proc.kill()
-            pytest.fail(f"timed out waiting for {what}")
-        time.sleep(0.01)
 
 
 def clean_env() -> dict[str, str]:
@@ -133,7 +121,7 @@ def test_the_same_command_resumes_a_stopped_checkpointed_run(tmp_path: Path) -> 
     with open(tmp_path / "first.out", "w") as out:
         proc = subprocess.Popen(command("trainer.max_steps=60"), cwd=tmp_path, env=clean_env(), stdout=out,
                                 stderr=subprocess.PIPE, text=True)
-        wait_until(lambda: any(runs.glob("*/checkpoints/step_*/manifest.json")), proc, "the first checkpoint")
+        wait_for(lambda: any(runs.glob("*/checkpoints/step_*/manifest.json")), proc, "the first checkpoint")
         proc.send_signal(signal.SIGTERM)
         _, stderr = proc.communicate(timeout=300)
     assert proc.returncode == 75, stderr[-3000:]
@@ -203,7 +191,7 @@ def test_a_second_run_in_a_live_runs_directory_is_refused_before_it_writes_anyth
                                  f"hydra.run.dir={run_dir}"], cwd=ROOT, env=clean_env(), stdout=out,
                                 stderr=subprocess.STDOUT)
     try:
-        wait_until(lambda: (run_dir / "metrics.jsonl").is_file() and (run_dir / "metrics.jsonl").stat().st_size > 0,
+        wait_for(lambda: (run_dir / "metrics.jsonl").is_file() and (run_dir / "metrics.jsonl").stat().st_size > 0,
                    live, "the live run's first metrics")
         saved = {p: p.read_bytes() for p in [run_dir / "config.yaml", *sorted((run_dir / ".hydra").iterdir())]}
         second = train(run_dir, *SHORT, "trainer.max_steps=3", "trainer.seed=7")  # another config: would show
