@@ -198,11 +198,12 @@ def test_a_broken_compile_rung_fails_its_gate_and_the_sweep(tmp_path: Path) -> N
 
 
 def test_a_failed_gate_of_finished_rungs_fails_the_sweep_in_one_line(tmp_path: Path) -> None:
-    """Every rung finishes but a gate fails (SGD at lr 100 blows the loss up): the sweep still exits 1."""
+    """Every rung finishes but a gate fails (SGD at lr 100 blows the loss up; clipping keeps it finite, so the
+    run is not stopped as non-finite): the sweep still exits 1."""
     sweep = tmp_path / "sweep"
     proc = subprocess.run([sys.executable, str(ROOT / "train.py"), "-m", "experiment=ladder", "ladder=baseline",
                            *TINY, "optim=sgd", "optim.lr=100", "optim.warmup_steps=0", "optim.schedule=constant",
-                           "trainer.grad_clip=0", f"hydra.sweep.dir={sweep}"], cwd=ROOT, env=clean_env(),
+                           "trainer.grad_clip=1", f"hydra.sweep.dir={sweep}"], cwd=ROOT, env=clean_env(),
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert proc.stderr.strip().splitlines()[-1].startswith("ladder: 1 gate(s) FAILED: baseline.learns: 8 steps"), \
