@@ -1,6 +1,6 @@
-"""README's "Reliability" tables are rendered from the test tables, so they cannot drift from what is tested.
+"""The tables of docs/reliability.md are rendered from the test tables, so they cannot drift from what is tested.
 
-After changing a table: `python tests/test_reliability_readme.py` rewrites the section.
+After changing a table: `python tests/test_reliability_readme.py` rewrites them. README links to the page.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from test_bad_inputs import CASES, markdown_rows  # noqa: E402
 from test_faults import FAULTS  # noqa: E402
 
 README = TESTS.parent / "README.md"
+RELIABILITY = TESTS.parent / "docs" / "reliability.md"
 BEGIN, END = "<!-- reliability table: begin (rendered by tests/test_reliability_readme.py) -->", \
     "<!-- reliability table: end -->"
 
@@ -67,12 +68,16 @@ def rendered() -> str:
 
 def section(text: str) -> str:
     match = re.search(re.escape(BEGIN) + r".*?" + re.escape(END), text, flags=re.S)
-    assert match, f"README.md has no {BEGIN!r} ... {END!r} section"
+    assert match, f"docs/reliability.md has no {BEGIN!r} ... {END!r} section"
     return match.group(0)
 
 
-def test_readme_shows_the_tables_the_tests_run() -> None:
-    assert section(README.read_text()) == rendered(), "run `python tests/test_reliability_readme.py` to update"
+def test_reliability_page_shows_the_tables_the_tests_run() -> None:
+    assert section(RELIABILITY.read_text()) == rendered(), "run `python tests/test_reliability_readme.py` to update"
+
+
+def test_readme_links_to_the_reliability_page() -> None:
+    assert "(docs/reliability.md)" in README.read_text()
 
 
 def test_every_fault_names_a_test_that_exists() -> None:
@@ -99,6 +104,6 @@ def test_every_cited_test_is_in_the_default_suite_or_says_slow() -> None:
 
 
 if __name__ == "__main__":
-    text = README.read_text()
-    README.write_text(text.replace(section(text), rendered()))
-    print(f"README.md: {len(CASES)} bad inputs, {len(FAULTS)} faults")
+    text = RELIABILITY.read_text()
+    RELIABILITY.write_text(text.replace(section(text), rendered()))
+    print(f"docs/reliability.md: {len(CASES)} bad inputs, {len(FAULTS)} faults")
