@@ -1,4 +1,5 @@
-"""Process-level behaviour of the entry points: user errors become one line and a non-zero exit."""
+"""Process-level behaviour of the entry points: what they register with Hydra, whether this process trains or
+starts local workers that do, and user errors as one line and a non-zero exit."""
 
 from __future__ import annotations
 
