@@ -3,8 +3,9 @@
 import hydra
 from omegaconf import DictConfig
 
-import trainflow  # noqa: F401  (registers the config schemas and resolvers)
-from trainflow.cli import run_from_hydra
+from trainflow.cli import register_with_hydra, run_from_hydra
+
+register_with_hydra()  # before @hydra.main composes the config
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="train")

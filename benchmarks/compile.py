@@ -29,10 +29,11 @@ import torch
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 
-import trainflow  # noqa: F401  (registers the schemas)
+from trainflow.cli import register_with_hydra
 from trainflow.run import loss_fn, run
 
 ROOT = Path(__file__).resolve().parents[1]
+register_with_hydra()  # before composing configs, as train.py does
 MODEL = ["model=gpt_tiny", "data=text", "trainer.batch_size=16", "optim=adamw"]
 COMMON = ["logger=none", "trainer.eval_every=0", "trainer.eval_steps=1", "trainer.progress=log"]
 WARMUP = 3  # steps left out before timing, in both loops (plus trainflow's own compile steps)

@@ -25,12 +25,13 @@ import torch
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 
-import trainflow  # noqa: F401  (registers the schemas)
+from trainflow.cli import register_with_hydra
 from trainflow.data import build_datasets
 from trainflow.optim import build_optimizer
 from trainflow.run import loss_fn, run
 
 ROOT = Path(__file__).resolve().parents[1]
+register_with_hydra()  # before composing configs, as train.py does
 
 # name -> (overrides, steps multiplier): the MLP's ~1 ms steps need many more of them to time.
 CASES = {

@@ -5,7 +5,7 @@ device mesh of a fake process group (`torch.testing._internal.distributed.fake_p
 so one process plays rank 0 of any world size), builds the optimizer on the sharded parameters and takes one
 step, then counts what rank 0 holds: parameters, gradients, optimizer state (the local shards of the DTensors),
 and the largest all-gather (the biggest shard unit's full parameters). Next to it, the estimate of
-trainflow.memory_plan (what parallelism=auto decides with): the two must agree to the byte.
+trainflow.distributed.memory_plan (what parallelism=auto decides with): the two must agree to the byte.
 
 HSDP shards within a node of 8 ranks and replicates across nodes; FSDP shards over every rank.
 
@@ -24,9 +24,10 @@ from omegaconf import OmegaConf
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from trainflow.config import FSDPConfig, OptimConfig
-from trainflow.distributed import DistEnv, shard, shard_units
-from trainflow.hsdp import build_mesh
-from trainflow.memory_plan import Layout, estimate, local_bytes, model_facts
+from trainflow.distributed import DistEnv
+from trainflow.distributed.hsdp import build_mesh
+from trainflow.distributed.memory_plan import Layout, estimate, local_bytes, model_facts
+from trainflow.distributed.parallelize import shard, shard_units
 from trainflow.models.gpt import GPT
 from trainflow.optim import build_optimizer
 

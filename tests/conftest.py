@@ -17,7 +17,10 @@ from pathlib import Path
 
 import pytest
 
+from trainflow.cli import register_with_hydra
+
 ROOT = Path(__file__).resolve().parents[1]
+register_with_hydra()  # tests that compose configs in this process need what train.py registers
 
 # Small, fast settings for tests: a 2-layer byte-level GPT on a slice of the standard library.
 TINY_GPT = [

@@ -265,7 +265,7 @@ def test_bad_parallel_values_are_refused_before_any_worker_starts(overrides: lis
     from hydra import compose, initialize_config_dir
 
     from trainflow.config import validate
-    from trainflow.distributed import _preflight, resolve_nproc
+    from trainflow.distributed.process_group import _preflight, resolve_nproc
     from trainflow.errors import ConfigError
 
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
@@ -279,7 +279,7 @@ def test_bad_parallel_values_are_refused_before_any_worker_starts(overrides: lis
 
 
 def test_checkpointing_needs_blocks() -> None:
-    from trainflow.distributed import checkpoint_blocks
+    from trainflow.distributed.parallelize import checkpoint_blocks
     from trainflow.errors import ConfigError
     from trainflow.models.mlp import MLP
 
@@ -290,7 +290,7 @@ def test_checkpointing_needs_blocks() -> None:
 
 def test_more_processes_than_gpus_is_refused() -> None:
     """The GPU count is an argument here: this machine has none to run out of."""
-    from trainflow.distributed import check_nproc
+    from trainflow.distributed.process_group import check_nproc
     from trainflow.errors import ConfigError
 
     with pytest.raises(ConfigError, match=r"^parallelism.nproc_per_node: 3 processes need 3 GPUs, but 2 are "
@@ -310,7 +310,7 @@ def _cfg(**parallelism) -> OmegaConf:
 
 
 def test_bf16_on_a_cpu_without_native_bf16_warns_with_the_measured_slowdown() -> None:
-    from trainflow.distributed import bf16_warning
+    from trainflow.distributed.process_group import bf16_warning
 
     cfg = _cfg(strategy="fsdp", fsdp={"param_dtype": "bf16"})
     cfg.trainer.precision = "bf16"
@@ -324,7 +324,7 @@ def test_bf16_on_a_cpu_without_native_bf16_warns_with_the_measured_slowdown() ->
 
 
 def test_bf16_warning_matches_this_cpu(run_dir: Path) -> None:
-    from trainflow.distributed import cpu_flags
+    from trainflow.distributed.process_group import cpu_flags
 
     run = train(run_dir, *SMALL, "trainer.precision=bf16", "trainer.max_steps=1", "trainer.warmup_steps=0")
     assert run.returncode == 0, run.stderr
@@ -355,7 +355,7 @@ def test_rank_shards_are_disjoint_and_cover_the_one_process_stream(world_size: i
 
 
 def test_activation_checkpointing_recomputes_blocks_with_equal_gradients() -> None:
-    from trainflow.distributed import checkpoint_blocks
+    from trainflow.distributed.parallelize import checkpoint_blocks
 
     def grads_and_forward_calls(checkpointed: bool) -> tuple[list[torch.Tensor], int]:
         torch.manual_seed(0)
@@ -381,7 +381,7 @@ def test_activation_checkpointing_recomputes_blocks_with_equal_gradients() -> No
 
 
 def test_size_wrapping_for_models_without_blocks() -> None:
-    from trainflow.distributed import shard_units
+    from trainflow.distributed.parallelize import shard_units
     from trainflow.models.mlp import MLP
 
     mlp = MLP()  # Linear(100, 256): 25856 parameters, Linear(256, 10): 2570

@@ -16,7 +16,10 @@ from torch import nn
 from trainflow.compiler import TOLERANCE, effective_mode
 from trainflow.config import TrainConfig, validate_compile, validate_parallelism
 from trainflow.data import Pinned, StreamSampler, SyntheticTokens, TokenWindows, VariableLengths, make_loader
-from trainflow.distributed import PARITY_TOLERANCE, DistEnv, ParityCheck, cuda_index, fsdp_dtypes, node_count
+from trainflow.distributed import DistEnv
+from trainflow.distributed.parallelize import fsdp_dtypes
+from trainflow.distributed.parity import PARITY_TOLERANCE, ParityCheck
+from trainflow.distributed.process_group import cuda_index, node_count
 from trainflow.errors import ConfigError
 from trainflow.metrics import configure_matmul, gpu_peak_flops, matmul_math
 from trainflow.profiling import verdict
@@ -117,7 +120,7 @@ def test_fsdp_reshards_blocks_but_leaves_the_root_gathered_and_uses_bf16_params_
     import torch.distributed as dist
 
     from trainflow.config import FSDPConfig
-    from trainflow.distributed import shard
+    from trainflow.distributed.parallelize import shard
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:

@@ -14,7 +14,7 @@ import pytest
 from conftest import TINY_GPT, Run, train
 from test_checkpoint_distributed import ok
 
-from trainflow.memory_plan import GB
+from trainflow.distributed.memory_plan import GB
 
 BASE = [*TINY_GPT, "parallelism=auto", "parallelism.nproc_per_node=2", "trainer.max_steps=2",
         "trainer.eval_every=0", "trainer.eval_steps=1"]
@@ -131,8 +131,8 @@ def test_slurm_four_nodes_of_eight_gpus_rendezvous_once_and_auto_picks_hsdp_8_by
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from trainflow.distributed import DistEnv
-    from trainflow.hsdp import build_mesh, hsdp_shape
-    from trainflow.memory_plan import apply_auto
+    from trainflow.distributed.hsdp import build_mesh, hsdp_shape
+    from trainflow.distributed.memory_plan import apply_auto
     from trainflow.models import build_model
     from trainflow.run import loss_fn
 

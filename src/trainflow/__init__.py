@@ -1,15 +1,9 @@
 """trainflow: Hydra-configured PyTorch training, each stage measured.
 
-Importing the package registers the config schemas and resolvers Hydra needs;
-the heavy parts (torch, the training loop) load only when a run starts.
+Importing trainflow does nothing else: the entry points register the config schemas and resolvers Hydra needs
+(`trainflow.cli.register_with_hydra`), and the heavy parts (torch, the training loop) load only when a run starts.
 """
 
-from trainflow.config import register_configs
-from trainflow.ladder import register_resolvers as register_ladder_resolvers
-from trainflow.rundir import register_resolvers
+from importlib.metadata import version
 
-__version__ = "0.1.0"
-
-register_configs()
-register_resolvers()
-register_ladder_resolvers()
+__version__ = version("trainflow")

@@ -1,4 +1,5 @@
-"""Process-level behaviour of the entry points: user errors become one line and a non-zero exit."""
+"""Process-level behaviour of the entry points: what they register with Hydra, whether this process trains or
+starts local workers that do, and user errors as one line and a non-zero exit."""
 
 from __future__ import annotations
 
@@ -8,36 +9,36 @@ import shlex
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import NoReturn
 
 from omegaconf import DictConfig
 
-from trainflow.errors import ConfigError, TrainflowError
-from trainflow.rundir import env_rank
-
-EXIT_USER_ERROR = 2
-EXIT_INTERRUPTED = 130  # the shell's code for a process ended by Ctrl-C (128 + SIGINT)
-
-
-def traceback_wanted() -> bool:
-    """HYDRA_FULL_ERROR=1: re-raise user errors with their traceback, as Hydra does for its own."""
-    return os.environ.get("HYDRA_FULL_ERROR") == "1"
+from trainflow.config import register_configs, validate
+from trainflow.env import env_rank
+from trainflow.errors import EXIT_INTERRUPTED, TrainflowError, traceback_wanted
+from trainflow.ladder import register_resolvers as register_ladder_resolvers
+from trainflow.rundir import register_resolvers as register_run_dir_resolvers
 
 
-def user_error(message: str) -> NoReturn:
-    """Stop with one line and exit code 2, as trainflow does for every input a user can fix."""
-    if traceback_wanted():
-        raise ConfigError(message)
-    print(f"Error: {message}", file=sys.stderr)
-    sys.exit(EXIT_USER_ERROR)
+def register_with_hydra() -> None:
+    """Put the config schemas and resolvers where Hydra finds them. Every entry point calls this before Hydra
+    composes a config (train.py, the launchers' workers, tests): importing trainflow registers nothing."""
+    register_configs()
+    register_run_dir_resolvers()
+    register_ladder_resolvers()
 
 
 def run_from_hydra(cfg: DictConfig) -> float | None:
     """Run one training job for `train.py`; return the final validation loss (what sweepers optimise)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    from trainflow.distributed.launch import launch, should_launch
     from trainflow.run import run
 
     try:
-        summary = run(cfg)
+        validate(cfg)
+        run_dir = Path(HydraConfig.get().runtime.output_dir)
+        # ddp/fsdp typed without torchrun: start the local workers, which train through `run` themselves
+        summary = launch(cfg, run_dir) if should_launch(cfg) else run(cfg, run_dir)
     except TrainflowError as exc:
         if traceback_wanted():
             raise

@@ -29,9 +29,12 @@ import torch
 from omegaconf import DictConfig
 from torch import nn
 
-from trainflow.distributed import DistEnv, unwrap
+from trainflow.compare import relative_error
+from trainflow.distributed import DistEnv
+from trainflow.distributed.parallelize import unwrap
 from trainflow.errors import ConfigError, home_note, unwritable_reason
 from trainflow.metrics import matmul_math
+from trainflow.models import model_blocks
 
 log = logging.getLogger(__name__)
 
@@ -138,8 +141,8 @@ class Compiler:
         if self.cfg.scope == "model":
             return [inner]
         inner = unwrap(inner)
-        blocks = getattr(inner, "blocks", None)
-        if not isinstance(blocks, (nn.ModuleList, nn.Sequential)) or len(blocks) == 0:
+        blocks = model_blocks(inner)
+        if blocks is None:
             raise ConfigError(
                 f"compile.scope: blocks compiles each module of `model.blocks`, but {type(inner).__name__} has "
                 "no `blocks` list of modules; use compile.scope=model (or give the model an nn.ModuleList `blocks`)"
@@ -195,7 +198,7 @@ class Compiler:
         worst_name, worst_err = None, 0.0
         for name, ref in eager_grads.items():
             got = compiled_grads.get(name)
-            err = math.inf if got is None else _relative_error(got, ref)
+            err = math.inf if got is None else relative_error(got, ref)
             if err > worst_err or worst_name is None:
                 worst_name, worst_err = name, err
         result = {
@@ -485,12 +488,6 @@ def _recompile_limit() -> int:
 def _local(t: torch.Tensor) -> torch.Tensor:
     """This rank's shard of a DTensor (FSDP2 gradients), the tensor itself otherwise."""
     return t.to_local() if hasattr(t, "to_local") else t
-
-
-def _relative_error(got: torch.Tensor, ref: torch.Tensor) -> float:
-    diff = torch.linalg.vector_norm(got - ref).item()
-    scale = torch.linalg.vector_norm(ref).item()
-    return diff / scale if scale > 0 else diff
 
 
 def _yaml(value: Any) -> str:

@@ -26,6 +26,7 @@ from omegaconf import DictConfig
 from torch.utils.data import DataLoader, Dataset
 
 from trainflow.errors import DataError, home_note, unwritable_reason
+from trainflow.seeding import SEED_STRIDE
 
 log = logging.getLogger(__name__)
 
@@ -203,7 +204,7 @@ class StreamSampler:
         """The reshuffled order of one epoch (the `set_epoch` of this sampler is implicit in the position)."""
         if self._perm is None or self._perm[0] != epoch:
             if self.shuffle:
-                g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+                g = torch.Generator().manual_seed(self.seed * SEED_STRIDE + epoch)
                 self._perm = (epoch, torch.randperm(self.num_samples, generator=g))
             else:
                 self._perm = (epoch, torch.arange(self.num_samples))

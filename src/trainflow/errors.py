@@ -1,12 +1,21 @@
-"""Errors a user can fix: printed as one sentence, without a traceback."""
+"""Errors a user can fix: printed as one sentence, without a traceback, with the exit code that says so.
 
+Imports nothing of trainflow, so that every module (and the Hydra plugins) can raise or print these.
+"""
+
+import os
+import sys
 from pathlib import Path
+from typing import NoReturn
+
+EXIT_USER_ERROR = 2
+EXIT_INTERRUPTED = 130  # the shell's code for a process ended by Ctrl-C (128 + SIGINT)
 
 
 class TrainflowError(Exception):
     """A problem with the user's input or environment, explained in one line with the fix."""
 
-    exit_code = 2  # the usage-error code: the command cannot work as typed
+    exit_code = EXIT_USER_ERROR  # the command cannot work as typed
 
 
 class ConfigError(TrainflowError):
@@ -38,3 +47,16 @@ def unwritable_reason(folder: Path, exc: OSError) -> str:
 def home_note(configured: str) -> str:
     """For a configured path starting with ~: which home it expanded to (HOME may be the thing to fix)."""
     return f" (~ is HOME={Path.home()})" if configured.startswith("~") else ""
+
+
+def traceback_wanted() -> bool:
+    """HYDRA_FULL_ERROR=1: re-raise user errors with their traceback, as Hydra does for its own."""
+    return os.environ.get("HYDRA_FULL_ERROR") == "1"
+
+
+def user_error(message: str) -> NoReturn:
+    """Stop with one line and exit code 2, as trainflow does for every input a user can fix."""
+    if traceback_wanted():
+        raise ConfigError(message)
+    print(f"Error: {message}", file=sys.stderr)
+    sys.exit(EXIT_USER_ERROR)

@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
-from trainflow import distributed
 from trainflow.distributed import DistEnv
+from trainflow.distributed.process_group import all_reduce_mean
 from trainflow.errors import NonFiniteError
 
 log = logging.getLogger("trainflow")
@@ -73,7 +73,7 @@ class NonFiniteGuard:
             return
         steps, losses = self._steps, torch.stack(self._losses).float()
         norm_steps = list(self._norms)
-        losses = distributed.all_reduce_mean(losses, self.env)  # a NaN on any rank makes the mean NaN
+        losses = all_reduce_mean(losses, self.env)  # a NaN on any rank makes the mean NaN
         norms = [_local(n).float().reshape(1).to(losses.device) for n in self._norms.values()]
         values = torch.cat([losses, *norms]).tolist()  # the one host read
         self._steps, self._losses, self._norms = [], [], {}

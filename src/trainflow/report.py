@@ -30,6 +30,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 from trainflow import ladder
+from trainflow.env import env_rank
 from trainflow.errors import TrainflowError
 
 log = logging.getLogger(__name__)
@@ -377,7 +378,7 @@ class ReportCallback(Callback):
         from hydra.core.utils import JobStatus
         from hydra.types import RunMode
 
-        if config.hydra.mode != RunMode.MULTIRUN or os.environ.get("RANK", "0") != "0":
+        if config.hydra.mode != RunMode.MULTIRUN or env_rank() != 0:
             return  # single runs have no sweep folder; other ranks of a job leave the report to rank 0
 
         job_dir = _job_dir(config)

@@ -9,24 +9,24 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import random
 import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 from torch.profiler import record_function
 
-from trainflow import distributed, memory_plan
 from trainflow.checkpoint import Checkpointer, TrainState
 from trainflow.compiler import Compiler
-from trainflow.config import TrainerConfig, validate
+from trainflow.config import TrainerConfig
 from trainflow.data import DataBundle, StreamSampler, build_datasets, make_loader
-from trainflow.distributed import DistEnv
+from trainflow.distributed import DistEnv, memory_plan
+from trainflow.distributed.parallelize import no_grad_sync, parallelize, unwrap
+from trainflow.distributed.parity import ParityCheck, parallelism_summary
+from trainflow.distributed.process_group import all_reduce_mean, process_group
 from trainflow.limits import check_batch
 from trainflow.metrics import (
     MetricsWriter,
@@ -45,6 +45,7 @@ from trainflow.models import build_model
 from trainflow.nonfinite import NonFiniteGuard
 from trainflow.optim import build_optimizer
 from trainflow.profiling import Profiler
+from trainflow.seeding import SEED_STRIDE, seed_everything
 from trainflow.tensorboard import Dashboard
 
 log = logging.getLogger("trainflow")
@@ -55,23 +56,10 @@ def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten())
 
 
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
-
-
-def run(cfg: DictConfig, run_dir: str | Path | None = None) -> dict[str, Any] | None:
-    """Train as `cfg` says; return the summary on rank 0 (None on other ranks)."""
-    validate(cfg)
-    if run_dir is None:
-        from hydra.core.hydra_config import HydraConfig
-
-        run_dir = HydraConfig.get().runtime.output_dir
-    run_dir = Path(run_dir)
-    if distributed.should_launch(cfg):  # ddp/fsdp typed without torchrun: start the local workers ourselves
-        return distributed.launch(cfg, run_dir)
-    with distributed.process_group(cfg) as env:
+def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any] | None:
+    """Train as the validated `cfg` says, in this process as one rank (of one or of the launcher's many); return
+    the summary on rank 0 (None on other ranks)."""
+    with process_group(cfg) as env:
         return _train(cfg, run_dir, env)
 
 
@@ -97,13 +85,13 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv) -> dict[str, Any] | Non
     auto = None
     if cfg.parallelism.strategy == "auto":  # measures memory, decides, writes the decision into cfg.parallelism
         env, auto = memory_plan.apply_auto(cfg, env, model, example, loss_fn)
-    parity = distributed.ParityCheck(cfg, env, model, data.train, loss_fn)  # copies the model before wrapping
-    model = distributed.parallelize(model, cfg.parallelism, env, t.precision)
+    parity = ParityCheck(cfg, env, model, data.train, loss_fn)  # copies the model before wrapping
+    model = parallelize(model, cfg.parallelism, env, t.precision)
     compiler = Compiler(cfg, env, run_dir)
     model = compiler.apply(model, example, loss_fn)  # compile.check compares eager and compiled on `example`
     optimizer, scheduler = build_optimizer(model, cfg.optim, t.max_steps, env.device)
 
-    seed_everything(t.seed + 1_000_003 * env.rank)  # per-rank randomness (dropout) from here on
+    seed_everything(t.seed + SEED_STRIDE * env.rank)  # per-rank randomness (dropout) from here on
     state = TrainState(model, optimizer, scheduler)
     checkpointer = Checkpointer(cfg.checkpoint, env, run_dir)
     guard = NonFiniteGuard(t.nonfinite, env, checkpointer.summary)
@@ -128,7 +116,7 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv) -> dict[str, Any] | Non
     label = record_function if profiler.on else _unlabelled  # region names only where a profiler records them
     if env.is_main:
         log.info("model %s: %.2fM parameters; world size %d; global batch %d; %s",
-                 type(distributed.unwrap(model)).__name__, n_params / 1e6, env.world_size, global_batch,
+                 type(unwrap(model)).__name__, n_params / 1e6, env.world_size, global_batch,
                  f"resumed at step {resumed_from}" if resumed_from else "fresh start")
 
     first_loss: float | None = None
@@ -157,7 +145,7 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv) -> dict[str, Any] | Non
                     inputs, targets = (x.to(env.device, non_blocking=pin) for x in batch)
                     tokens += targets.numel() if data.is_lm else 0
                 last = micro == t.grad_accum - 1
-                with label("trainflow/forward_backward"), distributed.no_grad_sync(model, last):
+                with label("trainflow/forward_backward"), no_grad_sync(model, last):
                     with autocast:
                         loss = loss_fn(model(inputs), targets)
                     share = loss / t.grad_accum if t.grad_accum > 1 else loss
@@ -200,7 +188,7 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv) -> dict[str, Any] | Non
             if log_due or steps_this_run == 1 or (save_every and (done or state.step % save_every == 0)):
                 guard.check()  # where the loop syncs anyway: nothing non-finite is logged as progress or saved
             if first_loss is None:
-                first_loss = distributed.all_reduce_mean(loss.detach().clone(), env).item()  # all ranks' mean
+                first_loss = all_reduce_mean(loss.detach().clone(), env).item()  # all ranks' mean
 
             if log_due:
                 sync(env.device)
@@ -252,7 +240,7 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv) -> dict[str, Any] | Non
         "parameters": n_params,
         "world_size": env.world_size,
         "global_batch": global_batch,
-        "parallelism": distributed.summary(cfg, env, steady, parity),
+        "parallelism": parallelism_summary(cfg, env, steady, parity),
         "device": str(env.device),
         "matmul_math": matmul_math(env.device, t.precision),
         "compile": compiler.summary(steady),
@@ -291,7 +279,7 @@ def _interval_values(interval: dict, elapsed: float, optimizer, grad_norm: torch
                      memory_bytes: int) -> dict:
     steps = interval["steps"]
     applied = steps - interval["skipped"]  # skip_step: the loss is the mean over the steps that were applied
-    loss = distributed.all_reduce_mean(interval["loss"] / applied, env).item() if applied else math.nan
+    loss = all_reduce_mean(interval["loss"] / applied, env).item() if applied else math.nan
     step_time = elapsed / steps
     values = {
         "train/loss": loss,
@@ -320,7 +308,7 @@ def evaluate(model: nn.Module, data: DataBundle, cfg: DictConfig, env: DistEnv, 
         inputs, targets = (x.to(env.device) for x in data.val[indices])
         with autocast:
             total += loss_fn(model(inputs), targets).float()
-    loss = distributed.all_reduce_mean(total / t.eval_steps, env).item()
+    loss = all_reduce_mean(total / t.eval_steps, env).item()
     result = {"loss": loss}
     if data.is_lm:
         result["perplexity"] = math.exp(min(loss, 50.0))

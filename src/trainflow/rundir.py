@@ -30,7 +30,8 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from trainflow.errors import ConfigError
+from trainflow.env import env_rank
+from trainflow.errors import ConfigError, user_error
 from trainflow.locks import DirLock
 
 RUN_DIR_ENV = "TRAINFLOW_RUN_DIR"  # set by our launchers for the processes they start
@@ -43,10 +44,6 @@ _NOT_IN_RUN_NAME = ("hydra", "checkpoint", "compile", "parallelism", "profiler",
                     "trainer.progress", "trainer.nonfinite", "trainer.device", "trainer.run_name")
 _IN_RUN_NAME = ("checkpoint.dir",)  # another checkpoint folder is another history
 _READABLE_CHARS = 160  # a folder name may have 255 bytes
-
-
-def env_rank() -> int:
-    return int(os.environ.get("RANK", "0"))
 
 
 def _timestamp() -> str:
@@ -101,8 +98,6 @@ def run_dir(checkpointed: bool = False, name: str | None = None, overrides: Any 
         from trainflow.config import run_name_problem
 
         if problem := run_name_problem(name):
-            from trainflow.cli import user_error
-
             user_error(f"trainer.run_name: {problem}")
         return f"{RUNS_DIR}/{name}"
     if checkpointed:
@@ -159,12 +154,8 @@ def claim_run_dir(folder: Path, key: str) -> None:
         folder.mkdir(parents=True, exist_ok=True)
         _claimed[folder] = DirLock(folder, key=key, fix=fix)
     except ConfigError as exc:
-        from trainflow.cli import user_error
-
         user_error(str(exc))
     except OSError as exc:
-        from trainflow.cli import user_error
-
         user_error(f"{key}: cannot create {folder} ({exc.strerror}); point {key} at a writable folder")
 
 
@@ -186,8 +177,6 @@ class RunDirLock(Callback):
 
 
 def _check_writable(key: str, folder: str) -> None:
-    from trainflow.cli import user_error
-
     try:
         Path(folder).mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryFile(dir=folder):

@@ -25,8 +25,8 @@ from hydra.plugins.launcher import Launcher
 from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from trainflow.cli import user_error
-from trainflow.errors import TrainflowError
+from trainflow.cli import register_with_hydra
+from trainflow.errors import TrainflowError, user_error
 from trainflow.rundir import RUN_DIR_ENV, claim_run_dir
 
 log = logging.getLogger(__name__)
@@ -71,6 +71,7 @@ def run_job_here(hydra_context: HydraContext, task_function: TaskFunction, job: 
     Every rank of the job calls this; rank-aware resolvers keep Hydra's files and
     the log file to rank 0, and TRAINFLOW_RUN_DIR points every rank to the same directory.
     """
+    register_with_hydra()  # the job's config uses trainflow's resolvers (a fresh worker process has none yet)
     os.environ[RUN_DIR_ENV] = str(job.dir)
     claim_run_dir(job.dir, "hydra.sweep.dir")  # rank 0, before Hydra writes the job's .hydra/ and log file
     return run_job(

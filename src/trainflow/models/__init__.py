@@ -28,5 +28,12 @@ def build_model(cfg: DictConfig) -> nn.Module:
     return model
 
 
+def model_blocks(model: nn.Module) -> nn.ModuleList | nn.Sequential | None:
+    """`model.blocks`, the repeated layers that activation checkpointing, FSDP's shard units and per-block compile
+    work on: a non-empty ModuleList or Sequential, else None (the model is then taken whole, or by size)."""
+    blocks = getattr(model, "blocks", None)
+    return blocks if isinstance(blocks, (nn.ModuleList, nn.Sequential)) and len(blocks) > 0 else None
+
+
 def _arguments(cfg: DictConfig) -> str:
     return ", ".join(f"{k}={v}" for k, v in cfg.items() if k != "_target_")

@@ -35,7 +35,10 @@ import torch.distributed as dist
 from omegaconf import DictConfig
 from torch import nn
 
+from trainflow.distributed.parallelize import fsdp_dtypes, shard_units
+from trainflow.distributed.process_group import node_count
 from trainflow.errors import ConfigError
+from trainflow.models import model_blocks
 
 log = logging.getLogger(__name__)
 GB = 1024**3
@@ -162,9 +165,7 @@ def model_facts(model: nn.Module, optim_cfg: DictConfig, fsdp_cfg: DictConfig, e
                 loss_fn: Callable | None = None, autocast: Any = None) -> ModelFacts:
     """Everything the table needs from this model (the same on every rank); without an example (a model on the
     meta device) the activations are left at 0."""
-    from trainflow.distributed import _blocks, shard_units
-
-    blocks = _blocks(model)
+    blocks = model_blocks(model)
     wrap = fsdp_cfg.wrap
     note = None
     if blocks is None and wrap != "size":
@@ -377,8 +378,6 @@ def apply_auto(cfg: DictConfig, env: Any, model: nn.Module, example: tuple, loss
     """parallelism=auto: measure, decide, and write the decision into cfg.parallelism (strategy, activation
     checkpointing) so that everything after it sees a plain ddp/fsdp/hsdp run. Returns the env with the strategy."""
     from dataclasses import replace
-
-    from trainflow.distributed import fsdp_dtypes, node_count
 
     p, t = cfg.parallelism, cfg.trainer
     autocast = torch.autocast(env.device.type, torch.bfloat16, enabled=t.precision == "bf16")

@@ -1,0 +1,18 @@
+"""Training on many processes, one module per concern:
+
+- process_group: this process as one rank (DistEnv, the checks that need the world size or the hardware,
+  joining and leaving the group, the collectives the stages share);
+- launch: starting the ranks on this machine through torch's elastic agent, when no launcher did;
+- failures: each rank's failure record and the one error the launching process makes of them;
+- parallelize: activation checkpointing, DDP, FSDP2 and HSDP wrapping, gradient sync control;
+- hsdp: the device mesh of a sharded run;
+- memory_plan: parallelism=auto, the per-rank memory of each layout and the choice;
+- parity: the parallel run checked against one process, and the parallel part of the summary.
+
+Imports run one way: launch -> the training loop -> parallelize / parity -> process_group. The stages take a
+`DistEnv`, the one name the package itself exports.
+"""
+
+from trainflow.distributed.process_group import DistEnv
+
+__all__ = ["DistEnv"]

@@ -1,0 +1,181 @@
+"""Starting the ranks of a run on this machine, when no launcher did.
+
+Who starts the ranks:
+- `parallelism=single`: one process, no process group.
+- `python train.py parallelism=ddp|fsdp|hsdp|auto parallelism.nproc_per_node=N`: `launch` starts N local workers
+  through torch's elastic agent (`elastic_launch`, c10d rendezvous on a free localhost port). The workers get
+  the composed, resolved config and the run directory the launching process chose, so Hydra runs once and
+  there is one run directory. Rank 0's summary is returned to the launching process; a failure on any rank
+  comes back as one `TrainflowError` naming the rank, with that rank's traceback. On CPU the workers are
+  forked (torch is already imported: each start costs milliseconds, not seconds of imports); with CUDA they
+  are spawned, because a forked child cannot use CUDA that its parent touched.
+- `torchrun ... train.py ...` (one or many nodes) or any launcher that exports RANK, WORLD_SIZE, LOCAL_RANK,
+  MASTER_ADDR and MASTER_PORT: every rank runs `train.py`; `trainflow.rundir` agrees one run directory.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from trainflow.distributed.failures import WorkerError, explain_failure, record_failure
+from trainflow.distributed.process_group import (
+    _preflight,
+    mark_self_launched,
+    resolve_backend,
+    resolve_device,
+    resolve_nproc,
+)
+from trainflow.env import env_rank
+from trainflow.errors import TrainflowError
+from trainflow.metrics import RunLogHandler
+from trainflow.run import run
+
+log = logging.getLogger(__name__)
+
+_LOG_FORMAT = "[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"  # Hydra's default, for workers without it
+
+
+def launched() -> bool:
+    """True when a launcher (torchrun, `launch`, a cluster script) started this process as one rank of many."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def should_launch(cfg: DictConfig) -> bool:
+    """ddp/fsdp/hsdp typed without a launcher (auto: for more than one process): this process starts them."""
+    p = cfg.parallelism
+    if p.strategy == "auto" and resolve_nproc(p, resolve_device(cfg.trainer.device, 0)) == 1:
+        return False
+    return p.strategy != "single" and not launched()
+
+
+_PASSED_ON = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR2")  # signals the agent passes on to the workers
+
+
+def launch(cfg: DictConfig, run_dir: Path) -> dict[str, Any] | None:
+    """Start parallelism.nproc_per_node workers running `run(cfg, run_dir)`; return rank 0's summary."""
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    p = cfg.parallelism
+    device = resolve_device(cfg.trainer.device, 0)
+    nproc = resolve_nproc(p, device)
+    _preflight(cfg, device, nproc, nproc, "trainflow")
+    log.info("starting %d %s workers on %s (%s)", nproc, p.strategy, device.type, resolve_backend(p, device))
+    container = OmegaConf.to_container(cfg, resolve=True)
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.WARNING)
+    for name in ("torch.distributed.elastic.multiprocessing.api", "torch.multiprocessing.spawn"):
+        logging.getLogger(name).setLevel(logging.CRITICAL)  # the failure explained below says it all
+    with tempfile.TemporaryDirectory(prefix="trainflow-elastic-") as logs:
+        config = LaunchConfig(
+            min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"trainflow-{uuid.uuid4().hex[:12]}",
+            rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=p.max_restarts, monitor_interval=0.1,
+            start_method="spawn" if device.type == "cuda" else "fork", logs_specs=DefaultLogsSpecs(log_dir=logs),
+            signals_to_handle=",".join(_PASSED_ON),  # passed on to the workers
+        )
+        started = time.time() - 1.0  # (file times may be coarser than the clock)
+        handlers = {name: signal.getsignal(getattr(signal, name)) for name in _PASSED_ON}
+        stop = None
+        try:
+            elastic_launch(config, _worker)(container, str(run_dir))
+        except ChildFailedError as exc:
+            raise explain_failure(exc, Path(logs)) from None
+        except SignalException as exc:
+            stop = exc.sigval
+        finally:
+            # The agent's handlers stay installed and raise in this process: a Ctrl-C pressed again while it
+            # exits would print their traceback. After a stop the workers are gone: ignore a repeated signal.
+            for name, handler in handlers.items():
+                signal.signal(getattr(signal, name), signal.SIG_IGN if stop else handler)
+    return _rank0_summary(run_dir / "summary.json", started, stop)
+
+
+class StoppedBySignal(TrainflowError):
+    """The launcher was signalled and the workers stopped before rank 0 wrote its summary."""
+
+    def __init__(self, message: str, signum: int) -> None:
+        super().__init__(message)
+        self.exit_code = 128 + signum  # what a shell reports for a process a signal ended
+
+
+def _rank0_summary(path: Path, started: float, stop: signal.Signals | None = None) -> dict[str, Any]:
+    """Rank 0's summary, read from the file it wrote (also after a stop signal the agent passed on: the
+    checkpoint stage then saves at the next step boundary and ends the run normally, and says so in it)."""
+    if path.exists() and path.stat().st_mtime >= started:
+        if stop:
+            log.warning("%s: the workers stopped; rank 0 finished its summary", stop.name)
+        return json.loads(path.read_text())
+    if stop:
+        raise StoppedBySignal(f"stopped by {stop.name} before the workers finished (no summary.json was written)",
+                              int(stop))
+    raise WorkerError(f"the workers finished, but rank 0 wrote no {path}")
+
+
+def _interrupt_once(_signum: int, _frame: Any) -> None:
+    """Stop this worker at the first SIGINT and ignore the next ones: the terminal's Ctrl-C reaches it, and the
+    agent then passes the same signal on. A second KeyboardInterrupt could land after the first was handled,
+    where nothing catches it, and print a traceback of the multiprocessing child."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    raise KeyboardInterrupt
+
+
+def _worker(container: dict, run_dir: str) -> None:
+    """One self-launched rank: the parent's config and run directory, no Hydra."""
+    mark_self_launched()
+    # A forked worker inherits the agent's handlers (they raise in Python, which a rank blocked in a collective
+    # never reaches): a signal must act on it as on any process.
+    for name in ("SIGTERM", "SIGHUP", "SIGQUIT", "SIGUSR2"):
+        signal.signal(getattr(signal, name), signal.SIG_DFL)
+    signal.signal(signal.SIGINT, _interrupt_once)
+    try:
+        rank = env_rank()
+        _configure_worker_logging(Path(run_dir), rank)
+        if "OMP_NUM_THREADS" not in os.environ:  # share the cores, as torchrun does
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["LOCAL_WORLD_SIZE"])))
+        cfg = OmegaConf.create(container)
+        OmegaConf.set_struct(cfg, True)
+        run(cfg, Path(run_dir))
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as exc:
+        # Exit rather than raise: the agent's own wrapper would overwrite the record with one that lacks
+        # whether this was a user error and when exactly it happened (which rank failed first).
+        record_failure(exc)
+        raise SystemExit(1) from None
+    # A worker may exit only once the agent has read its return value. An agent shutting down on a stop signal
+    # reads none and would wait its whole shutdown timeout (30 s), so leave by ourselves a little later. The
+    # summary travels as the file rank 0 wrote: the small return value never fills the pipe.
+    timer = threading.Timer(5.0, os._exit, args=(0,))
+    timer.daemon = True
+    timer.start()
+    return None
+
+
+def _configure_worker_logging(run_dir: Path, rank: int) -> None:
+    """Rank 0 logs like a Hydra job (console + train.log); the others print warnings and errors only."""
+    root = logging.getLogger()
+    for handler in list(root.handlers):
+        root.removeHandler(handler)
+    if rank == 0:
+        handlers: list[logging.Handler] = [logging.StreamHandler(sys.stdout),
+                                           RunLogHandler(run_dir / "train.log")]
+        fmt, level = _LOG_FORMAT, logging.INFO
+    else:
+        handlers, fmt, level = [logging.StreamHandler(sys.stderr)], f"[rank {rank}]{_LOG_FORMAT}", logging.WARNING
+    for handler in handlers:
+        handler.setFormatter(logging.Formatter(fmt))
+        root.addHandler(handler)
+    root.setLevel(level)

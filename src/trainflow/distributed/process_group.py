@@ -1,0 +1,287 @@
+"""This process as one rank: the checks that need the world size or the hardware, joining the process group,
+and the collectives the stages share.
+
+The process group is initialised on `PrefixStore("trainflow/attempt_<TORCHELASTIC_RESTART_COUNT>", store)`:
+torchrun keeps one store across restarts, and without the prefix a restarted group can read the addresses
+the failed attempt published and fail to connect.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from omegaconf import DictConfig
+
+from trainflow.distributed.failures import record_failure
+from trainflow.distributed.hsdp import hsdp_shape
+from trainflow.env import env_rank
+from trainflow.errors import ConfigError, TrainflowError
+
+log = logging.getLogger(__name__)
+
+SHARDED = ("fsdp", "hsdp")  # the strategies that shard with FSDP2 (over one mesh dimension, or two)
+_self_launched = False  # set in workers started by `launch`: the launching process already spoke for them
+
+
+def mark_self_launched() -> None:
+    """In a worker that trainflow's own launch started: its checks and warnings were the launching process's."""
+    global _self_launched
+    _self_launched = True
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    strategy: str = "single"
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+
+def resolve_device(requested: str, local_rank: int, local_world_size: int = 1) -> torch.device:
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("trainer.device: cuda was asked for but no GPU is visible; use trainer.device=cpu or auto")
+    if requested == "cpu" or (requested == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    return torch.device("cuda", cuda_index(local_rank, local_world_size, torch.cuda.device_count(),
+                                           gpus_bound_per_task()))
+
+
+def gpus_bound_per_task() -> bool:
+    """Whether a scheduler bound this task to its own GPUs (SLURM --gpus-per-task / --gpu-bind).
+
+    Then CUDA_VISIBLE_DEVICES lists this task's GPUs only, and each task sees fewer GPUs than there are ranks on
+    its node: its own device is the first one it sees, whatever its local rank.
+    """
+    return "SLURM_LOCALID" in os.environ and bool(os.environ.get("CUDA_VISIBLE_DEVICES"))
+
+
+def cuda_index(local_rank: int, local_world_size: int, visible: int, bound_per_task: bool) -> int:
+    """The CUDA device of this rank among the `visible` ones.
+
+    Every rank of a node sees all of its GPUs (torchrun, srun without binding): device LOCAL_RANK. The scheduler
+    bound GPUs to each task: the task's first visible device. Anything else would put two ranks on one GPU.
+    """
+    if visible >= local_world_size:
+        return local_rank
+    if bound_per_task:
+        return 0
+    check_nproc(local_world_size, "cuda", visible)  # raises: more ranks on this node than GPUs they can share
+    return local_rank
+
+
+def resolve_backend(cfg: DictConfig, device: torch.device) -> str:
+    if cfg.backend == "nccl" and device.type != "cuda":
+        raise ConfigError(f"parallelism.backend: nccl needs CUDA GPUs, but this run is on {device.type}; "
+                          "use parallelism.backend=gloo (or auto)")
+    if cfg.backend == "auto":
+        return "nccl" if device.type == "cuda" else "gloo"
+    return cfg.backend
+
+
+def check_nproc(nproc: int, device_type: str, gpus: int) -> None:
+    """One GPU per process: more processes than GPUs cannot each get their own."""
+    if device_type == "cuda" and nproc > gpus:
+        raise ConfigError(f"parallelism.nproc_per_node: {nproc} processes need {nproc} GPUs, but {gpus} "
+                          f"{'is' if gpus == 1 else 'are'} visible; set parallelism.nproc_per_node={gpus} (or auto)")
+
+
+def resolve_nproc(cfg: DictConfig, device: torch.device) -> int:
+    gpus = torch.cuda.device_count() if device.type == "cuda" else 0
+    nproc = max(gpus, 1) if cfg.nproc_per_node == "auto" else int(cfg.nproc_per_node)
+    check_nproc(nproc, device.type, gpus)
+    return nproc
+
+
+def check_world_size(cfg: DictConfig, world_size: int, started_by: str) -> None:
+    """ddp/fsdp need two or more ranks, single exactly one: anything else is refused with the fix."""
+    if cfg.strategy == "single" and world_size > 1:
+        raise ConfigError(f"parallelism.strategy: single trains in one process, but {started_by} started "
+                          f"{world_size}; use parallelism=ddp or parallelism=fsdp")
+    if cfg.strategy not in ("single", "auto") and world_size < 2:
+        if started_by != "trainflow":
+            why = f"{started_by} started one"
+        elif cfg.nproc_per_node == "auto":
+            why = "auto is one process per GPU, and at most one GPU is visible"
+        else:
+            why = "one was asked for"
+        raise ConfigError(f"parallelism.nproc_per_node: {cfg.strategy} needs 2 or more processes, got 1 ({why}); "
+                          f"set parallelism.nproc_per_node=2 or more, or use parallelism=single")
+
+
+def per_rank_batch(cfg: DictConfig, world_size: int) -> int:
+    """trainer.batch_size, or the share of parallelism.global_batch each rank takes per micro-step."""
+    global_batch = cfg.parallelism.global_batch
+    if global_batch is None:
+        return int(cfg.trainer.batch_size)
+    parts = world_size * cfg.trainer.grad_accum
+    if global_batch % parts:
+        lower = max(parts, global_batch // parts * parts)
+        raise ConfigError(
+            f"parallelism.global_batch: {global_batch} does not divide into {world_size} ranks x "
+            f"{cfg.trainer.grad_accum} accumulation steps; use a multiple of {parts}, e.g. {lower} or {lower + parts}")
+    return global_batch // parts
+
+
+def cpu_flags() -> frozenset[str] | None:
+    """The CPU feature flags Linux reports, or None where /proc/cpuinfo is not available."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return None
+
+
+def bf16_slowdown(size: int = 384, repeats: int = 5) -> float:
+    """Time of a bf16 matmul over an fp32 one of the same size (best of a few): > 1 means bf16 is slower."""
+    best = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
+        a @ b
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            a @ b
+            times.append(time.perf_counter() - start)
+        best[dtype] = min(times)
+    return best[torch.bfloat16] / best[torch.float32]
+
+
+def bf16_warning(cfg: DictConfig, device: torch.device, flags: frozenset[str] | None = None) -> str | None:
+    """A warning when bf16 is asked for on a CPU without native bf16 (emulated bf16 is slower than fp32)."""
+    keys = ["trainer.precision"] if cfg.trainer.precision == "bf16" else []
+    if cfg.parallelism.strategy in SHARDED:
+        keys += [f"parallelism.fsdp.{k}" for k in ("param_dtype", "reduce_dtype") if cfg.parallelism.fsdp[k] == "bf16"]
+    if not keys or device.type != "cpu":
+        return None
+    flags = cpu_flags() if flags is None else flags
+    if flags is not None and flags & {"avx512_bf16", "amx_bf16"}:
+        return None
+    ratio = bf16_slowdown()
+    return (f"{', '.join(keys)}=bf16: this CPU has no native bf16 (no avx512_bf16/amx_bf16 flag), so bf16 is "
+            f"emulated: a bf16 matmul measured {ratio:.2g}x the time of fp32 here; use fp32 on this machine")
+
+
+def _preflight(cfg: DictConfig, device: torch.device, world_size: int, local_world_size: int, started_by: str) -> str:
+    """Every check that needs the world size or the hardware; returns the backend. Warnings once per run."""
+    p = cfg.parallelism
+    check_world_size(p, world_size, started_by)
+    backend = resolve_backend(p, device)
+    if p.strategy in SHARDED and p.fsdp.cpu_offload and device.type == "cpu":
+        raise ConfigError("parallelism.fsdp.cpu_offload: the run is on CPU already, so there is nothing to offload "
+                          "to; set it to false")
+    per_rank_batch(cfg, world_size)
+    if p.strategy == "hsdp":
+        hsdp_shape(p, world_size)  # raises: a shape that does not fit this world
+    if device.type == "cuda" and not gpus_bound_per_task():
+        check_nproc(local_world_size, "cuda", torch.cuda.device_count())
+    if env_rank() == 0 and not _self_launched:
+        for warning in (bf16_warning(cfg, device), _oversubscription_warning(device, local_world_size)):
+            if warning:
+                log.warning(warning)
+        if p.check and cfg.model.get("dropout"):
+            log.warning("parallelism.check: model.dropout=%s draws different masks on each rank than in one "
+                        "process, so the check cannot match; set model.dropout=0 for the check", cfg.model.dropout)
+    return backend
+
+
+def _oversubscription_warning(device: torch.device, local_world_size: int) -> str | None:
+    cores = os.cpu_count() or 1
+    if device.type == "cpu" and local_world_size > cores:
+        return (f"parallelism.nproc_per_node: {local_world_size} processes share {cores} CPU cores; "
+                "they will run, but slower than with one process per core")
+    return None
+
+
+def _store(rank: int, world_size: int, timeout: timedelta) -> dist.Store:
+    """The rendezvous store, under a prefix per restart attempt (a restarted group must not read stale keys)."""
+    try:
+        addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    except KeyError as exc:
+        raise TrainflowError(f"environment: RANK and WORLD_SIZE are set but {exc.args[0]} is not; a launcher must "
+                             "export MASTER_ADDR and MASTER_PORT too (torchrun does)") from None
+    agent_hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # torchrun's agent runs it
+    is_master = rank == 0 and not agent_hosts_store
+    try:
+        base = dist.TCPStore(addr, port, world_size if is_master else None, is_master=is_master, timeout=timeout,
+                             wait_for_workers=False)
+    except dist.DistNetworkError as exc:
+        if "EADDRINUSE" not in str(exc):
+            raise
+        raise TrainflowError(f"environment: MASTER_PORT={port} on {addr} is in use by another process; pick a free "
+                             "port (or let torchrun choose one)") from exc
+    return dist.PrefixStore(f"trainflow/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", base)
+
+
+def setup(cfg: DictConfig) -> DistEnv:
+    """Join the process group the launcher prepared (or stay a single process); fix this rank's batch size."""
+    p = cfg.parallelism
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = env_rank()
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = resolve_device(cfg.trainer.device, local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    started_by = "trainflow" if _self_launched else "the launcher"
+    backend = _preflight(cfg, device, world_size, int(os.environ.get("LOCAL_WORLD_SIZE", "1")), started_by)
+    cfg.trainer.batch_size = per_rank_batch(cfg, world_size)
+    if rank != 0:
+        logging.getLogger("trainflow").setLevel(logging.WARNING)  # rank 0 speaks; the others only warn
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if world_size > 1 and not dist.is_initialized():
+        timeout = timedelta(seconds=p.timeout_s)
+        dist.init_process_group(backend, store=_store(rank, world_size, timeout), rank=rank, world_size=world_size,
+                                timeout=timeout, device_id=device if device.type == "cuda" else None)
+    return DistEnv(rank, world_size, local_rank, device, p.strategy)
+
+
+def teardown(env: DistEnv) -> None:
+    if env.distributed and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def process_group(cfg: DictConfig) -> Iterator[DistEnv]:
+    """This process as one rank: set up, record any failure for the launcher, always tear down."""
+    env = None
+    try:
+        env = setup(cfg)
+        yield env
+    except BaseException as exc:
+        if not isinstance(exc, (KeyboardInterrupt, SystemExit)):
+            record_failure(exc)
+        raise
+    finally:
+        if env is not None:
+            teardown(env)
+
+
+def all_reduce_mean(value: torch.Tensor, env: DistEnv) -> torch.Tensor:
+    if env.distributed:
+        dist.all_reduce(value, op=dist.ReduceOp.SUM)
+        value /= env.world_size
+    return value
+
+
+def node_count(world_size: int) -> int:
+    """Nodes of the run: ranks over ranks per node (GROUP_WORLD_SIZE is torchrun's alone; SLURM does not set it)."""
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world_size) or world_size)
+    return max(1, world_size // max(per_node, 1))

@@ -1,0 +1,119 @@
+"""No import cycles inside trainflow: imports run one way (entry point -> launch -> loop -> stages -> errors).
+
+The graph is read from the source (ast), not by importing it: every import counts, also one inside a function,
+because a cycle hidden behind a lazy import still ties the two modules together.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+
+
+def module_names(src: Path, package: str) -> dict[str, Path]:
+    """Every module of `package` under `src`, by dotted name (a package is its __init__.py)."""
+    names = {}
+    for path in sorted((src / package).rglob("*.py")):
+        parts = path.relative_to(src).with_suffix("").parts
+        names[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return names
+
+
+def _target(name: str, modules: dict[str, Path]) -> str | None:
+    """The module an import of `name` executes last: `name` itself, else its nearest enclosing package."""
+    while name and name not in modules:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def import_graph(src: Path, package: str) -> dict[str, set[str]]:
+    """module -> the modules of `package` it imports (itself excluded)."""
+    modules = module_names(src, package)
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        own_package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        imported: list[str] = []
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                imported += [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    anchor = own_package.rsplit(".", node.level - 1)[0] if node.level > 1 else own_package
+                    base = f"{anchor}.{base}" if base else anchor
+                # `from a import b` imports the module a.b when there is one, else the name b of module a
+                imported += [f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base
+                             for alias in node.names]
+        graph[name] = {t for i in imported if (t := _target(i, modules)) and t != name}
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """One cycle (as a path that returns to its start) per strongly connected group of modules."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    groups: list[set[str]] = []
+
+    def visit(node: str) -> None:  # Tarjan's algorithm
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for nxt in sorted(graph[node]):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            group = set()
+            while True:
+                member = stack.pop()
+                group.add(member)
+                if member == node:
+                    break
+            if len(group) > 1:
+                groups.append(group)
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return [_path_through(group, graph) for group in groups]
+
+
+def _path_through(group: set[str], graph: dict[str, set[str]]) -> list[str]:
+    """A shortest import path from the group's first module back to itself, inside the group."""
+    start = min(group)
+    paths = {start: [start]}
+    frontier = [start]
+    while frontier:
+        following = []
+        for node in frontier:
+            for nxt in sorted(graph[node] & group):
+                if nxt == start:
+                    return [*paths[node], start]
+                if nxt not in paths:
+                    paths[nxt] = [*paths[node], nxt]
+                    following.append(nxt)
+        frontier = following
+    raise AssertionError(f"no cycle through {start}")  # a strongly connected group always has one
+
+
+def test_trainflow_has_no_import_cycles() -> None:
+    graph = import_graph(SRC, "trainflow")
+    assert "trainflow.run" in graph["trainflow.cli"]  # lazy imports inside functions are read too
+    found = cycles(graph)
+    assert not found, "import cycles in src/trainflow:\n" + "\n".join(" -> ".join(c) for c in found)
+
+
+def test_a_cycle_is_named(tmp_path: Path) -> None:
+    pkg = tmp_path / "pkg"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("from pkg.sub import b\n")
+    (pkg / "sub" / "__init__.py").write_text("")
+    (pkg / "sub" / "b.py").write_text("def f():\n    from .. import c\n")
+    (pkg / "c.py").write_text("import pkg.a\n")
+    (pkg / "d.py").write_text("from pkg import a\n")  # imports into the cycle without being part of it
+    assert cycles(import_graph(tmp_path, "pkg")) == [["pkg.a", "pkg.sub.b", "pkg.c", "pkg.a"]]
