@@ -225,6 +225,7 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv) -> dict[str, Any] | Non
     achieved = flops_per_step / steady["step_time_s"] if steady and flops_per_step else 0.0
     if peak and achieved > peak:  # MFU above 1: the cached CPU peak was measured under load
         peak = peak_flops(env.device, t.precision, cfg.metrics.peak_flops, at_least=achieved)
+    peak_memory = memory.summary()  # the training peak (CUDA: after the warm-up), also what auto's plan is checked by
     summary = {
         "steps": state.step,
         "steps_this_run": steps_this_run,
@@ -232,7 +233,7 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv) -> dict[str, Any] | Non
         "steady_state": steady,
         "mfu": mfu(flops_per_step, steady, peak),
         "data_wait_fraction": steady["data_wait_fraction"] if steady else None,
-        **memory.summary(),
+        **peak_memory,
         "loss": {"first": first_loss, "last": values.get("train/loss")},  # last: mean of the last log interval
         "val": val,
         "flops_per_step": flops_per_step,
@@ -250,7 +251,8 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv) -> dict[str, Any] | Non
         "config": OmegaConf.to_container(cfg, resolve=True),
     }
     if auto:
-        summary["parallelism"]["plan"] = memory_plan.finish(auto, env.device, model, optimizer)
+        summary["parallelism"]["plan"] = memory_plan.finish(auto, env.device, model, optimizer,
+                                                            peak_memory["peak_memory_bytes"])
     if dashboard is not None:
         dashboard.finish(summary)
     if not env.is_main:

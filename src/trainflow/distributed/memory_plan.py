@@ -323,9 +323,11 @@ def reset_peak(device: torch.device) -> int:
     return resident_bytes()
 
 
-def measured_peak(device: torch.device) -> int:
+def measured_peak(device: torch.device, training_peak: int | None = None) -> int:
+    """CUDA: the training loop's own peak when given (it resets the allocator's peak per log interval, see
+    trainflow.metrics.PeakMemory), else the allocator's. CPU: the peak resident set since the plan."""
     if device.type == "cuda":
-        return int(torch.cuda.max_memory_allocated(device))
+        return training_peak if training_peak is not None else int(torch.cuda.max_memory_allocated(device))
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith("VmHWM:"):
             return int(line.split()[1]) * 1024
@@ -342,13 +344,13 @@ def local_bytes(tensors: Any) -> int:
 
 
 def check_estimate(plan: Plan, device: torch.device, baseline: int, resident_model: int, model: nn.Module,
-                   optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+                   optimizer: torch.optim.Optimizer, training_peak: int | None = None) -> dict[str, Any]:
     """The chosen layout's estimate against the measured peak and the live state this rank holds.
 
     CPU: the peak resident set since the plan, less the baseline, plus the model bytes the baseline already held.
     """
     row = plan.table[plan.choice.name]
-    peak = measured_peak(device) - baseline + resident_model
+    peak = measured_peak(device, training_peak) - baseline + resident_model
     for module in model.modules():  # the last forward (evaluation) left the root gathered: count the shards
         if hasattr(module, "reshard") and hasattr(module, "set_requires_gradient_sync"):
             module.reshard()
@@ -407,7 +409,9 @@ def apply_auto(cfg: DictConfig, env: Any, model: nn.Module, example: tuple, loss
     return replace(env, strategy=plan.choice.strategy), AutoPlan(plan, reset_peak(env.device), resident)
 
 
-def finish(auto: AutoPlan, device: torch.device, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+def finish(auto: AutoPlan, device: torch.device, model: nn.Module, optimizer: torch.optim.Optimizer,
+           training_peak: int | None = None) -> dict:
     """The plan for summary.json, with its estimate checked against this run's measured peak."""
-    auto.plan.check = check_estimate(auto.plan, device, auto.baseline, auto.resident_model, model, optimizer)
+    auto.plan.check = check_estimate(auto.plan, device, auto.baseline, auto.resident_model, model, optimizer,
+                                     training_peak)
     return auto.plan.summary()
