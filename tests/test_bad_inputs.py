@@ -3,7 +3,7 @@
 For each row: the exact one-line message (some line of stderr matches it whole), the exit code, no traceback,
 and every committed checkpoint on disk byte-identical afterwards. Every `train.py` row runs beside two committed
 checkpoints of an earlier run (steps 2 and 4) in `checkpoint.dir`, so a bad input that got as far as touching
-them would show. README's "Reliability" section is rendered from this table (see test_reliability_readme.py).
+them would show. docs/reliability.md is rendered from this table (see test_reliability_readme.py).
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ class Ctx:
 class Case:
     id: str
     area: str
-    what: str  # the bad input, in words (README)
+    what: str  # the bad input, in words (docs/reliability.md)
     args: tuple[str, ...]
     message: str  # the whole line; {tmp} {ckpts} {port} are filled in, {n} stands for a number, {any} for text
     exit: int = 2
@@ -550,7 +550,7 @@ def test_full_error_shows_the_traceback_when_asked(tmp_path: Path) -> None:
 
 
 def markdown_rows() -> list[str]:
-    """The table as README shows it: {tmp} and {ckpts} are folders of the test, {n} a number, {any} text."""
+    """The table as docs/reliability.md shows it: {tmp} and {ckpts} are test folders, {n} a number, {any} text."""
     rows = ["| area | bad input | try it | exit | what trainflow says |", "|---|---|---|---|---|"]
     for c in CASES:
         shown = " ".join(c.args)

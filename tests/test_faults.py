@@ -2,7 +2,7 @@
 
 Kills at random moments of saves, two runs on one checkpoint folder, leftovers of crashed saves, and disk use
 under retention. Other faults are tested beside the feature they exercise; FAULTS below lists every fault with
-the test that injects it, and README's "Reliability" section is rendered from it (test_reliability_readme.py).
+the test that injects it, and docs/reliability.md is rendered from it (test_reliability_readme.py).
 
 The random-kill loop tries 2 moments per save mode in CI; `pytest -m slow tests/test_faults.py` tries 12 more each.
 """

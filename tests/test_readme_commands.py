@@ -19,7 +19,6 @@ from hydra import compose, initialize_config_dir
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException
 
-import trainflow  # noqa: F401  (the schemas and resolvers train.py registers)
 from trainflow.config import validate
 
 COMMAND = re.compile(r"^(?:python\s+(?:\S*/)?train\.py|torchrun\s.*?(?:\S*/)?train\.py)(?=\s|$)")
