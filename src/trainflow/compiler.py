@@ -31,6 +31,7 @@ from torch import nn
 
 from trainflow.distributed import DistEnv, unwrap
 from trainflow.errors import ConfigError, home_note, unwritable_reason
+from trainflow.files import write_atomic
 from trainflow.metrics import matmul_math
 
 log = logging.getLogger(__name__)
@@ -318,10 +319,7 @@ class Compiler:
         log.info("\n".join(lines))
 
     def _write(self, report: dict[str, Any]) -> None:
-        path = self.run_dir / "compile_report.json"
-        tmp = path.with_suffix(f".json.tmp{os.getpid()}")
-        tmp.write_text(json.dumps(report, indent=2, default=str))
-        os.replace(tmp, path)
+        write_atomic(self.run_dir / "compile_report.json", json.dumps(report, indent=2, default=str))
 
 
 def _is_fsdp(model: nn.Module) -> bool:
