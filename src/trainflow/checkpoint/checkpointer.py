@@ -396,7 +396,7 @@ class Checkpointer:
         """Rank 0: the folder is this run's alone until close() (see store.prepare_dir)."""
         self._lock = store.prepare_dir(self.dir, self.run_dir)
 
-    # -- stop signals ----------------------------------------------------------------------------------------------
+    # -- stop signals ------------------------------------------------------------------------------------------
 
     def _on_signal(self, signum: int, _frame: Any) -> None:
         self._signal = signum
@@ -437,4 +437,3 @@ class Checkpointer:
     def _fresh(self, tmp: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-
