@@ -83,10 +83,6 @@ def stop_exit_code(summary: dict[str, Any] | None) -> int | None:
     return EXIT_STOPPED if stopped else None
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# The checkpointer the loop calls
-
-
 @dataclass
 class _Pending:
     """An async save whose upload is in flight."""

@@ -36,6 +36,7 @@ class TrainState:
 
 
 def rng_file(rank: int) -> str:
+    """The file holding one rank's random generators, beside the shards."""
     return f"rng_rank{rank:05d}.json"
 
 
