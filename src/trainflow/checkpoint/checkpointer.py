@@ -65,7 +65,7 @@ from trainflow.distributed import DistEnv
 from trainflow.errors import CheckpointError
 from trainflow.locks import DirLock
 
-log = logging.getLogger(__name__)
+log = logging.getLogger(__package__)  # one name for the package: lines read [trainflow.checkpoint]
 
 EXIT_STOPPED = 75  # saved on SIGTERM/SIGUSR2/SIGHUP and stopped: run the same command again to resume
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR2, signal.SIGHUP)  # SIGHUP: the terminal or ssh session closed
@@ -389,8 +389,9 @@ class Checkpointer:
         return info
 
     def _prepare_dir(self) -> None:
-        """Rank 0: the folder is this run's alone until close() (see store.prepare_dir)."""
-        self._lock = store.prepare_dir(self.dir, self.run_dir)
+        """Rank 0: the folder exists, is writable and is ours alone; leftovers of crashed saves are removed."""
+        self._lock = store.lock_dir(self.dir, self.run_dir)
+        store.remove_leftovers(self.dir)
 
     # -- stop signals ------------------------------------------------------------------------------------------
 

@@ -49,7 +49,7 @@ from trainflow.checkpoint.store import (
 from trainflow.distributed import DistEnv
 from trainflow.errors import CheckpointError, ConfigError
 
-log = logging.getLogger(__name__)
+log = logging.getLogger(__package__)  # one name for the package: lines read [trainflow.checkpoint]
 
 
 def pick(ckpt_dir: Path, cfg: DictConfig) -> tuple[Committed | None, bool]:

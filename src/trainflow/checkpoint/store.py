@@ -44,7 +44,7 @@ from trainflow.errors import CheckpointError, ConfigError
 from trainflow.files import atomic_path
 from trainflow.locks import DirLock
 
-log = logging.getLogger(__name__)
+log = logging.getLogger(__package__)  # one name for the package: lines read [trainflow.checkpoint]
 
 MANIFEST = "manifest.json"
 TMP_PREFIX = ".tmp-"
@@ -272,21 +272,23 @@ def retain(ckpt_dir: Path, keep_last: int, resumed_from: Committed | None) -> No
                 log.warning("checkpoint: could not delete %s (%s); it stays", c.path, exc.strerror)
 
 
-def prepare_dir(ckpt_dir: Path, run_dir: Path) -> DirLock:
-    """The folder exists, is writable and is this run's alone (the lock returned); leftovers of crashed saves
-    (`.tmp-` folders: never committed, never resumed) are removed."""
+def lock_dir(ckpt_dir: Path, run_dir: Path) -> DirLock:
+    """The folder exists, is writable and is this run's alone while the returned lock is held."""
     if ckpt_dir.exists() and not ckpt_dir.is_dir():
         raise ConfigError(f"checkpoint.dir: {ckpt_dir} is a file, not a folder; point checkpoint.dir at a folder")
     try:
         ckpt_dir.mkdir(parents=True, exist_ok=True)
-        lock = DirLock(ckpt_dir, run_dir)
+        return DirLock(ckpt_dir, run_dir)
     except OSError as exc:
         raise ConfigError(f"checkpoint.dir: cannot write to {ckpt_dir} ({exc.strerror}); "
                           "point checkpoint.dir at a writable folder") from exc
+
+
+def remove_leftovers(ckpt_dir: Path) -> None:
+    """Remove what crashed saves left (`.tmp-` folders): never committed, never resumed."""
     for leftover in sorted(ckpt_dir.glob(f"{TMP_PREFIX}*")):
         shutil.rmtree(leftover, ignore_errors=True) if leftover.is_dir() else leftover.unlink(missing_ok=True)
         log.info("checkpoint: removed %s, the leftover of a save that never finished", leftover)
-    return lock
 
 
 def _fsync_dir(path: Path) -> None:
