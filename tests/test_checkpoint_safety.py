@@ -308,7 +308,7 @@ def save_in_the_format_before_checksums(state: TrainState, folder: Path) -> None
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    from trainflow.checkpoint.state import fingerprint
+    from trainflow.checkpoint import fingerprint
     from trainflow.checkpoint.state import model_shapes as _model_shapes
 
     model_sd, optim_sd = get_state_dict(state.model, state.optimizer)
