@@ -34,7 +34,7 @@ import xxhash
 from omegaconf import OmegaConf
 
 from trainflow.checkpoint import Checkpointer, TrainState, split_state
-from trainflow.checkpoint_io import ChecksummingWriter
+from trainflow.checkpoint.safe_io import ChecksummingWriter
 from trainflow.distributed import DistEnv
 from trainflow.models.gpt import GPT
 from trainflow.optim import build_optimizer

@@ -111,7 +111,7 @@ def booby_trap_the_newest_metadata(ctx: Ctx) -> None:
     import json
     import pickle
 
-    from trainflow.checkpoint_io import file_checksum
+    from trainflow.checkpoint.safe_io import file_checksum
 
     class Trap:
         def __reduce__(self):
@@ -126,7 +126,7 @@ def booby_trap_the_newest_metadata(ctx: Ctx) -> None:
 
 
 def lock_checkpoint_dir(ctx: Ctx) -> None:
-    from trainflow.checkpoint import DirLock
+    from trainflow.locks import DirLock
 
     ctx.hold.callback(DirLock(ctx.ckpts).release)  # this test process plays the other run
 

@@ -21,7 +21,7 @@ import torch
 from conftest import ROOT, TINY_GPT, Run, losses_by_step, train, wait_for
 from omegaconf import OmegaConf
 
-from trainflow.checkpoint import LOCK_FILE
+from trainflow.locks import LOCK_FILE
 
 # 12 steps, a checkpoint every 4; evaluation only at the end, on 2 batches.
 BASE = [*TINY_GPT, "trainer.max_steps=12", "trainer.eval_every=0", "trainer.eval_steps=2",

@@ -113,7 +113,7 @@ def test_a_non_finite_state_is_never_committed_and_the_newest_finite_one_stays(t
 
 
 def test_large_finite_values_are_not_taken_for_non_finite_ones() -> None:
-    from trainflow.checkpoint_io import first_nonfinite
+    from trainflow.checkpoint.state import first_nonfinite
 
     assert first_nonfinite({"big": torch.full((4,), 1e30), "ok": torch.ones(3)}) is None  # its L2 norm overflows
     assert first_nonfinite({"big": torch.full((4,), 1e30), "bad": torch.tensor([1.0, -math.inf])}) == "bad"
@@ -131,7 +131,7 @@ def test_retention_keeps_the_newest_finite_checkpoint(tmp_path: Path) -> None:
 
 
 def test_verify_compares_nan_as_equal_and_names_a_damaged_key(tmp_path: Path) -> None:
-    from trainflow.checkpoint import _differences
+    from trainflow.checkpoint.state import differences as _differences
 
     a = torch.tensor([1.0, math.nan, math.inf])
     assert _differences({"x": a}, {"x": a.clone()}) == []  # torch.equal says they differ
@@ -224,7 +224,7 @@ def trap(marker: Path) -> bytes:
 
 def rewrite_manifest(folder: Path) -> None:
     """What a tamperer does: sizes and checksums made to match the new files."""
-    from trainflow.checkpoint_io import file_checksum
+    from trainflow.checkpoint.safe_io import file_checksum
 
     path = folder / "manifest.json"
     manifest = json.loads(path.read_text())
@@ -238,7 +238,7 @@ def plant_in_a_shard(folder: Path, payload: bytes) -> None:
     from torch.distributed.checkpoint.filesystem import _StorageInfo
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
 
-    from trainflow.checkpoint_io import read_metadata
+    from trainflow.checkpoint.safe_io import read_metadata
 
     (folder / "__1_0.distcp").write_bytes(payload)
     metadata = read_metadata(folder)
@@ -308,7 +308,8 @@ def save_in_the_format_before_checksums(state: TrainState, folder: Path) -> None
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    from trainflow.checkpoint import _model_shapes, fingerprint
+    from trainflow.checkpoint import fingerprint
+    from trainflow.checkpoint.state import model_shapes as _model_shapes
 
     model_sd, optim_sd = get_state_dict(state.model, state.optimizer)
     rng = pickle.dumps({"python": random.getstate(), "numpy": np.random.get_state(),

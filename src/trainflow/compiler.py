@@ -33,6 +33,7 @@ from trainflow.compare import relative_error
 from trainflow.distributed import DistEnv
 from trainflow.distributed.parallelize import unwrap
 from trainflow.errors import ConfigError, home_note, unwritable_reason
+from trainflow.files import write_atomic
 from trainflow.metrics import matmul_math
 from trainflow.models import model_blocks
 
@@ -321,10 +322,7 @@ class Compiler:
         log.info("\n".join(lines))
 
     def _write(self, report: dict[str, Any]) -> None:
-        path = self.run_dir / "compile_report.json"
-        tmp = path.with_suffix(f".json.tmp{os.getpid()}")
-        tmp.write_text(json.dumps(report, indent=2, default=str))
-        os.replace(tmp, path)
+        write_atomic(self.run_dir / "compile_report.json", json.dumps(report, indent=2, default=str))
 
 
 def _is_fsdp(model: nn.Module) -> bool:

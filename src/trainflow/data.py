@@ -10,7 +10,6 @@ that any number of ranks can resume from without repeating or skipping.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import logging
 import os
@@ -26,6 +25,7 @@ from omegaconf import DictConfig
 from torch.utils.data import DataLoader, Dataset
 
 from trainflow.errors import DataError, home_note, unwritable_reason
+from trainflow.files import atomic_path
 from trainflow.seeding import SEED_STRIDE
 
 log = logging.getLogger(__name__)
@@ -98,20 +98,15 @@ def _write_cache(files: list[Path], cache: Path, configured: str) -> None:
     Written to a temporary name and renamed: concurrent ranks never see a half-written cache, and a failed
     write leaves nothing behind.
     """
-    tmp = cache.with_suffix(f".tmp{os.getpid()}")
     try:
         cache.parent.mkdir(parents=True, exist_ok=True)
-        with open(tmp, "wb") as out:
+        with atomic_path(cache) as tmp, open(tmp, "wb") as out:
             for f in files:
                 _append(f, out)
-        os.replace(tmp, cache)
     except OSError as exc:
         raise DataError(f"data.cache_dir: cannot write the token cache in {cache.parent}{home_note(configured)} "
                         f"({unwritable_reason(cache.parent, exc)}); point data.cache_dir at a writable folder with "
                         "room for the corpus") from None
-    finally:
-        with contextlib.suppress(OSError):
-            tmp.unlink()  # what a failed write left (after the rename there is nothing to remove)
     log.info("tokenized %d files (%.1f MB) into %s", len(files), cache.stat().st_size / 1e6, cache)
 
 

@@ -26,6 +26,7 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from trainflow.errors import RunDirError
+from trainflow.files import write_atomic
 
 if TYPE_CHECKING:
     from trainflow.tensorboard import Dashboard
@@ -124,9 +125,7 @@ def peak_flops(device: torch.device, precision: str, override: float | None, at_
                      cache[key] / 1e9)
         try:
             _PEAK_CACHE.parent.mkdir(parents=True, exist_ok=True)
-            tmp = _PEAK_CACHE.with_suffix(f".tmp{os.getpid()}")
-            tmp.write_text(json.dumps(cache, indent=1))
-            os.replace(tmp, _PEAK_CACHE)
+            write_atomic(_PEAK_CACHE, json.dumps(cache, indent=1))
         except OSError:
             pass  # an unwritable home only costs a re-measurement next time
     return cache[key]
@@ -344,13 +343,9 @@ def progress_reporter(max_steps: int, mode: str, is_main: bool, start: int) -> C
 
 def write_json(path: Path, obj: Any) -> None:
     """Write via a temporary file and rename, so readers never see half a file."""
-    tmp = path.with_suffix(path.suffix + f".tmp{os.getpid()}")
     try:
-        tmp.write_text(json.dumps(obj, indent=2, default=str))
-        os.replace(tmp, path)
+        write_atomic(path, json.dumps(obj, indent=2, default=str))
     except OSError as exc:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
         raise run_dir_error(path.parent, path.name, exc) from None
 
 

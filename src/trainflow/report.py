@@ -32,6 +32,7 @@ from omegaconf import DictConfig, OmegaConf
 from trainflow import ladder
 from trainflow.env import env_rank
 from trainflow.errors import TrainflowError
+from trainflow.files import atomic_path, write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -232,19 +233,13 @@ def write(root: Path, out: Path | None = None, baseline: str | None = None) -> d
     runs = report.pop("_runs")
     try:
         out.mkdir(parents=True, exist_ok=True)
-        _atomic(out / "report.json", json.dumps(report, indent=2, default=str))
-        _atomic(out / "report.md", markdown(report))
+        write_atomic(out / "report.json", json.dumps(report, indent=2, default=str))
+        write_atomic(out / "report.md", markdown(report))
         write_png(runs, report, out / "report.png")
     except OSError as exc:
         raise ReportError(f"{out}: cannot write the report ({exc.strerror or exc}); give a writable folder "
                           "with --out") from None
     return report
-
-
-def _atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 def _num(value: float | None, fmt: str, suffix: str = "") -> str:
@@ -346,9 +341,8 @@ def write_png(runs: list[RunRecord], report: dict[str, Any], path: Path) -> None
         counts = {s: sum(g["status"] == s for g in report["gates"]) for s in (ladder.PASS, ladder.WARN, ladder.FAIL)}
         title += "   gates: " + ", ".join(f"{n} {s}" for s, n in counts.items())
     fig.suptitle(title, fontsize=10)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}.png")
-    fig.savefig(tmp, dpi=100)
-    os.replace(tmp, path)
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, dpi=100)
 
 
 def failed_gates(report: dict[str, Any]) -> list[dict[str, Any]]:

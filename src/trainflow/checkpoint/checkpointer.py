@@ -1,0 +1,436 @@
+"""The Checkpointer the loop calls: saving (sync or async), resuming, stop signals, and the ranks' agreement.
+
+A save writes into `.tmp-step_N` (see store.py). Only after every rank finished (sync: `dcp.save` returned
+everywhere; async: every rank's upload future completed) and the ranks exchanged their files' checksums, rank 0
+commits it. A save whose tensors hold a NaN or an infinity is refused before anything is written.
+
+Async (`mode=async`): `dcp.async_save` on a dedicated gloo group (on the default group it hangs training); the
+loop waits only while the state is copied into CPU buffers that are reused from save to save (one extra copy of
+the state stays resident); at most one save is in flight; the next save, a stop signal and the end of the run
+wait for it, and its errors are raised there.
+
+Stop signals: SIGTERM, SIGUSR2 or SIGHUP on any rank makes every rank agree (an all-reduce of the flag at each step
+boundary) to save at that step boundary; the process then exits with EXIT_STOPPED = 75 (EX_TEMPFAIL: "try
+again"); running the same command again resumes. A second signal terminates at once.
+
+One run at a time: rank 0 holds an exclusive `flock` on `checkpoint.dir/.lock` from the start to the end of the
+run (the kernel drops it when the process dies, so a crash never leaves a stale lock). A second run pointed at
+the same folder is refused before it removes anything, naming the run that holds it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import shutil
+import signal
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from omegaconf import DictConfig
+
+from trainflow.checkpoint import resume as resuming
+from trainflow.checkpoint import store
+from trainflow.checkpoint.agreement import RankAgreement
+from trainflow.checkpoint.safe_io import (
+    ChecksummingWriter,
+    SafeReader,
+    failure_cause,
+    reraise_interrupt,
+    write_json,
+)
+from trainflow.checkpoint.staging import reused_buffers
+from trainflow.checkpoint.state import (
+    STATE_FILE,
+    TrainState,
+    blank_like,
+    differences,
+    fingerprint,
+    first_nonfinite,
+    flatten,
+    model_shapes,
+    rng_file,
+    rng_state,
+    split_state,
+    state_bytes,
+)
+from trainflow.checkpoint.store import TMP_PREFIX, Committed, check_intact, list_committed
+from trainflow.distributed import DistEnv
+from trainflow.errors import CheckpointError
+from trainflow.locks import DirLock
+
+log = logging.getLogger(__package__)  # one name for the package: lines read [trainflow.checkpoint]
+
+EXIT_STOPPED = 75  # saved on SIGTERM/SIGUSR2/SIGHUP and stopped: run the same command again to resume
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR2, signal.SIGHUP)  # SIGHUP: the terminal or ssh session closed
+
+_stopped_by: str | None = None  # the signal this process stopped on after saving (see stop_exit_code)
+
+
+def stop_exit_code(summary: dict[str, Any] | None) -> int | None:
+    """EXIT_STOPPED when the run stopped on a signal after committing a checkpoint, else None.
+
+    This process's own flag covers every rank started by a launcher; rank 0's summary covers the process that
+    launched local workers itself.
+    """
+    stopped = _stopped_by or ((summary or {}).get("checkpoint") or {}).get("stopped_by")
+    return EXIT_STOPPED if stopped else None
+
+
+@dataclass
+class _Pending:
+    """An async save whose upload is in flight."""
+
+    step: int
+    samples_seen: int
+    tmp: Path
+    started: float
+    future: Future
+    staged_s: float
+    writer: ChecksummingWriter
+    checksums: dict[str, str]  # of the JSON files written beside the shards
+    done_at: float | None = None
+
+    def mark_done(self, _future: Future) -> None:
+        self.done_at = time.perf_counter()
+
+
+class Checkpointer:
+    """Saves and restores TrainState when `checkpoint.enabled`; a no-op otherwise.
+
+    All ranks call every method at the same step; rank 0 alone touches the folder structure (create, commit,
+    delete) and shares the outcome, so a failure raises the same error on every rank instead of a hang.
+    """
+
+    def __init__(self, cfg: DictConfig, env: DistEnv, run_dir: Path) -> None:
+        self.cfg = cfg
+        self.env = env
+        self.run_dir = run_dir
+        self.enabled = bool(cfg.enabled)
+        if not self.enabled:
+            return
+        self.dir = store.resolve_dir(cfg.dir, run_dir)
+        self._ctl = None  # gloo group for the main thread's collectives (flags, barriers, sync saves)
+        self._async_group = None  # gloo group owned by the async upload thread (the default group hangs)
+        if env.distributed:
+            self._ctl = dist.new_group(backend="gloo")
+            if cfg.mode == "async":
+                self._async_group = dist.new_group(backend="gloo")
+        self._ranks = RankAgreement(env, self._ctl)
+        self._pending: _Pending | None = None
+        self._poll_in_flight: tuple[torch.Tensor, Any, _Pending | None] | None = None  # flags, work, pending save
+        self._stager = None  # async: CPU buffers the state is copied into, reused save after save
+        self._saves: list[dict[str, Any]] = []
+        self._blocked_unreported = 0.0
+        self._last_saved_step: int | None = None
+        self._verified = not cfg.verify
+        self._resumed_from: Committed | None = None
+        self._changes: list[dict[str, Any]] = []  # optimizer hyperparameters the config changed on resume
+        self._exported: dict[str, Any] | None = None
+        self._fingerprint: str | None = None
+        self._need_bytes = 0  # what a save writes, at least: to recognise a full disk
+        self._signal: int | None = None  # set by the signal handler only
+        self._stopped_by: str | None = None
+        self._previous_handlers: dict[int, Any] = {}
+        self._lock: DirLock | None = None  # rank 0, from resume() to close()
+        if threading.current_thread() is threading.main_thread():  # Python delivers signals to the main thread only
+            self._previous_handlers = {s: signal.signal(s, self._on_signal) for s in STOP_SIGNALS}
+        elif env.is_main:
+            log.warning("checkpoint: training runs outside the main thread: SIGTERM/SIGUSR2/SIGHUP will not save "
+                        "and stop")
+
+    # -- hooks called by run.py --------------------------------------------------------------------------------
+
+    def resume(self, state: TrainState) -> None:
+        """Restore the newest committed checkpoint into `state`, if there is one and resuming is on."""
+        if not self.enabled:
+            return
+        self._fingerprint = fingerprint(model_shapes(state.model))
+        self._ranks.on_rank0(self._prepare_dir)
+        target, weights_only = self._ranks.on_rank0(lambda: resuming.pick(self.dir, self.cfg))
+        if target is None:
+            if self.env.is_main:
+                log.info("checkpoint: no committed checkpoint in %s: fresh start", self.dir)
+            return
+        check_intact(target, list_committed(target.path.parent))
+        resuming.check_fits(target, state.model, self._fingerprint)
+        if weights_only:
+            resuming.load_weights(target, state, self.env, self._ctl)
+        else:
+            self._changes = resuming.load_all(target, state, self.env, self._ctl)
+        self._resumed_from = target
+        self._last_saved_step = state.step if not weights_only else None
+        self._need_bytes = int(target.manifest.get("bytes", 0))
+
+    def after_step(self, state: TrainState) -> bool:
+        """Save when due; return True when the run must stop now (a stop signal was handled)."""
+        if not self.enabled:
+            return False
+        stop_signal, uploaded = self._poll()
+        start = time.perf_counter()
+        if uploaded:
+            self._finish_pending()
+        if stop_signal:
+            self._stop(state, stop_signal)
+        elif state.step % self.cfg.every_steps == 0:
+            self._save(state, blocking=self.cfg.mode == "sync")
+        self._blocked_unreported += time.perf_counter() - start
+        return stop_signal is not None
+
+    def take_blocked_s(self) -> float:
+        """Seconds the loop spent on checkpoints since the last call (to keep them out of throughput)."""
+        if not self.enabled:
+            return 0.0
+        blocked, self._blocked_unreported = self._blocked_unreported, 0.0
+        return blocked
+
+    def close(self, state: TrainState) -> None:
+        """Final save if asked for; wait for every pending save; export the weights if asked for."""
+        if not self.enabled:
+            return
+        try:
+            self._finish_poll()  # every rank started one at its last step: complete it before the group goes
+            if self._pending is not None:
+                self._finish_pending()
+            if self._stopped_by is None:
+                if self.cfg.save_final and state.step not in (0, self._last_saved_step):
+                    self._save(state, blocking=True)
+                if self.cfg.export:
+                    self._exported = self._ranks.on_rank0(self._export)
+        finally:
+            self._stager = None  # the staging buffers: a whole copy of the state
+            if self._lock is not None:
+                self._lock.release()
+            for sig, handler in self._previous_handlers.items():
+                signal.signal(sig, handler)
+
+    def summary(self) -> dict[str, Any] | None:
+        if not self.enabled:
+            return None
+        blocked = [s["blocked_s"] for s in self._saves]
+        written = [s["write_s"] for s in self._saves]
+        return {
+            "dir": str(self.dir),
+            "mode": self.cfg.mode,
+            "saves": len(self._saves),
+            "blocked_s": {"total": round(sum(blocked), 4), "per_save": blocked},
+            "write_s": {"total": round(sum(written), 4), "per_save": written},
+            "bytes": self._saves[-1]["bytes"] if self._saves else 0,
+            "steps_saved": [s["step"] for s in self._saves],
+            "verified": self._verified and bool(self.cfg.verify),
+            "resumed_from": str(self._resumed_from.path) if self._resumed_from else None,
+            "load": self.cfg.load,
+            "resume_changes": self._changes,  # each: key, the checkpoint's value, the value used (the config's)
+            "committed": [c.path.name for c in list_committed(self.dir)],
+            "stopped_by": self._stopped_by,
+            "exported": self._exported,
+        }
+
+    # -- saving ------------------------------------------------------------------------------------------------
+
+    def _save(self, state: TrainState, blocking: bool) -> None:
+        import torch.distributed.checkpoint as dcp
+
+        if self._pending is not None:  # at most one save in flight: the next one waits for it
+            self._finish_pending(wait=True)
+        self._need_bytes = max(self._need_bytes, state_bytes(state), self._saves[-1]["bytes"] if self._saves else 0)
+        tensors, plain = split_state(state)
+        self._refuse_nonfinite(tensors, state.step)
+        tmp = self.dir / f"{TMP_PREFIX}step_{state.step:08d}"
+        self._ranks.on_rank0(lambda: self._fresh(tmp))
+        if self.env.is_main:
+            log.info("checkpoint step %d: saving to %s", state.step, tmp)
+        started = time.perf_counter()
+        sums = self._write_plain(tmp, plain, state.step)
+        if blocking:
+            writer = ChecksummingWriter(tmp)
+            error = None
+            try:
+                dcp.save({"app": tensors}, storage_writer=writer, process_group=self._ctl)
+            except BaseException as exc:
+                reraise_interrupt(exc)
+                error = exc
+            self._raise_if_failed(error, tmp, state.step)
+            write_s = time.perf_counter() - started
+            self._commit(tmp, state.step, state.samples_seen, write_s, write_s, {**sums, **writer.checksums})
+            self._verify(state)
+            return
+        if self._stager is None:
+            self._stager = reused_buffers(self.env.device)
+        writer = ChecksummingWriter(tmp, per_thread_copy_ahead=0)  # the staged state is in CPU memory already
+        future = dcp.async_save({"app": tensors}, storage_writer=writer, async_stager=self._stager,
+                                process_group=self._async_group)
+        pending = _Pending(state.step, state.samples_seen, tmp, started, future, time.perf_counter() - started,
+                           writer, sums)
+        future.add_done_callback(pending.mark_done)
+        self._pending = pending
+        if not self._verified:  # the first save is compared with the live state: wait for it once
+            self._finish_pending(wait=True)
+            self._verify(state)
+
+    def _refuse_nonfinite(self, tensors: dict[str, Any], step: int) -> None:
+        """Never commit NaN or infinite weights or optimizer state: every rank checks its shards, all agree."""
+        bad = first_nonfinite(flatten(tensors))
+        if not self._ranks.any(bad is not None):
+            return
+        bad = self._ranks.first_named(bad)
+        finite = [c for c in list_committed(self.dir) if c.manifest and c.manifest.get("finite")]
+        kept = f"newest finite checkpoint {finite[-1].path.name} kept" if finite else "there is no finite one yet"
+        raise CheckpointError(f"checkpoint: step {step} has non-finite values ({bad}); not committed, {kept}; the "
+                              "training diverged: lower optim.lr (or raise optim.warmup_steps) and run again")
+
+    def _write_plain(self, tmp: Path, plain: dict[str, Any], step: int) -> dict[str, str]:
+        """state.json (rank 0) and this rank's RNG state beside the shards; their checksums."""
+        try:
+            sums = {rng_file(self.env.rank): write_json(tmp / rng_file(self.env.rank), rng_state())}
+            if self.env.is_main:
+                sums[STATE_FILE] = write_json(tmp / STATE_FILE, plain)
+            error = None
+        except (OSError, TypeError, ValueError) as exc:
+            sums, error = {}, exc
+        self._raise_if_failed(error, tmp, step)
+        return sums
+
+    def _finish_pending(self, wait: bool = False) -> None:
+        """Commit the in-flight async save (every rank's upload is done, or `wait` for it)."""
+        p, self._pending = self._pending, None
+        waited = time.perf_counter()
+        error = None
+        try:
+            p.future.result()
+        except BaseException as exc:
+            reraise_interrupt(exc)
+            error = exc
+        waited = time.perf_counter() - waited if wait else 0.0
+        self._raise_if_failed(error, p.tmp, p.step)
+        done = p.done_at or time.perf_counter()
+        self._commit(p.tmp, p.step, p.samples_seen, done - p.started, p.staged_s + waited,
+                     {**p.checksums, **p.writer.checksums})
+
+    def _raise_if_failed(self, error: BaseException | None, tmp: Path, step: int) -> None:
+        """Agree on a failed save: remove its temporary folder and raise one sentence on every rank."""
+        if not self._ranks.any(error is not None):
+            return
+        if self.env.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+        cause = failure_cause(error) if error is not None else "failed on another rank"
+        with contextlib.suppress(OSError):  # a full disk shows up as many different errors: say only that
+            free = shutil.disk_usage(self.dir).free
+            if free < self._need_bytes:
+                cause = (f"the disk is full: {free / 1e6:.1f} MB free, a checkpoint needs about "
+                         f"{self._need_bytes / 1e6:.1f} MB")
+        committed = list_committed(self.dir)
+        newest = f"newest: {committed[-1].path.name}" if committed else "there are none yet"
+        raise CheckpointError(f"checkpoint.dir: saving step {step} to {self.dir} failed ({cause}); free space or "
+                              f"point checkpoint.dir at a writable disk; committed checkpoints are untouched "
+                              f"({newest})") from error
+
+    def _commit(self, tmp: Path, step: int, samples_seen: int, write_s: float, blocked_s: float,
+                checksums: dict[str, str]) -> None:
+        checksums = self._ranks.gather_checksums(checksums)
+        commit_start = time.perf_counter()
+        final = self.dir / f"step_{step:08d}"
+        manifest = store.new_manifest(step, samples_seen, self.env.world_size, write_s, self._fingerprint)
+        nbytes = self._ranks.on_rank0(lambda: store.commit(tmp, final, manifest, checksums))
+        self._ranks.on_rank0(self._retain)
+        blocked_s += time.perf_counter() - commit_start
+        self._saves.append({"step": step, "blocked_s": round(blocked_s, 4), "write_s": round(write_s, 4),
+                            "bytes": nbytes})
+        self._last_saved_step = step
+        if self.env.is_main:
+            log.info("checkpoint step %d committed: %s (%.1f MB; loop blocked %.3f s, write %.3f s)", step, final,
+                     nbytes / 1e6, blocked_s, write_s)
+
+    def _retain(self) -> None:
+        """Rank 0: retention (store.retain) never deletes the checkpoint this run resumed from."""
+        store.retain(self.dir, self.cfg.keep_last, self._resumed_from)
+
+    def _verify(self, state: TrainState) -> None:
+        """Reload the checkpoint just committed into fresh tensors and compare with the live state exactly."""
+        if self._verified:
+            return
+        import torch.distributed.checkpoint as dcp
+
+        path = self.dir / f"step_{state.step:08d}"
+        live, _ = split_state(state)
+        fresh = blank_like(live)
+        dcp.load({"app": fresh}, storage_reader=SafeReader(path), process_group=self._ctl)
+        bad = differences(live, fresh)
+        if self._ranks.any(bool(bad)):
+            raise CheckpointError(f"checkpoint.verify: {path} does not read back what was saved "
+                                  f"({', '.join(bad[:store.MAX_LISTED]) or 'on another rank'}); the storage under "
+                                  "checkpoint.dir is unreliable: use another disk")
+        self._verified = True
+        if self.env.is_main:
+            log.info("checkpoint step %d verified: reloaded into fresh tensors, all equal", state.step)
+
+    def _stop(self, state: TrainState, signum: int) -> None:
+        global _stopped_by
+        name = signal.Signals(signum).name
+        if self._pending is not None:
+            self._finish_pending(wait=True)
+        if state.step != self._last_saved_step:
+            self._save(state, blocking=True)
+        _stopped_by = self._stopped_by = name
+        if self.env.is_main:
+            log.warning("%s: stopped at step %d with checkpoint %s committed; exit code %d (run the same command "
+                        "to resume)", name, state.step, self.dir / f"step_{state.step:08d}", EXIT_STOPPED)
+
+    def _export(self) -> dict[str, Any]:
+        info = store.export_weights(self.dir / f"step_{self._last_saved_step:08d}", self.run_dir / "model.pt")
+        log.info("exported the model weights of step %d to %s (%.1f MB)", info["step"], info["path"],
+                 info["bytes"] / 1e6)
+        return info
+
+    def _prepare_dir(self) -> None:
+        """Rank 0: the folder exists, is writable and is ours alone; leftovers of crashed saves are removed."""
+        self._lock = store.lock_dir(self.dir, self.run_dir)
+        store.remove_leftovers(self.dir)
+
+    # -- stop signals ------------------------------------------------------------------------------------------
+
+    def _on_signal(self, signum: int, _frame: Any) -> None:
+        self._signal = signum
+        signal.signal(signum, self._previous_handlers[signum])  # a second signal acts as it would without us
+
+    def _poll(self) -> tuple[int | None, bool]:
+        """(the stop signal every rank agrees on, every rank's async upload is done), one step late.
+
+        Each step starts a small asynchronous all-reduce of this rank's flags and reads the one started a step
+        earlier, which finished while the step ran: no cross-rank wait in the step itself (between nodes a
+        blocking one costs a network round trip every step). The decision uses only reduced values, so every rank
+        stops at the same step, one step after the signal; a signal that lands meanwhile stays in `_signal` (only
+        the handler writes it) and counts at the next poll.
+        """
+        uploading = self._pending is not None and not self._pending.future.done()
+        if not self.env.distributed:
+            return self._signal, self._pending is not None and not uploading
+        agreed, polled_pending = self._finish_poll()
+        flags = torch.tensor([self._signal or 0, int(uploading)])
+        work = dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._ctl, async_op=True)
+        self._poll_in_flight = (flags, work, self._pending)
+        if agreed is None:
+            return None, False
+        # uploaded: the save that was pending when those flags were taken (still the pending one) is done everywhere
+        uploaded = self._pending is not None and polled_pending is self._pending and not bool(agreed[1])
+        return int(agreed[0]) or None, uploaded
+
+    def _finish_poll(self) -> tuple[torch.Tensor | None, _Pending | None]:
+        """Wait for the all-reduce started at the previous poll (it has normally finished): its reduced flags and
+        the save that was pending when they were taken."""
+        if self._poll_in_flight is None:
+            return None, None
+        flags, work, pending = self._poll_in_flight
+        self._poll_in_flight = None
+        work.wait()
+        return flags, pending
+
+    def _fresh(self, tmp: Path) -> None:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)

@@ -1,0 +1,188 @@
+"""Resuming: which committed checkpoint `checkpoint.resume` names, whether it fits this model, and loading it.
+
+On resume the config's optimizer hyperparameters win (each change logged and listed in the summary); another
+optimizer type is refused, with `checkpoint.load=model` (weights only, step 0) as the way to keep the weights.
+A checkpoint loads on any number of ranks and the sample stream continues exactly; RNG states are restored when
+the world size is the same (on another world size each rank keeps its fresh per-rank seed, and a warning says so).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig
+from torch import nn
+
+from trainflow.checkpoint.safe_io import (
+    SafeReader,
+    failure_cause,
+    read_json,
+    read_metadata,
+    reraise_interrupt,
+    root_error,
+)
+from trainflow.checkpoint.state import (
+    FORMAT,
+    TrainState,
+    hyperparameter_changes,
+    merge_tensors,
+    model_shapes,
+    restore_schedule,
+    rng_file,
+    set_rng_state,
+    split_state,
+    split_tensors,
+)
+from trainflow.checkpoint.store import (
+    MANIFEST,
+    MAX_LISTED,
+    MODEL_PREFIX,
+    Committed,
+    corrupt_fix,
+    list_committed,
+    read_state,
+    resolve_checkpoint,
+    uncommitted_newer,
+)
+from trainflow.distributed import DistEnv
+from trainflow.errors import CheckpointError, ConfigError
+
+log = logging.getLogger(__package__)  # one name for the package: lines read [trainflow.checkpoint]
+
+
+def pick(ckpt_dir: Path, cfg: DictConfig) -> tuple[Committed | None, bool]:
+    """Rank 0: (the checkpoint to resume from, as checkpoint.resume says; whether to load its weights only)."""
+    own = list_committed(ckpt_dir)
+    unfinished = uncommitted_newer(ckpt_dir, own)
+    if unfinished is not None:
+        older = f"resume from {own[-1].path.name}" if own else "start fresh"
+        raise CheckpointError(f"{unfinished}: a checkpoint folder without {MANIFEST}, newer than every committed "
+                              f"one (a save that never committed, or a manifest that was lost); nothing was "
+                              f"changed: move it out of {ckpt_dir} to {older}")
+    for c in own:
+        if c.manifest is not None and c.renamed:
+            log.warning("checkpoint: %s holds step %d (its manifest says so): a renamed folder; it is ordered "
+                        "by step %d and never deleted", c.path, c.step, c.step)
+    resume = str(cfg.resume)
+    if resume == "auto":
+        return (own[-1] if own else None), False
+    if resume == "never":
+        if own:
+            raise ConfigError(f"checkpoint.resume=never: {ckpt_dir} already holds committed checkpoints (up to "
+                              f"{own[-1].path.name}) of an earlier run, and a fresh start there would mix two "
+                              "histories; point checkpoint.dir at an empty folder, or resume=auto to continue")
+        return None, False
+    if own and cfg.load == "model":  # this run's own checkpoints exist: the same command continues them
+        log.info("checkpoint.load=model: %s already holds this run's checkpoints (up to %s): resuming them in "
+                 "full", ckpt_dir, own[-1].path.name)
+        return own[-1], False
+    try:
+        target = resolve_checkpoint(Path(resume))
+    except CheckpointError as exc:
+        raise ConfigError(f"checkpoint.resume: {exc}") from None
+    if own and own[-1].path.resolve() != target.path.resolve():
+        raise ConfigError(f"checkpoint.resume: {ckpt_dir} already holds checkpoints up to {own[-1].path.name}; "
+                          f"continuing from {target.path} there would mix two histories; point checkpoint.dir "
+                          "at a new folder to branch off")
+    return target, cfg.load == "model" and not own
+
+
+def check_fits(target: Committed, model: nn.Module, model_fingerprint: str) -> None:
+    """Refuse a checkpoint of another model shape, listing the keys that differ (and unreadable metadata)."""
+    metadata = read_metadata(target.path)  # here, not inside DCP, which would wrap its one-line error
+    if target.manifest.get("model_fingerprint") == model_fingerprint:
+        return
+    shapes = model_shapes(model)
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    saved = {k.removeprefix(MODEL_PREFIX): (tuple(m.size), str(m.properties.dtype).removeprefix("torch."))
+             for k, m in metadata.state_dict_metadata.items()
+             if k.startswith(MODEL_PREFIX) and isinstance(m, TensorStorageMetadata)}
+    diffs = []
+    for key in sorted(saved.keys() | shapes.keys()):
+        if key not in shapes:
+            diffs.append(f"{key} only in the checkpoint")
+        elif key not in saved:
+            diffs.append(f"{key} missing from the checkpoint")
+        elif saved[key] != shapes[key]:
+            diffs.append(f"{key} {list(saved[key][0])} {saved[key][1]} saved vs {list(shapes[key][0])} "
+                         f"{shapes[key][1]} here")
+    if diffs:
+        more = f" and {len(diffs) - MAX_LISTED} more" if len(diffs) > MAX_LISTED else ""
+        raise CheckpointError(f"{target.path} was saved from another model shape: {len(diffs)} mismatched "
+                              f"key(s): {'; '.join(diffs[:MAX_LISTED])}{more}; resume with the model config it "
+                              "was saved with, or set checkpoint.dir to a new folder to start fresh")
+
+
+def load_tensors(target: Committed, tensors: dict[str, Any], group: Any) -> None:
+    """Read the checkpoint's tensors into `tensors` in place (any world size; no pickle, no code)."""
+    import torch.distributed.checkpoint as dcp
+
+    try:
+        dcp.load({"app": tensors}, storage_reader=SafeReader(target.path), process_group=group)
+    except BaseException as exc:
+        reraise_interrupt(exc)
+        if isinstance(root_error(exc), CheckpointError):
+            raise root_error(exc) from None
+        raise CheckpointError(f"{target.path}: corrupt checkpoint, cannot be read ({failure_cause(exc)}); "
+                              f"{corrupt_fix(target, list_committed(target.path.parent))}") from exc
+
+
+def load_all(target: Committed, state: TrainState, env: DistEnv, group: Any) -> list[dict[str, Any]]:
+    """Model, optimizer, LR schedule, step, data position and (same world size) every rank's RNG; the optimizer
+    hyperparameters the config changed."""
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    if target.manifest.get("format") != FORMAT:
+        raise CheckpointError(
+            f"{target.path}: saved by an older trainflow, which pickled the RNG and optimizer settings into the "
+            "shards; trainflow no longer unpickles checkpoints (that could run code from them); continue from "
+            f"its weights only with checkpoint.load=model checkpoint.resume={target.path} and checkpoint.dir at "
+            "a new folder (fresh optimizer from step 0), or export them with `trainflow export`")
+    plain = read_state(target.path)
+    here = type(state.optimizer).__name__
+    if plain.get("optimizer") != here:
+        raise CheckpointError(
+            f"{target.path}: saved with the {plain.get('optimizer')} optimizer, this run builds {here} "
+            f"(optim.name); its optimizer state does not fit: to continue from its weights only (fresh "
+            f"optimizer and LR schedule from step 0), run with checkpoint.load=model "
+            f"checkpoint.resume={target.path} and checkpoint.dir at a new folder, or set optim.name back")
+    tensors, live = split_state(state)
+    load_tensors(target, tensors, group)
+    loaded = merge_tensors(tensors, plain.get("non_tensor") or {})
+    changes = hyperparameter_changes(plain["param_groups"], live["param_groups"])
+    groups = [{**new, "lr": old["lr"]} for old, new in zip(plain["param_groups"], live["param_groups"],
+                                                            strict=True)]
+    set_state_dict(state.model, state.optimizer, model_state_dict=loaded["model"],
+                   optim_state_dict={"state": loaded["optim"]["state"], "param_groups": groups})
+    restore_schedule(state, plain["scheduler"], live["scheduler"])
+    state.step, state.samples_seen = int(plain["step"]), int(plain["samples_seen"])
+    same_world = target.manifest.get("world_size") == env.world_size
+    if same_world:
+        rng = target.path / rng_file(env.rank)
+        set_rng_state(read_json(rng), rng)
+    if env.is_main:
+        log.info("resumed from step %d (%s, saved on %d rank(s); data position %d samples)", state.step,
+                 target.path, target.manifest.get("world_size"), state.samples_seen)
+        for c in changes:
+            log.warning("resume: %s is %s in the config, %s in the checkpoint; using the config's %s",
+                        c["key"], c["used"], c["checkpoint"], c["used"])
+        if not same_world:
+            log.warning("checkpoint: saved on %s rank(s), resumed on %d: model, optimizer and data position "
+                        "are resharded exactly; the per-rank RNG states are not restored (fresh per-rank seeds)",
+                        target.manifest.get("world_size"), env.world_size)
+    return changes
+
+
+def load_weights(target: Committed, state: TrainState, env: DistEnv, group: Any) -> None:
+    """checkpoint.load=model: the model's weights only; optimizer, schedule, step and data start fresh."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    tensors, _ = split_tensors({"model": get_model_state_dict(state.model)})
+    load_tensors(target, tensors, group)
+    set_model_state_dict(state.model, tensors["model"])
+    if env.is_main:
+        log.warning("checkpoint.load=model: loaded the weights of step %d (%s); optimizer, LR schedule, step "
+                    "and data position start fresh at step 0", target.step, target.path)

@@ -1,0 +1,312 @@
+"""The on-disk store: committed checkpoints, their manifest and checksums, the commit, retention and export.
+
+Layout of `checkpoint.dir` (default `<run dir>/checkpoints`):
+
+    step_00000100/          a committed checkpoint: DCP shards, .metadata, state.json, rng_rankN.json, manifest.json
+    .tmp-step_00000200/     a save in progress, or the leftover of a crashed one (removed at the next start)
+
+A save writes into `.tmp-step_N`; its commit writes manifest.json (sizes and checksums of every file,
+`finite: true`) into it and renames it to `step_N` in one atomic rename. Listing, resume and retention see only
+`step_N` folders holding a manifest, ordered by the manifest's step, so a checkpoint is committed or absent;
+retention renames a doomed folder back to a `.tmp-` name before deleting it.
+
+A corrupt committed checkpoint (a checksum or size that differs, a missing .metadata, a renamed folder, a newest
+step folder without a manifest) is refused, never skipped: resuming from an older one silently would hide lost
+training. The error names it and the previous committed checkpoint; nothing on disk is changed.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from trainflow.checkpoint.safe_io import (
+    SafeReader,
+    check_files,
+    failure_cause,
+    file_checksum,
+    read_json,
+    read_metadata,
+    reraise_interrupt,
+    root_error,
+)
+from trainflow.checkpoint.state import FORMAT, STATE_FILE
+from trainflow.errors import CheckpointError, ConfigError
+from trainflow.files import atomic_path
+from trainflow.locks import DirLock
+
+log = logging.getLogger(__package__)  # one name for the package: lines read [trainflow.checkpoint]
+
+MANIFEST = "manifest.json"
+TMP_PREFIX = ".tmp-"
+MODEL_PREFIX = "app.model."  # where the model's tensors live in the flattened DCP keys
+MAX_LISTED = 6  # mismatched keys named in an error before "and N more"
+_STEP_DIR = re.compile(r"step_(\d+)")
+
+
+@dataclass(frozen=True)
+class Committed:
+    path: Path
+    step: int  # the manifest's step (the folder's name when the manifest is unreadable)
+    manifest: dict[str, Any] | None  # None: the manifest is unreadable (the checkpoint is corrupt)
+
+    @property
+    def folder_step(self) -> int:
+        return int(_STEP_DIR.fullmatch(self.path.name).group(1))
+
+    @property
+    def renamed(self) -> bool:
+        """The folder's name says another step than its manifest (a folder renamed by hand)."""
+        return self.step != self.folder_step
+
+
+def list_committed(ckpt_dir: Path) -> list[Committed]:
+    """The committed checkpoints in `ckpt_dir`, oldest first by the step their manifest names; unfinished saves
+    (`.tmp-` folders, step folders without a manifest) are not listed."""
+    found = []
+    if not ckpt_dir.is_dir():
+        return found
+    for child in ckpt_dir.iterdir():
+        match = _STEP_DIR.fullmatch(child.name)
+        if not (match and (child / MANIFEST).is_file()):
+            continue
+        try:
+            manifest = json.loads((child / MANIFEST).read_text())
+            step = manifest["step"] if isinstance(manifest, dict) and isinstance(manifest.get("step"), int) else None
+        except (OSError, ValueError):
+            manifest, step = None, None
+        if step is None:
+            manifest, step = None, int(match.group(1))
+        found.append(Committed(child, step, manifest))
+    return sorted(found, key=lambda c: (c.step, c.path.name))
+
+
+def uncommitted_newer(ckpt_dir: Path, committed: list[Committed]) -> Path | None:
+    """A `step_N` folder without a manifest, newer than every committed checkpoint: never skipped silently."""
+    newest = committed[-1].step if committed else -1
+    for child in sorted(ckpt_dir.iterdir()) if ckpt_dir.is_dir() else []:
+        match = _STEP_DIR.fullmatch(child.name)
+        if match and child.is_dir() and not (child / MANIFEST).exists() and int(match.group(1)) > newest:
+            return child
+    return None
+
+
+def check_intact(ck: Committed, others: list[Committed]) -> None:
+    """Refuse a committed checkpoint whose files do not match its manifest (truncated, changed, missing, renamed)."""
+    problem = None
+    if ck.manifest is None:
+        problem = f"{MANIFEST} is unreadable"
+    elif ck.renamed:
+        problem = f"the folder is named {ck.path.name} but its manifest says step {ck.step} (renamed by hand?)"
+    elif not (ck.path / ".metadata").is_file():
+        problem = ".metadata is missing"
+    else:
+        for name, size in ck.manifest.get("files", {}).items():
+            f = ck.path / name
+            if not f.is_file():
+                problem = f"{name} is missing"
+                break
+            if f.stat().st_size != size:
+                problem = f"{name} is {f.stat().st_size} bytes, the manifest says {size} (truncated)"
+                break
+        if problem is None and ck.manifest.get("format") == FORMAT:
+            problem = check_files(ck.path, ck.manifest.get("checksums", {}))
+            if problem is None and set(ck.manifest.get("checksums", {})) != set(ck.manifest.get("files", {})):
+                problem = "the manifest lacks a checksum for some of its files"
+            if problem is None and read_state(ck.path)["step"] != ck.step:
+                problem = f"{STATE_FILE} holds another step than the manifest's {ck.step}"
+    if problem:
+        raise CheckpointError(f"{ck.path}: corrupt checkpoint ({problem}); {corrupt_fix(ck, others)}")
+
+
+_STATE_KEYS = {"step": int, "samples_seen": int, "optimizer": str, "param_groups": list, "scheduler": dict}
+
+
+def read_state(folder: Path) -> dict[str, Any]:
+    """A checkpoint's state.json, with the keys and types a resume needs."""
+    plain = read_json(folder / STATE_FILE)
+    wrong = [k for k, kind in _STATE_KEYS.items() if not isinstance(plain, dict) or not isinstance(plain.get(k), kind)]
+    if wrong:
+        raise CheckpointError(f"{folder / STATE_FILE}: not a trainflow training state ({wrong[0]} is missing or of "
+                              "the wrong type); the checkpoint is corrupt")
+    return plain
+
+
+def corrupt_fix(ck: Committed, others: list[Committed]) -> str:
+    older = [c for c in others if c.step < ck.step]
+    if older:
+        return (f"nothing was changed: move it out of {ck.path.parent} to resume from {older[-1].path.name} "
+                "(the previous committed checkpoint)")
+    return f"nothing was changed: move it out of {ck.path.parent} to start fresh"
+
+
+def resolve_checkpoint(path: Path) -> Committed:
+    """A committed checkpoint from a user path: step_N itself, a checkpoint dir, or a run dir (their newest)."""
+    path = path.expanduser()
+    if not path.exists():
+        raise CheckpointError(f"{path} does not exist; give a committed checkpoint (a step_N folder), "
+                              "a checkpoint dir holding some, or a run dir")
+    if _STEP_DIR.fullmatch(path.name) or path.name.startswith(TMP_PREFIX):
+        listed = [c for c in list_committed(path.parent) if c.path.name == path.name]
+        if not listed:
+            raise CheckpointError(f"{path} is not a committed checkpoint (no {MANIFEST}: a save that never "
+                                  "finished); pick a step_N folder that has one")
+        return listed[0]
+    for folder in (path, path / "checkpoints"):
+        listed = list_committed(folder)
+        if listed:
+            return listed[-1]
+    raise CheckpointError(f"{path} holds no committed checkpoint (no step_N folder with {MANIFEST})")
+
+
+def resolve_dir(configured: str | None, run_dir: Path) -> Path:
+    """`checkpoint.dir`: a checkpoint folder, or an earlier run's directory (its checkpoints/ is used)."""
+    if configured is None:
+        return run_dir / "checkpoints"
+    path = Path(configured).expanduser()
+    if (path / "checkpoints").is_dir() and not list_committed(path):
+        return path / "checkpoints"
+    return path
+
+
+def export_weights(checkpoint: Path, out: Path) -> dict[str, Any]:
+    """Write the model weights of a committed checkpoint as one `torch.load(weights_only=True)` file.
+
+    Reads the DCP shards of any world size in this one process (no process group), so it works on a laptop
+    for a checkpoint written by many ranks. Returns what was written.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    ck = resolve_checkpoint(checkpoint)
+    check_intact(ck, list_committed(ck.path.parent))
+    metadata = read_metadata(ck.path)
+    pickled = [k for k, m in metadata.state_dict_metadata.items()
+               if k.startswith(MODEL_PREFIX) and not isinstance(m, TensorStorageMetadata)]
+    if pickled:
+        raise CheckpointError(f"{ck.path}: {pickled[0]} is stored as a pickled object, which trainflow does not load "
+                              "(it could run code); the checkpoint was tampered with or is not trainflow's")
+    weights = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in metadata.state_dict_metadata.items()
+               if k.startswith(MODEL_PREFIX) and isinstance(m, TensorStorageMetadata)}
+    try:
+        dcp.load(weights, storage_reader=SafeReader(ck.path), no_dist=True)
+    except BaseException as exc:  # DCP's CheckpointException derives from BaseException
+        reraise_interrupt(exc)
+        if isinstance(root_error(exc), CheckpointError):
+            raise root_error(exc) from None
+        raise CheckpointError(f"{ck.path}: cannot be read ({failure_cause(exc)}); it is corrupt") from exc
+    model = {k.removeprefix(MODEL_PREFIX): v for k, v in weights.items()}
+    out = out.expanduser()
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with atomic_path(out) as tmp:
+            torch.save(model, tmp)
+    except OSError as exc:
+        raise CheckpointError(f"{out}: cannot write the exported weights ({exc.strerror}); "
+                              "give a writable file path") from exc
+    return {"path": str(out), "step": ck.step, "tensors": len(model), "bytes": out.stat().st_size,
+            "checkpoint": str(ck.path)}
+
+
+def new_manifest(step: int, samples_seen: int, world_size: int, save_s: float,
+                 model_fingerprint: str | None) -> dict[str, Any]:
+    """What a committed checkpoint says of itself; commit() adds its files, their checksums and the total bytes."""
+    return {
+        "format": FORMAT,
+        "step": step,
+        "samples_seen": samples_seen,
+        "world_size": world_size,
+        "finite": True,  # the checkpointer checked every tensor before the save
+        "checksum": "xxh3_64",
+        "save_s": round(save_s, 4),
+        "committed_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "trainflow_version": _trainflow_version(),
+        "torch_version": torch.__version__,
+        "model_fingerprint": model_fingerprint,
+    }
+
+
+def commit(tmp: Path, final: Path, manifest: dict[str, Any], checksums: dict[str, str]) -> int:
+    """Rank 0: the manifest, then the atomic rename that commits the checkpoint."""
+    files = {p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.is_file()}
+    if ".metadata" not in files:
+        raise CheckpointError(f"{tmp}: the save finished without a .metadata file; nothing was committed")
+    if final.exists():
+        raise CheckpointError(f"{final} already exists; point checkpoint.dir at a folder of one run")
+    sums = {name: checksums.get(name) or file_checksum(tmp / name) for name in files}
+    manifest = {**manifest, "files": files, "checksums": sums, "bytes": sum(files.values())}
+    with open(tmp / MANIFEST, "w") as f:
+        json.dump(manifest, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.rename(tmp, final)
+    _fsync_dir(final.parent)
+    return manifest["bytes"] + (final / MANIFEST).stat().st_size
+
+
+def retain(ckpt_dir: Path, keep_last: int, resumed_from: Committed | None) -> None:
+    """Delete the oldest committed checkpoints beyond keep_last; never the newest, the newest finite, the resumed
+    one, nor a folder whose name and manifest disagree (renamed by hand: left alone)."""
+    committed = [c for c in list_committed(ckpt_dir) if c.manifest is not None and not c.renamed]
+    keep = {c.path for c in committed[-keep_last:]}
+    finite = [c for c in committed if c.manifest.get("finite") is True]
+    if finite:
+        keep.add(finite[-1].path)
+    if resumed_from is not None:
+        keep.add(resumed_from.path)
+    for c in committed:
+        if c.path not in keep:
+            try:
+                _remove(c.path)
+                log.info("checkpoint: retention deleted %s (checkpoint.keep_last=%d)", c.path, keep_last)
+            except OSError as exc:
+                log.warning("checkpoint: could not delete %s (%s); it stays", c.path, exc.strerror)
+
+
+def lock_dir(ckpt_dir: Path, run_dir: Path) -> DirLock:
+    """The folder exists, is writable and is this run's alone while the returned lock is held."""
+    if ckpt_dir.exists() and not ckpt_dir.is_dir():
+        raise ConfigError(f"checkpoint.dir: {ckpt_dir} is a file, not a folder; point checkpoint.dir at a folder")
+    try:
+        ckpt_dir.mkdir(parents=True, exist_ok=True)
+        return DirLock(ckpt_dir, run_dir)
+    except OSError as exc:
+        raise ConfigError(f"checkpoint.dir: cannot write to {ckpt_dir} ({exc.strerror}); "
+                          "point checkpoint.dir at a writable folder") from exc
+
+
+def remove_leftovers(ckpt_dir: Path) -> None:
+    """Remove what crashed saves left (`.tmp-` folders): never committed, never resumed."""
+    for leftover in sorted(ckpt_dir.glob(f"{TMP_PREFIX}*")):
+        shutil.rmtree(leftover, ignore_errors=True) if leftover.is_dir() else leftover.unlink(missing_ok=True)
+        log.info("checkpoint: removed %s, the leftover of a save that never finished", leftover)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _remove(path: Path) -> None:
+    """Delete a checkpoint folder without ever leaving a half-deleted committed one: rename first."""
+    doomed = path.with_name(f"{TMP_PREFIX}deleting-{path.name}")
+    os.rename(path, doomed)
+    shutil.rmtree(doomed)
+
+
+def _trainflow_version() -> str:
+    from trainflow import __version__
+
+    return __version__

@@ -1,0 +1,33 @@
+"""Writing a file whole: a reader (another rank, a report, a resumed run) sees the old bytes or the new, never half."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+
+@contextlib.contextmanager
+def atomic_path(path: Path) -> Iterator[Path]:
+    """A temporary path beside `path` to write to: renamed over `path` when the block succeeds, removed when not.
+
+    The temporary name holds the process id (concurrent writers of one file each rename a whole file of their own)
+    and ends in `path`'s suffix (writers such as matplotlib choose the format from it).
+    """
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}{path.suffix}")
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    finally:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+
+
+def write_atomic(path: Path, data: str | bytes) -> None:
+    """Write `data` to `path` through a temporary file and a rename (see atomic_path)."""
+    with atomic_path(path) as tmp:
+        if isinstance(data, str):
+            tmp.write_text(data)
+        else:
+            tmp.write_bytes(data)
