@@ -103,6 +103,10 @@ def test_each_rung_ran_in_its_own_process_with_its_own_settings(smoke) -> None:
     assert summaries["profile"]["profiler"]["verdict"]["bound"]
     assert summaries["checkpoint"]["checkpoint"]["steps_saved"] == [6, 12]
     assert summaries["resume"]["resumed_from_step"] == 6 and summaries["resume"]["steps_this_run"] == 6
+    # the gated rungs log every step; the profile rung only at its end: no log sync inside its profiled window
+    logged = {stage: [json.loads(line)["step"] for line in (sweep / str(RUNGS.index(stage)) / "metrics.jsonl")
+                      .read_text().splitlines() if "train/loss" in json.loads(line)] for stage in RUNGS}
+    assert logged["baseline"] == logged["compile"] == list(range(1, 13)) and logged["profile"] == [12]
 
 
 def test_report_png_shows_every_rung(smoke) -> None:

@@ -341,6 +341,7 @@ class LadderConfig:
     nproc_per_node: Any = 2  # processes of the ddp and fsdp stages: N >= 2, or auto (one per GPU)
     loss_rtol: float | None = None  # largest relative loss difference to the baseline at any step; null: by precision
     resume_atol: float = 0.0  # largest |resumed - uninterrupted| loss at any step; 0: bit-identical
+    log_every: int = 1  # trainer.log_every of the rung: 1, the gates compare loss curves step by step
 
 
 def validate_ladder(cfg: DictConfig) -> None:
