@@ -146,21 +146,18 @@ def checksums(nbytes: int, repeats: int) -> dict:
         for i in range(0, len(view), 1 << 23):
             update(view[i:i + (1 << 23)])
 
-    def crc32() -> None:
-        crc = 0
+    def running(fn, start: int):
+        """A zlib checksum carried over the chunks, as a stream would update it."""
+        def run() -> None:
+            value = start
 
-        def update(b) -> None:
-            nonlocal crc
-            crc = zlib.crc32(b, crc)
-        chunked(update)
+            def update(b) -> None:
+                nonlocal value
+                value = fn(b, value)
+            chunked(update)
+        return run
 
-    def adler32() -> None:
-        value = 1
-
-        def update(b) -> None:
-            nonlocal value
-            value = zlib.adler32(b, value)
-        chunked(update)
+    crc32, adler32 = running(zlib.crc32, 0), running(zlib.adler32, 1)
 
     candidates = {"xxh3_64 (used)": lambda: chunked(xxhash.xxh3_64().update),
                   "xxh3_128": lambda: chunked(xxhash.xxh3_128().update),

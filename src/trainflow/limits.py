@@ -20,6 +20,7 @@ from torch.func import functional_call
 from torch.utils.data import Dataset
 
 from trainflow.errors import ConfigError
+from trainflow.models import model_blocks
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +63,7 @@ def micro_batch_bytes(model: nn.Module, sample: tuple[torch.Tensor, torch.Tensor
     state = {name: torch.empty_like(t, device="meta").requires_grad_(t.requires_grad)
              for name, t in [*model.named_parameters(), *model.named_buffers()]}
     weights = {id(t) for t in state.values()}
-    blocks = list(getattr(model, "blocks", None) or [])
+    blocks = list(model_blocks(model) or [])  # the blocks activation checkpointing would wrap
     per_block = [0] * len(blocks)
     block_inputs = 0
     current: list[int] = []  # the block running now (blocks do not nest)

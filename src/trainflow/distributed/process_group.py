@@ -22,7 +22,7 @@ import torch.distributed as dist
 from omegaconf import DictConfig
 
 from trainflow.distributed.failures import record_failure
-from trainflow.distributed.hsdp import hsdp_shape
+from trainflow.distributed.hsdp import hsdp_shape, ranks_per_node
 from trainflow.env import env_rank
 from trainflow.errors import ConfigError, TrainflowError
 
@@ -283,5 +283,4 @@ def all_reduce_mean(value: torch.Tensor, env: DistEnv) -> torch.Tensor:
 
 def node_count(world_size: int) -> int:
     """Nodes of the run: ranks over ranks per node (GROUP_WORLD_SIZE is torchrun's alone; SLURM does not set it)."""
-    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world_size) or world_size)
-    return max(1, world_size // max(per_node, 1))
+    return max(1, world_size // max(ranks_per_node(world_size), 1))
