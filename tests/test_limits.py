@@ -12,8 +12,8 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from trainflow import data as data_module
 from trainflow.data import load_tokens
+from trainflow.data import text as data_module
 from trainflow.errors import ConfigError
 from trainflow.limits import micro_batch_bytes
 from trainflow.models.gpt import GPT

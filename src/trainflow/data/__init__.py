@@ -1,0 +1,56 @@
+"""Data: the built-in datasets shaped for the model, the global sample stream and its loaders.
+
+Modules: `stream` (the resumable, world-size-independent sample stream), `text` (byte-level corpus),
+`synthetic` (random tensors with something to learn), `loaders` (micro-batch loaders: cut, pinned, workers).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from omegaconf import DictConfig
+from torch.utils.data import Dataset
+
+from trainflow.data.loaders import Batch, InProcessBatches, Pinned, VariableLengths, make_loader
+from trainflow.data.stream import StreamSampler
+from trainflow.data.synthetic import SyntheticClassification, SyntheticTokens
+from trainflow.data.text import TokenWindows, load_tokens
+from trainflow.errors import DataError
+
+__all__ = [
+    "Batch", "DataBundle", "InProcessBatches", "Pinned", "StreamSampler", "SyntheticClassification",
+    "SyntheticTokens", "TokenWindows", "VariableLengths", "build_datasets", "load_tokens", "make_loader",
+]
+
+
+@dataclass
+class DataBundle:
+    train: Dataset
+    val: Dataset
+    is_lm: bool  # language model: tokens/s and perplexity make sense
+    seq_len: int  # tokens per sample (1 for non-sequence data)
+
+
+def build_datasets(cfg: DictConfig, model_cfg: DictConfig) -> DataBundle:
+    """Train and held-out datasets shaped for the model."""
+    if cfg.kind == "text":
+        seq_len = int(cfg.seq_len)
+        tokens = load_tokens(cfg)
+        split = int(len(tokens) * (1 - cfg.val_fraction))
+        need = seq_len + 1
+        if split < need or len(tokens) - split < need:
+            raise DataError(
+                f"data.paths: the corpus has {len(tokens)} bytes, too short for one training and one "
+                f"validation sequence of {need} bytes (val_fraction={cfg.val_fraction}); "
+                "add text or lower data.seq_len"
+            )
+        return DataBundle(TokenWindows(tokens[:split], seq_len), TokenWindows(tokens[split:], seq_len), True, seq_len)
+    if "vocab_size" in model_cfg:
+        seq_len = int(cfg.seq_len)
+        make = lambda n, s: SyntheticTokens(n, model_cfg.vocab_size, seq_len, s)  # noqa: E731
+        return DataBundle(make(cfg.num_samples, cfg.data_seed), make(1024, cfg.data_seed + 1), True, seq_len)
+    in_f, classes = model_cfg.get("in_features", 100), model_cfg.get("out_features", 10)
+    seed = cfg.data_seed
+    train = SyntheticClassification(cfg.num_samples, in_f, classes, task_seed=seed, input_seed=seed + 1)
+    val = SyntheticClassification(4096, in_f, classes, task_seed=seed, input_seed=seed + 2)
+    return DataBundle(train, val, False, 1)

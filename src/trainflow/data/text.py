@@ -1,0 +1,136 @@
+"""Byte-level text: a corpus of files, tokenized once into a memory-mapped cache, cut into windows."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import sysconfig
+from pathlib import Path
+from typing import BinaryIO
+
+import numpy as np
+import torch
+from omegaconf import DictConfig
+from torch.utils.data import Dataset
+
+from trainflow.errors import DataError, home_note, unwritable_reason
+from trainflow.files import atomic_path
+
+log = logging.getLogger(__name__)
+
+_SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__", "test", "tests"}
+
+
+def default_corpus() -> list[Path]:
+    """The running interpreter's standard library source: real text on every machine."""
+    return [Path(sysconfig.get_paths()["stdlib"])]
+
+
+def list_files(paths: list[Path], suffixes: list[str]) -> list[Path]:
+    files: list[Path] = []
+    for path in paths:
+        if not path.exists():
+            raise DataError(f"data.paths: {path} {_why_missing(path)}; give existing files or folders")
+        if path.is_file():
+            files.append(path)
+            continue
+        for root, dirs, names in os.walk(path):
+            dirs[:] = sorted(d for d in dirs if d not in _SKIP_DIRS and not d.startswith("."))
+            files.extend(Path(root) / n for n in sorted(names) if n.endswith(tuple(suffixes)))
+    if not files:
+        raise DataError(
+            f"data.paths: no files ending in {', '.join(suffixes)} under {', '.join(map(str, paths))}; "
+            "set data.suffixes or point data.paths at text files"
+        )
+    for f in files:
+        if not f.is_file():  # a dangling symlink, or a folder or device named like a corpus file
+            raise DataError(f"data.paths: {f} {_why_missing(f)}; remove it, or fix it, or narrow data.suffixes")
+    return files
+
+
+def _why_missing(path: Path) -> str:
+    if path.is_symlink() and not path.exists():
+        return f"is a broken symbolic link (to {os.readlink(path)}, which does not exist)"
+    return "is not a regular file" if path.exists() else "does not exist"
+
+
+CHUNK_BYTES = 16 << 20  # the corpus is copied through memory this much at a time, whatever the size of its files
+
+
+def load_tokens(cfg: DictConfig) -> np.ndarray:
+    """Byte-level tokens of the corpus, cached once as a file and memory-mapped.
+
+    The cache is written in chunks of CHUNK_BYTES, so a corpus larger than memory is tokenized in bounded memory;
+    training then reads it through the memory map, page by page.
+    """
+    paths = [Path(p).expanduser() for p in cfg.paths] if cfg.paths is not None else default_corpus()
+    files = list_files(paths, list(cfg.suffixes))
+    key = hashlib.sha256()
+    for f in files:
+        st = f.stat()
+        key.update(f"{f}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+    cache_dir = Path(cfg.cache_dir).expanduser()
+    cache = cache_dir / f"{key.hexdigest()[:20]}.bin"
+    if not cache.exists():
+        _write_cache(files, cache, cfg.cache_dir)
+    if cache.stat().st_size == 0:
+        raise DataError(f"data.paths: the corpus ({len(files)} file(s)) is empty; point data.paths at text")
+    return np.memmap(cache, dtype=np.uint8, mode="r")
+
+
+def _write_cache(files: list[Path], cache: Path, configured: str) -> None:
+    """Concatenate the files' bytes (byte-level tokens are the bytes) into `cache`, one chunk at a time.
+
+    Written to a temporary name and renamed: concurrent ranks never see a half-written cache, and a failed
+    write leaves nothing behind.
+    """
+    try:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        with atomic_path(cache) as tmp, open(tmp, "wb") as out:
+            for f in files:
+                _append(f, out)
+    except OSError as exc:
+        raise DataError(f"data.cache_dir: cannot write the token cache in {cache.parent}{home_note(configured)} "
+                        f"({unwritable_reason(cache.parent, exc)}); point data.cache_dir at a writable folder with "
+                        "room for the corpus") from None
+    log.info("tokenized %d files (%.1f MB) into %s", len(files), cache.stat().st_size / 1e6, cache)
+
+
+def _append(source: Path, out: BinaryIO) -> None:
+    """Copy `source` to `out` in CHUNK_BYTES pieces; a read failure names the corpus file, a write one raises."""
+    try:
+        src = open(source, "rb")  # noqa: SIM115 (closed below; read errors must be told from write errors)
+    except OSError as exc:
+        raise _unreadable(source, exc) from None
+    with src:
+        while True:
+            try:
+                chunk = src.read(CHUNK_BYTES)
+            except OSError as exc:
+                raise _unreadable(source, exc) from None
+            if not chunk:
+                return
+            out.write(chunk)
+
+
+def _unreadable(path: Path, exc: OSError) -> DataError:
+    return DataError(f"data.paths: cannot read {path} ({exc.strerror or exc}); make it readable or remove it from "
+                     "the corpus")
+
+
+class TokenWindows(Dataset):
+    """Non-overlapping windows of `seq_len + 1` tokens; item i -> (input, next-token target)."""
+
+    def __init__(self, tokens: np.ndarray, seq_len: int) -> None:
+        self.tokens = tokens
+        self.seq_len = seq_len
+        self.n = (len(tokens) - 1) // seq_len
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        starts = np.asarray(indices, dtype=np.int64) * self.seq_len
+        window = torch.from_numpy(self.tokens[starts[:, None] + np.arange(self.seq_len + 1)].astype(np.int64))
+        return window[:, :-1].contiguous(), window[:, 1:].contiguous()  # pinned copies need contiguous tensors
