@@ -237,3 +237,18 @@ def test_gpu_script_without_a_gpu_says_to_use_smoke(tmp_path: Path) -> None:
     assert proc.returncode == 2
     assert proc.stderr.strip() == f"gpu_ladder.sh: no CUDA GPU visible to {sys.executable}; run with --smoke for the " \
                                   "CPU check"
+
+
+def test_a_rung_that_cannot_run_stops_the_ladder_before_its_first_rung(tmp_path: Path) -> None:
+    """`python train.py -m experiment=ladder trainer.max_steps=8`, as typed: the profile rung's window does not fit
+    8 steps, so the sweep fails at once, naming the rung and the key, instead of training two rungs first."""
+    sweep = tmp_path / "sweep"
+    proc = subprocess.run([sys.executable, str(ROOT / "train.py"), "-m", "experiment=ladder", "trainer.max_steps=8",
+                           f"hydra.sweep.dir={sweep}"], cwd=ROOT, env=clean_env(), capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines() == [
+        "Error: ladder=profile (job #2): trainer.max_steps: is 8 but the profiler window ends at step 15 (skip_first "
+        "5 + 1 x (wait 5 + warmup 2 + active 3)); raise trainer.max_steps to >= 15 or shorten the window "
+        "(profiler.skip_first/wait/warmup/active)"]
+    assert sorted(p.name for p in sweep.iterdir()) == ["multirun.yaml"]  # no rung started

@@ -86,14 +86,14 @@ def evaluate(rungs: list[Rung], settings: dict[str, Any]) -> list[Gate]:
         by_stage.setdefault(r.stage, r)
     precision = settings.get("precision", "fp32")
     rtol = settings.get("loss_rtol") or LOSS_RTOL.get(precision, LOSS_RTOL["fp32"])
-    ctx = _Context(by_stage, rtol, float(settings.get("resume_atol", 0.0)))
+    gates = _LadderGates(by_stage, rtol, float(settings.get("resume_atol", 0.0)))
     return [
-        ctx.baseline_gate(),
-        *ctx.compile_gates(),
-        ctx.profile_gate(),
-        ctx.scale_gate("ddp"),
-        ctx.scale_gate("fsdp"),
-        *ctx.checkpoint_gates(),
+        gates.baseline_gate(),
+        *gates.compile_gates(),
+        gates.profile_gate(),
+        gates.scale_gate("ddp"),
+        gates.scale_gate("fsdp"),
+        *gates.checkpoint_gates(),
     ]
 
 
@@ -108,7 +108,9 @@ def max_rel_diff(losses: dict[int, float], reference: dict[int, float]) -> tuple
     return worst, at, len(common)
 
 
-class _Context:
+class _LadderGates:
+    """The gates of one sweep: its rungs by stage and the tolerances they are judged with."""
+
     def __init__(self, by_stage: dict[str, Rung], rtol: float, resume_atol: float) -> None:
         self.by_stage = by_stage
         self.rtol = rtol
