@@ -366,7 +366,9 @@ class LadderConfig:
     nproc_per_node: Any = 2  # processes of the ddp and fsdp stages: N >= 2, or auto (one per GPU)
     loss_rtol: float | None = None  # largest relative loss difference to the baseline at any step; null: by precision
     resume_atol: float = 0.0  # largest |resumed - uninterrupted| loss at any step; 0: bit-identical
-    log_every: int = 1  # trainer.log_every of the rung: 1, the gates compare loss curves step by step
+    # trainer.log_every of every rung; null: ~10 logs a run, at a divisor of the half-way step where the resume rung
+    # starts (each log is a host sync; the gates compare the logged interval means of the rungs step by step)
+    log_every: int | None = None
 
 
 def validate_ladder(cfg: DictConfig) -> None:
@@ -380,6 +382,8 @@ def validate_ladder(cfg: DictConfig) -> None:
              f"the scale stages need 2 or more processes (or auto: one per GPU); got {n!r}")
     _require(lad.loss_rtol is None or lad.loss_rtol > 0, "ladder.loss_rtol",
              f"must be > 0 or null; got {lad.loss_rtol}")
+    _require(lad.log_every is None or lad.log_every > 0, "ladder.log_every",
+             f"must be a positive number of steps, or null for about 10 logs a rung; got {lad.log_every}")
     _require(lad.resume_atol >= 0, "ladder.resume_atol", f"must be >= 0 (0: bit-identical); got {lad.resume_atol}")
 
 

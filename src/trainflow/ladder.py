@@ -46,9 +46,25 @@ def step_dir(checkpoint_dir: str, step: int) -> str:
     return f"{checkpoint_dir}/step_{int(step):08d}"
 
 
+LOG_POINTS = 10  # loss figures per rung by default: enough for the curve gates, few host syncs
+
+
+def log_interval(log_every: int | None, steps: int) -> int:
+    """trainer.log_every of a rung: ladder.log_every, or (null) about LOG_POINTS logs a run at a divisor of the
+    half-way step. Each log is a host sync, so no rung logs every step unless asked; the logged loss is the mean
+    of its interval, and the resume gate compares those means exactly, so the resumed run's intervals must start
+    where the uninterrupted run's do: at the half-way step."""
+    if log_every is not None:
+        return int(log_every)
+    target, middle = max(int(steps) // LOG_POINTS, 1), half(steps)
+    return max(k for k in range(1, target + 1) if middle % k == 0)
+
+
 def register_resolvers() -> None:
-    """`${trainflow_half:N}` and `${trainflow_step_dir:DIR,STEP}`, used by conf/ladder/."""
-    for name, fn in (("trainflow_half", half), ("trainflow_step_dir", step_dir)):
+    """`${trainflow_half:N}`, `${trainflow_step_dir:DIR,STEP}` and `${trainflow_ladder_log_every:EVERY,N}`, used by
+    conf/ladder/ and conf/experiment/ladder.yaml."""
+    for name, fn in (("trainflow_half", half), ("trainflow_step_dir", step_dir),
+                     ("trainflow_ladder_log_every", log_interval)):
         if not OmegaConf.has_resolver(name):
             OmegaConf.register_new_resolver(name, fn)
 
@@ -251,13 +267,13 @@ class _LadderGates:
         at = resumed.summary.get("resumed_from_step")
         steps = saved.summary["steps"]
         expected = half(steps)
-        first = expected + 1
+        first = min((s for s in saved.losses if s > expected), default=expected + 1)  # the first log after it
         same_first = first in resumed.losses and first in saved.losses and resumed.losses[first] == saved.losses[first]
         ok = bool(ck.get("verified")) and at == expected and same_first
         restore = Gate("checkpoint.restore", PASS if ok else FAIL,
                        f"{ck.get('saves', 0)} save(s) at steps {ck.get('steps_saved')}, first save read back "
                        f"{'equal' if ck.get('verified') else 'NOT verified'}; a fresh process resumed from step "
-                       f"{at} (expected {expected}); its first step's loss "
+                       f"{at} (expected {expected}); its first logged loss (step {first}) "
                        + ("equals" if same_first else "DIFFERS from") + " the uninterrupted one",
                        {"verified": bool(ck.get("verified")), "resumed_from_step": at, "expected_step": expected,
                         "first_step_equal": same_first})
