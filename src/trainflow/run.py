@@ -34,6 +34,7 @@ from trainflow.metrics import (
     Throughput,
     configure_matmul,
     count_train_flops,
+    host_load,
     matmul_math,
     mfu,
     peak_flops,
@@ -249,6 +250,7 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv) -> dict[str, Any] | Non
         "profiler": profiler.summary(),
         "checkpoint": checkpointer.summary(),
         "nonfinite": guard.summary(),
+        "host": host_load(),
         "config": OmegaConf.to_container(cfg, resolve=True),
     }
     if auto:
