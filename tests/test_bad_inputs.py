@@ -61,6 +61,11 @@ class Case:
     after: Callable[[Ctx], None] | None = None  # checks on what the run left behind
 
 
+def no_rung_ran(ctx: Ctx) -> None:
+    """The ladder stopped before its first rung: no job folder, no training."""
+    assert sorted(p.name for p in (ctx.tmp / "sweep").iterdir()) == ["multirun.yaml"]
+
+
 # -- setups -----------------------------------------------------------------------------------------------------
 
 
@@ -230,9 +235,9 @@ CASES = [
          "Error: trainer.max_steps: is 8 but the profiler window ends at step 12 (skip_first 2 + 1 x (wait 5 + "
          "warmup 2 + active 3)); raise trainer.max_steps to >= 12 or shorten the window "
          "(profiler.skip_first/wait/warmup/active)"),
-    Case("ddp-one-process", "scale", "ddp with one process", ("parallelism=ddp",),
-         "Error: parallelism.nproc_per_node: ddp needs 2 or more processes, got 1 (auto is one process per GPU, "
-         "and at most one GPU is visible); set parallelism.nproc_per_node=2 or more, or use parallelism=single"),
+    Case("ddp-one-process", "scale", "ddp with one process", ("parallelism=ddp", "parallelism.nproc_per_node=1"),
+         "Error: parallelism.nproc_per_node: ddp needs 2 or more processes, got 1 (one was asked for); set "
+         "parallelism.nproc_per_node=2 or more, or use parallelism=single"),
     Case("nccl-on-cpu", "scale", "the NCCL backend without GPUs",
          ("parallelism=ddp", "parallelism.nproc_per_node=2", "parallelism.backend=nccl"),
          "Error: parallelism.backend: nccl needs CUDA GPUs, but this run is on cpu; use parallelism.backend=gloo "
@@ -459,6 +464,23 @@ CASES = [
          ("hydra/launcher=torchrun", "hydra.launcher.nproc_per_node=0"),
          "Error: hydra.launcher.nproc_per_node: must be a positive integer or one of auto, cpu, gpu, xpu; got '0'",
          tool="multirun"),
+    Case("launcher-ranks-disagree", "launch", "torchrun's ranks per node set unlike parallelism's",
+         ("hydra/launcher=torchrun", "parallelism=ddp", "parallelism.nproc_per_node=2",
+          "hydra.launcher.nproc_per_node=3"),
+         "Error: hydra.launcher.nproc_per_node: is 3 but parallelism.nproc_per_node is 2 (job #0), and ranks per "
+         "node is one number; drop hydra.launcher.nproc_per_node (the launcher follows parallelism.nproc_per_node) "
+         "or give both the same value", tool="multirun"),
+    Case("slurm-ranks-disagree", "launch", "SLURM's tasks per node set unlike parallelism's ranks per node",
+         ("hydra/launcher=slurm", "parallelism=ddp", "parallelism.nproc_per_node=2",
+          "hydra.launcher.tasks_per_node=4"),
+         "Error: hydra.launcher.tasks_per_node: is 4 but parallelism.nproc_per_node is 2 (job #0), and ranks per "
+         "node is one number; drop hydra.launcher.tasks_per_node (the launcher follows parallelism.nproc_per_node) "
+         "or give both the same value", tool="multirun"),
+    Case("ladder-rung-cannot-run", "launch", "a ladder too short for its profile rung",
+         ("experiment=ladder", "trainer.max_steps=8"),
+         "Error: ladder=profile (job #2): trainer.max_steps: is 8 but the profiler window ends at step 12 "
+         "(skip_first 2 + 1 x (wait 5 + warmup 2 + active 3)); raise trainer.max_steps to >= 12 or shorten the "
+         "window (profiler.skip_first/wait/warmup/active)", tool="multirun", after=no_rung_ran),
     # tools
     Case("export-unfinished-save", "tools", "exporting a save that never finished",
          ("export", "{tmp}/.tmp-step_00000006", "{tmp}/model.pt"),

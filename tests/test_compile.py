@@ -287,6 +287,7 @@ def test_mlp_compiles_with_fullgraph(fresh_dynamo: None, tmp_path: Path) -> None
         model(torch.randn(batch, 100)).sum().backward()
     report = compiler.report()
     assert (report["graphs"], report["graph_breaks"]["count"], report["recompiles"]["count"]) == (1, 0, 0)
+    assert report["scope"] == "model"  # compile.scope=null on a model that is not FSDP-sharded: the whole model
 
 
 def test_cache_dir_is_expanded_and_exported_for_inductor(fresh_dynamo: None, tmp_path: Path) -> None:
@@ -339,7 +340,7 @@ def test_compiled_parallel_training_matches_one_eager_process(tmp_path: Path, ru
 
 @pytest.mark.slow
 def test_fsdp_with_whole_model_scope_says_what_runs_eager(tmp_path: Path, run_dir: Path) -> None:
-    run = train(run_dir, *GPT, *compile_args(tmp_path, "aot_eager"), "parallelism=fsdp",
+    run = train(run_dir, *GPT, *compile_args(tmp_path, "aot_eager"), "parallelism=fsdp", "compile.scope=model",
                 "parallelism.nproc_per_node=2", "trainer.max_steps=3")
     assert run.returncode == 0, run.stderr[-3000:]
     report = run.summary["compile"]

@@ -236,6 +236,37 @@ def test_stop_signal_to_a_self_launched_run_reaches_the_workers(run_dir: Path) -
     assert (run_dir / "checkpoints" / f"step_{step:08d}" / "manifest.json").exists()
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="auto is one rank per GPU here")
+def test_headline_command_runs_unchanged_on_a_machine_without_gpus(run_dir: Path) -> None:
+    """The design's headline command, `python train.py parallelism=fsdp compile.dynamic=true`, with only
+    trainer.max_steps lowered (time): auto starts 2 CPU ranks on gloo and says why once; the compile scope follows
+    FSDP to the blocks, so no warning asks the user to set it."""
+    run = train(run_dir, "parallelism=fsdp", "compile.dynamic=true", "trainer.max_steps=8", timeout=900)
+    assert run.returncode == 0, run.stderr[-3000:]
+    summary = run.summary
+    assert summary["world_size"] == 2 and summary["steps"] == 8
+    assert summary["parallelism"]["strategy"] == "fsdp"
+    report = summary["compile"]
+    assert report["scope"] == "blocks" and report["dynamic"] is True
+    assert report["graphs"] >= 1 and report["eager_frames"] == []
+    log = (run_dir / "train.log").read_text()
+    note = "parallelism.nproc_per_node=auto: no GPU is visible, so fsdp runs on 2 CPU processes over gloo"
+    assert log.count(note) == 1 and (run.stdout + run.stderr).count(note) == 1
+    assert "compile.scope" not in log and "WARNING" not in run.stderr
+
+
+@pytest.mark.parametrize(("strategy", "nproc", "gpus", "ranks"), [
+    ("ddp", "auto", 0, 2), ("fsdp", "auto", 0, 2), ("hsdp", "auto", 0, 2),  # a group needs 2: CPU ranks
+    ("single", "auto", 0, 1), ("auto", "auto", 0, 1),  # one process unless memory asks for more
+    ("fsdp", "auto", 8, 8), ("ddp", "auto", 1, 1),  # one per GPU (1 GPU: ddp is then refused with the reason)
+    ("ddp", 3, 0, 3), ("ddp", 3, 8, 3),  # a number is taken as given
+])
+def test_ranks_per_node_auto(strategy: str, nproc: object, gpus: int, ranks: int) -> None:
+    from trainflow.config import local_ranks
+
+    assert local_ranks(strategy, nproc, gpus) == ranks
+
+
 # --- bad input ---------------------------------------------------------------------------------------------------
 
 
@@ -301,9 +332,9 @@ def test_more_processes_than_gpus_is_refused() -> None:
 
 
 def _cfg(**parallelism) -> OmegaConf:
-    from trainflow.config import TrainConfig
+    from trainflow.config import RunConfig
 
-    cfg = OmegaConf.structured(TrainConfig)
+    cfg = OmegaConf.structured(RunConfig)
     cfg.model = {"_target_": "trainflow.models.gpt.GPT"}
     cfg.parallelism.merge_with(parallelism)
     return cfg

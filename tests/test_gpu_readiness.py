@@ -14,7 +14,7 @@ from omegaconf import OmegaConf
 from torch import nn
 
 from trainflow.compiler import TOLERANCE, effective_mode
-from trainflow.config import TrainConfig, validate_compile, validate_parallelism
+from trainflow.config import RunConfig, validate_compile, validate_parallelism
 from trainflow.data import Pinned, StreamSampler, SyntheticTokens, TokenWindows, VariableLengths, make_loader
 from trainflow.distributed import DistEnv
 from trainflow.distributed.parallelize import fsdp_dtypes
@@ -26,7 +26,7 @@ from trainflow.profiling import verdict
 
 
 def cfg(**overrides) -> OmegaConf:
-    config = OmegaConf.structured(TrainConfig)
+    config = OmegaConf.structured(RunConfig)
     config.model = {"_target_": "trainflow.models.gpt.GPT"}
     config.data = {"seq_len": 32}
     return OmegaConf.merge(config, overrides)

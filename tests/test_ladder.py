@@ -237,3 +237,48 @@ def test_gpu_script_without_a_gpu_says_to_use_smoke(tmp_path: Path) -> None:
     assert proc.returncode == 2
     assert proc.stderr.strip() == f"gpu_ladder.sh: no CUDA GPU visible to {sys.executable}; run with --smoke for the " \
                                   "CPU check"
+
+
+def test_a_rung_that_cannot_run_stops_the_ladder_before_its_first_rung(tmp_path: Path) -> None:
+    """`python train.py -m experiment=ladder trainer.max_steps=8`, as typed: the profile rung's window does not fit
+    8 steps, so the sweep fails at once, naming the rung and the key, instead of training two rungs first."""
+    sweep = tmp_path / "sweep"
+    proc = subprocess.run([sys.executable, str(ROOT / "train.py"), "-m", "experiment=ladder", "trainer.max_steps=8",
+                           f"hydra.sweep.dir={sweep}"], cwd=ROOT, env=clean_env(), capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines() == [
+        "Error: ladder=profile (job #2): trainer.max_steps: is 8 but the profiler window ends at step 15 (skip_first "
+        "5 + 1 x (wait 5 + warmup 2 + active 3)); raise trainer.max_steps to >= 15 or shorten the window "
+        "(profiler.skip_first/wait/warmup/active)"]
+    assert sorted(p.name for p in sweep.iterdir()) == ["multirun.yaml"]  # no rung started
+
+
+@pytest.mark.parametrize(("steps", "every"), [(12, 1), (40, 4), (60, 6), (200, 20), (7, 1)])
+def test_rungs_log_about_ten_times_at_a_divisor_of_the_half_way_step(steps: int, every: int) -> None:
+    from trainflow.ladder import half, log_interval
+
+    assert log_interval(None, steps) == every and half(steps) % every == 0
+    assert log_interval(3, steps) == 3  # ladder.log_every, when set, is taken as given
+
+
+def test_rungs_that_log_rarely_still_pass_the_resume_gates(tmp_path: Path) -> None:
+    """40 steps: every rung logs every 4 steps (10 host syncs, not 40); the resumed run's logged interval means
+    equal the uninterrupted run's exactly, from the first log after the half-way step on."""
+    sweep = tmp_path / "sweep"
+    proc = subprocess.run([sys.executable, str(ROOT / "train.py"), "-m", "experiment=ladder",
+                           "ladder=baseline,checkpoint,resume", *TINY, "trainer.max_steps=40",
+                           f"hydra.sweep.dir={sweep}"], cwd=ROOT, env=clean_env(), capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for job in ("0", "1", "2"):
+        steps = [json.loads(line)["step"] for line in (sweep / job / "metrics.jsonl").read_text().splitlines()
+                 if "train/loss" in line]
+        assert steps == (list(range(4, 41, 4)) if job != "2" else list(range(24, 41, 4))), (job, steps)
+    gates = gates_of(json.loads((sweep / "report.json").read_text()))
+    assert gates["baseline.learns"]["status"] == "PASS"
+    assert gates["checkpoint.restore"]["numbers"] == {"verified": True, "resumed_from_step": 20, "expected_step": 20,
+                                                      "first_step_equal": True}
+    assert "its first logged loss (step 24) equals" in gates["checkpoint.restore"]["detail"]
+    assert gates["checkpoint.resume_losses"]["numbers"] == {"steps_compared": 5, "max_abs_diff": 0.0,
+                                                           "tolerance": 0.0, "missing_steps": 0}

@@ -84,7 +84,7 @@ def test_sbatch_script_for_four_nodes_of_eight_gpus(tmp_path: Path) -> None:
                     "hydra.launcher.cpus_per_task=10", "hydra.launcher.mem_gb=480", "hydra.launcher.timeout_min=240",
                     "hydra.launcher.partition=gpu", "hydra.launcher.constraint=h100",
                     "+hydra.launcher.additional_parameters.exclusive=true", "hydra.launcher.setup=[module load nccl]",
-                    "hydra.launcher.dry_run=true", "trainer.seed=1,2", timeout=60)
+                    "hydra.launcher.dry_run=true", "trainer.seed=1,2", "parallelism=ddp", timeout=60)
     assert proc.returncode == 0, proc.stderr
     script = (tmp_path / "dry_run.sbatch").read_text()
     sbatch = {line for line in script.splitlines() if line.startswith("#SBATCH")}
@@ -97,6 +97,51 @@ def test_sbatch_script_for_four_nodes_of_eight_gpus(tmp_path: Path) -> None:
     assert lines.index("module load nccl") < lines.index(srun)
     assert "--unbuffered" in srun and "%A_%a_%t_log.out" in srun  # one log per task (rank)
     assert srun.endswith(f"-u -m submitit.core._submit {tmp_path}/.submitit/%j")
+    assert not (tmp_path / ".submitit").exists()  # nothing submitted
+
+
+@pytest.mark.parametrize(("overrides", "tasks"), [
+    (["parallelism=ddp", "parallelism.nproc_per_node=3"], 3),  # the one knob, followed
+    (["parallelism=fsdp", "hydra.launcher.gpus_per_node=4"], 4),  # auto: one rank per GPU asked for
+    (["parallelism=fsdp"], 2),  # auto without GPUs: 2 CPU ranks
+    (["parallelism=ddp", "hydra.launcher.tasks_per_node=4"], 4),  # the launcher's key overrides auto
+    (["parallelism=single", "hydra.launcher.gpus_per_node=4"], 1),  # one process, whatever the node has
+])
+def test_tasks_per_node_follow_parallelism(tmp_path: Path, overrides: list[str], tasks: int) -> None:
+    """Inspected, not submitted: the ranks per node of the sbatch script come from parallelism.nproc_per_node."""
+    proc = multirun(tmp_path, *SLURM, "hydra.launcher.dry_run=true", *overrides, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    script = (tmp_path / "dry_run.sbatch").read_text()
+    assert [line for line in script.splitlines() if "--ntasks-per-node" in line] == \
+        [f"#SBATCH --ntasks-per-node={tasks}"]
+
+
+@needs_cluster
+def test_parallelism_nproc_per_node_alone_starts_that_many_ranks(tmp_path: Path) -> None:
+    """No hydra.launcher.tasks_per_node: the job runs as parallelism.nproc_per_node=2 SLURM tasks (before, one
+    task, and the run failed asking for the very setting the user had given)."""
+    proc = multirun(tmp_path, *TINY_GPT, *SLURM, "parallelism=ddp", "parallelism.nproc_per_node=2", "data=synthetic",
+                    "hydra.launcher.timeout_min=15", "trainer.max_steps=3", "trainer.eval_steps=1", timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((tmp_path / "0" / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["steps"] == 3
+    job_id = slurm_ids(tmp_path)[0]
+    for rank in (0, 1):  # each rank its own SLURM task
+        assert f"global_rank={rank}(2)" in (tmp_path / ".submitit" / job_id / f"{job_id}_{rank}_log.out").read_text()
+
+
+@pytest.mark.parametrize(("overrides", "expected"), [
+    (["parallelism=ddp", "parallelism.nproc_per_node=2", "hydra.launcher.tasks_per_node=4"],
+     "Error: hydra.launcher.tasks_per_node: is 4 but parallelism.nproc_per_node is 2 (job #0), and ranks per node "
+     "is one number; drop hydra.launcher.tasks_per_node (the launcher follows parallelism.nproc_per_node) or give "
+     "both the same value"),
+    (["parallelism=ddp", "parallelism.nproc_per_node=2,3"],
+     "Error: parallelism.nproc_per_node: the jobs of this sweep ask for different ranks per node (#0: 2, #1: 3), "
+     "and one SLURM job array has one shape; sweep jobs of each size separately"),
+])
+def test_ranks_per_node_that_disagree_fail_in_one_line(tmp_path: Path, overrides: list[str], expected: str) -> None:
+    proc = multirun(tmp_path, *SLURM, *overrides, timeout=60)
+    assert one_line_error(proc) == expected
     assert not (tmp_path / ".submitit").exists()  # nothing submitted
 
 
@@ -216,7 +261,8 @@ def test_failed_job_comes_back_with_its_reason(tmp_path: Path) -> None:
     # accepted by sbatch, then pending forever: the launcher reads SLURM's pending reason, cancels, names the key
     (["hydra.launcher.nodes=2"], r"Error: hydra\.launcher\.nodes: 2 nodes asked for, partition \w+ has 1, so SLURM "
                                  r"would keep job \d+ pending forever \(reason Partition\w+\); cancelled it"),
-    (["hydra.launcher.tasks_per_node=64"], r"Error: hydra\.launcher\.tasks_per_node: 64 tasks x 1 CPUs = 64 CPUs per "
+    (["hydra.launcher.tasks_per_node=64", "parallelism=ddp"],
+     r"Error: hydra\.launcher\.tasks_per_node: 64 tasks x 1 CPUs = 64 CPUs per "
                                            r"node asked for, .* pending forever \(reason PartitionConfig\)"),
 ])
 def test_requests_the_cluster_cannot_run_fail_in_one_line(tmp_path: Path, overrides: list[str], expected: str

@@ -110,6 +110,38 @@ def test_failed_job_is_reported_and_the_others_still_run(tmp_path: Path) -> None
     assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.parametrize("ranks", [["parallelism.nproc_per_node=2"], []], ids=["two", "auto-without-gpu"])
+def test_ranks_follow_parallelism_nproc_per_node(tmp_path: Path, ranks: list[str]) -> None:
+    """No hydra.launcher.nproc_per_node: torchrun starts the ranks parallelism.nproc_per_node asks for (auto on a
+    machine without GPUs: 2 CPU ranks)."""
+    if not ranks and torch_sees_a_gpu():
+        pytest.skip("auto is one rank per GPU here")
+    proc = multirun(tmp_path, *TINY_GPT, *TORCHRUN, "parallelism=ddp", *ranks, "data=synthetic",
+                    "trainer.max_steps=3", "trainer.eval_steps=1")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((tmp_path / "0" / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["steps"] == 3
+    assert "--nproc-per-node=2" in (tmp_path / "0" / "torchrun" / "agent.log").read_text().splitlines()[0]
+    assert {p.parent.name for p in (tmp_path / "0" / "torchrun" / "ranks").rglob("attempt_0/*/stdout.log")} == \
+        {"0", "1"}
+
+
+def test_launcher_and_parallelism_ranks_that_disagree_fail_in_one_line(tmp_path: Path) -> None:
+    proc = multirun(tmp_path, *TORCHRUN, "parallelism=ddp", "parallelism.nproc_per_node=2",
+                    "hydra.launcher.nproc_per_node=3", timeout=60)
+    assert one_line_error(proc) == (
+        "Error: hydra.launcher.nproc_per_node: is 3 but parallelism.nproc_per_node is 2 (job #0), and ranks per node "
+        "is one number; drop hydra.launcher.nproc_per_node (the launcher follows parallelism.nproc_per_node) or give "
+        "both the same value")
+    assert not (tmp_path / "0").exists()  # nothing started
+
+
+def torch_sees_a_gpu() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def _worker_pid(job_dir: Path, rank: int) -> int | None:
     """The pid of `rank` of the job in job_dir, first attempt (read from the processes' environments)."""
     want = {f"TRAINFLOW_RUN_DIR={job_dir}", f"RANK={rank}", "TORCHELASTIC_RESTART_COUNT=0"}

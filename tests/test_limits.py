@@ -106,14 +106,14 @@ def test_a_compile_failure_in_the_inductor_cache_names_the_cache(tmp_path: Path,
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     from torch._dynamo.exc import BackendCompilerFailed
 
-    from trainflow.compiler import CACHE_ENV, _explain_failure
+    from trainflow.compiler import CACHE_ENV, _explain_compile_failure
 
     monkeypatch.setenv(CACHE_ENV, str(tmp_path))
     inner = OSError(errno.EROFS, "Read-only file system", str(tmp_path / "73"))
-    error = _explain_failure(BackendCompilerFailed("inductor", inner, None), "inductor")
+    error = _explain_compile_failure(BackendCompilerFailed("inductor", inner, None), "inductor")
     assert isinstance(error, ConfigError)
     assert str(error) == (f"compile.cache_dir: cannot write the inductor cache in {tmp_path} (Read-only file "
                           "system); point compile.cache_dir at a writable folder")
     elsewhere = OSError(errno.EROFS, "Read-only file system", "/somewhere/else")
-    assert str(_explain_failure(BackendCompilerFailed("inductor", elsewhere, None), "inductor")).startswith(
+    assert str(_explain_compile_failure(BackendCompilerFailed("inductor", elsewhere, None), "inductor")).startswith(
         "compile.backend: the inductor backend failed")

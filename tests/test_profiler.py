@@ -19,7 +19,7 @@ from torch.profiler import record_function
 from trainflow.config import ProfilerConfig
 from trainflow.distributed import DistEnv
 from trainflow.errors import ConfigError
-from trainflow.profiling import DATA, FWD_BWD, OPTIMIZER, SHARES, Profiler
+from trainflow.profiling import CHECKPOINT, DATA, FWD_BWD, OPTIMIZER, SHARES, Profiler
 
 CPU_ENV = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}  # on a busy 2-core machine, waits at intra-op barriers would swell tiny ops
@@ -140,6 +140,65 @@ def test_compiled_run_profiles_compiled_regions_after_the_compile_steps(run_dir:
     names = {e.get("name", "") for e in load_trace(run_dir / prof["traces"][0])["traceEvents"]}
     assert any(n.startswith("Torch-Compiled Region") for n in names) and "CompiledFunction" in names
     assert prof["verdict"]["shares"]["compile"] == 0 and "cause" not in prof["verdict"]  # no compiling in the window
+
+
+def test_checkpoint_traffic_is_not_counted_as_communication(tmp_path: Path) -> None:
+    """Real gloo groups of 2 ranks, rank 1 played by a thread: the training all-reduces inside forward/backward
+    (rank 1 joins after 5 ms); the checkpoint stage, in its region and on a gloo group of its own, all-reduces
+    too (rank 1 joins after 30 ms: a save's planning, its stop-flag poll). Only the training's collective is
+    communication; counting the stage's would make the step look communication-bound."""
+    import queue
+    import threading
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    store, groups = dist.HashStore(), {}
+
+    def join(name: str, rank: int) -> None:
+        groups[name, rank] = dist.ProcessGroupGloo(dist.PrefixStore(name, store), rank, 2, timedelta(seconds=60))
+
+    joining = [threading.Thread(target=join, args=(n, r)) for n in ("train", "save") for r in (0, 1)]
+    for t in joining:
+        t.start()
+    for t in joining:
+        t.join()
+    calls: queue.Queue = queue.Queue()
+
+    def rank1() -> None:
+        while (call := calls.get()) is not None:
+            name, delay = call
+            time.sleep(delay)
+            groups[name, 1].allreduce([torch.zeros(4)]).wait()
+
+    def all_reduce(name: str, delay: float) -> None:
+        calls.put((name, delay))
+        groups[name, 0].allreduce([torch.zeros(4)]).wait()
+
+    peer = threading.Thread(target=rank1)
+    peer.start()
+    try:
+        p = Profiler(profiler_cfg(skip_first=0, wait=0, warmup=1, active=3), CPU_ENV, tmp_path, max_steps=4)
+        with p:
+            for _ in range(4):
+                with record_function(DATA):
+                    inputs = torch.randn(8, 16)
+                with record_function(FWD_BWD):
+                    mlp(16, 16, 4)(inputs).sum().backward()
+                    all_reduce("train", 0.005)  # the training's communication
+                with record_function(OPTIMIZER):
+                    pass
+                with record_function(CHECKPOINT):
+                    all_reduce("save", 0.03)  # the checkpoint stage's own
+                p.step()
+        v = p.summary()["verdict"]
+    finally:
+        calls.put(None)
+        peer.join()
+        groups.clear()
+    regions, shares = v["regions"], v["shares"]  # fractions of the step time
+    assert 0 < shares["communication"] <= regions["communication_in_flight"] <= regions["forward_backward"], v
+    assert shares["communication"] < 0.4 and shares["other"] > 0.5, v  # the stage's turn is the loop's "other"
 
 
 def test_sleeping_loader_is_data_bound(tmp_path: Path) -> None:

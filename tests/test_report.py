@@ -85,6 +85,32 @@ def test_report_on_a_folder_of_single_runs(single_runs: tuple[Path, list[Run]], 
     assert (out / "report.png").stat().st_size > 20_000  # two panels with bars, curves and labels, not a blank
 
 
+def test_report_warns_of_runs_that_ended_on_an_overloaded_machine(single_runs: tuple[Path, list[Run]],
+                                                                   tmp_path: Path) -> None:
+    """Each summary.json records the machine's load average and cores at the run's end; the report warns of a run
+    whose 1-minute load exceeded the cores (its timings include waiting for a core), and of no other."""
+    folder, runs = single_runs
+    for run in runs:
+        host = run.summary["host"]
+        assert host["cpu_cores"] == os.cpu_count() and len(host["load_average"]) == 3
+        assert all(isinstance(x, float) and x >= 0 for x in host["load_average"])
+    copy = tmp_path / "copy"
+    shutil.copytree(folder, copy)
+    cores = os.cpu_count()
+    for name, load in (("10-00-00", cores * 2 + 0.5), ("11-00-00", cores - 0.5)):  # overloaded; not
+        path = copy / "2026-01-01" / name / "summary.json"
+        summary = json.loads(path.read_text())
+        summary["host"]["load_average"][0] = load
+        path.write_text(json.dumps(summary))
+    proc = report_cmd(copy)
+    assert proc.returncode == 0, proc.stderr
+    warning = (f"2026-01-01/10-00-00: the load average was {cores * 2 + 0.5:.1f} on {cores} cores at its end, so "
+               "its timings include waiting for a core; rerun it on an idle machine before trusting its speed")
+    assert json.loads((copy / "report.json").read_text())["warnings"] == [warning]
+    assert f"WARNING {warning}" in proc.stdout.splitlines()
+    assert f"## Warnings\n\n- {warning}\n" in (copy / "report.md").read_text()
+
+
 def test_baseline_can_be_named(single_runs: tuple[Path, list[Run]], tmp_path: Path) -> None:
     folder, _ = single_runs
     proc = report_cmd(folder, "--out", tmp_path, "--baseline", "2026-01-01/11-00-00")

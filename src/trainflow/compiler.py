@@ -58,6 +58,12 @@ def effective_mode(mode: str | None, world_size: int) -> str | None:
     return mode
 
 
+def default_scope(model: nn.Module) -> str:
+    """compile.scope=null: blocks on an FSDP-sharded model with blocks (its forward cannot trace into sharded
+    blocks, so compiling the model would leave it eager), else the whole model."""
+    return "blocks" if _is_fsdp(model) and model_blocks(unwrap(model)) is not None else "model"
+
+
 class Compiler:
     """Compiles the model when `compile.enabled`; reports after the warm-up steps."""
 
@@ -77,6 +83,7 @@ class Compiler:
         self._logged = False
         self._warned_limit = False
         self._hint: str | None = None  # a fix that fits this setup better than dynamo's generic hint
+        self.scope = self.cfg.scope  # null resolved in `apply`, from the model it compiles
         self.cache_dir: str | None = None
         self.mode = effective_mode(self.cfg.mode, env.world_size)
         if self.enabled:
@@ -91,7 +98,8 @@ class Compiler:
         """Compile in place (parameter names stay as they are); run `compile.check` on `example` if asked."""
         if not self.enabled:
             return model
-        if self.cfg.scope == "model" and _is_fsdp(model):
+        self.scope = self.cfg.scope or default_scope(model)
+        if self.scope == "model" and _is_fsdp(model):
             self._hint = _FSDP_HINT
             if self.env.is_main:
                 log.warning("compile.scope=model on an FSDP-sharded model: dynamo cannot trace the calls into "
@@ -139,7 +147,7 @@ class Compiler:
         from torch.nn.parallel import DistributedDataParallel
 
         inner = model.module if isinstance(model, DistributedDataParallel) else model
-        if self.cfg.scope == "model":
+        if self.scope == "model":
             return [inner]
         inner = unwrap(inner)
         blocks = model_blocks(inner)
@@ -160,7 +168,7 @@ class Compiler:
             try:
                 return compiled(*args, **kwargs)
             except Exception as exc:
-                error = _explain_failure(exc, c.backend, self._hint)
+                error = _explain_compile_failure(exc, c.backend, self._hint)
                 if error is None:
                     raise
                 if self.env.is_main:
@@ -268,7 +276,7 @@ class Compiler:
             "mode": self.mode,
             "fullgraph": self.cfg.fullgraph,
             "dynamic": self.cfg.dynamic,
-            "scope": self.cfg.scope,
+            "scope": self.scope,
             "graphs": counters["stats"]["unique_graphs"],
             "frames_compiled": len({k[0].split("/")[0] for k, c in self._compiles.items() if not c["failure"]}),
             "eager_frames": _eager_frames(self._compiles.values()),
@@ -388,7 +396,7 @@ def _eager_frames(compiles: Any) -> list[dict[str, Any]]:
     return list(seen.values())[:_MAX_LISTED]
 
 
-def _explain_failure(exc: Exception, backend: str, hint: str | None = None) -> ConfigError | None:
+def _explain_compile_failure(exc: Exception, backend: str, hint: str | None = None) -> ConfigError | None:
     """A one-line ConfigError for compile failures a user can act on; None for anything else."""
     from torch._dynamo import exc as dynamo_exc
 

@@ -21,6 +21,8 @@ from trainflow.errors import ConfigError
 
 @dataclass
 class TrainerConfig:
+    """The `trainer` section: the training loop's own knobs (steps, batch, seed, device, precision, logging)."""
+
     max_steps: int = 100
     batch_size: int = 16  # per rank, per micro-step
     grad_accum: int = 1
@@ -115,7 +117,9 @@ class CompileConfig:
     mode: str | None = None  # inductor only: null | default | max-autotune | reduce-overhead (CUDA graphs)
     fullgraph: bool = False  # true: the first graph break is an error naming the line
     dynamic: bool | None = None  # null: static, dynamic once a shape changes | true | false (a graph per shape)
-    scope: str = "model"  # model | blocks (each module of model.blocks, as FSDP wraps them)
+    # model | blocks (each module of model.blocks, as FSDP wraps them) | null: follows the parallelism, blocks on
+    # an FSDP-sharded model that has them (dynamo cannot trace into sharded blocks from the model's forward), else model
+    scope: str | None = None
     cache_dir: str | None = "~/.cache/trainflow/inductor"  # persistent inductor cache; null: torch's default
     check: bool = False  # before training: compiled vs eager loss and gradients on one batch, same weights
 
@@ -138,7 +142,8 @@ def validate_compile(cfg: DictConfig) -> None:
         return
     _require(c.mode is None or c.mode in COMPILE_MODES, "compile.mode",
              f"must be null or one of {', '.join(COMPILE_MODES)}; got {c.mode!r}")
-    _one_of(cfg, "compile.scope", ("model", "blocks"))
+    if c.scope is not None:
+        _one_of(cfg, "compile.scope", ("model", "blocks"))
     _require(bool(c.backend), "compile.backend", "is empty: use inductor, aot_eager or eager")
     _require(c.mode is None or c.backend == "inductor", "compile.mode",
              f"only the inductor backend takes a mode; got compile.backend={c.backend}: "
@@ -237,7 +242,9 @@ class HSDPConfig:
 @dataclass
 class ParallelismConfig:
     strategy: str = "single"  # single | ddp | fsdp | hsdp (shard within a node, replicate across) | auto
-    nproc_per_node: Any = 1  # processes on this node: an int, or "auto" (the number of GPUs; 1 on CPU)
+    # processes on this node: an int, or "auto" (one per GPU; without GPUs 2 for ddp/fsdp/hsdp, else 1); every
+    # launcher follows it (hydra.launcher.nproc_per_node / tasks_per_node only override it)
+    nproc_per_node: Any = 1
     backend: str = "auto"  # auto (nccl on CUDA, gloo on CPU) | gloo | nccl
     global_batch: int | None = None  # when set, trainer.batch_size = global_batch / (world size * grad_accum)
     activation_checkpointing: str = "off"  # off | full (recompute each block's activations in backward)
@@ -251,6 +258,24 @@ class ParallelismConfig:
     hsdp: HSDPConfig = field(default_factory=HSDPConfig)
     memory_budget_gb: float | None = None  # auto: memory one rank may use; null: free memory x memory_headroom
     memory_headroom: float = 0.8  # auto: the share of the free memory a plan may fill
+
+
+GROUP_STRATEGIES = ("ddp", "fsdp", "hsdp")  # the strategies that need a process group of 2 or more ranks
+CPU_GROUP_RANKS = 2  # nproc_per_node=auto without GPUs: the smallest group that really runs data parallel
+
+
+def local_ranks(strategy: str, nproc_per_node: Any, gpus: int) -> int:
+    """The processes per node that parallelism.nproc_per_node asks for, with `gpus` GPUs on the node.
+
+    auto is one process per GPU. Without GPUs, the strategies that need a group get 2 CPU ranks on gloo, so that
+    a command such as `python train.py parallelism=fsdp` works unchanged on any machine; single and auto get one.
+    Every launcher (trainflow's own, torchrun's, SLURM's) follows this one rule.
+    """
+    if nproc_per_node != "auto":
+        return int(nproc_per_node)
+    if gpus > 0:
+        return gpus
+    return CPU_GROUP_RANKS if strategy in GROUP_STRATEGIES else 1
 
 
 def validate_parallelism(cfg: DictConfig) -> None:
@@ -341,7 +366,9 @@ class LadderConfig:
     nproc_per_node: Any = 2  # processes of the ddp and fsdp stages: N >= 2, or auto (one per GPU)
     loss_rtol: float | None = None  # largest relative loss difference to the baseline at any step; null: by precision
     resume_atol: float = 0.0  # largest |resumed - uninterrupted| loss at any step; 0: bit-identical
-    log_every: int = 1  # trainer.log_every of the rung: 1, the gates compare loss curves step by step
+    # trainer.log_every of every rung; null: ~10 logs a run, at a divisor of the half-way step where the resume rung
+    # starts (each log is a host sync; the gates compare the logged interval means of the rungs step by step)
+    log_every: int | None = None
 
 
 def validate_ladder(cfg: DictConfig) -> None:
@@ -355,11 +382,15 @@ def validate_ladder(cfg: DictConfig) -> None:
              f"the scale stages need 2 or more processes (or auto: one per GPU); got {n!r}")
     _require(lad.loss_rtol is None or lad.loss_rtol > 0, "ladder.loss_rtol",
              f"must be > 0 or null; got {lad.loss_rtol}")
+    _require(lad.log_every is None or lad.log_every > 0, "ladder.log_every",
+             f"must be a positive number of steps, or null for about 10 logs a rung; got {lad.log_every}")
     _require(lad.resume_atol >= 0, "ladder.resume_atol", f"must be >= 0 (0: bit-identical); got {lad.resume_atol}")
 
 
 @dataclass
-class TrainConfig:
+class RunConfig:
+    """Everything one run is composed of: one section per config group (`trainer` holds the loop's own knobs)."""
+
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     model: Any = MISSING
@@ -376,8 +407,8 @@ class TrainConfig:
 def register_configs() -> None:
     """Put the schemas where the YAML defaults lists can find them."""
     cs = ConfigStore.instance()
-    cs.store(name="train_schema", node=TrainConfig)
-    # Options whose keys differ (model and data kinds) extend these; the other groups are typed by TrainConfig.
+    cs.store(name="train_schema", node=RunConfig)
+    # Options whose keys differ (model and data kinds) extend these; the other groups are typed by RunConfig.
     cs.store(group="schema/model", name="gpt", node=GPTConfig)
     cs.store(group="schema/model", name="mlp", node=MLPConfig)
     cs.store(group="schema/data", name="text", node=TextDataConfig)

@@ -46,9 +46,25 @@ def step_dir(checkpoint_dir: str, step: int) -> str:
     return f"{checkpoint_dir}/step_{int(step):08d}"
 
 
+LOG_POINTS = 10  # loss figures per rung by default: enough for the curve gates, few host syncs
+
+
+def log_interval(log_every: int | None, steps: int) -> int:
+    """trainer.log_every of a rung: ladder.log_every, or (null) about LOG_POINTS logs a run at a divisor of the
+    half-way step. Each log is a host sync, so no rung logs every step unless asked; the logged loss is the mean
+    of its interval, and the resume gate compares those means exactly, so the resumed run's intervals must start
+    where the uninterrupted run's do: at the half-way step."""
+    if log_every is not None:
+        return int(log_every)
+    target, middle = max(int(steps) // LOG_POINTS, 1), half(steps)
+    return max(k for k in range(1, target + 1) if middle % k == 0)
+
+
 def register_resolvers() -> None:
-    """`${trainflow_half:N}` and `${trainflow_step_dir:DIR,STEP}`, used by conf/ladder/."""
-    for name, fn in (("trainflow_half", half), ("trainflow_step_dir", step_dir)):
+    """`${trainflow_half:N}`, `${trainflow_step_dir:DIR,STEP}` and `${trainflow_ladder_log_every:EVERY,N}`, used by
+    conf/ladder/ and conf/experiment/ladder.yaml."""
+    for name, fn in (("trainflow_half", half), ("trainflow_step_dir", step_dir),
+                     ("trainflow_ladder_log_every", log_interval)):
         if not OmegaConf.has_resolver(name):
             OmegaConf.register_new_resolver(name, fn)
 
@@ -86,14 +102,14 @@ def evaluate(rungs: list[Rung], settings: dict[str, Any]) -> list[Gate]:
         by_stage.setdefault(r.stage, r)
     precision = settings.get("precision", "fp32")
     rtol = settings.get("loss_rtol") or LOSS_RTOL.get(precision, LOSS_RTOL["fp32"])
-    ctx = _Context(by_stage, rtol, float(settings.get("resume_atol", 0.0)))
+    gates = _LadderGates(by_stage, rtol, float(settings.get("resume_atol", 0.0)))
     return [
-        ctx.baseline_gate(),
-        *ctx.compile_gates(),
-        ctx.profile_gate(),
-        ctx.scale_gate("ddp"),
-        ctx.scale_gate("fsdp"),
-        *ctx.checkpoint_gates(),
+        gates.baseline_gate(),
+        *gates.compile_gates(),
+        gates.profile_gate(),
+        gates.scale_gate("ddp"),
+        gates.scale_gate("fsdp"),
+        *gates.checkpoint_gates(),
     ]
 
 
@@ -108,7 +124,9 @@ def max_rel_diff(losses: dict[int, float], reference: dict[int, float]) -> tuple
     return worst, at, len(common)
 
 
-class _Context:
+class _LadderGates:
+    """The gates of one sweep: its rungs by stage and the tolerances they are judged with."""
+
     def __init__(self, by_stage: dict[str, Rung], rtol: float, resume_atol: float) -> None:
         self.by_stage = by_stage
         self.rtol = rtol
@@ -249,13 +267,13 @@ class _Context:
         at = resumed.summary.get("resumed_from_step")
         steps = saved.summary["steps"]
         expected = half(steps)
-        first = expected + 1
+        first = min((s for s in saved.losses if s > expected), default=expected + 1)  # the first log after it
         same_first = first in resumed.losses and first in saved.losses and resumed.losses[first] == saved.losses[first]
         ok = bool(ck.get("verified")) and at == expected and same_first
         restore = Gate("checkpoint.restore", PASS if ok else FAIL,
                        f"{ck.get('saves', 0)} save(s) at steps {ck.get('steps_saved')}, first save read back "
                        f"{'equal' if ck.get('verified') else 'NOT verified'}; a fresh process resumed from step "
-                       f"{at} (expected {expected}); its first step's loss "
+                       f"{at} (expected {expected}); its first logged loss (step {first}) "
                        + ("equals" if same_first else "DIFFERS from") + " the uninterrupted one",
                        {"verified": bool(ck.get("verified")), "resumed_from_step": at, "expected_step": expected,
                         "first_step_equal": same_first})

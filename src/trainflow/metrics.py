@@ -341,6 +341,13 @@ def progress_reporter(max_steps: int, mode: str, is_main: bool, start: int) -> C
     return update
 
 
+def host_load() -> dict[str, Any]:
+    """The machine's load at the end of a run (os.getloadavg: 1, 5 and 15 minutes) and its CPU cores: a load
+    above the cores means the run's processes waited for a core, and its timings say so much about the machine."""
+    load = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
+    return {"load_average": load, "cpu_cores": os.cpu_count()}
+
+
 def write_json(path: Path, obj: Any) -> None:
     """Write via a temporary file and rename, so readers never see half a file."""
     try:

@@ -12,7 +12,9 @@ How time is attributed, per recorded step (`ProfilerStep#N`), by precedence:
   compilation is dynamo's `(dynamo_timed)` spans; compute is the self time of
   operators that run at least `SMALL_OP_US` (below that an operator's cost is
   its dispatch, not its arithmetic); communication is a gloo/NCCL collective in
-  flight while the training thread computes nothing (exposed, not overlapped);
+  flight while the training thread computes nothing (exposed, not overlapped),
+  the checkpoint stage's own collectives (its stop-flag poll, an async save's
+  upload on its own gloo group) left out;
   the rest of `trainflow/forward_backward` and `trainflow/optimizer` is
   overhead (dispatch, Python, autograd bookkeeping); anything else is other.
 - CUDA runs: the GPU's timeline. Compute is a kernel or copy running;
@@ -48,6 +50,7 @@ SMALL_OP_US = 20.0  # on CPU, an operator whose self time is shorter than this i
 STALL_FACTOR = 20.0
 TOP_OPS_IN_SUMMARY = 5
 DATA, FWD_BWD, OPTIMIZER = "trainflow/data", "trainflow/forward_backward", "trainflow/optimizer"
+CHECKPOINT = "trainflow/checkpoint"  # the checkpoint stage's turn in the loop: its polls and saves
 
 # The partition of step time, in the order it is printed.
 SHARES = ("data_wait", "forward_backward_compute", "optimizer_compute", "communication", "overhead", "compile",
@@ -125,6 +128,27 @@ def attribute(steps: list[Interval], sets: dict[str, list[Interval]],
 def _covered(steps: list[Interval], intervals: list[Interval]) -> float:
     """How much of the steps' time the intervals cover (overlaps counted once)."""
     return attribute(steps, {"x": intervals}, lambda inside: "in" if inside else "out").get("in", 0.0)
+
+
+def _starts_in(spans: list[Interval], t: float) -> bool:
+    return any(a <= t <= b for a, b in spans)
+
+
+def _training_collectives(collectives: list[tuple[Any, Interval]], main_thread: Any, training: list[Interval],
+                          saving: list[Interval]) -> list[Interval]:
+    """The collectives that are the training's communication, not the checkpoint stage's.
+
+    The checkpoint stage has gloo groups of its own (the stop-flag poll, the async upload): their ops run on
+    those groups' worker threads, in the stage's region or later, in the background. A thread whose collectives
+    started in that region and never in forward/backward or the optimizer is such a group's; its ops are left
+    out, and so are the collectives started in the region itself.
+    """
+    def started_in(spans: list[Interval]) -> set[Any]:
+        return {thread for thread, (start, _) in collectives if _starts_in(spans, start)}
+
+    checkpoint_threads = started_in(saving) - started_in(training) - {main_thread}
+    return [span for thread, span in collectives
+            if thread not in checkpoint_threads and not _starts_in(saving, span[0])]
 
 
 def _is_collective(name: str) -> bool:
@@ -211,6 +235,8 @@ def analyze_window(events: list[Any], on_gpu: bool, last_step: int) -> dict[str,
     regions = {"data": DATA, "fwd_bwd": FWD_BWD, "optimizer": OPTIMIZER}
     optimizer_device_us = 0.0
     ops: list[Any] = []  # the training thread's operators (CPU runs)
+    collectives: list[tuple[Any, Interval]] = []  # (thread, span): sorted into the training's and the saves'
+    saving: list[Interval] = []
     for e in events:
         span = (e.time_range.start, e.time_range.end)
         if e.device_type != DeviceType.CPU:
@@ -228,14 +254,17 @@ def analyze_window(events: list[Any], on_gpu: bool, last_step: int) -> dict[str,
                 sets[key].append(span)
                 if key == "optimizer" and on_gpu:
                     optimizer_device_us += e.device_time_total
+        if e.name == CHECKPOINT and e.thread == main_thread:
+            saving.append(span)
         if _is_collective(e.name):
             if not on_gpu or e.name.lower().startswith("gloo:"):
-                sets["comm"].append(span)
+                collectives.append((e.thread, span))
         elif e.name.endswith("(dynamo_timed)"):
             sets["compile"].append(span)
         elif (not on_gpu and e.thread == main_thread and not e.is_user_annotation and not e.is_async
               and not e.name.startswith("ProfilerStep")):
             ops.append(e)
+    sets["comm"] += _training_collectives(collectives, main_thread, sets["fwd_bwd"] + sets["optimizer"], saving)
     step_spans = [(e.time_range.start, e.time_range.end) for e in steps]
     typical = _typical_self_times(ops, step_spans)
     for e in ops:

@@ -160,6 +160,7 @@ def build(root: Path, baseline: str | None = None) -> dict[str, Any]:
         gates = [g.as_dict() for g in ladder.evaluate(rungs, settings)]
         report["gates"] = gates
         report["passed"] = not any(g["status"] == ladder.FAIL for g in gates)
+    report["warnings"] = [w for r in runs if (w := load_warning(r))]
     report["_runs"] = runs  # for the picture; dropped before writing JSON
     return report
 
@@ -186,6 +187,17 @@ def _gate_settings(runs: list[RunRecord]) -> dict[str, Any]:
             return {"precision": precision, "loss_rtol": lad.get("loss_rtol"),
                     "resume_atol": lad.get("resume_atol", 0.0)}
     return {}
+
+
+def load_warning(r: RunRecord) -> str | None:
+    """A run whose machine was busier than its cores when it ended (the 1-minute load average): its processes
+    waited for a core, so its speed figures (and any speedup against it) measure the machine's load too."""
+    load, cores = r.figure("host", "load_average"), r.figure("host", "cpu_cores")
+    if not load or not cores or load[0] <= cores:
+        return None
+    return (f"{r.name}" + (f" ({r.stage})" if r.stage else "") + f": the load average was {load[0]:.1f} on "
+            f"{cores} cores at its end, so its timings include waiting for a core; rerun it on an idle machine "
+            "before trusting its speed")
 
 
 def _row(r: RunRecord, common: list[str], base_sps: float | None) -> dict[str, Any]:
@@ -257,6 +269,8 @@ def markdown(report: dict[str, Any]) -> str:
              f"`{report['baseline']}`; loss columns are the first step's and the last logged interval's.", ""]
     if report["common_overrides"]:
         lines += [f"Overrides common to all runs: `{' '.join(report['common_overrides'])}`", ""]
+    if report["warnings"]:
+        lines += ["## Warnings", "", *(f"- {_cell(w)}" for w in report["warnings"]), ""]
     if report["gates"] is not None:
         lines += ["## Gates", "", "| gate | status | numbers |", "| --- | --- | --- |"]
         lines += [f"| {g['name']} | **{g['status']}** | {_cell(g['detail'])} |" for g in report["gates"]]
@@ -390,6 +404,8 @@ class ReportCallback(Callback):
         if not sweep.is_dir():
             return  # nothing ran (e.g. --info)
         report = write(sweep, baseline=self.baseline)
+        for warning in report["warnings"]:
+            log.warning(warning)
         log.info("sweep report: %s", sweep / "report.md")
         failed = failed_gates(report)
         if failed:
@@ -408,6 +424,8 @@ def command(args: argparse.Namespace) -> int:
     tally = ", ".join(f"{n} {s}" for s, n in counts.items() if n)
     print(f"wrote {', '.join(str(out / f) for f in REPORT_FILES)}: {len(report['runs'])} run(s)"
           + (f"; gates: {tally}" if gates else ""))
+    for warning in report["warnings"]:
+        print(f"WARNING {warning}")
     for g in failed_gates(report):
         print(f"FAIL {g['name']}: {g['detail']}")
     return EXIT_GATE_FAILED if failed_gates(report) else 0

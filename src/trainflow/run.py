@@ -34,6 +34,7 @@ from trainflow.metrics import (
     Throughput,
     configure_matmul,
     count_train_flops,
+    host_load,
     matmul_math,
     mfu,
     peak_flops,
@@ -44,7 +45,7 @@ from trainflow.metrics import (
 from trainflow.models import build_model
 from trainflow.nonfinite import NonFiniteGuard
 from trainflow.optim import build_optimizer
-from trainflow.profiling import Profiler
+from trainflow.profiling import CHECKPOINT, Profiler
 from trainflow.seeding import SEED_STRIDE, seed_everything
 from trainflow.tensorboard import Dashboard
 
@@ -210,7 +211,8 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv) -> dict[str, Any] | Non
                 paused = time.perf_counter() - eval_start  # evaluation is not training time
                 throughput.pause(paused)
                 last_log += paused
-            stop = checkpointer.after_step(state)
+            with label(CHECKPOINT):  # its collectives are the saves', not the training's communication
+                stop = checkpointer.after_step(state)
             paused = checkpointer.take_blocked_s()  # saving is not training time either
             throughput.pause(paused)
             last_log += paused
@@ -248,6 +250,7 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv) -> dict[str, Any] | Non
         "profiler": profiler.summary(),
         "checkpoint": checkpointer.summary(),
         "nonfinite": guard.summary(),
+        "host": host_load(),
         "config": OmegaConf.to_container(cfg, resolve=True),
     }
     if auto:

@@ -6,6 +6,7 @@ the sweep directory and every other cached value is the same for all ranks
 and nodes), then pickled with the task function to the processes that run it.
 """
 
+import copy
 import logging
 import os
 import re
@@ -23,7 +24,7 @@ from hydra.errors import CompactHydraException
 from hydra.experimental.callback import Callback
 from hydra.plugins.launcher import Launcher
 from hydra.types import HydraContext, TaskFunction
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
 from trainflow.cli import register_with_hydra
 from trainflow.errors import TrainflowError, user_error
@@ -63,6 +64,32 @@ def compose_jobs(hydra_context: HydraContext, config: DictConfig, job_overrides:
         job_dir = Path(str(job_cfg.hydra.sweep.dir), str(job_cfg.hydra.sweep.subdir)).absolute()
         jobs.append(SweepJob(num, list(overrides), job_cfg, job_dir))
     return jobs
+
+
+def check_ladder_rungs(jobs: list[SweepJob]) -> None:
+    """Validate every rung of a ladder sweep before the first starts: a rung that cannot run as composed (a
+    profiler window past trainer.max_steps, say) fails the sweep at once, in one line naming the rung, rather
+    than after the rungs before it trained. (Other sweeps run their good jobs and report the bad ones.)"""
+    if not any(OmegaConf.select(job.config, "ladder.stage") for job in jobs):
+        return
+    from hydra.core.hydra_config import HydraConfig
+
+    from trainflow.config import validate
+
+    hydra_config = HydraConfig.instance()
+    sweep_config = hydra_config.cfg
+    try:
+        for job in jobs:
+            hydra_config.set_config(job.config)  # ${hydra:...} in the job resolves as it will when it runs
+            task = copy.deepcopy(job.config)
+            with read_write(task), open_dict(task):
+                del task["hydra"]  # what Hydra's run_job hands the task function
+            try:
+                validate(task)
+            except TrainflowError as exc:
+                user_error(f"ladder={task.ladder.stage} (job #{job.num}): {exc}")
+    finally:
+        hydra_config.cfg = sweep_config
 
 
 def run_job_here(hydra_context: HydraContext, task_function: TaskFunction, job: SweepJob) -> JobReturn:
@@ -108,7 +135,9 @@ class SweepLauncher(Launcher):
         setup_globals()
         configure_log(self.config.hydra.hydra_logging, self.config.hydra.verbose)
         Path(str(self.config.hydra.sweep.dir)).mkdir(parents=True, exist_ok=True)
-        return compose_jobs(self.hydra_context, self.config, job_overrides, initial_job_idx)
+        jobs = compose_jobs(self.hydra_context, self.config, job_overrides, initial_job_idx)
+        check_ladder_rungs(jobs)
+        return jobs
 
     def run_in_turn(self, jobs: list[SweepJob], run_one: Callable[[SweepJob, Any], JobReturn]) -> list[JobReturn]:
         """Run the jobs one after the other, each given Hydra's global state to take along."""
@@ -153,6 +182,27 @@ class SweepLauncher(Launcher):
         if ret is None:
             self.hydra_context.callbacks.on_job_end(config=job.config, job_return=failed)
         return failed
+
+
+def job_ranks_per_node(job: SweepJob, launcher_key: str, launcher_value: Any, gpus: Callable[[], int]) -> Any:
+    """How many ranks per node the launcher starts for `job`: its parallelism.nproc_per_node (the one knob, auto
+    decided by `local_ranks` with `gpus()` GPUs per node), unless the launcher's own key overrides it. The two
+    set to different numbers is refused in one line naming both: the job would run with one, its checks with the
+    other."""
+    from trainflow.config import local_ranks, validate_parallelism
+
+    try:
+        validate_parallelism(job.config)
+    except TrainflowError as exc:
+        user_error(str(exc))
+    p = job.config.parallelism
+    if launcher_value is None:
+        return local_ranks(p.strategy, p.nproc_per_node, gpus())
+    if p.nproc_per_node != "auto" and str(launcher_value) != str(p.nproc_per_node):
+        user_error(f"{launcher_key}: is {launcher_value} but parallelism.nproc_per_node is {p.nproc_per_node} "
+                   f"(job #{job.num}), and ranks per node is one number; drop {launcher_key} (the launcher "
+                   "follows parallelism.nproc_per_node) or give both the same value")
+    return launcher_value
 
 
 def log_outcome(name: str, ret: JobReturn, where: Path) -> None:

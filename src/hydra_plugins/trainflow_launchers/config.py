@@ -17,7 +17,9 @@ class TorchrunLauncherConf:
     """Each job of a sweep runs under torch's elastic agent (the torchrun CLI), one job after the other."""
 
     _target_: str = f"{PACKAGE}.torchrun_launcher.TorchrunLauncher"
-    nproc_per_node: str = "1"  # workers per node: N, or auto | cpu | gpu as torchrun takes it
+    # workers per node: null follows each job's parallelism.nproc_per_node; N, or auto | cpu | gpu as torchrun
+    # takes it, overrides it
+    nproc_per_node: str | None = None
     nnodes: str = "1"  # N, or MIN:MAX for an elastic job
     rdzv_backend: str = "c10d"
     # host:port where the nodes meet (the first node hosts it); null on one node: a free local port
@@ -41,7 +43,7 @@ class SlurmLauncherConf:
     name: str = "${hydra.job.name}"
     nodes: int = 1
     gpus_per_node: int = 0
-    tasks_per_node: int | None = None  # ranks per node; null: one per GPU (1 without GPUs)
+    tasks_per_node: int | None = None  # ranks per node; null: the jobs' parallelism.nproc_per_node
     cpus_per_task: int | None = None
     mem_gb: int | None = None
     timeout_min: int = 60  # more than 10, or submitit takes every preemption notice for a timeout

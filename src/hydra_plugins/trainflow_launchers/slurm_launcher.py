@@ -47,6 +47,7 @@ from hydra_plugins.trainflow_launchers.common import (
     SweepJob,
     SweepLauncher,
     failure_reason,
+    job_ranks_per_node,
     log_outcome,
     run_job_here,
     user_error,
@@ -94,7 +95,7 @@ class SlurmLauncher(SweepLauncher):
         assert self.config is not None and self.hydra_context is not None and self.task_function is not None
         jobs = self.compose(job_overrides, initial_job_idx)
         sweep_dir = Path(str(self.config.hydra.sweep.dir))
-        params = sbatch_parameters(self.conf)
+        params = sbatch_parameters(self.conf, tasks_per_node(self.conf, jobs))
         if self.conf.dry_run:
             path = sweep_dir / "dry_run.sbatch"
             path.write_text(render_sbatch(self.conf, params, len(jobs)))
@@ -193,12 +194,24 @@ def validate(c: SlurmLauncherConf) -> None:
                     "notice as a time limit (max_num_timeout=%d requeues in all)", c.timeout_min, c.max_num_timeout)
 
 
-def sbatch_parameters(c: SlurmLauncherConf) -> dict[str, Any]:
+def tasks_per_node(c: SlurmLauncherConf, jobs: list[SweepJob]) -> int:
+    """SLURM tasks (ranks) per node: the jobs' parallelism.nproc_per_node (auto: one per GPU of gpus_per_node, 2
+    CPU ranks for ddp/fsdp/hsdp without GPUs), or tasks_per_node where set; one array has one shape for all."""
+    per_job = {job.num: int(job_ranks_per_node(job, "hydra.launcher.tasks_per_node", c.tasks_per_node,
+                                               lambda: c.gpus_per_node)) for job in jobs}
+    if len(set(per_job.values())) > 1:
+        shapes = ", ".join(f"#{num}: {n}" for num, n in per_job.items())
+        user_error(f"parallelism.nproc_per_node: the jobs of this sweep ask for different ranks per node ({shapes}), "
+                   "and one SLURM job array has one shape; sweep jobs of each size separately")
+    return next(iter(per_job.values()))
+
+
+def sbatch_parameters(c: SlurmLauncherConf, ranks_per_node: int) -> dict[str, Any]:
     """submitit's SlurmExecutor parameters (sbatch's own names) for the launcher config."""
     params: dict[str, Any] = {
         "job_name": c.name,
         "nodes": c.nodes,
-        "ntasks_per_node": c.tasks_per_node or max(c.gpus_per_node, 1),
+        "ntasks_per_node": ranks_per_node,
         "time": c.timeout_min,
         "signal_delay_s": c.signal_delay_s,
         "array_parallelism": c.array_parallelism,

@@ -3,8 +3,10 @@
 Each job is one `python -m torch.distributed.run ...` subprocess (the torchrun
 CLI), not `elastic_launch()` inside this process: the agent then owns its own
 signal handlers and its process tree, a job that crashes or hangs cannot take
-the sweep down with it, this process never imports torch, and the command in
-the log is the one a user can rerun by hand. All ranks of a job run the job
+the sweep down with it, this process imports torch only to count GPUs for
+`parallelism.nproc_per_node=auto`, and the command in the log is the one a user
+can rerun by hand. Each job runs its own `parallelism.nproc_per_node` ranks per
+node unless `hydra.launcher.nproc_per_node` overrides it. All ranks of a job run the job
 in the job's directory; rank 0 hands the JobReturn back through a pickle.
 
 Multi-node: run the same sweep command on every node, with the same
@@ -33,6 +35,7 @@ from hydra_plugins.trainflow_launchers.common import (
     SweepJob,
     SweepLauncher,
     failure_reason,
+    job_ranks_per_node,
     one_line,
     read_text,
     user_error,
@@ -49,14 +52,17 @@ _RDZV_BACKENDS = ("c10d", "etcd", "etcd-v2")
 class TorchrunLauncher(SweepLauncher):
     def __init__(self, **params: Any) -> None:
         super().__init__(TorchrunLauncherConf(**params))
+        self.nproc: dict[int, Any] = {}  # each job's --nproc-per-node, by job number
 
     def validate(self) -> None:
         validate(self.conf)
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
         jobs = self.compose(job_overrides, initial_job_idx)
+        self.nproc = {job.num: job_ranks_per_node(job, "hydra.launcher.nproc_per_node", self.conf.nproc_per_node,
+                                                  _gpu_count) for job in jobs}
         log.info("Launching %d jobs with torchrun, each %s x %s processes (nnodes x nproc_per_node)",
-                 len(jobs), self.conf.nnodes, self.conf.nproc_per_node)
+                 len(jobs), self.conf.nnodes, "/".join(sorted({str(n) for n in self.nproc.values()})))
         return self.run_in_turn(jobs, self._run)
 
     def command(self, job: SweepJob, spec: Path) -> list[str]:
@@ -65,7 +71,7 @@ class TorchrunLauncher(SweepLauncher):
         endpoint = c.rdzv_endpoint or "localhost:0"  # one node: the agent takes a free local port
         return [
             sys.executable, "-m", "torch.distributed.run",
-            f"--nnodes={c.nnodes}", f"--nproc-per-node={c.nproc_per_node}",
+            f"--nnodes={c.nnodes}", f"--nproc-per-node={self.nproc[job.num]}",
             f"--rdzv-backend={c.rdzv_backend}", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={c.rdzv_id}-{job.num}",
             f"--max-restarts={c.max_restarts}", f"--monitor-interval={c.monitor_interval}",
             f"--shutdown-timeout={c.shutdown_timeout_s}", f"--signals-to-handle={c.signals_to_handle}",
@@ -96,6 +102,13 @@ class TorchrunLauncher(SweepLauncher):
                                      f"restart(s)): {reason} [logs: {job_log_dir}]")
 
 
+def _gpu_count() -> int:
+    """GPUs on this node, for parallelism.nproc_per_node=auto (torch only now: importing it takes seconds)."""
+    import torch
+
+    return torch.cuda.device_count()
+
+
 def _restarts(ranks_dir: Path) -> int:
     """Restarts of the newest agent run whose rank logs are in ranks_dir (one attempt_<n> folder per attempt)."""
     runs = sorted(ranks_dir.glob("*/"), key=lambda p: p.stat().st_mtime)
@@ -112,7 +125,7 @@ def _die_with_parent() -> None:
 def validate(c: TorchrunLauncherConf) -> None:
     """Reject settings torchrun would fail on later, or (a missing endpoint) hang on."""
     nproc = str(c.nproc_per_node)
-    if not (nproc in _NPROC_WORDS or (nproc.isdigit() and int(nproc) >= 1)):
+    if c.nproc_per_node is not None and not (nproc in _NPROC_WORDS or (nproc.isdigit() and int(nproc) >= 1)):
         user_error(f"hydra.launcher.nproc_per_node: must be a positive integer or one of "
                    f"{', '.join(_NPROC_WORDS)}; got {nproc!r}")
     match = re.fullmatch(r"(\d+)(?::(\d+))?", str(c.nnodes))

@@ -56,7 +56,7 @@ def _records(logs: Path) -> dict[int, dict[str, Any]]:
     return records
 
 
-def explain_failure(exc: Any, logs: Path | None = None) -> TrainflowError:
+def explain_worker_failure(exc: Any, logs: Path | None = None) -> TrainflowError:
     """The root cause as one error: a user error (the lowest rank that hit it: usually all do), else the rank
     that failed first (the others were stopped after it), with its traceback."""
     records = _records(logs) if logs else {}

@@ -30,9 +30,10 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from trainflow.distributed.failures import WorkerError, explain_failure, record_failure
+from trainflow.distributed.failures import WorkerError, explain_worker_failure, record_failure
 from trainflow.distributed.process_group import (
     _preflight,
+    cpu_group_note,
     mark_self_launched,
     resolve_backend,
     resolve_device,
@@ -74,6 +75,8 @@ def launch(cfg: DictConfig, run_dir: Path) -> dict[str, Any] | None:
     device = resolve_device(cfg.trainer.device, 0)
     nproc = resolve_nproc(p, device)
     _preflight(cfg, device, nproc, nproc, "trainflow")
+    if note := cpu_group_note(p, device):
+        log.info(note)
     log.info("starting %d %s workers on %s (%s)", nproc, p.strategy, device.type, resolve_backend(p, device))
     container = OmegaConf.to_container(cfg, resolve=True)
     logging.getLogger("torch.distributed.elastic").setLevel(logging.WARNING)
@@ -92,7 +95,7 @@ def launch(cfg: DictConfig, run_dir: Path) -> dict[str, Any] | None:
         try:
             elastic_launch(config, _worker)(container, str(run_dir))
         except ChildFailedError as exc:
-            raise explain_failure(exc, Path(logs)) from None
+            raise explain_worker_failure(exc, Path(logs)) from None
         except SignalException as exc:
             stop = exc.sigval
         finally:

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig
 
+from trainflow.config import CPU_GROUP_RANKS, GROUP_STRATEGIES, local_ranks
 from trainflow.distributed.failures import record_failure
 from trainflow.distributed.hsdp import hsdp_shape, ranks_per_node
 from trainflow.env import env_rank
@@ -105,9 +106,18 @@ def check_nproc(nproc: int, device_type: str, gpus: int) -> None:
 
 def resolve_nproc(cfg: DictConfig, device: torch.device) -> int:
     gpus = torch.cuda.device_count() if device.type == "cuda" else 0
-    nproc = max(gpus, 1) if cfg.nproc_per_node == "auto" else int(cfg.nproc_per_node)
+    nproc = local_ranks(cfg.strategy, cfg.nproc_per_node, gpus)
     check_nproc(nproc, device.type, gpus)
     return nproc
+
+
+def cpu_group_note(cfg: DictConfig, device: torch.device) -> str | None:
+    """Why an auto-sized group runs on CPU processes, said once by the process that starts them."""
+    if cfg.nproc_per_node != "auto" or device.type != "cpu" or cfg.strategy not in GROUP_STRATEGIES:
+        return None
+    return (f"parallelism.nproc_per_node=auto: no GPU {'is used' if torch.cuda.is_available() else 'is visible'}, "
+            f"so {cfg.strategy} runs on {CPU_GROUP_RANKS} CPU processes over gloo (auto is one process per GPU); "
+            "set parallelism.nproc_per_node=N for another number")
 
 
 def check_world_size(cfg: DictConfig, world_size: int, started_by: str) -> None:

@@ -1,0 +1,53 @@
+"""One source of truth for defaults: the schemas in trainflow.config hold them, a conf/ option lists only what it
+changes (a value repeated in YAML could drift from the schema's unnoticed, and hides what the option is about)."""
+
+from __future__ import annotations
+
+from dataclasses import fields
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import ROOT
+from omegaconf import OmegaConf
+
+from trainflow import config
+
+CONF = ROOT / "conf"
+# The group options typed by their own schema (model and data kinds); the others by RunConfig's section.
+KIND_SCHEMAS = {"model/mlp": config.MLPConfig, "data/text": config.TextDataConfig,
+                "data/synthetic": config.SyntheticDataConfig}
+SECTIONS = {f.name: f.default_factory for f in fields(config.RunConfig) if callable(f.default_factory)}
+OPTIONS = sorted(p for group in ("checkpoint", "compile", "data", "logger", "model", "optim", "parallelism",
+                                 "profiler") for p in (CONF / group).glob("*.yaml"))
+
+
+def schema_of(option: Path) -> Any:
+    name = f"{option.parent.name}/{option.stem}"
+    if option.parent.name == "model" and option.stem.startswith("gpt"):
+        return config.GPTConfig
+    return KIND_SCHEMAS.get(name) or SECTIONS[option.parent.name]
+
+
+def repeated_defaults(values: dict, defaults: dict, prefix: str = "") -> list[str]:
+    """The keys of `values` that hold exactly the schema's default (nested sections included)."""
+    found = []
+    for key, value in values.items():
+        if key == "defaults" or key not in defaults:
+            continue
+        if isinstance(value, dict) and isinstance(defaults[key], dict):
+            found += repeated_defaults(value, defaults[key], f"{prefix}{key}.")
+        elif value == defaults[key]:
+            found.append(f"{prefix}{key}: {value!r}")
+    return found
+
+
+@pytest.mark.parametrize("option", OPTIONS, ids=[f"{p.parent.name}/{p.stem}" for p in OPTIONS])
+def test_group_option_lists_only_what_it_changes(option: Path) -> None:
+    values = OmegaConf.to_container(OmegaConf.load(option) or OmegaConf.create()) or {}
+    defaults = OmegaConf.to_container(OmegaConf.structured(schema_of(option)))
+    assert repeated_defaults(values, defaults) == [], f"{option.relative_to(ROOT)} repeats its schema's defaults"
+
+
+def test_train_yaml_leaves_the_trainer_defaults_to_the_schema() -> None:
+    assert "trainer" not in OmegaConf.load(CONF / "train.yaml")
