@@ -4,6 +4,11 @@ Throughput: trainflow's `run()` and the seed article's plain loop train the same
 with the same threads, alternating in one process; each round's steady state (after warm-up) is compared,
 and the median ratio trainflow / hand-written is reported.
 
+Seed MLP against the article's literal loop (a fresh random batch, zero_grad, forward, loss, backward, step:
+no data path, no schedule): the ratio of the median rates, alternating rounds in one process, and where
+trainflow's extra microseconds per step go (cProfile of one run: the time of each call the loop makes, per step;
+cProfile's own cost inflates every figure alike, so read them as shares).
+
 Start-up: `python train.py trainer.max_steps=1 trainer.eval_steps=1` against a bare script that imports torch,
 builds the same model, takes one step and evaluates one batch, alternating as separate processes.
 
@@ -13,7 +18,9 @@ builds the same model, takes one step and evaluates one batch, alternating as se
 from __future__ import annotations
 
 import argparse
+import cProfile
 import logging
+import pstats
 import statistics
 import subprocess
 import sys
@@ -24,6 +31,7 @@ from pathlib import Path
 import torch
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
+from torch import nn
 
 from trainflow.cli import register_with_hydra
 from trainflow.data import build_datasets
@@ -71,6 +79,67 @@ def handwritten_rate(cfg, steps: int, warmup: int) -> float:
     return (steps - warmup) * b / (time.perf_counter() - start)
 
 
+def literal_rate(cfg, steps: int, warmup: int) -> float:
+    """The seed article's literal loop: a fresh random batch each step, zero_grad, forward, loss, backward, step."""
+    torch.manual_seed(cfg.trainer.seed)
+    model = instantiate(cfg.model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=cfg.optim.lr, momentum=cfg.optim.momentum)
+    criterion = nn.CrossEntropyLoss()
+    batch, features, classes = cfg.trainer.batch_size, cfg.model.in_features, cfg.model.out_features
+    for step in range(steps):
+        if step == warmup:
+            start = time.perf_counter()
+        inputs, targets = torch.randn(batch, features), torch.randint(classes, (batch,))
+        optimizer.zero_grad()
+        loss = criterion(model(inputs), targets)
+        loss.backward()
+        optimizer.step()
+    return (steps - warmup) * batch / (time.perf_counter() - start)
+
+
+# trainflow's functions that make up its loop: the calls they make are the causes of its per-step time
+LOOP_FUNCTIONS = {"train_step", "train_loop"}
+
+
+def step_breakdown(cfg, steps: int, top: int = 14) -> list[tuple[str, float]]:
+    """(cause, microseconds per step) of trainflow's loop under cProfile: each call the loop functions make, with
+    everything beneath it, and the loop functions' own lines ("(own lines)")."""
+    profiler = cProfile.Profile()
+    with tempfile.TemporaryDirectory() as tmp:
+        profiler.runcall(run, cfg, Path(tmp))
+    stats = pstats.Stats(profiler).stats
+    by_cause: dict[str, float] = {}
+    for (filename, line, name), (_, _, own, _, callers) in stats.items():
+        for (_, _, caller), (_, _, _, cumulative) in callers.items():
+            if caller in LOOP_FUNCTIONS:
+                cause = f"{name} ({Path(filename).name}:{line})" if filename != "~" else name
+                by_cause[cause] = by_cause.get(cause, 0.0) + cumulative
+        if name in LOOP_FUNCTIONS:
+            by_cause["(own lines)"] = by_cause.get("(own lines)", 0.0) + own
+    ranked = sorted(by_cause.items(), key=lambda kv: kv[1], reverse=True)
+    return [(cause, seconds / steps * 1e6) for cause, seconds in ranked[:top]]
+
+
+def literal_comparison(rounds: int, steps: int, warmup: int) -> None:
+    """Seed MLP: trainflow against the article's literal loop, and trainflow's step by cause."""
+    with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose("train", overrides=["experiment=seed_mlp", *COMMON, f"trainer.max_steps={steps}",
+                                          f"trainer.warmup_steps={warmup}", f"trainer.log_every={steps}"])
+    ours, theirs = [], []
+    for _ in range(rounds):
+        ours.append(trainflow_rate(cfg))
+        theirs.append(literal_rate(cfg, steps, warmup))
+    step_us = [1e6 * cfg.trainer.batch_size / rate for rate in ours]
+    literal_us = [1e6 * cfg.trainer.batch_size / rate for rate in theirs]
+    print(f"seed_mlp  throughput trainflow / literal loop: {statistics.median(ours) / statistics.median(theirs):.3f} "
+          f"(ratio of medians; per round {', '.join(f'{a / b:.3f}' for a, b in zip(ours, theirs, strict=True))}); "
+          f"step: trainflow {statistics.median(step_us):.0f} us ({min(step_us):.0f}-{max(step_us):.0f}), "
+          f"literal {statistics.median(literal_us):.0f} us ({min(literal_us):.0f}-{max(literal_us):.0f})")
+    print("seed_mlp  trainflow's step under cProfile, microseconds per step by cause:")
+    for cause, micros in step_breakdown(cfg, steps):
+        print(f"  {micros:8.1f}  {cause}")
+
+
 def startup_times(rounds: int) -> tuple[float, float]:
     """Median wall time of a process that takes one training step and one validation batch: `python train.py`
     vs a bare script doing the same on the same model."""
@@ -100,9 +169,14 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--only-literal", action="store_true", help="only the seed MLP against the literal loop")
     args = parser.parse_args()
     logging.disable(logging.INFO)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.rounds} rounds x {args.steps} steps")
+    multiplier = CASES["seed_mlp"][1]
+    literal_comparison(args.rounds, args.steps * multiplier, args.warmup * multiplier)
+    if args.only_literal:
+        return
     for name, (overrides, multiplier) in CASES.items():
         steps, warmup = args.steps * multiplier, args.warmup * multiplier
         with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):

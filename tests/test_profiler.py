@@ -235,11 +235,11 @@ def test_profiler_off_and_unselected_ranks_record_nothing(tmp_path: Path) -> Non
     assert drive(off, mlp(8, 2), lambda: (x, y), 3) is None
     rank1 = DistEnv(rank=1, world_size=2, local_rank=1, device=torch.device("cpu"))
     other = Profiler(profiler_cfg(skip_first=0, wait=0, warmup=1, active=1), rank1, tmp_path, max_steps=3)
-    assert not other.on
+    assert not other.enabled
     with other:
         other.step()
     assert not (tmp_path / "profile").exists()
-    assert Profiler(profiler_cfg(ranks="all"), rank1, tmp_path, max_steps=100).on
+    assert Profiler(profiler_cfg(ranks="all"), rank1, tmp_path, max_steps=100).enabled
 
 
 def test_window_not_reached_after_resume_warns_instead_of_refusing(tmp_path: Path,

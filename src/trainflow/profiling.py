@@ -39,6 +39,7 @@ from omegaconf import DictConfig
 from trainflow.config import profiler_skip_and_end
 from trainflow.distributed import DistEnv
 from trainflow.errors import ConfigError
+from trainflow.stages import LoopState, Stage
 
 log = logging.getLogger("trainflow")
 
@@ -317,12 +318,14 @@ class _RankResult:
     memory_snapshot_write_s: float | None = None  # pickling it after the loop (C++ stacks made this minutes)
 
 
-class Profiler:
-    """Steps torch.profiler on its schedule when `profiler.enabled`; a no-op otherwise.
+class Profiler(Stage):
+    """Steps torch.profiler on its schedule when `profiler.enabled` (and this rank is one of `profiler.ranks`).
 
     `skip_first` is the number of steps this run excludes from its figures (warm-up + compile), used when
     `profiler.skip_first` is null; `start_step` is the step the run resumed at (file names use global steps).
     """
+
+    summary_key = "profiler"
 
     def __init__(self, cfg: DictConfig, env: DistEnv, run_dir: Path, max_steps: int, skip_first: int = 0,
                  start_step: int = 0) -> None:
@@ -339,7 +342,7 @@ class Profiler:
         self._snapshot: dict[str, Any] | None = None  # the CUDA allocator history, written after the loop
         self._load = 0.0  # the highest 1-minute load average seen at the end of a window
         self.result = _RankResult(env.rank)
-        self.on = bool(cfg.enabled) and self._selected(cfg.ranks, env)
+        self.enabled = bool(cfg.enabled) and self._selected(cfg.ranks, env)  # this rank records
         if not cfg.enabled:
             return
         self.skip, end = profiler_skip_and_end(cfg, skip_first)
@@ -367,7 +370,7 @@ class Profiler:
         return env.rank in ranks
 
     def __enter__(self) -> Profiler:
-        if not self.on:
+        if not self.enabled:
             return self
         from torch.profiler import ProfilerActivity, profile, schedule
 
@@ -417,6 +420,10 @@ class Profiler:
             self._steps += 1
             if self._steps <= self._last_window_end:
                 self._prof.step()
+
+    def after_step(self, state: LoopState) -> bool:
+        self.step()
+        return False
 
     def _on_window(self, prof: Any) -> None:
         """After each window: the trace, the ops table, and this window's share of the verdict."""
@@ -486,7 +493,7 @@ class Profiler:
         self.result.memory_snapshot_write_s = round(time.perf_counter() - start, 3)
 
     def _finish(self) -> _RankResult | None:
-        if not self.on:
+        if not self.enabled:
             return None
         r = self.result
         r.verdict = verdict(self._totals, self.device, self.env.distributed)
@@ -503,7 +510,7 @@ class Profiler:
                      for name, (calls, us) in top]
         return r
 
-    def summary(self) -> dict[str, Any] | None:
+    def summary(self, steady: dict[str, Any] | None = None) -> dict[str, Any] | None:
         """Every rank's findings, gathered on rank 0 (a collective: all ranks call it); prints the verdict once."""
         if not self.cfg.enabled:
             return None

@@ -64,6 +64,7 @@ from trainflow.checkpoint.store import TMP_PREFIX, Committed, check_intact, list
 from trainflow.distributed import DistEnv
 from trainflow.errors import CheckpointError
 from trainflow.locks import DirLock
+from trainflow.stages import Stage
 
 log = logging.getLogger(__package__)  # one name for the package: lines read [trainflow.checkpoint]
 
@@ -101,12 +102,14 @@ class _Pending:
         self.done_at = time.perf_counter()
 
 
-class Checkpointer:
+class Checkpointer(Stage):
     """Saves and restores TrainState when `checkpoint.enabled`; a no-op otherwise.
 
     All ranks call every method at the same step; rank 0 alone touches the folder structure (create, commit,
     delete) and shares the outcome, so a failure raises the same error on every rank instead of a hang.
     """
+
+    summary_key = "checkpoint"
 
     def __init__(self, cfg: DictConfig, env: DistEnv, run_dir: Path) -> None:
         self.cfg = cfg
@@ -115,6 +118,8 @@ class Checkpointer:
         self.enabled = bool(cfg.enabled)
         if not self.enabled:
             return
+        self._every_steps = int(cfg.every_steps)  # plain values: read after every step
+        self._sync = cfg.mode == "sync"
         self.dir = store.resolve_dir(cfg.dir, run_dir)
         self._ctl = None  # gloo group for the main thread's collectives (flags, barriers, sync saves)
         self._async_group = None  # gloo group owned by the async upload thread (the default group hangs)
@@ -145,7 +150,7 @@ class Checkpointer:
             log.warning("checkpoint: training runs outside the main thread: SIGTERM/SIGUSR2/SIGHUP will not save "
                         "and stop")
 
-    # -- hooks called by run.py --------------------------------------------------------------------------------
+    # -- the stage interface (and resume, called by the assembly) ------------------------------------------------
 
     def resume(self, state: TrainState) -> None:
         """Restore the newest committed checkpoint into `state`, if there is one and resuming is on."""
@@ -178,12 +183,16 @@ class Checkpointer:
             self._finish_pending()
         if stop_signal:
             self._stop(state, stop_signal)
-        elif state.step % self.cfg.every_steps == 0:
-            self._save(state, blocking=self.cfg.mode == "sync")
+        elif state.step % self._every_steps == 0:
+            self._save(state, blocking=self._sync)
         self._blocked_unreported += time.perf_counter() - start
         return stop_signal is not None
 
-    def take_blocked_s(self) -> float:
+    def saves_at(self, step: int, done: bool) -> bool:
+        """Whether a save is due at this step boundary (a periodic one, or the final one after the last step)."""
+        return self.enabled and (done or step % self._every_steps == 0)
+
+    def take_paused_s(self) -> float:
         """Seconds the loop spent on checkpoints since the last call (to keep them out of throughput)."""
         if not self.enabled:
             return 0.0
@@ -210,7 +219,7 @@ class Checkpointer:
             for sig, handler in self._previous_handlers.items():
                 signal.signal(sig, handler)
 
-    def summary(self) -> dict[str, Any] | None:
+    def summary(self, steady: dict[str, Any] | None = None) -> dict[str, Any] | None:
         if not self.enabled:
             return None
         blocked = [s["blocked_s"] for s in self._saves]
