@@ -10,11 +10,11 @@ steady state the first steps the stages ask for (`excluded_steps()`) and the tim
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
-from trainflow.checkpoint.state import TrainState
+from trainflow.checkpoint import TrainState
 
 
 @dataclass
@@ -33,8 +33,9 @@ class LoopState(TrainState):
     step_time_s: float | None = None  # the synced wall time of the step, while excluded steps run; else None
 
 
-class Stage:
-    """Defaults for the interface: a stage overrides what it does."""
+class Stage(Protocol):
+    """The calls every stage answers. A stage subclasses it for the defaults and overrides what it does; the
+    checkpointer, which stages.py imports (for TrainState), answers them without subclassing."""
 
     enabled: bool = True  # False: the loop never calls after_step and never enters the stage
     summary_key: str | None = None  # its part of summary.json (None: the stage reports inside another part)

@@ -64,7 +64,6 @@ from trainflow.checkpoint.store import TMP_PREFIX, Committed, check_intact, list
 from trainflow.distributed import DistEnv
 from trainflow.errors import CheckpointError
 from trainflow.locks import DirLock
-from trainflow.stages import Stage
 
 log = logging.getLogger(__package__)  # one name for the package: lines read [trainflow.checkpoint]
 
@@ -102,11 +101,13 @@ class _Pending:
         self.done_at = time.perf_counter()
 
 
-class Checkpointer(Stage):
+class Checkpointer:
     """Saves and restores TrainState when `checkpoint.enabled`; a no-op otherwise.
 
     All ranks call every method at the same step; rank 0 alone touches the folder structure (create, commit,
     delete) and shares the outcome, so a failure raises the same error on every rank instead of a hang.
+
+    A stage (trainflow.stages.Stage) without subclassing it: stages.py imports this package for TrainState.
     """
 
     summary_key = "checkpoint"
@@ -187,6 +188,15 @@ class Checkpointer(Stage):
             self._save(state, blocking=self._sync)
         self._blocked_unreported += time.perf_counter() - start
         return stop_signal is not None
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        """A failed run keeps what it committed; close() is for a normal end."""
+
+    def excluded_steps(self) -> int:
+        return 0
 
     def saves_at(self, step: int, done: bool) -> bool:
         """Whether a save is due at this step boundary (a periodic one, or the final one after the last step)."""
