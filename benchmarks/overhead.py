@@ -12,7 +12,7 @@ cProfile's own cost inflates every figure alike, so read them as shares).
 Start-up: `python train.py trainer.max_steps=1 trainer.eval_steps=1` against a bare script that imports torch,
 builds the same model, takes one step and evaluates one batch, alternating as separate processes.
 
-    python benchmarks/overhead.py [--rounds 5] [--steps 60]
+    python benchmarks/overhead.py [--rounds 5] [--steps 60] [--only-literal] [--cpu-time]
 """
 
 from __future__ import annotations
@@ -26,7 +26,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from hydra import compose, initialize_config_dir
@@ -35,8 +37,9 @@ from torch import nn
 
 from trainflow.cli import register_with_hydra
 from trainflow.data import build_datasets
+from trainflow.distributed.process_group import process_group
 from trainflow.optim import build_optimizer
-from trainflow.run import loss_fn, run
+from trainflow.run import assemble, loss_fn, run, train_loop
 
 ROOT = Path(__file__).resolve().parents[1]
 register_with_hydra()  # before composing configs, as train.py does
@@ -79,7 +82,7 @@ def handwritten_rate(cfg, steps: int, warmup: int) -> float:
     return (steps - warmup) * b / (time.perf_counter() - start)
 
 
-def literal_rate(cfg, steps: int, warmup: int) -> float:
+def literal_rate(cfg, steps: int, warmup: int, clock: Callable[[], float] = time.perf_counter) -> float:
     """The seed article's literal loop: a fresh random batch each step, zero_grad, forward, loss, backward, step."""
     torch.manual_seed(cfg.trainer.seed)
     model = instantiate(cfg.model)
@@ -88,30 +91,44 @@ def literal_rate(cfg, steps: int, warmup: int) -> float:
     batch, features, classes = cfg.trainer.batch_size, cfg.model.in_features, cfg.model.out_features
     for step in range(steps):
         if step == warmup:
-            start = time.perf_counter()
+            start = clock()
         inputs, targets = torch.randn(batch, features), torch.randint(classes, (batch,))
         optimizer.zero_grad()
         loss = criterion(model(inputs), targets)
         loss.backward()
         optimizer.step()
-    return (steps - warmup) * batch / (time.perf_counter() - start)
+    return (steps - warmup) * batch / (clock() - start)
+
+
+def trainflow_cpu_rate(cfg_of: Callable[[int], Any], steps: int, warmup: int) -> float:
+    """Samples per second of this thread's CPU time in trainflow's steady state: its loop (`train_loop`) run for
+    `steps` and for `warmup` steps, the difference divided by the steps between (what both share cancels)."""
+    cpu_s = []
+    for length in (steps, warmup):
+        cfg = cfg_of(length)
+        with tempfile.TemporaryDirectory() as tmp, process_group(cfg) as env:
+            training = assemble(cfg, Path(tmp), env)
+            start = time.thread_time()
+            train_loop(training)
+            cpu_s.append(time.thread_time() - start)
+    return (steps - warmup) * cfg.trainer.batch_size / (cpu_s[0] - cpu_s[1])
 
 
 # trainflow's functions that make up its loop: the calls they make are the causes of its per-step time
 LOOP_FUNCTIONS = {"train_step", "train_loop"}
 
 
-def step_breakdown(cfg, steps: int, top: int = 14) -> list[tuple[str, float]]:
+def step_breakdown(cfg, steps: int, clock: Callable[[], float], top: int = 14) -> list[tuple[str, float]]:
     """(cause, microseconds per step) of trainflow's loop under cProfile: each call the loop functions make, with
     everything beneath it, and the loop functions' own lines ("(own lines)")."""
-    profiler = cProfile.Profile()
+    profiler = cProfile.Profile(clock)
     with tempfile.TemporaryDirectory() as tmp:
         profiler.runcall(run, cfg, Path(tmp))
     stats = pstats.Stats(profiler).stats
     by_cause: dict[str, float] = {}
     for (filename, line, name), (_, _, own, _, callers) in stats.items():
         for (_, _, caller), (_, _, _, cumulative) in callers.items():
-            if caller in LOOP_FUNCTIONS:
+            if caller in LOOP_FUNCTIONS and name not in LOOP_FUNCTIONS:
                 cause = f"{name} ({Path(filename).name}:{line})" if filename != "~" else name
                 by_cause[cause] = by_cause.get(cause, 0.0) + cumulative
         if name in LOOP_FUNCTIONS:
@@ -120,23 +137,31 @@ def step_breakdown(cfg, steps: int, top: int = 14) -> list[tuple[str, float]]:
     return [(cause, seconds / steps * 1e6) for cause, seconds in ranked[:top]]
 
 
-def literal_comparison(rounds: int, steps: int, warmup: int) -> None:
-    """Seed MLP: trainflow against the article's literal loop, and trainflow's step by cause."""
-    with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
-        cfg = compose("train", overrides=["experiment=seed_mlp", *COMMON, f"trainer.max_steps={steps}",
-                                          f"trainer.warmup_steps={warmup}", f"trainer.log_every={steps}"])
+def literal_comparison(rounds: int, steps: int, warmup: int, cpu_time: bool) -> None:
+    """Seed MLP: trainflow against the article's literal loop, and trainflow's step by cause.
+
+    `cpu_time`: CPU time of the one thread both run on instead of wall time, for a machine other work shares
+    (its load slows both sides unevenly, in bursts); the same work is measured, less the waits for a core."""
+
+    def cfg_of(length: int):
+        with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
+            return compose("train", overrides=["experiment=seed_mlp", *COMMON, f"trainer.max_steps={length}",
+                                               f"trainer.warmup_steps={warmup}", "trainer.log_every=50"])
+
+    cfg, clock = cfg_of(steps), time.thread_time if cpu_time else time.perf_counter
     ours, theirs = [], []
     for _ in range(rounds):
-        ours.append(trainflow_rate(cfg))
-        theirs.append(literal_rate(cfg, steps, warmup))
+        ours.append(trainflow_cpu_rate(cfg_of, steps, warmup) if cpu_time else trainflow_rate(cfg))
+        theirs.append(literal_rate(cfg, steps, warmup, clock))
     step_us = [1e6 * cfg.trainer.batch_size / rate for rate in ours]
     literal_us = [1e6 * cfg.trainer.batch_size / rate for rate in theirs]
+    print(f"seed_mlp  {'CPU time' if cpu_time else 'wall time'}, {torch.get_num_threads()} thread(s)")
     print(f"seed_mlp  throughput trainflow / literal loop: {statistics.median(ours) / statistics.median(theirs):.3f} "
           f"(ratio of medians; per round {', '.join(f'{a / b:.3f}' for a, b in zip(ours, theirs, strict=True))}); "
           f"step: trainflow {statistics.median(step_us):.0f} us ({min(step_us):.0f}-{max(step_us):.0f}), "
           f"literal {statistics.median(literal_us):.0f} us ({min(literal_us):.0f}-{max(literal_us):.0f})")
     print("seed_mlp  trainflow's step under cProfile, microseconds per step by cause:")
-    for cause, micros in step_breakdown(cfg, steps):
+    for cause, micros in step_breakdown(cfg, steps, clock):
         print(f"  {micros:8.1f}  {cause}")
 
 
@@ -170,11 +195,15 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--only-literal", action="store_true", help="only the seed MLP against the literal loop")
+    parser.add_argument("--cpu-time", action="store_true",
+                        help="the literal-loop comparison in one thread's CPU time (for a machine under load)")
     args = parser.parse_args()
     logging.disable(logging.INFO)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.rounds} rounds x {args.steps} steps")
     multiplier = CASES["seed_mlp"][1]
-    literal_comparison(args.rounds, args.steps * multiplier, args.warmup * multiplier)
+    if args.cpu_time:
+        torch.set_num_threads(1)
+    literal_comparison(args.rounds, args.steps * multiplier, args.warmup * multiplier, args.cpu_time)
     if args.only_literal:
         return
     for name, (overrides, multiplier) in CASES.items():
