@@ -37,9 +37,8 @@ from torch import nn
 
 from trainflow.cli import register_with_hydra
 from trainflow.data import build_datasets
-from trainflow.distributed.process_group import process_group
 from trainflow.optim import build_optimizer
-from trainflow.run import assemble, loss_fn, run, train_loop
+from trainflow.run import loss_fn, run
 
 ROOT = Path(__file__).resolve().parents[1]
 register_with_hydra()  # before composing configs, as train.py does
@@ -101,17 +100,15 @@ def literal_rate(cfg, steps: int, warmup: int, clock: Callable[[], float] = time
 
 
 def trainflow_cpu_rate(cfg_of: Callable[[int], Any], steps: int, warmup: int) -> float:
-    """Samples per second of this thread's CPU time in trainflow's steady state: its loop (`train_loop`) run for
-    `steps` and for `warmup` steps, the difference divided by the steps between (what both share cancels)."""
+    """Samples per second of this thread's CPU time in trainflow's steady state: `run()` for `steps` and for
+    `warmup` steps, the difference divided by the steps between (what both share, the set-up, cancels)."""
     cpu_s = []
     for length in (steps, warmup):
-        cfg = cfg_of(length)
-        with tempfile.TemporaryDirectory() as tmp, process_group(cfg) as env:
-            training = assemble(cfg, Path(tmp), env)
+        with tempfile.TemporaryDirectory() as tmp:
             start = time.thread_time()
-            train_loop(training)
+            run(cfg_of(length), Path(tmp))
             cpu_s.append(time.thread_time() - start)
-    return (steps - warmup) * cfg.trainer.batch_size / (cpu_s[0] - cpu_s[1])
+    return (steps - warmup) * cfg_of(steps).trainer.batch_size / (cpu_s[0] - cpu_s[1])
 
 
 # trainflow's functions that make up its loop: the calls they make are the causes of its per-step time
