@@ -7,7 +7,8 @@ and the median ratio trainflow / hand-written is reported.
 Seed MLP against the article's literal loop (a fresh random batch, zero_grad, forward, loss, backward, step:
 no data path, no schedule): the ratio of the median rates, alternating rounds in one process, and where
 trainflow's extra microseconds per step go (cProfile of one run: the time of each call the loop makes, per step;
-cProfile's own cost inflates every figure alike, so read them as shares).
+cProfile's own cost inflates every figure alike, so read them as shares); with --cpu-time also part by part:
+the literal loop with trainflow's parts added one at a time, then trainflow's own step and loop.
 
 Start-up: `python train.py trainer.max_steps=1 trainer.eval_steps=1` against a bare script that imports torch,
 builds the same model, takes one step and evaluates one batch, alternating as separate processes.
@@ -36,9 +37,10 @@ from hydra.utils import instantiate
 from torch import nn
 
 from trainflow.cli import register_with_hydra
-from trainflow.data import build_datasets
+from trainflow.data import StreamSampler, build_datasets, make_loader
+from trainflow.distributed.process_group import process_group
 from trainflow.optim import build_optimizer
-from trainflow.run import loss_fn, run
+from trainflow.run import assemble, loss_fn, run, train_loop, train_step
 
 ROOT = Path(__file__).resolve().parents[1]
 register_with_hydra()  # before composing configs, as train.py does
@@ -160,6 +162,73 @@ def literal_comparison(rounds: int, steps: int, warmup: int, cpu_time: bool) -> 
     print("seed_mlp  trainflow's step under cProfile, microseconds per step by cause:")
     for cause, micros in step_breakdown(cfg, steps, clock):
         print(f"  {micros:8.1f}  {cause}")
+    if cpu_time:
+        rounds_of_parts = [part_by_part(cfg_of, steps, warmup) for _ in range(rounds)]
+        print(f"seed_mlp  CPU microseconds per step, part by part (median of {rounds} rounds, spread):")
+        for name in rounds_of_parts[0]:
+            values = [r[name] for r in rounds_of_parts]
+            print(f"  {statistics.median(values):7.1f}  ({min(values):.0f}-{max(values):.0f})  {name}")
+
+
+def part_by_part(cfg_of: Callable[[int], Any], steps: int, warmup: int) -> dict[str, float]:
+    """Microseconds of this thread's CPU time per step: the literal loop with trainflow's parts added one at a
+    time, then trainflow's `train_step` alone, its `train_loop` with the stage list emptied, and the whole loop."""
+    cfg = cfg_of(steps)
+    data = build_datasets(cfg.data, cfg.model)
+    timed = {}
+
+    def literal_with(data_path: bool, groups_and_schedule: bool, trainflow_loss: bool) -> float:
+        torch.manual_seed(cfg.trainer.seed)
+        model = instantiate(cfg.model)
+        if groups_and_schedule:
+            optimizer, scheduler = build_optimizer(model, cfg.optim, steps, torch.device("cpu"))
+        else:
+            optimizer, scheduler = torch.optim.SGD(model.parameters(), lr=cfg.optim.lr,
+                                                   momentum=cfg.optim.momentum), None
+        sampler = StreamSampler(len(data.train), cfg.trainer.batch_size, 0, 1, cfg.trainer.seed)
+        batches = iter(make_loader(data.train, sampler, cfg.data, False))
+        criterion = nn.CrossEntropyLoss()
+        batch, features, classes = cfg.trainer.batch_size, cfg.model.in_features, cfg.model.out_features
+        for step in range(steps):
+            if step == warmup:
+                start = time.thread_time()
+            if data_path:
+                inputs, targets = next(batches)
+            else:
+                inputs, targets = torch.randn(batch, features), torch.randint(classes, (batch,))
+            optimizer.zero_grad()
+            loss = loss_fn(model(inputs), targets) if trainflow_loss else criterion(model(inputs), targets)
+            loss.backward()
+            optimizer.step()
+            if scheduler is not None:
+                scheduler.step()
+        return (time.thread_time() - start) / (steps - warmup)
+
+    def trainflow_with(part: str) -> float:
+        cpu_s = []
+        for length in (steps, warmup):
+            cfg_run = cfg_of(length)
+            with tempfile.TemporaryDirectory() as tmp, process_group(cfg_run) as env:
+                training = assemble(cfg_run, Path(tmp), env)
+                start = time.thread_time()
+                if part == "train_step":
+                    training.model.train()
+                    while training.state.step < length:
+                        train_step(training)
+                else:
+                    training.stages = training.stages if part == "train_loop" else []
+                    train_loop(training)
+                cpu_s.append(time.thread_time() - start)
+        return (cpu_s[0] - cpu_s[1]) / (steps - warmup)
+
+    timed["literal loop"] = literal_with(False, False, False)
+    timed["+ trainflow's data path"] = literal_with(True, False, False)
+    timed["+ two parameter groups, LR schedule"] = literal_with(True, True, False)
+    timed["+ loss_fn"] = literal_with(True, True, True)
+    timed["trainflow train_step alone"] = trainflow_with("train_step")
+    timed["trainflow train_loop, no stages"] = trainflow_with("no stages")
+    timed["trainflow train_loop"] = trainflow_with("train_loop")
+    return {name: seconds * 1e6 for name, seconds in timed.items()}
 
 
 def startup_times(rounds: int) -> tuple[float, float]:
