@@ -58,6 +58,18 @@ class StopAndPause(Stage):
         return {"steps": len(self.steps)}
 
 
+class Off(Stage):
+    """A stage that is off: the loop must neither enter nor call it."""
+
+    enabled = False
+
+    def __enter__(self) -> Off:
+        raise AssertionError("an off stage was entered")
+
+    def after_step(self, state: LoopState) -> bool:
+        raise AssertionError("an off stage was called after a step")
+
+
 def test_the_loop_calls_only_enabled_stages_and_any_stage_can_stop_it_and_pause_the_clock(tmp_path: Path) -> None:
     from trainflow.cli import register_with_hydra
     from trainflow.distributed.process_group import process_group
@@ -71,7 +83,7 @@ def test_the_loop_calls_only_enabled_stages_and_any_stage_can_stop_it_and_pause_
         # compile, the profiler, the parity check and checkpoints are off in this experiment: never called
         assert enabled == ["NonFiniteGuard", "TrainMetrics", "Evaluation"]
         extra = StopAndPause(pause_at=6, pause_s=0.5, stop_at=12)
-        training.stages.append(extra)
+        training.stages += [Off(), extra]
         train_loop(training)
         summary = summarize(training)
     assert extra.entered and extra.closed and extra.steps == list(range(1, 13))

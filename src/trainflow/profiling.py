@@ -452,14 +452,14 @@ class Profiler(Stage):
             calls_time[0] += avg.count
             calls_time[1] += getattr(avg, sort_by)
 
-        t = self._totals
-        t["steps"] += n
-        t["step_s"] += window["step_s"]
-        t["step_ms"] += window["step_ms"]
+        totals = self._totals
+        totals["steps"] += n
+        totals["step_s"] += window["step_s"]
+        totals["step_ms"] += window["step_ms"]
         for key, seconds in window["seconds"].items():
-            t["seconds"][key] = t["seconds"].get(key, 0.0) + seconds
+            totals["seconds"][key] = totals["seconds"].get(key, 0.0) + seconds
         for key, seconds in window["regions"].items():
-            t["regions"][key] = t["regions"].get(key, 0.0) + seconds
+            totals["regions"][key] = totals["regions"].get(key, 0.0) + seconds
         if hasattr(os, "getloadavg"):
             self._load = max(self._load, os.getloadavg()[0])
         if self._memory_history:

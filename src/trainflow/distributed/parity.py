@@ -143,15 +143,15 @@ class ParityCheck(Stage):
 def parallelism_summary(cfg: DictConfig, env: DistEnv, steady: dict[str, float] | None,
                         check: ParityCheck) -> dict[str, Any]:
     """The parallel layout, global batch, throughput in total and per rank, and the parity check's verdict."""
-    t = cfg.trainer
+    trainer = cfg.trainer
     out: dict[str, Any] = {
         "strategy": env.strategy,
         "world_size": env.world_size,
         "nodes": node_count(env.world_size),
         "backend": dist.get_backend() if env.distributed and dist.is_initialized() else None,
-        "per_rank_batch": t.batch_size,
-        "grad_accum": t.grad_accum,
-        "global_batch": t.batch_size * env.world_size * t.grad_accum,
+        "per_rank_batch": trainer.batch_size,
+        "grad_accum": trainer.grad_accum,
+        "global_batch": trainer.batch_size * env.world_size * trainer.grad_accum,
         "check": check.summary(),
     }
     if env.strategy in SHARDED:
