@@ -4,31 +4,43 @@ Throughput: trainflow's `run()` and the seed article's plain loop train the same
 with the same threads, alternating in one process; each round's steady state (after warm-up) is compared,
 and the median ratio trainflow / hand-written is reported.
 
+Seed MLP against the article's literal loop (a fresh random batch, zero_grad, forward, loss, backward, step:
+no data path, no schedule): the ratio of the median rates, alternating rounds in one process, and where
+trainflow's extra microseconds per step go (cProfile of one run: the time of each call the loop makes, per step;
+cProfile's own cost inflates every figure alike, so read them as shares); with --cpu-time also part by part:
+the literal loop with trainflow's parts added one at a time, then trainflow's own step and loop.
+
 Start-up: `python train.py trainer.max_steps=1 trainer.eval_steps=1` against a bare script that imports torch,
 builds the same model, takes one step and evaluates one batch, alternating as separate processes.
 
-    python benchmarks/overhead.py [--rounds 5] [--steps 60]
+    python benchmarks/overhead.py [--rounds 5] [--steps 60] [--only-literal] [--cpu-time]
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import logging
+import pstats
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
+from torch import nn
 
 from trainflow.cli import register_with_hydra
-from trainflow.data import build_datasets
+from trainflow.data import StreamSampler, build_datasets, make_loader
+from trainflow.distributed.process_group import process_group
 from trainflow.optim import build_optimizer
-from trainflow.run import loss_fn, run
+from trainflow.run import assemble, loss_fn, run, train_loop, train_step
 
 ROOT = Path(__file__).resolve().parents[1]
 register_with_hydra()  # before composing configs, as train.py does
@@ -71,6 +83,154 @@ def handwritten_rate(cfg, steps: int, warmup: int) -> float:
     return (steps - warmup) * b / (time.perf_counter() - start)
 
 
+def literal_rate(cfg, steps: int, warmup: int, clock: Callable[[], float] = time.perf_counter) -> float:
+    """The seed article's literal loop: a fresh random batch each step, zero_grad, forward, loss, backward, step."""
+    torch.manual_seed(cfg.trainer.seed)
+    model = instantiate(cfg.model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=cfg.optim.lr, momentum=cfg.optim.momentum)
+    criterion = nn.CrossEntropyLoss()
+    batch, features, classes = cfg.trainer.batch_size, cfg.model.in_features, cfg.model.out_features
+    for step in range(steps):
+        if step == warmup:
+            start = clock()
+        inputs, targets = torch.randn(batch, features), torch.randint(classes, (batch,))
+        optimizer.zero_grad()
+        loss = criterion(model(inputs), targets)
+        loss.backward()
+        optimizer.step()
+    return (steps - warmup) * batch / (clock() - start)
+
+
+def trainflow_cpu_rate(cfg_of: Callable[[int], Any], steps: int, warmup: int) -> float:
+    """Samples per second of this thread's CPU time in trainflow's steady state: `run()` for `steps` and for
+    `warmup` steps, the difference divided by the steps between (what both share, the set-up, cancels)."""
+    cpu_s = []
+    for length in (steps, warmup):
+        with tempfile.TemporaryDirectory() as tmp:
+            start = time.thread_time()
+            run(cfg_of(length), Path(tmp))
+            cpu_s.append(time.thread_time() - start)
+    return (steps - warmup) * cfg_of(steps).trainer.batch_size / (cpu_s[0] - cpu_s[1])
+
+
+# trainflow's functions that make up its loop: the calls they make are the causes of its per-step time
+LOOP_FUNCTIONS = {"train_step", "train_loop"}
+
+
+def step_breakdown(cfg, steps: int, clock: Callable[[], float], top: int = 14) -> list[tuple[str, float]]:
+    """(cause, microseconds per step) of trainflow's loop under cProfile: each call the loop functions make, with
+    everything beneath it, and the loop functions' own lines ("(own lines)")."""
+    profiler = cProfile.Profile(clock)
+    with tempfile.TemporaryDirectory() as tmp:
+        profiler.runcall(run, cfg, Path(tmp))
+    stats = pstats.Stats(profiler).stats
+    by_cause: dict[str, float] = {}
+    for (filename, line, name), (_, _, own, _, callers) in stats.items():
+        for (_, _, caller), (_, _, _, cumulative) in callers.items():
+            if caller in LOOP_FUNCTIONS and name not in LOOP_FUNCTIONS:
+                cause = f"{name} ({Path(filename).name}:{line})" if filename != "~" else name
+                by_cause[cause] = by_cause.get(cause, 0.0) + cumulative
+        if name in LOOP_FUNCTIONS:
+            by_cause["(own lines)"] = by_cause.get("(own lines)", 0.0) + own
+    ranked = sorted(by_cause.items(), key=lambda kv: kv[1], reverse=True)
+    return [(cause, seconds / steps * 1e6) for cause, seconds in ranked[:top]]
+
+
+def literal_comparison(rounds: int, steps: int, warmup: int, cpu_time: bool) -> None:
+    """Seed MLP: trainflow against the article's literal loop, and trainflow's step by cause.
+
+    `cpu_time`: CPU time of the one thread both run on instead of wall time, for a machine other work shares
+    (its load slows both sides unevenly, in bursts); the same work is measured, less the waits for a core."""
+
+    def cfg_of(length: int):
+        with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
+            return compose("train", overrides=["experiment=seed_mlp", *COMMON, f"trainer.max_steps={length}",
+                                               f"trainer.warmup_steps={warmup}", "trainer.log_every=50"])
+
+    cfg, clock = cfg_of(steps), time.thread_time if cpu_time else time.perf_counter
+    ours, theirs = [], []
+    for _ in range(rounds):
+        ours.append(trainflow_cpu_rate(cfg_of, steps, warmup) if cpu_time else trainflow_rate(cfg))
+        theirs.append(literal_rate(cfg, steps, warmup, clock))
+    step_us = [1e6 * cfg.trainer.batch_size / rate for rate in ours]
+    literal_us = [1e6 * cfg.trainer.batch_size / rate for rate in theirs]
+    print(f"seed_mlp  {'CPU time' if cpu_time else 'wall time'}, {torch.get_num_threads()} thread(s)")
+    print(f"seed_mlp  throughput trainflow / literal loop: {statistics.median(ours) / statistics.median(theirs):.3f} "
+          f"(ratio of medians; per round {', '.join(f'{a / b:.3f}' for a, b in zip(ours, theirs, strict=True))}); "
+          f"step: trainflow {statistics.median(step_us):.0f} us ({min(step_us):.0f}-{max(step_us):.0f}), "
+          f"literal {statistics.median(literal_us):.0f} us ({min(literal_us):.0f}-{max(literal_us):.0f})")
+    print("seed_mlp  trainflow's step under cProfile, microseconds per step by cause:")
+    for cause, micros in step_breakdown(cfg, steps, clock):
+        print(f"  {micros:8.1f}  {cause}")
+    if cpu_time:
+        rounds_of_parts = [part_by_part(cfg_of, steps, warmup) for _ in range(rounds)]
+        print(f"seed_mlp  CPU microseconds per step, part by part (median of {rounds} rounds, spread):")
+        for name in rounds_of_parts[0]:
+            values = [r[name] for r in rounds_of_parts]
+            print(f"  {statistics.median(values):7.1f}  ({min(values):.0f}-{max(values):.0f})  {name}")
+
+
+def part_by_part(cfg_of: Callable[[int], Any], steps: int, warmup: int) -> dict[str, float]:
+    """Microseconds of this thread's CPU time per step: the literal loop with trainflow's parts added one at a
+    time, then trainflow's `train_step` alone, its `train_loop` with the stage list emptied, and the whole loop."""
+    cfg = cfg_of(steps)
+    data = build_datasets(cfg.data, cfg.model)
+    timed = {}
+
+    def literal_with(data_path: bool, groups_and_schedule: bool, trainflow_loss: bool) -> float:
+        torch.manual_seed(cfg.trainer.seed)
+        model = instantiate(cfg.model)
+        if groups_and_schedule:
+            optimizer, scheduler = build_optimizer(model, cfg.optim, steps, torch.device("cpu"))
+        else:
+            optimizer, scheduler = torch.optim.SGD(model.parameters(), lr=cfg.optim.lr,
+                                                   momentum=cfg.optim.momentum), None
+        sampler = StreamSampler(len(data.train), cfg.trainer.batch_size, 0, 1, cfg.trainer.seed)
+        batches = iter(make_loader(data.train, sampler, cfg.data, False))
+        criterion = nn.CrossEntropyLoss()
+        batch, features, classes = cfg.trainer.batch_size, cfg.model.in_features, cfg.model.out_features
+        for step in range(steps):
+            if step == warmup:
+                start = time.thread_time()
+            if data_path:
+                inputs, targets = next(batches)
+            else:
+                inputs, targets = torch.randn(batch, features), torch.randint(classes, (batch,))
+            optimizer.zero_grad()
+            loss = loss_fn(model(inputs), targets) if trainflow_loss else criterion(model(inputs), targets)
+            loss.backward()
+            optimizer.step()
+            if scheduler is not None:
+                scheduler.step()
+        return (time.thread_time() - start) / (steps - warmup)
+
+    def trainflow_with(part: str) -> float:
+        cpu_s = []
+        for length in (steps, warmup):
+            cfg_run = cfg_of(length)
+            with tempfile.TemporaryDirectory() as tmp, process_group(cfg_run) as env:
+                training = assemble(cfg_run, Path(tmp), env)
+                start = time.thread_time()
+                if part == "train_step":
+                    training.model.train()
+                    while training.state.step < length:
+                        train_step(training)
+                else:
+                    training.stages = training.stages if part == "train_loop" else []
+                    train_loop(training)
+                cpu_s.append(time.thread_time() - start)
+        return (cpu_s[0] - cpu_s[1]) / (steps - warmup)
+
+    timed["literal loop"] = literal_with(False, False, False)
+    timed["+ trainflow's data path"] = literal_with(True, False, False)
+    timed["+ two parameter groups, LR schedule"] = literal_with(True, True, False)
+    timed["+ loss_fn"] = literal_with(True, True, True)
+    timed["trainflow train_step alone"] = trainflow_with("train_step")
+    timed["trainflow train_loop, no stages"] = trainflow_with("no stages")
+    timed["trainflow train_loop"] = trainflow_with("train_loop")
+    return {name: seconds * 1e6 for name, seconds in timed.items()}
+
+
 def startup_times(rounds: int) -> tuple[float, float]:
     """Median wall time of a process that takes one training step and one validation batch: `python train.py`
     vs a bare script doing the same on the same model."""
@@ -100,9 +260,18 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--only-literal", action="store_true", help="only the seed MLP against the literal loop")
+    parser.add_argument("--cpu-time", action="store_true",
+                        help="the literal-loop comparison in one thread's CPU time (for a machine under load)")
     args = parser.parse_args()
     logging.disable(logging.INFO)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.rounds} rounds x {args.steps} steps")
+    multiplier = CASES["seed_mlp"][1]
+    if args.cpu_time:
+        torch.set_num_threads(1)
+    literal_comparison(args.rounds, args.steps * multiplier, args.warmup * multiplier, args.cpu_time)
+    if args.only_literal:
+        return
     for name, (overrides, multiplier) in CASES.items():
         steps, warmup = args.steps * multiplier, args.warmup * multiplier
         with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):

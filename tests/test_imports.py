@@ -46,8 +46,17 @@ def import_graph(src: Path, package: str) -> dict[str, set[str]]:
                 # `from a import b` imports the module a.b when there is one, else the name b of module a
                 imported += [f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base
                              for alias in node.names]
-        graph[name] = {t for i in imported if (t := _target(i, modules)) and t != name}
+        targets = {t for i in imported if (t := _target(i, modules))}
+        # importing a.b.c runs the __init__ of a.b first, unless the importer is inside a.b (already running)
+        targets |= {package for t in targets for package in _enclosing_packages(t, modules)
+                    if not (name == package or name.startswith(package + "."))}
+        graph[name] = targets - {name}
     return graph
+
+
+def _enclosing_packages(name: str, modules: dict[str, Path]) -> list[str]:
+    parts = name.split(".")
+    return [p for p in (".".join(parts[:i]) for i in range(1, len(parts))) if p in modules]
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -117,3 +126,22 @@ def test_a_cycle_is_named(tmp_path: Path) -> None:
     (pkg / "c.py").write_text("import pkg.a\n")
     (pkg / "d.py").write_text("from pkg import a\n")  # imports into the cycle without being part of it
     assert cycles(import_graph(tmp_path, "pkg")) == [["pkg.a", "pkg.sub.b", "pkg.c", "pkg.a"]]
+
+
+def test_a_cycle_through_a_package_init_is_named(tmp_path: Path) -> None:
+    """`from pkg.store.state import S` runs pkg/store/__init__.py first: a cycle through it fails at import."""
+    import subprocess
+    import sys
+
+    pkg = tmp_path / "pkg"
+    (pkg / "store").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "store" / "__init__.py").write_text("from pkg.store.writer import Writer\n")
+    (pkg / "store" / "writer.py").write_text("from pkg.interface import Interface\n\nclass Writer(Interface): ...\n")
+    (pkg / "store" / "state.py").write_text("class State: ...\n")
+    (pkg / "interface.py").write_text("from pkg.store.state import State\n\nclass Interface: ...\n")
+    assert cycles(import_graph(tmp_path, "pkg")) == [["pkg.interface", "pkg.store", "pkg.store.writer",
+                                                     "pkg.interface"]]
+    failed = subprocess.run([sys.executable, "-c", "import pkg.interface"], cwd=tmp_path, capture_output=True,
+                            text=True)
+    assert failed.returncode == 1 and "circular import" in failed.stderr

@@ -16,10 +16,11 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 from torch.profiler import record_function
 
+from trainflow.checkpoint.checkpointer import CHECKPOINT_REGION
 from trainflow.config import ProfilerConfig
 from trainflow.distributed import DistEnv
 from trainflow.errors import ConfigError
-from trainflow.profiling import CHECKPOINT, DATA, FWD_BWD, OPTIMIZER, SHARES, Profiler
+from trainflow.profiling import DATA, FWD_BWD, OPTIMIZER, SHARES, Profiler
 
 CPU_ENV = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}  # on a busy 2-core machine, waits at intra-op barriers would swell tiny ops
@@ -188,7 +189,7 @@ def test_checkpoint_traffic_is_not_counted_as_communication(tmp_path: Path) -> N
                     all_reduce("train", 0.005)  # the training's communication
                 with record_function(OPTIMIZER):
                     pass
-                with record_function(CHECKPOINT):
+                with record_function(CHECKPOINT_REGION):
                     all_reduce("save", 0.03)  # the checkpoint stage's own
                 p.step()
         v = p.summary()["verdict"]
@@ -294,11 +295,11 @@ def test_profiler_off_and_unselected_ranks_record_nothing(tmp_path: Path) -> Non
     assert drive(off, mlp(8, 2), lambda: (x, y), 3) is None
     rank1 = DistEnv(rank=1, world_size=2, local_rank=1, device=torch.device("cpu"))
     other = Profiler(profiler_cfg(skip_first=0, wait=0, warmup=1, active=1), rank1, tmp_path, max_steps=3)
-    assert not other.on
+    assert not other.enabled
     with other:
         other.step()
     assert not (tmp_path / "profile").exists()
-    assert Profiler(profiler_cfg(ranks="all"), rank1, tmp_path, max_steps=100).on
+    assert Profiler(profiler_cfg(ranks="all"), rank1, tmp_path, max_steps=100).enabled
 
 
 def test_window_not_reached_after_resume_warns_instead_of_refusing(tmp_path: Path,

@@ -36,6 +36,7 @@ from trainflow.errors import ConfigError, home_note, unwritable_reason
 from trainflow.files import write_atomic
 from trainflow.metrics import matmul_math
 from trainflow.models import model_blocks
+from trainflow.stages import LoopState, Stage
 
 log = logging.getLogger(__name__)
 
@@ -64,8 +65,10 @@ def default_scope(model: nn.Module) -> str:
     return "blocks" if _is_fsdp(model) and model_blocks(unwrap(model)) is not None else "model"
 
 
-class Compiler:
+class Compiler(Stage):
     """Compiles the model when `compile.enabled`; reports after the warm-up steps."""
+
+    summary_key = "compile"
 
     def __init__(self, cfg: DictConfig, env: DistEnv, run_dir: Path) -> None:
         self.cfg: DictConfig = cfg.compile
@@ -114,17 +117,17 @@ class Compiler:
         return model
 
     def excluded_steps(self) -> int:
-        """Steps that compile and must stay out of the steady-state figures (beyond trainer.warmup_steps)."""
-        return self._compile_steps if self.enabled else 0
+        """trainer.warmup_steps and then the steps that compile: out of the steady-state figures."""
+        return self._warmup_total if self.enabled else 0
 
-    def on_step_end(self, step: int, step_time_s: float) -> None:
-        """Called after each step with its synced wall time while `excluded_steps` are running."""
-        if not self.enabled:
-            return
-        self._step_times.append(step_time_s)
-        self._poll()
-        if len(self._step_times) >= self._warmup_total and not self._logged:
-            self._log_report(self.report())
+    def after_step(self, state: LoopState) -> bool:
+        """Keeps the excluded steps' synced wall times; reports once they are done."""
+        if state.step_time_s is not None:
+            self._step_times.append(state.step_time_s)
+            self._poll()
+            if len(self._step_times) >= self._warmup_total and not self._logged:
+                self._log_report(self.report())
+        return False
 
     def summary(self, steady: dict[str, Any] | None = None) -> dict[str, Any]:
         """The compile report (also written to compile_report.json) with the steady-state step time."""

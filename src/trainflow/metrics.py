@@ -29,6 +29,7 @@ from trainflow.errors import RunDirError
 from trainflow.files import write_atomic
 
 if TYPE_CHECKING:
+    from trainflow.stages import LoopState
     from trainflow.tensorboard import Dashboard
 
 log = logging.getLogger(__name__)
@@ -209,7 +210,8 @@ class PeakMemory:
         return {"peak_memory_bytes": self.allocated, "peak_memory_reserved_bytes": self.reserved}
 
 
-def sync(device: torch.device) -> None:
+def device_sync(device: torch.device) -> None:
+    """Wait for the device's queued work (CUDA), so that a clock read after it measures that work."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -264,37 +266,80 @@ class RunLogHandler(logging.FileHandler):
 
 
 class Throughput:
-    """Wall time and samples after the excluded warm-up steps: the steady-state figures."""
+    """The run's clocks: the steady state (after the excluded steps, less the stages' pauses) and each log interval.
 
-    def __init__(self, excluded_steps: int) -> None:
+    Timing lives here alone: the loop reports each step (`end_step`) and the time the stages paused the clock
+    (`pause`); a step is read with a device sync only while excluded steps run (the compile report's warm-up
+    step times), never in the steady state. The peak memory restarts when the steady state does.
+    """
+
+    def __init__(self, excluded_steps: int, device: torch.device, memory: PeakMemory) -> None:
         self.excluded_steps = excluded_steps
-        self.start: float | None = None
+        self.device = device
+        self.memory = memory
+        self.start: float | None = None  # when the steady state began (moved later by each pause)
+        self.stopped_at: float | None = None
         self.steps = 0
         self.samples = 0
         self.tokens = 0
         self.data_wait = 0.0
+        self._step_start = 0.0  # while excluded steps run
+        self._interval_start = 0.0
 
-    def begin_if_due(self, steps_done: int, now: float) -> None:
-        """Start the clock once the excluded steps are behind us (call after a device sync)."""
-        if self.start is None and steps_done >= self.excluded_steps:
-            self.start = now
+    def begin(self) -> None:
+        """Before the first step (after a device sync): the clocks start; the steady state too if nothing is
+        excluded."""
+        self.memory.reset()  # the FLOP count, compile.check and the parity copy are not training
+        device_sync(self.device)
+        self._step_start = self._interval_start = now = time.perf_counter()
+        self._begin_if_due(0, now)
 
-    def pause(self, seconds: float) -> None:
-        """Leave `seconds` of non-training work (evaluation, a checkpoint save) out of the figures."""
-        if self.start is not None:
-            self.start += seconds
-
-    def add(self, samples: int, tokens: int, data_wait: float) -> None:
-        if self.start is not None:
+    def end_step(self, state: LoopState, samples: int, tokens: int) -> None:
+        """After each optimizer step: an excluded step's synced wall time goes into `state.step_time_s`; a steady
+        one is counted (`tokens`: of every rank)."""
+        if state.steps_this_run > self.excluded_steps:
+            state.step_time_s = None
             self.steps += 1
             self.samples += samples
             self.tokens += tokens
-            self.data_wait += data_wait
+            self.data_wait += state.data_wait_s
+            return
+        device_sync(self.device)
+        now = time.perf_counter()
+        state.step_time_s = now - self._step_start
+        self._step_start = now
+        self._begin_if_due(state.steps_this_run, now)
 
-    def figures(self, now: float) -> dict[str, float] | None:
+    def _begin_if_due(self, steps_done: int, now: float) -> None:
+        if self.start is None and steps_done >= self.excluded_steps:
+            self.start = now
+            if steps_done:
+                self.memory.reset()  # the steady state's peak leaves out compilation's
+
+    def pause(self, seconds: float) -> None:
+        """Leave `seconds` of non-training work (evaluation, a checkpoint save) out of every clock."""
+        if self.start is not None:
+            self.start += seconds
+        self._step_start += seconds
+        self._interval_start += seconds
+
+    def interval_s(self) -> float:
+        """Seconds of training since the log interval began (after a device sync)."""
+        device_sync(self.device)
+        return time.perf_counter() - self._interval_start
+
+    def restart_interval(self) -> None:
+        self._interval_start = time.perf_counter()
+
+    def stop(self) -> None:
+        """After the last step."""
+        self.stopped_at = time.perf_counter()
+
+    def steady_state(self) -> dict[str, float] | None:
+        """The steady-state figures of the run (None: no step came after the excluded ones)."""
         if self.start is None or self.steps == 0:
             return None
-        elapsed = now - self.start
+        elapsed = self.stopped_at - self.start
         return {
             "steps": self.steps,
             "excluded_steps": self.excluded_steps,

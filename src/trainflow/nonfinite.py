@@ -16,14 +16,17 @@ from __future__ import annotations
 import logging
 import math
 import warnings
-from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from trainflow.distributed import DistEnv
 from trainflow.distributed.process_group import all_reduce_mean
 from trainflow.errors import NonFiniteError
+from trainflow.stages import LoopState, Stage
+
+if TYPE_CHECKING:
+    from trainflow.checkpoint import Checkpointer
 
 log = logging.getLogger("trainflow")
 
@@ -36,18 +39,22 @@ def _local(value: torch.Tensor) -> torch.Tensor:
     return (value.full_tensor() if hasattr(value, "full_tensor") else value).detach()
 
 
-class NonFiniteGuard:
+class NonFiniteGuard(Stage):
     """What the loop does about non-finite values, as `trainer.nonfinite` says.
 
-    `checkpoints` is the checkpoint stage's summary: the newest committed checkpoint (the run's resume point)
-    goes into the message.
+    As a stage (`stop`): notes every step and checks where the loop syncs anyway (the first step, log steps) and
+    before the checkpointer saves; `skip_step` acts inside the step instead (`skip_update`). The checkpointer's
+    newest committed checkpoint (the run's resume point) goes into the message.
     """
 
-    def __init__(self, mode: str, env: DistEnv, checkpoints: Callable[[], dict[str, Any] | None]) -> None:
+    summary_key = "nonfinite"
+
+    def __init__(self, mode: str, env: DistEnv, checkpointer: Checkpointer) -> None:
         self.mode = mode
         self.skips = mode == "skip_step"
+        self.enabled = not self.skips  # skip_step: no work after the step
         self.env = env
-        self._checkpoints = checkpoints
+        self._checkpointer = checkpointer
         self._steps: list[int] = []  # steps noted since the last check, with their losses on the device
         self._losses: list[torch.Tensor] = []
         self._norms: dict[int, torch.Tensor] = {}
@@ -56,6 +63,13 @@ class NonFiniteGuard:
         self._in_a_row: list[int] = []
 
     # -- stop ----------------------------------------------------------------------------------------------------
+
+    def after_step(self, state: LoopState) -> bool:
+        """Note the step; check at a sync point, so nothing non-finite is logged as progress or saved."""
+        self.note(state.step, state.step_loss, state.grad_norm)
+        if state.log_due or state.steps_this_run == 1 or self._checkpointer.saves_at(state.step, state.done):
+            self.check()
+        return False
 
     def note(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor | None) -> None:
         """Keep a step's loss (and gradient norm, when the step computed one) for the next check: no sync."""
@@ -126,10 +140,10 @@ class NonFiniteGuard:
     # -- reporting -----------------------------------------------------------------------------------------------
 
     def _saved(self) -> str:
-        committed = (self._checkpoints() or {}).get("committed")
+        committed = (self._checkpointer.summary() or {}).get("committed")
         if not committed:
             return "no checkpoint holds this state"
         return f"no checkpoint holds this state (newest committed: {committed[-1]})"
 
-    def summary(self) -> dict[str, Any]:
+    def summary(self, steady: dict[str, Any] | None = None) -> dict[str, Any]:
         return {"mode": self.mode, "skipped_steps": self._skipped_count, "skipped_at": self.skipped}

@@ -38,9 +38,11 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 
+from trainflow.checkpoint.checkpointer import CHECKPOINT_REGION
 from trainflow.config import profiler_skip_and_end
 from trainflow.distributed import DistEnv
 from trainflow.errors import ConfigError
+from trainflow.stages import LoopState, Stage
 
 log = logging.getLogger("trainflow")
 
@@ -50,7 +52,6 @@ SMALL_OP_US = 20.0  # on CPU, an operator whose self time is shorter than this i
 STALL_FACTOR = 20.0
 TOP_OPS_IN_SUMMARY = 5
 DATA, FWD_BWD, OPTIMIZER = "trainflow/data", "trainflow/forward_backward", "trainflow/optimizer"
-CHECKPOINT = "trainflow/checkpoint"  # the checkpoint stage's turn in the loop: its polls and saves
 
 # The partition of step time, in the order it is printed.
 SHARES = ("data_wait", "forward_backward_compute", "optimizer_compute", "communication", "overhead", "compile",
@@ -254,7 +255,7 @@ def analyze_window(events: list[Any], on_gpu: bool, last_step: int) -> dict[str,
                 sets[key].append(span)
                 if key == "optimizer" and on_gpu:
                     optimizer_device_us += e.device_time_total
-        if e.name == CHECKPOINT and e.thread == main_thread:
+        if e.name == CHECKPOINT_REGION and e.thread == main_thread:
             saving.append(span)
         if _is_collective(e.name):
             if not on_gpu or e.name.lower().startswith("gloo:"):
@@ -346,12 +347,14 @@ class _RankResult:
     memory_snapshot_write_s: float | None = None  # pickling it after the loop (C++ stacks made this minutes)
 
 
-class Profiler:
-    """Steps torch.profiler on its schedule when `profiler.enabled`; a no-op otherwise.
+class Profiler(Stage):
+    """Steps torch.profiler on its schedule when `profiler.enabled` (and this rank is one of `profiler.ranks`).
 
     `skip_first` is the number of steps this run excludes from its figures (warm-up + compile), used when
     `profiler.skip_first` is null; `start_step` is the step the run resumed at (file names use global steps).
     """
+
+    summary_key = "profiler"
 
     def __init__(self, cfg: DictConfig, env: DistEnv, run_dir: Path, max_steps: int, skip_first: int = 0,
                  start_step: int = 0) -> None:
@@ -368,7 +371,7 @@ class Profiler:
         self._snapshot: dict[str, Any] | None = None  # the CUDA allocator history, written after the loop
         self._load = 0.0  # the highest 1-minute load average seen at the end of a window
         self.result = _RankResult(env.rank)
-        self.on = bool(cfg.enabled) and self._selected(cfg.ranks, env)
+        self.enabled = bool(cfg.enabled) and self._selected(cfg.ranks, env)  # this rank records
         if not cfg.enabled:
             return
         self.skip, end = profiler_skip_and_end(cfg, skip_first)
@@ -396,7 +399,7 @@ class Profiler:
         return env.rank in ranks
 
     def __enter__(self) -> Profiler:
-        if not self.on:
+        if not self.enabled:
             return self
         from torch.profiler import ProfilerActivity, profile, schedule
 
@@ -447,6 +450,10 @@ class Profiler:
             if self._steps <= self._last_window_end:
                 self._prof.step()
 
+    def after_step(self, state: LoopState) -> bool:
+        self.step()
+        return False
+
     def _on_window(self, prof: Any) -> None:
         """After each window: the trace, the ops table, and this window's share of the verdict."""
         window = analyze_window(list(prof.events()), self.device == "cuda", self.start_step + self._steps)
@@ -474,14 +481,14 @@ class Profiler:
             calls_time[0] += avg.count
             calls_time[1] += getattr(avg, sort_by)
 
-        t = self._totals
-        t["steps"] += n
-        t["step_s"] += window["step_s"]
-        t["step_ms"] += window["step_ms"]
+        totals = self._totals
+        totals["steps"] += n
+        totals["step_s"] += window["step_s"]
+        totals["step_ms"] += window["step_ms"]
         for key, seconds in window["seconds"].items():
-            t["seconds"][key] = t["seconds"].get(key, 0.0) + seconds
+            totals["seconds"][key] = totals["seconds"].get(key, 0.0) + seconds
         for key, seconds in window["regions"].items():
-            t["regions"][key] = t["regions"].get(key, 0.0) + seconds
+            totals["regions"][key] = totals["regions"].get(key, 0.0) + seconds
         if hasattr(os, "getloadavg"):
             self._load = max(self._load, os.getloadavg()[0])
         if self._memory_history:
@@ -515,7 +522,7 @@ class Profiler:
         self.result.memory_snapshot_write_s = round(time.perf_counter() - start, 3)
 
     def _finish(self) -> _RankResult | None:
-        if not self.on:
+        if not self.enabled:
             return None
         r = self.result
         r.verdict = verdict(self._totals, self.device, self.env.distributed)
@@ -532,7 +539,7 @@ class Profiler:
                      for name, (calls, us) in top]
         return r
 
-    def summary(self) -> dict[str, Any] | None:
+    def summary(self, steady: dict[str, Any] | None = None) -> dict[str, Any] | None:
         """Every rank's findings, gathered on rank 0 (a collective: all ranks call it); prints the verdict once."""
         if not self.cfg.enabled:
             return None

@@ -1,7 +1,8 @@
 """The one training loop. Every option of every stage plugs in here; none forks it.
 
-Order of assembly: distributed env -> data -> model -> parallelize -> compile
--> optimizer -> resume -> loop -> summary.
+`assemble` builds everything, in order: distributed env -> data -> model -> parallelize -> compile -> optimizer
+-> per-rank seed -> resume -> stages. Then `train_loop` calls `train_step` (one optimizer step) and the list
+of stages (stages.py) after it, and `summarize` writes summary.json.
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ import contextlib
 import logging
 import math
 import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -19,14 +22,15 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 from torch.profiler import record_function
 
-from trainflow.checkpoint import Checkpointer, TrainState
+from trainflow.checkpoint import Checkpointer
 from trainflow.compiler import Compiler
 from trainflow.config import TrainerConfig
 from trainflow.data import DataBundle, StreamSampler, build_datasets, make_loader
 from trainflow.distributed import DistEnv, memory_plan
 from trainflow.distributed.parallelize import no_grad_sync, parallelize, unwrap
 from trainflow.distributed.parity import ParityCheck, parallelism_summary
-from trainflow.distributed.process_group import all_reduce_mean, process_group
+from trainflow.distributed.process_group import process_group
+from trainflow.evaluation import Evaluation
 from trainflow.limits import check_batch
 from trainflow.metrics import (
     MetricsWriter,
@@ -39,15 +43,16 @@ from trainflow.metrics import (
     mfu,
     peak_flops,
     progress_reporter,
-    sync,
     write_json,
 )
 from trainflow.models import build_model
 from trainflow.nonfinite import NonFiniteGuard
 from trainflow.optim import build_optimizer
-from trainflow.profiling import CHECKPOINT, Profiler
+from trainflow.profiling import Profiler
 from trainflow.seeding import SEED_STRIDE, seed_everything
+from trainflow.stages import LoopState, Stage
 from trainflow.tensorboard import Dashboard
+from trainflow.train_metrics import TrainMetrics
 
 log = logging.getLogger("trainflow")
 
@@ -61,260 +66,229 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any] | None:
     """Train as the validated `cfg` says, in this process as one rank (of one or of the launcher's many); return
     the summary on rank 0 (None on other ranks)."""
     with process_group(cfg) as env:
-        return _train(cfg, run_dir, env)
+        training = assemble(cfg, run_dir, env)
+        train_loop(training)
+        return summarize(training)
 
 
-def _train(cfg: DictConfig, run_dir: Path, env: DistEnv) -> dict[str, Any] | None:
-    # A plain dataclass (also in launched workers, whose config is untyped): DictConfig reads cost ~20 us each.
-    t = TrainerConfig(**OmegaConf.to_container(cfg.trainer, resolve=True))
+@dataclass
+class Training:
+    """What the assembly built: the loop, `train_step` and the summary read it."""
+
+    cfg: DictConfig
+    run_dir: Path
+    env: DistEnv
+    trainer: TrainerConfig  # a plain dataclass: DictConfig reads cost ~20 us each, too much for every step
+    data: DataBundle
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    state: LoopState
+    batches: Iterator[Any]
+    pin: bool  # batches are pinned and copied asynchronously
+    autocast: Any
+    region: Callable[[str], Any]  # names a part of the step for the profiler
+    guard: NonFiniteGuard
+    meter: Throughput
+    stages: list[Stage]  # in the order they act after each step
+    global_batch: int
+    parameters: int
+    flops_per_step: int | None
+    peak_flops: float | None
+    parity: ParityCheck
+    auto_plan: Any  # parallelism=auto's plan, checked against the measured peak at the end
+    dashboard: Dashboard | None
+    resumed_from: int | None
+
+
+def assemble(cfg: DictConfig, run_dir: Path, env: DistEnv) -> Training:
+    """Build everything, in the order the parts depend on each other."""
+    trainer = _prepare(cfg, run_dir, env)
+    data = build_datasets(cfg.data, cfg.model)
+    model = build_model(cfg.model).to(env.device)
+    parameters = sum(p.numel() for p in model.parameters())
+    check_batch(cfg, trainer.batch_size, model, data.train, loss_fn, env.device)  # before a batch of that size
+    example = data.train[torch.arange(trainer.batch_size)]
+    flops_per_step = count_train_flops(model, example, loss_fn)
+    if flops_per_step is not None:
+        flops_per_step *= trainer.grad_accum
+    auto_plan = None
+    if cfg.parallelism.strategy == "auto":  # measures memory, decides, writes the decision into cfg.parallelism
+        env, auto_plan = memory_plan.apply_auto(cfg, env, model, example, loss_fn)
+    parity = ParityCheck(cfg, env, model, data.train, loss_fn)  # copies the model: refuses a wrapped one
+    model = parallelize(model, cfg.parallelism, env, trainer.precision)
+    compiler = Compiler(cfg, env, run_dir)
+    model = compiler.apply(model, example, loss_fn)  # compile.check compares eager and compiled on `example`
+    optimizer, scheduler = build_optimizer(model, cfg.optim, trainer.max_steps, env.device)
+    state = LoopState(model, optimizer, scheduler)
+    checkpointer = Checkpointer(cfg.checkpoint, env, run_dir)
+    _seed_rank_then_resume(trainer.seed, env, checkpointer, state)
+    resumed_from = state.step if state.step > 0 else None
+    if resumed_from and resumed_from >= trainer.max_steps and env.is_main:  # a finished run started again
+        log.warning("the checkpoint is at step %d, trainer.max_steps is %d: nothing left to train; raise "
+                    "trainer.max_steps to continue this run", resumed_from, trainer.max_steps)
+
+    global_batch = trainer.batch_size * env.world_size * trainer.grad_accum
+    sampler = StreamSampler(len(data.train), trainer.batch_size, env.rank, env.world_size, trainer.seed,
+                            state.samples_seen)
+    pin = cfg.data.pin_memory is not False and env.device.type == "cuda"  # null: pinned on CUDA
+    peak = peak_flops(env.device, trainer.precision, cfg.metrics.peak_flops)
+    # even disabled, torch.autocast costs a few us a step: ~1% of the seed MLP's step, so fp32 skips it
+    autocast = torch.autocast(env.device.type, torch.bfloat16) if trainer.precision == "bf16" \
+        else contextlib.nullcontext()
+    dashboard = Dashboard(cfg, run_dir) if env.is_main and cfg.logger.tensorboard else None
+    writer = MetricsWriter(run_dir, env.is_main, dashboard)
+    guard = NonFiniteGuard(trainer.nonfinite, env, checkpointer)
+    meter = Throughput(max([trainer.warmup_steps, compiler.excluded_steps(), parity.excluded_steps()]), env.device,
+                       PeakMemory(env.device))
+    profiler = Profiler(cfg.profiler, env, run_dir, trainer.max_steps, meter.excluded_steps, state.step)
+    train_metrics = TrainMetrics(env, meter, writer, progress_reporter(trainer.max_steps, trainer.progress,
+                                                                       env.is_main, state.step),
+                                 optimizer, global_batch, data.is_lm, flops_per_step, peak)
+    evaluation = Evaluation(cfg, env, data, trainer.eval_interval(), autocast, loss_fn, writer)
+    # the guard checks before anything is logged or saved; the checkpointer comes last: it may stop the run
+    stages: list[Stage] = [compiler, parity, profiler, guard, train_metrics, evaluation, checkpointer]
+    if env.is_main:
+        log.info("model %s: %.2fM parameters; world size %d; global batch %d; %s",
+                 type(unwrap(model)).__name__, parameters / 1e6, env.world_size, global_batch,
+                 f"resumed at step {resumed_from}" if resumed_from else "fresh start")
+    return Training(cfg, run_dir, env, trainer, data, model, optimizer, scheduler, state,
+                    iter(make_loader(data.train, sampler, cfg.data, pin)), pin, autocast,
+                    record_function if profiler.enabled else _unnamed, guard, meter, stages, global_batch,
+                    parameters, flops_per_step, peak, parity, auto_plan, dashboard, resumed_from)
+
+
+def _prepare(cfg: DictConfig, run_dir: Path, env: DistEnv) -> TrainerConfig:
+    """The run's config (logged and saved), determinism, matmul precision, and the seed every rank shares."""
+    trainer = TrainerConfig(**OmegaConf.to_container(cfg.trainer, resolve=True))  # also in untyped workers
     if env.is_main:
         log.info("config:\n%s", OmegaConf.to_yaml(cfg, resolve=True))
         (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
-    if t.deterministic != torch.are_deterministic_algorithms_enabled():  # the call imports inductor: 1.5 s
-        torch.use_deterministic_algorithms(t.deterministic)
-    configure_matmul(env.device, t.precision, t.tf32)
-    seed_everything(t.seed)  # the same initial weights on every rank
+    if trainer.deterministic != torch.are_deterministic_algorithms_enabled():  # the call imports inductor: 1.5 s
+        torch.use_deterministic_algorithms(trainer.deterministic)
+    configure_matmul(env.device, trainer.precision, trainer.tf32)
+    seed_everything(trainer.seed)  # the same initial weights on every rank
+    return trainer
 
-    data = build_datasets(cfg.data, cfg.model)
-    model = build_model(cfg.model).to(env.device)
-    n_params = sum(p.numel() for p in model.parameters())
-    check_batch(cfg, t.batch_size, model, data.train, loss_fn, env.device)  # before a batch of that size exists
-    example = data.train[torch.arange(t.batch_size)]
-    flops_per_step = count_train_flops(model, example, loss_fn)
-    if flops_per_step is not None:
-        flops_per_step *= t.grad_accum
-    auto = None
-    if cfg.parallelism.strategy == "auto":  # measures memory, decides, writes the decision into cfg.parallelism
-        env, auto = memory_plan.apply_auto(cfg, env, model, example, loss_fn)
-    parity = ParityCheck(cfg, env, model, data.train, loss_fn)  # copies the model before wrapping
-    model = parallelize(model, cfg.parallelism, env, t.precision)
-    compiler = Compiler(cfg, env, run_dir)
-    model = compiler.apply(model, example, loss_fn)  # compile.check compares eager and compiled on `example`
-    optimizer, scheduler = build_optimizer(model, cfg.optim, t.max_steps, env.device)
 
-    seed_everything(t.seed + SEED_STRIDE * env.rank)  # per-rank randomness (dropout) from here on
-    state = TrainState(model, optimizer, scheduler)
-    checkpointer = Checkpointer(cfg.checkpoint, env, run_dir)
-    guard = NonFiniteGuard(t.nonfinite, env, checkpointer.summary)
-    checkpointer.resume(state)  # restores every rank's RNG too, so it comes after the seeding
-    resumed_from = state.step if state.step > 0 else None
-    if resumed_from and resumed_from >= t.max_steps and env.is_main:  # a finished run started again: nothing to do
-        log.warning("the checkpoint is at step %d, trainer.max_steps is %d: nothing left to train; raise "
-                    "trainer.max_steps to continue this run", resumed_from, t.max_steps)
+def _seed_rank_then_resume(seed: int, env: DistEnv, checkpointer: Checkpointer, state: LoopState) -> None:
+    """Per-rank randomness (dropout) from here on; then the resume, which restores every rank's generators, so
+    that a resumed run continues their saved state instead of a fresh seed. One call, in this order only."""
+    seed_everything(seed + SEED_STRIDE * env.rank)
+    checkpointer.resume(state)
 
-    global_batch = t.batch_size * env.world_size * t.grad_accum
-    sampler = StreamSampler(len(data.train), t.batch_size, env.rank, env.world_size, t.seed, state.samples_seen)
-    pin = cfg.data.pin_memory is not False and env.device.type == "cuda"  # null: pinned on CUDA
-    batches = iter(make_loader(data.train, sampler, cfg.data, pin))
-    peak = peak_flops(env.device, t.precision, cfg.metrics.peak_flops)
-    # even disabled, torch.autocast costs a few us a step: ~1% of the seed MLP's step, so fp32 skips it
-    autocast = torch.autocast(env.device.type, torch.bfloat16) if t.precision == "bf16" else contextlib.nullcontext()
-    dashboard = Dashboard(cfg, run_dir) if env.is_main and cfg.logger.tensorboard else None
-    writer = MetricsWriter(run_dir, env.is_main, dashboard)
-    progress = progress_reporter(t.max_steps, t.progress, env.is_main, state.step)
-    throughput = Throughput(max(t.warmup_steps + compiler.excluded_steps(), parity.steps))
-    profiler = Profiler(cfg.profiler, env, run_dir, t.max_steps, throughput.excluded_steps, state.step)
-    label = record_function if profiler.on else _unlabelled  # region names only where a profiler records them
-    if env.is_main:
-        log.info("model %s: %.2fM parameters; world size %d; global batch %d; %s",
-                 type(unwrap(model)).__name__, n_params / 1e6, env.world_size, global_batch,
-                 f"resumed at step {resumed_from}" if resumed_from else "fresh start")
 
-    first_loss: float | None = None
-    interval = _new_interval(env.device)
-    eval_every = t.eval_interval()
-    val: dict[str, float] | None = None
-    memory = PeakMemory(env.device)
-    memory.reset()  # the FLOP count, compile.check and the parity copy are not training
-    sync(env.device)
-    tick = last_log = time.perf_counter()
-    throughput.begin_if_due(0, tick)
-    steps_this_run = 0
-    values: dict[str, float] = {}
-    save_every = int(cfg.checkpoint.every_steps) if checkpointer.enabled else 0
-    grad_norm = None
-    model.train()
-    with profiler:
-        while state.step < t.max_steps:
-            data_wait, tokens = 0.0, 0  # tokens of this rank's micro-batches (data.seq_lens varies their length)
-            step_loss = None  # this rank's loss of the step, on the device
-            for micro in range(t.grad_accum):
-                with label("trainflow/data"):
-                    t0 = time.perf_counter()
-                    batch = next(batches)
-                    data_wait += time.perf_counter() - t0  # the copy below may wait for the GPU: not data
-                    inputs, targets = (x.to(env.device, non_blocking=pin) for x in batch)
-                    tokens += targets.numel() if data.is_lm else 0
-                last = micro == t.grad_accum - 1
-                with label("trainflow/forward_backward"), no_grad_sync(model, last):
-                    with autocast:
-                        loss = loss_fn(model(inputs), targets)
-                    share = loss / t.grad_accum if t.grad_accum > 1 else loss
-                    share.backward()
-                step_loss = share.detach() if step_loss is None else step_loss + share.detach()
-            log_due = (state.step + 1) % t.log_every == 0 or state.step + 1 >= t.max_steps
-            with label("trainflow/optimizer"):
-                norm_due = t.grad_clip or log_due or guard.skips  # the norm is a pass over all gradients
-                grad_norm = nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip or math.inf) if norm_due \
-                    else None
-                if guard.skips and guard.skip_update(state.step + 1, grad_norm):
-                    guard.drop_update(optimizer, scheduler)
-                    interval["skipped"] += 1
-                else:
-                    optimizer.step()
-                    scheduler.step()
-                    optimizer.zero_grad(set_to_none=True)
-                    interval["loss"] += step_loss
-            state.step += 1
-            guard.note(state.step, step_loss, grad_norm)
-            parity.after_step(state.step, model, loss)
-            state.samples_seen += global_batch
-            steps_this_run += 1
-            interval["steps"] += 1
-            interval["data_wait"] += data_wait
-            interval["tokens"] += tokens * env.world_size
-            profiler.step()
+def train_step(training: Training) -> None:
+    """One optimizer step: the micro-batches' forward and backward, the gradient norm (clipping), the update."""
+    trainer, state, model, region, env, pin = (training.trainer, training.state, training.model, training.region,
+                                               training.env, training.pin)
+    data_wait, tokens = 0.0, 0  # tokens of this rank's micro-batches (data.seq_lens varies their length)
+    step_loss = None  # this rank's loss of the step, on the device
+    for micro in range(trainer.grad_accum):
+        with region("trainflow/data"):
+            start = time.perf_counter()
+            batch = next(training.batches)
+            data_wait += time.perf_counter() - start  # the copy below may wait for the GPU: not data
+            inputs, targets = (x.to(env.device, non_blocking=pin) for x in batch)
+            tokens += targets.numel() if training.data.is_lm else 0
+        with region("trainflow/forward_backward"), no_grad_sync(model, micro == trainer.grad_accum - 1):
+            with training.autocast:
+                loss = loss_fn(model(inputs), targets)
+            loss_share = loss / trainer.grad_accum if trainer.grad_accum > 1 else loss
+            loss_share.backward()
+        step_loss = loss_share.detach() if step_loss is None else step_loss + loss_share.detach()
+    state.log_due = (state.step + 1) % trainer.log_every == 0 or state.step + 1 >= trainer.max_steps
+    guard = training.guard
+    with region("trainflow/optimizer"):
+        norm_due = trainer.grad_clip or state.log_due or guard.skips  # the norm is a pass over all gradients
+        state.grad_norm = nn.utils.clip_grad_norm_(model.parameters(), trainer.grad_clip or math.inf) \
+            if norm_due else None
+        state.skipped = guard.skips and guard.skip_update(state.step + 1, state.grad_norm)
+        if state.skipped:
+            guard.drop_update(training.optimizer, training.scheduler)
+        else:
+            training.optimizer.step()
+            training.scheduler.step()
+            training.optimizer.zero_grad(set_to_none=True)
+    state.step += 1
+    state.samples_seen += training.global_batch
+    state.steps_this_run += 1
+    state.done = state.step >= trainer.max_steps
+    state.loss, state.step_loss, state.tokens, state.data_wait_s = loss, step_loss, tokens, data_wait
 
-            if steps_this_run <= throughput.excluded_steps:
-                sync(env.device)
-                now = time.perf_counter()
-                compiler.on_step_end(state.step, now - tick)
-                throughput.begin_if_due(steps_this_run, now)
-                if steps_this_run == throughput.excluded_steps:
-                    memory.reset()  # the steady state's peak leaves out compilation's
-            else:
-                throughput.add(global_batch, tokens * env.world_size, data_wait)
-            tick = time.perf_counter()
-            done = state.step >= t.max_steps
-            if log_due or steps_this_run == 1 or (save_every and (done or state.step % save_every == 0)):
-                guard.check()  # where the loop syncs anyway: nothing non-finite is logged as progress or saved
-            if first_loss is None:
-                first_loss = all_reduce_mean(loss.detach().clone(), env).item()  # all ranks' mean
 
-            if log_due:
-                sync(env.device)
-                now = time.perf_counter()
-                values = _interval_values(interval, now - last_log, optimizer, grad_norm, env, global_batch,
-                                          data, flops_per_step, peak, memory.take())
-                writer.write(state.step, values)
-                progress(state.step, values)
-                interval = _new_interval(env.device)
-                last_log = time.perf_counter()
-            if done or (eval_every and state.step % eval_every == 0):
-                eval_start = time.perf_counter()
-                val = evaluate(model, data, cfg, env, autocast)
-                writer.write(state.step, {f"val/{k}": v for k, v in val.items()})
-                if env.is_main:
-                    log.info("step %d: val loss %.4f%s", state.step, val["loss"],
-                             f", perplexity {val['perplexity']:.2f}" if "perplexity" in val else "")
-                model.train()
-                paused = time.perf_counter() - eval_start  # evaluation is not training time
-                throughput.pause(paused)
-                last_log += paused
-            with label(CHECKPOINT):  # its collectives are the saves', not the training's communication
-                stop = checkpointer.after_step(state)
-            paused = checkpointer.take_blocked_s()  # saving is not training time either
-            throughput.pause(paused)
-            last_log += paused
+def train_loop(training: Training) -> None:
+    """Steps until trainer.max_steps or a stage stops the run; after each, the enabled stages in order; the
+    meter times it all, less what the stages report as paused. Then the stages close."""
+    state, meter, max_steps = training.state, training.meter, training.trainer.max_steps
+    samples, world_size = training.global_batch, training.env.world_size
+    enabled = [stage for stage in training.stages if stage.enabled]  # a stage that is off costs nothing per step
+    pausing = [stage for stage in enabled if type(stage).take_paused_s is not Stage.take_paused_s]
+    training.model.train()
+    with contextlib.ExitStack() as entered:
+        for stage in enabled:
+            entered.enter_context(stage)
+        meter.begin()
+        while state.step < max_steps:
+            train_step(training)
+            meter.end_step(state, samples, state.tokens * world_size)
+            stop = False
+            for stage in enabled:
+                stop = stage.after_step(state) or stop
+            for stage in pausing:
+                meter.pause(stage.take_paused_s())
             if stop:
                 break
-    end = time.perf_counter()
-    checkpointer.close(state)
-    writer.close()
-    progress(None, None)
+        meter.stop()
+    for stage in enabled:
+        stage.close(state)
 
-    steady = throughput.figures(end)
+
+def summarize(training: Training) -> dict[str, Any] | None:
+    """summary.json (rank 0; every rank takes part in the stages' summaries, some of which gather)."""
+    tr, env, trainer = training, training.env, training.trainer
+    steady = tr.meter.steady_state()
+    peak, flops_per_step = tr.peak_flops, tr.flops_per_step
     achieved = flops_per_step / steady["step_time_s"] if steady and flops_per_step else 0.0
     if peak and achieved > peak:  # MFU above 1: the cached CPU peak was measured under load
-        peak = peak_flops(env.device, t.precision, cfg.metrics.peak_flops, at_least=achieved)
-    peak_memory = memory.summary()  # the training peak (CUDA: after the warm-up), also what auto's plan is checked by
+        peak = peak_flops(env.device, trainer.precision, tr.cfg.metrics.peak_flops, at_least=achieved)
+    peak_memory = tr.meter.memory.summary()  # the training peak (CUDA: after the warm-up), also auto's check
     summary = {
-        "steps": state.step,
-        "steps_this_run": steps_this_run,
-        "resumed_from_step": resumed_from,
+        "steps": tr.state.step,
+        "steps_this_run": tr.state.steps_this_run,
+        "resumed_from_step": tr.resumed_from,
         "steady_state": steady,
         "mfu": mfu(flops_per_step, steady, peak),
         "data_wait_fraction": steady["data_wait_fraction"] if steady else None,
         **peak_memory,
-        "loss": {"first": first_loss, "last": values.get("train/loss")},  # last: mean of the last log interval
-        "val": val,
         "flops_per_step": flops_per_step,
         "peak_flops": peak,
-        "parameters": n_params,
+        "parameters": tr.parameters,
         "world_size": env.world_size,
-        "global_batch": global_batch,
-        "parallelism": parallelism_summary(cfg, env, steady, parity),
+        "global_batch": tr.global_batch,
+        "parallelism": parallelism_summary(tr.cfg, env, steady, tr.parity),
         "device": str(env.device),
-        "matmul_math": matmul_math(env.device, t.precision),
-        "compile": compiler.summary(steady),
-        "profiler": profiler.summary(),
-        "checkpoint": checkpointer.summary(),
-        "nonfinite": guard.summary(),
-        "host": host_load(),
-        "config": OmegaConf.to_container(cfg, resolve=True),
+        "matmul_math": matmul_math(env.device, trainer.precision),
+        **{stage.summary_key: stage.summary(steady) for stage in tr.stages if stage.summary_key},
+        "host": host_load(),  # a report warns of figures measured on an overloaded machine
+        "config": OmegaConf.to_container(tr.cfg, resolve=True),
     }
-    if auto:
-        summary["parallelism"]["plan"] = memory_plan.finish(auto, env.device, model, optimizer,
+    if tr.auto_plan:
+        summary["parallelism"]["plan"] = memory_plan.finish(tr.auto_plan, env.device, tr.model, tr.optimizer,
                                                             peak_memory["peak_memory_bytes"])
-    if dashboard is not None:
-        dashboard.finish(summary)
+    if tr.dashboard is not None:
+        tr.dashboard.finish(summary)
     if not env.is_main:
         return None
-    write_json(run_dir / "summary.json", summary)
-    log.info("done: %d steps; steady state %s", state.step,
+    write_json(tr.run_dir / "summary.json", summary)
+    log.info("done: %d steps; steady state %s", tr.state.step,
              f"{steady['samples_per_sec']:.1f} samples/s, {steady['step_time_s'] * 1e3:.1f} ms/step"
              if steady else "not reached (too few steps after warm-up)")
     return summary
 
 
-def _new_interval(device: torch.device) -> dict[str, Any]:
-    """What the loop sums between two log steps (the loss stays on the device: no sync per step)."""
-    return {"loss": torch.zeros((), device=device), "steps": 0, "skipped": 0, "data_wait": 0.0, "tokens": 0}
+def _unnamed(_name: str) -> contextlib.nullcontext:
+    return _NO_REGION
 
 
-def _unlabelled(_name: str) -> contextlib.nullcontext:
-    return _NO_LABEL
-
-
-_NO_LABEL = contextlib.nullcontext()  # reusable: it holds no state
-
-
-def _interval_values(interval: dict, elapsed: float, optimizer, grad_norm: torch.Tensor, env: DistEnv,
-                     global_batch: int, data: DataBundle, flops_per_step: int | None, peak: float | None,
-                     memory_bytes: int) -> dict:
-    steps = interval["steps"]
-    applied = steps - interval["skipped"]  # skip_step: the loss is the mean over the steps that were applied
-    loss = all_reduce_mean(interval["loss"] / applied, env).item() if applied else math.nan
-    step_time = elapsed / steps
-    values = {
-        "train/loss": loss,
-        "train/lr": optimizer.param_groups[0]["lr"],
-        "train/grad_norm": float(grad_norm),
-        "perf/step_time_s": step_time,
-        "perf/samples_per_sec": global_batch / step_time,
-        "perf/data_wait_fraction": interval["data_wait"] / elapsed,
-        "perf/memory_bytes": memory_bytes,
-    }
-    if data.is_lm:
-        values["perf/tokens_per_sec"] = interval["tokens"] / elapsed
-    if flops_per_step and peak:
-        values["perf/mfu"] = flops_per_step / step_time / peak
-    return values
-
-
-@torch.no_grad()
-def evaluate(model: nn.Module, data: DataBundle, cfg: DictConfig, env: DistEnv, autocast) -> dict[str, float]:
-    """Mean loss over the same held-out batches every time (rank-strided, in order)."""
-    model.eval()
-    t = cfg.trainer
-    sampler = StreamSampler(len(data.val), t.batch_size, env.rank, env.world_size, seed=0, shuffle=False)
-    total = torch.zeros((), device=env.device)
-    for _, indices in zip(range(t.eval_steps), sampler, strict=False):
-        inputs, targets = (x.to(env.device) for x in data.val[indices])
-        with autocast:
-            total += loss_fn(model(inputs), targets).float()
-    loss = all_reduce_mean(total / t.eval_steps, env).item()
-    result = {"loss": loss}
-    if data.is_lm:
-        result["perplexity"] = math.exp(min(loss, 50.0))
-    return result
+_NO_REGION = contextlib.nullcontext()  # reusable: it holds no state

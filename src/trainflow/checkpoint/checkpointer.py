@@ -34,6 +34,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from omegaconf import DictConfig
+from torch.profiler import record_function
 
 from trainflow.checkpoint import resume as resuming
 from trainflow.checkpoint import store
@@ -68,6 +69,7 @@ from trainflow.locks import DirLock
 log = logging.getLogger(__package__)  # one name for the package: lines read [trainflow.checkpoint]
 
 EXIT_STOPPED = 75  # saved on SIGTERM/SIGUSR2/SIGHUP and stopped: run the same command again to resume
+CHECKPOINT_REGION = "trainflow/checkpoint"  # the profiler region of its turn in the loop: its polls and saves
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR2, signal.SIGHUP)  # SIGHUP: the terminal or ssh session closed
 
 _stopped_by: str | None = None  # the signal this process stopped on after saving (see stop_exit_code)
@@ -106,7 +108,11 @@ class Checkpointer:
 
     All ranks call every method at the same step; rank 0 alone touches the folder structure (create, commit,
     delete) and shares the outcome, so a failure raises the same error on every rank instead of a hang.
+
+    A stage (trainflow.stages.Stage) without subclassing it: stages.py imports this package for TrainState.
     """
+
+    summary_key = "checkpoint"
 
     def __init__(self, cfg: DictConfig, env: DistEnv, run_dir: Path) -> None:
         self.cfg = cfg
@@ -115,6 +121,8 @@ class Checkpointer:
         self.enabled = bool(cfg.enabled)
         if not self.enabled:
             return
+        self._every_steps = int(cfg.every_steps)  # plain values: read after every step
+        self._sync = cfg.mode == "sync"
         self.dir = store.resolve_dir(cfg.dir, run_dir)
         self._ctl = None  # gloo group for the main thread's collectives (flags, barriers, sync saves)
         self._async_group = None  # gloo group owned by the async upload thread (the default group hangs)
@@ -145,7 +153,7 @@ class Checkpointer:
             log.warning("checkpoint: training runs outside the main thread: SIGTERM/SIGUSR2/SIGHUP will not save "
                         "and stop")
 
-    # -- hooks called by run.py --------------------------------------------------------------------------------
+    # -- the stage interface (and resume, called by the assembly) ------------------------------------------------
 
     def resume(self, state: TrainState) -> None:
         """Restore the newest committed checkpoint into `state`, if there is one and resuming is on."""
@@ -172,18 +180,35 @@ class Checkpointer:
         """Save when due; return True when the run must stop now (a stop signal was handled)."""
         if not self.enabled:
             return False
+        with record_function(CHECKPOINT_REGION):  # its collectives are the saves', not the training's communication
+            return self._after_step(state)
+
+    def _after_step(self, state: TrainState) -> bool:
         stop_signal, uploaded = self._poll()
         start = time.perf_counter()
         if uploaded:
             self._finish_pending()
         if stop_signal:
             self._stop(state, stop_signal)
-        elif state.step % self.cfg.every_steps == 0:
-            self._save(state, blocking=self.cfg.mode == "sync")
+        elif state.step % self._every_steps == 0:
+            self._save(state, blocking=self._sync)
         self._blocked_unreported += time.perf_counter() - start
         return stop_signal is not None
 
-    def take_blocked_s(self) -> float:
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        """A failed run keeps what it committed; close() is for a normal end."""
+
+    def excluded_steps(self) -> int:
+        return 0
+
+    def saves_at(self, step: int, done: bool) -> bool:
+        """Whether a save is due at this step boundary (a periodic one, or the final one after the last step)."""
+        return self.enabled and (done or step % self._every_steps == 0)
+
+    def take_paused_s(self) -> float:
         """Seconds the loop spent on checkpoints since the last call (to keep them out of throughput)."""
         if not self.enabled:
             return 0.0
@@ -210,7 +235,7 @@ class Checkpointer:
             for sig, handler in self._previous_handlers.items():
                 signal.signal(sig, handler)
 
-    def summary(self) -> dict[str, Any] | None:
+    def summary(self, steady: dict[str, Any] | None = None) -> dict[str, Any] | None:
         if not self.enabled:
             return None
         blocked = [s["blocked_s"] for s in self._saves]

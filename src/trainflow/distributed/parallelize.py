@@ -141,6 +141,13 @@ def shard(model: nn.Module, cfg: DictConfig, env: DistEnv, precision: str = "fp3
     return model
 
 
+def is_parallelized(model: nn.Module) -> bool:
+    """Whether parallelize() has wrapped (DDP) or sharded (FSDP2) the model already."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return unwrap(model) is not model or isinstance(model, FSDPModule)
+
+
 def unwrap(model: nn.Module) -> nn.Module:
     """The user's module under any compile / DDP wrappers (FSDP2 shards in place: nothing to peel)."""
     while True:

@@ -16,9 +16,10 @@ from torch import nn
 
 from trainflow.compare import relative_error
 from trainflow.distributed.hsdp import MESH_DIMS, hsdp_shape
-from trainflow.distributed.parallelize import full_parameters
+from trainflow.distributed.parallelize import full_parameters, is_parallelized
 from trainflow.distributed.process_group import SHARDED, DistEnv, all_reduce_mean, node_count
 from trainflow.metrics import matmul_math
+from trainflow.stages import LoopState, Stage
 
 log = logging.getLogger(__name__)
 
@@ -29,7 +30,7 @@ log = logging.getLogger(__name__)
 PARITY_TOLERANCE = {"fp32": 1e-4, "tf32": 1e-2, "bf16": 2e-2}
 
 
-class ParityCheck:
+class ParityCheck(Stage):
     """With parallelism.check: rank 0 trains a one-process copy on the same global batches, then compares.
 
     The reference starts from a copy of the model taken before wrapping (the same initial weights every rank
@@ -43,6 +44,8 @@ class ParityCheck:
 
     def __init__(self, cfg: DictConfig, env: DistEnv, model: nn.Module, dataset: Any,
                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
+        if is_parallelized(model):
+            raise RuntimeError("ParityCheck copies the model before parallelize() wraps or shards it")
         p = cfg.parallelism
         self.enabled = bool(p.check) and env.distributed
         self.steps = min(p.check_steps, cfg.trainer.max_steps) if self.enabled else 0
@@ -77,10 +80,17 @@ class ParityCheck:
         self.optimizer.zero_grad(set_to_none=True)
         return loss.item()
 
-    def after_step(self, step: int, model: nn.Module, loss: torch.Tensor) -> None:
-        """Call on every rank after each optimizer step with the last micro-step's loss."""
-        if not self.enabled or self.result is not None:
-            return
+    def excluded_steps(self) -> int:
+        """The checked steps: the reference trains beside them, which is not the parallel run's speed."""
+        return self.steps
+
+    def after_step(self, state: LoopState) -> bool:
+        """On every rank after each optimizer step: compare the last micro-step's loss; then the parameters."""
+        if self.result is None:
+            self._compare(state.step, state.model, state.loss)
+        return False
+
+    def _compare(self, step: int, model: nn.Module, loss: torch.Tensor) -> None:
         self._seen += 1
         if step != self._seen:  # resumed: the reference started from the initial weights
             self.result = {"skipped": f"the run resumed at step {step - 1}; the check compares from step 0"}
@@ -124,7 +134,7 @@ class ParityCheck:
         for name in ("reference", "optimizer", "scheduler", "batches"):
             self.__dict__.pop(name, None)
 
-    def summary(self) -> dict[str, Any] | None:
+    def summary(self, steady: dict[str, Any] | None = None) -> dict[str, Any] | None:
         if not self.enabled:
             return None
         return self.result or {"skipped": f"the run ended before parallelism.check_steps={self.steps}"}
@@ -133,15 +143,15 @@ class ParityCheck:
 def parallelism_summary(cfg: DictConfig, env: DistEnv, steady: dict[str, float] | None,
                         check: ParityCheck) -> dict[str, Any]:
     """The parallel layout, global batch, throughput in total and per rank, and the parity check's verdict."""
-    t = cfg.trainer
+    trainer = cfg.trainer
     out: dict[str, Any] = {
         "strategy": env.strategy,
         "world_size": env.world_size,
         "nodes": node_count(env.world_size),
         "backend": dist.get_backend() if env.distributed and dist.is_initialized() else None,
-        "per_rank_batch": t.batch_size,
-        "grad_accum": t.grad_accum,
-        "global_batch": t.batch_size * env.world_size * t.grad_accum,
+        "per_rank_batch": trainer.batch_size,
+        "grad_accum": trainer.grad_accum,
+        "global_batch": trainer.batch_size * env.world_size * trainer.grad_accum,
         "check": check.summary(),
     }
     if env.strategy in SHARDED:
