@@ -1,6 +1,6 @@
 """The one training loop. Every option of every stage plugs in here; none forks it.
 
-Order of assembly: distributed env -> data -> model -> parallelize -> compile
+Order of assembly: distributed env -> data, model and task -> parallelize -> compile
 -> optimizer -> resume -> loop -> summary.
 """
 
@@ -14,15 +14,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 from torch.profiler import record_function
+from torch.utils.data import Dataset
 
 from trainflow.checkpoint import Checkpointer, TrainState
 from trainflow.compiler import Compiler
 from trainflow.config import TrainerConfig
-from trainflow.data import DataBundle, StreamSampler, build_datasets, make_loader
+from trainflow.data import StreamSampler, build_datasets, make_loader, to_device
 from trainflow.distributed import DistEnv, memory_plan
 from trainflow.distributed.parallelize import no_grad_sync, parallelize, unwrap
 from trainflow.distributed.parity import ParityCheck, parallelism_summary
@@ -46,14 +46,10 @@ from trainflow.nonfinite import NonFiniteGuard
 from trainflow.optim import build_optimizer
 from trainflow.profiling import Profiler
 from trainflow.seeding import SEED_STRIDE, seed_everything
+from trainflow.tasks import Task, build_task, probe
 from trainflow.tensorboard import Dashboard
 
 log = logging.getLogger("trainflow")
-
-
-def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Cross-entropy for classifiers ([B, C]) and language models ([B, T, V]) alike."""
-    return F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten())
 
 
 def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any] | None:
@@ -77,18 +73,21 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv) -> dict[str, Any] | Non
     data = build_datasets(cfg.data, cfg.model)
     model = build_model(cfg.model).to(env.device)
     n_params = sum(p.numel() for p in model.parameters())
-    check_batch(cfg, t.batch_size, model, data.train, loss_fn, env.device)  # before a batch of that size exists
+    task = build_task(cfg.task, data.is_lm)
+    metric_names = probe(task, model, to_device(data.train[torch.arange(1)], env.device), data.name,
+                         cfg.model._target_)
+    check_batch(cfg, t.batch_size, model, data.train, task, env.device)  # before a batch of that size exists
     example = data.train[torch.arange(t.batch_size)]
-    flops_per_step = count_train_flops(model, example, loss_fn)
+    flops_per_step, flops_absent = count_train_flops(model, example, task)
     if flops_per_step is not None:
         flops_per_step *= t.grad_accum
     auto = None
     if cfg.parallelism.strategy == "auto":  # measures memory, decides, writes the decision into cfg.parallelism
-        env, auto = memory_plan.apply_auto(cfg, env, model, example, loss_fn)
-    parity = ParityCheck(cfg, env, model, data.train, loss_fn)  # copies the model before wrapping
+        env, auto = memory_plan.apply_auto(cfg, env, model, example, task)
+    parity = ParityCheck(cfg, env, model, data.train, task)  # copies the model before wrapping
     model = parallelize(model, cfg.parallelism, env, t.precision)
     compiler = Compiler(cfg, env, run_dir)
-    model = compiler.apply(model, example, loss_fn)  # compile.check compares eager and compiled on `example`
+    model = compiler.apply(model, example, task)  # compile.check compares eager and compiled on `example`
     optimizer, scheduler = build_optimizer(model, cfg.optim, t.max_steps, env.device)
 
     seed_everything(t.seed + SEED_STRIDE * env.rank)  # per-rank randomness (dropout) from here on
@@ -115,9 +114,11 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv) -> dict[str, Any] | Non
     profiler = Profiler(cfg.profiler, env, run_dir, t.max_steps, throughput.excluded_steps, state.step)
     label = record_function if profiler.on else _unlabelled  # region names only where a profiler records them
     if env.is_main:
-        log.info("model %s: %.2fM parameters; world size %d; global batch %d; %s",
-                 type(unwrap(model)).__name__, n_params / 1e6, env.world_size, global_batch,
-                 f"resumed at step {resumed_from}" if resumed_from else "fresh start")
+        log.info("model %s: %.2fM parameters; world size %d; global batch %d; task %s (monitor: val %s, %s); %s",
+                 type(unwrap(model)).__name__, n_params / 1e6, env.world_size, global_batch, type(task).__name__,
+                 task.monitor, task.mode, f"resumed at step {resumed_from}" if resumed_from else "fresh start")
+        if data.val is None:
+            log.info("%s gives no validation set: no evaluation", data.name)
 
     first_loss: float | None = None
     interval = _new_interval(env.device)
@@ -135,22 +136,24 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv) -> dict[str, Any] | Non
     model.train()
     with profiler:
         while state.step < t.max_steps:
-            data_wait, tokens = 0.0, 0  # tokens of this rank's micro-batches (data.seq_lens varies their length)
+            data_wait, samples, tokens = 0.0, 0, 0  # of this rank's micro-batches, counted by the task
             step_loss = None  # this rank's loss of the step, on the device
             for micro in range(t.grad_accum):
                 with label("trainflow/data"):
                     t0 = time.perf_counter()
                     batch = next(batches)
                     data_wait += time.perf_counter() - t0  # the copy below may wait for the GPU: not data
-                    inputs, targets = (x.to(env.device, non_blocking=pin) for x in batch)
-                    tokens += targets.numel() if data.is_lm else 0
+                    batch = to_device(batch, env.device, non_blocking=pin)
+                    counted = task.count(batch)  # shapes only (data.seq_lens varies the tokens)
+                    samples, tokens = samples + counted[0], tokens + counted[1]
                 last = micro == t.grad_accum - 1
                 with label("trainflow/forward_backward"), no_grad_sync(model, last):
                     with autocast:
-                        loss = loss_fn(model(inputs), targets)
+                        loss, metrics = task(model, batch)
                     share = loss / t.grad_accum if t.grad_accum > 1 else loss
                     share.backward()
                 step_loss = share.detach() if step_loss is None else step_loss + share.detach()
+                _add_metrics(interval, metrics)
             log_due = (state.step + 1) % t.log_every == 0 or state.step + 1 >= t.max_steps
             with label("trainflow/optimizer"):
                 norm_due = t.grad_clip or log_due or guard.skips  # the norm is a pass over all gradients
@@ -164,6 +167,7 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv) -> dict[str, Any] | Non
                     scheduler.step()
                     optimizer.zero_grad(set_to_none=True)
                     interval["loss"] += step_loss
+                    interval["samples"] += samples * env.world_size
             state.step += 1
             guard.note(state.step, step_loss, grad_norm)
             parity.after_step(state.step, model, loss)
@@ -182,7 +186,7 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv) -> dict[str, Any] | Non
                 if steps_this_run == throughput.excluded_steps:
                     memory.reset()  # the steady state's peak leaves out compilation's
             else:
-                throughput.add(global_batch, tokens * env.world_size, data_wait)
+                throughput.add(samples * env.world_size, tokens * env.world_size, data_wait)
             tick = time.perf_counter()
             done = state.step >= t.max_steps
             if log_due or steps_this_run == 1 or (save_every and (done or state.step % save_every == 0)):
@@ -193,19 +197,18 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv) -> dict[str, Any] | Non
             if log_due:
                 sync(env.device)
                 now = time.perf_counter()
-                values = _interval_values(interval, now - last_log, optimizer, grad_norm, env, global_batch,
-                                          data, flops_per_step, peak, memory.take())
+                values = _interval_values(interval, now - last_log, optimizer, grad_norm, env, task,
+                                          flops_per_step, peak, memory.take())
                 writer.write(state.step, values)
                 progress(state.step, values)
                 interval = _new_interval(env.device)
                 last_log = time.perf_counter()
-            if done or (eval_every and state.step % eval_every == 0):
+            if data.val is not None and (done or (eval_every and state.step % eval_every == 0)):
                 eval_start = time.perf_counter()
-                val = evaluate(model, data, cfg, env, autocast)
+                val = evaluate(model, data.val, task, cfg, env, autocast)
                 writer.write(state.step, {f"val/{k}": v for k, v in val.items()})
                 if env.is_main:
-                    log.info("step %d: val loss %.4f%s", state.step, val["loss"],
-                             f", perplexity {val['perplexity']:.2f}" if "perplexity" in val else "")
+                    log.info("step %d: val %s", state.step, ", ".join(f"{k} {v:.4g}" for k, v in val.items()))
                 model.train()
                 paused = time.perf_counter() - eval_start  # evaluation is not training time
                 throughput.pause(paused)
@@ -232,10 +235,12 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv) -> dict[str, Any] | Non
         "resumed_from_step": resumed_from,
         "steady_state": steady,
         "mfu": mfu(flops_per_step, steady, peak),
+        "mfu_absent": flops_absent,  # why MFU is missing, when the FLOPs could not be counted
         "data_wait_fraction": steady["data_wait_fraction"] if steady else None,
         **peak_memory,
         "loss": {"first": first_loss, "last": values.get("train/loss")},  # last: mean of the last log interval
         "val": val,
+        "task": {"name": type(task).__name__, "monitor": task.monitor, "mode": task.mode, "metrics": metric_names},
         "flops_per_step": flops_per_step,
         "peak_flops": peak,
         "parameters": n_params,
@@ -266,7 +271,17 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv) -> dict[str, Any] | Non
 
 def _new_interval(device: torch.device) -> dict[str, Any]:
     """What the loop sums between two log steps (the loss stays on the device: no sync per step)."""
-    return {"loss": torch.zeros((), device=device), "steps": 0, "skipped": 0, "data_wait": 0.0, "tokens": 0}
+    return {"loss": torch.zeros((), device=device), "steps": 0, "skipped": 0, "data_wait": 0.0, "tokens": 0,
+            "samples": 0, "metrics": {}, "micro_steps": 0}
+
+
+def _add_metrics(interval: dict[str, Any], metrics: dict[str, torch.Tensor]) -> None:
+    """Sum the task's metrics of a micro-step on the device (read, as a mean, at the next log step)."""
+    for name, value in metrics.items():
+        total = interval["metrics"].get(name)
+        value = value.detach().float()
+        interval["metrics"][name] = value if total is None else total + value
+    interval["micro_steps"] += 1
 
 
 def _unlabelled(_name: str) -> contextlib.nullcontext:
@@ -277,8 +292,7 @@ _NO_LABEL = contextlib.nullcontext()  # reusable: it holds no state
 
 
 def _interval_values(interval: dict, elapsed: float, optimizer, grad_norm: torch.Tensor, env: DistEnv,
-                     global_batch: int, data: DataBundle, flops_per_step: int | None, peak: float | None,
-                     memory_bytes: int) -> dict:
+                     task: Task, flops_per_step: int | None, peak: float | None, memory_bytes: int) -> dict:
     steps = interval["steps"]
     applied = steps - interval["skipped"]  # skip_step: the loss is the mean over the steps that were applied
     loss = all_reduce_mean(interval["loss"] / applied, env).item() if applied else math.nan
@@ -288,30 +302,36 @@ def _interval_values(interval: dict, elapsed: float, optimizer, grad_norm: torch
         "train/lr": optimizer.param_groups[0]["lr"],
         "train/grad_norm": float(grad_norm),
         "perf/step_time_s": step_time,
-        "perf/samples_per_sec": global_batch / step_time,
+        "perf/samples_per_sec": interval["samples"] / elapsed,
         "perf/data_wait_fraction": interval["data_wait"] / elapsed,
         "perf/memory_bytes": memory_bytes,
     }
-    if data.is_lm:
+    if task.is_lm:
         values["perf/tokens_per_sec"] = interval["tokens"] / elapsed
     if flops_per_step and peak:
         values["perf/mfu"] = flops_per_step / step_time / peak
+    names = sorted(interval["metrics"])
+    if names:  # one all-reduce for all of them
+        sums = torch.stack([interval["metrics"][n] for n in names]) / interval["micro_steps"]
+        values.update({f"train/{n}": v for n, v in zip(names, all_reduce_mean(sums, env).tolist(), strict=True)})
     return values
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, data: DataBundle, cfg: DictConfig, env: DistEnv, autocast) -> dict[str, float]:
-    """Mean loss over the same held-out batches every time (rank-strided, in order)."""
+def evaluate(model: nn.Module, dataset: Dataset, task: Task, cfg: DictConfig, env: DistEnv,
+             autocast) -> dict[str, float]:
+    """The task's loss and metrics, means over the same held-out batches every time (rank-strided, in order)."""
     model.eval()
     t = cfg.trainer
-    sampler = StreamSampler(len(data.val), t.batch_size, env.rank, env.world_size, seed=0, shuffle=False)
-    total = torch.zeros((), device=env.device)
+    sampler = StreamSampler(len(dataset), t.batch_size, env.rank, env.world_size, seed=0, shuffle=False)
+    totals: dict[str, torch.Tensor] = {}
     for _, indices in zip(range(t.eval_steps), sampler, strict=False):
-        inputs, targets = (x.to(env.device) for x in data.val[indices])
+        batch = to_device(dataset[indices], env.device)
         with autocast:
-            total += loss_fn(model(inputs), targets).float()
-    loss = all_reduce_mean(total / t.eval_steps, env).item()
-    result = {"loss": loss}
-    if data.is_lm:
-        result["perplexity"] = math.exp(min(loss, 50.0))
-    return result
+            loss, metrics = task(model, batch)
+        for name, value in {"loss": loss, **metrics}.items():
+            value = value.detach().float()
+            totals[name] = totals[name] + value if name in totals else value
+    names = list(totals)
+    means = all_reduce_mean(torch.stack([totals[n] for n in names]) / t.eval_steps, env).tolist()
+    return task.finish(dict(zip(names, means, strict=True)))

@@ -42,7 +42,7 @@ class ParityCheck:
     """
 
     def __init__(self, cfg: DictConfig, env: DistEnv, model: nn.Module, dataset: Any,
-                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
+                 task: Callable[[nn.Module, Any], tuple[torch.Tensor, dict]]) -> None:
         p = cfg.parallelism
         self.enabled = bool(p.check) and env.distributed
         self.steps = min(p.check_steps, cfg.trainer.max_steps) if self.enabled else 0
@@ -53,13 +53,13 @@ class ParityCheck:
         self._seen = 0
         if not (self.enabled and env.is_main):
             return
-        from trainflow.data import StreamSampler, make_loader
+        from trainflow.data import StreamSampler, make_loader, to_device
         from trainflow.optim import build_optimizer
 
         t = cfg.trainer
         self.reference = copy.deepcopy(model)
         self.optimizer, self.scheduler = build_optimizer(self.reference, cfg.optim, t.max_steps, env.device)
-        self.loss_fn, self.trainer = loss_fn, t
+        self.task, self.trainer, self.to_device = task, t, to_device
         sampler = StreamSampler(len(dataset), t.batch_size * env.world_size, 0, 1, t.seed)
         self.batches = iter(make_loader(dataset, sampler, cfg.data, False))
 
@@ -67,9 +67,9 @@ class ParityCheck:
         t = self.trainer
         autocast = torch.autocast(self.env.device.type, dtype=torch.bfloat16, enabled=t.precision == "bf16")
         for _ in range(t.grad_accum):
-            inputs, targets = (x.to(self.env.device) for x in next(self.batches))
+            batch = self.to_device(next(self.batches), self.env.device)
             with autocast:
-                loss = self.loss_fn(self.reference(inputs), targets)
+                loss, _ = self.task(self.reference, batch)
             (loss / t.grad_accum).backward()
         nn.utils.clip_grad_norm_(self.reference.parameters(), t.grad_clip or math.inf)
         self.optimizer.step()
