@@ -28,7 +28,8 @@ from hydra.utils import instantiate
 from trainflow.cli import register_with_hydra
 from trainflow.data import build_datasets
 from trainflow.optim import build_optimizer
-from trainflow.run import loss_fn, run
+from trainflow.run import run
+from trainflow.tasks import cross_entropy
 
 ROOT = Path(__file__).resolve().parents[1]
 register_with_hydra()  # before composing configs, as train.py does
@@ -63,7 +64,7 @@ def handwritten_rate(cfg, steps: int, warmup: int) -> float:
             order = torch.randperm(n)
         first = step % per_epoch * b
         inputs, targets = data.train[order[first:first + b]]
-        loss = loss_fn(model(inputs), targets)
+        loss = cross_entropy(model(inputs), targets)
         loss.backward()
         optimizer.step()
         scheduler.step()
