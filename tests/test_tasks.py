@@ -121,7 +121,7 @@ def test_digits_learns_and_reports_the_monitored_accuracy(tmp_path: Path) -> Non
     train_acc = [m["train/accuracy"] for m in run.metrics() if "train/accuracy" in m]
     assert len(train_acc) == 60 and sum(train_acc[-10:]) > sum(train_acc[:10])
     assert s["val"]["accuracy"] == vals[-1]["val/accuracy"] and s["flops_per_step"] > 0 and s["mfu_absent"] is None
-    assert f"step 60: val loss {s['val']['loss']:.4g}, accuracy {s['val']['accuracy']:.4g}" in run.stderr
+    assert f"step 60: val loss {s['val']['loss']:.4g}, accuracy {s['val']['accuracy']:.4g}" in run.stdout
 
 
 def check_resume_equals(reference: Run, resumed: Run, example: str) -> None:

@@ -74,8 +74,8 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv) -> dict[str, Any] | Non
     model = build_model(cfg.model).to(env.device)
     n_params = sum(p.numel() for p in model.parameters())
     task = build_task(cfg.task, data.is_lm)
-    metric_names = probe(task, model, to_device(data.train[torch.arange(1)], env.device), data.name,
-                         cfg.model._target_)
+    first_two = data.train[torch.arange(min(2, len(data.train)))]  # two: items the collate cannot batch show
+    metric_names = probe(task, model, to_device(first_two, env.device), data.name, cfg.model._target_)
     check_batch(cfg, t.batch_size, model, data.train, task, env.device)  # before a batch of that size exists
     example = data.train[torch.arange(t.batch_size)]
     flops_per_step, flops_absent = count_train_flops(model, example, task)

@@ -140,7 +140,7 @@ def build_task(cfg: DictConfig, lm_data: bool) -> Task:
 
 
 def probe(task: Task, model: nn.Module, sample: Any, data_name: str, model_name: str) -> list[str]:
-    """One sample through the task before training (eval mode, no grad, the random streams untouched).
+    """A small batch through the task before training (eval mode, no grad, the random streams untouched).
 
     A batch the model cannot take is one line naming the data, the model and the shapes, instead of a traceback
     from deep inside forward; a task.monitor the task does not produce is refused. Returns the metric names.
