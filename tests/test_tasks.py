@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -162,3 +164,19 @@ def test_my_project_learns_with_its_own_task_and_monitor(tmp_path: Path) -> None
     assert s["val"]["within_0.25"] == vals[-1]["val/within_0.25"] > 0
     config = json.loads(json.dumps(s["config"]))
     assert config["data"]["collate_fn"] == {"_target_": "my_project.data.PadSets", "pad_to": 12}
+
+
+def test_a_sweep_reports_each_jobs_monitored_metric(tmp_path: Path) -> None:
+    sweep = tmp_path / "sweep"
+    proc = subprocess.run([sys.executable, str(ROOT / "train.py"), "-m", "experiment=digits", *QUICK,
+                           "trainer.max_steps=4,8", "trainer.eval_every=0", f"hydra.sweep.dir={sweep}"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads((sweep / "report.json").read_text())["runs"]
+    summaries = [json.loads((sweep / n / "summary.json").read_text()) for n in ("0", "1")]
+    assert [(r["monitor"], r["mode"]) for r in rows] == [("accuracy", "max")] * 2
+    assert [r["val"] for r in rows] == [s["val"] for s in summaries]
+    table = (sweep / "report.md").read_text()
+    for name, s in zip(("0", "1"), summaries, strict=True):
+        assert f"| {name} | `trainer.max_steps={s['steps']}` |" in table
+        assert f"| accuracy {s['val']['accuracy']:.4f} (max) |" in table
