@@ -6,7 +6,11 @@ summary. Reported: the median samples/s and data-wait fraction of each, and the 
 (workers 2 / workers 0). With 0 workers, items are gathered and collated in the training process, between steps;
 with 2, worker processes prepare the next batches while the step runs.
 
-    python benchmarks/data_path.py [--experiment digits] [--rounds 3] [--steps 150] [override ...]
+    python benchmarks/data_path.py [--experiment digits] [--rounds 3] [--steps 150] [--threads N] [override ...]
+
+--threads sets torch's intra-op threads: on a machine whose cores other processes also use, two threads of a
+small model's step wait on each other (measured here: 7 ms a step with one thread, 40-80 ms with two), which
+would drown the data path's own cost.
 
 A user's project: add its conf folder and its package, e.g.
 `PYTHONPATH=examples/my_project python benchmarks/data_path.py --experiment my_project
@@ -53,8 +57,11 @@ def main() -> None:
     parser.add_argument("--config-dir", type=Path, default=None, help="a user's conf folder, searched after conf/")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=150)
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads; default: torch's")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     logging.getLogger("trainflow").setLevel(logging.WARNING)
     base = [f"experiment={args.experiment}", *COMMON, f"trainer.max_steps={args.steps}", *args.overrides]
     extra = args.config_dir.resolve() if args.config_dir else None
