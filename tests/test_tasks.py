@@ -32,6 +32,13 @@ PROFILED = ["profiler=schedule", "profiler.wait=0", "profiler.warmup=1", "profil
 SAVED = ["checkpoint=dcp", "checkpoint.every_steps=4", "trainer.max_steps=8", "trainer.eval_every=0"]
 
 
+def digits_without_val(val_fraction: float, split_seed: int) -> dict:
+    """A data._target_ (tests/ on PYTHONPATH) that gives no validation set."""
+    from trainflow.data.digits import digits
+
+    return {"train": digits(val_fraction, split_seed)[0], "val": None}
+
+
 def ok(run: Run) -> Run:
     assert run.returncode == 0, run.stderr[-3000:]
     return run
@@ -142,6 +149,14 @@ def test_digits_learns_and_reports_the_monitored_accuracy(tmp_path: Path) -> Non
     assert len(train_acc) == 60 and sum(train_acc[-10:]) > sum(train_acc[:10])
     assert s["val"]["accuracy"] == vals[-1]["val/accuracy"] and s["flops_per_step"] > 0 and s["mfu_absent"] is None
     assert f"step 60: val loss {s['val']['loss']:.4g}, accuracy {s['val']['accuracy']:.4g}" in run.stdout
+
+
+def test_data_without_a_validation_set_trains_without_evaluation(tmp_path: Path) -> None:
+    run = ok(train(tmp_path / "run", "experiment=digits", *QUICK, "trainer.max_steps=3",
+                   "data._target_=test_tasks.digits_without_val", env={"PYTHONPATH": str(ROOT / "tests")}))
+    assert run.summary["val"] is None and run.summary["steps"] == 3 and len(run.losses()) == 3
+    assert run.stdout.count("test_tasks.digits_without_val gives no validation set: no evaluation") == 1
+    assert not [m for m in run.metrics() if any(k.startswith("val/") for k in m)]
 
 
 def check_resume_equals(reference: Run, resumed: Run, example: str) -> None:
