@@ -167,7 +167,6 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv) -> dict[str, Any] | Non
                     scheduler.step()
                     optimizer.zero_grad(set_to_none=True)
                     interval["loss"] += step_loss
-                    interval["samples"] += samples * env.world_size
             state.step += 1
             guard.note(state.step, step_loss, grad_norm)
             parity.after_step(state.step, model, loss)
@@ -176,6 +175,7 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv) -> dict[str, Any] | Non
             interval["steps"] += 1
             interval["data_wait"] += data_wait
             interval["tokens"] += tokens * env.world_size
+            interval["samples"] += samples * env.world_size
             profiler.step()
 
             if steps_this_run <= throughput.excluded_steps:
