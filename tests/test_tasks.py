@@ -178,9 +178,13 @@ def test_example_through_fsdp_profiler_checkpoint_resume_and_compiled_ddp(exampl
     check_resume_equals(fsdp, resumed, example)
 
     ddp = ok(train(tmp_path / "ddp", *args, *QUICK, "parallelism=ddp", *TWO_RANKS, "compile=default",
-                   "trainer.max_steps=8", "trainer.eval_every=0", env=env))
+                   "compile.check=true", "parallelism.check=true", "trainer.max_steps=8", "trainer.eval_every=0",
+                   env=env))
     s = ddp.summary
     assert s["compile"]["enabled"] and s["compile"]["graphs"] >= 1 and s["parallelism"]["strategy"] == "ddp"
+    check, parity = s["compile"]["check"], s["parallelism"]["check"]  # both through the task, on the user's batches
+    assert check["passed"] and check["grads_compared"] == {"digits": 10, "my_project": 6}[example]  # every tensor
+    assert parity["passed"] and len(parity["losses"]) == 3
     compiled, eager = losses_by_step(ddp.run_dir), losses_by_step(fsdp.run_dir)
     assert compiled.keys() == eager.keys() == set(range(1, 9))
     assert all(abs(compiled[k] - eager[k]) <= 1e-4 * eager[k] for k in eager), (compiled, eager)  # fp32 parity
