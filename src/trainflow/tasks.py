@@ -223,9 +223,5 @@ def _describe(batch: Any) -> str:
 
 
 def _rng_devices(sample: Any) -> list[int]:
-    cuda = {t.device.index or 0 for t in tensors(sample) if t.device.type == "cuda"}
-    return sorted(cuda)
-
-
-__all__ = ["Classification", "LanguageModel", "Metrics", "Task", "UserTask", "build_task", "cross_entropy",
-           "probe", "tensors"]
+    """The CUDA devices a batch is on: their random streams are forked too."""
+    return sorted({t.device.index or 0 for t in tensors(sample) if t.device.type == "cuda"})
