@@ -30,7 +30,8 @@ from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 
 from trainflow.cli import register_with_hydra
-from trainflow.run import loss_fn, run
+from trainflow.run import run
+from trainflow.tasks import cross_entropy
 
 ROOT = Path(__file__).resolve().parents[1]
 register_with_hydra()  # before composing configs, as train.py does
@@ -67,7 +68,7 @@ def handwritten_step_time(compiled: bool, steps: int) -> float:
     for step in range(steps + WARMUP + 1):
         if step == WARMUP + 1:  # the first step compiles; WARMUP more settle
             start = time.perf_counter()
-        loss = loss_fn(model(tokens[step, :, :-1]), tokens[step, :, 1:])
+        loss = cross_entropy(model(tokens[step, :, :-1]), tokens[step, :, 1:])
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.trainer.grad_clip)
         optimizer.step()

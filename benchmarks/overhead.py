@@ -40,7 +40,8 @@ from trainflow.cli import register_with_hydra
 from trainflow.data import StreamSampler, build_datasets, make_loader
 from trainflow.distributed.process_group import process_group
 from trainflow.optim import build_optimizer
-from trainflow.run import assemble, loss_fn, run, train_loop, train_step
+from trainflow.run import assemble, run, train_loop, train_step
+from trainflow.tasks import cross_entropy
 
 ROOT = Path(__file__).resolve().parents[1]
 register_with_hydra()  # before composing configs, as train.py does
@@ -75,7 +76,7 @@ def handwritten_rate(cfg, steps: int, warmup: int) -> float:
             order = torch.randperm(n)
         first = step % per_epoch * b
         inputs, targets = data.train[order[first:first + b]]
-        loss = loss_fn(model(inputs), targets)
+        loss = cross_entropy(model(inputs), targets)
         loss.backward()
         optimizer.step()
         scheduler.step()
@@ -197,7 +198,7 @@ def part_by_part(cfg_of: Callable[[int], Any], steps: int, warmup: int) -> dict[
             else:
                 inputs, targets = torch.randn(batch, features), torch.randint(classes, (batch,))
             optimizer.zero_grad()
-            loss = loss_fn(model(inputs), targets) if trainflow_loss else criterion(model(inputs), targets)
+            loss = cross_entropy(model(inputs), targets) if trainflow_loss else criterion(model(inputs), targets)
             loss.backward()
             optimizer.step()
             if scheduler is not None:
@@ -224,7 +225,7 @@ def part_by_part(cfg_of: Callable[[int], Any], steps: int, warmup: int) -> dict[
     timed["literal loop"] = literal_with(False, False, False)
     timed["+ trainflow's data path"] = literal_with(True, False, False)
     timed["+ two parameter groups, LR schedule"] = literal_with(True, True, False)
-    timed["+ loss_fn"] = literal_with(True, True, True)
+    timed["+ its cross_entropy"] = literal_with(True, True, True)
     timed["trainflow train_step alone"] = trainflow_with("train_step")
     timed["trainflow train_loop, no stages"] = trainflow_with("no stages")
     timed["trainflow train_loop"] = trainflow_with("train_loop")

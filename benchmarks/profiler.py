@@ -33,7 +33,7 @@ from trainflow.config import ProfilerConfig
 from trainflow.distributed import DistEnv
 from trainflow.models.gpt import GPT
 from trainflow.profiling import DATA, FWD_BWD, OPTIMIZER, Profiler
-from trainflow.run import loss_fn
+from trainflow.tasks import cross_entropy
 
 CASES = {  # model keyword arguments, batch size
     "tiny": (dict(n_layer=2, n_embd=64, n_head=2, block_size=32), 8),  # milliseconds per step: worst case
@@ -57,7 +57,7 @@ def block(model: GPT, optimizer: torch.optim.Optimizer, batch: torch.Tensor, ste
             with record_function(DATA):
                 inputs, targets = batch[:, :-1], batch[:, 1:]
             with record_function(FWD_BWD):
-                loss_fn(model(inputs), targets).backward()
+                cross_entropy(model(inputs), targets).backward()
             with record_function(OPTIMIZER):
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)

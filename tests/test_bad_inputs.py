@@ -154,6 +154,12 @@ def nearly_full_disk(ctx: Ctx) -> None:
     (disk / "filler").write_bytes(b"\0" * (shutil.disk_usage(disk).free - 300_000))
 
 
+def hide_sklearn(ctx: Ctx) -> None:
+    """An interpreter on which `import sklearn` fails, as without the extra (a sitecustomize on PYTHONPATH)."""
+    (ctx.tmp / "site").mkdir()
+    (ctx.tmp / "site" / "sitecustomize.py").write_text("import sys\nsys.modules['sklearn'] = None\n")
+
+
 def small_corpus(ctx: Ctx) -> None:
     """2000 bytes: 59 training samples of 33 bytes (95% of them, in non-overlapping windows)."""
     (ctx.tmp / "small.txt").write_text("x = 1\n" * 333 + "yy")
@@ -271,6 +277,35 @@ CASES = [
          "33 bytes (val_fraction=0.05); add text or lower data.seq_len", setup=tiny_corpus),
     Case("seq-lens-too-long", "data", "varied lengths longer than the model's context", ("data.seq_lens=[8,64]",),
          "Error: data.seq_lens: each length must be in [1, data.seq_len=32]; got [8, 64]"),
+    # data by _target_ and the task (experiment=digits: scikit-learn's digits through data._target_, a small CNN)
+    Case("data-target-not-importable", "data", "a data factory that cannot be imported",
+         ("experiment=digits", "model=cnn", "data._target_=nosuch.make_datasets"),
+         "Error: data._target_: cannot import 'nosuch.make_datasets'; give the import path of a function or class "
+         "returning (train, val) datasets (its folder on PYTHONPATH)"),
+    Case("data-target-not-datasets", "data", "a data factory that returns something other than datasets",
+         ("experiment=digits", "model=cnn", "data._target_=collections.OrderedDict"),
+         "Error: data._target_: collections.OrderedDict returned a OrderedDict, not datasets; return (train, val) or "
+         "a dict with train, val (None: no evaluation) and optionally collate_fn"),
+    Case("items-cannot-collate", "data", "items of different shapes that the collate cannot batch",
+         (f"hydra.searchpath=[file://{ROOT}/examples/my_project/conf]", "experiment=my_project", "model=set_regressor",
+          "data.collate_fn=null"),
+         "Error: data: default_collate cannot batch the items of my_project.data.point_sets (RuntimeError: stack "
+         "expects each tensor to be equal size, but got {any}); give items of one shape (tensors, or tuples or dicts "
+         "of them), or a data.collate_fn that batches them",
+         env=(("PYTHONPATH", str(ROOT / "examples/my_project")),)),
+    Case("batch-model-mismatch", "data", "batches the model cannot take", ("experiment=digits", "model=mlp"),
+         "Error: data: trainflow.data.digits.digits gives batches of ([2, 1, 8, 8] float32, [2] int64), which the "
+         "task Classification cannot put through model trainflow.models.mlp.MLP (RuntimeError: mat1 and mat2 shapes "
+         "cannot be multiplied (16x8 and 100x256)); make the data's items what the model's forward takes, or change "
+         "model.*"),
+    Case("monitor-not-a-metric", "data", "a task.monitor the task does not produce",
+         ("experiment=digits", "model=cnn", "task.monitor=f1"),
+         "Error: task.monitor: 'f1' is not a metric of this task (loss, accuracy, top5_accuracy); set task.monitor "
+         "to one of them"),
+    Case("vision-extra-missing", "data", "data=digits without scikit-learn installed",
+         ("experiment=digits", "model=cnn"),
+         "Error: data: data=digits reads scikit-learn's digits, and scikit-learn is not installed; run pip install "
+         "'trainflow[vision]'", setup=hide_sklearn, env=(("PYTHONPATH", "{tmp}/site"),)),
     # more config, data and environment values
     Case("interpolation-to-missing-key", "config", "an interpolation to a key that does not exist",
          ("optim.lr=${trainer.nonexistent}",),

@@ -49,7 +49,7 @@ def test_seed_mlp_experiment_trains(run_dir: Path) -> None:
 def test_flop_counter_matches_the_analytic_count_for_the_mlp() -> None:
     from trainflow.metrics import count_train_flops
     from trainflow.models.mlp import MLP
-    from trainflow.run import loss_fn
+    from trainflow.tasks import Classification
 
     batch = 32
     inputs, targets = torch.randn(batch, 100), torch.randint(10, (batch,))
@@ -57,7 +57,7 @@ def test_flop_counter_matches_the_analytic_count_for_the_mlp() -> None:
     forward = sum(2 * batch * i * o for i, o in layers)
     weight_grads = forward  # dL/dW costs what the forward matmul costs
     input_grads = 2 * batch * 256 * 10  # only the second layer passes a gradient back (inputs need none)
-    assert count_train_flops(MLP(), (inputs, targets), loss_fn) == forward + weight_grads + input_grads
+    assert count_train_flops(MLP(), (inputs, targets), Classification()) == (forward + weight_grads + input_grads, None)
 
 
 def test_tensorboard_scalars_read_back_with_tensorboards_reader(run_dir: Path) -> None:
@@ -97,11 +97,12 @@ def gpt_train_flops(model: dict, batch: int, seq_len: int) -> int:
 def test_gpt_flop_count_equals_the_analytic_count_at_other_sizes() -> None:
     from trainflow.metrics import count_train_flops
     from trainflow.models.gpt import GPT
-    from trainflow.run import loss_fn
+    from trainflow.tasks import LanguageModel
 
     model = {"n_layer": 3, "n_embd": 96, "n_head": 4, "vocab_size": 100, "block_size": 16}
     tokens = torch.randint(100, (5, 16))
-    assert count_train_flops(GPT(**model), (tokens, tokens), loss_fn) == gpt_train_flops(model, batch=5, seq_len=16)
+    flops, _ = count_train_flops(GPT(**model), (tokens, tokens), LanguageModel())
+    assert flops == gpt_train_flops(model, batch=5, seq_len=16)
 
 
 def test_summary_has_sane_figures(run_dir: Path) -> None:
@@ -126,7 +127,8 @@ def test_summary_has_sane_figures(run_dir: Path) -> None:
 
 def test_help_lists_the_groups() -> None:
     out = subprocess.run([sys.executable, "train.py", "--help"], cwd=ROOT, capture_output=True, text=True).stdout
-    for line in ("model: gpt_medium, gpt_small, gpt_tiny, mlp", "data: synthetic, text", "optim: adamw, sgd"):
+    for line in ("model: cnn, gpt_medium, gpt_small, gpt_tiny, mlp", "data: digits, synthetic, text",
+                 "optim: adamw, sgd", "task: auto, classify, lm"):
         assert line in out
 
 

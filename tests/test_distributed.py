@@ -28,7 +28,10 @@ TOLERANCE = 1e-4
 
 
 class FailingGPT(GPT):
-    """A GPT whose forward raises on rank TEST_FAIL_RANK at call TEST_FAIL_AT_CALL (first attempt only)."""
+    """A GPT whose forward raises on rank TEST_FAIL_RANK at call TEST_FAIL_AT_CALL (first attempt only).
+
+    Call 1 is the task's probe of two samples, call 2 the memory estimate on the meta device (whose failure only
+    skips the estimate), call 3 the first training step."""
 
     def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)
@@ -37,7 +40,7 @@ class FailingGPT(GPT):
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         self.calls += 1
         if (os.environ.get("RANK") == os.environ.get("TEST_FAIL_RANK")
-                and self.calls == int(os.environ.get("TEST_FAIL_AT_CALL", "2"))
+                and self.calls == int(os.environ.get("TEST_FAIL_AT_CALL", "3"))
                 and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"):
             raise RuntimeError(f"injected failure on rank {os.environ['RANK']}")
         return super().forward(idx)

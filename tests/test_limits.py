@@ -18,7 +18,7 @@ from trainflow.errors import ConfigError
 from trainflow.limits import micro_batch_bytes
 from trainflow.models.gpt import GPT
 from trainflow.models.mlp import MLP
-from trainflow.run import loss_fn
+from trainflow.tasks import LanguageModel, cross_entropy
 
 CORPUS_BYTES = 1 << 30  # 1 GiB: far above what tokenizing may hold in memory
 
@@ -77,7 +77,7 @@ def saved_bytes(model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Ten
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss_fn(model(inputs), targets)
+        cross_entropy(model(inputs), targets)
     return saved
 
 
@@ -88,16 +88,16 @@ def test_meta_estimate_counts_what_autograd_keeps() -> None:
                                 (GPT(256, 32, 2, 2, 64), (torch.randint(256, (1, 32)),) * 2, 0.5)):
         for batch in (1, 8, 32):
             real = saved_bytes(model, *(t.repeat(batch, *[1] * (t.dim() - 1)) for t in sample))
-            estimate = micro_batch_bytes(model, sample, batch, loss_fn)
+            estimate = micro_batch_bytes(model, sample, batch, LanguageModel())
             assert real <= estimate <= real * (1 + rtol), (type(model).__name__, batch, real, estimate)
 
 
 def test_activation_checkpointing_lowers_the_estimate_to_block_inputs_and_one_block() -> None:
     model, sample = GPT(256, 32, 4, 2, 64), (torch.randint(256, (1, 32)),) * 2
-    full = micro_batch_bytes(model, sample, 16, loss_fn)
-    checkpointed = micro_batch_bytes(model, sample, 16, loss_fn, activation_checkpointing=True)
+    full = micro_batch_bytes(model, sample, 16, LanguageModel())
+    checkpointed = micro_batch_bytes(model, sample, 16, LanguageModel(), activation_checkpointing=True)
     one_block_input = 16 * 32 * 64 * 4
-    two_layer = micro_batch_bytes(GPT(256, 32, 2, 2, 64), sample, 16, loss_fn)
+    two_layer = micro_batch_bytes(GPT(256, 32, 2, 2, 64), sample, 16, LanguageModel())
     per_block = (full - two_layer) / 2  # each block adds the same activations
     assert checkpointed == pytest.approx(full - 3 * per_block + 4 * one_block_input)  # 4 inputs kept, 1 block live
 

@@ -134,7 +134,7 @@ def test_slurm_four_nodes_of_eight_gpus_rendezvous_once_and_auto_picks_hsdp_8_by
     from trainflow.distributed.hsdp import build_mesh, hsdp_shape
     from trainflow.distributed.memory_plan import apply_auto
     from trainflow.models import build_model
-    from trainflow.run import loss_fn
+    from trainflow.tasks import LanguageModel
 
     proc = multirun(tmp_path, *SLURM, "hydra.launcher.nodes=4", "hydra.launcher.tasks_per_node=8",
                     "hydra.launcher.gpus_per_node=8", "hydra.launcher.dry_run=true", "parallelism=auto", timeout=60)
@@ -170,10 +170,10 @@ def test_slurm_four_nodes_of_eight_gpus_rendezvous_once_and_auto_picks_hsdp_8_by
         env = DistEnv(0, 32, 0, torch.device("cpu"), "auto")
         probe = copy.deepcopy(cfg)
         probe.parallelism.memory_budget_gb = 1.0
-        table = apply_auto(probe, env, model, example, loss_fn)[1].plan.table
+        table = apply_auto(probe, env, model, example, LanguageModel())[1].plan.table
         assert list(table)[:3] == ["ddp", "hsdp", "fsdp"]
         cfg.parallelism.memory_budget_gb = float(budget_between(table, "hsdp", "ddp").split("=")[1])
-        env, auto = apply_auto(cfg, env, model, example, loss_fn)
+        env, auto = apply_auto(cfg, env, model, example, LanguageModel())
         assert auto.plan.choice.name == "hsdp" and env.strategy == cfg.parallelism.strategy == "hsdp"
         assert hsdp_shape(cfg.parallelism, 32) == (4, 8)
         mesh = build_mesh("cpu", 32, hsdp_shape(cfg.parallelism, 32))

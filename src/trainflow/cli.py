@@ -28,7 +28,8 @@ def register_with_hydra() -> None:
 
 
 def run_from_hydra(cfg: DictConfig) -> float | None:
-    """Run one training job for `train.py`; return the final validation loss (what sweepers optimise)."""
+    """Run one training job for `train.py`; return the final validation value of task.monitor (what sweepers
+    optimise, in the direction of task.mode)."""
     from hydra.core.hydra_config import HydraConfig
 
     from trainflow.distributed.launch import launch, should_launch
@@ -58,7 +59,7 @@ def run_from_hydra(cfg: DictConfig) -> float | None:
             print(f"Stopped after a committed checkpoint; to resume, run the same command: {resume_command()}",
                   file=sys.stderr)
         sys.exit(code)
-    return summary["val"]["loss"] if summary and summary.get("val") else None
+    return summary["val"].get(summary["task"]["monitor"]) if summary and summary.get("val") else None
 
 
 def _single_run() -> bool:

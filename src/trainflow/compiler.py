@@ -30,6 +30,7 @@ from omegaconf import DictConfig
 from torch import nn
 
 from trainflow.compare import relative_error
+from trainflow.data.loaders import to_device
 from trainflow.distributed import DistEnv
 from trainflow.distributed.parallelize import unwrap
 from trainflow.errors import ConfigError, home_note, unwritable_reason
@@ -37,6 +38,7 @@ from trainflow.files import write_atomic
 from trainflow.metrics import matmul_math
 from trainflow.models import model_blocks
 from trainflow.stages import LoopState, Stage
+from trainflow.tasks import Task
 
 log = logging.getLogger(__name__)
 
@@ -96,8 +98,7 @@ class Compiler(Stage):
                 log.info("compile.mode: %s without CUDA graphs (%s) on %d ranks: CUDA graphs break under DDP/FSDP",
                          self.cfg.mode, self.mode, env.world_size)
 
-    def apply(self, model: nn.Module, example: tuple[torch.Tensor, torch.Tensor] | None = None,
-              loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None) -> nn.Module:
+    def apply(self, model: nn.Module, example: Any = None, task: Task | None = None) -> nn.Module:
         """Compile in place (parameter names stay as they are); run `compile.check` on `example` if asked."""
         if not self.enabled:
             return model
@@ -111,9 +112,9 @@ class Compiler(Stage):
         for module in self._targets(model):
             self._compile(module)
         if self.cfg.check:
-            if example is None or loss_fn is None:
-                raise ConfigError("compile.check: needs an example batch and a loss to compare; set it to false")
-            self._check = self._run_check(model, example, loss_fn)
+            if example is None or task is None:
+                raise ConfigError("compile.check: needs an example batch and a task to compare; set it to false")
+            self._check = self._run_check(model, example, task)
         return model
 
     def excluded_steps(self) -> int:
@@ -180,10 +181,9 @@ class Compiler(Stage):
 
         module._compiled_call_impl = call  # nn.Module.__call__ runs this instead of its own _call_impl
 
-    def _run_check(self, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor],
-                   loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> dict[str, Any]:
+    def _run_check(self, model: nn.Module, batch: Any, task: Task) -> dict[str, Any]:
         """One batch through the compiled and the eager model, same weights: compare the loss and every gradient."""
-        inputs, targets = (x.to(self.env.device) for x in batch)
+        batch = to_device(batch, self.env.device)
         autocast = torch.autocast(self.env.device.type, dtype=torch.bfloat16, enabled=self.precision == "bf16")
         params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
 
@@ -194,7 +194,7 @@ class Compiler(Stage):
             # the same random numbers both times, and the training's random stream untouched
             with torch.random.fork_rng(devices=rng_devices, device_type=device.type), autocast:
                 torch.manual_seed(0)
-                loss = loss_fn(model(inputs), targets)
+                loss, _ = task(model, batch)
             loss.backward()
             grads = {n: _local(p.grad).detach().float().clone() for n, p in params if p.grad is not None}
             model.zero_grad(set_to_none=True)

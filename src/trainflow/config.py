@@ -9,7 +9,7 @@ express (positive steps, known choices) live in `validate`.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
@@ -65,6 +65,15 @@ class GPTConfig:
 
 
 @dataclass
+class CNNConfig:
+    _target_: str = "trainflow.models.cnn.CNN"
+    in_channels: int = 1
+    image_size: int = 8
+    width: int = 16
+    num_classes: int = 10
+
+
+@dataclass
 class MLPConfig:
     _target_: str = "trainflow.models.mlp.MLP"
     in_features: int = 100
@@ -73,12 +82,18 @@ class MLPConfig:
 
 
 @dataclass
-class LoaderConfig:
-    seq_len: int = 128  # tokens per sample for language models; defaults to the model's block_size
+class WorkerConfig:
+    """How batches are loaded: trainflow's keys of every data section (a data._target_ is not given them)."""
+
     num_workers: int = 0
     pin_memory: bool | None = None  # null: pinned on CUDA (asynchronous copies), off on CPU
     persistent_workers: bool = False
     prefetch_factor: int | None = None
+
+
+@dataclass
+class LoaderConfig(WorkerConfig):
+    seq_len: int = 128  # tokens per sample for language models; defaults to the model's block_size
     seq_lens: list[int] | None = None  # language models: micro-batch k is cut to seq_lens[k % n] tokens (shapes vary)
 
 
@@ -96,6 +111,47 @@ class SyntheticDataConfig(LoaderConfig):
     kind: str = "synthetic"
     num_samples: int = 65536  # size of one epoch
     data_seed: int = 0  # the task (teacher weights) is fixed by this seed, not by trainer.seed
+
+
+@dataclass
+class DigitsDataConfig(WorkerConfig):
+    """scikit-learn's handwritten digits (8x8 images, 10 classes), read through data._target_ as a user's data is."""
+
+    _target_: str = "trainflow.data.digits.digits"
+    val_fraction: float = 0.2
+    split_seed: int = 0  # which images are held out
+
+
+@dataclass
+class TaskConfig:
+    """What turns a batch into the loss and metrics (trainflow.tasks); a user's own task sets _target_."""
+
+    kind: str = "auto"  # auto (lm for language-model data, else classify) | lm | classify
+    monitor: str = "loss"  # the validation metric train.py returns to sweepers
+    mode: str = "min"  # min | max: the direction in which `monitor` improves
+    top_k: int = 5  # classify: top-k accuracy too, when the model has more than k classes
+    loss_from_model: bool = False  # lm: the model computes its own loss (model(**batch).loss)
+    _target_: str | None = None  # a callable of (model, batch) -> (loss, {name: scalar tensor})
+
+
+def validate_task(cfg: DictConfig) -> None:
+    """Task values a type cannot check; whether task.monitor exists is known once the task ran on a sample."""
+    task = cfg.task
+    _require(task.get("mode", "min") in ("min", "max"), "task.mode", f"must be min or max; got {task.get('mode')!r}")
+    if task.get("_target_"):
+        return
+    _one_of(cfg, "task.kind", ("auto", "lm", "classify"))
+    _require(task.top_k > 0, "task.top_k", f"must be a positive integer; got {task.top_k}")
+    lm = task.kind == "lm" or (task.kind == "auto" and "vocab_size" in cfg.model)
+    _require(not task.loss_from_model or lm, "task.loss_from_model",
+             "is for language models (task=lm); set it to false, or task.kind=lm")
+
+
+def with_worker_defaults(cfg: DictConfig) -> None:
+    """A user's data section (data._target_, no schema) gets trainflow's loader keys it does not set."""
+    d = cfg.data
+    if d.get("_target_") and any(k not in d for k in WorkerConfig.__dataclass_fields__):
+        cfg.data = OmegaConf.merge(OmegaConf.create(asdict(WorkerConfig())), OmegaConf.to_container(d))
 
 
 @dataclass
@@ -395,6 +451,7 @@ class RunConfig:
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     model: Any = MISSING
     data: Any = MISSING
+    task: Any = MISSING
     optim: OptimConfig = field(default_factory=OptimConfig)
     compile: CompileConfig = field(default_factory=CompileConfig)
     profiler: ProfilerConfig = field(default_factory=ProfilerConfig)
@@ -413,6 +470,9 @@ def register_configs() -> None:
     cs.store(group="schema/model", name="mlp", node=MLPConfig)
     cs.store(group="schema/data", name="text", node=TextDataConfig)
     cs.store(group="schema/data", name="synthetic", node=SyntheticDataConfig)
+    cs.store(group="schema/data", name="digits", node=DigitsDataConfig)
+    cs.store(group="schema/task", name="builtin", node=TaskConfig)
+    cs.store(group="schema/model", name="cnn", node=CNNConfig)
 
 
 def _require(ok: bool, key: str, message: str) -> None:
@@ -465,11 +525,11 @@ def validate_model(cfg: DictConfig) -> None:
                 _require(value > 0, f"model.{key}", f"must be a positive integer; got {value}")
         if "dropout" in m:
             _require(0 <= m.dropout < 1, "model.dropout", f"must be in [0, 1); got {m.dropout}")
-    if "block_size" in m:
+    if "block_size" in m and "seq_len" in d:
         _require(d.seq_len <= m.block_size, "data.seq_len",
                  f"{d.seq_len} is longer than the model's context, model.block_size={m.block_size}; lower "
                  f"data.seq_len to <= {m.block_size} or raise model.block_size")
-    if d.kind == "text" and "vocab_size" in m:
+    if d.get("kind") == "text" and "vocab_size" in m:
         _require(m.vocab_size >= BYTE_VOCAB, "model.vocab_size",
                  f"is {m.vocab_size}, but data=text is byte-level: its tokens go up to {BYTE_VOCAB - 1}; set "
                  f"model.vocab_size={BYTE_VOCAB} or more")
@@ -518,27 +578,31 @@ def validate(cfg: DictConfig) -> None:
 
     _require("_target_" in cfg.model, "model._target_",
              "missing: pick model=gpt_tiny|gpt_small|gpt_medium|mlp or set model._target_ to an nn.Module class")
+    with_worker_defaults(cfg)
     d = cfg.data
-    _require(d.get("kind") in ("text", "synthetic"), "data.kind",
-             "unknown data source: pick data=text or data=synthetic")
-    _require(d.seq_len > 0, "data.seq_len", f"must be a positive number of tokens; got {d.seq_len}")
+    _require(bool(d.get("_target_")) or d.get("kind") in ("text", "synthetic"), "data.kind",
+             "unknown data source: pick data=text, data=synthetic or data=digits, or set data._target_ to a function "
+             "returning (train, val) datasets")
+    if "seq_len" in d:
+        _require(d.seq_len > 0, "data.seq_len", f"must be a positive number of tokens; got {d.seq_len}")
     _require(d.num_workers >= 0, "data.num_workers", f"must be >= 0; got {d.num_workers}")
     if d.prefetch_factor is not None:
         _require(d.num_workers > 0, "data.prefetch_factor", "needs data.num_workers > 0 (or set it to null)")
         _require(d.prefetch_factor > 0, "data.prefetch_factor", f"must be > 0; got {d.prefetch_factor}")
     _require(not d.persistent_workers or d.num_workers > 0, "data.persistent_workers",
              "needs data.num_workers > 0 (or set it to false)")
-    if d.kind == "text":
+    if d.get("kind") == "text":
         _require(0 < d.val_fraction < 1, "data.val_fraction", f"must be in (0, 1); got {d.val_fraction}")
         if d.paths is not None:
             _require(len(d.paths) > 0, "data.paths",
                      "is empty: give files or folders, e.g. data.paths=[/path/to/corpus], or null for the default")
-    else:
+    elif d.get("kind") == "synthetic":
         _require(d.num_samples > 0, "data.num_samples", f"must be > 0; got {d.num_samples}")
 
     if cfg.metrics.peak_flops is not None:
         _require(cfg.metrics.peak_flops > 0, "metrics.peak_flops", f"must be > 0; got {cfg.metrics.peak_flops}")
     validate_model(cfg)
+    validate_task(cfg)
     validate_parallelism(cfg)
     validate_profiler(cfg)
     validate_compile(cfg)

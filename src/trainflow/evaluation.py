@@ -1,22 +1,22 @@
-"""Evaluation: the mean validation loss at `trainer.eval_every` steps and at the end of the run."""
+"""Evaluation: the task's validation loss and metrics at `trainer.eval_every` steps and at the end of the run."""
 
 from __future__ import annotations
 
 import logging
-import math
 import time
-from collections.abc import Callable
 from typing import Any
 
 import torch
 from omegaconf import DictConfig
 from torch import nn
+from torch.utils.data import Dataset
 
-from trainflow.data import DataBundle, StreamSampler
+from trainflow.data import DataBundle, StreamSampler, to_device
 from trainflow.distributed import DistEnv
 from trainflow.distributed.process_group import all_reduce_mean
 from trainflow.metrics import MetricsWriter
 from trainflow.stages import LoopState, Stage
+from trainflow.tasks import Task
 
 log = logging.getLogger("trainflow")
 
@@ -27,9 +27,10 @@ class Evaluation(Stage):
     summary_key = "val"
 
     def __init__(self, cfg: DictConfig, env: DistEnv, data: DataBundle, every: int, autocast: Any,
-                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], writer: MetricsWriter) -> None:
+                 task: Task, writer: MetricsWriter) -> None:
         self.cfg, self.env, self.data, self.every, self.autocast = cfg, env, data, every, autocast
-        self.loss_fn, self.writer = loss_fn, writer
+        self.task, self.writer = task, writer
+        self.enabled = data.val is not None  # a data factory may give no validation set
         self.result: dict[str, float] | None = None  # the latest evaluation
         self._paused_s = 0.0
 
@@ -37,11 +38,10 @@ class Evaluation(Stage):
         if not (state.done or (self.every and state.step % self.every == 0)):
             return False
         start = time.perf_counter()
-        self.result = evaluate(state.model, self.data, self.cfg, self.env, self.autocast, self.loss_fn)
+        self.result = evaluate(state.model, self.data.val, self.task, self.cfg, self.env, self.autocast)
         self.writer.write(state.step, {f"val/{k}": v for k, v in self.result.items()})
         if self.env.is_main:
-            log.info("step %d: val loss %.4f%s", state.step, self.result["loss"],
-                     f", perplexity {self.result['perplexity']:.2f}" if "perplexity" in self.result else "")
+            log.info("step %d: val %s", state.step, ", ".join(f"{k} {v:.4g}" for k, v in self.result.items()))
         state.model.train()
         self._paused_s += time.perf_counter() - start
         return False
@@ -55,19 +55,20 @@ class Evaluation(Stage):
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, data: DataBundle, cfg: DictConfig, env: DistEnv, autocast,
-             loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> dict[str, float]:
-    """Mean loss over the same held-out batches every time (rank-strided, in order)."""
+def evaluate(model: nn.Module, dataset: Dataset, task: Task, cfg: DictConfig, env: DistEnv,
+             autocast) -> dict[str, float]:
+    """The task's loss and metrics, means over the same held-out batches every time (rank-strided, in order)."""
     model.eval()
-    t = cfg.trainer
-    sampler = StreamSampler(len(data.val), t.batch_size, env.rank, env.world_size, seed=0, shuffle=False)
-    total = torch.zeros((), device=env.device)
-    for _, indices in zip(range(t.eval_steps), sampler, strict=False):
-        inputs, targets = (x.to(env.device) for x in data.val[indices])
+    trainer = cfg.trainer
+    sampler = StreamSampler(len(dataset), trainer.batch_size, env.rank, env.world_size, seed=0, shuffle=False)
+    totals: dict[str, torch.Tensor] = {}
+    for _, indices in zip(range(trainer.eval_steps), sampler, strict=False):
+        batch = to_device(dataset[indices], env.device)
         with autocast:
-            total += loss_fn(model(inputs), targets).float()
-    loss = all_reduce_mean(total / t.eval_steps, env).item()
-    result = {"loss": loss}
-    if data.is_lm:
-        result["perplexity"] = math.exp(min(loss, 50.0))
-    return result
+            loss, metrics = task(model, batch)
+        for name, value in {"loss": loss, **metrics}.items():
+            value = value.detach().float()
+            totals[name] = totals[name] + value if name in totals else value
+    names = list(totals)
+    means = all_reduce_mean(torch.stack([totals[n] for n in names]) / trainer.eval_steps, env).tolist()
+    return task.finish(dict(zip(names, means, strict=True)))

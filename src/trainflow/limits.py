@@ -12,6 +12,7 @@ import logging
 import math
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from omegaconf import DictConfig
@@ -19,15 +20,14 @@ from torch import nn
 from torch.func import functional_call
 from torch.utils.data import Dataset
 
+from trainflow.data import apply_to_tensors
 from trainflow.errors import ConfigError
 from trainflow.models import model_blocks
+from trainflow.tasks import Task, tensors
 
 log = logging.getLogger(__name__)
 
-LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-
-
-def check_batch(cfg: DictConfig, batch_size: int, model: nn.Module, dataset: Dataset, loss_fn: LossFn,
+def check_batch(cfg: DictConfig, batch_size: int, model: nn.Module, dataset: Dataset, task: Task,
                 device: torch.device) -> None:
     """Refuse a micro-batch the training set cannot fill or the memory cannot hold, naming the key to change."""
     key = "trainer.batch_size" if cfg.parallelism.global_batch is None else "parallelism.global_batch"
@@ -40,7 +40,7 @@ def check_batch(cfg: DictConfig, batch_size: int, model: nn.Module, dataset: Dat
         return
     sample = dataset[torch.arange(1)]
     try:
-        needed = micro_batch_bytes(model, sample, batch_size, loss_fn,
+        needed = micro_batch_bytes(model, sample, batch_size, task,
                                    cfg.parallelism.activation_checkpointing == "full")
     except Exception as exc:  # a model that cannot run on the meta device (it reads values, or an op lacks a kernel)
         log.info("the memory a micro-batch needs could not be estimated on the meta device (%s); not checked", exc)
@@ -52,14 +52,14 @@ def check_batch(cfg: DictConfig, batch_size: int, model: nn.Module, dataset: Dat
                           f"{key} (about {fits} samples fit), raising trainer.grad_accum to keep the global batch")
 
 
-def micro_batch_bytes(model: nn.Module, sample: tuple[torch.Tensor, torch.Tensor], batch_size: int,
-                      loss_fn: LossFn, activation_checkpointing: bool = False) -> int:
-    """Inputs, targets and the tensors autograd saves for backward of one micro-batch, counted on the meta device.
+def micro_batch_bytes(model: nn.Module, sample: Any, batch_size: int, task: Task,
+                      activation_checkpointing: bool = False) -> int:
+    """The batch's tensors and the tensors autograd saves for backward of one micro-batch, on the meta device.
 
     With activation checkpointing, each of `model.blocks` keeps only its input, and one block's activations exist
     at a time (while it is recomputed in backward).
     """
-    inputs, targets = (torch.empty((batch_size, *t.shape[1:]), dtype=t.dtype, device="meta") for t in sample)
+    batch = apply_to_tensors(sample, lambda t: torch.empty((batch_size, *t.shape[1:]), dtype=t.dtype, device="meta"))
     state = {name: torch.empty_like(t, device="meta").requires_grad_(t.requires_grad)
              for name, t in [*model.named_parameters(), *model.named_buffers()]}
     weights = {id(t) for t in state.values()}
@@ -92,14 +92,14 @@ def micro_batch_bytes(model: nn.Module, sample: tuple[torch.Tensor, torch.Tensor
     handles += [b.register_forward_hook(leave) for b in blocks]
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            loss_fn(functional_call(model, state, (inputs,)), targets)
+            task(lambda *args, **kwargs: functional_call(model, state, args, kwargs), batch)
     finally:
         for h in handles:
             h.remove()
-    batch = inputs.numel() * inputs.element_size() + targets.numel() * targets.element_size()
+    batch_bytes = sum(t.numel() * t.element_size() for t in tensors(batch))
     if activation_checkpointing and blocks:
-        return batch + outside + block_inputs + max(per_block)
-    return batch + outside + sum(per_block)
+        return batch_bytes + outside + block_inputs + max(per_block)
+    return batch_bytes + outside + sum(per_block)
 
 
 def available_bytes(device: torch.device) -> int | None:

@@ -25,11 +25,13 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
+from trainflow.data.loaders import to_device
 from trainflow.errors import RunDirError
 from trainflow.files import write_atomic
 
 if TYPE_CHECKING:
     from trainflow.stages import LoopState
+    from trainflow.tasks import Task
     from trainflow.tensorboard import Dashboard
 
 log = logging.getLogger(__name__)
@@ -63,17 +65,24 @@ _GPU_PEAKS_TFLOPS: list[tuple[str, dict[str, float | None]]] = [
 _PEAK_CACHE = Path("~/.cache/trainflow/peak_flops.json").expanduser()
 
 
-def count_train_flops(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor], loss_fn) -> int | None:
-    """FLOPs of one forward + backward micro-step, counted on a meta-device copy (no compute, no RNG use)."""
+def count_train_flops(model: nn.Module, batch: Any, task: Task) -> tuple[int | None, str | None]:
+    """FLOPs of one forward + backward micro-step, counted on a meta-device copy (no compute, no RNG use); or None
+    and why not (summary.json says it where MFU is absent)."""
     try:
         meta_model = copy.deepcopy(model).to("meta")
-        inputs, targets = (t.to("meta") for t in batch)
         with FlopCounterMode(display=False) as counter:
-            loss_fn(meta_model(inputs), targets).backward()
-        return int(counter.get_total_flops())
+            loss, _ = task(meta_model, to_device(batch, torch.device("meta")))
+            loss.backward()
+        flops = int(counter.get_total_flops())
     except Exception as exc:  # a user op without a meta kernel: MFU is then unknown, not wrong
-        log.warning("could not count model FLOPs on the meta device (%s); MFU will be missing", exc)
-        return None
+        text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        reason = f"FlopCounterMode could not count {type(model).__name__} on the meta device ({type(exc).__name__}: " \
+                 f"{text})"
+        log.warning("%s; MFU will be missing", reason)
+        return None, reason
+    if flops == 0:
+        return None, f"FlopCounterMode counted no FLOPs in {type(model).__name__} (no matmul or convolution it knows)"
+    return flops, None
 
 
 def _cpu_name() -> str:

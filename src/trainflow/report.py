@@ -223,6 +223,9 @@ def _row(r: RunRecord, common: list[str], base_sps: float | None) -> dict[str, A
         "loss_first": r.figure("loss", "first"),
         "loss_last": r.figure("loss", "last"),
         "val_loss": r.figure("val", "loss"),
+        "val": r.figure("val"),  # every metric of the task, at the last evaluation
+        "monitor": r.figure("task", "monitor"),  # the one train.py returns to sweepers, improving in direction `mode`
+        "mode": r.figure("task", "mode"),
         "compile": {"graphs": comp.get("graphs"), "graph_breaks": comp["graph_breaks"]["count"],
                     "recompiles": comp["recompiles"]["count"], "compile_time_s": comp.get("compile_time_s")}
         if comp.get("enabled") else None,
@@ -262,6 +265,14 @@ def _gib(n: int | None) -> str:
     return "-" if n is None else f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
 
 
+def _monitored(row: dict[str, Any]) -> str:
+    """The task's monitored validation metric and its direction, e.g. `accuracy 0.9312 (max)`."""
+    val, monitor = row.get("val"), row.get("monitor") or "loss"
+    if not val or monitor not in val:
+        return "-"
+    return f"{monitor} {val[monitor]:.4f}" + (f" ({row['mode']})" if row.get("mode") else "")
+
+
 def markdown(report: dict[str, Any]) -> str:
     """The report as a Markdown page: the table, the gates, the profiler's advice, the picture."""
     lines = [f"# Report: {report['folder']}", "",
@@ -280,8 +291,9 @@ def markdown(report: dict[str, Any]) -> str:
         lines += ["", f"Result: {verdict}.", ""]
     lines += ["## Runs", "",
               "| run | overrides | status | samples/s | speedup | MFU | peak memory | loss first -> last | "
-              "compile: graphs / breaks / recompiles / time | profiler | checkpoint: saves / blocked / write |",
-              "| --- | --- | --- | ---: | ---: | ---: | ---: | --- | --- | --- | --- |"]
+              "val (monitored) | compile: graphs / breaks / recompiles / time | profiler | "
+              "checkpoint: saves / blocked / write |",
+              "| --- | --- | --- | ---: | ---: | ---: | ---: | --- | --- | --- | --- | --- |"]
     for row in report["runs"]:
         c, p, k = row["compile"], row["profiler"], row["checkpoint"]
         status = "finished" if row["status"] == "finished" else f"FAILED: {_cell(row['error'] or '')}"
@@ -295,6 +307,7 @@ def markdown(report: dict[str, Any]) -> str:
             _num(row["mfu"] * 100 if row["mfu"] is not None else None, ".2f", "%"),
             _gib(row["peak_memory_bytes"]),
             f"{_num(row['loss_first'], '.4f')} -> {_num(row['loss_last'], '.4f')}",
+            _monitored(row),
             f"{c['graphs']} / {c['graph_breaks']} / {c['recompiles']} / {c['compile_time_s']:.1f} s" if c else "off",
             p["bound"] if p else "off",
             f"{k['saves']} / {k['blocked_s']:.3f} s / {k['write_s']:.3f} s" if k else "off",

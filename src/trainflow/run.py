@@ -1,8 +1,8 @@
 """The one training loop. Every option of every stage plugs in here; none forks it.
 
-`assemble` builds everything, in order: distributed env -> data -> model -> parallelize -> compile -> optimizer
--> per-rank seed -> resume -> stages. Then `train_loop` calls `train_step` (one optimizer step) and the list
-of stages (stages.py) after it, and `summarize` writes summary.json.
+`assemble` builds everything, in order: distributed env -> data, model and task -> parallelize -> compile ->
+optimizer -> per-rank seed -> resume -> stages. Then `train_loop` calls `train_step` (one optimizer step) and the
+list of stages (stages.py) after it, and `summarize` writes summary.json.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 from torch.profiler import record_function
@@ -25,7 +24,7 @@ from torch.profiler import record_function
 from trainflow.checkpoint import Checkpointer
 from trainflow.compiler import Compiler
 from trainflow.config import TrainerConfig
-from trainflow.data import DataBundle, StreamSampler, build_datasets, make_loader
+from trainflow.data import DataBundle, StreamSampler, build_datasets, make_loader, to_device
 from trainflow.distributed import DistEnv, memory_plan
 from trainflow.distributed.parallelize import no_grad_sync, parallelize, unwrap
 from trainflow.distributed.parity import ParityCheck, parallelism_summary
@@ -51,15 +50,11 @@ from trainflow.optim import build_optimizer
 from trainflow.profiling import Profiler
 from trainflow.seeding import SEED_STRIDE, seed_everything
 from trainflow.stages import LoopState, Stage
+from trainflow.tasks import Task, build_task, probe
 from trainflow.tensorboard import Dashboard
 from trainflow.train_metrics import TrainMetrics
 
 log = logging.getLogger("trainflow")
-
-
-def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Cross-entropy for classifiers ([B, C]) and language models ([B, T, V]) alike."""
-    return F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten())
 
 
 def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any] | None:
@@ -80,6 +75,8 @@ class Training:
     env: DistEnv
     trainer: TrainerConfig  # a plain dataclass: DictConfig reads cost ~20 us each, too much for every step
     data: DataBundle
+    task: Task
+    metric_names: list[str]  # what the task reports besides the loss (from a probe before training)
     model: nn.Module
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
@@ -94,6 +91,7 @@ class Training:
     global_batch: int
     parameters: int
     flops_per_step: int | None
+    flops_absent: str | None  # why the FLOPs (and so MFU) are unknown
     peak_flops: float | None
     parity: ParityCheck
     auto_plan: Any  # parallelism=auto's plan, checked against the measured peak at the end
@@ -107,18 +105,21 @@ def assemble(cfg: DictConfig, run_dir: Path, env: DistEnv) -> Training:
     data = build_datasets(cfg.data, cfg.model)
     model = build_model(cfg.model).to(env.device)
     parameters = sum(p.numel() for p in model.parameters())
-    check_batch(cfg, trainer.batch_size, model, data.train, loss_fn, env.device)  # before a batch of that size
+    task = build_task(cfg.task, data.is_lm)
+    first_two = data.train[torch.arange(min(2, len(data.train)))]  # two: items the collate cannot batch show
+    metric_names = probe(task, model, to_device(first_two, env.device), data.name, cfg.model._target_)
+    check_batch(cfg, trainer.batch_size, model, data.train, task, env.device)  # before a batch of that size
     example = data.train[torch.arange(trainer.batch_size)]
-    flops_per_step = count_train_flops(model, example, loss_fn)
+    flops_per_step, flops_absent = count_train_flops(model, example, task)
     if flops_per_step is not None:
         flops_per_step *= trainer.grad_accum
     auto_plan = None
     if cfg.parallelism.strategy == "auto":  # measures memory, decides, writes the decision into cfg.parallelism
-        env, auto_plan = memory_plan.apply_auto(cfg, env, model, example, loss_fn)
-    parity = ParityCheck(cfg, env, model, data.train, loss_fn)  # copies the model: refuses a wrapped one
+        env, auto_plan = memory_plan.apply_auto(cfg, env, model, example, task)
+    parity = ParityCheck(cfg, env, model, data.train, task)  # copies the model: refuses a wrapped one
     model = parallelize(model, cfg.parallelism, env, trainer.precision)
     compiler = Compiler(cfg, env, run_dir)
-    model = compiler.apply(model, example, loss_fn)  # compile.check compares eager and compiled on `example`
+    model = compiler.apply(model, example, task)  # compile.check compares eager and compiled on `example`
     optimizer, scheduler = build_optimizer(model, cfg.optim, trainer.max_steps, env.device)
     state = LoopState(model, optimizer, scheduler)
     checkpointer = Checkpointer(cfg.checkpoint, env, run_dir)
@@ -144,18 +145,20 @@ def assemble(cfg: DictConfig, run_dir: Path, env: DistEnv) -> Training:
     profiler = Profiler(cfg.profiler, env, run_dir, trainer.max_steps, meter.excluded_steps, state.step)
     train_metrics = TrainMetrics(env, meter, writer, progress_reporter(trainer.max_steps, trainer.progress,
                                                                        env.is_main, state.step),
-                                 optimizer, global_batch, data.is_lm, flops_per_step, peak)
-    evaluation = Evaluation(cfg, env, data, trainer.eval_interval(), autocast, loss_fn, writer)
+                                 optimizer, task, flops_per_step, peak)
+    evaluation = Evaluation(cfg, env, data, trainer.eval_interval(), autocast, task, writer)
     # the guard checks before anything is logged or saved; the checkpointer comes last: it may stop the run
     stages: list[Stage] = [compiler, parity, profiler, guard, train_metrics, evaluation, checkpointer]
     if env.is_main:
-        log.info("model %s: %.2fM parameters; world size %d; global batch %d; %s",
-                 type(unwrap(model)).__name__, parameters / 1e6, env.world_size, global_batch,
-                 f"resumed at step {resumed_from}" if resumed_from else "fresh start")
-    return Training(cfg, run_dir, env, trainer, data, model, optimizer, scheduler, state,
+        log.info("model %s: %.2fM parameters; world size %d; global batch %d; task %s (monitor: val %s, %s); %s",
+                 type(unwrap(model)).__name__, parameters / 1e6, env.world_size, global_batch, type(task).__name__,
+                 task.monitor, task.mode, f"resumed at step {resumed_from}" if resumed_from else "fresh start")
+        if data.val is None:
+            log.info("%s gives no validation set: no evaluation", data.name)
+    return Training(cfg, run_dir, env, trainer, data, task, metric_names, model, optimizer, scheduler, state,
                     iter(make_loader(data.train, sampler, cfg.data, pin)), pin, autocast,
                     record_function if profiler.enabled else _unnamed, guard, meter, stages, global_batch,
-                    parameters, flops_per_step, peak, parity, auto_plan, dashboard, resumed_from)
+                    parameters, flops_per_step, flops_absent, peak, parity, auto_plan, dashboard, resumed_from)
 
 
 def _prepare(cfg: DictConfig, run_dir: Path, env: DistEnv) -> TrainerConfig:
@@ -182,21 +185,27 @@ def train_step(training: Training) -> None:
     """One optimizer step: the micro-batches' forward and backward, the gradient norm (clipping), the update."""
     trainer, state, model, region, env, pin = (training.trainer, training.state, training.model, training.region,
                                                training.env, training.pin)
-    data_wait, tokens = 0.0, 0  # tokens of this rank's micro-batches (data.seq_lens varies their length)
+    task = training.task
+    data_wait, samples, tokens = 0.0, 0, 0  # of this rank's micro-batches, counted by the task
     step_loss = None  # this rank's loss of the step, on the device
+    step_metrics: dict[str, torch.Tensor] = {}  # the task's metrics summed over the micro-steps, on the device
     for micro in range(trainer.grad_accum):
         with region("trainflow/data"):
             start = time.perf_counter()
             batch = next(training.batches)
             data_wait += time.perf_counter() - start  # the copy below may wait for the GPU: not data
-            inputs, targets = (x.to(env.device, non_blocking=pin) for x in batch)
-            tokens += targets.numel() if training.data.is_lm else 0
+            batch = to_device(batch, env.device, non_blocking=pin)
+            counted = task.count(batch)  # shapes only (data.seq_lens varies the tokens)
+            samples, tokens = samples + counted[0], tokens + counted[1]
         with region("trainflow/forward_backward"), no_grad_sync(model, micro == trainer.grad_accum - 1):
             with training.autocast:
-                loss = loss_fn(model(inputs), targets)
+                loss, metrics = task(model, batch)
             loss_share = loss / trainer.grad_accum if trainer.grad_accum > 1 else loss
             loss_share.backward()
         step_loss = loss_share.detach() if step_loss is None else step_loss + loss_share.detach()
+        for name, value in metrics.items():
+            value = value.detach().float()
+            step_metrics[name] = step_metrics[name] + value if name in step_metrics else value
     state.log_due = (state.step + 1) % trainer.log_every == 0 or state.step + 1 >= trainer.max_steps
     guard = training.guard
     with region("trainflow/optimizer"):
@@ -214,14 +223,15 @@ def train_step(training: Training) -> None:
     state.samples_seen += training.global_batch
     state.steps_this_run += 1
     state.done = state.step >= trainer.max_steps
-    state.loss, state.step_loss, state.tokens, state.data_wait_s = loss, step_loss, tokens, data_wait
+    state.loss, state.step_loss, state.data_wait_s = loss, step_loss, data_wait
+    state.samples, state.tokens, state.metrics, state.micro_steps = samples, tokens, step_metrics, trainer.grad_accum
 
 
 def train_loop(training: Training) -> None:
     """Steps until trainer.max_steps or a stage stops the run; after each, the enabled stages in order; the
     meter times it all, less what the stages report as paused. Then the stages close."""
     state, meter, max_steps = training.state, training.meter, training.trainer.max_steps
-    samples, world_size = training.global_batch, training.env.world_size
+    world_size = training.env.world_size
     enabled = [stage for stage in training.stages if stage.enabled]  # a stage that is off costs nothing per step
     pausing = [stage for stage in enabled if type(stage).take_paused_s is not Stage.take_paused_s]
     training.model.train()
@@ -231,7 +241,7 @@ def train_loop(training: Training) -> None:
         meter.begin()
         while state.step < max_steps:
             train_step(training)
-            meter.end_step(state, samples, state.tokens * world_size)
+            meter.end_step(state, state.samples * world_size, state.tokens * world_size)
             stop = False
             for stage in enabled:
                 stop = stage.after_step(state) or stop
@@ -259,8 +269,11 @@ def summarize(training: Training) -> dict[str, Any] | None:
         "resumed_from_step": tr.resumed_from,
         "steady_state": steady,
         "mfu": mfu(flops_per_step, steady, peak),
+        "mfu_absent": tr.flops_absent,  # why MFU is missing, when the FLOPs could not be counted
         "data_wait_fraction": steady["data_wait_fraction"] if steady else None,
         **peak_memory,
+        "task": {"name": type(tr.task).__name__, "monitor": tr.task.monitor, "mode": tr.task.mode,
+                 "metrics": tr.metric_names},
         "flops_per_step": flops_per_step,
         "peak_flops": peak,
         "parameters": tr.parameters,

@@ -16,6 +16,7 @@ from trainflow.distributed import DistEnv
 from trainflow.distributed.process_group import all_reduce_mean
 from trainflow.metrics import MetricsWriter, Throughput
 from trainflow.stages import LoopState, Stage
+from trainflow.tasks import Task
 
 
 class TrainMetrics(Stage):
@@ -26,9 +27,9 @@ class TrainMetrics(Stage):
 
     def __init__(self, env: DistEnv, meter: Throughput, writer: MetricsWriter,
                  progress: Callable[[int | None, dict | None], None], optimizer: torch.optim.Optimizer,
-                 global_batch: int, is_lm: bool, flops_per_step: int | None, peak_flops: float | None) -> None:
+                 task: Task, flops_per_step: int | None, peak_flops: float | None) -> None:
         self.env, self.meter, self.writer, self.progress, self.optimizer = env, meter, writer, progress, optimizer
-        self.global_batch, self.is_lm = global_batch, is_lm
+        self.is_lm = task.is_lm
         self.flops_per_step, self.peak_flops = flops_per_step, peak_flops
         self.first_loss: float | None = None  # the first step's loss, the mean over ranks
         self.last: dict[str, float] = {}  # the figures of the latest log interval
@@ -38,14 +39,22 @@ class TrainMetrics(Stage):
         self._step_losses: list[torch.Tensor] = []  # the applied steps' losses, on the device
         self._steps = 0
         self._data_wait_s = 0.0
-        self._tokens = 0  # of every rank
+        self._samples = 0  # of this rank
+        self._tokens = 0  # of this rank
+        self._metrics: dict[str, torch.Tensor] = {}  # the task's metrics summed over micro-steps, on the device
+        self._micro_steps = 0
 
     def after_step(self, state: LoopState) -> bool:
         if not state.skipped:
             self._step_losses.append(state.step_loss)
         self._steps += 1
         self._data_wait_s += state.data_wait_s
+        self._samples += state.samples
         self._tokens += state.tokens
+        if state.metrics:
+            for name, value in state.metrics.items():
+                self._metrics[name] = self._metrics[name] + value if name in self._metrics else value
+            self._micro_steps += state.micro_steps
         if self.first_loss is None:
             self.first_loss = all_reduce_mean(state.loss.detach().clone(), self.env).item()  # all ranks' mean
         if state.log_due:
@@ -70,7 +79,7 @@ class TrainMetrics(Stage):
             "train/lr": self.optimizer.param_groups[0]["lr"],
             "train/grad_norm": float(grad_norm),
             "perf/step_time_s": step_time,
-            "perf/samples_per_sec": self.global_batch / step_time,
+            "perf/samples_per_sec": self._samples * self.env.world_size / elapsed,
             "perf/data_wait_fraction": self._data_wait_s / elapsed,
             "perf/memory_bytes": memory_bytes,
         }
@@ -78,6 +87,11 @@ class TrainMetrics(Stage):
             figures["perf/tokens_per_sec"] = self._tokens * self.env.world_size / elapsed
         if self.flops_per_step and self.peak_flops:
             figures["perf/mfu"] = self.flops_per_step / step_time / self.peak_flops
+        names = sorted(self._metrics)
+        if names:  # one all-reduce for all of them
+            means = torch.stack([self._metrics[n] for n in names]) / self._micro_steps
+            figures.update({f"train/{n}": v for n, v in
+                            zip(names, all_reduce_mean(means, self.env).tolist(), strict=True)})
         return figures
 
     def close(self, state: LoopState) -> None:

@@ -1,7 +1,8 @@
 """Data: the built-in datasets shaped for the model, the global sample stream and its loaders.
 
 Modules: `stream` (the resumable, world-size-independent sample stream), `text` (byte-level corpus),
-`synthetic` (random tensors with something to learn), `loaders` (micro-batch loaders: cut, pinned, workers).
+`synthetic` (random tensors with something to learn), `loaders` (micro-batch loaders: cut, pinned, workers, moved
+to the device), `user` (datasets by `data._target_`), `digits` (scikit-learn's handwritten digits, a `_target_`).
 """
 
 from __future__ import annotations
@@ -11,28 +12,42 @@ from dataclasses import dataclass
 from omegaconf import DictConfig
 from torch.utils.data import Dataset
 
-from trainflow.data.loaders import Batch, InProcessBatches, Pinned, VariableLengths, make_loader
+from trainflow.data.loaders import (
+    Batch,
+    InProcessBatches,
+    Pinned,
+    VariableLengths,
+    apply_to_tensors,
+    make_loader,
+    to_device,
+)
 from trainflow.data.stream import StreamSampler
 from trainflow.data.synthetic import SyntheticClassification, SyntheticTokens
 from trainflow.data.text import TokenWindows, load_tokens
+from trainflow.data.user import LOADER_KEYS, Collated, user_datasets
 from trainflow.errors import DataError
 
 __all__ = [
-    "Batch", "DataBundle", "InProcessBatches", "Pinned", "StreamSampler", "SyntheticClassification",
-    "SyntheticTokens", "TokenWindows", "VariableLengths", "build_datasets", "load_tokens", "make_loader",
+    "LOADER_KEYS", "Batch", "Collated", "DataBundle", "InProcessBatches", "Pinned", "StreamSampler",
+    "SyntheticClassification", "SyntheticTokens", "TokenWindows", "VariableLengths", "apply_to_tensors",
+    "build_datasets", "load_tokens", "make_loader", "to_device", "user_datasets",
 ]
 
 
 @dataclass
 class DataBundle:
-    train: Dataset
-    val: Dataset
-    is_lm: bool  # language model: tokens/s and perplexity make sense
+    train: Dataset  # indexed by a micro-batch's index tensor, it returns the whole batch
+    val: Dataset | None  # None: the factory gave no validation set (no evaluation)
+    is_lm: bool  # language-model data: task=auto picks lm
     seq_len: int  # tokens per sample (1 for non-sequence data)
+    name: str  # how errors name the data: data=text, or the factory's import path
 
 
 def build_datasets(cfg: DictConfig, model_cfg: DictConfig) -> DataBundle:
-    """Train and held-out datasets shaped for the model."""
+    """Train and held-out datasets shaped for the model: built in, or the user's by data._target_."""
+    if cfg.get("_target_"):
+        train, val = user_datasets(cfg)
+        return DataBundle(train, val, "vocab_size" in model_cfg, int(cfg.get("seq_len") or 1), cfg._target_)
     if cfg.kind == "text":
         seq_len = int(cfg.seq_len)
         tokens = load_tokens(cfg)
@@ -44,13 +59,15 @@ def build_datasets(cfg: DictConfig, model_cfg: DictConfig) -> DataBundle:
                 f"validation sequence of {need} bytes (val_fraction={cfg.val_fraction}); "
                 "add text or lower data.seq_len"
             )
-        return DataBundle(TokenWindows(tokens[:split], seq_len), TokenWindows(tokens[split:], seq_len), True, seq_len)
+        return DataBundle(TokenWindows(tokens[:split], seq_len), TokenWindows(tokens[split:], seq_len), True, seq_len,
+                          "data=text")
     if "vocab_size" in model_cfg:
         seq_len = int(cfg.seq_len)
         make = lambda n, s: SyntheticTokens(n, model_cfg.vocab_size, seq_len, s)  # noqa: E731
-        return DataBundle(make(cfg.num_samples, cfg.data_seed), make(1024, cfg.data_seed + 1), True, seq_len)
+        return DataBundle(make(cfg.num_samples, cfg.data_seed), make(1024, cfg.data_seed + 1), True, seq_len,
+                          "data=synthetic")
     in_f, classes = model_cfg.get("in_features", 100), model_cfg.get("out_features", 10)
     seed = cfg.data_seed
     train = SyntheticClassification(cfg.num_samples, in_f, classes, task_seed=seed, input_seed=seed + 1)
     val = SyntheticClassification(4096, in_f, classes, task_seed=seed, input_seed=seed + 2)
-    return DataBundle(train, val, False, 1)
+    return DataBundle(train, val, False, 1, "data=synthetic")

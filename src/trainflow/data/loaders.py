@@ -1,8 +1,9 @@
-"""Loaders over whole micro-batches: the stream's index lists gathered at once, cut, pinned."""
+"""Loaders over whole micro-batches: the stream's index lists gathered at once, cut, pinned, moved to the device."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any
 
 import torch
 from omegaconf import DictConfig
@@ -10,7 +11,25 @@ from torch.utils.data import DataLoader, Dataset
 
 from trainflow.data.stream import StreamSampler
 
-Batch = tuple[torch.Tensor, torch.Tensor]  # (inputs, targets) of one micro-batch
+Batch = Any  # one micro-batch: (inputs, targets) for the built-in data; tensors in tuples, lists, dicts for a user's
+
+
+def apply_to_tensors(batch: Batch, fn: Callable[[torch.Tensor], torch.Tensor]) -> Batch:
+    """`fn` applied to every tensor of a nested batch (tuples, lists, dicts), the structure kept."""
+    if isinstance(batch, torch.Tensor):
+        return fn(batch)
+    if isinstance(batch, Mapping):
+        return {k: apply_to_tensors(v, fn) for k, v in batch.items()}  # a plain dict: what model(**batch) takes
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # a namedtuple
+        return type(batch)(*(apply_to_tensors(v, fn) for v in batch))
+    if isinstance(batch, list | tuple):
+        return type(batch)(apply_to_tensors(v, fn) for v in batch)
+    return batch
+
+
+def to_device(batch: Batch, device: torch.device, non_blocking: bool = False) -> Batch:
+    """Every tensor of a batch on `device` (non_blocking: from pinned memory, without waiting)."""
+    return apply_to_tensors(batch, lambda t: t.to(device, non_blocking=non_blocking))
 
 
 class VariableLengths:
@@ -39,7 +58,7 @@ class Pinned:
 
     def __iter__(self) -> Iterator[Batch]:
         for batch in self.loader:
-            yield tuple(t.pin_memory() for t in batch)
+            yield apply_to_tensors(batch, torch.Tensor.pin_memory)
 
 
 class InProcessBatches:

@@ -118,8 +118,7 @@ def optimizer_state(model: nn.Module, optim_cfg: DictConfig) -> tuple[list[int],
     return scaled, scalars
 
 
-def measure_activations(model: nn.Module, example: tuple[torch.Tensor, torch.Tensor],
-                        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+def measure_activations(model: nn.Module, example: Any, task: Callable[[nn.Module, Any], tuple],
                         blocks: list[nn.Module], autocast: Any) -> tuple[int, int]:
     """(bytes saved for backward in one forward, the same with each block checkpointed), deduplicated by storage."""
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
@@ -152,7 +151,7 @@ def measure_activations(model: nn.Module, example: tuple[torch.Tensor, torch.Ten
     handles += [b.register_forward_hook(leave) for b in blocks]
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast:
-            loss = loss_fn(model(example[0]), example[1])
+            loss, _ = task(model, example)
         del loss
     finally:
         for handle in handles:
@@ -162,7 +161,7 @@ def measure_activations(model: nn.Module, example: tuple[torch.Tensor, torch.Ten
 
 
 def model_facts(model: nn.Module, optim_cfg: DictConfig, fsdp_cfg: DictConfig, example: tuple | None = None,
-                loss_fn: Callable | None = None, autocast: Any = None) -> ModelFacts:
+                task: Callable | None = None, autocast: Any = None) -> ModelFacts:
     """Everything the table needs from this model (the same on every rank); without an example (a model on the
     meta device) the activations are left at 0."""
     blocks = model_blocks(model)
@@ -178,7 +177,7 @@ def model_facts(model: nn.Module, optim_cfg: DictConfig, fsdp_cfg: DictConfig, e
     scaled, scalars = optimizer_state(model, optim_cfg)
     full = checkpointed = 0
     if example is not None:
-        full, checkpointed = measure_activations(model, example, loss_fn, list(blocks) if blocks is not None else [],
+        full, checkpointed = measure_activations(model, example, task, list(blocks) if blocks is not None else [],
                                                  autocast)
     return ModelFacts(
         params=[(p.shape, p.element_size(), s) for p, s in zip(model.parameters(), scaled, strict=True)],
@@ -376,14 +375,14 @@ class AutoPlan:
     resident_model: int  # the model's bytes the baseline already held
 
 
-def apply_auto(cfg: DictConfig, env: Any, model: nn.Module, example: tuple, loss_fn: Callable) -> tuple[Any, AutoPlan]:
+def apply_auto(cfg: DictConfig, env: Any, model: nn.Module, example: Any, task: Callable) -> tuple[Any, AutoPlan]:
     """parallelism=auto: measure, decide, and write the decision into cfg.parallelism (strategy, activation
     checkpointing) so that everything after it sees a plain ddp/fsdp/hsdp run. Returns the env with the strategy."""
     from dataclasses import replace
 
     p, t = cfg.parallelism, cfg.trainer
     autocast = torch.autocast(env.device.type, torch.bfloat16, enabled=t.precision == "bf16")
-    facts = model_facts(model, cfg.optim, p.fsdp, example, loss_fn, autocast)
+    facts = model_facts(model, cfg.optim, p.fsdp, example, task, autocast)
     ranks_per_node = env.world_size // node_count(env.world_size)
     layouts = candidates(env.world_size, ranks_per_node, facts.checkpointed_activation_bytes < facts.activation_bytes)
     if p.activation_checkpointing == "full":

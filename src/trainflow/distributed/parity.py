@@ -43,7 +43,7 @@ class ParityCheck(Stage):
     """
 
     def __init__(self, cfg: DictConfig, env: DistEnv, model: nn.Module, dataset: Any,
-                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
+                 task: Callable[[nn.Module, Any], tuple[torch.Tensor, dict]]) -> None:
         if is_parallelized(model):
             raise RuntimeError("ParityCheck copies the model before parallelize() wraps or shards it")
         p = cfg.parallelism
@@ -56,13 +56,13 @@ class ParityCheck(Stage):
         self._seen = 0
         if not (self.enabled and env.is_main):
             return
-        from trainflow.data import StreamSampler, make_loader
+        from trainflow.data import StreamSampler, make_loader, to_device
         from trainflow.optim import build_optimizer
 
         t = cfg.trainer
         self.reference = copy.deepcopy(model)
         self.optimizer, self.scheduler = build_optimizer(self.reference, cfg.optim, t.max_steps, env.device)
-        self.loss_fn, self.trainer = loss_fn, t
+        self.task, self.trainer, self.to_device = task, t, to_device
         sampler = StreamSampler(len(dataset), t.batch_size * env.world_size, 0, 1, t.seed)
         self.batches = iter(make_loader(dataset, sampler, cfg.data, False))
 
@@ -70,9 +70,9 @@ class ParityCheck(Stage):
         t = self.trainer
         autocast = torch.autocast(self.env.device.type, dtype=torch.bfloat16, enabled=t.precision == "bf16")
         for _ in range(t.grad_accum):
-            inputs, targets = (x.to(self.env.device) for x in next(self.batches))
+            batch = self.to_device(next(self.batches), self.env.device)
             with autocast:
-                loss = self.loss_fn(self.reference(inputs), targets)
+                loss, _ = self.task(self.reference, batch)
             (loss / t.grad_accum).backward()
         nn.utils.clip_grad_norm_(self.reference.parameters(), t.grad_clip or math.inf)
         self.optimizer.step()

@@ -1,0 +1,97 @@
+"""Datasets by `data._target_`: the user's factory, its map-style datasets read a micro-batch at a time.
+
+The factory is called with the data section's own keys (all but `_target_` and trainflow's LOADER_KEYS) and
+returns `(train, val)` or a mapping with `train`, `val` (None: no evaluation) and optionally `collate_fn`.
+Items are tensors, tuples/lists or dicts of them; they are gathered by index and collated (default: torch's
+default_collate), so the global sample stream serves them like the built-in datasets: exact resume on any world size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+from torch.utils.data import Dataset, IterableDataset, default_collate
+
+from trainflow.errors import ConfigError, DataError
+from trainflow.targets import bound_callable, import_target
+
+# trainflow's keys of a data section: they configure the loaders and are not passed to the factory
+LOADER_KEYS = ("num_workers", "pin_memory", "persistent_workers", "prefetch_factor", "seq_lens", "collate_fn")
+
+
+class Collated(Dataset):
+    """A map-style dataset indexed by a micro-batch's indices: its items gathered and collated into one batch."""
+
+    def __init__(self, dataset: Dataset, collate: Callable[[list], Any], name: str) -> None:
+        self.dataset, self.collate, self.name = dataset, collate, name
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, indices: torch.Tensor) -> Any:
+        items = [self.dataset[i] for i in indices.tolist()]
+        try:
+            return self.collate(items)
+        except Exception as exc:
+            collate = getattr(self.collate, "__qualname__", type(self.collate).__name__)
+            raise DataError(f"data: {collate} cannot batch the items of {self.name} ({_first_line(exc)}); give "
+                            "items of one shape (tensors, or tuples or dicts of them), or a data.collate_fn that "
+                            "batches them") from None
+
+
+def user_datasets(cfg: DictConfig) -> tuple[Collated, Collated | None]:
+    """Call `data._target_` and wrap what it returns; a return that is not datasets is one line naming the key."""
+    section = OmegaConf.to_container(cfg, resolve=True)
+    target = section["_target_"]
+    kwargs = {k: v for k, v in section.items() if k not in (*LOADER_KEYS, "_target_")}
+    factory = import_target("data._target_", target, "a function or class returning (train, val) datasets")
+    try:
+        made = factory(**kwargs)
+    except TypeError as exc:
+        arguments = ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
+        raise ConfigError(f"data: {target}({arguments}) failed: {exc}; fix the data.* keys") from None
+    train, val, collate = _parts(made, target)
+    if section.get("collate_fn") is not None:
+        collate = _configured_collate(section["collate_fn"])
+    collate = collate or default_collate
+    for split, dataset in (("train", train), ("val", val)):
+        if dataset is not None:
+            _check_dataset(dataset, split, target)
+    return Collated(train, collate, target), (Collated(val, collate, target) if val is not None else None)
+
+
+def _parts(made: Any, target: str) -> tuple[Any, Any, Callable | None]:
+    if isinstance(made, Mapping) and "train" in made:
+        return made["train"], made.get("val"), made.get("collate_fn")
+    if isinstance(made, tuple | list) and len(made) == 2:
+        return made[0], made[1], None
+    raise DataError(f"data._target_: {target} returned a {type(made).__name__}, not datasets; return (train, val) "
+                    "or a dict with train, val (None: no evaluation) and optionally collate_fn")
+
+
+def _check_dataset(dataset: Any, split: str, target: str) -> None:
+    if isinstance(dataset, IterableDataset):
+        raise DataError(f"data._target_: {target} returned an IterableDataset as {split}; trainflow reads map-style "
+                        "datasets (__len__ and __getitem__ of an index): wrap the data in one")
+    if not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
+        raise DataError(f"data._target_: {target} returned a {type(dataset).__name__} as {split}, which is not a "
+                        "dataset; return map-style datasets (with __len__ and __getitem__ of an index)")
+    if len(dataset) == 0:
+        raise DataError(f"data._target_: the {split} dataset of {target} is empty; give it samples")
+
+
+def _configured_collate(section: Any) -> Callable:
+    """data.collate_fn: a section with its own _target_ (a function, or a class whose instances collate)."""
+    if not isinstance(section, Mapping) or not section.get("_target_"):
+        raise ConfigError("data.collate_fn: give a section with _target_, e.g. data.collate_fn._target_="
+                          "mypackage.data.collate")
+    kwargs = {k: v for k, v in section.items() if k != "_target_"}
+    return bound_callable("data.collate_fn._target_", section["_target_"], kwargs, "a function of a list of items")
+
+
+def _first_line(exc: Exception) -> str:
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
