@@ -467,7 +467,7 @@ def validate_model(cfg: DictConfig) -> None:
         _require(d.seq_len <= m.block_size, "data.seq_len",
                  f"{d.seq_len} is longer than the model's context, model.block_size={m.block_size}; lower "
                  f"data.seq_len to <= {m.block_size} or raise model.block_size")
-    if d.kind == "text" and "vocab_size" in m:
+    if d.kind == "text" and "vocab_size" in m and cfg.tokenizer.kind == "bytes":  # others: checked once built
         _require(m.vocab_size >= BYTE_VOCAB, "model.vocab_size",
                  f"is {m.vocab_size}, but data=text is byte-level: its tokens go up to {BYTE_VOCAB - 1}; set "
                  f"model.vocab_size={BYTE_VOCAB} or more")

@@ -61,6 +61,10 @@ class Tokenizer:
         return np.dtype(np.uint32)
 
     @property
+    def kind(self) -> str:
+        return self.name.split("-")[0]
+
+    @property
     def unit(self) -> str:
         """What messages count in: bytes for bytes, tokens otherwise."""
         return "bytes" if self.encoder is None else "tokens"
@@ -74,8 +78,8 @@ class Tokenizer:
         """Every token id must have a row in the model's embedding: one line naming both keys when it does not."""
         if model_vocab_size is not None and self.vocab_size > model_vocab_size:
             raise ConfigError(
-                f"model.vocab_size: is {model_vocab_size}, but the tokenizer ({self.name}) has {self.vocab_size} "
-                f"tokens; set model.vocab_size to {self.vocab_size} or more (its default follows "
+                f"model.vocab_size: is {model_vocab_size}, but the tokenizer (tokenizer={self.kind}) has "
+                f"{self.vocab_size} tokens; set model.vocab_size to {self.vocab_size} or more (its default follows "
                 "tokenizer.vocab_size), or pick a smaller tokenizer.vocab_size")
 
 
