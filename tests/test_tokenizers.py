@@ -128,7 +128,7 @@ def test_text_with_bpe_caches_tokens_keyed_by_the_tokenizer(tmp_path: Path, monk
 def test_token_dtypes_follow_the_vocabulary() -> None:
     sizes = {256: np.uint8, 257: np.uint16, 65536: np.uint16, 65537: np.uint32}
     for size, dtype in sizes.items():
-        assert Tokenizer("bpe-x", size, ()).dtype == dtype
+        assert Tokenizer("bpe", size, ()).dtype == dtype
 
 
 def test_a_users_tokenizer_json_is_loaded_as_it_is(tmp_path: Path) -> None:
@@ -172,11 +172,11 @@ def test_bad_tokenizer_settings_are_one_line(settings: dict, message: str) -> No
 
 def test_a_tokenizer_larger_than_the_model_names_both_keys() -> None:
     with pytest.raises(ConfigError) as err:
-        Tokenizer("bpe-0123", 4096, (0,)).check_fits(1000)
+        Tokenizer("bpe", 4096, (0,)).check_fits(1000)
     assert str(err.value) == ("model.vocab_size: is 1000, but the tokenizer (tokenizer=bpe) has 4096 tokens; set "
                               "model.vocab_size to 4096 or more (its default follows tokenizer.vocab_size), or pick a "
                               "smaller tokenizer.vocab_size")
-    Tokenizer("bpe-0123", 4096, (0,)).check_fits(4096)  # equal fits
+    Tokenizer("bpe", 4096, (0,)).check_fits(4096)  # equal fits
 
 
 MISSING_EXTRA = textwrap.dedent("""

@@ -47,10 +47,16 @@ def import_hf(module: str, key: str) -> ModuleType:
 class Tokenizer:
     """What the data needs of a tokenizer: token ids of text, the vocabulary's size, a name to key caches by."""
 
-    name: str  # "bytes", or the kind and a digest of the tokenizer.json: a cache built with another one never matches
+    kind: str  # bytes | bpe | file
     vocab_size: int
     separator: tuple[int, ...]  # appended after each document (a file, a row) so that they do not run together
     encoder: Any = None  # a tokenizers.Tokenizer; None for bytes
+    digest: str = ""  # of the tokenizer.json: a token cache built with another tokenizer never matches
+
+    @property
+    def name(self) -> str:
+        """What token caches are keyed by: bytes, or the kind and the digest."""
+        return f"{self.kind}-{self.digest}" if self.digest else self.kind
 
     @property
     def dtype(self) -> np.dtype:
@@ -59,10 +65,6 @@ class Tokenizer:
             if self.vocab_size <= np.iinfo(dtype).max + 1:
                 return np.dtype(dtype)
         return np.dtype(np.uint32)
-
-    @property
-    def kind(self) -> str:
-        return self.name.split("-")[0]
 
     @property
     def unit(self) -> str:
@@ -113,7 +115,7 @@ def build_tokenizer(settings: Mapping[str, Any] | None, corpus_key: str,
                           f"set tokenizer.vocab_size={vocab} (the model's vocabulary follows it)")
     ends = [i for i in (encoder.token_to_id(t) for t in END_TOKENS) if i is not None]
     digest = hashlib.sha256(path.read_bytes()).hexdigest()[:16]
-    return Tokenizer(f"{kind}-{digest}", vocab, tuple(ends[:1]), encoder)
+    return Tokenizer(kind, vocab, tuple(ends[:1]), encoder, digest)
 
 
 def _user_file(settings: Mapping[str, Any]) -> Path:
