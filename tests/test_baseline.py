@@ -126,7 +126,8 @@ def test_summary_has_sane_figures(run_dir: Path) -> None:
 
 def test_help_lists_the_groups() -> None:
     out = subprocess.run([sys.executable, "train.py", "--help"], cwd=ROOT, capture_output=True, text=True).stdout
-    for line in ("model: gpt_medium, gpt_small, gpt_tiny, mlp", "data: synthetic, text", "optim: adamw, sgd"):
+    for line in ("model: gpt_medium, gpt_small, gpt_tiny, mlp", "data: hf, synthetic, text", "optim: adamw, sgd",
+                 "tokenizer: bpe, bytes, file"):
         assert line in out
 
 
