@@ -235,3 +235,37 @@ def test_every_gpt_follows_the_tokenizers_vocabulary() -> None:
         small = compose("train", overrides=["tokenizer=file", "tokenizer.path=/t.json", "tokenizer.vocab_size=100"])
         validate(small)  # a small vocabulary of one's own is not held to the byte vocabulary of tokenizer=bytes
         assert small.model.vocab_size == 100
+
+
+PEAK_RSS = """
+import resource, sys
+from omegaconf import OmegaConf
+from trainflow.data import load_tokens
+
+def peak() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+settings = {"kind": "bpe", "vocab_size": 1000, "min_frequency": 2, "train_bytes": 1 << 20, "cache_dir": sys.argv[2]}
+cfg = OmegaConf.create({"paths": [sys.argv[1]], "suffixes": [".py"], "cache_dir": sys.argv[2], "tokenizer": settings})
+import tokenizers  # the library's own memory is not the corpus's
+before = peak()
+tokens = load_tokens(cfg)
+print(len(tokens), before, peak())
+"""
+
+
+def test_a_large_corpus_is_encoded_in_bounded_memory(tmp_path: Path) -> None:
+    """32 MB of source through a BPE: held whole (text, encodings, ids) it would take far more than the bound."""
+    big = tmp_path / "big.py"
+    line_blocks = SOURCE.read_text().splitlines(keepends=True)
+    with open(big, "w") as f:
+        for i in range((32 << 20) // len(SOURCE.read_bytes()) + 1):
+            f.write(f"# copy {i}\n")
+            f.writelines(line_blocks)
+    size = big.stat().st_size
+    out = subprocess.run([sys.executable, "-c", PEAK_RSS, str(big), str(tmp_path / "cache")], capture_output=True,
+                         text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    tokens, before, after = map(int, out.stdout.split())
+    assert size / 8 < tokens < size / 2  # merges learnt from the first MB carry over
+    assert after - before < 200 << 20, f"peak RSS grew by {(after - before) / 1e6:.0f} MB encoding {size / 1e6:.0f} MB"
