@@ -232,3 +232,33 @@ def test_a_hf_gpt2_learns_from_the_windows(tmp_path: Path) -> None:
     with torch.no_grad():
         val = default_collate([data["val"][i] for i in range(8)])
         assert model(**val).loss.item() < losses[0] - 0.5  # held-out text too
+
+
+NO_TRANSFORMERS = """
+import sys
+sys.modules["transformers"] = None  # as if trainflow[hf] were not installed
+from trainflow.errors import TrainflowError
+from trainflow.models.hf import gpt2
+try:
+    gpt2(vocab_size=300)
+except TrainflowError as exc:
+    print(exc)
+"""
+
+
+def test_the_hf_model_without_the_extra_is_one_line() -> None:
+    out = subprocess.run([sys.executable, "-c", NO_TRANSFORMERS], capture_output=True, text=True, timeout=300)
+    assert out.stdout.strip() == "model._target_: needs the transformers library, which is not installed; run pip " \
+                                 "install 'trainflow[hf]'", out.stderr[-2000:]
+
+
+def test_a_misspelt_gpt2_key_is_one_line_not_an_ignored_attribute() -> None:
+    from trainflow.models.hf import gpt2
+
+    with pytest.raises(ConfigError) as err:
+        gpt2(vocab_size=300, n_embed=64)
+    assert str(err.value) == ("model.n_embed: not a GPT2Config key; use GPT2Config's names, e.g. n_embd, n_layer, "
+                              "n_head, n_positions, vocab_size")
+    model = gpt2(vocab_size=300, n_positions=16, n_embd=32, n_layer=1, n_head=2)
+    assert model.config.vocab_size == 300 and model.config.use_cache is False
+    assert model.transformer.wte.weight.shape == (300, 32)
