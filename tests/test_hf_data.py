@@ -214,7 +214,7 @@ def test_a_hf_gpt2_learns_from_the_windows(tmp_path: Path) -> None:
 
     corpus = Path(__file__).resolve().parents[1] / "examples" / "data" / "stdlib_docstrings.jsonl"
     data = token_windows([str(corpus)], 32, items="dict", cache_dir=str(tmp_path / "hf"),
-                         tokenizer=bpe(tmp_path, 1024), model_vocab_size=1024)
+                         tokenizer={**bpe(tmp_path, 1024), "train_bytes": 200_000}, model_vocab_size=1024)
     torch.manual_seed(0)
     model = gpt2(vocab_size=1024, n_positions=32, n_embd=64, n_layer=2, n_head=2)
     optim = torch.optim.AdamW(model.parameters(), lr=3e-3)
