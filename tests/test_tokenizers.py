@@ -76,6 +76,15 @@ def test_the_bpe_is_trained_once_per_corpus_and_settings(tmp_path: Path) -> None
     assert len(list((tmp_path / "tokenizers").glob("bpe-*.json"))) == 2
 
 
+def test_the_bpe_learns_from_the_first_train_bytes_only(tmp_path: Path) -> None:
+    first, later = "ab ab ab ab é\n" * 100, "xy xy xy xy\n" * 100
+    settings = {**bpe(tmp_path, 300), "train_bytes": len(first.encode())}
+    tok = build_tokenizer(settings, "corpus", lambda: [first, later])
+    assert tok.encoder.token_to_id("ab") is not None and tok.encoder.token_to_id("xy") is None
+    everything = build_tokenizer(bpe(tmp_path, 300), "corpus", lambda: [first, later])
+    assert everything.encoder.token_to_id("xy") is not None  # the same text without the limit: merged
+
+
 RACE = """
 import sys, time
 from trainflow.data.tokenizers import build_tokenizer

@@ -96,7 +96,7 @@ class TokenizerConfig:
     vocab_size: int = 256  # bytes: 256; bpe: the vocabulary to train; file: the file's (the model's follows it)
     path: str | None = None  # file: a tokenizer.json written by the tokenizers library
     min_frequency: int = 2  # bpe: pairs seen fewer times are never merged
-    train_bytes: int = 100_000_000  # bpe: trained on at most this much of the training text (bounds time, memory)
+    train_bytes: int = 100_000_000  # bpe: trained on the first this many bytes of the training text (time, memory)
     cache_dir: str = "~/.cache/trainflow/tokenizers"  # bpe: trained tokenizers, one per corpus and settings
 
 

@@ -161,13 +161,14 @@ def _trained_bpe(lib: ModuleType, settings: Mapping[str, Any], corpus_key: str,
 
 
 def _at_most(texts: Iterable[str], limit: int) -> Iterator[str]:
-    """The texts until `limit` characters are given (the last one cut)."""
+    """The texts until `limit` bytes (UTF-8) are given, the last one cut at a character's end."""
     left = limit
     for text in texts:
         if left <= 0:
             return
-        yield text[:left]
-        left -= len(text)
+        data = text.encode()
+        yield text if len(data) <= left else data[:left].decode(errors="ignore")
+        left -= len(data)
 
 
 def build_once(path: Path, build: Callable[[Path], None], key: str, configured: str) -> bool:
