@@ -73,6 +73,10 @@ def tiny_corpus(ctx: Ctx) -> None:
     (ctx.tmp / "tiny.txt").write_text("print('hi')\n")
 
 
+def source_corpus(ctx: Ctx) -> None:
+    shutil.copy(ROOT / "src" / "trainflow" / "data" / "text.py", ctx.tmp / "source.py")  # ~9 kB of real text
+
+
 def empty_corpus(ctx: Ctx) -> None:
     (ctx.tmp / "empty.txt").write_text("")
 
@@ -275,6 +279,21 @@ CASES = [
          ("data.paths=[{tmp}/tiny.txt]", "data.cache_dir={tmp}/cache"),
          "Error: data.paths: the corpus has 12 bytes, too short for one training and one validation sequence of "
          "33 bytes (val_fraction=0.05); add text or lower data.seq_len", setup=tiny_corpus),
+    Case("tokenizer-larger-than-model", "data", "a tokenizer with more tokens than the model's vocabulary",
+         ("tokenizer=bpe", "tokenizer.vocab_size=400", "model.vocab_size=300", "data.paths=[{tmp}/source.py]",
+          "data.cache_dir={tmp}/cache", "tokenizer.cache_dir={tmp}/tokenizers"),
+         "Error: model.vocab_size: is 300, but the tokenizer (tokenizer=bpe) has {n} tokens; set model.vocab_size to "
+         "{n} or more (its default follows tokenizer.vocab_size), or pick a smaller tokenizer.vocab_size",
+         setup=source_corpus),
+    Case("bpe-vocab-too-small", "config", "a BPE vocabulary smaller than the bytes it starts from",
+         ("tokenizer=bpe", "tokenizer.vocab_size=100", "data.paths=[{tmp}/source.py]"),
+         "Error: tokenizer.vocab_size: is 100, but a byte-level BPE holds the 256 bytes and <|endoftext|>; set it to "
+         "257 or more (e.g. 4096)", setup=source_corpus),
+    Case("tokenizer-file-missing", "data", "a tokenizer.json that does not exist",
+         ("tokenizer=file", "tokenizer.path={tmp}/tokenizer.json", "tokenizer.vocab_size=1000",
+          "data.paths=[{tmp}/source.py]"),
+         "Error: tokenizer.path: {tmp}/tokenizer.json does not exist; give the tokenizer.json written by tokenizers' "
+         "Tokenizer.save (or pick tokenizer=bpe to train one here)", setup=source_corpus),
     Case("seq-lens-too-long", "data", "varied lengths longer than the model's context", ("data.seq_lens=[8,64]",),
          "Error: data.seq_lens: each length must be in [1, data.seq_len=32]; got [8, 64]"),
     # data by _target_ and the task (experiment=digits: scikit-learn's digits through data._target_, a small CNN)

@@ -104,6 +104,33 @@ class TextDataConfig(LoaderConfig):
     suffixes: list[str] = field(default_factory=lambda: [".py"])  # file endings read from folders
     val_fraction: float = 0.05
     cache_dir: str = "~/.cache/trainflow/tokens"
+    tokenizer: Any = None  # the run's tokenizer section (${tokenizer} in conf/data/text.yaml); null: bytes
+
+
+@dataclass
+class TokenizerConfig:
+    kind: str = "bytes"  # bytes (a token is a byte) | bpe (byte-level BPE trained here) | file (a tokenizer.json)
+    vocab_size: int = 256  # bytes: 256; bpe: the vocabulary to train; file: the file's (the model's follows it)
+    path: str | None = None  # file: a tokenizer.json written by the tokenizers library
+    min_frequency: int = 2  # bpe: pairs seen fewer times are never merged
+    train_bytes: int = 100_000_000  # bpe: trained on the first this many bytes of the training text (time, memory)
+    cache_dir: str = "~/.cache/trainflow/tokenizers"  # bpe: trained tokenizers, one per corpus and settings
+
+
+@dataclass
+class HFDataConfig(LoaderConfig):
+    """data=hf: local files read by the datasets library, tokenized once, cut into windows."""
+
+    _target_: str = "trainflow.data.hf.token_windows"
+    paths: list[str] | None = None  # json, jsonl, csv, parquet or text files (or globs) of the training split
+    column: str = "text"  # the column holding the text
+    format: str | None = None  # json | csv | parquet | text; null: from the files' suffix
+    val_paths: list[str] | None = None  # the validation split's files; null: the last val_fraction of the tokens
+    val_fraction: float = 0.05
+    items: str = "tuple"  # tuple: (inputs, next-token targets) | dict: {input_ids, labels} (the model shifts)
+    cache_dir: str = "~/.cache/trainflow/hf"  # datasets' cache and the token caches
+    tokenizer: Any = None  # the run's tokenizer section (${tokenizer} in conf/data/hf.yaml)
+    model_vocab_size: int | None = None  # the model's vocabulary, checked against the tokenizer's
 
 
 @dataclass
@@ -452,6 +479,7 @@ class RunConfig:
     model: Any = MISSING
     data: Any = MISSING
     task: Any = MISSING
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     compile: CompileConfig = field(default_factory=CompileConfig)
     profiler: ProfilerConfig = field(default_factory=ProfilerConfig)
@@ -473,6 +501,7 @@ def register_configs() -> None:
     cs.store(group="schema/data", name="digits", node=DigitsDataConfig)
     cs.store(group="schema/task", name="builtin", node=TaskConfig)
     cs.store(group="schema/model", name="cnn", node=CNNConfig)
+    cs.store(group="schema/data", name="hf", node=HFDataConfig)
 
 
 def _require(ok: bool, key: str, message: str) -> None:
@@ -529,7 +558,7 @@ def validate_model(cfg: DictConfig) -> None:
         _require(d.seq_len <= m.block_size, "data.seq_len",
                  f"{d.seq_len} is longer than the model's context, model.block_size={m.block_size}; lower "
                  f"data.seq_len to <= {m.block_size} or raise model.block_size")
-    if d.get("kind") == "text" and "vocab_size" in m:
+    if d.get("kind") == "text" and "vocab_size" in m and cfg.tokenizer.kind == "bytes":  # others: checked once built
         _require(m.vocab_size >= BYTE_VOCAB, "model.vocab_size",
                  f"is {m.vocab_size}, but data=text is byte-level: its tokens go up to {BYTE_VOCAB - 1}; set "
                  f"model.vocab_size={BYTE_VOCAB} or more")

@@ -1,6 +1,7 @@
 """Data: the built-in datasets shaped for the model, the global sample stream and its loaders.
 
-Modules: `stream` (the resumable, world-size-independent sample stream), `text` (byte-level corpus),
+Modules: `stream` (the resumable, world-size-independent sample stream), `text` (a corpus of text files),
+`tokenizers` (bytes, a BPE trained here, a tokenizer.json), `hf` (local files read by Hugging Face datasets),
 `synthetic` (random tensors with something to learn), `loaders` (micro-batch loaders: cut, pinned, workers, moved
 to the device), `user` (datasets by `data._target_`), `digits` (scikit-learn's handwritten digits, a `_target_`).
 """
@@ -23,7 +24,7 @@ from trainflow.data.loaders import (
 )
 from trainflow.data.stream import StreamSampler
 from trainflow.data.synthetic import SyntheticClassification, SyntheticTokens
-from trainflow.data.text import TokenWindows, load_tokens
+from trainflow.data.text import Corpus, TokenWindows, load_tokens
 from trainflow.data.user import LOADER_KEYS, Collated, user_datasets
 from trainflow.errors import DataError
 
@@ -50,13 +51,16 @@ def build_datasets(cfg: DictConfig, model_cfg: DictConfig) -> DataBundle:
         return DataBundle(train, val, "vocab_size" in model_cfg, int(cfg.get("seq_len") or 1), cfg._target_)
     if cfg.kind == "text":
         seq_len = int(cfg.seq_len)
-        tokens = load_tokens(cfg)
+        corpus = Corpus.of(cfg)
+        tokenizer = corpus.tokenizer(cfg.get("tokenizer"))
+        tokenizer.check_fits(model_cfg.get("vocab_size"))
+        tokens = corpus.tokens(tokenizer, cfg)
         split = int(len(tokens) * (1 - cfg.val_fraction))
-        need = seq_len + 1
+        need, unit = seq_len + 1, tokenizer.unit
         if split < need or len(tokens) - split < need:
             raise DataError(
-                f"data.paths: the corpus has {len(tokens)} bytes, too short for one training and one "
-                f"validation sequence of {need} bytes (val_fraction={cfg.val_fraction}); "
+                f"data.paths: the corpus has {len(tokens)} {unit}, too short for one training and one "
+                f"validation sequence of {need} {unit} (val_fraction={cfg.val_fraction}); "
                 "add text or lower data.seq_len"
             )
         return DataBundle(TokenWindows(tokens[:split], seq_len), TokenWindows(tokens[split:], seq_len), True, seq_len,

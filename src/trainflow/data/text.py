@@ -1,11 +1,15 @@
-"""Byte-level text: a corpus of files, tokenized once into a memory-mapped cache, cut into windows."""
+"""Text files: a corpus tokenized once (bytes, or the run's tokenizer) into a memory-mapped cache, cut into windows."""
 
 from __future__ import annotations
 
+import codecs
 import hashlib
+import itertools
 import logging
 import os
 import sysconfig
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
@@ -14,6 +18,7 @@ import torch
 from omegaconf import DictConfig
 from torch.utils.data import Dataset
 
+from trainflow.data.tokenizers import Tokenizer, build_once, build_tokenizer
 from trainflow.errors import DataError, home_note, unwritable_reason
 from trainflow.files import atomic_path
 
@@ -56,27 +61,83 @@ def _why_missing(path: Path) -> str:
 
 
 CHUNK_BYTES = 16 << 20  # the corpus is copied through memory this much at a time, whatever the size of its files
+PIECE_BYTES = 1 << 16  # a tokenizer encodes text in pieces of about this size, cut at a line's end where one is near
+PIECES_AT_ONCE = 16  # pieces encoded in one call (the tokenizers library encodes a batch in parallel)
+
+
+@dataclass(frozen=True)
+class Corpus:
+    """The corpus's files, and a key that changes when any of them (its name, size or time) does."""
+
+    files: list[Path]
+    key: str
+
+    @classmethod
+    def of(cls, cfg: DictConfig) -> Corpus:
+        paths = [Path(p).expanduser() for p in cfg.paths] if cfg.paths is not None else default_corpus()
+        files = list_files(paths, list(cfg.suffixes))
+        key = hashlib.sha256()
+        for f in files:
+            st = f.stat()
+            key.update(f"{f}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+        return cls(files, key.hexdigest())
+
+    def tokenizer(self, settings: DictConfig | None) -> Tokenizer:
+        """The run's tokenizer; a BPE is trained on (the start of) this corpus."""
+        return build_tokenizer(settings, f"text\0{self.key}", lambda: (p for f in self.files for p in _pieces(f)))
+
+    def tokens(self, tokenizer: Tokenizer, cfg: DictConfig) -> np.ndarray:
+        """The corpus's tokens, cached once as a file (keyed by the corpus and the tokenizer) and memory-mapped.
+
+        The cache is written a bounded piece at a time, so a corpus larger than memory is tokenized in bounded
+        memory; training then reads it through the memory map, page by page. Bytes are cached as the files' bytes.
+        """
+        cache_dir = Path(cfg.cache_dir).expanduser()
+        if tokenizer.encoder is None:
+            cache = cache_dir / f"{self.key[:20]}.bin"
+            if not cache.exists():
+                _write_cache(self.files, cache, cfg.cache_dir)
+        else:
+            cache = cache_dir / f"{self.key[:20]}-{tokenizer.name}.bin"
+            if build_once(cache, lambda tmp: _encode(self.files, tmp, tokenizer), "data.cache_dir", cfg.cache_dir):
+                log.info("tokenized %d files into %d tokens in %s", len(self.files),
+                         cache.stat().st_size // tokenizer.dtype.itemsize, cache)
+        if cache.stat().st_size == 0:
+            raise DataError(f"data.paths: the corpus ({len(self.files)} file(s)) is empty; point data.paths at text")
+        return np.memmap(cache, dtype=tokenizer.dtype, mode="r")
 
 
 def load_tokens(cfg: DictConfig) -> np.ndarray:
-    """Byte-level tokens of the corpus, cached once as a file and memory-mapped.
+    """The corpus of the data section `cfg`, tokenized with its tokenizer (bytes when it names none)."""
+    corpus = Corpus.of(cfg)
+    return corpus.tokens(corpus.tokenizer(cfg.get("tokenizer")), cfg)
 
-    The cache is written in chunks of CHUNK_BYTES, so a corpus larger than memory is tokenized in bounded memory;
-    training then reads it through the memory map, page by page.
+
+def _pieces(path: Path) -> Iterator[str]:
+    """The text of `path` in pieces of about PIECE_BYTES, each ending at a line's end when one is within reach.
+
+    Bytes that are not UTF-8 become U+FFFD; a character split between two reads is decoded whole.
     """
-    paths = [Path(p).expanduser() for p in cfg.paths] if cfg.paths is not None else default_corpus()
-    files = list_files(paths, list(cfg.suffixes))
-    key = hashlib.sha256()
-    for f in files:
-        st = f.stat()
-        key.update(f"{f}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
-    cache_dir = Path(cfg.cache_dir).expanduser()
-    cache = cache_dir / f"{key.hexdigest()[:20]}.bin"
-    if not cache.exists():
-        _write_cache(files, cache, cfg.cache_dir)
-    if cache.stat().st_size == 0:
-        raise DataError(f"data.paths: the corpus ({len(files)} file(s)) is empty; point data.paths at text")
-    return np.memmap(cache, dtype=np.uint8, mode="r")
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    try:
+        with open(path, "rb") as src:
+            while chunk := src.read(PIECE_BYTES):
+                yield decoder.decode(chunk + src.readline(PIECE_BYTES))
+            yield decoder.decode(b"", final=True)
+    except OSError as exc:
+        raise _unreadable(path, exc) from None
+
+
+def _encode(files: list[Path], out_path: Path, tokenizer: Tokenizer) -> None:
+    """Write the files' token ids (each file followed by the tokenizer's separator) to `out_path`."""
+    separator = np.asarray(tokenizer.separator, dtype=tokenizer.dtype)
+    with open(out_path, "wb") as out:
+        for f in files:
+            pieces = _pieces(f)
+            while batch := list(itertools.islice(pieces, PIECES_AT_ONCE)):
+                for ids in tokenizer.encode(batch):
+                    np.asarray(ids, dtype=tokenizer.dtype).tofile(out)
+            separator.tofile(out)
 
 
 def _write_cache(files: list[Path], cache: Path, configured: str) -> None:
