@@ -8,6 +8,7 @@ list of stages (stages.py) after it, and `summarize` writes summary.json.
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import math
 import time
@@ -61,9 +62,17 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any] | None:
     """Train as the validated `cfg` says, in this process as one rank (of one or of the launcher's many); return
     the summary on rank 0 (None on other ranks)."""
     with process_group(cfg) as env:
-        training = assemble(cfg, run_dir, env)
-        train_loop(training)
-        return summarize(training)
+        summary = _train(cfg, run_dir, env)
+        gc.collect()  # whatever a reference cycle still holds goes too, while the process group lives
+        return summary
+
+
+def _train(cfg: DictConfig, run_dir: Path, env: DistEnv) -> dict[str, Any] | None:
+    """A function of its own so that the model is freed when it returns, before the process group is destroyed:
+    a DDP reducer freed after that waits forever in gloo's destructor, and the worker never exits."""
+    training = assemble(cfg, run_dir, env)
+    train_loop(training)
+    return summarize(training)
 
 
 @dataclass
