@@ -39,7 +39,7 @@ from trainflow.checkpoint.safe_io import (
     reraise_interrupt,
     root_error,
 )
-from trainflow.checkpoint.state import FORMAT, STATE_FILE
+from trainflow.checkpoint.state import FORMAT, RESUMABLE_FORMATS, STATE_FILE
 from trainflow.errors import CheckpointError, ConfigError
 from trainflow.files import atomic_path
 from trainflow.locks import DirLock
@@ -118,7 +118,7 @@ def check_intact(ck: Committed, others: list[Committed]) -> None:
             if f.stat().st_size != size:
                 problem = f"{name} is {f.stat().st_size} bytes, the manifest says {size} (truncated)"
                 break
-        if problem is None and ck.manifest.get("format") == FORMAT:
+        if problem is None and ck.manifest.get("format") in RESUMABLE_FORMATS:
             problem = check_files(ck.path, ck.manifest.get("checksums", {}))
             if problem is None and set(ck.manifest.get("checksums", {})) != set(ck.manifest.get("files", {})):
                 problem = "the manifest lacks a checksum for some of its files"
