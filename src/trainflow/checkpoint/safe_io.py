@@ -21,6 +21,7 @@ import math
 import os
 import pickle
 import queue
+import re
 import threading
 import warnings
 from collections.abc import Iterator
@@ -290,7 +291,7 @@ class SafeReader(FileSystemReader):
         raw = [item for item in plan.items if self._is_raw(item)]
         archived = [item for item in plan.items if not self._is_raw(item)]  # format 2: one torch.save per tensor
         if archived:
-            super().read_data(dataclasses.replace(plan, items=archived), planner).wait()
+            self._read_archived(dataclasses.replace(plan, items=archived), planner)
         by_file: dict[str, list[ReadItem]] = {}
         for item in raw:
             by_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
@@ -301,6 +302,17 @@ class SafeReader(FileSystemReader):
         future: Future[None] = Future()
         future.set_result(None)
         return future
+
+    def _read_archived(self, plan: LoadPlan, planner: LoadPlanner) -> None:
+        """Format 2 records (a torch.save archive each) through DCP's reader, which uses the weights_only unpickler;
+        what it refuses is said in one line, without torch's advice to unpickle the file fully."""
+        try:
+            super().read_data(plan, planner).wait()
+        except pickle.UnpicklingError as exc:
+            found = re.search(r"Unsupported global: GLOBAL (\S+)", str(exc))
+            what = f"it refers to {found.group(1)}" if found else "it is not a plain tensor"
+            raise UnsafeCheckpoint(f"{self.path}: a torch.save record in its shards was refused without running it "
+                                   f"({what}); the checkpoint is damaged or was tampered with: do not use it") from None
 
     def _is_raw(self, item: ReadItem) -> bool:
         return RAW_RECORD in (self.storage_data[item.storage_index].transform_descriptors or ())
