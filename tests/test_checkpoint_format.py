@@ -60,6 +60,19 @@ def test_raw_records_round_trip_every_dtype_and_shape(tmp_path: Path) -> None:
     assert [k for k in saved if not torch.equal(loaded[k], saved[k])] == []
 
 
+def test_the_writer_refuses_to_pickle_a_non_tensor(tmp_path: Path) -> None:
+    from trainflow.checkpoint.safe_io import root_error
+
+    with pytest.raises(BaseException) as exc:  # noqa: PT011 (DCP wraps what the writer raised in its own exception)
+        dcp.save({"weight": torch.ones(2), "progress": {"step": 3}}, storage_writer=ChecksummingWriter(tmp_path),
+                 no_dist=True)
+    error = root_error(exc.value)
+    assert isinstance(error, CheckpointError) and str(error) == (
+        "progress.step: not a tensor; trainflow keeps non-tensor state out of the shards (in state.json), it never "
+        "pickles it")
+    assert list(tmp_path.iterdir()) == []  # no shard, no .metadata
+
+
 def rewrite_metadata(folder: Path, key: str, **changes) -> None:
     """Change one record of `.metadata` (what damage or a tamperer could do), the manifest made to match."""
     import dataclasses

@@ -62,9 +62,9 @@ RAW_RECORD = "trainflow.raw/1"  # in a record's transform_descriptors: its bytes
 
 
 class _ChecksummedFile(io.RawIOBase):
-    """A file that hashes every byte written, in the order written; DCP's flush() per item is a no-op here.
+    """A file that hashes every byte written, in the order written; a 1 MB buffer gathers the small writes.
 
-    DCP asks for fileno() only to fsync the finished file, so the buffer is flushed there.
+    fileno() is asked for only to fsync the finished file, so the buffer is flushed there.
     """
 
     def __init__(self, path: Path) -> None:
@@ -80,9 +80,6 @@ class _ChecksummedFile(io.RawIOBase):
 
     def tell(self) -> int:
         return self._file.tell()
-
-    def flush(self) -> None:
-        """Nothing: the data reaches the OS when the buffer fills, before fsync, or at close."""
 
     def fileno(self) -> int:
         self._file.flush()
@@ -173,12 +170,13 @@ class ChecksummingWriter(FileSystemWriter):
 
     def _write_shard(self, path: Path, storage_key: str, items: list[WriteItem],
                      planner: SavePlanner) -> list[WriteResult]:
+        pickled = [item.index.fqn for item in items if item.type == WriteItemType.BYTE_IO]
+        if pickled:
+            raise CheckpointError(f"{pickled[0]}: not a tensor; trainflow keeps non-tensor state out of the shards "
+                                  "(in state.json), it never pickles it")
         results = []
         with self.fs.create_stream(path, "wb") as stream:
             for item in items:
-                if item.type == WriteItemType.BYTE_IO:
-                    raise CheckpointError(f"{item.index.fqn}: not a tensor; trainflow keeps non-tensor state out of "
-                                          "the shards (state.json), it never pickles it")
                 data = tensor_bytes(planner.resolve_data(item).cpu())
                 offset = stream.tell()
                 stream.write(data)
