@@ -2,10 +2,12 @@
 
 One process, one GPT-shaped state (default 19M parameters + AdamW moments = ~230 MB), measured side by side:
 
-1. bandwidth: a synchronous trainflow save (DCP shards with an xxh3-64 checksum per file, fsync, manifest, atomic
-   rename), `torch.save` of the same state dicts (+ fsync), and a raw sequential write of as many bytes (+ fsync); then
-   the writer alone, stock DCP against trainflow's checksumming writer, with 1 and 2 writer threads; and the
-   checksum functions over the same bytes in memory (what choosing one costs); medians of --repeats, interleaved;
+1. bandwidth: a synchronous trainflow save (DCP shards of raw tensor bytes with an xxh3-64 checksum per file,
+   fsync, manifest, atomic rename, retention), `torch.save` of the same state dicts (+ fsync), and a raw sequential
+   write of as many bytes (+ fsync); retention's deletion of the oldest checkpoint runs in a thread after the save:
+   it is waited for outside the timings and reported apart; then the writer alone, stock DCP (a torch.save archive
+   per tensor) against trainflow's writer (raw bytes, checksums), with 1 and 2 writer threads; and the checksum
+   functions over the same bytes in memory (what choosing one costs); medians of --repeats, interleaved;
 2. async vs sync, while training: the same loop twice (a save every --every steps), once with `checkpoint.mode=sync`
    and once `async`; per save, the time the loop was blocked, and the extra time of the steps that ran while the
    background upload was writing (on few cores the writer competes with training);
@@ -84,12 +86,16 @@ def bandwidth(state: TrainState, tmp: Path, repeats: int) -> dict:
     ck = checkpointer(tmp / "dcp", "sync", every=1, keep_last=1)
     ck.resume(state)
     times: dict[str, list[float]] = {"dcp_sync": [], "torch_save": [], "raw_write": []}
+    deletes = []
     nbytes = 0
     for _ in range(repeats):
         state.step += 1
         t0 = time.perf_counter()
         ck.after_step(state)
         times["dcp_sync"].append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        ck._deleter.wait()  # retention's deletion, in a thread: not left to run into the next timing
+        deletes.append(time.perf_counter() - t0)
         nbytes = ck.summary()["bytes"]
 
         t0 = time.perf_counter()
@@ -111,20 +117,22 @@ def bandwidth(state: TrainState, tmp: Path, repeats: int) -> dict:
     ck.close(state)
     med = {k: statistics.median(v) for k, v in times.items()}
     return {"bytes": nbytes, "median_s": med, "all_s": times,
+            "retention_delete_s": statistics.median(deletes[1:] or deletes),  # the first save deletes nothing
             "mb_per_s": {k: nbytes / v / 1e6 for k, v in med.items()},
             "vs_raw": {k: med["raw_write"] / v for k, v in med.items()}}
 
 
 def writers(state: TrainState, tmp: Path, repeats: int) -> dict:
-    """Median seconds of dcp.save alone (no manifest, no commit) with DCP's writer and trainflow's, 1 or 2 threads."""
+    """Median seconds of dcp.save alone (no manifest, no commit) with DCP's writer (a torch.save archive per tensor)
+    and trainflow's (raw bytes and checksums), 1 or 2 threads."""
     import torch.distributed.checkpoint as dcp
 
     tensors, _ = split_state(state)
     variants = {
         "dcp_stock": lambda path: dcp.FileSystemWriter(path),
         "dcp_stock_2_threads": lambda path: dcp.FileSystemWriter(path, thread_count=2),
-        "checksumming": lambda path: ChecksummingWriter(path),
-        "checksumming_2_threads": lambda path: ChecksummingWriter(path, thread_count=2),
+        "trainflow_raw": lambda path: ChecksummingWriter(path),
+        "trainflow_raw_2_threads": lambda path: ChecksummingWriter(path, thread_count=2),
     }
     times: dict[str, list[float]] = {name: [] for name in variants}
     for _ in range(repeats):
@@ -271,7 +279,7 @@ def main() -> None:
         tmp = Path(folder)
         progress("1/3 bandwidth: trainflow sync save vs torch.save vs raw write")
         bw = bandwidth(state, tmp, args.repeats)
-        progress("1b/3 the writer alone: stock DCP vs checksumming, 1 and 2 threads; checksum functions")
+        progress("1b/3 the writer alone: stock DCP vs trainflow's, 1 and 2 threads; checksum functions")
         wr = writers(state, tmp, args.repeats)
         sums = checksums(bw["bytes"], args.repeats)
         progress("2/3 training with sync, then async saves")
@@ -285,6 +293,7 @@ def main() -> None:
     print("\nsave (fsync'd)          median s    MB/s   fraction of raw-write speed")
     for name in ("raw_write", "torch_save", "dcp_sync"):
         print(f"  {name:20s} {bw['median_s'][name]:9.3f} {bw['mb_per_s'][name]:7.0f}   {bw['vs_raw'][name]:.2f}")
+    print(f"  then, in a thread: retention deleting the oldest checkpoint {bw['retention_delete_s']:.3f} s")
     print("\ndcp.save alone (fsync'd)  median s   fraction of raw-write speed")
     for name, sec in wr.items():
         print(f"  {name:22s} {sec:8.3f}   {bw['median_s']['raw_write'] / sec:.2f}")

@@ -67,14 +67,18 @@ def entries(folder: Path) -> list[str]:
 
 
 def read_tensors(ckpt: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of a DCP checkpoint (model and optimizer), read in this process without a process group."""
+    """Every tensor of a DCP checkpoint (model and optimizer), read in this process without a process group
+    (trainflow's reader: the shards hold raw tensor bytes, which DCP's stock reader does not know)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    md = dcp.FileSystemReader(ckpt).read_metadata()
+    from trainflow.checkpoint.safe_io import SafeReader
+
+    reader = SafeReader(ckpt)
+    md = reader.read_metadata()
     sd = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in md.state_dict_metadata.items()
           if isinstance(m, TensorStorageMetadata)}
-    dcp.load(sd, checkpoint_id=ckpt, no_dist=True)
+    dcp.load(sd, storage_reader=reader, no_dist=True)
     return sd
 
 

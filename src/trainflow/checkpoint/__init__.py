@@ -8,7 +8,7 @@ state of every rank (torch CPU and CUDA, Python, NumPy), one file per rank.
 One module per concern:
 
     state.py         the app state: what goes into a checkpoint (tensors and JSON), non-finite check, fingerprint
-    safe_io.py       the bytes: a checksum per file while writing, reading without running code
+    safe_io.py       the bytes: raw tensor records, a checksum per file while writing, reading without running code
     store.py         the on-disk store: lock, committed listing, manifest, integrity, commit, retention, export
     resume.py        which checkpoint to resume from, whether it fits, loading it
     checkpointer.py  the Checkpointer the loop calls: saving (sync, async), resume, stop signals

@@ -26,7 +26,7 @@ import shutil
 import signal
 import threading
 import time
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -147,6 +147,7 @@ class Checkpointer:
         self._stopped_by: str | None = None
         self._previous_handlers: dict[int, Any] = {}
         self._lock: DirLock | None = None  # rank 0, from resume() to close()
+        self._deleter = store.Deleter()  # rank 0: removes the checkpoints retention retired
         if threading.current_thread() is threading.main_thread():  # Python delivers signals to the main thread only
             self._previous_handlers = {s: signal.signal(s, self._on_signal) for s in STOP_SIGNALS}
         elif env.is_main:
@@ -229,6 +230,7 @@ class Checkpointer:
                 if self.cfg.export:
                     self._exported = self._ranks.on_rank0(self._export)
         finally:
+            self._deleter.wait()
             self._stager = None  # the staging buffers: a whole copy of the state
             if self._lock is not None:
                 self._lock.release()
@@ -264,6 +266,7 @@ class Checkpointer:
 
         if self._pending is not None:  # at most one save in flight: the next one waits for it
             self._finish_pending(wait=True)
+        self._deleter.wait()  # the space of the checkpoints retention retired is free again
         self._need_bytes = max(self._need_bytes, state_bytes(state), self._saves[-1]["bytes"] if self._saves else 0)
         tensors, plain = split_state(state)
         self._refuse_nonfinite(tensors, state.step)
@@ -272,20 +275,11 @@ class Checkpointer:
         if self.env.is_main:
             log.info("checkpoint step %d: saving to %s", state.step, tmp)
         started = time.perf_counter()
-        sums = self._write_plain(tmp, plain, state.step)
         if blocking:
-            writer = ChecksummingWriter(tmp)
-            error = None
-            try:
-                dcp.save({"app": tensors}, storage_writer=writer, process_group=self._ctl)
-            except BaseException as exc:
-                reraise_interrupt(exc)
-                error = exc
-            self._raise_if_failed(error, tmp, state.step)
-            write_s = time.perf_counter() - started
-            self._commit(tmp, state.step, state.samples_seen, write_s, write_s, {**sums, **writer.checksums})
-            self._verify(state)
+            self._save_now(state, tensors, plain, tmp, started)
             return
+        sums, error = self._write_plain(tmp, plain, rng_state())
+        self._raise_if_failed(error, tmp, state.step)
         if self._stager is None:
             self._stager = reused_buffers(self.env.device)
         writer = ChecksummingWriter(tmp, per_thread_copy_ahead=0)  # the staged state is in CPU memory already
@@ -299,6 +293,26 @@ class Checkpointer:
             self._finish_pending(wait=True)
             self._verify(state)
 
+    def _save_now(self, state: TrainState, tensors: dict[str, Any], plain: dict[str, Any], tmp: Path,
+                  started: float) -> None:
+        """A sync save: the shards, and beside them (their fsyncs overlapping the shards' write) the JSON files."""
+        import torch.distributed.checkpoint as dcp
+
+        writer = ChecksummingWriter(tmp)
+        error = None
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            plain_files = pool.submit(self._write_plain, tmp, plain, rng_state())
+            try:
+                dcp.save({"app": tensors}, storage_writer=writer, process_group=self._ctl)
+            except BaseException as exc:
+                reraise_interrupt(exc)
+                error = exc
+        sums, plain_error = plain_files.result()
+        self._raise_if_failed(plain_error or error, tmp, state.step)
+        write_s = time.perf_counter() - started
+        self._commit(tmp, state.step, state.samples_seen, write_s, write_s, {**sums, **writer.checksums})
+        self._verify(state)
+
     def _refuse_nonfinite(self, tensors: dict[str, Any], step: int) -> None:
         """Never commit NaN or infinite weights or optimizer state: every rank checks its shards, all agree."""
         bad = first_nonfinite(flatten(tensors))
@@ -310,17 +324,19 @@ class Checkpointer:
         raise CheckpointError(f"checkpoint: step {step} has non-finite values ({bad}); not committed, {kept}; the "
                               "training diverged: lower optim.lr (or raise optim.warmup_steps) and run again")
 
-    def _write_plain(self, tmp: Path, plain: dict[str, Any], step: int) -> dict[str, str]:
-        """state.json (rank 0) and this rank's RNG state beside the shards; their checksums."""
+    def _write_plain(self, tmp: Path, plain: dict[str, Any],
+                     rng: dict[str, Any]) -> tuple[dict[str, str], Exception | None]:
+        """state.json (rank 0) and this rank's RNG state beside the shards: (their checksums, the error if any).
+
+        Runs beside the shards' write: file operations only, the ranks agree on the outcome afterwards.
+        """
         try:
-            sums = {rng_file(self.env.rank): write_json(tmp / rng_file(self.env.rank), rng_state())}
+            sums = {rng_file(self.env.rank): write_json(tmp / rng_file(self.env.rank), rng)}
             if self.env.is_main:
                 sums[STATE_FILE] = write_json(tmp / STATE_FILE, plain)
-            error = None
+            return sums, None
         except (OSError, TypeError, ValueError) as exc:
-            sums, error = {}, exc
-        self._raise_if_failed(error, tmp, step)
-        return sums
+            return {}, exc
 
     def _finish_pending(self, wait: bool = False) -> None:
         """Commit the in-flight async save (every rank's upload is done, or `wait` for it)."""
@@ -374,7 +390,7 @@ class Checkpointer:
 
     def _retain(self) -> None:
         """Rank 0: retention (store.retain) never deletes the checkpoint this run resumed from."""
-        store.retain(self.dir, self.cfg.keep_last, self._resumed_from)
+        self._deleter.delete(store.retain(self.dir, self.cfg.keep_last, self._resumed_from))
 
     def _verify(self, state: TrainState) -> None:
         """Reload the checkpoint just committed into fresh tensors and compare with the live state exactly."""

@@ -24,7 +24,7 @@ from trainflow.checkpoint.safe_io import (
     root_error,
 )
 from trainflow.checkpoint.state import (
-    FORMAT,
+    RESUMABLE_FORMATS,
     TrainState,
     hyperparameter_changes,
     merge_tensors,
@@ -135,7 +135,7 @@ def load_all(target: Committed, state: TrainState, env: DistEnv, group: Any) -> 
     hyperparameters the config changed."""
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
-    if target.manifest.get("format") != FORMAT:
+    if target.manifest.get("format") not in RESUMABLE_FORMATS:
         raise CheckpointError(
             f"{target.path}: saved by an older trainflow, which pickled the RNG and optimizer settings into the "
             "shards; trainflow no longer unpickles checkpoints (that could run code from them); continue from "

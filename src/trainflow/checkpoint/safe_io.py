@@ -1,23 +1,28 @@
 """The bytes of a checkpoint: written with a checksum per file, read back without running code from them.
 
-Trust model. A checkpoint folder is data, never code. DCP shards hold tensors only (read with torch's
-`weights_only` unpickler); `.metadata` is read by an allow-list unpickler that knows the DCP metadata classes,
-torch dtypes/sizes/layouts and nothing else; every other value (progress, LR schedule, optimizer hyperparameters,
-RNG states) is JSON. The per-file xxh3-64 checksums in the manifest catch damage (a flipped byte, a truncated
+Trust model. A checkpoint folder is data, never code. DCP shards hold the tensors' raw bytes (format 3; format 2
+held one torch.save archive per tensor, read with torch's `weights_only` unpickler); their dtypes and shapes come
+from `.metadata`, which is read by an allow-list unpickler that knows the DCP metadata classes, torch
+dtypes/sizes/layouts and nothing else; every other value (progress, LR schedule, optimizer hyperparameters, RNG
+states) is JSON. The per-file xxh3-64 checksums in the manifest catch damage (a flipped byte, a truncated
 shard), not tampering: whoever can write the folder can rewrite the manifest too. xxh3-64 rather than CRC32 or
 a cryptographic hash: it is 5x faster than zlib.crc32 here (benchmarks/checkpoint.py), so hashing costs a few
 percent of a save; its 64 bits make an undetected random corruption vanishingly unlikely.
 
 Also here: what a failure inside DCP (which wraps whatever a rank raised) was, in one line.
 """
-
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import json
+import math
 import os
 import pickle
+import queue
+import re
+import threading
 import warnings
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -26,10 +31,21 @@ from typing import Any
 
 import torch
 import xxhash
+from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.filesystem import FileSystem
+from torch.distributed.checkpoint.filesystem import FileSystem, _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
-from torch.distributed.checkpoint.planner import LoadItemType
+from torch.distributed.checkpoint.planner import (
+    LoadItemType,
+    LoadPlan,
+    LoadPlanner,
+    ReadItem,
+    SavePlanner,
+    WriteItem,
+    WriteItemType,
+)
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future
 
 from trainflow.errors import CheckpointError
 
@@ -40,15 +56,15 @@ warnings.filterwarnings("ignore", message="torch.distributed is (disabled, )?una
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Writing: one checksum per file, computed from the bytes while they are written
+# Writing: raw tensor bytes, one checksum per file computed from the bytes while they are written
+
+RAW_RECORD = "trainflow.raw/1"  # in a record's transform_descriptors: its bytes are the tensor's, row-major
 
 
 class _ChecksummedFile(io.RawIOBase):
-    """A file that hashes every byte written (torch.save writes sequentially), without a flush per item.
+    """A file that hashes every byte written, in the order written; a 1 MB buffer gathers the small writes.
 
-    DCP flushes the stream after each of the hundreds of items it writes, and torch.save writes each item in
-    dozens of small pieces: flush() is a no-op here and a 1 MB buffer gathers the small writes (big ones go
-    straight through). DCP asks for fileno() only to fsync the finished file, so the buffer is flushed there.
+    fileno() is asked for only to fsync the finished file, so the buffer is flushed there.
     """
 
     def __init__(self, path: Path) -> None:
@@ -64,9 +80,6 @@ class _ChecksummedFile(io.RawIOBase):
 
     def tell(self) -> int:
         return self._file.tell()
-
-    def flush(self) -> None:
-        """Nothing: the data reaches the OS when the buffer fills, before fsync, or at close."""
 
     def fileno(self) -> int:
         self._file.flush()
@@ -104,8 +117,21 @@ class _ChecksummingFileSystem(FileSystem):
             self.checksums[Path(new_path).name] = self.checksums.pop(Path(path).name)
 
 
+def tensor_bytes(tensor: torch.Tensor) -> Any:
+    """A CPU tensor's values as a buffer of bytes, row-major (a copy only when it is not contiguous)."""
+    return tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
+
+
 class ChecksummingWriter(FileSystemWriter):
-    """DCP's file writer with a checksum per file; torch.save's own per-record CRC32 is skipped (ours covers it)."""
+    """DCP's file writer storing each tensor as its raw bytes (no torch.save archive, no pickle), with a checksum
+    per file.
+
+    DCP's own writer makes every tensor a small zip archive with a pickled header (torch.save): for the ~300
+    tensors of a GPT that costs more than writing the bytes. Here a shard file is the tensors' bytes back to back;
+    each record's offset and length go into DCP's `.metadata` as usual, marked RAW_RECORD, and its dtype and shape
+    are DCP's own metadata of that chunk (SafeReader reads them back). Files, buckets per writer thread and the
+    `.metadata` are DCP's. Only tensors are written: a non-tensor (pickled) entry is refused.
+    """
 
     def __init__(self, path: Path, **kwargs: Any) -> None:
         super().__init__(path, **kwargs)
@@ -115,11 +141,51 @@ class ChecksummingWriter(FileSystemWriter):
     def checksums(self) -> dict[str, str]:
         return self.fs.checksums
 
-    def write_data(self, plan: Any, planner: Any) -> Any:
-        from torch.utils.serialization import config
+    def _write_data(self, planner: SavePlanner, file_queue: queue.Queue) -> Future[list[WriteResult]]:
+        """Write the queued files on `thread_count` threads (this one included), as DCP's writer does."""
+        results: list[WriteResult] = []
+        errors: list[BaseException] = []
 
-        with config.patch({"save.compute_crc32": False}):
-            return super().write_data(plan, planner)
+        def drain() -> None:
+            try:
+                while True:
+                    path, storage_key, items = file_queue.get_nowait()
+                    results.extend(self._write_shard(path, storage_key, items, planner))
+            except queue.Empty:
+                pass
+            except BaseException as exc:  # raised in the calling thread below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=drain) for _ in range(1, self.thread_count)]
+        for t in threads:
+            t.start()
+        drain()
+        for t in threads:
+            t.join()
+        if errors:
+            raise errors[0]
+        future: Future[list[WriteResult]] = Future()
+        future.set_result(results)
+        return future
+
+    def _write_shard(self, path: Path, storage_key: str, items: list[WriteItem],
+                     planner: SavePlanner) -> list[WriteResult]:
+        pickled = [item.index.fqn for item in items if item.type == WriteItemType.BYTE_IO]
+        if pickled:
+            raise CheckpointError(f"{pickled[0]}: not a tensor; trainflow keeps non-tensor state out of the shards "
+                                  "(in state.json), it never pickles it")
+        results = []
+        with self.fs.create_stream(path, "wb") as stream:
+            for item in items:
+                data = tensor_bytes(planner.resolve_data(item).cpu())
+                offset = stream.tell()
+                stream.write(data)
+                results.append(WriteResult(index=item.index, size_in_bytes=data.nbytes,
+                                           storage_data=_StorageInfo(storage_key, offset, data.nbytes,
+                                                                     transform_descriptors=[RAW_RECORD])))
+            if self.sync_files:
+                os.fsync(stream.fileno())
+        return results
 
 
 def write_json(path: Path, value: Any) -> str:
@@ -200,7 +266,8 @@ def read_metadata(path: Path) -> Metadata:
 
 
 class SafeReader(FileSystemReader):
-    """DCP's file reader with the allow-list `.metadata` unpickler, refusing non-tensor (pickled) items."""
+    """DCP's file reader that runs no code: the allow-list `.metadata` unpickler, raw records read as bytes, older
+    torch.save records through torch's `weights_only` unpickler, non-tensor (pickled) items refused."""
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         metadata = read_metadata(Path(self.path))
@@ -209,13 +276,72 @@ class SafeReader(FileSystemReader):
         metadata.storage_meta.load_id = self.load_id
         return metadata
 
-    def read_data(self, plan: Any, planner: Any) -> Any:
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
+        self._tensors = metadata.state_dict_metadata
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         pickled = [item.storage_index.fqn for item in plan.items if item.type == LoadItemType.BYTE_IO]
         if pickled:
             raise UnsafeCheckpoint(f"{self.path}: {pickled[0]} is stored as a pickled object, which trainflow does "
                                    "not load (it could run code); the checkpoint was tampered with or is not "
                                    "trainflow's")
-        return super().read_data(plan, planner)
+        raw = [item for item in plan.items if self._is_raw(item)]
+        archived = [item for item in plan.items if not self._is_raw(item)]  # format 2: one torch.save per tensor
+        if archived:
+            self._read_archived(dataclasses.replace(plan, items=archived), planner)
+        by_file: dict[str, list[ReadItem]] = {}
+        for item in raw:
+            by_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
+        for name, items in by_file.items():
+            with open(Path(self.path) / name, "rb", buffering=0) as f:
+                for item in sorted(items, key=lambda i: self.storage_data[i.storage_index].offset):
+                    self._read_raw(f, item, planner)
+        future: Future[None] = Future()
+        future.set_result(None)
+        return future
+
+    def _read_archived(self, plan: LoadPlan, planner: LoadPlanner) -> None:
+        """Format 2 records (a torch.save archive each) through DCP's reader, which uses the weights_only unpickler;
+        what it refuses is said in one line, without torch's advice to unpickle the file fully."""
+        try:
+            super().read_data(plan, planner).wait()
+        except pickle.UnpicklingError as exc:
+            found = re.search(r"Unsupported global: GLOBAL (\S+)", str(exc))
+            what = f"it refers to {found.group(1)}" if found else "it is not a plain tensor"
+            raise UnsafeCheckpoint(f"{self.path}: a torch.save record in its shards was refused without running it "
+                                   f"({what}); the checkpoint is damaged or was tampered with: do not use it") from None
+
+    def _is_raw(self, item: ReadItem) -> bool:
+        return RAW_RECORD in (self.storage_data[item.storage_index].transform_descriptors or ())
+
+    def _read_raw(self, f: io.RawIOBase, item: ReadItem, planner: LoadPlanner) -> None:
+        """One raw record: its bytes, viewed with the dtype and shape DCP's metadata gives the stored chunk."""
+        info = self.storage_data[item.storage_index]
+        index = item.storage_index
+        meta = self._tensors.get(index.fqn)
+        chunk = next((c for c in getattr(meta, "chunks", ()) if list(c.offsets) == list(index.offset)), None)
+        if chunk is None:
+            raise CheckpointError(f"{self.path}/.metadata: {index.fqn} has a record but no tensor chunk at "
+                                  f"{list(index.offset)}; the checkpoint is corrupt")
+        expected = math.prod(chunk.sizes) * meta.properties.dtype.itemsize
+        if info.length != expected:
+            raise CheckpointError(f"{self.path}/{info.relative_path}: {index.fqn} is recorded as {info.length} bytes, "
+                                  f"its shape {list(chunk.sizes)} {meta.properties.dtype} needs {expected}; the "
+                                  "checkpoint is corrupt")
+        data = torch.empty(info.length, dtype=torch.uint8)
+        f.seek(info.offset)
+        if f.readinto(data.numpy()) != info.length:
+            raise CheckpointError(f"{self.path}/{info.relative_path}: ends inside {index.fqn} (truncated); the "
+                                  "checkpoint is corrupt")
+        stored = data.view(meta.properties.dtype).reshape(chunk.sizes)
+        tensor = narrow_tensor_by_index(stored, item.storage_offsets, item.lengths)
+        target = planner.resolve_tensor(item).detach()
+        if target.size() != tensor.size():
+            raise CheckpointError(f"{self.path}: {index.fqn} reads as {list(tensor.size())}, the model expects "
+                                  f"{list(target.size())}; the checkpoint does not fit this model")
+        target.copy_(tensor)
+        planner.commit_tensor(item, target)
 
 
 def read_json(path: Path) -> Any:

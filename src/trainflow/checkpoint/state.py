@@ -20,7 +20,10 @@ from torch import nn
 
 from trainflow.errors import CheckpointError
 
-FORMAT = 2  # 1: trainflow before checksums (pickled RNG and non-tensor state inside the shards)
+FORMAT = 3  # shards of raw tensor bytes (see safe_io.py)
+# formats a full resume reads: JSON state, a checksum per file (2: one torch.save archive per tensor in the shards);
+# format 1, trainflow before checksums, pickled the RNG and non-tensor state into the shards: its weights only
+RESUMABLE_FORMATS = (2, FORMAT)
 STATE_FILE = "state.json"  # progress, LR schedule, optimizer hyperparameters: the non-tensor state
 
 

@@ -8,7 +8,7 @@ Layout of `checkpoint.dir` (default `<run dir>/checkpoints`):
 A save writes into `.tmp-step_N`; its commit writes manifest.json (sizes and checksums of every file,
 `finite: true`) into it and renames it to `step_N` in one atomic rename. Listing, resume and retention see only
 `step_N` folders holding a manifest, ordered by the manifest's step, so a checkpoint is committed or absent;
-retention renames a doomed folder back to a `.tmp-` name before deleting it.
+retention renames a doomed folder back to a `.tmp-` name before deleting it (in a thread: see Deleter).
 
 A corrupt committed checkpoint (a checksum or size that differs, a missing .metadata, a renamed folder, a newest
 step folder without a manifest) is refused, never skipped: resuming from an older one silently would hide lost
@@ -22,6 +22,7 @@ import logging
 import os
 import re
 import shutil
+import threading
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -39,7 +40,7 @@ from trainflow.checkpoint.safe_io import (
     reraise_interrupt,
     root_error,
 )
-from trainflow.checkpoint.state import FORMAT, STATE_FILE
+from trainflow.checkpoint.state import FORMAT, RESUMABLE_FORMATS, STATE_FILE
 from trainflow.errors import CheckpointError, ConfigError
 from trainflow.files import atomic_path
 from trainflow.locks import DirLock
@@ -118,7 +119,7 @@ def check_intact(ck: Committed, others: list[Committed]) -> None:
             if f.stat().st_size != size:
                 problem = f"{name} is {f.stat().st_size} bytes, the manifest says {size} (truncated)"
                 break
-        if problem is None and ck.manifest.get("format") == FORMAT:
+        if problem is None and ck.manifest.get("format") in RESUMABLE_FORMATS:
             problem = check_files(ck.path, ck.manifest.get("checksums", {}))
             if problem is None and set(ck.manifest.get("checksums", {})) != set(ck.manifest.get("files", {})):
                 problem = "the manifest lacks a checksum for some of its files"
@@ -253,9 +254,13 @@ def commit(tmp: Path, final: Path, manifest: dict[str, Any], checksums: dict[str
     return manifest["bytes"] + (final / MANIFEST).stat().st_size
 
 
-def retain(ckpt_dir: Path, keep_last: int, resumed_from: Committed | None) -> None:
-    """Delete the oldest committed checkpoints beyond keep_last; never the newest, the newest finite, the resumed
-    one, nor a folder whose name and manifest disagree (renamed by hand: left alone)."""
+def retain(ckpt_dir: Path, keep_last: int, resumed_from: Committed | None) -> list[Path]:
+    """Retire the oldest committed checkpoints beyond keep_last; never the newest, the newest finite, the resumed
+    one, nor a folder whose name and manifest disagree (renamed by hand: left alone).
+
+    A retired folder is renamed to a `.tmp-` name at once (from then on it is no checkpoint: never listed, removed
+    at the next start if it is still there) and returned, for Deleter to remove its files.
+    """
     committed = [c for c in list_committed(ckpt_dir) if c.manifest is not None and not c.renamed]
     keep = {c.path for c in committed[-keep_last:]}
     finite = [c for c in committed if c.manifest.get("finite") is True]
@@ -263,13 +268,46 @@ def retain(ckpt_dir: Path, keep_last: int, resumed_from: Committed | None) -> No
         keep.add(finite[-1].path)
     if resumed_from is not None:
         keep.add(resumed_from.path)
+    retired = []
     for c in committed:
         if c.path not in keep:
+            doomed = c.path.with_name(f"{TMP_PREFIX}deleting-{c.path.name}")
             try:
-                _remove(c.path)
-                log.info("checkpoint: retention deleted %s (checkpoint.keep_last=%d)", c.path, keep_last)
+                os.rename(c.path, doomed)
             except OSError as exc:
                 log.warning("checkpoint: could not delete %s (%s); it stays", c.path, exc.strerror)
+                continue
+            retired.append(doomed)
+            log.info("checkpoint: retention deleted %s (checkpoint.keep_last=%d)", c.path, keep_last)
+    return retired
+
+
+class Deleter:
+    """Removes retired checkpoint folders in a thread, so that the loop does not wait for their files to be
+    unlinked (0.07 s for 230 MB here); the next save waits for it first, so the disk never holds more than it
+    would have."""
+
+    def __init__(self) -> None:
+        self._thread: threading.Thread | None = None
+
+    def delete(self, folders: list[Path]) -> None:
+        self.wait()
+        if folders:
+            self._thread = threading.Thread(target=_remove_all, args=(folders,), name="trainflow-retention")
+            self._thread.start()
+
+    def wait(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+
+def _remove_all(folders: list[Path]) -> None:
+    for folder in folders:
+        try:
+            shutil.rmtree(folder)
+        except OSError as exc:
+            log.warning("checkpoint: could not remove %s (%s); the next start removes it", folder, exc.strerror)
 
 
 def lock_dir(ckpt_dir: Path, run_dir: Path) -> DirLock:
@@ -297,13 +335,6 @@ def _fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def _remove(path: Path) -> None:
-    """Delete a checkpoint folder without ever leaving a half-deleted committed one: rename first."""
-    doomed = path.with_name(f"{TMP_PREFIX}deleting-{path.name}")
-    os.rename(path, doomed)
-    shutil.rmtree(doomed)
 
 
 def _trainflow_version() -> str:
