@@ -29,8 +29,8 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from trainflow.cli import register_with_hydra
-from trainflow.config import validate
 from trainflow.run import run
+from trainflow.validation import validate
 
 ROOT = Path(__file__).resolve().parents[1]
 register_with_hydra()  # before composing configs, as train.py does

@@ -32,7 +32,8 @@ from torch.profiler import record_function
 from trainflow.config import ProfilerConfig
 from trainflow.distributed import DistEnv
 from trainflow.models.gpt import GPT
-from trainflow.profiling import DATA, FWD_BWD, OPTIMIZER, Profiler
+from trainflow.profile_verdict import DATA, FWD_BWD, OPTIMIZER
+from trainflow.profiling import Profiler
 from trainflow.tasks import cross_entropy
 
 CASES = {  # model keyword arguments, batch size

@@ -319,8 +319,8 @@ def test_bad_values_are_refused_before_training(run_dir: Path) -> None:
 def test_each_bad_value_names_its_key(key: str, value, message: str) -> None:
     from hydra import compose, initialize_config_dir
 
-    from trainflow.config import validate
     from trainflow.errors import ConfigError
+    from trainflow.validation import validate
 
     overrides = ["checkpoint=dcp", f"checkpoint.{key}={value}"] + (["checkpoint.save_final=false"] if key == "export"
                                                                     else [])

@@ -165,7 +165,7 @@ def test_recompiles_with_varying_lengths(tmp_path: Path, run_dir: Path, dynamic:
 def test_validation_names_the_key(overrides: list[str], fragment: str) -> None:
     from hydra import compose, initialize_config_dir
 
-    from trainflow.config import validate
+    from trainflow.validation import validate
 
     base = [] if "model=mlp" in overrides else GPT
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):

@@ -265,7 +265,7 @@ def test_headline_command_runs_unchanged_on_a_machine_without_gpus(run_dir: Path
     ("ddp", 3, 0, 3), ("ddp", 3, 8, 3),  # a number is taken as given
 ])
 def test_ranks_per_node_auto(strategy: str, nproc: object, gpus: int, ranks: int) -> None:
-    from trainflow.config import local_ranks
+    from trainflow.validation import local_ranks
 
     assert local_ranks(strategy, nproc, gpus) == ranks
 
@@ -298,9 +298,9 @@ def test_bad_parallel_values_are_refused_before_any_worker_starts(overrides: lis
     """The same checks the launching process runs before it starts workers, on a composed config, in process."""
     from hydra import compose, initialize_config_dir
 
-    from trainflow.config import validate
     from trainflow.distributed.process_group import _preflight, resolve_nproc
     from trainflow.errors import ConfigError
+    from trainflow.validation import validate
 
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         cfg = compose("train", overrides=[*SMALL, *overrides])

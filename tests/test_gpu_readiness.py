@@ -14,7 +14,7 @@ from omegaconf import OmegaConf
 from torch import nn
 
 from trainflow.compiler import TOLERANCE, effective_mode
-from trainflow.config import RunConfig, validate_compile, validate_parallelism
+from trainflow.config import RunConfig
 from trainflow.data import Pinned, StreamSampler, SyntheticTokens, TokenWindows, VariableLengths, make_loader
 from trainflow.distributed import DistEnv
 from trainflow.distributed.parallelize import fsdp_dtypes
@@ -22,7 +22,8 @@ from trainflow.distributed.parity import PARITY_TOLERANCE, ParityCheck
 from trainflow.distributed.process_group import cuda_index, node_count
 from trainflow.errors import ConfigError
 from trainflow.metrics import configure_matmul, gpu_peak_flops, matmul_math
-from trainflow.profiling import verdict
+from trainflow.profile_verdict import verdict
+from trainflow.validation import validate_compile, validate_parallelism
 
 
 def cfg(**overrides) -> OmegaConf:

@@ -12,11 +12,12 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from trainflow.config import register_configs, validate
+from trainflow.config import register_configs
 from trainflow.env import env_rank
 from trainflow.errors import EXIT_INTERRUPTED, TrainflowError, traceback_wanted
 from trainflow.ladder import register_resolvers as register_ladder_resolvers
 from trainflow.rundir import register_resolvers as register_run_dir_resolvers
+from trainflow.validation import validate
 
 
 def register_with_hydra() -> None:

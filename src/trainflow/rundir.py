@@ -95,7 +95,7 @@ def run_dir(checkpointed: bool = False, name: str | None = None, overrides: Any 
     if os.environ.get(RUN_DIR_ENV):
         return os.environ[RUN_DIR_ENV]
     if name is not None:
-        from trainflow.config import run_name_problem
+        from trainflow.validation import run_name_problem
 
         if problem := run_name_problem(name):
             user_error(f"trainer.run_name: {problem}")

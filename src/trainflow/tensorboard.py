@@ -21,7 +21,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from trainflow.profiling import format_verdict
+from trainflow.profile_verdict import format_verdict
 
 EVENTS_DIR = "tensorboard"
 MIB = 2**20

@@ -74,7 +74,7 @@ def check_ladder_rungs(jobs: list[SweepJob]) -> None:
         return
     from hydra.core.hydra_config import HydraConfig
 
-    from trainflow.config import validate
+    from trainflow.validation import validate
 
     hydra_config = HydraConfig.instance()
     sweep_config = hydra_config.cfg
@@ -189,7 +189,7 @@ def job_ranks_per_node(job: SweepJob, launcher_key: str, launcher_value: Any, gp
     decided by `local_ranks` with `gpus()` GPUs per node), unless the launcher's own key overrides it. The two
     set to different numbers is refused in one line naming both: the job would run with one, its checks with the
     other."""
-    from trainflow.config import local_ranks, validate_parallelism
+    from trainflow.validation import local_ranks, validate_parallelism
 
     try:
         validate_parallelism(job.config)

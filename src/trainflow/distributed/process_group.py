@@ -21,11 +21,11 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig
 
-from trainflow.config import CPU_GROUP_RANKS, GROUP_STRATEGIES, local_ranks
 from trainflow.distributed.failures import record_failure
 from trainflow.distributed.hsdp import hsdp_shape, ranks_per_node
 from trainflow.env import env_rank
 from trainflow.errors import ConfigError, TrainflowError
+from trainflow.validation import CPU_GROUP_RANKS, GROUP_STRATEGIES, local_ranks
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,345 @@
+"""Value checks a type cannot express (positive steps, known choices, combinations of groups), run once on the
+composed config before any work starts: each failure is one line naming the key and the fix.
+
+The schemas (trainflow.config) say what keys exist and their types; this module says which values make sense.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import InterpolationResolutionError, MissingMandatoryValue
+
+from trainflow.config import LADDER_STAGES, WorkerConfig
+from trainflow.errors import ConfigError
+
+
+def validate_task(cfg: DictConfig) -> None:
+    """Task values a type cannot check; whether task.monitor exists is known once the task ran on a sample."""
+    task = cfg.task
+    _require(task.get("mode", "min") in ("min", "max"), "task.mode", f"must be min or max; got {task.get('mode')!r}")
+    if task.get("_target_"):
+        return
+    _one_of(cfg, "task.kind", ("auto", "lm", "classify"))
+    _require(task.top_k > 0, "task.top_k", f"must be a positive integer; got {task.top_k}")
+    lm = task.kind == "lm" or (task.kind == "auto" and "vocab_size" in cfg.model)
+    _require(not task.loss_from_model or lm, "task.loss_from_model",
+             "is for language models (task=lm); set it to false, or task.kind=lm")
+
+
+def with_worker_defaults(cfg: DictConfig) -> None:
+    """A user's data section (data._target_, no schema) gets trainflow's loader keys it does not set."""
+    d = cfg.data
+    if d.get("_target_") and any(k not in d for k in WorkerConfig.__dataclass_fields__):
+        cfg.data = OmegaConf.merge(OmegaConf.create(asdict(WorkerConfig())), OmegaConf.to_container(d))
+
+
+COMPILE_MODES = ("default", "max-autotune", "max-autotune-no-cudagraphs", "reduce-overhead")
+
+
+def validate_compile(cfg: DictConfig) -> None:
+    """Compile values a type cannot check (the backend name is checked where dynamo is imported)."""
+    d = cfg.data
+    if d.get("seq_lens") is not None:
+        lens = list(d.seq_lens)
+        _require(len(lens) > 0, "data.seq_lens", "is empty: give lengths, e.g. data.seq_lens=[32,64,128], or null")
+        _require("vocab_size" in cfg.model, "data.seq_lens",
+                 "varies sequence lengths, which needs a language model (model=gpt_*); set it to null")
+        _require(all(0 < n <= d.seq_len for n in lens), "data.seq_lens",
+                 f"each length must be in [1, data.seq_len={d.seq_len}]; got {lens}")
+    c = cfg.compile
+    if not c.enabled:
+        return
+    _require(c.mode is None or c.mode in COMPILE_MODES, "compile.mode",
+             f"must be null or one of {', '.join(COMPILE_MODES)}; got {c.mode!r}")
+    if c.scope is not None:
+        _one_of(cfg, "compile.scope", ("model", "blocks"))
+    _require(bool(c.backend), "compile.backend", "is empty: use inductor, aot_eager or eager")
+    _require(c.mode is None or c.backend == "inductor", "compile.mode",
+             f"only the inductor backend takes a mode; got compile.backend={c.backend}: "
+             "set compile.mode=null or compile.backend=inductor")
+    if c.mode == "reduce-overhead" or c.backend == "cudagraphs":
+        import torch
+
+
+        key, value = ("compile.mode", c.mode) if c.mode == "reduce-overhead" else ("compile.backend", c.backend)
+        strategy = cfg.parallelism.strategy
+        _require(strategy == "single", key,
+                 f"{value} captures CUDA graphs, which break under parallelism={strategy} (open PyTorch issues: "
+                 "cudagraph trees with DDP's hooks and FSDP's all-gathers); use "
+                 "compile.mode=max-autotune-no-cudagraphs or compile=default")
+        on_gpu = cfg.trainer.device == "cuda" or (cfg.trainer.device == "auto" and torch.cuda.is_available())
+        _require(on_gpu, key, f"{value} uses CUDA graphs, which need a GPU, and this run is on CPU: "
+                 "use compile=default (inductor without CUDA graphs)")
+
+
+def profiler_skip_and_end(p: DictConfig, excluded_steps: int) -> tuple[int, int]:
+    """Steps skipped before the first cycle, and the step (counted from the run's start) the last window ends."""
+    skip = excluded_steps if p.skip_first is None else p.skip_first
+    return skip, skip + (p.wait + p.warmup + p.active) * max(p.repeat, 1)
+
+
+def validate_profiler(cfg: DictConfig) -> None:
+    """Window and option checks; `ranks` against the world size happens in the Profiler, where it is known."""
+    p = cfg.profiler
+    if not p.enabled:
+        return
+    _require(p.active > 0, "profiler.active", f"must be a positive number of recorded steps; got {p.active}")
+    for key in ("wait", "warmup", "repeat"):
+        _require(p[key] >= 0, f"profiler.{key}", f"must be >= 0; got {p[key]}")
+    if p.skip_first is not None:
+        _require(p.skip_first >= 0, "profiler.skip_first",
+                 f"must be >= 0, or null for the run's warm-up steps; got {p.skip_first}")
+    ranks = p.ranks
+    valid = ranks == "all" or (OmegaConf.is_list(ranks) and len(ranks) > 0
+                               and all(isinstance(r, int) and not isinstance(r, bool) for r in ranks))
+    _require(valid, "profiler.ranks", f"must be all or a non-empty list of ranks such as [0,1]; got {ranks!r}")
+    if ranks != "all":
+        _require(min(ranks) >= 0, "profiler.ranks", f"rank {min(ranks)} does not exist: ranks count from 0")
+    _require(p.row_limit > 0, "profiler.row_limit", f"must be > 0; got {p.row_limit}")
+    _require(p.memory_history_entries > 0, "profiler.memory_history_entries",
+             f"must be > 0; got {p.memory_history_entries}")
+    # A window past the end would profile nothing: refuse (compile steps are added at run time, in the Profiler).
+    skip, end = profiler_skip_and_end(p, cfg.trainer.warmup_steps)
+    _require(end <= cfg.trainer.max_steps, "trainer.max_steps",
+             f"is {cfg.trainer.max_steps} but the profiler window ends at step {end} (skip_first {skip} + "
+             f"{max(p.repeat, 1)} x (wait {p.wait} + warmup {p.warmup} + active {p.active})); raise "
+             f"trainer.max_steps to >= {end} or shorten the window (profiler.skip_first/wait/warmup/active)")
+
+
+GROUP_STRATEGIES = ("ddp", "fsdp", "hsdp")  # the strategies that need a process group of 2 or more ranks
+
+
+CPU_GROUP_RANKS = 2  # nproc_per_node=auto without GPUs: the smallest group that really runs data parallel
+
+
+def local_ranks(strategy: str, nproc_per_node: Any, gpus: int) -> int:
+    """The processes per node that parallelism.nproc_per_node asks for, with `gpus` GPUs on the node.
+
+
+    auto is one process per GPU. Without GPUs, the strategies that need a group get 2 CPU ranks on gloo, so that
+    a command such as `python train.py parallelism=fsdp` works unchanged on any machine; single and auto get one.
+    Every launcher (trainflow's own, torchrun's, SLURM's) follows this one rule.
+    """
+    if nproc_per_node != "auto":
+        return int(nproc_per_node)
+    if gpus > 0:
+        return gpus
+    return CPU_GROUP_RANKS if strategy in GROUP_STRATEGIES else 1
+
+
+def validate_parallelism(cfg: DictConfig) -> None:
+    """Checks that need no process group; world-size-dependent ones happen where the world size is known."""
+    p = cfg.parallelism
+    _one_of(cfg, "parallelism.strategy", ("single", "ddp", "fsdp", "hsdp", "auto"))
+    _one_of(cfg, "parallelism.backend", ("auto", "gloo", "nccl"))
+    _one_of(cfg, "parallelism.activation_checkpointing", ("off", "full"))
+    n = p.nproc_per_node
+    _require(n == "auto" or (isinstance(n, int) and not isinstance(n, bool) and n >= 1), "parallelism.nproc_per_node",
+             f"must be a positive integer or auto; got {n!r}")
+    _require(p.strategy != "single" or n in (1, "auto"), "parallelism.nproc_per_node",
+             f"parallelism=single runs one process; got {n}: use parallelism=ddp or parallelism=fsdp for {n} processes")
+    if p.global_batch is not None:
+        _require(p.global_batch > 0, "parallelism.global_batch",
+                 f"must be a positive integer or null; got {p.global_batch}")
+    _require(p.max_restarts >= 0, "parallelism.max_restarts", f"must be >= 0; got {p.max_restarts}")
+    _require(p.timeout_s > 0, "parallelism.timeout_s", f"must be > 0; got {p.timeout_s}")
+    _require(p.check_steps > 0, "parallelism.check_steps", f"must be a positive integer; got {p.check_steps}")
+    _require(p.check_tolerance is None or p.check_tolerance > 0, "parallelism.check_tolerance",
+             f"must be > 0, or null for the precision's default; got {p.check_tolerance}")
+    _require(not p.check or p.strategy != "single", "parallelism.check",
+             "compares ddp/fsdp with one process, so parallelism=single has nothing to compare; set it to false")
+    _require(p.ddp.bucket_cap_mb > 0, "parallelism.ddp.bucket_cap_mb", f"must be > 0; got {p.ddp.bucket_cap_mb}")
+    for key in ("param_dtype", "reduce_dtype"):
+        _require(p.fsdp[key] in (None, "fp32", "bf16", "fp16"), f"parallelism.fsdp.{key}",
+                 f"must be null, fp32, bf16 or fp16; got {p.fsdp[key]!r}")
+        _require(p.fsdp[key] != "fp16", f"parallelism.fsdp.{key}",
+                 "fp16 gradients overflow without a loss scaler, and trainflow runs none; use bf16 (the same "
+                 "memory, fp32's range)")
+    _one_of(cfg, "parallelism.fsdp.wrap", ("auto", "blocks", "size"))
+    _require(p.fsdp.min_params > 0, "parallelism.fsdp.min_params", f"must be > 0; got {p.fsdp.min_params}")
+    for key in ("shard_size", "replicate_size"):
+        value = p.hsdp[key]
+        _require(value is None or value >= 1, f"parallelism.hsdp.{key}", f"must be a positive integer or null; got "
+                 f"{value}")
+    _require(p.memory_budget_gb is None or p.memory_budget_gb > 0, "parallelism.memory_budget_gb",
+             f"must be > 0, or null for the device's free memory; got {p.memory_budget_gb}")
+    _require(0 < p.memory_headroom <= 1, "parallelism.memory_headroom",
+             f"must be in (0, 1]; got {p.memory_headroom}")
+
+
+def validate_checkpoint(cfg: DictConfig) -> None:
+    """Checkpoint values a type cannot check (paths are checked where they are used)."""
+    c = cfg.checkpoint
+    if not c.enabled:
+        return
+    _one_of(cfg, "checkpoint.mode", ("sync", "async"))
+    _require(c.every_steps > 0, "checkpoint.every_steps", f"must be a positive number of steps; got {c.every_steps}")
+    _require(c.keep_last >= 1, "checkpoint.keep_last",
+             f"must be >= 1 (the newest committed checkpoint is always kept); got {c.keep_last}")
+    _require(bool(c.resume), "checkpoint.resume", "is empty: use auto, never or a checkpoint path")
+    _require(c.save_final or not c.export, "checkpoint.export",
+             "exports the final weights, which needs checkpoint.save_final=true")
+    _one_of(cfg, "checkpoint.load", ("all", "model"))
+    _require(c.load == "all" or c.resume not in ("auto", "never"), "checkpoint.load",
+             f"model loads the weights of the checkpoint named by checkpoint.resume, which is {c.resume}; "
+             "set checkpoint.resume=<a step_N folder or run dir>")
+
+
+def validate_ladder(cfg: DictConfig) -> None:
+    """Ladder knobs a type cannot check; they matter only in ladder jobs."""
+    lad = cfg.ladder
+    if lad.stage is None:
+        return
+    _one_of(cfg, "ladder.stage", LADDER_STAGES)
+    n = lad.nproc_per_node
+    _require(n == "auto" or (isinstance(n, int) and not isinstance(n, bool) and n >= 2), "ladder.nproc_per_node",
+             f"the scale stages need 2 or more processes (or auto: one per GPU); got {n!r}")
+    _require(lad.loss_rtol is None or lad.loss_rtol > 0, "ladder.loss_rtol",
+             f"must be > 0 or null; got {lad.loss_rtol}")
+    _require(lad.log_every is None or lad.log_every > 0, "ladder.log_every",
+             f"must be a positive number of steps, or null for about 10 logs a rung; got {lad.log_every}")
+    _require(lad.resume_atol >= 0, "ladder.resume_atol", f"must be >= 0 (0: bit-identical); got {lad.resume_atol}")
+
+
+def _require(ok: bool, key: str, message: str) -> None:
+    if not ok:
+        raise ConfigError(f"{key}: {message}")
+
+
+def _one_of(cfg: DictConfig, key: str, choices: tuple) -> None:
+    value = cfg
+    for part in key.split("."):
+        value = value[part]
+    _require(value in choices, key, f"must be one of {', '.join(map(str, choices))}; got {value!r}")
+
+
+SEED_RANGE = 2**32  # numpy's seed range; per-rank and per-epoch seeds derived from it stay within torch's 64 bits
+
+
+BYTE_VOCAB = 256  # data=text is byte-level: tokens are the values 0..255
+
+
+def _resolved(cfg: DictConfig) -> dict[str, Any]:
+    """The config with every ${...} resolved: a broken interpolation is one line naming the key that holds it."""
+    try:
+        return OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
+    except (InterpolationResolutionError, MissingMandatoryValue) as exc:
+        problem = str(exc.msg).strip().splitlines()[0] if exc.msg else type(exc).__name__
+        if problem.split()[0][1:].islower():  # a sentence goes on in lower case; a name (KeyError) keeps its capital
+            problem = problem[0].lower() + problem[1:]
+        raise ConfigError(f"{exc.full_key}: {problem}; fix the ${{...}} or give the value directly") from None
+
+
+def _non_finite(node: Any, key: str = "") -> tuple[str, Any] | None:
+    """The first key holding an inf or nan float (in a list too), with its value; None when all are finite."""
+    if isinstance(node, dict):
+        for name, value in node.items():
+            if found := _non_finite(value, f"{key}.{name}" if key else str(name)):
+                return found
+    elif isinstance(node, list):
+        if any(_non_finite(v, key) for v in node):
+            return key, node
+    elif isinstance(node, float) and not math.isfinite(node):
+        return key, node
+    return None
+
+
+def validate_model(cfg: DictConfig) -> None:
+    """Sizes of the built-in models, and what the data asks of them, checked before anything is built."""
+    m, d = cfg.model, cfg.data
+    if str(m._target_).startswith("trainflow.models."):
+        for key, value in m.items():
+            if isinstance(value, int) and not isinstance(value, bool):
+                _require(value > 0, f"model.{key}", f"must be a positive integer; got {value}")
+        if "dropout" in m:
+            _require(0 <= m.dropout < 1, "model.dropout", f"must be in [0, 1); got {m.dropout}")
+    if "block_size" in m and "seq_len" in d:
+        _require(d.seq_len <= m.block_size, "data.seq_len",
+                 f"{d.seq_len} is longer than the model's context, model.block_size={m.block_size}; lower "
+                 f"data.seq_len to <= {m.block_size} or raise model.block_size")
+    if d.get("kind") == "text" and "vocab_size" in m and cfg.tokenizer.kind == "bytes":  # others: checked once built
+        _require(m.vocab_size >= BYTE_VOCAB, "model.vocab_size",
+                 f"is {m.vocab_size}, but data=text is byte-level: its tokens go up to {BYTE_VOCAB - 1}; set "
+                 f"model.vocab_size={BYTE_VOCAB} or more")
+
+
+def run_name_problem(name: str) -> str | None:
+    """Why `name` cannot be a run's folder name (trainer.run_name), or None."""
+    if name.strip() and "/" not in name and name not in (".", ".."):
+        return None
+    return f"{name!r} is not a folder name; give a name without '/', e.g. trainer.run_name=gpt-small-try2"
+
+
+def validate(cfg: DictConfig) -> None:
+    """Check the values a type cannot; raise ConfigError naming the key and the fix."""
+    if found := _non_finite(_resolved(cfg)):
+        key, value = found
+        what = "finite numbers" if isinstance(value, list) else "a finite number"
+        raise ConfigError(f"{key}: must be {what}; got {value}")
+    t = cfg.trainer
+    for key in ("max_steps", "batch_size", "grad_accum", "log_every", "eval_steps"):
+        _require(t[key] > 0, f"trainer.{key}", f"must be a positive integer; got {t[key]}")
+    _require(t.warmup_steps >= 0, "trainer.warmup_steps", f"must be >= 0; got {t.warmup_steps}")
+    e = t.eval_every
+    _require(e == "auto" or (isinstance(e, int) and not isinstance(e, bool) and e >= 0), "trainer.eval_every",
+             f"must be auto or a number of steps >= 0 (0: only at the end); got {e!r}")
+    _require(t.grad_clip >= 0, "trainer.grad_clip", f"must be >= 0 (0 disables clipping); got {t.grad_clip}")
+    _require(0 <= t.seed < SEED_RANGE, "trainer.seed", f"must be an integer in [0, {SEED_RANGE - 1}]; got {t.seed}")
+    _one_of(cfg, "trainer.device", ("auto", "cpu", "cuda"))
+    _one_of(cfg, "trainer.precision", ("fp32", "bf16"))
+    _one_of(cfg, "trainer.progress", ("auto", "bar", "log"))
+    _one_of(cfg, "trainer.nonfinite", ("stop", "skip_step"))
+    if t.run_name is not None and (problem := run_name_problem(t.run_name)):
+        raise ConfigError(f"trainer.run_name: {problem}")
+
+
+    o = cfg.optim
+    _one_of(cfg, "optim.name", ("adamw", "sgd"))
+    _one_of(cfg, "optim.schedule", ("cosine", "constant"))
+    _require(o.lr > 0, "optim.lr", f"must be > 0; got {o.lr}")
+    _require(o.weight_decay >= 0, "optim.weight_decay", f"must be >= 0; got {o.weight_decay}")
+    _require(o.warmup_steps >= 0, "optim.warmup_steps", f"must be >= 0; got {o.warmup_steps}")
+    _require(0 <= o.min_lr_ratio <= 1, "optim.min_lr_ratio", f"must be in [0, 1]; got {o.min_lr_ratio}")
+    _require(len(o.betas) == 2, "optim.betas", f"must be two numbers, e.g. [0.9,0.95]; got {list(o.betas)}")
+    _require(all(0 <= b < 1 for b in o.betas), "optim.betas",
+             f"each must be in [0, 1), e.g. [0.9,0.95]; got {list(o.betas)}")
+    _require(o.momentum >= 0, "optim.momentum", f"must be >= 0; got {o.momentum}")
+
+
+    _require("_target_" in cfg.model, "model._target_",
+             "missing: pick model=gpt_tiny|gpt_small|gpt_medium|mlp or set model._target_ to an nn.Module class")
+    with_worker_defaults(cfg)
+    d = cfg.data
+    _require(bool(d.get("_target_")) or d.get("kind") in ("text", "synthetic"), "data.kind",
+             "unknown data source: pick data=text, data=synthetic or data=digits, or set data._target_ to a function "
+             "returning (train, val) datasets")
+    if "seq_len" in d:
+        _require(d.seq_len > 0, "data.seq_len", f"must be a positive number of tokens; got {d.seq_len}")
+    _require(d.num_workers >= 0, "data.num_workers", f"must be >= 0; got {d.num_workers}")
+    if d.prefetch_factor is not None:
+        _require(d.num_workers > 0, "data.prefetch_factor", "needs data.num_workers > 0 (or set it to null)")
+        _require(d.prefetch_factor > 0, "data.prefetch_factor", f"must be > 0; got {d.prefetch_factor}")
+    _require(not d.persistent_workers or d.num_workers > 0, "data.persistent_workers",
+             "needs data.num_workers > 0 (or set it to false)")
+    if d.get("kind") == "text":
+        _require(0 < d.val_fraction < 1, "data.val_fraction", f"must be in (0, 1); got {d.val_fraction}")
+        if d.paths is not None:
+            _require(len(d.paths) > 0, "data.paths",
+                     "is empty: give files or folders, e.g. data.paths=[/path/to/corpus], or null for the default")
+    elif d.get("kind") == "synthetic":
+        _require(d.num_samples > 0, "data.num_samples", f"must be > 0; got {d.num_samples}")
+
+
+    if cfg.metrics.peak_flops is not None:
+        _require(cfg.metrics.peak_flops > 0, "metrics.peak_flops", f"must be > 0; got {cfg.metrics.peak_flops}")
+    validate_model(cfg)
+    validate_task(cfg)
+    validate_parallelism(cfg)
+    validate_profiler(cfg)
+    validate_compile(cfg)
+    validate_checkpoint(cfg)
+    validate_ladder(cfg)
