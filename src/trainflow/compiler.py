@@ -10,14 +10,11 @@ recompiled. torch._dynamo and inductor are imported only when compile is on.
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import json
 import logging
 import math
 import os
-import re
-import sysconfig
 import tempfile
 import time
 from collections import Counter
@@ -30,6 +27,17 @@ from omegaconf import DictConfig
 from torch import nn
 
 from trainflow.compare import relative_error
+from trainflow.compile_diagnostics import (
+    eager_frames,
+    first_line,
+    function_name,
+    graph_breaks,
+    reason_hint,
+    reason_label,
+    recompile_limit,
+    source_location,
+    user_frame,
+)
 from trainflow.data.loaders import to_device
 from trainflow.distributed import DistEnv
 from trainflow.distributed.parallelize import unwrap
@@ -46,8 +54,6 @@ CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
 # Relative error that compile.check accepts, by the matmuls' arithmetic (trainflow.metrics.matmul_math): TF32 and
 # bf16 keep 10 and 7 mantissa bits, so fused and unfused kernels round visibly differently.
 TOLERANCE = {"fp32": 1e-4, "tf32": 1e-2, "bf16": 1e-2}
-_TORCH_DIR = str(Path(torch.__file__).parent)
-_STDLIB_DIR = sysconfig.get_paths()["stdlib"]
 _DYNAMIC_FIX = "set compile.dynamic=true, or use fewer distinct input shapes (e.g. data.seq_lens with few lengths)"
 _MAX_LISTED = 20  # reasons kept per kind in compile_report.json
 _FSDP_HINT = "with parallelism=fsdp compile each block: compile.scope=blocks"
@@ -254,11 +260,11 @@ class Compiler(Stage):
             if not m.is_forward and m.backward_cumulative_compile_time_us is not None:
                 seconds = m.backward_cumulative_compile_time_us / 1e6
             self._compiles[key] = {
-                "function": _function(m.co_name),
-                "location": _location(m.co_filename, m.co_firstlineno) if m.co_filename else None,
+                "function": function_name(m.co_name),
+                "location": source_location(m.co_filename, m.co_firstlineno) if m.co_filename else None,
                 "seconds": seconds or 0.0,
-                "recompile_reason": _first_line(m.recompile_reason.split(": ", 1)[-1]) if m.recompile_reason else None,
-                "failure": _first_line(m.fail_reason) if m.fail_reason else None,
+                "recompile_reason": first_line(m.recompile_reason.split(": ", 1)[-1]) if m.recompile_reason else None,
+                "failure": first_line(m.fail_reason) if m.fail_reason else None,
             }
 
     def report(self) -> dict[str, Any]:
@@ -266,10 +272,10 @@ class Compiler(Stage):
         from torch._dynamo.utils import counters
 
         self._poll()
-        breaks = _graph_breaks()
+        breaks = graph_breaks()
         recompiles = [c for c in self._compiles.values() if c["recompile_reason"]]
         reasons = Counter(f"{c['function']}: {c['recompile_reason']}" for c in recompiles)
-        limit_hit = any(_first_line(k).startswith("Dynamo recompile limit exceeded") for k in counters["unimplemented"])
+        limit_hit = any(first_line(k).startswith("Dynamo recompile limit exceeded") for k in counters["unimplemented"])
         hits = counters["inductor"]["fxgraph_cache_hit"] + counters["aot_autograd"]["autograd_cache_hit"]
         misses = counters["inductor"]["fxgraph_cache_miss"] + counters["aot_autograd"]["autograd_cache_miss"]
         first = self._step_times[0] if self._step_times else None
@@ -282,14 +288,14 @@ class Compiler(Stage):
             "scope": self.scope,
             "graphs": counters["stats"]["unique_graphs"],
             "frames_compiled": len({k[0].split("/")[0] for k, c in self._compiles.items() if not c["failure"]}),
-            "eager_frames": _eager_frames(self._compiles.values()),
+            "eager_frames": eager_frames(self._compiles.values(), _MAX_LISTED),
             "graph_breaks": {"count": len(breaks), "breaks": breaks[:_MAX_LISTED]},
             "recompiles": {
                 "count": len(recompiles),
                 "reasons": [{"reason": r, "count": n} for r, n in reasons.most_common(_MAX_LISTED)],
             },
             "recompile_limit_hit": limit_hit,
-            "recompile_limit": _recompile_limit(),
+            "recompile_limit": recompile_limit(),
             "compile_time_s": sum(c["seconds"] for c in self._compiles.values()),
             "first_step_s": first,
             "warmup_step_times_s": list(self._step_times),
@@ -389,29 +395,19 @@ def _resolve_backend(name: str) -> str | Callable[..., Any]:
                       "or a dotted path to a backend function (pkg.module.fn)")
 
 
-def _eager_frames(compiles: Any) -> list[dict[str, Any]]:
-    """Functions dynamo gave up on as a whole (no graph break recorded): they run uncompiled."""
-    seen: dict[tuple[str, str, str], dict[str, Any]] = {}
-    for c in compiles:
-        if c["failure"]:
-            seen.setdefault((c["function"], c["location"], c["failure"]),
-                            {"function": c["function"], "location": c["location"], "reason": c["failure"]})
-    return list(seen.values())[:_MAX_LISTED]
-
-
 def _explain_compile_failure(exc: Exception, backend: str, hint: str | None = None) -> ConfigError | None:
     """A one-line ConfigError for compile failures a user can act on; None for anything else."""
     from torch._dynamo import exc as dynamo_exc
 
     if isinstance(exc, getattr(dynamo_exc, "FailOnRecompileLimitHit", ())):
-        return ConfigError(f"compile.fullgraph: the recompile limit ({_recompile_limit()}) was hit, which fullgraph "
+        return ConfigError(f"compile.fullgraph: the recompile limit ({recompile_limit()}) was hit, which fullgraph "
                            f"forbids; {_DYNAMIC_FIX}")
     if isinstance(exc, dynamo_exc.Unsupported):
-        label = _label(exc.gb_type or str(exc))
-        frame = _user_frame(getattr(exc, "real_stack", None) or [])
-        where = f" at {_location(frame.filename, frame.lineno)}" if frame else ""
+        label = reason_label(exc.gb_type or str(exc))
+        frame = user_frame(getattr(exc, "real_stack", None) or [])
+        where = f" at {source_location(frame.filename, frame.lineno)}" if frame else ""
         code = f" (`{frame.line.strip()}`)" if frame and frame.line else ""
-        fix = hint or _hint(str(exc), label)
+        fix = hint or reason_hint(str(exc), label)
         return ConfigError(f"compile.fullgraph: graph break{where}{code}: {label}; fix: {fix}, "
                            "or set compile.fullgraph=false to let it break and see compile_report.json")
     if isinstance(exc, dynamo_exc.BackendCompilerFailed) and isinstance(exc.inner_exception, OSError):
@@ -420,78 +416,8 @@ def _explain_compile_failure(exc: Exception, backend: str, hint: str | None = No
             return _unwritable_cache(Path(cache), None, exc.inner_exception)
     if isinstance(exc, dynamo_exc.BackendCompilerFailed):
         return ConfigError(f"compile.backend: the {backend} backend failed to compile the model "
-                           f"({_first_line(str(exc.inner_exception))}); try compile.backend=aot_eager, or compile=off")
+                           f"({first_line(str(exc.inner_exception))}); try compile.backend=aot_eager, or compile=off")
     return None
-
-
-def _graph_breaks() -> list[dict[str, Any]]:
-    """Distinct graph-break sites from dynamo's records, each with a short label, a user location and a hint."""
-    from torch._dynamo.utils import graph_break_reasons
-
-    sites: dict[tuple[str, str], dict[str, Any]] = {}
-    for r in graph_break_reasons:
-        label = _label(r.reason)
-        frame = _user_frame(r.user_stack)
-        location = _location(frame.filename, frame.lineno) if frame else "unknown"
-        site = sites.setdefault((label, location), {
-            "reason": label, "location": location, "code": frame.line.strip() if frame and frame.line else "",
-            "hint": _hint(r.reason, label), "count": 0,
-        })
-        site["count"] += 1
-    return list(sites.values())
-
-
-def _label(reason: str) -> str:
-    line = _first_line(reason)
-    if line.startswith("generic_jump"):  # dynamo's internal name for a Python branch on a tensor's value
-        return "Data-dependent branching"
-    return line
-
-
-def _hint(reason: str, label: str) -> str:
-    if label == "Data-dependent branching":
-        return "make the branch tensor-valued (torch.where) or use torch.cond"
-    for line in reason.splitlines():
-        if line.strip().startswith("Hint:"):
-            return line.strip()[len("Hint:"):].strip().rstrip(".")
-    return "move the unsupported call out of the compiled module"
-
-
-def _user_frame(stack: list[Any]) -> Any:
-    """The innermost frame outside torch and the standard library: where the user can change something."""
-    def stdlib(filename: str) -> bool:
-        return filename.startswith(_STDLIB_DIR) and "-packages" not in filename
-
-    for frame in reversed(stack):
-        if not (frame.filename.startswith(_TORCH_DIR) or stdlib(frame.filename)):
-            return frame
-    for frame in reversed(stack):  # all inside torch: name torch's line, not contextlib's
-        if not stdlib(frame.filename):
-            return frame
-    return stack[-1] if stack else None
-
-
-def _location(filename: str, lineno: int | None) -> str:
-    path = Path(filename).resolve()
-    with contextlib.suppress(ValueError):
-        path = path.relative_to(Path.cwd())
-    return f"{path}:{lineno}"
-
-
-def _function(co_name: str | None) -> str:
-    """dynamo names the code after a graph break `torch_dynamo_resume_in_<fn>_at_<line>`: say it plainly."""
-    match = re.fullmatch(r"torch_dynamo_resume_in_(.+)_at_(\d+)", co_name or "")
-    return f"{match[1]} (resumed after line {match[2]})" if match else co_name or "?"
-
-
-def _first_line(text: str) -> str:
-    return text.strip().splitlines()[0].strip() if text.strip() else ""
-
-
-def _recompile_limit() -> int:
-    from torch._dynamo import config
-
-    return int(config.recompile_limit)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
