@@ -1,0 +1,59 @@
+"""An IterableDataset by data._target_ (tests/streams.py): each rank reads its share through torchdata's
+StatefulDataLoader, and a resume continues the stream exactly, with and without workers, with and without the
+dataset's own state_dict; what cannot continue exactly (another world size) is said in one line."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from conftest import ROOT, losses_by_step, train
+
+# 20 items a pass in micro-batches of 4: the 8 steps cross passes (5 batches a pass; 4 with 2 workers of 10 each)
+STREAM = [f"hydra.searchpath=[file://{ROOT}/tests/conf]", "model=mlp", "data=vector_stream", "trainer.batch_size=4",
+          "trainer.max_steps=8", "trainer.log_every=1", "trainer.warmup_steps=2", "trainer.eval_every=0",
+          "trainer.eval_steps=2", "logger=none", "compile=off", "checkpoint=dcp", "checkpoint.every_steps=3"]
+ENV = {"PYTHONPATH": str(ROOT / "tests")}
+
+
+@pytest.mark.parametrize(("stateful", "workers"), [(True, 0), (True, 2), (False, 2)])
+def test_a_resume_continues_the_stream_exactly(tmp_path: Path, stateful: bool, workers: int) -> None:
+    """Resumed from the step-3 checkpoint of an uninterrupted run, steps 4-8 take the same batches: equal losses."""
+    args = [*STREAM, f"data.stateful={stateful}", f"data.num_workers={workers}"]
+    whole = train(tmp_path / "whole", *args, f"checkpoint.dir={tmp_path / 'ck'}", env=ENV)
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    step3 = tmp_path / "ck" / "step_00000003"
+    resumed = train(tmp_path / "resumed", *args, f"checkpoint.resume={step3}",
+                    f"checkpoint.dir={tmp_path / 'ck_resumed'}", env=ENV)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    expected = losses_by_step(whole.run_dir)
+    assert sorted(expected) == list(range(1, 9))
+    assert len(set(expected.values())) == 8  # every step a different batch: a repeated or skipped one shows
+    assert losses_by_step(resumed.run_dir) == {step: expected[step] for step in range(4, 9)}
+    position = json.loads((step3 / "data_rank00000.json").read_text())
+    assert (position["world_size"], position["num_workers"], position["batch_size"]) == (1, workers, 4)
+    if stateful and workers == 0:  # the dataset's own position, and trainflow's count of the items it read
+        assert position["loader"]["dataset_state"] == {"dataset": {"position": 12}, "read": 12}
+    said = "has no state_dict()/load_state_dict(): each rank reads its stream again and skips the batches"
+    assert (said in resumed.stdout + resumed.stderr) == (not stateful)
+
+
+def test_two_ranks_read_disjoint_shares_and_another_world_size_restarts_the_stream(tmp_path: Path) -> None:
+    """2 ranks take every other item: their micro-batches are the one-process global batch (the parity check
+    passes); resumed on 2 ranks, the 1-rank checkpoint's stream position does not carry over, and a line says so."""
+    one = train(tmp_path / "one", *STREAM, "data.stateful=true", f"checkpoint.dir={tmp_path / 'ck'}",
+                "trainer.max_steps=3", env=ENV)
+    assert one.returncode == 0, one.stderr[-3000:]
+    two = train(tmp_path / "two", *STREAM, "data.stateful=true", "parallelism=ddp", "parallelism.nproc_per_node=2",
+                "parallelism.check=true", "parallelism.check_steps=3", "trainer.batch_size=2",
+                f"checkpoint.resume={tmp_path / 'ck' / 'step_00000003'}", f"checkpoint.dir={tmp_path / 'ck2'}",
+                env=ENV)
+    assert two.returncode == 0, two.stderr[-3000:]
+    assert "the iterable stream of streams.vector_stream was checkpointed with another split (world_size 1 -> 2, " \
+           "batch_size 4 -> 2): its position does not carry over; the stream restarts from its beginning" \
+           in two.stdout + two.stderr
+    assert sorted(losses_by_step(two.run_dir)) == list(range(4, 9))
+    for rank in range(2):  # each rank's own position, saved with the checkpoint
+        position = json.loads((tmp_path / "ck2" / "step_00000008" / f"data_rank{rank:05d}.json").read_text())
+        assert position["world_size"] == 2 and position["loader"]["dataset_state"]["read"] > 0
