@@ -109,7 +109,8 @@ class IterableBatches:
         self.source, self.world_size, self.batch_size = source, world_size, batch_size
         self.num_workers = int(cfg.num_workers)
         self.stateful = is_stateful(source.dataset)
-        share = (StatefulRankShare if self.stateful else RankShare)(source.dataset, rank, world_size)
+        # a copy of its own: a stateful dataset's position belongs to one loader (the parity check reads another)
+        share = (StatefulRankShare if self.stateful else RankShare)(copy.deepcopy(source.dataset), rank, world_size)
         workers = self.num_workers > 0
         with warnings.catch_warnings():  # torchdata 0.11 calls a deprecated torch function: noise for the user
             warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
