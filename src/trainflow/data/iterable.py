@@ -47,6 +47,11 @@ class IterableSource(Dataset):
     """
 
     def __init__(self, dataset: IterableDataset, collate: Callable[[list], Any], name: str) -> None:
+        try:
+            import torchdata.stateful_dataloader  # noqa: F401
+        except ImportError:
+            raise ConfigError(f"data._target_: {name} returned an IterableDataset, which trainflow reads through "
+                              f"torchdata, and torchdata is not installed; run {INSTALL}") from None
         self.dataset, self.name = dataset, name
         self.collate = collate  # a list of items -> a batch; a DataError naming the data when it cannot
 
@@ -101,11 +106,8 @@ class IterableBatches:
 
     def __init__(self, source: IterableSource, rank: int, world_size: int, batch_size: int, cfg: DictConfig,
                  pin_memory: bool) -> None:
-        try:
-            from torchdata.stateful_dataloader import StatefulDataLoader
-        except ImportError:
-            raise ConfigError(f"data._target_: {source.name} returned an IterableDataset, which trainflow reads "
-                              f"through torchdata, not installed here; run: {INSTALL}") from None
+        from torchdata.stateful_dataloader import StatefulDataLoader  # IterableSource checked it is installed
+
         self.source, self.world_size, self.batch_size = source, world_size, batch_size
         self.num_workers = int(cfg.num_workers)
         self.stateful = is_stateful(source.dataset)
@@ -137,9 +139,9 @@ class IterableBatches:
         per_rank = count // self.world_size
         ranks = f"{self.world_size} rank(s) x {self.batch_size} items"
         if global_batch is not None:
-            fix = (f"set parallelism.global_batch to at most {per_rank * self.world_size * grad_accum} (what "
-                   f"{count} items a pass fill on {self.world_size} rank(s) x trainer.grad_accum={grad_accum})"
-                   if per_rank else f"give more data (at least {self.world_size} items)")
+            fix = (f"set parallelism.global_batch to at most {per_rank * self.world_size * grad_accum} ("
+                   f"{self.world_size} rank(s) x {per_rank} items x trainer.grad_accum={grad_accum}), or give more "
+                   "data" if per_rank else f"give more data (at least {self.world_size} items)")
             raise ConfigError(f"parallelism.global_batch: {global_batch} cannot be honoured: the train stream of "
                               f"{self.source.name} ends after {count} items, before one micro-batch per rank "
                               f"({ranks}); {fix}")
