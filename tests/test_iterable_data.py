@@ -8,7 +8,13 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import ROOT, losses_by_step, train
+from omegaconf import OmegaConf
+from streams import StatefulVectorStream, VectorStream
+
+from trainflow.data import IterableBatches, IterableSource
+from trainflow.errors import DataError
 
 # 20 items a pass in micro-batches of 4: the 8 steps cross passes (5 batches a pass; 4 with 2 workers of 10 each)
 STREAM = [f"hydra.searchpath=[file://{ROOT}/tests/conf]", "model=mlp", "data=vector_stream", "trainer.batch_size=4",
@@ -31,6 +37,8 @@ def test_a_resume_continues_the_stream_exactly(tmp_path: Path, stateful: bool, w
     assert sorted(expected) == list(range(1, 9))
     assert len(set(expected.values())) == 8  # every step a different batch: a repeated or skipped one shows
     assert losses_by_step(resumed.run_dir) == {step: expected[step] for step in range(4, 9)}
+    assert resumed.summary["val"] == whole.summary["val"]  # the iterable val set, read once, evaluated alike
+    assert 0 <= whole.summary["val"]["accuracy"] <= 1
     position = json.loads((step3 / "data_rank00000.json").read_text())
     assert (position["world_size"], position["num_workers"], position["batch_size"]) == (1, workers, 4)
     if stateful and workers == 0:  # the dataset's own position, and trainflow's count of the items it read
@@ -56,7 +64,28 @@ def test_two_ranks_read_disjoint_shares_and_another_world_size_restarts_the_stre
                 f"checkpoint.resume={tmp_path / 'ck' / 'step_00000003'}", f"checkpoint.dir={tmp_path / 'ck1'}",
                 env=ENV)
     assert one.returncode == 0, one.stderr[-3000:]
-    assert "the iterable stream of streams.vector_stream was checkpointed with another split (world_size 2 -> 1, " \
+    assert "the iterable stream of streams.vector_stream was checkpointed with other settings (world_size 2 -> 1, " \
            "batch_size 2 -> 4): its position does not carry over; the stream restarts from its beginning" \
            in one.stdout + one.stderr
     assert sorted(losses_by_step(one.run_dir)) == [4, 5]
+
+
+class TensorStateStream(StatefulVectorStream):
+    """A position JSON cannot hold."""
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {"position": torch.tensor(self.position)}
+
+
+LOADER = OmegaConf.create({"num_workers": 0, "persistent_workers": False, "prefetch_factor": None})
+
+
+def test_a_state_json_cannot_hold_is_refused_before_training_and_ranks_share_the_stream() -> None:
+    bad = IterableSource(TensorStateStream(20, 8, 3, 0), torch.utils.data.default_collate, "streams.tensor_state")
+    with pytest.raises(DataError, match=r"^data._target_: the state_dict\(\) of the train dataset of "
+                                        r"streams.tensor_state cannot be saved as JSON \(Object of type Tensor"):
+        IterableBatches(bad, 0, 1, 4, LOADER, False).check(None, 1)
+    source = IterableSource(VectorStream(10, 8, 3, 0), torch.utils.data.default_collate, "streams.vector_stream")
+    firsts = [next(iter(IterableBatches(source, rank, 2, 2, LOADER, False)))[0] for rank in range(2)]
+    whole = source[torch.arange(4)][0]  # the first 4 items of the stream: rank 0 takes 0 and 2, rank 1 takes 1, 3
+    assert torch.equal(firsts[0], whole[0::2]) and torch.equal(firsts[1], whole[1::2])

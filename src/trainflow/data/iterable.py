@@ -10,8 +10,9 @@ ends with fewer is dropped, and the stream starts its next pass (an epoch).
 
 Resume: the dataset's own `state_dict()`/`load_state_dict()` where it has them (with trainflow's count of items
 read, so the shares stay aligned); otherwise the loader reads again and skips the batches already taken, which is
-exact when the dataset yields the same items in the same order on every pass. Another world size, worker count or
-micro-batch than the checkpoint's restarts the stream from its beginning, and a line says so.
+exact when the dataset yields the same items in the same order on every pass. Another world size, worker count,
+micro-batch or kind of dataset (with or without a state_dict) than the checkpoint's restarts the stream from its
+beginning, and a line says so.
 """
 
 from __future__ import annotations
@@ -176,11 +177,12 @@ class IterableBatches:
                 log.warning("data: the checkpoint holds no position of the iterable stream of %s (saved from "
                             "other data, or on another world size): the stream restarts from its beginning", name)
             return
-        here = {"world_size": self.world_size, "num_workers": self.num_workers, "batch_size": self.batch_size}
+        here = {"world_size": self.world_size, "num_workers": self.num_workers, "batch_size": self.batch_size,
+                "stateful": self.stateful}
         changed = [f"{k} {saved.get(k)} -> {v}" for k, v in here.items() if saved.get(k) != v]
         if changed:
             if is_main:
-                log.warning("data: the iterable stream of %s was checkpointed with another split (%s): its "
+                log.warning("data: the iterable stream of %s was checkpointed with other settings (%s): its "
                             "position does not carry over; the stream restarts from its beginning", name,
                             ", ".join(changed))
             return
