@@ -23,10 +23,11 @@ STREAM = [f"hydra.searchpath=[file://{ROOT}/tests/conf]", "model=mlp", "data=vec
 ENV = {"PYTHONPATH": str(ROOT / "tests")}
 
 
-@pytest.mark.parametrize(("stateful", "workers"), [(True, 0), (True, 2), (False, 2)])
-def test_a_resume_continues_the_stream_exactly(tmp_path: Path, stateful: bool, workers: int) -> None:
-    """Resumed from the step-3 checkpoint of an uninterrupted run, steps 4-8 take the same batches: equal losses."""
-    args = [*STREAM, f"data.stateful={stateful}", f"data.num_workers={workers}"]
+@pytest.mark.parametrize(("stateful", "workers", "mode"), [(True, 0, "sync"), (True, 2, "async"), (False, 2, "sync")])
+def test_a_resume_continues_the_stream_exactly(tmp_path: Path, stateful: bool, workers: int, mode: str) -> None:
+    """Resumed from the step-3 checkpoint of an uninterrupted run (as if killed after that commit), steps 4-8 take
+    the same batches: equal losses."""
+    args = [*STREAM, f"data.stateful={stateful}", f"data.num_workers={workers}", f"checkpoint.mode={mode}"]
     whole = train(tmp_path / "whole", *args, f"checkpoint.dir={tmp_path / 'ck'}", env=ENV)
     assert whole.returncode == 0, whole.stderr[-3000:]
     step3 = tmp_path / "ck" / "step_00000003"
