@@ -659,6 +659,7 @@ def markdown_rows() -> list[str]:
         shown = {"trainflow": f"trainflow {shown}", "multirun": f"-m {shown}"}.get(c.tool, shown)
         shown = " ".join([*(f"{k}={v}" for k, v in c.env), *([shown] if shown else [])])
         shown = shown.replace("{ckpts}", "<ckpts>").replace("{tmp}", "<dir>").replace("{port}", "<port>")
+        shown = shown.replace(str(ROOT), "$PWD")  # run from the repository root: the page names no machine's path
         message = (c.message.replace("{any}", "…").replace("{n}", "N").replace("{ckpts}", "<ckpts>")
                    .replace("{tmp}", "<dir>").replace("{port}", "<port>").replace("|", "\\|"))
         rows.append(f"| {c.area} | {c.what} | {f'`{shown}`' if shown else '-'} | {c.exit} | {message} |")

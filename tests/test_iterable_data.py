@@ -14,7 +14,7 @@ from omegaconf import OmegaConf
 from streams import StatefulVectorStream, VectorStream
 
 from trainflow.data import IterableBatches, IterableSource
-from trainflow.errors import DataError
+from trainflow.errors import ConfigError, DataError
 
 # 20 items a pass in micro-batches of 4: the 8 steps cross passes (5 batches a pass; 4 with 2 workers of 10 each)
 STREAM = [f"hydra.searchpath=[file://{ROOT}/tests/conf]", "model=mlp", "data=vector_stream", "trainer.batch_size=4",
@@ -81,12 +81,14 @@ class TensorStateStream(StatefulVectorStream):
 LOADER = OmegaConf.create({"num_workers": 0, "persistent_workers": False, "prefetch_factor": None})
 
 
-def test_a_state_json_cannot_hold_is_refused_before_training_and_ranks_share_the_stream() -> None:
+def test_a_state_json_cannot_hold_or_seq_lens_are_refused_and_ranks_share_the_stream() -> None:
     bad = IterableSource(TensorStateStream(20, 8, 3, 0), torch.utils.data.default_collate, "streams.tensor_state")
     with pytest.raises(DataError, match=r"^data._target_: the state_dict\(\) of the train dataset of "
                                         r"streams.tensor_state cannot be saved as JSON \(Object of type Tensor"):
         IterableBatches(bad, 0, 1, 4, LOADER, False).check(None, 1)
     source = IterableSource(VectorStream(10, 8, 3, 0), torch.utils.data.default_collate, "streams.vector_stream")
+    with pytest.raises(ConfigError, match=r"^data.seq_lens: cuts the micro-batches .* streams.vector_stream is an "):
+        IterableBatches(source, 0, 1, 4, OmegaConf.merge(LOADER, {"seq_lens": [2]}), False)
     firsts = [next(iter(IterableBatches(source, rank, 2, 2, LOADER, False)))[0] for rank in range(2)]
     whole = source[torch.arange(4)][0]  # the first 4 items of the stream: rank 0 takes 0 and 2, rank 1 takes 1, 3
     assert torch.equal(firsts[0], whole[0::2]) and torch.equal(firsts[1], whole[1::2])

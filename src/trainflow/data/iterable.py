@@ -109,6 +109,10 @@ class IterableBatches:
                  pin_memory: bool) -> None:
         from torchdata.stateful_dataloader import StatefulDataLoader  # IterableSource checked it is installed
 
+        if cfg.get("seq_lens"):
+            raise ConfigError("data.seq_lens: cuts the micro-batches of the global sample stream by their position, "
+                              f"and {source.name} is an iterable dataset whose batches its collate makes; remove "
+                              "data.seq_lens, or vary the lengths in data.collate_fn")
         self.source, self.world_size, self.batch_size = source, world_size, batch_size
         self.num_workers = int(cfg.num_workers)
         self.stateful = is_stateful(source.dataset)
