@@ -334,6 +334,11 @@ CASES = [
          "after 6 items, before one micro-batch per rank (1 rank(s) x 16 items); set parallelism.global_batch to at "
          "most 6 (1 rank(s) x 6 items x trainer.grad_accum=1), or give more data",
          env=(("PYTHONPATH", str(ROOT / "tests")),)),
+    Case("iterable-workers-share-too-short", "data", "an iterable dataset too short for a micro-batch of any worker",
+         (*STREAM, "data.size=6", "trainer.batch_size=4", "data.num_workers=2"),
+         "Error: trainer.batch_size: a pass of the train stream of streams.vector_stream gave this rank no "
+         "micro-batch of 4 items (its share, split among 2 workers); lower trainer.batch_size or data.num_workers, "
+         "or give more data", env=(("PYTHONPATH", str(ROOT / "tests")),)),
     Case("iterable-extra-missing", "data", "an iterable dataset without torchdata installed", STREAM,
          "Error: data._target_: streams.vector_stream returned an IterableDataset, which trainflow reads through "
          "torchdata, and torchdata is not installed; run pip install 'trainflow[iterable]'", setup=hide_torchdata,

@@ -160,10 +160,11 @@ class IterableBatches:
             for batch in self.loader:
                 taken += 1
                 yield batch
-            if taken == 0 and not self._resumed:  # a worker-split pass too short for any worker's micro-batch
-                raise ConfigError(f"trainer.batch_size: a pass of the train stream of {self.source.name} gave no "
-                                  f"micro-batch of {self.batch_size} items to any of the {self.num_workers} "
-                                  "worker(s) of a rank; lower trainer.batch_size or data.num_workers")
+            if taken == 0 and not self._resumed:  # a pass too short for a micro-batch of any of this rank's workers
+                split = f", split among {self.num_workers} workers" if self.num_workers else ""
+                raise ConfigError(f"trainer.batch_size: a pass of the train stream of {self.source.name} gave this "
+                                  f"rank no micro-batch of {self.batch_size} items (its share{split}); lower "
+                                  f"trainer.batch_size{' or data.num_workers' if split else ''}, or give more data")
             self._resumed = False
 
     def state_dict(self) -> dict[str, Any]:
