@@ -29,6 +29,10 @@ from conftest import ROOT, TINY_GPT, can_mount, tmpfs, train
 BASE = [*TINY_GPT, "trainer.max_steps=8", "trainer.eval_every=0", "trainer.eval_steps=2", "checkpoint=dcp",
         "checkpoint.every_steps=2", "checkpoint.dir={ckpts}"]
 
+# an iterable dataset by data._target_ (tests/streams.py), with checkpoints of its own (the base's are a GPT's)
+STREAM = (f"hydra.searchpath=[file://{ROOT}/tests/conf]", "model=mlp", "data=vector_stream",
+          "checkpoint.dir={tmp}/own")
+
 
 @dataclass
 class Ctx:
@@ -162,6 +166,12 @@ def hide_sklearn(ctx: Ctx) -> None:
     """An interpreter on which `import sklearn` fails, as without the extra (a sitecustomize on PYTHONPATH)."""
     (ctx.tmp / "site").mkdir()
     (ctx.tmp / "site" / "sitecustomize.py").write_text("import sys\nsys.modules['sklearn'] = None\n")
+
+
+def hide_torchdata(ctx: Ctx) -> None:
+    """An interpreter on which `import torchdata` fails, as without the extra (a sitecustomize on PYTHONPATH)."""
+    (ctx.tmp / "site").mkdir()
+    (ctx.tmp / "site" / "sitecustomize.py").write_text("import sys\nsys.modules['torchdata'] = None\n")
 
 
 def small_corpus(ctx: Ctx) -> None:
@@ -312,6 +322,27 @@ CASES = [
          "expects each tensor to be equal size, but got {any}); give items of one shape (tensors, or tuples or dicts "
          "of them), or a data.collate_fn that batches them",
          env=(("PYTHONPATH", str(ROOT / "examples/my_project")),)),
+    # an IterableDataset by data._target_ (tests/streams.py: 20 items a pass unless data.size says otherwise)
+    Case("iterable-stream-too-short", "data", "an iterable dataset that ends before one micro-batch",
+         (*STREAM, "data.size=6"),
+         "Error: trainer.batch_size: the train stream of streams.vector_stream ends after 6 items, before one "
+         "micro-batch per rank (1 rank(s) x 8 items); lower trainer.batch_size to at most 6, or give more data",
+         env=(("PYTHONPATH", str(ROOT / "tests")),)),
+    Case("iterable-global-batch", "data", "an iterable dataset with a parallelism.global_batch it cannot honour",
+         (*STREAM, "data.size=6", "parallelism.global_batch=16"),
+         "Error: parallelism.global_batch: 16 cannot be honoured: the train stream of streams.vector_stream ends "
+         "after 6 items, before one micro-batch per rank (1 rank(s) x 16 items); set parallelism.global_batch to at "
+         "most 6 (1 rank(s) x 6 items x trainer.grad_accum=1), or give more data",
+         env=(("PYTHONPATH", str(ROOT / "tests")),)),
+    Case("iterable-workers-share-too-short", "data", "an iterable dataset too short for a micro-batch of any worker",
+         (*STREAM, "data.size=6", "trainer.batch_size=4", "data.num_workers=2"),
+         "Error: trainer.batch_size: a pass of the train stream of streams.vector_stream gave this rank no "
+         "micro-batch of 4 items (its share, split among 2 workers); lower trainer.batch_size or data.num_workers, "
+         "or give more data", env=(("PYTHONPATH", str(ROOT / "tests")),)),
+    Case("iterable-extra-missing", "data", "an iterable dataset without torchdata installed", STREAM,
+         "Error: data._target_: streams.vector_stream returned an IterableDataset, which trainflow reads through "
+         "torchdata, and torchdata is not installed; run pip install 'trainflow[iterable]'", setup=hide_torchdata,
+         env=(("PYTHONPATH", f"{{tmp}}/site{os.pathsep}{ROOT / 'tests'}"),)),
     Case("batch-model-mismatch", "data", "batches the model cannot take", ("experiment=digits", "model=mlp"),
          "Error: data: trainflow.data.digits.digits gives batches of ([2, 1, 8, 8] float32, [2] int64), which the "
          "task Classification cannot put through model trainflow.models.mlp.MLP (RuntimeError: mat1 and mat2 shapes "
@@ -633,6 +664,7 @@ def markdown_rows() -> list[str]:
         shown = {"trainflow": f"trainflow {shown}", "multirun": f"-m {shown}"}.get(c.tool, shown)
         shown = " ".join([*(f"{k}={v}" for k, v in c.env), *([shown] if shown else [])])
         shown = shown.replace("{ckpts}", "<ckpts>").replace("{tmp}", "<dir>").replace("{port}", "<port>")
+        shown = shown.replace(str(ROOT), "$PWD")  # run from the repository root: the page names no machine's path
         message = (c.message.replace("{any}", "…").replace("{n}", "N").replace("{ckpts}", "<ckpts>")
                    .replace("{tmp}", "<dir>").replace("{port}", "<port>").replace("|", "\\|"))
         rows.append(f"| {c.area} | {c.what} | {f'`{shown}`' if shown else '-'} | {c.exit} | {message} |")

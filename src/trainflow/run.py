@@ -25,7 +25,7 @@ from torch.profiler import record_function
 from trainflow.checkpoint import Checkpointer
 from trainflow.compiler import Compiler
 from trainflow.config import TrainerConfig
-from trainflow.data import DataBundle, StreamSampler, build_datasets, make_loader, to_device
+from trainflow.data import DataBundle, IterableBatches, StreamSampler, build_datasets, make_loader, to_device
 from trainflow.distributed import DistEnv, memory_plan
 from trainflow.distributed.parallelize import no_grad_sync, parallelize, unwrap
 from trainflow.distributed.parity import ParityCheck, parallelism_summary
@@ -164,8 +164,13 @@ def assemble(cfg: DictConfig, run_dir: Path, env: DistEnv) -> Training:
                  task.monitor, task.mode, f"resumed at step {resumed_from}" if resumed_from else "fresh start")
         if data.val is None:
             log.info("%s gives no validation set: no evaluation", data.name)
+    loader = make_loader(data.train, sampler, cfg.data, pin)
+    if isinstance(loader, IterableBatches):  # the user's stream: its position is checkpointed with the state
+        loader.check(cfg.parallelism.global_batch, trainer.grad_accum)
+        loader.restore(state.data_state, resumed_from is not None, env.is_main)
+        state.data_loader = loader
     return Training(cfg, run_dir, env, trainer, data, task, metric_names, model, optimizer, scheduler, state,
-                    iter(make_loader(data.train, sampler, cfg.data, pin)), pin, autocast,
+                    iter(loader), pin, autocast,
                     record_function if profiler.enabled else _unnamed, guard, meter, stages, global_batch,
                     parameters, flops_per_step, flops_absent, peak, parity, auto_plan, dashboard, resumed_from)
 

@@ -51,6 +51,7 @@ from trainflow.checkpoint.state import (
     STATE_FILE,
     TrainState,
     blank_like,
+    data_file,
     differences,
     fingerprint,
     first_nonfinite,
@@ -278,7 +279,7 @@ class Checkpointer:
         if blocking:
             self._save_now(state, tensors, plain, tmp, started)
             return
-        sums, error = self._write_plain(tmp, plain, rng_state())
+        sums, error = self._write_plain(tmp, plain, self._rank_files(state))
         self._raise_if_failed(error, tmp, state.step)
         if self._stager is None:
             self._stager = reused_buffers(self.env.device)
@@ -301,7 +302,7 @@ class Checkpointer:
         writer = ChecksummingWriter(tmp)
         error = None
         with ThreadPoolExecutor(max_workers=1) as pool:
-            plain_files = pool.submit(self._write_plain, tmp, plain, rng_state())
+            plain_files = pool.submit(self._write_plain, tmp, plain, self._rank_files(state))
             try:
                 dcp.save({"app": tensors}, storage_writer=writer, process_group=self._ctl)
             except BaseException as exc:
@@ -324,14 +325,22 @@ class Checkpointer:
         raise CheckpointError(f"checkpoint: step {step} has non-finite values ({bad}); not committed, {kept}; the "
                               "training diverged: lower optim.lr (or raise optim.warmup_steps) and run again")
 
+    def _rank_files(self, state: TrainState) -> dict[str, Any]:
+        """This rank's own JSON files, taken at the step boundary: its RNG state and, for an iterable dataset, its
+        stream position."""
+        files = {rng_file(self.env.rank): rng_state()}
+        if state.data_loader is not None:
+            files[data_file(self.env.rank)] = state.data_loader.state_dict()
+        return files
+
     def _write_plain(self, tmp: Path, plain: dict[str, Any],
-                     rng: dict[str, Any]) -> tuple[dict[str, str], Exception | None]:
-        """state.json (rank 0) and this rank's RNG state beside the shards: (their checksums, the error if any).
+                     rank_files: dict[str, Any]) -> tuple[dict[str, str], Exception | None]:
+        """state.json (rank 0) and this rank's files beside the shards: (their checksums, the error if any).
 
         Runs beside the shards' write: file operations only, the ranks agree on the outcome afterwards.
         """
         try:
-            sums = {rng_file(self.env.rank): write_json(tmp / rng_file(self.env.rank), rng)}
+            sums = {name: write_json(tmp / name, value) for name, value in rank_files.items()}
             if self.env.is_main:
                 sums[STATE_FILE] = write_json(tmp / STATE_FILE, plain)
             return sums, None

@@ -4,6 +4,7 @@ On resume the config's optimizer hyperparameters win (each change logged and lis
 optimizer type is refused, with `checkpoint.load=model` (weights only, step 0) as the way to keep the weights.
 A checkpoint loads on any number of ranks and the sample stream continues exactly; RNG states are restored when
 the world size is the same (on another world size each rank keeps its fresh per-rank seed, and a warning says so).
+An iterable dataset's stream position (one JSON file per rank) is read here and restored by its loader.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from trainflow.checkpoint.safe_io import (
 from trainflow.checkpoint.state import (
     RESUMABLE_FORMATS,
     TrainState,
+    data_file,
     hyperparameter_changes,
     merge_tensors,
     model_shapes,
@@ -163,6 +165,8 @@ def load_all(target: Committed, state: TrainState, env: DistEnv, group: Any) -> 
     if same_world:
         rng = target.path / rng_file(env.rank)
         set_rng_state(read_json(rng), rng)
+    position = target.path / data_file(env.rank)  # an iterable dataset's stream (its loader checks the split)
+    state.data_state = read_json(position) if position.is_file() else None
     if env.is_main:
         log.info("resumed from step %d (%s, saved on %d rank(s); data position %d samples)", state.step,
                  target.path, target.manifest.get("world_size"), state.samples_seen)

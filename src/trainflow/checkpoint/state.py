@@ -36,11 +36,18 @@ class TrainState:
     scheduler: torch.optim.lr_scheduler.LRScheduler
     step: int = 0
     samples_seen: int = 0  # position in the global sample stream (see data.py)
+    data_loader: Any = None  # an iterable dataset's loader: its state_dict() is this rank's stream position
+    data_state: dict[str, Any] | None = None  # that position as a resume read it, restored when the loader is built
 
 
 def rng_file(rank: int) -> str:
     """The file holding one rank's random generators, beside the shards."""
     return f"rng_rank{rank:05d}.json"
+
+
+def data_file(rank: int) -> str:
+    """The file holding one rank's position in an iterable dataset's stream, beside the shards."""
+    return f"data_rank{rank:05d}.json"
 
 
 def split_state(state: TrainState) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -2,7 +2,8 @@
 
 Modules: `stream` (the resumable, world-size-independent sample stream), `text` (a corpus of text files),
 `tokenizers` (bytes, a BPE trained here, a tokenizer.json), `hf` (local files read by Hugging Face datasets),
-`synthetic` (random tensors with something to learn), `loaders` (micro-batch loaders: cut, pinned, workers, moved
+`synthetic` (random tensors with something to learn), `iterable` (an IterableDataset's stream, sharded and
+resumable through torchdata), `loaders` (micro-batch loaders: cut, pinned, workers, moved
 to the device), `user` (datasets by `data._target_`), `digits` (scikit-learn's handwritten digits, a `_target_`).
 """
 
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 from omegaconf import DictConfig
 from torch.utils.data import Dataset
 
+from trainflow.data.iterable import IterableBatches, IterableSource
 from trainflow.data.loaders import (
     Batch,
     InProcessBatches,
@@ -29,15 +31,17 @@ from trainflow.data.user import LOADER_KEYS, Collated, user_datasets
 from trainflow.errors import DataError
 
 __all__ = [
-    "LOADER_KEYS", "Batch", "Collated", "DataBundle", "InProcessBatches", "Pinned", "StreamSampler",
-    "SyntheticClassification", "SyntheticTokens", "TokenWindows", "VariableLengths", "apply_to_tensors",
+    "LOADER_KEYS", "Batch", "Collated", "DataBundle", "InProcessBatches", "IterableBatches", "IterableSource",
+    "Pinned", "StreamSampler", "SyntheticClassification", "SyntheticTokens", "TokenWindows", "VariableLengths",
+    "apply_to_tensors",
     "build_datasets", "load_tokens", "make_loader", "to_device", "user_datasets",
 ]
 
 
 @dataclass
 class DataBundle:
-    train: Dataset  # indexed by a micro-batch's index tensor, it returns the whole batch
+    train: Dataset  # indexed by a micro-batch's index tensor, it returns the whole batch (an IterableSource: the
+    # first items of its stream)
     val: Dataset | None  # None: the factory gave no validation set (no evaluation)
     is_lm: bool  # language-model data: task=auto picks lm
     seq_len: int  # tokens per sample (1 for non-sequence data)

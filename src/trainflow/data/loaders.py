@@ -9,6 +9,7 @@ import torch
 from omegaconf import DictConfig
 from torch.utils.data import DataLoader, Dataset
 
+from trainflow.data.iterable import IterableBatches, IterableSource
 from trainflow.data.stream import StreamSampler
 
 Batch = Any  # one micro-batch: (inputs, targets) for the built-in data; tensors in tuples, lists, dicts for a user's
@@ -80,9 +81,12 @@ def make_loader(
     """A loader over whole micro-batches: the sampler yields index lists the dataset gathers at once.
 
     Pinning comes last (cutting a pinned batch to a length would copy it back into pageable memory); with
-    workers and no cutting, DataLoader pins in its own thread instead.
+    workers and no cutting, DataLoader pins in its own thread instead. An iterable dataset's loader reads this
+    rank's share of its stream (data/iterable.py): the sampler gives it the rank, world size and micro-batch only.
     """
     loader: Iterable[Batch]
+    if isinstance(dataset, IterableSource):  # the user's stream: batched by torchdata, sharded by rank and worker
+        return IterableBatches(dataset, sampler.rank, sampler.world_size, sampler.batch_size, cfg, pin_memory)
     seq_lens = cfg.get("seq_lens")
     if cfg.num_workers == 0:
         loader = InProcessBatches(dataset, sampler)

@@ -4,17 +4,21 @@ The factory is called with the data section's own keys (all but `_target_` and t
 returns `(train, val)` or a mapping with `train`, `val` (None: no evaluation) and optionally `collate_fn`.
 Items are tensors, tuples/lists or dicts of them; they are gathered by index and collated (default: torch's
 default_collate), so the global sample stream serves them like the built-in datasets: exact resume on any world size.
+An IterableDataset as train is read through torchdata's StatefulDataLoader (data/iterable.py); one as val is read
+once into memory (it must end), so that every evaluation sees the same held-out items.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from functools import partial
 from typing import Any
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 from torch.utils.data import Dataset, IterableDataset, default_collate
 
+from trainflow.data.iterable import IterableSource
 from trainflow.errors import ConfigError, DataError
 from trainflow.targets import bound_callable, import_target
 
@@ -32,17 +36,21 @@ class Collated(Dataset):
         return len(self.dataset)
 
     def __getitem__(self, indices: torch.Tensor) -> Any:
-        items = [self.dataset[i] for i in indices.tolist()]
-        try:
-            return self.collate(items)
-        except Exception as exc:
-            collate = getattr(self.collate, "__qualname__", type(self.collate).__name__)
-            raise DataError(f"data: {collate} cannot batch the items of {self.name} ({_first_line(exc)}); give "
-                            "items of one shape (tensors, or tuples or dicts of them), or a data.collate_fn that "
-                            "batches them") from None
+        return batched(self.collate, [self.dataset[i] for i in indices.tolist()], self.name)
 
 
-def user_datasets(cfg: DictConfig) -> tuple[Collated, Collated | None]:
+def batched(collate: Callable[[list], Any], items: list, name: str) -> Any:
+    """`collate(items)`, or one line naming the collate and the data when it cannot batch them."""
+    try:
+        return collate(items)
+    except Exception as exc:
+        collate_name = getattr(collate, "__qualname__", type(collate).__name__)
+        raise DataError(f"data: {collate_name} cannot batch the items of {name} ({_first_line(exc)}); give "
+                        "items of one shape (tensors, or tuples or dicts of them), or a data.collate_fn that "
+                        "batches them") from None
+
+
+def user_datasets(cfg: DictConfig) -> tuple[Collated | IterableSource, Collated | None]:
     """Call `data._target_` and wrap what it returns; a return that is not datasets is one line naming the key."""
     section = OmegaConf.to_container(cfg, resolve=True)
     target = section["_target_"]
@@ -57,10 +65,15 @@ def user_datasets(cfg: DictConfig) -> tuple[Collated, Collated | None]:
     if section.get("collate_fn") is not None:
         collate = _configured_collate(section["collate_fn"])
     collate = collate or default_collate
+    if isinstance(val, IterableDataset):
+        val = list(val)  # read once: every evaluation takes the same held-out items, by index
     for split, dataset in (("train", train), ("val", val)):
-        if dataset is not None:
+        if dataset is not None and not isinstance(dataset, IterableDataset):
             _check_dataset(dataset, split, target)
-    return Collated(train, collate, target), (Collated(val, collate, target) if val is not None else None)
+    val_set = Collated(val, collate, target) if val is not None else None
+    if isinstance(train, IterableDataset):
+        return IterableSource(train, partial(batched, collate, name=target), target), val_set
+    return Collated(train, collate, target), val_set
 
 
 def _parts(made: Any, target: str) -> tuple[Any, Any, Callable | None]:
@@ -73,12 +86,10 @@ def _parts(made: Any, target: str) -> tuple[Any, Any, Callable | None]:
 
 
 def _check_dataset(dataset: Any, split: str, target: str) -> None:
-    if isinstance(dataset, IterableDataset):
-        raise DataError(f"data._target_: {target} returned an IterableDataset as {split}; trainflow reads map-style "
-                        "datasets (__len__ and __getitem__ of an index): wrap the data in one")
     if not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
         raise DataError(f"data._target_: {target} returned a {type(dataset).__name__} as {split}, which is not a "
-                        "dataset; return map-style datasets (with __len__ and __getitem__ of an index)")
+                        "dataset; return map-style datasets (with __len__ and __getitem__ of an index) or "
+                        "IterableDatasets")
     if len(dataset) == 0:
         raise DataError(f"data._target_: the {split} dataset of {target} is empty; give it samples")
 

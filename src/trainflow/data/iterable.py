@@ -1,0 +1,199 @@
+"""An IterableDataset by `data._target_`: each rank and worker reads its share of the stream, batched through
+torchdata's StatefulDataLoader, whose `state_dict()` is the data position a checkpoint saves (JSON, beside the
+shards, never pickled) and a resume restores.
+
+Sharding: trainflow takes the share itself, so that any iterable dataset trains on any number of ranks and workers
+without knowing of them: rank r of W, worker w of K keeps the items i of the stream with i % (W*K) == r*K + w. Every
+worker reads the whole stream and keeps its share (simple and exact; a dataset whose items are expensive to read
+is better split into map-style items). Each micro-batch holds `trainer.batch_size` items of one worker; a pass that
+ends with fewer is dropped, and the stream starts its next pass (an epoch).
+
+Resume: the dataset's own `state_dict()`/`load_state_dict()` where it has them (with trainflow's count of items
+read, so the shares stay aligned); otherwise the loader reads again and skips the batches already taken, which is
+exact when the dataset yields the same items in the same order on every pass. Another world size, worker count,
+micro-batch or kind of dataset (with or without a state_dict) than the checkpoint's restarts the stream from its
+beginning, and a line says so.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import json
+import logging
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from omegaconf import DictConfig
+from torch.utils.data import Dataset, IterableDataset, get_worker_info
+
+from trainflow.errors import ConfigError, DataError
+
+log = logging.getLogger("trainflow")
+
+INSTALL = "pip install 'trainflow[iterable]'"
+
+
+def is_stateful(obj: Any) -> bool:
+    """torchdata's Stateful protocol: the object saves and restores its own position."""
+    return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
+
+
+class IterableSource(Dataset):
+    """The user's IterableDataset with its collate. Indexed by a tensor of n indices it returns the first n items
+    of the stream collated (what the probes before training take: a model check, the FLOPs count, compile's check);
+    its length is unknown to trainflow (the stream may be endless): the loader checks that it fills a micro-batch.
+    """
+
+    def __init__(self, dataset: IterableDataset, collate: Callable[[list], Any], name: str) -> None:
+        try:
+            import torchdata.stateful_dataloader  # noqa: F401
+        except ImportError:
+            raise ConfigError(f"data._target_: {name} returned an IterableDataset, which trainflow reads through "
+                              f"torchdata, and torchdata is not installed; run {INSTALL}") from None
+        self.dataset, self.name = dataset, name
+        self.collate = collate  # a list of items -> a batch; a DataError naming the data when it cannot
+
+    def __len__(self) -> int:
+        return len(self.dataset) if hasattr(self.dataset, "__len__") else torch.iinfo(torch.int64).max
+
+    def first_items(self, count: int) -> list:
+        """The first `count` items of a pass (fewer if it ends), read from a copy: a stateful dataset keeps its
+        position for the loader."""
+        return list(itertools.islice(copy.deepcopy(self.dataset), count))
+
+    def __getitem__(self, indices: torch.Tensor) -> Any:
+        items = self.first_items(len(indices))
+        if not items:
+            raise DataError(f"data._target_: the train dataset of {self.name} yields no items; give it samples")
+        return self.collate(items)
+
+
+class RankShare(IterableDataset):
+    """This rank's and this worker's share of the stream: items i with i % (world_size * workers) == its slot."""
+
+    def __init__(self, dataset: IterableDataset, rank: int, world_size: int) -> None:
+        self.dataset, self.rank, self.world_size = dataset, rank, world_size
+        self.read = 0  # items of the current pass read from the dataset (this worker's copy)
+        self._resume_at: int | None = None
+
+    def __iter__(self) -> Iterator[Any]:
+        info = get_worker_info()
+        workers, worker = (info.num_workers, info.id) if info is not None else (1, 0)
+        parts, slot = self.world_size * workers, self.rank * workers + worker
+        self.read, self._resume_at = self._resume_at or 0, None
+        for item in self.dataset:
+            self.read += 1
+            if (self.read - 1) % parts == slot:
+                yield item
+
+
+class StatefulRankShare(RankShare):
+    """A share of a dataset that saves its own position: its state and the count of items read (the alignment of
+    the shares after a resume)."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"dataset": self.dataset.state_dict(), "read": self.read}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.dataset.load_state_dict(state["dataset"])
+        self._resume_at = int(state["read"])
+
+
+class IterableBatches:
+    """This rank's micro-batches of an iterable dataset, pass after pass, through a StatefulDataLoader."""
+
+    def __init__(self, source: IterableSource, rank: int, world_size: int, batch_size: int, cfg: DictConfig,
+                 pin_memory: bool) -> None:
+        from torchdata.stateful_dataloader import StatefulDataLoader  # IterableSource checked it is installed
+
+        if cfg.get("seq_lens"):
+            raise ConfigError("data.seq_lens: cuts the micro-batches of the global sample stream by their position, "
+                              f"and {source.name} is an iterable dataset whose batches its collate makes; remove "
+                              "data.seq_lens, or vary the lengths in data.collate_fn")
+        self.source, self.world_size, self.batch_size = source, world_size, batch_size
+        self.num_workers = int(cfg.num_workers)
+        self.stateful = is_stateful(source.dataset)
+        # a copy of its own: a stateful dataset's position belongs to one loader (the parity check reads another)
+        share = (StatefulRankShare if self.stateful else RankShare)(copy.deepcopy(source.dataset), rank, world_size)
+        workers = self.num_workers > 0
+        with warnings.catch_warnings():  # torchdata 0.11 calls a deprecated torch function: noise for the user
+            warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
+            self.loader = StatefulDataLoader(
+                share, batch_size=batch_size, drop_last=True, collate_fn=source.collate, num_workers=self.num_workers,
+                pin_memory=pin_memory, persistent_workers=workers and cfg.persistent_workers,
+                prefetch_factor=cfg.prefetch_factor if workers else None)
+        self._resumed = False
+
+    def check(self, global_batch: int | None, grad_accum: int) -> None:
+        """Refuse, before training, a stream that ends before every rank has one micro-batch (saying what it can
+        fill), and a dataset position a checkpoint could not hold as JSON."""
+        if self.stateful:
+            try:
+                json.dumps(self.source.dataset.state_dict())
+            except (TypeError, ValueError) as exc:
+                raise DataError(f"data._target_: the state_dict() of the train dataset of {self.source.name} cannot "
+                                f"be saved as JSON ({exc}); return plain values (numbers, strings, lists, dicts) "
+                                "from it") from None
+        needed = self.batch_size * self.world_size
+        count = len(self.source.first_items(needed))
+        if count >= needed:
+            return
+        per_rank = count // self.world_size
+        ranks = f"{self.world_size} rank(s) x {self.batch_size} items"
+        if global_batch is not None:
+            fix = (f"set parallelism.global_batch to at most {per_rank * self.world_size * grad_accum} ("
+                   f"{self.world_size} rank(s) x {per_rank} items x trainer.grad_accum={grad_accum}), or give more "
+                   "data" if per_rank else f"give more data (at least {self.world_size} items)")
+            raise ConfigError(f"parallelism.global_batch: {global_batch} cannot be honoured: the train stream of "
+                              f"{self.source.name} ends after {count} items, before one micro-batch per rank "
+                              f"({ranks}); {fix}")
+        fix = f"lower trainer.batch_size to at most {per_rank}" if per_rank else "run on fewer ranks"
+        raise ConfigError(f"trainer.batch_size: the train stream of {self.source.name} ends after {count} items, "
+                          f"before one micro-batch per rank ({ranks}); {fix}, or give more data")
+
+    def __iter__(self) -> Iterator[Any]:
+        while True:
+            taken = 0
+            for batch in self.loader:
+                taken += 1
+                yield batch
+            if taken == 0 and not self._resumed:  # a pass too short for a micro-batch of any of this rank's workers
+                split = f", split among {self.num_workers} workers" if self.num_workers else ""
+                raise ConfigError(f"trainer.batch_size: a pass of the train stream of {self.source.name} gave this "
+                                  f"rank no micro-batch of {self.batch_size} items (its share{split}); lower "
+                                  f"trainer.batch_size{' or data.num_workers' if split else ''}, or give more data")
+            self._resumed = False
+
+    def state_dict(self) -> dict[str, Any]:
+        """The position of this rank's stream, as JSON values (the checkpoint writes it beside the shards)."""
+        return {"world_size": self.world_size, "num_workers": self.num_workers, "batch_size": self.batch_size,
+                "stateful": self.stateful, "loader": self.loader.state_dict()}
+
+    def restore(self, saved: dict[str, Any] | None, resumed: bool, is_main: bool) -> None:
+        """Continue where the checkpoint's stream stopped; say what happens instead where that cannot be exact."""
+        if not resumed:
+            return
+        name = self.source.name
+        if saved is None:
+            if is_main:
+                log.warning("data: the checkpoint holds no position of the iterable stream of %s (saved from "
+                            "other data, or on another world size): the stream restarts from its beginning", name)
+            return
+        here = {"world_size": self.world_size, "num_workers": self.num_workers, "batch_size": self.batch_size,
+                "stateful": self.stateful}
+        changed = [f"{k} {saved.get(k)} -> {v}" for k, v in here.items() if saved.get(k) != v]
+        if changed:
+            if is_main:
+                log.warning("data: the iterable stream of %s was checkpointed with other settings (%s): its "
+                            "position does not carry over; the stream restarts from its beginning", name,
+                            ", ".join(changed))
+            return
+        if not self.stateful and is_main:
+            log.warning("data: %s has no state_dict()/load_state_dict(): each rank reads its stream again and "
+                        "skips the batches already taken (exact only if the dataset yields the same items in the "
+                        "same order on every pass)", name)
+        self.loader.load_state_dict(saved["loader"])
+        self._resumed = True
