@@ -69,6 +69,8 @@ def test_classification_metrics_of_sequence_logits_count_every_position_and_reco
     assert metrics["top3_accuracy"].item() == pytest.approx((ranks < 3).float().mean().item())
     assert 0 < metrics["accuracy"].item() < metrics["top3_accuracy"].item() < 1
     assert loss.requires_grad and not any(m.requires_grad for m in metrics.values())
+    column = Classification(top_k=3)(lambda x: x, (flat, labels[:, None]))[1]  # targets [B, 1], as some data gives
+    assert column == Classification(top_k=3)(lambda x: x, (flat, labels))[1]
 
 
 def test_lm_task_reads_dict_batches_counts_tokens_and_takes_the_models_own_loss() -> None:
