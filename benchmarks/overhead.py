@@ -41,7 +41,7 @@ from trainflow.data import StreamSampler, build_datasets, make_loader
 from trainflow.distributed.process_group import process_group
 from trainflow.optim import build_optimizer
 from trainflow.run import assemble, run, train_loop, train_step
-from trainflow.tasks import cross_entropy
+from trainflow.tasks import build_task, cross_entropy
 
 ROOT = Path(__file__).resolve().parents[1]
 register_with_hydra()  # before composing configs, as train.py does
@@ -173,12 +173,15 @@ def literal_comparison(rounds: int, steps: int, warmup: int, cpu_time: bool) -> 
 
 def part_by_part(cfg_of: Callable[[int], Any], steps: int, warmup: int) -> dict[str, float]:
     """Microseconds of this thread's CPU time per step: the literal loop with trainflow's parts added one at a
-    time, then trainflow's `train_step` alone, its `train_loop` with the stage list emptied, and the whole loop."""
+    time (the data path; the parameter groups and schedule; the loss; the task's per-step metrics), then
+    trainflow's `train_step` alone, its `train_loop` with the stage list emptied, and the whole loop."""
     cfg = cfg_of(steps)
     data = build_datasets(cfg.data, cfg.model)
     timed = {}
 
-    def literal_with(data_path: bool, groups_and_schedule: bool, trainflow_loss: bool) -> float:
+    task = build_task(cfg.task, data.is_lm)  # classify: the loss, accuracy and top-5 accuracy of every step
+
+    def literal_with(data_path: bool, groups_and_schedule: bool, trainflow_loss: bool, metrics: bool = False) -> float:
         torch.manual_seed(cfg.trainer.seed)
         model = instantiate(cfg.model)
         if groups_and_schedule:
@@ -198,7 +201,10 @@ def part_by_part(cfg_of: Callable[[int], Any], steps: int, warmup: int) -> dict[
             else:
                 inputs, targets = torch.randn(batch, features), torch.randint(classes, (batch,))
             optimizer.zero_grad()
-            loss = cross_entropy(model(inputs), targets) if trainflow_loss else criterion(model(inputs), targets)
+            if metrics:
+                loss = task(model, (inputs, targets))[0]
+            else:
+                loss = cross_entropy(model(inputs), targets) if trainflow_loss else criterion(model(inputs), targets)
             loss.backward()
             optimizer.step()
             if scheduler is not None:
@@ -226,6 +232,7 @@ def part_by_part(cfg_of: Callable[[int], Any], steps: int, warmup: int) -> dict[
     timed["+ trainflow's data path"] = literal_with(True, False, False)
     timed["+ two parameter groups, LR schedule"] = literal_with(True, True, False)
     timed["+ its cross_entropy"] = literal_with(True, True, True)
+    timed["+ the task's metrics (accuracy, top-5)"] = literal_with(True, True, True, metrics=True)
     timed["trainflow train_step alone"] = trainflow_with("train_step")
     timed["trainflow train_loop, no stages"] = trainflow_with("no stages")
     timed["trainflow train_loop"] = trainflow_with("train_loop")

@@ -19,7 +19,7 @@ import torch
 from conftest import ROOT, Run, losses_by_step, train
 from torch import nn
 
-from trainflow.data import Collated, StreamSampler, to_device
+from trainflow.data import Collated, StreamSampler, SyntheticClassification, SyntheticTokens, to_device
 from trainflow.errors import ConfigError, DataError
 from trainflow.tasks import Classification, LanguageModel, UserTask, probe
 
@@ -56,6 +56,21 @@ def test_classification_metrics_are_the_fractions_of_right_answers() -> None:
     assert metrics["accuracy"].item() == 0.5 and metrics["top2_accuracy"].item() == 0.75
     assert task.count({"inputs": logits, "targets": targets}) == (4, 0)
     assert "top5_accuracy" not in Classification()(lambda x: x, (logits, targets))[1]  # 4 classes: top-5 is moot
+
+
+def test_classification_metrics_of_sequence_logits_count_every_position_and_record_no_graph() -> None:
+    torch.manual_seed(0)
+    logits = torch.randn(3, 5, 8, requires_grad=True)  # [B, T, C]: one prediction per position
+    targets = torch.randint(8, (3, 5))
+    loss, metrics = Classification(top_k=3)(lambda x: x, (logits, targets))
+    flat, labels = logits.detach().reshape(15, 8), targets.reshape(15)
+    ranks = (flat > flat.gather(1, labels[:, None])).sum(1)  # classes scored above the target (no ties here)
+    assert metrics["accuracy"].item() == pytest.approx((ranks == 0).float().mean().item())
+    assert metrics["top3_accuracy"].item() == pytest.approx((ranks < 3).float().mean().item())
+    assert 0 < metrics["accuracy"].item() < metrics["top3_accuracy"].item() < 1
+    assert loss.requires_grad and not any(m.requires_grad for m in metrics.values())
+    column = Classification(top_k=3)(lambda x: x, (flat, labels[:, None]))[1]  # targets [B, 1], as some data gives
+    assert column == Classification(top_k=3)(lambda x: x, (flat, labels))[1]
 
 
 def test_lm_task_reads_dict_batches_counts_tokens_and_takes_the_models_own_loss() -> None:
@@ -149,6 +164,32 @@ def test_digits_learns_and_reports_the_monitored_accuracy(tmp_path: Path) -> Non
     assert len(train_acc) == 60 and sum(train_acc[-10:]) > sum(train_acc[:10])
     assert s["val"]["accuracy"] == vals[-1]["val/accuracy"] and s["flops_per_step"] > 0 and s["mfu_absent"] is None
     assert f"step 60: val loss {s['val']['loss']:.4g}, accuracy {s['val']['accuracy']:.4g}" in run.stdout
+
+
+def test_the_built_in_synthetic_data_gathers_the_streams_samples_across_an_epoch() -> None:
+    indices = next(iter(StreamSampler(100, 8, 0, 1, seed=3, start=95)))  # positions 95..102: two epochs' orders
+    assert indices.shape == (8,)
+    classes = SyntheticClassification(100, 6, 3, task_seed=0, input_seed=1)
+    inputs, labels = classes[indices]
+    assert torch.equal(inputs, classes.x[indices]) and torch.equal(labels, classes.y[indices])
+    tokens = SyntheticTokens(100, 50, 7, seed=0)
+    inputs, targets = tokens[indices]
+    assert inputs.shape == (8, 7) and torch.equal(inputs, tokens.tokens[indices, :-1])
+    assert torch.equal(targets, tokens.tokens[indices, 1:]) and inputs.is_contiguous() and targets.is_contiguous()
+
+
+def test_a_log_interval_reports_the_mean_of_its_steps_metrics(tmp_path: Path) -> None:
+    """The interval's loss and accuracies, summed at the log step, are the means of what each step logs alone
+    (batch 48: fractions binary floats do not hold exactly; two micro-steps a step)."""
+    common = ["experiment=seed_mlp", "logger=none", "trainer.max_steps=8", "trainer.batch_size=48",
+              "trainer.grad_accum=2", "trainer.eval_every=0"]
+    each = [m for m in ok(train(tmp_path / "each", *common, "trainer.log_every=1")).metrics() if "train/loss" in m]
+    grouped = [m for m in ok(train(tmp_path / "by4", *common, "trainer.log_every=4")).metrics() if "train/loss" in m]
+    assert [m["step"] for m in grouped] == [4, 8] and len(each) == 8
+    for logged, steps in zip(grouped, (each[:4], each[4:]), strict=True):
+        for key in ("train/loss", "train/accuracy", "train/top5_accuracy"):
+            assert logged[key] == pytest.approx(sum(m[key] for m in steps) / 4, rel=1e-6, abs=1e-7), key
+    assert len({m["train/accuracy"] for m in each}) > 1  # the steps differ: a mean, not one step's value
 
 
 def test_data_without_a_validation_set_trains_without_evaluation(tmp_path: Path) -> None:

@@ -86,14 +86,17 @@ class Classification(Task):
     def __call__(self, model: Callable, batch: Any) -> tuple[torch.Tensor, Metrics]:
         inputs, targets = pair(batch, "inputs", "targets", "classify")
         logits = model(inputs)
-        loss = cross_entropy(logits, targets)
-        with torch.no_grad():
-            flat, labels = logits.detach().flatten(0, -2), targets.flatten()
-            metrics = {"accuracy": (flat.argmax(-1) == labels).float().mean()}
-            if flat.shape[-1] > self.top_k:
-                hits = (flat.topk(self.top_k, dim=-1).indices == labels[:, None]).any(-1)
-                metrics[f"top{self.top_k}_accuracy"] = hits.float().mean()
-        return loss, metrics
+        return cross_entropy(logits, targets), self.metrics(logits.detach(), targets)
+
+    def metrics(self, logits: torch.Tensor, targets: torch.Tensor) -> Metrics:
+        """Accuracy and top-k accuracy of detached logits: nothing to record for autograd, so no grad context
+        (every step pays for these; each tensor op costs ~5 us, about 1% of the seed MLP's step)."""
+        logits, targets = logits.flatten(0, -2), targets.flatten()  # [B, T, C]: a prediction per position
+        metrics = {"accuracy": (logits.argmax(-1) == targets).float().mean()}
+        if logits.shape[-1] > self.top_k:
+            hits = (logits.topk(self.top_k, dim=-1).indices == targets[:, None]).any(-1)
+            metrics[f"top{self.top_k}_accuracy"] = hits.float().mean()
+        return metrics
 
     def count(self, batch: Any) -> tuple[int, int]:
         return pair(batch, "inputs", "targets", "classify")[1].shape[0], 0
@@ -187,6 +190,8 @@ def model_loss(output: Any) -> torch.Tensor:
 
 def pair(batch: Any, input_key: str, target_key: str, kind: str) -> tuple[Any, torch.Tensor]:
     """(inputs, targets) of a tuple/list batch, or of a dict batch by its keys."""
+    if type(batch) is tuple and len(batch) == 2:  # the built-in data's batches: no ABC checks (~2 us, twice a step)
+        return batch
     if isinstance(batch, Mapping):
         missing = [k for k in (input_key, target_key) if k not in batch]
         if not missing:

@@ -41,7 +41,7 @@ class TrainMetrics(Stage):
         self._data_wait_s = 0.0
         self._samples = 0  # of this rank
         self._tokens = 0  # of this rank
-        self._metrics: dict[str, torch.Tensor] = {}  # the task's metrics summed over micro-steps, on the device
+        self._step_metrics: list[dict[str, torch.Tensor]] = []  # each step's task metrics, on the device
         self._micro_steps = 0
 
     def after_step(self, state: LoopState) -> bool:
@@ -51,9 +51,8 @@ class TrainMetrics(Stage):
         self._data_wait_s += state.data_wait_s
         self._samples += state.samples
         self._tokens += state.tokens
-        if state.metrics:
-            for name, value in state.metrics.items():
-                self._metrics[name] = self._metrics[name] + value if name in self._metrics else value
+        if state.metrics:  # summed at the log step, like the losses: a sum each step would cost an op per metric
+            self._step_metrics.append(state.metrics)
             self._micro_steps += state.micro_steps
         if self.first_loss is None:
             self.first_loss = all_reduce_mean(state.loss.detach().clone(), self.env).item()  # all ranks' mean
@@ -87,9 +86,10 @@ class TrainMetrics(Stage):
             figures["perf/tokens_per_sec"] = self._tokens * self.env.world_size / elapsed
         if self.flops_per_step and self.peak_flops:
             figures["perf/mfu"] = self.flops_per_step / step_time / self.peak_flops
-        names = sorted(self._metrics)
+        names = sorted({name for metrics in self._step_metrics for name in metrics})
         if names:  # one all-reduce for all of them
-            means = torch.stack([self._metrics[n] for n in names]) / self._micro_steps
+            sums = [torch.stack([m[n] for m in self._step_metrics if n in m]).sum() for n in names]
+            means = torch.stack(sums) / self._micro_steps
             figures.update({f"train/{n}": v for n, v in
                             zip(names, all_reduce_mean(means, self.env).tolist(), strict=True)})
         return figures
