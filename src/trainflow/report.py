@@ -189,11 +189,15 @@ def _gate_settings(runs: list[RunRecord]) -> dict[str, Any]:
     return {}
 
 
+OVERLOAD = 1.5  # the load average, per core, above which a run waited for cores it did not use itself
+
+
 def load_warning(r: RunRecord) -> str | None:
-    """A run whose machine was busier than its cores when it ended (the 1-minute load average): its processes
-    waited for a core, so its speed figures (and any speedup against it) measure the machine's load too."""
+    """A run whose machine was well busier than its cores when it ended (the 1-minute load average above 1.5x the
+    cores: a run keeps every core busy by itself, so up to the core count is its own load): its processes waited
+    for a core, so its speed figures (and any speedup against it) measure the machine's load too."""
     load, cores = r.figure("host", "load_average"), r.figure("host", "cpu_cores")
-    if not load or not cores or load[0] <= cores:
+    if not load or not cores or load[0] <= OVERLOAD * cores:
         return None
     return (f"{r.name}" + (f" ({r.stage})" if r.stage else "") + f": the load average was {load[0]:.1f} on "
             f"{cores} cores at its end, so its timings include waiting for a core; rerun it on an idle machine "
@@ -363,7 +367,8 @@ def write_png(runs: list[RunRecord], report: dict[str, Any], path: Path) -> None
     curves.set_title("loss curves")
     if any(r.losses for r in runs):
         curves.legend(fontsize=8)
-    title = report["folder"]
+    folder = Path(report["folder"])  # relative where it can be: the picture is often shown away from this machine
+    title = str(folder.relative_to(Path.cwd()) if folder.is_relative_to(Path.cwd()) else folder)
     if report["gates"] is not None:
         counts = {s: sum(g["status"] == s for g in report["gates"]) for s in (ladder.PASS, ladder.WARN, ladder.FAIL)}
         title += "   gates: " + ", ".join(f"{n} {s}" for s, n in counts.items())
