@@ -16,7 +16,7 @@ from trainflow.distributed import DistEnv
 from trainflow.distributed.process_group import all_reduce_mean
 from trainflow.metrics import MetricsWriter
 from trainflow.stages import LoopState, Stage
-from trainflow.tasks import Task
+from trainflow.tasks import Task, add_metrics
 
 log = logging.getLogger("trainflow")
 
@@ -66,9 +66,7 @@ def evaluate(model: nn.Module, dataset: Dataset, task: Task, cfg: DictConfig, en
         batch = to_device(dataset[indices], env.device)
         with autocast:
             loss, metrics = task(model, batch)
-        for name, value in {"loss": loss, **metrics}.items():
-            value = value.detach().float()
-            totals[name] = totals[name] + value if name in totals else value
+        add_metrics(totals, {"loss": loss, **metrics})
     names = list(totals)
     means = all_reduce_mean(torch.stack([totals[n] for n in names]) / trainer.eval_steps, env).tolist()
     return task.finish(dict(zip(names, means, strict=True)))

@@ -51,7 +51,7 @@ from trainflow.optim import build_optimizer
 from trainflow.profiling import Profiler
 from trainflow.seeding import SEED_STRIDE, seed_everything
 from trainflow.stages import LoopState, Stage
-from trainflow.tasks import Task, build_task, probe
+from trainflow.tasks import Task, add_metrics, build_task, probe
 from trainflow.tensorboard import Dashboard
 from trainflow.train_metrics import TrainMetrics
 
@@ -219,9 +219,7 @@ def train_step(training: Training) -> None:
             loss_share = loss / trainer.grad_accum if trainer.grad_accum > 1 else loss
             loss_share.backward()
         step_loss = loss_share.detach() if step_loss is None else step_loss + loss_share.detach()
-        for name, value in metrics.items():
-            value = value.detach().float()
-            step_metrics[name] = step_metrics[name] + value if name in step_metrics else value
+        add_metrics(step_metrics, metrics)
     state.log_due = (state.step + 1) % trainer.log_every == 0 or state.step + 1 >= trainer.max_steps
     guard = training.guard
     with region("trainflow/optimizer"):

@@ -172,6 +172,13 @@ def probe(task: Task, model: nn.Module, sample: Any, data_name: str, model_name:
     return names
 
 
+def add_metrics(totals: Metrics, metrics: Metrics) -> None:
+    """Sum `metrics` into `totals` on the device, detached and in fp32 (no host sync: read once, at the end)."""
+    for name, value in metrics.items():
+        value = value.detach().float()
+        totals[name] = totals[name] + value if name in totals else value
+
+
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Cross-entropy for classifiers ([B, C]) and language models ([B, T, V]) alike; targets of -100 are ignored."""
     return F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten())
