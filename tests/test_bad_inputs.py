@@ -352,6 +352,9 @@ CASES = [
          ("experiment=digits", "model=cnn", "task.monitor=f1"),
          "Error: task.monitor: 'f1' is not a metric of this task (loss, accuracy, top5_accuracy); set task.monitor "
          "to one of them"),
+    Case("train-metrics-unknown", "config", "a task.train_metrics that is not a choice",
+         ("task.train_metrics=sometimes",), "Error: task.train_metrics: must be log_step or every_step; got "
+         "'sometimes'"),
     Case("vision-extra-missing", "data", "data=digits without scikit-learn installed",
          ("experiment=digits", "model=cnn"),
          "Error: data: data=digits reads scikit-learn's digits, and scikit-learn is not installed; run pip install "

@@ -406,6 +406,39 @@ def test_a_changed_learning_rate_is_applied_and_said(tmp_path: Path, caplog) -> 
     assert changed.step == 4
 
 
+def test_a_resume_fits_the_configs_parameter_groups_and_puts_the_schedule_at_the_step(tmp_path: Path) -> None:
+    """Two groups saved (weight decay), one resumed (optim.weight_decay=0): the optimizer state follows each
+    parameter by name. A constant schedule is not stepped by the loop: the resume puts a cosine one at the step."""
+    saved = train_and_save(tmp_path, 3)
+    assert len(saved.optimizer.param_groups) == 2
+    one_group = make_state(seed=1, weight_decay=0.0, schedule="constant", warmup_steps=0)
+    ck = checkpointer(tmp_path, save_final=False)
+    ck.resume(one_group)
+    ck.close(one_group)
+    assert ck.summary()["resume_changes"] == [{"key": "optim.weight_decay", "checkpoint": 0.1, "used": 0.0}]
+    assert len(one_group.optimizer.param_groups) == 1 and one_group.optimizer.param_groups[0]["lr"] == 1e-2
+    names = [n for n, _ in saved.model.named_parameters()]
+    for name, before, after in zip(names, saved.model.parameters(), one_group.model.parameters(), strict=True):
+        assert torch.equal(before, after), name
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(saved.optimizer.state[before][key], one_group.optimizer.state[after][key]), name
+
+    constant = make_state(seed=2, schedule="constant", warmup_steps=0)  # saved at step 3, schedule never stepped
+    for _ in range(3):
+        constant.model(torch.randn(4, 8)).square().mean().backward()
+        constant.optimizer.step()
+        constant.step += 1
+    ck = checkpointer(tmp_path / "constant", every_steps=100)
+    ck.resume(constant)
+    ck.close(constant)
+    cosine = make_state(seed=2)
+    ck = checkpointer(tmp_path / "constant", save_final=False)
+    ck.resume(cosine)
+    ck.close(cosine)
+    assert cosine.step == 3 and cosine.scheduler.last_epoch == 3
+    assert cosine.optimizer.param_groups[0]["lr"] == pytest.approx(1e-2 * cosine.scheduler.lr_lambdas[0](3))
+
+
 def test_a_changed_optimizer_says_so_and_loads_weights_only_when_asked(tmp_path: Path) -> None:
     saved = train_and_save(tmp_path, 3)
     path = tmp_path / "ckpts" / "step_00000003"

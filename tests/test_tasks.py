@@ -179,17 +179,29 @@ def test_the_built_in_synthetic_data_gathers_the_streams_samples_across_an_epoch
 
 
 def test_a_log_interval_reports_the_mean_of_its_steps_metrics(tmp_path: Path) -> None:
-    """The interval's loss and accuracies, summed at the log step, are the means of what each step logs alone
-    (batch 48: fractions binary floats do not hold exactly; two micro-steps a step)."""
+    """The interval's loss and (task.train_metrics=every_step) accuracies, summed at the log step, are the means of
+    what each step logs alone; by default the accuracies are the log step's own (batch 48: fractions binary floats
+    do not hold exactly; two micro-steps a step)."""
     common = ["experiment=seed_mlp", "logger=none", "trainer.max_steps=8", "trainer.batch_size=48",
               "trainer.grad_accum=2", "trainer.eval_every=0"]
-    each = [m for m in ok(train(tmp_path / "each", *common, "trainer.log_every=1")).metrics() if "train/loss" in m]
-    grouped = [m for m in ok(train(tmp_path / "by4", *common, "trainer.log_every=4")).metrics() if "train/loss" in m]
+
+    def logged(name: str, *overrides: str) -> list[dict]:
+        return [m for m in ok(train(tmp_path / name, *common, *overrides)).metrics() if "train/loss" in m]
+
+    each = logged("each", "trainer.log_every=1")
+    grouped = logged("by4", "trainer.log_every=4", "task.train_metrics=every_step")
+    at_log_steps = logged("log_step", "trainer.log_every=4")
     assert [m["step"] for m in grouped] == [4, 8] and len(each) == 8
-    for logged, steps in zip(grouped, (each[:4], each[4:]), strict=True):
+    for logged_, steps in zip(grouped, (each[:4], each[4:]), strict=True):
         for key in ("train/loss", "train/accuracy", "train/top5_accuracy"):
-            assert logged[key] == pytest.approx(sum(m[key] for m in steps) / 4, rel=1e-6, abs=1e-7), key
+            assert logged_[key] == pytest.approx(sum(m[key] for m in steps) / 4, rel=1e-6, abs=1e-7), key
     assert len({m["train/accuracy"] for m in each}) > 1  # the steps differ: a mean, not one step's value
+    assert [m["step"] for m in at_log_steps] == [4, 8]
+    for logged_, mean, own in zip(at_log_steps, grouped, (each[3], each[7]), strict=True):
+        assert logged_["train/loss"] == mean["train/loss"]  # the loss is the interval's mean either way
+        for key in ("train/accuracy", "train/top5_accuracy"):
+            assert logged_[key] == pytest.approx(own[key], rel=1e-6), key
+    assert [m["train/accuracy"] for m in at_log_steps] != [m["train/accuracy"] for m in grouped]
 
 
 def test_data_without_a_validation_set_trains_without_evaluation(tmp_path: Path) -> None:

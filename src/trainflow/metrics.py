@@ -18,6 +18,7 @@ import resource
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -274,12 +275,28 @@ class RunLogHandler(logging.FileHandler):
             super().handleError(record)
 
 
-class Throughput:
-    """The run's clocks: the steady state (after the excluded steps, less the stages' pauses) and each log interval.
+@dataclass
+class Counts:
+    """What the steps of a stretch of the run did: steps, samples and tokens (of every rank), data wait."""
 
-    Timing lives here alone: the loop reports each step (`end_step`) and the time the stages paused the clock
-    (`pause`); a step is read with a device sync only while excluded steps run (the compile report's warm-up
-    step times), never in the steady state. The peak memory restarts when the steady state does.
+    steps: int = 0
+    samples: int = 0
+    tokens: int = 0
+    data_wait_s: float = 0.0
+
+    def since(self, earlier: Counts) -> Counts:
+        return Counts(self.steps - earlier.steps, self.samples - earlier.samples, self.tokens - earlier.tokens,
+                      self.data_wait_s - earlier.data_wait_s)
+
+
+class Throughput:
+    """The run's clocks and counts: the steady state (after the excluded steps, less the stages' pauses) and each
+    log interval.
+
+    Timing and counting live here alone: the loop reports each step (`end_step`) and the time the stages paused
+    the clock (`pause`); the train metrics read their interval as `counts()` since its start. A step is read with
+    a device sync only while excluded steps run (the compile report's warm-up step times), never in the steady
+    state. The peak memory restarts when the steady state does.
     """
 
     def __init__(self, excluded_steps: int, device: torch.device, memory: PeakMemory) -> None:
@@ -288,12 +305,14 @@ class Throughput:
         self.memory = memory
         self.start: float | None = None  # when the steady state began (moved later by each pause)
         self.stopped_at: float | None = None
-        self.steps = 0
-        self.samples = 0
-        self.tokens = 0
-        self.data_wait = 0.0
+        self._steps = self._samples = self._tokens = 0  # every step's since the loop began
+        self._data_wait_s = 0.0
+        self._steady_from = Counts()  # the counts when the steady state began
         self._step_start = 0.0  # while excluded steps run
         self._interval_start = 0.0
+
+    def counts(self) -> Counts:
+        return Counts(self._steps, self._samples, self._tokens, self._data_wait_s)
 
     def begin(self) -> None:
         """Before the first step (after a device sync): the clocks start; the steady state too if nothing is
@@ -306,12 +325,12 @@ class Throughput:
     def end_step(self, state: LoopState, samples: int, tokens: int) -> None:
         """After each optimizer step: an excluded step's synced wall time goes into `state.step_time_s`; a steady
         one is counted (`tokens`: of every rank)."""
+        self._steps += 1
+        self._samples += samples
+        self._tokens += tokens
+        self._data_wait_s += state.data_wait_s
         if state.steps_this_run > self.excluded_steps:
             state.step_time_s = None
-            self.steps += 1
-            self.samples += samples
-            self.tokens += tokens
-            self.data_wait += state.data_wait_s
             return
         device_sync(self.device)
         now = time.perf_counter()
@@ -321,7 +340,7 @@ class Throughput:
 
     def _begin_if_due(self, steps_done: int, now: float) -> None:
         if self.start is None and steps_done >= self.excluded_steps:
-            self.start = now
+            self.start, self._steady_from = now, self.counts()
             if steps_done:
                 self.memory.reset()  # the steady state's peak leaves out compilation's
 
@@ -346,16 +365,17 @@ class Throughput:
 
     def steady_state(self) -> dict[str, float] | None:
         """The steady-state figures of the run (None: no step came after the excluded ones)."""
-        if self.start is None or self.steps == 0:
+        steady = self.counts().since(self._steady_from)
+        if self.start is None or steady.steps == 0:
             return None
         elapsed = self.stopped_at - self.start
         return {
-            "steps": self.steps,
+            "steps": steady.steps,
             "excluded_steps": self.excluded_steps,
-            "step_time_s": elapsed / self.steps,
-            "samples_per_sec": self.samples / elapsed,
-            "tokens_per_sec": self.tokens / elapsed,
-            "data_wait_fraction": self.data_wait / elapsed,
+            "step_time_s": elapsed / steady.steps,
+            "samples_per_sec": steady.samples / elapsed,
+            "tokens_per_sec": steady.tokens / elapsed,
+            "data_wait_fraction": steady.data_wait_s / elapsed,
         }
 
 

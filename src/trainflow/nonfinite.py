@@ -91,6 +91,8 @@ class NonFiniteGuard(Stage):
         norms = [_local(n).float().reshape(1).to(losses.device) for n in self._norms.values()]
         values = torch.cat([losses, *norms]).tolist()  # the one host read
         self._steps, self._losses, self._norms = [], [], {}
+        if all(map(math.isfinite, values)):  # the usual case: no step to name
+            return
         loss_at = dict(zip(steps, values[:len(steps)], strict=True))
         norm_at = dict(zip(norm_steps, values[len(steps):], strict=True))
         for step in steps:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
-import math
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -47,7 +46,7 @@ from trainflow.metrics import (
 )
 from trainflow.models import build_model
 from trainflow.nonfinite import NonFiniteGuard
-from trainflow.optim import build_optimizer
+from trainflow.optim import build_optimizer, gradient_norm, lr_moves
 from trainflow.profiling import Profiler
 from trainflow.seeding import SEED_STRIDE, seed_everything
 from trainflow.stages import LoopState, Stage
@@ -87,8 +86,11 @@ class Training:
     task: Task
     metric_names: list[str]  # what the task reports besides the loss (from a probe before training)
     model: nn.Module
+    trainable: list[nn.Parameter]  # the model's parameters, listed once (a generator each step costs ~3 us)
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
+    lr_moves: bool  # False: a constant schedule without warm-up is not stepped (~8 us a step)
+    metrics_every_step: bool  # task.train_metrics=every_step; else the task's metrics at log steps only
     state: LoopState
     batches: Iterator[Any]
     pin: bool  # batches are pinned and copied asynchronously
@@ -155,7 +157,7 @@ def assemble(cfg: DictConfig, run_dir: Path, env: DistEnv) -> Training:
     profiler = Profiler(cfg.profiler, env, run_dir, trainer.max_steps, meter.excluded_steps, state.step)
     train_metrics = TrainMetrics(env, meter, writer, progress_reporter(trainer.max_steps, trainer.progress,
                                                                        env.is_main, state.step),
-                                 optimizer, task, flops_per_step, peak)
+                                 optimizer, task, trainer.grad_accum, flops_per_step, peak)
     evaluation = Evaluation(cfg, env, data, trainer.eval_interval(), autocast, task, writer)
     # the guard checks before anything is logged or saved; the checkpointer comes last: it may stop the run
     stages: list[Stage] = [compiler, parity, profiler, guard, train_metrics, evaluation, checkpointer]
@@ -170,10 +172,14 @@ def assemble(cfg: DictConfig, run_dir: Path, env: DistEnv) -> Training:
         loader.check(cfg.parallelism.global_batch, trainer.grad_accum)
         loader.restore(state.data_state, resumed_from is not None, env.is_main)
         state.data_loader = loader
-    return Training(cfg, run_dir, env, trainer, data, task, metric_names, model, optimizer, scheduler, state,
-                    iter(loader), pin, env.device.type != "cpu", autocast,
-                    record_function if profiler.enabled else _unnamed, guard, meter, stages, global_batch,
-                    parameters, flops_per_step, flops_absent, peak, parity, auto_plan, dashboard, resumed_from)
+    return Training(
+        cfg, run_dir, env, trainer, data, task, metric_names, model, trainable=list(model.parameters()),
+        optimizer=optimizer, scheduler=scheduler, lr_moves=lr_moves(cfg.optim),
+        metrics_every_step=cfg.task.get("train_metrics") == "every_step", state=state, batches=iter(loader), pin=pin,
+        moves_batches=env.device.type != "cpu", autocast=autocast,
+        region=record_function if profiler.enabled else _unnamed, guard=guard, meter=meter, stages=stages,
+        global_batch=global_batch, parameters=parameters, flops_per_step=flops_per_step, flops_absent=flops_absent,
+        peak_flops=peak, parity=parity, auto_plan=auto_plan, dashboard=dashboard, resumed_from=resumed_from)
 
 
 def _prepare(cfg: DictConfig, run_dir: Path, env: DistEnv) -> TrainerConfig:
@@ -201,6 +207,8 @@ def train_step(training: Training) -> None:
     trainer, state, model, region, env, pin = (training.trainer, training.state, training.model, training.region,
                                                training.env, training.pin)
     task = training.task
+    state.log_due = (state.step + 1) % trainer.log_every == 0 or state.step + 1 >= trainer.max_steps
+    with_metrics = state.log_due or training.metrics_every_step
     data_wait, samples, tokens = 0.0, 0, 0  # of this rank's micro-batches, counted by the task
     step_loss = None  # this rank's loss of the step, on the device
     step_metrics: dict[str, torch.Tensor] = {}  # the task's metrics summed over the micro-steps, on the device
@@ -215,30 +223,30 @@ def train_step(training: Training) -> None:
             samples, tokens = samples + counted[0], tokens + counted[1]
         with region("trainflow/forward_backward"), no_grad_sync(model, micro == trainer.grad_accum - 1):
             with training.autocast:
-                loss, metrics = task(model, batch)
+                loss, metrics = task(model, batch, with_metrics)
             loss_share = loss / trainer.grad_accum if trainer.grad_accum > 1 else loss
             loss_share.backward()
         step_loss = loss_share.detach() if step_loss is None else step_loss + loss_share.detach()
-        add_metrics(step_metrics, metrics)
-    state.log_due = (state.step + 1) % trainer.log_every == 0 or state.step + 1 >= trainer.max_steps
+        if with_metrics:  # a user's task computes its metrics every step: kept as task.train_metrics says
+            add_metrics(step_metrics, metrics)
     guard = training.guard
     with region("trainflow/optimizer"):
         norm_due = trainer.grad_clip or state.log_due or guard.skips  # the norm is a pass over all gradients
-        state.grad_norm = nn.utils.clip_grad_norm_(model.parameters(), trainer.grad_clip or math.inf) \
-            if norm_due else None
+        state.grad_norm = gradient_norm(training.trainable, trainer.grad_clip) if norm_due else None
         state.skipped = guard.skips and guard.skip_update(state.step + 1, state.grad_norm)
         if state.skipped:
             guard.drop_update(training.optimizer, training.scheduler)
         else:
             training.optimizer.step()
-            training.scheduler.step()
+            if training.lr_moves:
+                training.scheduler.step()
             training.optimizer.zero_grad(set_to_none=True)
     state.step += 1
     state.samples_seen += training.global_batch
     state.steps_this_run += 1
     state.done = state.step >= trainer.max_steps
     state.loss, state.step_loss, state.data_wait_s = loss, step_loss, data_wait
-    state.samples, state.tokens, state.metrics, state.micro_steps = samples, tokens, step_metrics, trainer.grad_accum
+    state.samples, state.tokens, state.metrics = samples, tokens, step_metrics
 
 
 def train_loop(training: Training) -> None:

@@ -27,7 +27,6 @@ class LoopState(TrainState):
     samples: int = 0  # samples of this rank's micro-batches of the step, counted by the task
     tokens: int = 0  # tokens of this rank's micro-batches of the step, counted by the task
     metrics: dict[str, torch.Tensor] | None = None  # the task's metrics of the step, summed over micro-steps
-    micro_steps: int = 1  # how many micro-steps the metrics sum
     data_wait_s: float = 0.0  # seconds the step waited for its batches
     skipped: bool = False  # trainer.nonfinite=skip_step left the update out
     steps_this_run: int = 0

@@ -21,6 +21,8 @@ def validate_task(cfg: DictConfig) -> None:
     """Task values a type cannot check; whether task.monitor exists is known once the task ran on a sample."""
     task = cfg.task
     _require(task.get("mode", "min") in ("min", "max"), "task.mode", f"must be min or max; got {task.get('mode')!r}")
+    _require(task.get("train_metrics", "log_step") in ("log_step", "every_step"), "task.train_metrics",
+             f"must be log_step or every_step; got {task.get('train_metrics')!r}")
     if task.get("_target_"):
         return
     _one_of(cfg, "task.kind", ("auto", "lm", "classify"))

@@ -155,12 +155,12 @@ def load_all(target: Committed, state: TrainState, env: DistEnv, group: Any) -> 
     load_tensors(target, tensors, group)
     loaded = merge_tensors(tensors, plain.get("non_tensor") or {})
     changes = hyperparameter_changes(plain["param_groups"], live["param_groups"])
-    groups = [{**new, "lr": old["lr"]} for old, new in zip(plain["param_groups"], live["param_groups"],
-                                                            strict=True)]
+    # the config's groups (their number follows optim.weight_decay); the optimizer state is keyed by parameter
+    # name, so it fits either way; the LR is the schedule's, recomputed at the step by restore_schedule
     set_state_dict(state.model, state.optimizer, model_state_dict=loaded["model"],
-                   optim_state_dict={"state": loaded["optim"]["state"], "param_groups": groups})
-    restore_schedule(state, plain["scheduler"], live["scheduler"])
+                   optim_state_dict={"state": loaded["optim"]["state"], "param_groups": live["param_groups"]})
     state.step, state.samples_seen = int(plain["step"]), int(plain["samples_seen"])
+    restore_schedule(state, plain["scheduler"], live["scheduler"], state.step)
     same_world = target.manifest.get("world_size") == env.world_size
     if same_world:
         rng = target.path / rng_file(env.rank)

@@ -105,16 +105,16 @@ def hyperparameter_changes(saved: list[dict[str, Any]], live: list[dict[str, Any
     return changes
 
 
-def restore_schedule(state: TrainState, saved: dict[str, Any], live: dict[str, Any]) -> None:
-    """The LR schedule's position from the checkpoint, its base LRs from the config (optim.lr as typed)."""
+def restore_schedule(state: TrainState, saved: dict[str, Any], live: dict[str, Any], step: int) -> None:
+    """The LR schedule at the checkpoint's step (one schedule step per optimizer step; a constant schedule is not
+    stepped, so its saved position may lag), its base LRs from the config (optim.lr as typed)."""
     sched = state.scheduler
     sched.load_state_dict({k: saved.get(k, v) for k, v in live.items()})
-    if list(sched.base_lrs) != list(live["base_lrs"]):
-        sched.base_lrs = list(live["base_lrs"])
-        lrs = [base * fn(sched.last_epoch) for base, fn in zip(sched.base_lrs, sched.lr_lambdas, strict=True)]
-        for group, lr in zip(state.optimizer.param_groups, lrs, strict=True):
-            group["lr"] = lr
-        sched._last_lr = lrs
+    sched.base_lrs, sched.last_epoch = list(live["base_lrs"]), step
+    lrs = [base * fn(step) for base, fn in zip(sched.base_lrs, sched.lr_lambdas, strict=True)]
+    for group, lr in zip(state.optimizer.param_groups, lrs, strict=True):
+        group["lr"] = lr
+    sched._last_lr = lrs
 
 
 def model_shapes(model: nn.Module) -> dict[str, tuple[tuple[int, ...], str]]:

@@ -74,7 +74,8 @@ class ParityCheck(Stage):
             with autocast:
                 loss, _ = self.task(self.reference, batch)
             (loss / t.grad_accum).backward()
-        nn.utils.clip_grad_norm_(self.reference.parameters(), t.grad_clip or math.inf)
+        if t.grad_clip:
+            nn.utils.clip_grad_norm_(self.reference.parameters(), t.grad_clip)
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
