@@ -42,7 +42,7 @@ def _local(value: torch.Tensor) -> torch.Tensor:
 class NonFiniteGuard(Stage):
     """What the loop does about non-finite values, as `trainer.nonfinite` says.
 
-    As a stage (`stop`): notes every step and checks where the loop syncs anyway (the first step, log steps) and
+    As a stage (`stop`): keeps every step's loss and checks where the loop syncs anyway (the first step, log steps) and
     before the checkpointer saves; `skip_step` acts inside the step instead (`skip_update`). The checkpointer's
     newest committed checkpoint (the run's resume point) goes into the message.
     """
@@ -55,9 +55,9 @@ class NonFiniteGuard(Stage):
         self.enabled = not self.skips  # skip_step: no work after the step
         self.env = env
         self._checkpointer = checkpointer
-        self._steps: list[int] = []  # steps noted since the last check, with their losses on the device
-        self._losses: list[torch.Tensor] = []
-        self._norms: dict[int, torch.Tensor] = {}
+        self._first_step = 0  # the losses noted since the last check are those of the steps from here on
+        self._losses: list[torch.Tensor] = []  # on the device
+        self._norms: dict[int, torch.Tensor] = {}  # of the steps that measured one
         self.skipped: list[int] = []
         self._skipped_count = 0
         self._in_a_row: list[int] = []
@@ -65,32 +65,28 @@ class NonFiniteGuard(Stage):
     # -- stop ----------------------------------------------------------------------------------------------------
 
     def after_step(self, state: LoopState) -> bool:
-        """Note the step; check at a sync point, so nothing non-finite is logged as progress or saved."""
-        self.note(state.step, state.step_loss, state.grad_norm)
+        """Keep the step's loss (and gradient norm, when the step measured one) on the device; check at a sync
+        point, so nothing non-finite is logged as progress or saved."""
+        if not self._losses:
+            self._first_step = state.step
+        self._losses.append(state.step_loss)
+        if state.grad_norm is not None:
+            self._norms[state.step] = state.grad_norm
         if state.log_due or state.steps_this_run == 1 or self._checkpointer.saves_at(state.step, state.done):
             self.check()
         return False
 
-    def note(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor | None) -> None:
-        """Keep a step's loss (and gradient norm, when the step computed one) for the next check: no sync."""
-        if self.skips:
-            return
-        self._steps.append(step)
-        self._losses.append(loss)
-        if grad_norm is not None:
-            self._norms[step] = grad_norm
-
     def check(self) -> None:
         """At a sync point, on every rank: raise NonFiniteError naming the first step whose loss (the mean over
         ranks) or gradient norm is not finite."""
-        if self.skips or not self._steps:
+        if not self._losses:
             return
-        steps, losses = self._steps, torch.stack(self._losses).float()
+        steps = range(self._first_step, self._first_step + len(self._losses))
         norm_steps = list(self._norms)
-        losses = all_reduce_mean(losses, self.env)  # a NaN on any rank makes the mean NaN
+        losses = all_reduce_mean(torch.stack(self._losses).float(), self.env)  # a NaN on any rank makes it NaN
         norms = [_local(n).float().reshape(1).to(losses.device) for n in self._norms.values()]
         values = torch.cat([losses, *norms]).tolist()  # the one host read
-        self._steps, self._losses, self._norms = [], [], {}
+        self._losses, self._norms = [], {}
         if all(map(math.isfinite, values)):  # the usual case: no step to name
             return
         loss_at = dict(zip(steps, values[:len(steps)], strict=True))
