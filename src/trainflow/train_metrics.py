@@ -64,13 +64,13 @@ class TrainMetrics(Stage):
                           memory_bytes: int) -> dict[str, float]:
         applied = len(self._step_losses)  # skip_step: the loss is the mean over the steps that were applied
         names = sorted({name for metrics in self._step_metrics for name in metrics})
-        # the loss and the task's metrics: one all-reduce, one host read
-        means = [torch.stack(self._step_losses).sum().float() / applied if applied
-                 else torch.full((), math.nan, device=self.env.device)]
-        for name in names:  # a mean per micro-batch of the steps that computed them
-            means.append(torch.stack([m[name] for m in self._step_metrics if name in m]).sum()
-                         / (len(self._step_metrics) * self.grad_accum))
-        loss, *metrics = all_reduce_mean(torch.stack(means).float(), self.env).tolist()
+        # the sums of the losses and of the task's metrics: one all-reduce (a mean over ranks), one host read
+        sums = [torch.stack(self._step_losses).sum().float() if applied
+                else torch.full((), math.nan, device=self.env.device)]
+        sums += [torch.stack([m[name] for m in self._step_metrics if name in m]).sum() for name in names]  # fp32
+        loss_sum, *metric_sums = all_reduce_mean(torch.stack(sums), self.env).tolist()
+        loss = loss_sum / max(applied, 1)
+        micro_batches = len(self._step_metrics) * self.grad_accum  # the metrics are means per micro-batch
         step_time = elapsed / counts.steps
         figures = {
             "train/loss": loss,
@@ -85,7 +85,8 @@ class TrainMetrics(Stage):
             figures["perf/tokens_per_sec"] = counts.tokens / elapsed
         if self.flops_per_step and self.peak_flops:
             figures["perf/mfu"] = self.flops_per_step / step_time / self.peak_flops
-        figures.update({f"train/{name}": value for name, value in zip(names, metrics, strict=True)})
+        figures.update({f"train/{name}": total / micro_batches
+                        for name, total in zip(names, metric_sums, strict=True)})
         return figures
 
     def close(self, state: LoopState) -> None:
