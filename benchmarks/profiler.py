@@ -33,7 +33,7 @@ from trainflow.config import ProfilerConfig
 from trainflow.distributed import DistEnv
 from trainflow.models.gpt import GPT
 from trainflow.profile_verdict import DATA, FWD_BWD, OPTIMIZER
-from trainflow.profiling import Profiler
+from trainflow.profiler import Profiler
 from trainflow.tasks import cross_entropy
 
 CASES = {  # model keyword arguments, batch size

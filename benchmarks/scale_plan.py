@@ -27,7 +27,7 @@ from trainflow.config import FSDPConfig, OptimConfig
 from trainflow.distributed import DistEnv
 from trainflow.distributed.hsdp import build_mesh
 from trainflow.distributed.memory_plan import Layout, estimate, local_bytes, model_facts
-from trainflow.distributed.parallelize import shard, shard_units
+from trainflow.distributed.parallelism import shard, shard_units
 from trainflow.models.gpt import GPT
 from trainflow.optim import build_optimizer
 

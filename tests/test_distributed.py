@@ -313,7 +313,7 @@ def test_bad_parallel_values_are_refused_before_any_worker_starts(overrides: lis
 
 
 def test_checkpointing_needs_blocks() -> None:
-    from trainflow.distributed.parallelize import checkpoint_blocks
+    from trainflow.distributed.parallelism import checkpoint_blocks
     from trainflow.errors import ConfigError
     from trainflow.models.mlp import MLP
 
@@ -389,7 +389,7 @@ def test_rank_shards_are_disjoint_and_cover_the_one_process_stream(world_size: i
 
 
 def test_activation_checkpointing_recomputes_blocks_with_equal_gradients() -> None:
-    from trainflow.distributed.parallelize import checkpoint_blocks
+    from trainflow.distributed.parallelism import checkpoint_blocks
 
     def grads_and_forward_calls(checkpointed: bool) -> tuple[list[torch.Tensor], int]:
         torch.manual_seed(0)
@@ -415,7 +415,7 @@ def test_activation_checkpointing_recomputes_blocks_with_equal_gradients() -> No
 
 
 def test_size_wrapping_for_models_without_blocks() -> None:
-    from trainflow.distributed.parallelize import shard_units
+    from trainflow.distributed.parallelism import shard_units
     from trainflow.models.mlp import MLP
 
     mlp = MLP()  # Linear(100, 256): 25856 parameters, Linear(256, 10): 2570

@@ -17,7 +17,7 @@ from trainflow.compiler import TOLERANCE, effective_mode
 from trainflow.config import RunConfig
 from trainflow.data import Pinned, StreamSampler, SyntheticTokens, TokenWindows, VariableLengths, make_loader
 from trainflow.distributed import DistEnv
-from trainflow.distributed.parallelize import fsdp_dtypes
+from trainflow.distributed.parallelism import fsdp_dtypes
 from trainflow.distributed.parity import PARITY_TOLERANCE, ParityCheck
 from trainflow.distributed.process_group import cuda_index, node_count
 from trainflow.errors import ConfigError
@@ -121,7 +121,7 @@ def test_fsdp_reshards_blocks_but_leaves_the_root_gathered_and_uses_bf16_params_
     import torch.distributed as dist
 
     from trainflow.config import FSDPConfig
-    from trainflow.distributed.parallelize import shard
+    from trainflow.distributed.parallelism import shard
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:

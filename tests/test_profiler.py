@@ -21,7 +21,7 @@ from trainflow.config import ProfilerConfig
 from trainflow.distributed import DistEnv
 from trainflow.errors import ConfigError
 from trainflow.profile_verdict import DATA, FWD_BWD, OPTIMIZER, SHARES
-from trainflow.profiling import Profiler
+from trainflow.profiler import Profiler
 
 CPU_ENV = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}  # on a busy 2-core machine, waits at intra-op barriers would swell tiny ops

@@ -40,7 +40,7 @@ from trainflow.compile_diagnostics import (
 )
 from trainflow.data.loaders import to_device
 from trainflow.distributed import DistEnv
-from trainflow.distributed.parallelize import unwrap
+from trainflow.distributed.parallelism import unwrap
 from trainflow.errors import ConfigError, home_note, unwritable_reason
 from trainflow.files import write_atomic
 from trainflow.metrics import matmul_math

@@ -26,7 +26,7 @@ from trainflow.compiler import Compiler
 from trainflow.config import TrainerConfig
 from trainflow.data import DataBundle, IterableBatches, StreamSampler, build_datasets, make_loader, to_device
 from trainflow.distributed import DistEnv, memory_plan
-from trainflow.distributed.parallelize import no_grad_sync, parallelize, unwrap
+from trainflow.distributed.parallelism import no_grad_sync, parallelize, unwrap
 from trainflow.distributed.parity import ParityCheck, parallelism_summary
 from trainflow.distributed.process_group import process_group
 from trainflow.evaluation import Evaluation
@@ -47,7 +47,7 @@ from trainflow.metrics import (
 from trainflow.models import build_model
 from trainflow.nonfinite import NonFiniteGuard
 from trainflow.optim import build_optimizer, gradient_norm, lr_moves
-from trainflow.profiling import Profiler
+from trainflow.profiler import Profiler
 from trainflow.seeding import SEED_STRIDE, seed_everything
 from trainflow.stages import LoopState, Stage
 from trainflow.tasks import Task, add_metrics, build_task, probe

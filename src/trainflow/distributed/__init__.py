@@ -4,12 +4,12 @@
   joining and leaving the group, the collectives the stages share);
 - launch: starting the ranks on this machine through torch's elastic agent, when no launcher did;
 - failures: each rank's failure record and the one error the launching process makes of them;
-- parallelize: activation checkpointing, DDP, FSDP2 and HSDP wrapping, gradient sync control;
+- parallelism: activation checkpointing, DDP, FSDP2 and HSDP wrapping, gradient sync control;
 - hsdp: the device mesh of a sharded run;
 - memory_plan: parallelism=auto, the per-rank memory of each layout and the choice;
 - parity: the parallel run checked against one process, and the parallel part of the summary.
 
-Imports run one way: launch -> the training loop -> parallelize / parity -> process_group. The stages take a
+Imports run one way: launch -> the training loop -> parallelism / parity -> process_group. The stages take a
 `DistEnv`, the one name the package itself exports.
 """
 

@@ -35,7 +35,7 @@ import torch.distributed as dist
 from omegaconf import DictConfig
 from torch import nn
 
-from trainflow.distributed.parallelize import fsdp_dtypes, shard_units
+from trainflow.distributed.parallelism import fsdp_dtypes, shard_units
 from trainflow.distributed.process_group import node_count
 from trainflow.errors import ConfigError
 from trainflow.models import model_blocks

@@ -16,7 +16,7 @@ from torch import nn
 
 from trainflow.compare import relative_error
 from trainflow.distributed.hsdp import MESH_DIMS, hsdp_shape
-from trainflow.distributed.parallelize import full_parameters, is_parallelized
+from trainflow.distributed.parallelism import full_parameters, is_parallelized
 from trainflow.distributed.process_group import SHARDED, DistEnv, all_reduce_mean, node_count
 from trainflow.metrics import matmul_math
 from trainflow.stages import LoopState, Stage
