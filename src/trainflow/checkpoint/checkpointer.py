@@ -33,7 +33,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from omegaconf import DictConfig
 from torch.profiler import record_function
 
 from trainflow.checkpoint import resume as resuming
@@ -63,6 +62,7 @@ from trainflow.checkpoint.state import (
     state_bytes,
 )
 from trainflow.checkpoint.store import TMP_PREFIX, Committed, check_intact, list_committed
+from trainflow.config import CheckpointConfig
 from trainflow.distributed import DistEnv
 from trainflow.errors import CheckpointError
 from trainflow.locks import DirLock
@@ -115,14 +115,14 @@ class Checkpointer:
 
     summary_key = "checkpoint"
 
-    def __init__(self, cfg: DictConfig, env: DistEnv, run_dir: Path) -> None:
+    def __init__(self, cfg: CheckpointConfig, env: DistEnv, run_dir: Path) -> None:
         self.cfg = cfg
         self.env = env
         self.run_dir = run_dir
-        self.enabled = bool(cfg.enabled)
+        self.enabled = cfg.enabled
         if not self.enabled:
             return
-        self._every_steps = int(cfg.every_steps)  # plain values: read after every step
+        self._every_steps = cfg.every_steps
         self._sync = cfg.mode == "sync"
         self.dir = store.resolve_dir(cfg.dir, run_dir)
         self._ctl = None  # gloo group for the main thread's collectives (flags, barriers, sync saves)
@@ -251,7 +251,7 @@ class Checkpointer:
             "write_s": {"total": round(sum(written), 4), "per_save": written},
             "bytes": self._saves[-1]["bytes"] if self._saves else 0,
             "steps_saved": [s["step"] for s in self._saves],
-            "verified": self._verified and bool(self.cfg.verify),
+            "verified": self._verified and self.cfg.verify,
             "resumed_from": str(self._resumed_from.path) if self._resumed_from else None,
             "load": self.cfg.load,
             "resume_changes": self._changes,  # each: key, the checkpoint's value, the value used (the config's)
