@@ -37,6 +37,7 @@ from omegaconf import OmegaConf
 
 from trainflow.checkpoint import Checkpointer, TrainState, split_state
 from trainflow.checkpoint.safe_io import ChecksummingWriter
+from trainflow.config import CheckpointConfig
 from trainflow.distributed import DistEnv
 from trainflow.models.gpt import GPT
 from trainflow.optim import build_optimizer
@@ -69,9 +70,8 @@ def train_step(state: TrainState, data: tuple[torch.Tensor, torch.Tensor]) -> No
 
 
 def checkpointer(folder: Path, mode: str, every: int, keep_last: int = 2) -> Checkpointer:
-    cfg = OmegaConf.create({"enabled": True, "mode": mode, "dir": str(folder), "every_steps": every,
-                            "keep_last": keep_last, "resume": "never", "save_final": False, "verify": False,
-                            "export": False, "load": "all"})
+    cfg = CheckpointConfig(enabled=True, mode=mode, dir=str(folder), every_steps=every, keep_last=keep_last,
+                           resume="never", save_final=False, verify=False, export=False, load="all")
     return Checkpointer(cfg, DistEnv(0, 1, 0, torch.device("cpu")), folder)
 
 

@@ -26,7 +26,6 @@ import time
 from pathlib import Path
 
 import torch
-from omegaconf import OmegaConf
 from torch.profiler import record_function
 
 from trainflow.config import ProfilerConfig
@@ -48,7 +47,7 @@ ENV = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
 def block(model: GPT, optimizer: torch.optim.Optimizer, batch: torch.Tensor, steps: int, on: bool,
           run_dir: Path) -> tuple[list[float], dict[str, list[float]]]:
     """Wall times of the unrecorded steps of one block, and of the `profiler.step()` calls in them by phase."""
-    cfg = OmegaConf.structured(ProfilerConfig(enabled=on, skip_first=0, wait=WAIT, warmup=WARMUP, active=ACTIVE))
+    cfg = ProfilerConfig(enabled=on, skip_first=0, wait=WAIT, warmup=WARMUP, active=ACTIVE)
     profiler = Profiler(cfg, ENV, run_dir, max_steps=steps)
     times: list[float] = []
     calls: dict[str, list[float]] = {phase: [] for phase in PHASES}

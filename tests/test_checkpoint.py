@@ -416,12 +416,13 @@ def _step(state) -> None:
 
 def _checkpointer(tmp_path: Path, **overrides):
     from trainflow.checkpoint import Checkpointer
+    from trainflow.config import CheckpointConfig
     from trainflow.distributed import DistEnv
 
-    cfg = OmegaConf.create({"enabled": True, "mode": "sync", "dir": str(tmp_path / "ckpts"), "every_steps": 1,
-                            "keep_last": 3, "resume": "auto", "save_final": True, "verify": True, "export": False,
-                            "load": "all",
-                            **overrides})
+    cfg = CheckpointConfig(**{"enabled": True, "mode": "sync", "dir": str(tmp_path / "ckpts"), "every_steps": 1,
+                              "keep_last": 3, "resume": "auto", "save_final": True, "verify": True, "export": False,
+                              "load": "all",
+                              **overrides})
     return Checkpointer(cfg, DistEnv(0, 1, 0, torch.device("cpu")), tmp_path)
 
 

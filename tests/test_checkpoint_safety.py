@@ -20,6 +20,7 @@ from omegaconf import OmegaConf
 from test_checkpoint import committed, tree_hash
 
 from trainflow.checkpoint import Checkpointer, TrainState, list_committed
+from trainflow.config import CheckpointConfig
 from trainflow.distributed import DistEnv
 from trainflow.errors import CheckpointError
 from trainflow.locks import LOCK_FILE
@@ -46,9 +47,9 @@ def step(state: TrainState) -> None:
 
 
 def checkpointer(tmp_path: Path, **overrides) -> Checkpointer:
-    cfg = OmegaConf.create({"enabled": True, "mode": "sync", "dir": str(tmp_path / "ckpts"), "every_steps": 1,
-                            "keep_last": 3, "resume": "auto", "save_final": True, "verify": True, "export": False,
-                            "load": "all", **overrides})
+    cfg = CheckpointConfig(**{"enabled": True, "mode": "sync", "dir": str(tmp_path / "ckpts"), "every_steps": 1,
+                              "keep_last": 3, "resume": "auto", "save_final": True, "verify": True, "export": False,
+                              "load": "all", **overrides})
     return Checkpointer(cfg, DistEnv(0, 1, 0, torch.device("cpu")), tmp_path)
 
 

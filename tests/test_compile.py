@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import ROOT, TINY_GPT, Run, train
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import OmegaConf
 from torch import nn
 
-from trainflow.config import CompileConfig
+from trainflow.config import CompileConfig, TrainerConfig
 from trainflow.data import StreamSampler, SyntheticTokens, make_loader
 from trainflow.distributed import DistEnv
 from trainflow.errors import ConfigError
@@ -228,13 +228,9 @@ def fresh_dynamo(monkeypatch: pytest.MonkeyPatch):
 def make_compiler(tmp_path: Path, **compile_cfg: object):
     from trainflow.compiler import Compiler
 
-    cfg: DictConfig = OmegaConf.create({
-        "compile": OmegaConf.merge(OmegaConf.structured(CompileConfig),
-                                   {"enabled": True, "backend": "eager", "cache_dir": str(tmp_path), **compile_cfg}),
-        "trainer": {"precision": "fp32", "grad_accum": 1, "warmup_steps": 0},
-        "data": {"seq_lens": None},
-    })
-    return Compiler(cfg, CPU_ENV, tmp_path)
+    compile_section = CompileConfig(**{"enabled": True, "backend": "eager", "cache_dir": str(tmp_path), **compile_cfg})
+    return Compiler(compile_section, TrainerConfig(precision="fp32", grad_accum=1, warmup_steps=0), None, CPU_ENV,
+                    tmp_path)
 
 
 @pytest.mark.parametrize(("scope", "dynamic", "backend", "recompiles"), [

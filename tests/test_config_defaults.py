@@ -53,3 +53,20 @@ def test_group_option_lists_only_what_it_changes(option: Path) -> None:
 
 def test_train_yaml_leaves_the_trainer_defaults_to_the_schema() -> None:
     assert "trainer" not in OmegaConf.load(CONF / "train.yaml")
+
+
+def test_typed_builds_the_schema_from_untyped_sections_with_defaults_and_interpolations() -> None:
+    """What a launched worker holds (plain YAML) becomes the schema's dataclass, nested sections too; the schema
+    fills what the section leaves out, and interpolations resolve against the whole config."""
+    cfg = OmegaConf.create({"trainer": {"max_steps": 7, "eval_every": 3},
+                            "parallelism": {"strategy": "hsdp", "check_steps": "${trainer.max_steps}",
+                                            "fsdp": {"wrap": "blocks"}, "hsdp": {"shard_size": 2}}})
+    parallelism = config.typed(cfg.parallelism, config.ParallelismConfig)
+    assert type(parallelism) is config.ParallelismConfig and type(parallelism.fsdp) is config.FSDPConfig
+    assert (parallelism.strategy, parallelism.check_steps, parallelism.fsdp.wrap) == ("hsdp", 7, "blocks")
+    assert (parallelism.fsdp.min_params, parallelism.hsdp.shard_size, parallelism.timeout_s) == (1_000_000, 2, 300.0)
+    trainer = config.typed(cfg.trainer, config.TrainerConfig)
+    assert trainer.eval_interval() == 3 and trainer.batch_size == config.TrainerConfig.batch_size
+    assert config.typed(config.ProfilerConfig(ranks="all"), config.ProfilerConfig).ranks == "all"  # typed already
+    with pytest.raises(Exception, match="max_stepz"):  # a key the schema lacks is not silently dropped
+        config.typed({"max_stepz": 1}, config.TrainerConfig)

@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from trainflow.compiler import TOLERANCE, effective_mode
-from trainflow.config import RunConfig
+from trainflow.config import OptimConfig, ParallelismConfig, RunConfig, TrainerConfig, typed
 from trainflow.data import Pinned, StreamSampler, SyntheticTokens, TokenWindows, VariableLengths, make_loader
 from trainflow.distributed import DistEnv
 from trainflow.distributed.parallelism import fsdp_dtypes
@@ -174,15 +174,20 @@ def test_unknown_devices_and_missing_units_have_no_peak() -> None:
     assert gpu_peak_flops("Tesla V100-SXM2-16GB", "fp32") == pytest.approx(15.7e12)
 
 
+def parity_check(config: DictConfig, env: DistEnv) -> ParityCheck:
+    """The check as a rank other than 0 builds it: nothing but its settings (no reference model, no batches)."""
+    return ParityCheck(typed(config.parallelism, ParallelismConfig), typed(config.trainer, TrainerConfig),
+                       typed(config.optim, OptimConfig), config.data, env, nn.Linear(2, 2), None, None)
+
+
 def test_tolerances_follow_the_arithmetic() -> None:
     assert TOLERANCE["fp32"] < TOLERANCE["tf32"] and TOLERANCE["fp32"] < TOLERANCE["bf16"]
     for precision, expected in (("fp32", PARITY_TOLERANCE["fp32"]), ("bf16", PARITY_TOLERANCE["bf16"])):
         config = cfg(trainer={"precision": precision}, parallelism={"strategy": "ddp", "check": True})
-        check = ParityCheck(config, DistEnv(1, 2, 1, torch.device("cpu"), "ddp"), nn.Linear(2, 2), None, None)
+        check = parity_check(config, DistEnv(1, 2, 1, torch.device("cpu"), "ddp"))
         assert check.tolerance == expected  # rank 1 keeps no reference: nothing else is built
     config = cfg(parallelism={"strategy": "ddp", "check": True, "check_tolerance": 0.5})
-    assert ParityCheck(config, DistEnv(1, 2, 1, torch.device("cpu"), "ddp"), nn.Linear(2, 2), None, None
-                       ).tolerance == 0.5
+    assert parity_check(config, DistEnv(1, 2, 1, torch.device("cpu"), "ddp")).tolerance == 0.5
     assert PARITY_TOLERANCE["bf16"] >= 5 * 4e-3  # bf16 gradients of 2-sample shards differ by ~4e-3
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import ROOT, train
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import OmegaConf
 from torch import nn
 from torch.profiler import record_function
 
@@ -35,8 +35,8 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(threads)
 
 
-def profiler_cfg(**overrides: object) -> DictConfig:
-    return OmegaConf.merge(OmegaConf.structured(ProfilerConfig), {"enabled": True, **overrides})
+def profiler_cfg(**overrides: object) -> ProfilerConfig:
+    return ProfilerConfig(**{"enabled": True, **overrides})
 
 
 def mlp(*widths: int) -> nn.Module:
@@ -292,7 +292,7 @@ def test_memory_mode_on_cpu_warns_once_and_still_profiles(tmp_path: Path, caplog
 
 def test_profiler_off_and_unselected_ranks_record_nothing(tmp_path: Path) -> None:
     x, y = torch.randn(4, 8), torch.randint(2, (4,))
-    off = Profiler(OmegaConf.structured(ProfilerConfig), CPU_ENV, tmp_path, max_steps=3)
+    off = Profiler(ProfilerConfig(), CPU_ENV, tmp_path, max_steps=3)
     assert drive(off, mlp(8, 2), lambda: (x, y), 3) is None
     rank1 = DistEnv(rank=1, world_size=2, local_rank=1, device=torch.device("cpu"))
     other = Profiler(profiler_cfg(skip_first=0, wait=0, warmup=1, active=1), rank1, tmp_path, max_steps=3)

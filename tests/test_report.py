@@ -88,7 +88,8 @@ def test_report_on_a_folder_of_single_runs(single_runs: tuple[Path, list[Run]], 
 def test_report_warns_of_runs_that_ended_on_an_overloaded_machine(single_runs: tuple[Path, list[Run]],
                                                                    tmp_path: Path) -> None:
     """Each summary.json records the machine's load average and cores at the run's end; the report warns of a run
-    whose 1-minute load exceeded the cores (its timings include waiting for a core), and of no other."""
+    whose 1-minute load exceeded report.OVERLOAD (1.5) x the cores (its timings include waiting for a core), and of
+    no other."""
     folder, runs = single_runs
     for run in runs:
         host = run.summary["host"]
@@ -109,6 +110,19 @@ def test_report_warns_of_runs_that_ended_on_an_overloaded_machine(single_runs: t
     assert json.loads((copy / "report.json").read_text())["warnings"] == [warning]
     assert f"WARNING {warning}" in proc.stdout.splitlines()
     assert f"## Warnings\n\n- {warning}\n" in (copy / "report.md").read_text()
+    # the bound: a load of OVERLOAD x the cores is the run's own and then some; just below it no warning, just above
+    from trainflow.report import OVERLOAD
+
+    bound = OVERLOAD * cores
+    for name, load in (("10-00-00", bound - 0.1), ("11-00-00", bound + 0.1)):
+        path = copy / "2026-01-01" / name / "summary.json"
+        summary = json.loads(path.read_text())
+        summary["host"]["load_average"][0] = load
+        path.write_text(json.dumps(summary))
+    assert report_cmd(copy).returncode == 0
+    assert json.loads((copy / "report.json").read_text())["warnings"] == [
+        f"2026-01-01/11-00-00: the load average was {bound + 0.1:.1f} on {cores} cores at its end, so its timings "
+        "include waiting for a core; rerun it on an idle machine before trusting its speed"]
 
 
 def test_baseline_can_be_named(single_runs: tuple[Path, list[Run]], tmp_path: Path) -> None:

@@ -125,6 +125,7 @@ def test_the_parity_check_refuses_a_model_parallelize_already_wrapped() -> None:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
+    from trainflow.config import OptimConfig, ParallelismConfig, TrainerConfig, typed
     from trainflow.distributed.parity import ParityCheck
     from trainflow.distributed.process_group import DistEnv
 
@@ -132,6 +133,55 @@ def test_the_parity_check_refuses_a_model_parallelize_already_wrapped() -> None:
     try:
         wrapped = DistributedDataParallel(nn.Linear(2, 2))
         with pytest.raises(RuntimeError, match="before parallelize"):
-            ParityCheck(seed_mlp_cfg(), DistEnv(0, 1, 0, CPU, "ddp"), wrapped, None, None)
+            cfg = seed_mlp_cfg()
+            ParityCheck(typed(cfg.parallelism, ParallelismConfig), typed(cfg.trainer, TrainerConfig),
+                        typed(cfg.optim, OptimConfig), cfg.data, DistEnv(0, 1, 0, CPU, "ddp"), wrapped, None, None)
     finally:
         dist.destroy_process_group()
+
+
+def test_stages_hold_their_typed_sections_in_a_launched_worker(tmp_path: Path) -> None:
+    """A launched worker's config is plain YAML (no schema): each stage still gets its section as the schema's
+    dataclass, with the composed values and the schema's defaults, and the run trains with them."""
+    from omegaconf import OmegaConf
+
+    from trainflow.cli import register_with_hydra
+    from trainflow.config import CheckpointConfig, CompileConfig, ProfilerConfig, TrainerConfig
+    from trainflow.distributed.process_group import process_group
+    from trainflow.run import assemble, summarize, train_loop
+
+    register_with_hydra()
+    composed = seed_mlp_cfg("trainer.max_steps=6", "trainer.eval_every=3", "trainer.warmup_steps=1",
+                            "checkpoint.enabled=true", "checkpoint.every_steps=4", "checkpoint.keep_last=5",
+                            "profiler.enabled=true", "profiler.skip_first=0", "profiler.wait=0", "profiler.warmup=1",
+                            "profiler.active=2", "profiler.row_limit=7", "compile.backend=aot_eager",
+                            "compile.fullgraph=true", "parallelism.check_tolerance=0.25", "optim.lr=0.03",
+                            "logger=tensorboard")
+    cfg = OmegaConf.create(OmegaConf.to_container(composed, resolve=True))  # as trainflow.distributed.launch does
+    OmegaConf.set_struct(cfg, True)
+    assert OmegaConf.get_type(cfg.profiler) is dict  # untyped, as in the worker
+    with process_group(cfg) as env:
+        training = assemble(cfg, tmp_path, env)
+        compiler, parity, profiler, _, _, evaluation, checkpointer = training.stages
+        assert type(compiler.cfg) is CompileConfig and compiler.cfg.backend == "aot_eager" and compiler.cfg.fullgraph
+        assert not compiler.enabled and compiler.cfg.check is False  # compile=off, check from the schema
+        assert type(profiler.cfg) is ProfilerConfig and profiler.cfg.row_limit == 7 and profiler.cfg.ranks == [0]
+        assert type(checkpointer.cfg) is CheckpointConfig
+        assert (checkpointer.cfg.every_steps, checkpointer.cfg.keep_last, checkpointer.cfg.mode) == (4, 5, "sync")
+        assert type(evaluation.trainer) is TrainerConfig and evaluation.trainer is training.trainer
+        assert (evaluation.every, evaluation.trainer.eval_steps, evaluation.trainer.batch_size) == (3, 1, 64)
+        assert parity.tolerance == 0.25 and not parity.enabled  # one process: nothing to compare
+        train_loop(training)
+        summary = summarize(training)
+    assert summary["checkpoint"]["saves"] == 2  # step 4 and the final step 6
+    assert summary["profiler"]["schedule"] == {"skip_first": 0, "wait": 0, "warmup": 1, "active": 2, "repeat": 1}
+    assert summary["parallelism"]["per_rank_batch"] == 64 and summary["parallelism"]["global_batch"] == 64
+    assert training.dashboard is not None
+    from tensorboard.backend.event_processing.event_accumulator import TENSORS, EventAccumulator
+    from tensorboard.plugins.hparams import metadata
+
+    events = EventAccumulator(str(training.dashboard.dir), size_guidance={TENSORS: 0})
+    events.Reload()
+    start = events.SummaryMetadata("_hparams_/session_start_info")
+    hparams = metadata.parse_session_start_info_plugin_data(start.plugin_data.content).hparams
+    assert hparams["optim.lr"].number_value == 0.03 and hparams["trainer.max_steps"].number_value == 6

@@ -178,14 +178,14 @@ def test_eval_interval(max_steps: int, eval_every: int | str, interval: int) -> 
 
 def test_hyperparameters_keep_their_types() -> None:
     """Numbers stay numbers and bools bools (TensorBoard filters and charts them so); the rest is its text."""
-    from omegaconf import OmegaConf
+    from trainflow.config import OptimConfig
+    from trainflow.tensorboard import headline, hyperparameters
 
-    from trainflow.tensorboard import hyperparameters
-
-    cfg = OmegaConf.create({"optim": {"lr": 3e-4}, "trainer": {"batch_size": 8, "max_steps": 20, "precision": "fp32"}})
+    trainer, optim = TrainerConfig(batch_size=8, max_steps=20, precision="fp32"), OptimConfig(lr=3e-4)
     choices = {"model": "gpt_tiny", "experiment": None, "hydra/launcher": "basic"}
-    values = hyperparameters(cfg, choices, ["optim.lr=3e-4", "trainer.deterministic=true", "data.paths=[/a,/b]",
-                                            "checkpoint.dir=null", "+extra.flag=false", "~metrics.peak_flops"])
+    values = hyperparameters(headline(trainer, optim), choices,
+                             ["optim.lr=3e-4", "trainer.deterministic=true", "data.paths=[/a,/b]",
+                              "checkpoint.dir=null", "+extra.flag=false", "~metrics.peak_flops"])
     assert values == {"model": "gpt_tiny", "optim.lr": 3e-4, "trainer.batch_size": 8, "trainer.max_steps": 20,
                       "trainer.precision": "fp32", "trainer.deterministic": True, "data.paths": "[/a,/b]",
                       "checkpoint.dir": "null", "extra.flag": False, "metrics.peak_flops": "(deleted)"}

@@ -18,12 +18,11 @@ import os
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
-from omegaconf import DictConfig
 from torch import nn
 
 from trainflow.compare import relative_error
@@ -38,6 +37,7 @@ from trainflow.compile_diagnostics import (
     source_location,
     user_frame,
 )
+from trainflow.config import CompileConfig, TrainerConfig
 from trainflow.data.loaders import to_device
 from trainflow.distributed import DistEnv
 from trainflow.distributed.parallelism import unwrap
@@ -78,16 +78,17 @@ class Compiler(Stage):
 
     summary_key = "compile"
 
-    def __init__(self, cfg: DictConfig, env: DistEnv, run_dir: Path) -> None:
-        self.cfg: DictConfig = cfg.compile
+    def __init__(self, cfg: CompileConfig, trainer: TrainerConfig, seq_lens: Sequence[int] | None, env: DistEnv,
+                 run_dir: Path) -> None:
+        """`seq_lens`: data.seq_lens, the micro-batches' lengths (each a shape that compiles); None: one shape."""
+        self.cfg = cfg
         self.env = env
         self.run_dir = run_dir
-        self.enabled = bool(self.cfg.enabled)
-        self.precision = matmul_math(env.device, cfg.trainer.precision)
-        seq_lens = cfg.data.get("seq_lens")
+        self.enabled = cfg.enabled
+        self.precision = matmul_math(env.device, trainer.precision)
         # Every distinct input shape compiles (or recompiles) once: the steps until each was seen are compile steps.
-        self._compile_steps = math.ceil(len(seq_lens) / cfg.trainer.grad_accum) if seq_lens else 1
-        self._warmup_total = cfg.trainer.warmup_steps + self._compile_steps
+        self._compile_steps = math.ceil(len(seq_lens) / trainer.grad_accum) if seq_lens else 1
+        self._warmup_total = trainer.warmup_steps + self._compile_steps
         self._step_times: list[float] = []
         self._compiles: dict[tuple[str, bool], dict[str, Any]] = {}
         self._check: dict[str, Any] | None = None

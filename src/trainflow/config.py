@@ -9,10 +9,12 @@ express (positive steps, known choices) live in trainflow.validation.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING
+from omegaconf import MISSING, DictConfig, OmegaConf
+
+Schema = TypeVar("Schema")
 
 
 @dataclass
@@ -302,6 +304,15 @@ class RunConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     ladder: LadderConfig = field(default_factory=LadderConfig)
+
+
+def typed(section: Any, schema: type[Schema]) -> Schema:
+    """`section` as its schema's dataclass, whatever it comes as: launched workers load the composed config back
+    from plain YAML, where no node is typed. Interpolations are resolved against the whole config first (a section
+    merged on its own would lose them); nested sections (parallelism.fsdp) become their dataclasses too. Stages
+    read plain attributes, at no DictConfig cost, and the schema's defaults fill what the section leaves out."""
+    values = OmegaConf.to_container(section, resolve=True) if isinstance(section, DictConfig) else section
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema), values))
 
 
 def register_configs() -> None:

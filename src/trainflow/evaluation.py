@@ -7,10 +7,10 @@ import time
 from typing import Any
 
 import torch
-from omegaconf import DictConfig
 from torch import nn
 from torch.utils.data import Dataset
 
+from trainflow.config import TrainerConfig
 from trainflow.data import DataBundle, StreamSampler, to_device
 from trainflow.distributed import DistEnv
 from trainflow.distributed.process_group import all_reduce_mean
@@ -22,13 +22,15 @@ log = logging.getLogger("trainflow")
 
 
 class Evaluation(Stage):
-    """Evaluates at every `every` steps (0: only at the end) and at the last step; its time is not training time."""
+    """Evaluates every trainer.eval_interval() steps (0: only at the end) and at the last step; its time is not
+    training time."""
 
     summary_key = "val"
 
-    def __init__(self, cfg: DictConfig, env: DistEnv, data: DataBundle, every: int, autocast: Any,
-                 task: Task, writer: MetricsWriter) -> None:
-        self.cfg, self.env, self.data, self.every, self.autocast = cfg, env, data, every, autocast
+    def __init__(self, trainer: TrainerConfig, env: DistEnv, data: DataBundle, autocast: Any, task: Task,
+                 writer: MetricsWriter) -> None:
+        self.trainer, self.env, self.data, self.autocast = trainer, env, data, autocast
+        self.every = trainer.eval_interval()
         self.task, self.writer = task, writer
         self.enabled = data.val is not None  # a data factory may give no validation set
         self.result: dict[str, float] | None = None  # the latest evaluation
@@ -38,7 +40,7 @@ class Evaluation(Stage):
         if not (state.done or (self.every and state.step % self.every == 0)):
             return False
         start = time.perf_counter()
-        self.result = evaluate(state.model, self.data.val, self.task, self.cfg, self.env, self.autocast)
+        self.result = evaluate(state.model, self.data.val, self.task, self.trainer, self.env, self.autocast)
         self.writer.write(state.step, {f"val/{k}": v for k, v in self.result.items()})
         if self.env.is_main:
             log.info("step %d: val %s", state.step, ", ".join(f"{k} {v:.4g}" for k, v in self.result.items()))
@@ -55,11 +57,10 @@ class Evaluation(Stage):
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, dataset: Dataset, task: Task, cfg: DictConfig, env: DistEnv,
+def evaluate(model: nn.Module, dataset: Dataset, task: Task, trainer: TrainerConfig, env: DistEnv,
              autocast) -> dict[str, float]:
     """The task's loss and metrics, means over the same held-out batches every time (rank-strided, in order)."""
     model.eval()
-    trainer = cfg.trainer
     sampler = StreamSampler(len(dataset), trainer.batch_size, env.rank, env.world_size, seed=0, shuffle=False)
     totals: dict[str, torch.Tensor] = {}
     for _, indices in zip(range(trainer.eval_steps), sampler, strict=False):

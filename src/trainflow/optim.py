@@ -8,8 +8,10 @@ import torch
 from omegaconf import DictConfig
 from torch import nn
 
+from trainflow.config import OptimConfig
 
-def build_optimizer(model: nn.Module, cfg: DictConfig, max_steps: int, device: torch.device):
+
+def build_optimizer(model: nn.Module, cfg: OptimConfig | DictConfig, max_steps: int, device: torch.device):
     """Build on the final (wrapped, sharded) parameters; no weight decay on biases and norms (one parameter group
     when optim.weight_decay is 0: a second group costs ~8 us a step on a small model)."""
     params = [p for p in model.parameters() if p.requires_grad]
@@ -38,7 +40,7 @@ def build_optimizer(model: nn.Module, cfg: DictConfig, max_steps: int, device: t
     return optimizer, scheduler
 
 
-def lr_moves(cfg: DictConfig) -> bool:
+def lr_moves(cfg: OptimConfig | DictConfig) -> bool:
     """Whether the schedule ever changes the LR: a constant one without warm-up need not be stepped. The resume
     puts the schedule at the checkpoint's step whatever its saved position (checkpoint.state.restore_schedule)."""
     return cfg.schedule != "constant" or cfg.warmup_steps > 0

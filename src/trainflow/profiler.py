@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from omegaconf import DictConfig
 
+from trainflow.config import ProfilerConfig
 from trainflow.distributed import DistEnv
 from trainflow.errors import ConfigError
 from trainflow.profile_verdict import analyze_window, format_verdict, verdict
@@ -55,7 +55,7 @@ class Profiler(Stage):
 
     summary_key = "profiler"
 
-    def __init__(self, cfg: DictConfig, env: DistEnv, run_dir: Path, max_steps: int, skip_first: int = 0,
+    def __init__(self, cfg: ProfilerConfig, env: DistEnv, run_dir: Path, max_steps: int, skip_first: int = 0,
                  start_step: int = 0) -> None:
         self.cfg = cfg
         self.env = env
@@ -70,7 +70,7 @@ class Profiler(Stage):
         self._snapshot: dict[str, Any] | None = None  # the CUDA allocator history, written after the loop
         self._load = 0.0  # the highest 1-minute load average seen at the end of a window
         self.result = _RankResult(env.rank)
-        self.enabled = bool(cfg.enabled) and self._selected(cfg.ranks, env)  # this rank records
+        self.enabled = cfg.enabled and self._selected(cfg.ranks, env)  # this rank records
         if not cfg.enabled:
             return
         self.skip, end = profiler_skip_and_end(cfg, skip_first)

@@ -12,6 +12,8 @@ A sweep of the workflow ladder (`experiment=ladder`) also gets the gates of
 trainflow.ladder; a FAIL makes `trainflow report` and the sweep exit non-zero.
 `ReportCallback` writes the report into every multirun sweep directory: after
 each job (so a sweep that stops early still has one) and once more at the end.
+This module gathers the runs and builds the report; trainflow.report_render
+draws its pages.
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ from omegaconf import DictConfig, OmegaConf
 from trainflow import ladder
 from trainflow.env import env_rank
 from trainflow.errors import TrainflowError
-from trainflow.files import atomic_path, write_atomic
+from trainflow.files import write_atomic
+from trainflow.report_render import markdown, write_png
 
 log = logging.getLogger(__name__)
 
@@ -254,127 +257,11 @@ def write(root: Path, out: Path | None = None, baseline: str | None = None) -> d
         out.mkdir(parents=True, exist_ok=True)
         write_atomic(out / "report.json", json.dumps(report, indent=2, default=str))
         write_atomic(out / "report.md", markdown(report))
-        write_png(runs, report, out / "report.png")
+        write_png([(r.label, r.losses) for r in runs], report, out / "report.png")
     except OSError as exc:
         raise ReportError(f"{out}: cannot write the report ({exc.strerror or exc}); give a writable folder "
                           "with --out") from None
     return report
-
-
-def _num(value: float | None, fmt: str, suffix: str = "") -> str:
-    return "-" if value is None else f"{value:{fmt}}{suffix}"
-
-
-def _gib(n: int | None) -> str:
-    return "-" if n is None else f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
-
-
-def _monitored(row: dict[str, Any]) -> str:
-    """The task's monitored validation metric and its direction, e.g. `accuracy 0.9312 (max)`."""
-    val, monitor = row.get("val"), row.get("monitor") or "loss"
-    if not val or monitor not in val:
-        return "-"
-    return f"{monitor} {val[monitor]:.4f}" + (f" ({row['mode']})" if row.get("mode") else "")
-
-
-def markdown(report: dict[str, Any]) -> str:
-    """The report as a Markdown page: the table, the gates, the profiler's advice, the picture."""
-    lines = [f"# Report: {report['folder']}", "",
-             f"Written {report['written']}. Speedups are steady-state samples/s against the baseline run "
-             f"`{report['baseline']}`; loss columns are the first step's and the last logged interval's.", ""]
-    if report["common_overrides"]:
-        lines += [f"Overrides common to all runs: `{' '.join(report['common_overrides'])}`", ""]
-    if report["warnings"]:
-        lines += ["## Warnings", "", *(f"- {_cell(w)}" for w in report["warnings"]), ""]
-    if report["gates"] is not None:
-        lines += ["## Gates", "", "| gate | status | numbers |", "| --- | --- | --- |"]
-        lines += [f"| {g['name']} | **{g['status']}** | {_cell(g['detail'])} |" for g in report["gates"]]
-        skipped = sum(g["status"] == ladder.NOT_EVALUATED for g in report["gates"])
-        verdict = ("a gate FAILED: the sweep exits non-zero" if not report["passed"]
-                   else f"no gate failed; {skipped} not evaluated" if skipped else "all gates passed")
-        lines += ["", f"Result: {verdict}.", ""]
-    lines += ["## Runs", "",
-              "| run | overrides | status | samples/s | speedup | MFU | peak memory | loss first -> last | "
-              "val (monitored) | compile: graphs / breaks / recompiles / time | profiler | "
-              "checkpoint: saves / blocked / write |",
-              "| --- | --- | --- | ---: | ---: | ---: | ---: | --- | --- | --- | --- | --- |"]
-    for row in report["runs"]:
-        c, p, k = row["compile"], row["profiler"], row["checkpoint"]
-        status = "finished" if row["status"] == "finished" else f"FAILED: {_cell(row['error'] or '')}"
-        world = f" x{row['world_size']}" if row["world_size"] and row["world_size"] > 1 else ""
-        lines.append(" | ".join([
-            f"| {row['name']}" + (f" ({row['stage']})" if row["stage"] else ""),
-            f"`{' '.join(row['overrides'])}`" if row["overrides"] else "",
-            status + world,
-            _num(row["samples_per_sec"], ".1f"),
-            _num(row["speedup"], ".2f", "x"),
-            _num(row["mfu"] * 100 if row["mfu"] is not None else None, ".2f", "%"),
-            _gib(row["peak_memory_bytes"]),
-            f"{_num(row['loss_first'], '.4f')} -> {_num(row['loss_last'], '.4f')}",
-            _monitored(row),
-            f"{c['graphs']} / {c['graph_breaks']} / {c['recompiles']} / {c['compile_time_s']:.1f} s" if c else "off",
-            p["bound"] if p else "off",
-            f"{k['saves']} / {k['blocked_s']:.3f} s / {k['write_s']:.3f} s" if k else "off",
-        ]) + " |")
-    advice = [(row["name"], row["profiler"]) for row in report["runs"] if row["profiler"]]
-    if advice:
-        lines += ["", "## What the profiler recommends", ""]
-        lines += [f"- `{name}`: **{p['bound']}**: {p['action']}" for name, p in advice]
-    plans = [(row["name"], row["plan"]) for row in report["runs"] if row.get("plan")]
-    if plans:
-        lines += ["", "## parallelism=auto: per-rank memory (MiB) of each layout, the chosen one in bold", ""]
-        lines += [f"- `{name}`: " + ", ".join(
-            (f"**{layout} {t['total'] / 2**20:.1f}**" if layout == plan["choice"] else f"{layout} "
-             f"{t['total'] / 2**20:.1f}") for layout, t in plan["table"].items())
-            + f"; budget {plan['budget_bytes'] / 2**20:.1f} ({plan['budget_source']}); measured peak / estimate "
-            + _num((plan["check"] or {}).get("peak_over_estimate"), ".2f") for name, plan in plans]
-    lines += ["", "![throughput and loss curves](report.png)", ""]
-    return "\n".join(lines)
-
-
-def _cell(text: str) -> str:
-    return text.replace("|", "\\|").replace("\n", " ")
-
-
-def write_png(runs: list[RunRecord], report: dict[str, Any], path: Path) -> None:
-    """Throughput bars (speedup on top) and every run's loss curve, drawn headless with Agg."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(13, 5), layout="constrained")
-    FigureCanvasAgg(fig)
-    bars, curves = fig.subplots(1, 2, width_ratios=[1, 1.3])
-    labels = [r.label for r in runs]
-    rows = report["runs"]
-    values = [row["samples_per_sec"] or 0.0 for row in rows]
-    colors = ["tab:red" if row["status"] != "finished" else "tab:blue" for row in rows]
-    drawn = bars.bar(range(len(runs)), values, color=colors)
-    for bar, row in zip(drawn, rows, strict=True):
-        text = "failed" if row["status"] != "finished" else _num(row["speedup"], ".2f", "x")
-        bars.annotate(text, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom",
-                      fontsize=8, xytext=(0, 2), textcoords="offset points")
-    bars.set_xticks(range(len(runs)), labels, rotation=30, ha="right", fontsize=8)
-    bars.set_ylabel("samples/s (steady state)")
-    bars.set_title(f"throughput; speedup vs {report['baseline']}")
-    styles = ("-", "--", "-.", ":")  # curves that coincide (a resumed run) stay visible
-    for i, r in enumerate(runs):
-        if r.losses:
-            steps = sorted(r.losses)
-            curves.plot(steps, [r.losses[s] for s in steps], styles[i % len(styles)], label=r.label,
-                        linewidth=1.4, marker="." if len(steps) == 1 else None)
-    curves.set_xlabel("step")
-    curves.set_ylabel("train loss")
-    curves.set_title("loss curves")
-    if any(r.losses for r in runs):
-        curves.legend(fontsize=8)
-    folder = Path(report["folder"])  # relative where it can be: the picture is often shown away from this machine
-    title = str(folder.relative_to(Path.cwd()) if folder.is_relative_to(Path.cwd()) else folder)
-    if report["gates"] is not None:
-        counts = {s: sum(g["status"] == s for g in report["gates"]) for s in (ladder.PASS, ladder.WARN, ladder.FAIL)}
-        title += "   gates: " + ", ".join(f"{n} {s}" for s, n in counts.items())
-    fig.suptitle(title, fontsize=10)
-    with atomic_path(path) as tmp:
-        fig.savefig(tmp, dpi=100)
 
 
 def failed_gates(report: dict[str, Any]) -> list[dict[str, Any]]:

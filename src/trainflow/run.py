@@ -23,7 +23,15 @@ from torch.profiler import record_function
 
 from trainflow.checkpoint import Checkpointer
 from trainflow.compiler import Compiler
-from trainflow.config import TrainerConfig
+from trainflow.config import (
+    CheckpointConfig,
+    CompileConfig,
+    OptimConfig,
+    ParallelismConfig,
+    ProfilerConfig,
+    TrainerConfig,
+    typed,
+)
 from trainflow.data import DataBundle, IterableBatches, StreamSampler, build_datasets, make_loader, to_device
 from trainflow.distributed import DistEnv, memory_plan
 from trainflow.distributed.parallelism import no_grad_sync, parallelize, unwrap
@@ -128,13 +136,15 @@ def assemble(cfg: DictConfig, run_dir: Path, env: DistEnv) -> Training:
     auto_plan = None
     if cfg.parallelism.strategy == "auto":  # measures memory, decides, writes the decision into cfg.parallelism
         env, auto_plan = memory_plan.apply_auto(cfg, env, model, example, task)
-    parity = ParityCheck(cfg, env, model, data.train, task)  # copies the model: refuses a wrapped one
+    parallelism, optim = typed(cfg.parallelism, ParallelismConfig), typed(cfg.optim, OptimConfig)  # after auto
+    parity = ParityCheck(parallelism, trainer, optim, cfg.data, env, model, data.train, task)  # refuses a wrapped model
     model = parallelize(model, cfg.parallelism, env, trainer.precision)
-    compiler = Compiler(cfg, env, run_dir)
+    seq_lens = cfg.data.get("seq_lens")  # a user's data section may have no such key
+    compiler = Compiler(typed(cfg.compile, CompileConfig), trainer, list(seq_lens) if seq_lens else None, env, run_dir)
     model = compiler.apply(model, example, task)  # compile.check compares eager and compiled on `example`
-    optimizer, scheduler = build_optimizer(model, cfg.optim, trainer.max_steps, env.device)
+    optimizer, scheduler = build_optimizer(model, optim, trainer.max_steps, env.device)
     state = LoopState(model, optimizer, scheduler)
-    checkpointer = Checkpointer(cfg.checkpoint, env, run_dir)
+    checkpointer = Checkpointer(typed(cfg.checkpoint, CheckpointConfig), env, run_dir)
     _seed_rank_then_resume(trainer.seed, env, checkpointer, state)
     resumed_from = state.step if state.step > 0 else None
     if resumed_from and resumed_from >= trainer.max_steps and env.is_main:  # a finished run started again
@@ -149,16 +159,18 @@ def assemble(cfg: DictConfig, run_dir: Path, env: DistEnv) -> Training:
     # even disabled, torch.autocast costs a few us a step: ~1% of the seed MLP's step, so fp32 skips it
     autocast = torch.autocast(env.device.type, torch.bfloat16) if trainer.precision == "bf16" \
         else contextlib.nullcontext()
-    dashboard = Dashboard(cfg, run_dir) if env.is_main and cfg.logger.tensorboard else None
+    dashboard = Dashboard(trainer, optim, (run_dir / "config.yaml").read_text(), run_dir) \
+        if env.is_main and cfg.logger.tensorboard else None  # config.yaml: written by _prepare on rank 0
     writer = MetricsWriter(run_dir, env.is_main, dashboard)
     guard = NonFiniteGuard(trainer.nonfinite, env, checkpointer)
     meter = Throughput(max([trainer.warmup_steps, compiler.excluded_steps(), parity.excluded_steps()]), env.device,
                        PeakMemory(env.device))
-    profiler = Profiler(cfg.profiler, env, run_dir, trainer.max_steps, meter.excluded_steps, state.step)
+    profiler = Profiler(typed(cfg.profiler, ProfilerConfig), env, run_dir, trainer.max_steps, meter.excluded_steps,
+                        state.step)
     train_metrics = TrainMetrics(env, meter, writer, progress_reporter(trainer.max_steps, trainer.progress,
                                                                        env.is_main, state.step),
                                  optimizer, task, trainer.grad_accum, flops_per_step, peak)
-    evaluation = Evaluation(cfg, env, data, trainer.eval_interval(), autocast, task, writer)
+    evaluation = Evaluation(trainer, env, data, autocast, task, writer)
     # the guard checks before anything is logged or saved; the checkpointer comes last: it may stop the run
     stages: list[Stage] = [compiler, parity, profiler, guard, train_metrics, evaluation, checkpointer]
     if env.is_main:
@@ -174,7 +186,7 @@ def assemble(cfg: DictConfig, run_dir: Path, env: DistEnv) -> Training:
         state.data_loader = loader
     return Training(
         cfg, run_dir, env, trainer, data, task, metric_names, model, trainable=list(model.parameters()),
-        optimizer=optimizer, scheduler=scheduler, lr_moves=lr_moves(cfg.optim),
+        optimizer=optimizer, scheduler=scheduler, lr_moves=lr_moves(optim),
         metrics_every_step=cfg.task.get("train_metrics") == "every_step", state=state, batches=iter(loader), pin=pin,
         moves_batches=env.device.type != "cpu", autocast=autocast,
         region=record_function if profiler.enabled else _unnamed, guard=guard, meter=meter, stages=stages,
@@ -184,7 +196,7 @@ def assemble(cfg: DictConfig, run_dir: Path, env: DistEnv) -> Training:
 
 def _prepare(cfg: DictConfig, run_dir: Path, env: DistEnv) -> TrainerConfig:
     """The run's config (logged and saved), determinism, matmul precision, and the seed every rank shares."""
-    trainer = TrainerConfig(**OmegaConf.to_container(cfg.trainer, resolve=True))  # also in untyped workers
+    trainer = typed(cfg.trainer, TrainerConfig)
     if env.is_main:
         log.info("config:\n%s", OmegaConf.to_yaml(cfg, resolve=True))
         (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
@@ -301,7 +313,8 @@ def summarize(training: Training) -> dict[str, Any] | None:
         "parameters": tr.parameters,
         "world_size": env.world_size,
         "global_batch": tr.global_batch,
-        "parallelism": parallelism_summary(tr.cfg, env, steady, tr.parity),
+        "parallelism": parallelism_summary(typed(tr.cfg.parallelism, ParallelismConfig), trainer, env, steady,
+                                           tr.parity),
         "device": str(env.device),
         "matmul_math": matmul_math(env.device, trainer.precision),
         **{stage.summary_key: stage.summary(steady) for stage in tr.stages if stage.summary_key},

@@ -19,8 +19,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import OmegaConf
 
+from trainflow.config import OptimConfig, TrainerConfig
 from trainflow.profile_verdict import format_verdict
 
 EVENTS_DIR = "tensorboard"
@@ -28,12 +29,17 @@ MIB = 2**20
 # metrics.jsonl name -> TensorBoard tag, where the dashboard needs another group or unit than the log.
 _TAGS = {"train/loss": "loss/train", "val/loss": "loss/val", "perf/memory_bytes": "perf/peak_memory_mib"}
 _SCALE = {"perf/memory_bytes": 1 / MIB}
-# Recorded for every run, typed or not: the knobs runs are most often compared by.
-HEADLINE_KEYS = ("optim.lr", "trainer.batch_size", "trainer.max_steps", "trainer.precision")
 HparamValue = str | float | int | bool
 
 
-def hyperparameters(cfg: DictConfig, choices: dict[str, Any], overrides: list[str]) -> dict[str, HparamValue]:
+def headline(trainer: TrainerConfig, optim: OptimConfig) -> dict[str, HparamValue]:
+    """The knobs runs are most often compared by, under their config keys."""
+    return {"optim.lr": optim.lr, "trainer.batch_size": trainer.batch_size, "trainer.max_steps": trainer.max_steps,
+            "trainer.precision": trainer.precision}
+
+
+def hyperparameters(headline_values: dict[str, HparamValue], choices: dict[str, Any],
+                    overrides: list[str]) -> dict[str, HparamValue]:
     """A run's HParams values: its group choices, the headline knobs, then every typed override.
 
     The choices and headline knobs are recorded for every run, typed or not, so that a run left at the default
@@ -44,9 +50,7 @@ def hyperparameters(cfg: DictConfig, choices: dict[str, Any], overrides: list[st
 
     values: dict[str, HparamValue] = {group: str(choice) for group, choice in choices.items()
                                       if choice is not None and not group.startswith("hydra/")}
-    for key in HEADLINE_KEYS:
-        if (value := OmegaConf.select(cfg, key)) is not None:
-            values[key] = value
+    values.update(headline_values)
     for o in OverridesParser.create().parse_overrides(overrides):
         value = o.value()
         if o.is_delete():
@@ -122,15 +126,16 @@ def profiler_text(profiler: dict[str, Any] | None) -> str | None:
 class Dashboard:
     """One run's TensorBoard event file (rank 0): scalars, the HParams session, the config and profiler text."""
 
-    def __init__(self, cfg: DictConfig, run_dir: Path) -> None:
+    def __init__(self, trainer: TrainerConfig, optim: OptimConfig, config_yaml: str, run_dir: Path) -> None:
+        """`config_yaml`: the run's composed config, resolved, shown as text next to the figures."""
         from torch.utils.tensorboard import SummaryWriter  # 2-3 s import: only when TensorBoard is on
 
         mode, choices, overrides = saved_hydra(run_dir)
         name = job_name(overrides, run_dir) if mode == "MULTIRUN" else None
         self.dir = run_dir / EVENTS_DIR / name if name else run_dir / EVENTS_DIR
         self._writer = SummaryWriter(log_dir=str(self.dir), flush_secs=10)  # a running run shows within seconds
-        self._add(session_start_record(hyperparameters(cfg, choices, overrides)))
-        self._add(_text_summary("config", f"```yaml\n{OmegaConf.to_yaml(cfg, resolve=True)}```"))
+        self._add(session_start_record(hyperparameters(headline(trainer, optim), choices, overrides)))
+        self._add(_text_summary("config", f"```yaml\n{config_yaml}```"))
 
     def scalars(self, step: int, values: dict[str, Any]) -> None:
         """Log values under their dashboard tags and units; non-finite and non-numeric ones are left out."""

@@ -13,7 +13,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import InterpolationResolutionError, MissingMandatoryValue
 
-from trainflow.config import LADDER_STAGES, WorkerConfig
+from trainflow.config import LADDER_STAGES, ProfilerConfig, WorkerConfig
 from trainflow.errors import ConfigError
 
 
@@ -78,7 +78,7 @@ def validate_compile(cfg: DictConfig) -> None:
                  "use compile=default (inductor without CUDA graphs)")
 
 
-def profiler_skip_and_end(p: DictConfig, excluded_steps: int) -> tuple[int, int]:
+def profiler_skip_and_end(p: ProfilerConfig | DictConfig, excluded_steps: int) -> tuple[int, int]:
     """Steps skipped before the first cycle, and the step (counted from the run's start) the last window ends."""
     skip = excluded_steps if p.skip_first is None else p.skip_first
     return skip, skip + (p.wait + p.warmup + p.active) * max(p.repeat, 1)

@@ -11,13 +11,15 @@ One module per concern:
     safe_io.py       the bytes: raw tensor records, a checksum per file while writing, reading without running code
     store.py         the on-disk store: lock, committed listing, manifest, integrity, commit, retention, export
     resume.py        which checkpoint to resume from, whether it fits, loading it
-    checkpointer.py  the Checkpointer the loop calls: saving (sync, async), resume, stop signals
+    checkpointer.py  the Checkpointer the loop calls: saving (sync, async), resume
+    stopping.py      stop signals: caught, agreed on by every rank one step late, the exit code after
     agreement.py     every rank reaches the same decision or raises the same error
     staging.py       async saves: the CPU buffers the state is copied into
 """
 
-from trainflow.checkpoint.checkpointer import EXIT_STOPPED, Checkpointer, stop_exit_code
+from trainflow.checkpoint.checkpointer import Checkpointer
 from trainflow.checkpoint.state import TrainState, fingerprint, split_state
+from trainflow.checkpoint.stopping import EXIT_STOPPED, stop_exit_code
 from trainflow.checkpoint.store import check_intact, export_weights, list_committed
 
 __all__ = ["EXIT_STOPPED", "Checkpointer", "TrainState", "check_intact", "export_weights", "fingerprint",

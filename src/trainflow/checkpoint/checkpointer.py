@@ -9,9 +9,8 @@ loop waits only while the state is copied into CPU buffers that are reused from 
 the state stays resident); at most one save is in flight; the next save, a stop signal and the end of the run
 wait for it, and its errors are raised there.
 
-Stop signals: SIGTERM, SIGUSR2 or SIGHUP on any rank makes every rank agree (an all-reduce of the flag at each step
-boundary) to save at that step boundary; the process then exits with EXIT_STOPPED = 75 (EX_TEMPFAIL: "try
-again"); running the same command again resumes. A second signal terminates at once.
+Stop signals (stopping.py): SIGTERM, SIGUSR2 or SIGHUP on any rank makes every rank save at the same step boundary
+and stop; the process then exits with EXIT_STOPPED, and running the same command again resumes.
 
 One run at a time: rank 0 holds an exclusive `flock` on `checkpoint.dir/.lock` from the start to the end of the
 run (the kernel drops it when the process dies, so a crash never leaves a stale lock). A second run pointed at
@@ -24,16 +23,13 @@ import contextlib
 import logging
 import shutil
 import signal
-import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed as dist
-from omegaconf import DictConfig
 from torch.profiler import record_function
 
 from trainflow.checkpoint import resume as resuming
@@ -62,28 +58,16 @@ from trainflow.checkpoint.state import (
     split_state,
     state_bytes,
 )
+from trainflow.checkpoint.stopping import EXIT_STOPPED, LatePoll, StopSignals, mark_stopped
 from trainflow.checkpoint.store import TMP_PREFIX, Committed, check_intact, list_committed
+from trainflow.config import CheckpointConfig
 from trainflow.distributed import DistEnv
 from trainflow.errors import CheckpointError
 from trainflow.locks import DirLock
 
 log = logging.getLogger(__package__)  # one name for the package: lines read [trainflow.checkpoint]
 
-EXIT_STOPPED = 75  # saved on SIGTERM/SIGUSR2/SIGHUP and stopped: run the same command again to resume
 CHECKPOINT_REGION = "trainflow/checkpoint"  # the profiler region of its turn in the loop: its polls and saves
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR2, signal.SIGHUP)  # SIGHUP: the terminal or ssh session closed
-
-_stopped_by: str | None = None  # the signal this process stopped on after saving (see stop_exit_code)
-
-
-def stop_exit_code(summary: dict[str, Any] | None) -> int | None:
-    """EXIT_STOPPED when the run stopped on a signal after committing a checkpoint, else None.
-
-    This process's own flag covers every rank started by a launcher; rank 0's summary covers the process that
-    launched local workers itself.
-    """
-    stopped = _stopped_by or ((summary or {}).get("checkpoint") or {}).get("stopped_by")
-    return EXIT_STOPPED if stopped else None
 
 
 @dataclass
@@ -115,14 +99,14 @@ class Checkpointer:
 
     summary_key = "checkpoint"
 
-    def __init__(self, cfg: DictConfig, env: DistEnv, run_dir: Path) -> None:
+    def __init__(self, cfg: CheckpointConfig, env: DistEnv, run_dir: Path) -> None:
         self.cfg = cfg
         self.env = env
         self.run_dir = run_dir
-        self.enabled = bool(cfg.enabled)
+        self.enabled = cfg.enabled
         if not self.enabled:
             return
-        self._every_steps = int(cfg.every_steps)  # plain values: read after every step
+        self._every_steps = cfg.every_steps
         self._sync = cfg.mode == "sync"
         self.dir = store.resolve_dir(cfg.dir, run_dir)
         self._ctl = None  # gloo group for the main thread's collectives (flags, barriers, sync saves)
@@ -133,7 +117,7 @@ class Checkpointer:
                 self._async_group = dist.new_group(backend="gloo")
         self._ranks = RankAgreement(env, self._ctl)
         self._pending: _Pending | None = None
-        self._poll_in_flight: tuple[torch.Tensor, Any, _Pending | None] | None = None  # flags, work, pending save
+        self._poll = LatePoll(self._ctl)  # each step: (stop signal, uploading) of every rank
         self._stager = None  # async: CPU buffers the state is copied into, reused save after save
         self._saves: list[dict[str, Any]] = []
         self._blocked_unreported = 0.0
@@ -144,16 +128,11 @@ class Checkpointer:
         self._exported: dict[str, Any] | None = None
         self._fingerprint: str | None = None
         self._need_bytes = 0  # what a save writes, at least: to recognise a full disk
-        self._signal: int | None = None  # set by the signal handler only
+        self._signals = StopSignals()
         self._stopped_by: str | None = None
-        self._previous_handlers: dict[int, Any] = {}
         self._lock: DirLock | None = None  # rank 0, from resume() to close()
         self._deleter = store.Deleter()  # rank 0: removes the checkpoints retention retired
-        if threading.current_thread() is threading.main_thread():  # Python delivers signals to the main thread only
-            self._previous_handlers = {s: signal.signal(s, self._on_signal) for s in STOP_SIGNALS}
-        elif env.is_main:
-            log.warning("checkpoint: training runs outside the main thread: SIGTERM/SIGUSR2/SIGHUP will not save "
-                        "and stop")
+        self._signals.install(warn=env.is_main)
 
     # -- the stage interface (and resume, called by the assembly) ------------------------------------------------
 
@@ -186,7 +165,7 @@ class Checkpointer:
             return self._after_step(state)
 
     def _after_step(self, state: TrainState) -> bool:
-        stop_signal, uploaded = self._poll()
+        stop_signal, uploaded = self._agreed_flags()
         start = time.perf_counter()
         if uploaded:
             self._finish_pending()
@@ -222,7 +201,7 @@ class Checkpointer:
         if not self.enabled:
             return
         try:
-            self._finish_poll()  # every rank started one at its last step: complete it before the group goes
+            self._poll.finish()  # every rank started one at its last step: complete it before the group goes
             if self._pending is not None:
                 self._finish_pending()
             if self._stopped_by is None:
@@ -235,8 +214,7 @@ class Checkpointer:
             self._stager = None  # the staging buffers: a whole copy of the state
             if self._lock is not None:
                 self._lock.release()
-            for sig, handler in self._previous_handlers.items():
-                signal.signal(sig, handler)
+            self._signals.restore()
 
     def summary(self, steady: dict[str, Any] | None = None) -> dict[str, Any] | None:
         if not self.enabled:
@@ -251,7 +229,7 @@ class Checkpointer:
             "write_s": {"total": round(sum(written), 4), "per_save": written},
             "bytes": self._saves[-1]["bytes"] if self._saves else 0,
             "steps_saved": [s["step"] for s in self._saves],
-            "verified": self._verified and bool(self.cfg.verify),
+            "verified": self._verified and self.cfg.verify,
             "resumed_from": str(self._resumed_from.path) if self._resumed_from else None,
             "load": self.cfg.load,
             "resume_changes": self._changes,  # each: key, the checkpoint's value, the value used (the config's)
@@ -421,13 +399,13 @@ class Checkpointer:
             log.info("checkpoint step %d verified: reloaded into fresh tensors, all equal", state.step)
 
     def _stop(self, state: TrainState, signum: int) -> None:
-        global _stopped_by
         name = signal.Signals(signum).name
         if self._pending is not None:
             self._finish_pending(wait=True)
         if state.step != self._last_saved_step:
             self._save(state, blocking=True)
-        _stopped_by = self._stopped_by = name
+        mark_stopped(name)
+        self._stopped_by = name
         if self.env.is_main:
             log.warning("%s: stopped at step %d with checkpoint %s committed; exit code %d (run the same command "
                         "to resume)", name, state.step, self.dir / f"step_{state.step:08d}", EXIT_STOPPED)
@@ -443,43 +421,18 @@ class Checkpointer:
         self._lock = store.lock_dir(self.dir, self.run_dir)
         store.remove_leftovers(self.dir)
 
-    # -- stop signals ------------------------------------------------------------------------------------------
-
-    def _on_signal(self, signum: int, _frame: Any) -> None:
-        self._signal = signum
-        signal.signal(signum, self._previous_handlers[signum])  # a second signal acts as it would without us
-
-    def _poll(self) -> tuple[int | None, bool]:
-        """(the stop signal every rank agrees on, every rank's async upload is done), one step late.
-
-        Each step starts a small asynchronous all-reduce of this rank's flags and reads the one started a step
-        earlier, which finished while the step ran: no cross-rank wait in the step itself (between nodes a
-        blocking one costs a network round trip every step). The decision uses only reduced values, so every rank
-        stops at the same step, one step after the signal; a signal that lands meanwhile stays in `_signal` (only
-        the handler writes it) and counts at the next poll.
-        """
+    def _agreed_flags(self) -> tuple[int | None, bool]:
+        """(the stop signal every rank agrees on, every rank's async upload is done), one step late (LatePoll):
+        every rank stops at the same step; a signal that lands meanwhile counts at the next poll."""
         uploading = self._pending is not None and not self._pending.future.done()
         if not self.env.distributed:
-            return self._signal, self._pending is not None and not uploading
-        agreed, polled_pending = self._finish_poll()
-        flags = torch.tensor([self._signal or 0, int(uploading)])
-        work = dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._ctl, async_op=True)
-        self._poll_in_flight = (flags, work, self._pending)
+            return self._signals.caught, self._pending is not None and not uploading
+        agreed, polled_pending = self._poll.exchange([self._signals.caught or 0, int(uploading)], self._pending)
         if agreed is None:
             return None, False
         # uploaded: the save that was pending when those flags were taken (still the pending one) is done everywhere
         uploaded = self._pending is not None and polled_pending is self._pending and not bool(agreed[1])
         return int(agreed[0]) or None, uploaded
-
-    def _finish_poll(self) -> tuple[torch.Tensor | None, _Pending | None]:
-        """Wait for the all-reduce started at the previous poll (it has normally finished): its reduced flags and
-        the save that was pending when they were taken."""
-        if self._poll_in_flight is None:
-            return None, None
-        flags, work, pending = self._poll_in_flight
-        self._poll_in_flight = None
-        work.wait()
-        return flags, pending
 
     def _fresh(self, tmp: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -13,7 +13,6 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig
 from torch import nn
 
 from trainflow.checkpoint.safe_io import (
@@ -48,13 +47,14 @@ from trainflow.checkpoint.store import (
     resolve_checkpoint,
     uncommitted_newer,
 )
+from trainflow.config import CheckpointConfig
 from trainflow.distributed import DistEnv
 from trainflow.errors import CheckpointError, ConfigError
 
 log = logging.getLogger(__package__)  # one name for the package: lines read [trainflow.checkpoint]
 
 
-def pick(ckpt_dir: Path, cfg: DictConfig) -> tuple[Committed | None, bool]:
+def pick(ckpt_dir: Path, cfg: CheckpointConfig) -> tuple[Committed | None, bool]:
     """Rank 0: (the checkpoint to resume from, as checkpoint.resume says; whether to load its weights only)."""
     own = list_committed(ckpt_dir)
     unfinished = uncommitted_newer(ckpt_dir, own)
@@ -67,7 +67,7 @@ def pick(ckpt_dir: Path, cfg: DictConfig) -> tuple[Committed | None, bool]:
         if c.manifest is not None and c.renamed:
             log.warning("checkpoint: %s holds step %d (its manifest says so): a renamed folder; it is ordered "
                         "by step %d and never deleted", c.path, c.step, c.step)
-    resume = str(cfg.resume)
+    resume = cfg.resume
     if resume == "auto":
         return (own[-1] if own else None), False
     if resume == "never":

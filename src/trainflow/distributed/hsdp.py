@@ -16,6 +16,7 @@ import os
 from omegaconf import DictConfig
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from trainflow.config import ParallelismConfig
 from trainflow.errors import ConfigError
 
 MESH_DIMS = ("replicate", "shard")
@@ -49,7 +50,7 @@ def ranks_per_node(world_size: int) -> int:
     return int(os.environ.get("LOCAL_WORLD_SIZE", world_size) or world_size)
 
 
-def hsdp_shape(cfg: DictConfig, world_size: int) -> tuple[int, int]:
+def hsdp_shape(cfg: ParallelismConfig | DictConfig, world_size: int) -> tuple[int, int]:
     """The (replicate, shard) shape `parallelism` asks for on this world size."""
     return mesh_shape(world_size, ranks_per_node(world_size), cfg.hsdp.shard_size, cfg.hsdp.replicate_size)
 

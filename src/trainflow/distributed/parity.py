@@ -11,10 +11,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from omegaconf import DictConfig
 from torch import nn
 
 from trainflow.compare import relative_error
+from trainflow.config import OptimConfig, ParallelismConfig, TrainerConfig
 from trainflow.distributed.hsdp import MESH_DIMS, hsdp_shape
 from trainflow.distributed.parallelism import full_parameters, is_parallelized
 from trainflow.distributed.process_group import SHARDED, DistEnv, all_reduce_mean, node_count
@@ -42,14 +42,16 @@ class ParityCheck(Stage):
     rounding of a differently ordered all-reduce into a visibly different update (~1e-4 of its small norm).
     """
 
-    def __init__(self, cfg: DictConfig, env: DistEnv, model: nn.Module, dataset: Any,
+    def __init__(self, parallelism: ParallelismConfig, trainer: TrainerConfig, optim: OptimConfig, data: Any,
+                 env: DistEnv, model: nn.Module, dataset: Any,
                  task: Callable[[nn.Module, Any], tuple[torch.Tensor, dict]]) -> None:
+        """`data`: the run's data section as composed (its loader keys: num_workers, seq_lens, ...)."""
         if is_parallelized(model):
             raise RuntimeError("ParityCheck copies the model before parallelize() wraps or shards it")
-        p = cfg.parallelism
-        self.enabled = bool(p.check) and env.distributed
-        self.steps = min(p.check_steps, cfg.trainer.max_steps) if self.enabled else 0
-        self.tolerance = p.check_tolerance or PARITY_TOLERANCE[matmul_math(env.device, cfg.trainer.precision)]
+        p, t = parallelism, trainer
+        self.enabled = p.check and env.distributed
+        self.steps = min(p.check_steps, t.max_steps) if self.enabled else 0
+        self.tolerance = p.check_tolerance or PARITY_TOLERANCE[matmul_math(env.device, t.precision)]
         self.env = env
         self.result: dict[str, Any] | None = None
         self._losses: list[tuple[float, float]] = []  # (ranks' mean, reference), on rank 0
@@ -59,12 +61,11 @@ class ParityCheck(Stage):
         from trainflow.data import StreamSampler, make_loader, to_device
         from trainflow.optim import build_optimizer
 
-        t = cfg.trainer
         self.reference = copy.deepcopy(model)
-        self.optimizer, self.scheduler = build_optimizer(self.reference, cfg.optim, t.max_steps, env.device)
+        self.optimizer, self.scheduler = build_optimizer(self.reference, optim, t.max_steps, env.device)
         self.task, self.trainer, self.to_device = task, t, to_device
         sampler = StreamSampler(len(dataset), t.batch_size * env.world_size, 0, 1, t.seed)
-        self.batches = iter(make_loader(dataset, sampler, cfg.data, False))
+        self.batches = iter(make_loader(dataset, sampler, data, False))
 
     def _reference_step(self) -> float:
         t = self.trainer
@@ -141,10 +142,9 @@ class ParityCheck(Stage):
         return self.result or {"skipped": f"the run ended before parallelism.check_steps={self.steps}"}
 
 
-def parallelism_summary(cfg: DictConfig, env: DistEnv, steady: dict[str, float] | None,
-                        check: ParityCheck) -> dict[str, Any]:
+def parallelism_summary(parallelism: ParallelismConfig, trainer: TrainerConfig, env: DistEnv,
+                        steady: dict[str, float] | None, check: ParityCheck) -> dict[str, Any]:
     """The parallel layout, global batch, throughput in total and per rank, and the parity check's verdict."""
-    trainer = cfg.trainer
     out: dict[str, Any] = {
         "strategy": env.strategy,
         "world_size": env.world_size,
@@ -156,7 +156,7 @@ def parallelism_summary(cfg: DictConfig, env: DistEnv, steady: dict[str, float] 
         "check": check.summary(),
     }
     if env.strategy in SHARDED:
-        shape = hsdp_shape(cfg.parallelism, env.world_size) if env.strategy == "hsdp" else (1, env.world_size)
+        shape = hsdp_shape(parallelism, env.world_size) if env.strategy == "hsdp" else (1, env.world_size)
         out["mesh"] = dict(zip(MESH_DIMS, shape, strict=True))
     if steady:
         for key in ("samples_per_sec", "tokens_per_sec"):
