@@ -90,6 +90,7 @@ class Training:
     run_dir: Path
     env: DistEnv
     trainer: TrainerConfig  # a plain dataclass: DictConfig reads cost ~20 us each, too much for every step
+    parallelism: ParallelismConfig  # as parallelism=auto decided it
     data: DataBundle
     task: Task
     metric_names: list[str]  # what the task reports besides the loss (from a probe before training)
@@ -138,7 +139,7 @@ def assemble(cfg: DictConfig, run_dir: Path, env: DistEnv) -> Training:
         env, auto_plan = memory_plan.apply_auto(cfg, env, model, example, task)
     parallelism, optim = typed(cfg.parallelism, ParallelismConfig), typed(cfg.optim, OptimConfig)  # after auto
     parity = ParityCheck(parallelism, trainer, optim, cfg.data, env, model, data.train, task)  # refuses a wrapped model
-    model = parallelize(model, cfg.parallelism, env, trainer.precision)
+    model = parallelize(model, parallelism, env, trainer.precision)
     seq_lens = cfg.data.get("seq_lens")  # a user's data section may have no such key
     compiler = Compiler(typed(cfg.compile, CompileConfig), trainer, list(seq_lens) if seq_lens else None, env, run_dir)
     model = compiler.apply(model, example, task)  # compile.check compares eager and compiled on `example`
@@ -181,11 +182,11 @@ def assemble(cfg: DictConfig, run_dir: Path, env: DistEnv) -> Training:
             log.info("%s gives no validation set: no evaluation", data.name)
     loader = make_loader(data.train, sampler, cfg.data, pin)
     if isinstance(loader, IterableBatches):  # the user's stream: its position is checkpointed with the state
-        loader.check(cfg.parallelism.global_batch, trainer.grad_accum)
+        loader.check(parallelism.global_batch, trainer.grad_accum)
         loader.restore(state.data_state, resumed_from is not None, env.is_main)
         state.data_loader = loader
     return Training(
-        cfg, run_dir, env, trainer, data, task, metric_names, model, trainable=list(model.parameters()),
+        cfg, run_dir, env, trainer, parallelism, data, task, metric_names, model, trainable=list(model.parameters()),
         optimizer=optimizer, scheduler=scheduler, lr_moves=lr_moves(optim),
         metrics_every_step=cfg.task.get("train_metrics") == "every_step", state=state, batches=iter(loader), pin=pin,
         moves_batches=env.device.type != "cpu", autocast=autocast,
@@ -313,8 +314,7 @@ def summarize(training: Training) -> dict[str, Any] | None:
         "parameters": tr.parameters,
         "world_size": env.world_size,
         "global_batch": tr.global_batch,
-        "parallelism": parallelism_summary(typed(tr.cfg.parallelism, ParallelismConfig), trainer, env, steady,
-                                           tr.parity),
+        "parallelism": parallelism_summary(tr.parallelism, trainer, env, steady, tr.parity),
         "device": str(env.device),
         "matmul_math": matmul_math(env.device, trainer.precision),
         **{stage.summary_key: stage.summary(steady) for stage in tr.stages if stage.summary_key},

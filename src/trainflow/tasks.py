@@ -40,7 +40,8 @@ class Task:
         self.monitor, self.mode = monitor, mode
 
     def __call__(self, model: Callable, batch: Any, with_metrics: bool = True) -> tuple[torch.Tensor, Metrics]:
-        """The loss and, `with_metrics`, the metrics (the training step asks for them at log steps only)."""
+        """The loss and, `with_metrics`, the metrics (the training step asks for them on the steps that log them,
+        as task.train_metrics says)."""
         raise NotImplementedError
 
     def count(self, batch: Any) -> tuple[int, int]:

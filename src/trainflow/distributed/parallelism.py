@@ -31,6 +31,7 @@ from omegaconf import DictConfig
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from trainflow.config import FSDPConfig, ParallelismConfig
 from trainflow.distributed.hsdp import build_mesh, hsdp_shape
 from trainflow.distributed.process_group import SHARDED, DistEnv
 from trainflow.errors import ConfigError
@@ -42,7 +43,8 @@ log = logging.getLogger(__name__)
 _DTYPES = {None: None, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def parallelize(model: nn.Module, cfg: DictConfig, env: DistEnv, precision: str = "fp32") -> nn.Module:
+def parallelize(model: nn.Module, cfg: ParallelismConfig | DictConfig, env: DistEnv,
+                precision: str = "fp32") -> nn.Module:
     """Activation checkpointing, then DDP or FSDP2 for the chosen strategy; one process trains the model as is."""
     if cfg.activation_checkpointing == "full":
         checkpoint_blocks(model)
@@ -116,7 +118,7 @@ def fsdp_dtypes(param_dtype: str | None, reduce_dtype: str | None, precision: st
     return param, reduce
 
 
-def shard(model: nn.Module, cfg: DictConfig, env: DistEnv, precision: str = "fp32",
+def shard(model: nn.Module, cfg: FSDPConfig | DictConfig, env: DistEnv, precision: str = "fp32",
           mesh: DeviceMesh | None = None) -> nn.Module:
     """FSDP2: `fully_shard` each unit (blocks, or modules by size), then the root, over one device mesh (FSDP: one
     dimension; HSDP: replicate x shard)."""
