@@ -138,6 +138,32 @@ def booby_trap_the_newest_metadata(ctx: Ctx) -> None:
     (folder / "manifest.json").write_text(json.dumps(manifest))
 
 
+def edit_newest_manifest(ctx: Ctx, **changes: object) -> dict:
+    """Change the newest checkpoint's manifest as a tamperer (or a newer trainflow) could; returns it."""
+    path = ctx.ckpts / "step_00000004" / "manifest.json"
+    manifest = {**json.loads(path.read_text()), **changes}
+    path.write_text(json.dumps(manifest))
+    return manifest
+
+
+def list_a_fifo_in_the_newest_manifest(ctx: Ctx) -> None:
+    """A FIFO no one writes to, listed with a size and a checksum: reading it would wait forever."""
+    os.mkfifo(ctx.ckpts / "step_00000004" / "extra.bin")
+    manifest = json.loads((ctx.ckpts / "step_00000004" / "manifest.json").read_text())
+    edit_newest_manifest(ctx, files={**manifest["files"], "extra.bin": 0},
+                         checksums={**manifest["checksums"], "extra.bin": "0"})
+
+
+def list_dev_zero_in_the_newest_manifest(ctx: Ctx) -> None:
+    """A checksum of /dev/zero: hashing it would never end."""
+    manifest = json.loads((ctx.ckpts / "step_00000004" / "manifest.json").read_text())
+    edit_newest_manifest(ctx, checksums={**manifest["checksums"], "/dev/zero": "0"})
+
+
+def newer_format_in_the_newest_manifest(ctx: Ctx) -> None:
+    edit_newest_manifest(ctx, format=4, trainflow_version="9.0.0")
+
+
 def lock_checkpoint_dir(ctx: Ctx) -> None:
     from trainflow.locks import DirLock
 
@@ -475,6 +501,23 @@ CASES = [
          "Error: {ckpts}/step_00000004/.metadata: refused without running it: it refers to builtins.exec, which DCP "
          "metadata never holds; the checkpoint is damaged or was tampered with: do not use it",
          setup=booby_trap_the_newest_metadata),
+    Case("manifest-lists-a-fifo", "checkpoint", "a newest checkpoint whose manifest lists a FIFO", (),
+         "Error: {ckpts}/step_00000004: corrupt checkpoint (extra.bin is a FIFO (named pipe), not a regular file); "
+         "nothing was changed: move it out of {ckpts} to resume from step_00000002 (the previous committed "
+         "checkpoint)", setup=list_a_fifo_in_the_newest_manifest),
+    Case("manifest-lists-a-path", "checkpoint", "a newest checkpoint whose manifest lists /dev/zero", (),
+         "Error: {ckpts}/step_00000004: corrupt checkpoint (manifest.json lists '/dev/zero', which is not a file name "
+         "inside the checkpoint folder); nothing was changed: move it out of {ckpts} to resume from step_00000002 "
+         "(the previous committed checkpoint)", setup=list_dev_zero_in_the_newest_manifest),
+    Case("newer-format", "checkpoint", "resuming a checkpoint of a newer format", (),
+         "Error: {ckpts}/step_00000004: saved in checkpoint format 4 by trainflow 9.0.0, a newer format: this "
+         "trainflow ({any}) reads format 3 only; nothing was changed: resume or export it with that trainflow or a "
+         "newer one", setup=newer_format_in_the_newest_manifest),
+    Case("export-newer-format", "checkpoint", "exporting a checkpoint of a newer format",
+         ("export", "{ckpts}/step_00000004", "{tmp}/model.pt"),
+         "Error: {ckpts}/step_00000004: saved in checkpoint format 4 by trainflow 9.0.0, a newer format: this "
+         "trainflow ({any}) reads format 3 only; nothing was changed: resume or export it with that trainflow or a "
+         "newer one", tool="trainflow", setup=newer_format_in_the_newest_manifest),
     Case("optimizer-changed", "checkpoint", "resuming with another optimizer", ("optim=sgd",),
          "Error: {ckpts}/step_00000004: saved with the AdamW optimizer, this run builds SGD (optim.name); its "
          "optimizer state does not fit: to continue from its weights only (fresh optimizer and LR schedule from "

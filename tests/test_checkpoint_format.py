@@ -1,6 +1,7 @@
 """The bytes of a shard (format 3): each tensor's raw bytes back to back, read back with the dtype and shape of
-DCP's metadata and no unpickling; records that disagree with their metadata are refused in one line; checkpoints
-of format 2 (one torch.save archive per tensor) still resume in full, and a trap in such an archive never runs.
+DCP's metadata and no unpickling; records that disagree with their metadata are refused in one line; a checkpoint
+of another format (2: one torch.save archive per tensor; a newer one) is refused in one line, by resume and export,
+and a torch.save record never runs.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from test_checkpoint import tree_hash
-from test_checkpoint_safety import checkpointer, make_state, rewrite_manifest, shard, step, train_and_save
+from test_checkpoint_safety import checkpointer, make_state, rewrite_manifest, shard, train_and_save
 
 from trainflow.checkpoint.safe_io import RAW_RECORD, ChecksummingWriter, SafeReader, file_checksum, read_metadata
 from trainflow.checkpoint.state import FORMAT, flatten, split_state
@@ -122,29 +123,62 @@ def save_in_format_2(folder: Path) -> None:
     rewrite_manifest(folder)
 
 
-def test_a_format_2_checkpoint_still_resumes_in_full(tmp_path: Path) -> None:
-    saved = train_and_save(tmp_path, 3, save_final=False)
-    save_in_format_2(tmp_path / "ckpts" / "step_00000003")
+def refusals(tmp_path: Path, folder: Path) -> list[str]:
+    """What a resume (in full and weights only) and an export of `folder` say; the folder must stay as it was."""
+    from trainflow.checkpoint import export_weights
 
-    resumed = make_state(seed=1)
-    ck = checkpointer(tmp_path, save_final=False)
-    ck.resume(resumed)
-    assert ck.summary()["resumed_from"] == str(tmp_path / "ckpts" / "step_00000003")
-    assert (resumed.step, resumed.samples_seen) == (3, 12)
-    live, again = flatten(split_state(saved)[0]), flatten(split_state(resumed)[0])
-    assert live.keys() == again.keys() and [k for k in live if not torch.equal(live[k], again[k])] == []
-    step(resumed)  # and it goes on, saving in the current format
-    ck.after_step(resumed)
-    ck.close(resumed)
-    assert json.loads((tmp_path / "ckpts" / "step_00000004" / "manifest.json").read_text())["format"] == FORMAT
+    before = tree_hash(folder)
+    messages = []
+    for overrides in ({"dir": str(folder.parent)}, {"dir": str(tmp_path / "new"), "resume": str(folder),
+                                                    "load": "model"}):
+        ck = checkpointer(tmp_path, **overrides)
+        with pytest.raises(CheckpointError) as exc:
+            ck.resume(make_state(seed=1))
+        ck.close(make_state())
+        messages.append(str(exc.value))
+    with pytest.raises(CheckpointError) as exc:
+        export_weights(folder, tmp_path / "out.pt")
+    messages.append(str(exc.value))
+    assert tree_hash(folder) == before and not (tmp_path / "out.pt").exists()
+    return messages
 
 
-def test_a_trap_in_a_format_2_archive_is_refused_without_running_it(tmp_path: Path) -> None:
+def test_a_format_2_checkpoint_is_refused_in_one_line(tmp_path: Path) -> None:
+    from trainflow import __version__
+
+    train_and_save(tmp_path, 3, save_final=False)
+    folder = tmp_path / "ckpts" / "step_00000003"
+    save_in_format_2(folder)
+    manifest = json.loads((folder / "manifest.json").read_text())
+    (folder / "manifest.json").write_text(json.dumps({**manifest, "trainflow_version": "0.1.0.dev7"}))
+    assert refusals(tmp_path, folder) == [
+        f"{folder}: saved in checkpoint format 2 by trainflow 0.1.0.dev7, an older format: this trainflow "
+        f"({__version__}) reads format 3 only; nothing was changed: export its weights with that trainflow, or point "
+        "checkpoint.dir at a new folder to start fresh"] * 3
+
+
+def test_a_newer_format_is_named_and_refused_by_resume_and_export(tmp_path: Path) -> None:
+    """A newer trainflow may keep what this one cannot check: export must not skip the checks of a format it does
+    not know (the checksums below no longer match either)."""
+    from trainflow import __version__
+
+    train_and_save(tmp_path, 3, save_final=False)
+    folder = tmp_path / "ckpts" / "step_00000003"
+    manifest = json.loads((folder / "manifest.json").read_text())
+    manifest.update(format=FORMAT + 1, trainflow_version="9.0.0", checksums={n: "0" for n in manifest["files"]})
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    assert refusals(tmp_path, folder) == [
+        f"{folder}: saved in checkpoint format 4 by trainflow 9.0.0, a newer format: this trainflow ({__version__}) "
+        "reads format 3 only; nothing was changed: resume or export it with that trainflow or a newer one"] * 3
+
+
+def test_a_torch_save_record_is_refused_without_running_it(tmp_path: Path) -> None:
+    """A record stored as a torch.save archive (what format 2 wrote), planted in a format-3 checkpoint with its
+    manifest made to match: refused by the reader, its object never unpickled."""
     from trainflow.checkpoint import export_weights
 
     train_and_save(tmp_path, 2)
     folder, marker = tmp_path / "ckpts" / "step_00000002", tmp_path / "ran"
-    save_in_format_2(folder)
 
     class Trap:
         def __reduce__(self):
@@ -154,7 +188,7 @@ def test_a_trap_in_a_format_2_archive_is_refused_without_running_it(tmp_path: Pa
     torch.save(Trap(), archive)  # a torch.save archive whose object runs code when unpickled
     (folder / "__1_0.distcp").write_bytes(archive.getvalue())
     rewrite_metadata(folder, "app.model.net.0.weight", relative_path="__1_0.distcp", offset=0,
-                     length=len(archive.getvalue()))
+                     length=len(archive.getvalue()), transform_descriptors=None)
     pickle.loads(pickle.dumps(Trap()))  # the payload is live: read the usual way, it runs
     assert marker.exists()
     marker.unlink()
@@ -167,5 +201,5 @@ def test_a_trap_in_a_format_2_archive_is_refused_without_running_it(tmp_path: Pa
         export_weights(folder, tmp_path / "out.pt")
     assert not marker.exists()
     assert str(resume_error.value) == str(export_error.value) == (
-        f"{folder}: a torch.save record in its shards was refused without running it (it refers to exec); the "
-        "checkpoint is damaged or was tampered with: do not use it")
+        f"{folder}: app.model.net.0.weight is a torch.save record, which checkpoint format 3 never writes; trainflow "
+        "reads raw records only: the checkpoint is not of this format or was tampered with")

@@ -342,7 +342,10 @@ def save_in_the_format_before_checksums(state: TrainState, folder: Path) -> None
         "model_fingerprint": fingerprint(_model_shapes(state.model)), "files": files, "bytes": sum(files.values())}))
 
 
-def test_a_checkpoint_from_before_is_refused_in_full_and_loads_as_weights(tmp_path: Path) -> None:
+def test_a_checkpoint_from_before_checksums_is_refused_in_one_line(tmp_path: Path) -> None:
+    """Format 1 pickled the RNG and optimizer settings into its shards: neither resumed nor exported (reading its
+    torch.save records is gone with format 2's), in one line, the folder unchanged."""
+    from trainflow import __version__
     from trainflow.checkpoint import export_weights
 
     old = make_state()
@@ -351,28 +354,22 @@ def test_a_checkpoint_from_before_is_refused_in_full_and_loads_as_weights(tmp_pa
     folder = tmp_path / "old" / "step_00000003"
     save_in_the_format_before_checksums(old, folder)
     before = tree_hash(folder)
-
-    ck = checkpointer(tmp_path, dir=str(tmp_path / "old"))
+    messages = []
+    for overrides in ({"dir": str(tmp_path / "old")}, {"dir": str(tmp_path / "new"), "resume": str(folder),
+                                                      "load": "model"}):
+        ck = checkpointer(tmp_path, **overrides)
+        with pytest.raises(CheckpointError) as exc:
+            ck.resume(make_state(seed=1))
+        ck.close(make_state())
+        messages.append(str(exc.value))
     with pytest.raises(CheckpointError) as exc:
-        ck.resume(make_state(seed=1))
-    ck.close(make_state())
-    assert str(exc.value) == (
-        f"{folder}: saved by an older trainflow, which pickled the RNG and optimizer settings into the shards; "
-        "trainflow no longer unpickles checkpoints (that could run code from them); continue from its weights only "
-        f"with checkpoint.load=model checkpoint.resume={folder} and checkpoint.dir at a new folder (fresh optimizer "
-        "from step 0), or export them with `trainflow export`")
-
-    fresh = make_state(seed=1)
-    ck = checkpointer(tmp_path, dir=str(tmp_path / "new"), resume=str(folder), load="model")
-    ck.resume(fresh)
-    assert (fresh.step, fresh.samples_seen, fresh.optimizer.state) == (0, 0, {})
-    assert all(torch.equal(a, b) for a, b in zip(fresh.model.state_dict().values(), old.model.state_dict().values(),
-                                                 strict=True))
-    ck.close(fresh)
-    info = export_weights(folder, tmp_path / "weights.pt")
-    weights = torch.load(tmp_path / "weights.pt", weights_only=True)
-    assert info["step"] == 3 and all(torch.equal(weights[k], v) for k, v in old.model.state_dict().items())
-    assert tree_hash(folder) == before
+        export_weights(folder, tmp_path / "weights.pt")
+    messages.append(str(exc.value))
+    assert messages == [
+        f"{folder}: saved in checkpoint format 1 by trainflow 0.1.0, an older format: this trainflow ({__version__}) "
+        "reads format 3 only; nothing was changed: export its weights with that trainflow, or point checkpoint.dir "
+        "at a new folder to start fresh"] * 3
+    assert tree_hash(folder) == before and not (tmp_path / "weights.pt").exists()
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -24,7 +24,6 @@ from trainflow.checkpoint.safe_io import (
     root_error,
 )
 from trainflow.checkpoint.state import (
-    RESUMABLE_FORMATS,
     TrainState,
     data_file,
     hyperparameter_changes,
@@ -123,7 +122,8 @@ def load_tensors(target: Committed, tensors: dict[str, Any], group: Any) -> None
     import torch.distributed.checkpoint as dcp
 
     try:
-        dcp.load({"app": tensors}, storage_reader=SafeReader(target.path), process_group=group)
+        dcp.load({"app": tensors}, storage_reader=SafeReader(target.path, set(target.manifest["files"])),
+                 process_group=group)
     except BaseException as exc:
         reraise_interrupt(exc)
         if isinstance(root_error(exc), CheckpointError):
@@ -137,12 +137,6 @@ def load_all(target: Committed, state: TrainState, env: DistEnv, group: Any) -> 
     hyperparameters the config changed."""
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
-    if target.manifest.get("format") not in RESUMABLE_FORMATS:
-        raise CheckpointError(
-            f"{target.path}: saved by an older trainflow, which pickled the RNG and optimizer settings into the "
-            "shards; trainflow no longer unpickles checkpoints (that could run code from them); continue from "
-            f"its weights only with checkpoint.load=model checkpoint.resume={target.path} and checkpoint.dir at "
-            "a new folder (fresh optimizer from step 0), or export them with `trainflow export`")
     plain = read_state(target.path)
     here = type(state.optimizer).__name__
     if plain.get("optimizer") != here:
@@ -162,11 +156,15 @@ def load_all(target: Committed, state: TrainState, env: DistEnv, group: Any) -> 
     state.step, state.samples_seen = int(plain["step"]), int(plain["samples_seen"])
     restore_schedule(state, plain["scheduler"], live["scheduler"], state.step)
     same_world = target.manifest.get("world_size") == env.world_size
+    listed = target.manifest["files"]  # checked by check_intact: regular files of the folder
     if same_world:
         rng = target.path / rng_file(env.rank)
+        if rng.name not in listed:
+            raise CheckpointError(f"{target.path}: its manifest lists no {rng.name} although {env.world_size} "
+                                  f"rank(s) saved it; {corrupt_fix(target, list_committed(target.path.parent))}")
         set_rng_state(read_json(rng), rng)
     position = target.path / data_file(env.rank)  # an iterable dataset's stream (its loader checks the split)
-    state.data_state = read_json(position) if position.is_file() else None
+    state.data_state = read_json(position) if position.name in listed else None
     if env.is_main:
         log.info("resumed from step %d (%s, saved on %d rank(s); data position %d samples)", state.step,
                  target.path, target.manifest.get("world_size"), state.samples_seen)

@@ -1,27 +1,27 @@
 """The bytes of a checkpoint: written with a checksum per file, read back without running code from them.
 
-Trust model. A checkpoint folder is data, never code. DCP shards hold the tensors' raw bytes (format 3; format 2
-held one torch.save archive per tensor, read with torch's `weights_only` unpickler); their dtypes and shapes come
-from `.metadata`, which is read by an allow-list unpickler that knows the DCP metadata classes, torch
-dtypes/sizes/layouts and nothing else; every other value (progress, LR schedule, optimizer hyperparameters, RNG
-states) is JSON. The per-file xxh3-64 checksums in the manifest catch damage (a flipped byte, a truncated
-shard), not tampering: whoever can write the folder can rewrite the manifest too. xxh3-64 rather than CRC32 or
-a cryptographic hash: it is 5x faster than zlib.crc32 here (benchmarks/checkpoint.py), so hashing costs a few
-percent of a save; its 64 bits make an undetected random corruption vanishingly unlikely.
+Trust model. A checkpoint folder is data, never code. DCP shards hold the tensors' raw bytes (format 3: a
+torch.save record, as earlier formats wrote, is refused); their dtypes and shapes come from `.metadata`, which is
+read by an allow-list unpickler that knows the DCP metadata classes, torch dtypes/sizes/layouts and nothing else;
+every other value (progress, LR schedule, optimizer hyperparameters, RNG states) is JSON. Only files the manifest
+lists are opened, each a regular file inside the folder (store.py checks that first, with lstat). The per-file
+xxh3-64 checksums in the manifest catch damage (a flipped byte, a truncated shard), not tampering: whoever can
+write the folder can rewrite the manifest too. xxh3-64 rather than CRC32 or a cryptographic hash: it is 5x faster
+than zlib.crc32 here (benchmarks/checkpoint.py), so hashing costs a few percent of a save; its 64 bits make an
+undetected random corruption vanishingly unlikely.
 
 Also here: what a failure inside DCP (which wraps whatever a rank raised) was, in one line.
 """
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import io
 import json
 import math
 import os
 import pickle
 import queue
-import re
+import stat
 import threading
 import warnings
 from collections.abc import Iterator
@@ -199,8 +199,12 @@ def write_json(path: Path, value: Any) -> str:
 
 
 def file_checksum(path: Path) -> str:
+    """The file's xxh3-64; a link or anything but a regular file is refused, not followed or read."""
     digest = xxhash.xxh3_64()
-    with open(path, "rb", buffering=0) as f:
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)  # a FIFO opens without a writer, unread
+    with open(fd, "rb", buffering=0) as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise CheckpointError(f"{path}: not a regular file; the checkpoint is corrupt")
         while chunk := f.read(_CHUNK):
             digest.update(chunk)
     return digest.hexdigest()
@@ -266,8 +270,13 @@ def read_metadata(path: Path) -> Metadata:
 
 
 class SafeReader(FileSystemReader):
-    """DCP's file reader that runs no code: the allow-list `.metadata` unpickler, raw records read as bytes, older
-    torch.save records through torch's `weights_only` unpickler, non-tensor (pickled) items refused."""
+    """DCP's file reader that runs no code: the allow-list `.metadata` unpickler, raw records read as bytes; any
+    other record (a pickled object, a torch.save archive) refused, and with `names` (the manifest's files) a
+    record in any other file too."""
+
+    def __init__(self, path: Path, names: set[str] | None = None) -> None:
+        super().__init__(path)
+        self._names = names
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         metadata = read_metadata(Path(self.path))
@@ -286,31 +295,24 @@ class SafeReader(FileSystemReader):
             raise UnsafeCheckpoint(f"{self.path}: {pickled[0]} is stored as a pickled object, which trainflow does "
                                    "not load (it could run code); the checkpoint was tampered with or is not "
                                    "trainflow's")
-        raw = [item for item in plan.items if self._is_raw(item)]
-        archived = [item for item in plan.items if not self._is_raw(item)]  # format 2: one torch.save per tensor
+        archived = [item.storage_index.fqn for item in plan.items if not self._is_raw(item)]
         if archived:
-            self._read_archived(dataclasses.replace(plan, items=archived), planner)
+            raise CheckpointError(f"{self.path}: {archived[0]} is a torch.save record, which checkpoint format 3 "
+                                  "never writes; trainflow reads raw records only: the checkpoint is not of this "
+                                  "format or was tampered with")
         by_file: dict[str, list[ReadItem]] = {}
-        for item in raw:
+        for item in plan.items:
             by_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
         for name, items in by_file.items():
+            if self._names is not None and name not in self._names:
+                raise CheckpointError(f"{self.path}/.metadata: names {name!r} as a shard, which the manifest does "
+                                      "not list; the checkpoint is corrupt or was tampered with")
             with open(Path(self.path) / name, "rb", buffering=0) as f:
                 for item in sorted(items, key=lambda i: self.storage_data[i.storage_index].offset):
                     self._read_raw(f, item, planner)
         future: Future[None] = Future()
         future.set_result(None)
         return future
-
-    def _read_archived(self, plan: LoadPlan, planner: LoadPlanner) -> None:
-        """Format 2 records (a torch.save archive each) through DCP's reader, which uses the weights_only unpickler;
-        what it refuses is said in one line, without torch's advice to unpickle the file fully."""
-        try:
-            super().read_data(plan, planner).wait()
-        except pickle.UnpicklingError as exc:
-            found = re.search(r"Unsupported global: GLOBAL (\S+)", str(exc))
-            what = f"it refers to {found.group(1)}" if found else "it is not a plain tensor"
-            raise UnsafeCheckpoint(f"{self.path}: a torch.save record in its shards was refused without running it "
-                                   f"({what}); the checkpoint is damaged or was tampered with: do not use it") from None
 
     def _is_raw(self, item: ReadItem) -> bool:
         return RAW_RECORD in (self.storage_data[item.storage_index].transform_descriptors or ())

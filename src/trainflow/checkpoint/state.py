@@ -20,10 +20,7 @@ from torch import nn
 
 from trainflow.errors import CheckpointError
 
-FORMAT = 3  # shards of raw tensor bytes (see safe_io.py)
-# formats a full resume reads: JSON state, a checksum per file (2: one torch.save archive per tensor in the shards);
-# format 1, trainflow before checksums, pickled the RNG and non-tensor state into the shards: its weights only
-RESUMABLE_FORMATS = (2, FORMAT)
+FORMAT = 3  # shards of raw tensor bytes (see safe_io.py), JSON state, a checksum per file: the only one read
 STATE_FILE = "state.json"  # progress, LR schedule, optimizer hyperparameters: the non-tensor state
 
 

@@ -22,6 +22,7 @@ import logging
 import os
 import re
 import shutil
+import stat
 import threading
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -40,7 +41,7 @@ from trainflow.checkpoint.safe_io import (
     reraise_interrupt,
     root_error,
 )
-from trainflow.checkpoint.state import FORMAT, RESUMABLE_FORMATS, STATE_FILE
+from trainflow.checkpoint.state import FORMAT, STATE_FILE
 from trainflow.errors import CheckpointError, ConfigError
 from trainflow.files import atomic_path
 from trainflow.locks import DirLock
@@ -102,31 +103,76 @@ def uncommitted_newer(ckpt_dir: Path, committed: list[Committed]) -> Path | None
 
 
 def check_intact(ck: Committed, others: list[Committed]) -> None:
-    """Refuse a committed checkpoint whose files do not match its manifest (truncated, changed, missing, renamed)."""
+    """Refuse a committed checkpoint of another format, or whose files do not match its manifest (truncated,
+    changed, missing, renamed, not regular files)."""
+    if ck.manifest is not None:
+        check_format(ck)
     problem = None
     if ck.manifest is None:
         problem = f"{MANIFEST} is unreadable"
     elif ck.renamed:
         problem = f"the folder is named {ck.path.name} but its manifest says step {ck.step} (renamed by hand?)"
-    elif not (ck.path / ".metadata").is_file():
-        problem = ".metadata is missing"
     else:
-        for name, size in ck.manifest.get("files", {}).items():
-            f = ck.path / name
-            if not f.is_file():
-                problem = f"{name} is missing"
-                break
-            if f.stat().st_size != size:
-                problem = f"{name} is {f.stat().st_size} bytes, the manifest says {size} (truncated)"
-                break
-        if problem is None and ck.manifest.get("format") in RESUMABLE_FORMATS:
-            problem = check_files(ck.path, ck.manifest.get("checksums", {}))
-            if problem is None and set(ck.manifest.get("checksums", {})) != set(ck.manifest.get("files", {})):
-                problem = "the manifest lacks a checksum for some of its files"
-            if problem is None and read_state(ck.path)["step"] != ck.step:
-                problem = f"{STATE_FILE} holds another step than the manifest's {ck.step}"
+        problem = listed_files_problem(ck.path, ck.manifest)
+        if problem is None:
+            problem = check_files(ck.path, ck.manifest["checksums"])
+        if problem is None and read_state(ck.path)["step"] != ck.step:
+            problem = f"{STATE_FILE} holds another step than the manifest's {ck.step}"
     if problem:
         raise CheckpointError(f"{ck.path}: corrupt checkpoint ({problem}); {corrupt_fix(ck, others)}")
+
+
+def check_format(ck: Committed) -> None:
+    """Only this trainflow's format is read: an older one (pickled state, torch.save records) is no longer read,
+    a newer one may hold what this version cannot check; either is named with the trainflow that wrote it."""
+    found = ck.manifest.get("format", 1)  # format 1 wrote no format
+    if found == FORMAT:
+        return
+    wrote = f"trainflow {ck.manifest.get('trainflow_version', 'of unknown version')}"
+    here = f"this trainflow ({_trainflow_version()}) reads format {FORMAT} only"
+    if isinstance(found, int) and found > FORMAT:
+        raise CheckpointError(f"{ck.path}: saved in checkpoint format {found} by {wrote}, a newer format: {here}; "
+                              "nothing was changed: resume or export it with that trainflow or a newer one")
+    raise CheckpointError(f"{ck.path}: saved in checkpoint format {found} by {wrote}, an older format: {here}; "
+                          "nothing was changed: export its weights with that trainflow, or point checkpoint.dir at a "
+                          "new folder to start fresh")
+
+
+_KINDS = {stat.S_IFDIR: "a folder", stat.S_IFLNK: "a symbolic link", stat.S_IFIFO: "a FIFO (named pipe)",
+          stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device", stat.S_IFSOCK: "a socket"}
+_READ_BY_NAME = (".metadata", STATE_FILE)  # files every resume and export opens: the manifest must list them
+
+
+def listed_files_problem(folder: Path, manifest: dict[str, Any]) -> str | None:
+    """Why the files a manifest lists cannot be trusted to read, as a phrase; None when they can.
+
+    Every name is a plain file name inside `folder`, listed with its size and checksum, a regular file (a FIFO or
+    a device would hang the read, a link may lead outside) of the size the manifest says: all checked with lstat,
+    before any file is opened.
+    """
+    files, sums = manifest.get("files"), manifest.get("checksums")
+    if not isinstance(files, dict) or not isinstance(sums, dict):
+        return f"{MANIFEST} has no table of files and checksums"
+    for name in sorted({*files, *sums}):
+        if name in ("", ".", "..") or "/" in name or "\0" in name:
+            return f"{MANIFEST} lists {name!r}, which is not a file name inside the checkpoint folder"
+    for name in _READ_BY_NAME:
+        if name not in files:
+            return f"{MANIFEST} does not list {name}"
+    for name in sorted(sums.keys() - files.keys()):
+        return f"{MANIFEST} gives {name} a checksum but no size"
+    for name, size in sorted(files.items()):
+        try:
+            found = os.lstat(folder / name)
+        except FileNotFoundError:
+            return f"{name} is missing"
+        if not stat.S_ISREG(found.st_mode):
+            return f"{name} is {_KINDS.get(stat.S_IFMT(found.st_mode), 'not a file')}, not a regular file"
+        if found.st_size != size:
+            return f"{name} is {found.st_size} bytes, the manifest says {size} (truncated)"
+    if set(sums) != set(files):
+        return "the manifest lacks a checksum for some of its files"
+    return None
 
 
 _STATE_KEYS = {"step": int, "samples_seen": int, "optimizer": str, "param_groups": list, "scheduler": dict}
@@ -199,7 +245,7 @@ def export_weights(checkpoint: Path, out: Path) -> dict[str, Any]:
     weights = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in metadata.state_dict_metadata.items()
                if k.startswith(MODEL_PREFIX) and isinstance(m, TensorStorageMetadata)}
     try:
-        dcp.load(weights, storage_reader=SafeReader(ck.path), no_dist=True)
+        dcp.load(weights, storage_reader=SafeReader(ck.path, set(ck.manifest["files"])), no_dist=True)
     except BaseException as exc:  # DCP's CheckpointException derives from BaseException
         reraise_interrupt(exc)
         if isinstance(root_error(exc), CheckpointError):
