@@ -164,6 +164,16 @@ def newer_format_in_the_newest_manifest(ctx: Ctx) -> None:
     edit_newest_manifest(ctx, format=4, trainflow_version="9.0.0")
 
 
+def foreign_folder_where_a_save_goes(ctx: Ctx) -> None:
+    """A folder of trainflow's naming that another program made (no marker inside), where step 6 will be saved."""
+    (ctx.ckpts / ".tmp-step_00000006").mkdir()
+    (ctx.ckpts / ".tmp-step_00000006" / "data.csv").write_text("someone's data")
+
+
+def foreign_folder_kept(ctx: Ctx) -> None:
+    assert (ctx.ckpts / ".tmp-step_00000006" / "data.csv").read_text() == "someone's data"
+
+
 def lock_checkpoint_dir(ctx: Ctx) -> None:
     from trainflow.locks import DirLock
 
@@ -535,6 +545,10 @@ CASES = [
     Case("checkpoint-dir-is-a-file", "checkpoint", "a checkpoint dir that is a file", ("checkpoint.dir={tmp}/notes",),
          "Error: checkpoint.dir: {tmp}/notes is a file, not a folder; point checkpoint.dir at a folder",
          setup=file_in_the_way),
+    Case("foreign-folder-in-the-way", "checkpoint", "a folder trainflow did not make where a save must go", (),
+         "Error: checkpoint.dir: {ckpts}/.tmp-step_00000006 is in the way of a save and trainflow did not make it (no "
+         ".trainflow-unfinished inside); nothing was changed: move it away, or point checkpoint.dir at a folder of "
+         "trainflow's own", setup=foreign_folder_where_a_save_goes, after=foreign_folder_kept),
     Case("checkpoint-dir-in-use", "checkpoint", "a checkpoint dir another run holds", (),
          "Error: checkpoint.dir: {ckpts} is in use by another run (pid {n} on {any}, since {any}); wait for it to "
          "end, or point checkpoint.dir at another folder", setup=lock_checkpoint_dir),

@@ -21,6 +21,7 @@ import torch
 from conftest import ROOT, TINY_GPT, Run, losses_by_step, train, wait_for
 from omegaconf import OmegaConf
 
+from trainflow.checkpoint.store import TMP_MARKER
 from trainflow.locks import LOCK_FILE
 
 # 12 steps, a checkpoint every 4; evaluation only at the end, on 2 batches.
@@ -462,6 +463,7 @@ def test_listing_and_resume_ignore_unfinished_saves(tmp_path: Path) -> None:
     ckpts = tmp_path / "ckpts"
     shutil.copytree(ckpts / "step_00000001", ckpts / ".tmp-step_00000002")  # a crashed save, all files present
     (ckpts / ".tmp-step_00000002" / "manifest.json").unlink()
+    (ckpts / ".tmp-step_00000002" / TMP_MARKER).write_text("made by trainflow")  # what a save writes first
     assert [c.step for c in list_committed(ckpts)] == [1]
 
     fresh, ck2 = _state(seed=2), _checkpointer(tmp_path)

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from test_checkpoint import tree_hash
 from test_checkpoint_format import records
-from test_checkpoint_safety import checkpointer, make_state, rewrite_manifest, train_and_save
+from test_checkpoint_safety import checkpointer, make_state, rewrite_manifest, step, train_and_save
 
 from trainflow.checkpoint import export_weights
 from trainflow.checkpoint.safe_io import read_metadata
@@ -147,3 +147,43 @@ def test_a_shard_the_manifest_does_not_list_is_not_read(tmp_path: Path) -> None:
     assert refused(tmp_path, folder) == [
         f"{folder}/.metadata: names '../../outside.distcp' as a shard, which the manifest does not list; the "
         "checkpoint is corrupt or was tampered with"] * 2
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# what trainflow deletes in checkpoint.dir: only the .tmp- folders it can prove it made
+
+
+def test_a_folder_in_the_way_of_a_save_is_refused_not_deleted(tmp_path: Path) -> None:
+    """A `.tmp-step_N` of trainflow's naming without its marker (made by someone else) where a save must go."""
+    state = make_state()
+    ck = checkpointer(tmp_path, save_final=False)
+    ck.resume(state)
+    step(state)
+    ck.after_step(state)  # step 1 committed
+    in_the_way = tmp_path / "ckpts" / ".tmp-step_00000002"
+    in_the_way.mkdir()
+    (in_the_way / "data.csv").write_text("someone's data")
+    step(state)
+    with pytest.raises(CheckpointError) as exc:
+        ck.after_step(state)
+    ck.close(state)
+    assert str(exc.value) == (
+        f"checkpoint.dir: {in_the_way} is in the way of a save and trainflow did not make it (no "
+        ".trainflow-unfinished inside); nothing was changed: move it away, or point checkpoint.dir at a folder of "
+        "trainflow's own")
+    assert (in_the_way / "data.csv").read_text() == "someone's data"
+    assert [p.name for p in in_the_way.iterdir()] == ["data.csv"]
+
+
+def test_retention_marks_a_checkpoint_before_retiring_it(tmp_path: Path) -> None:
+    """A retired folder that outlives its deletion (a crash) is provably trainflow's at the next start."""
+    from trainflow.checkpoint import store
+
+    train_and_save(tmp_path, 3, keep_last=3)
+    ckpts = tmp_path / "ckpts"
+    assert not (ckpts / "step_00000001" / store.TMP_MARKER).exists()  # a committed checkpoint carries none
+    retired = store.retain(ckpts, 1, None)
+    assert retired == [ckpts / ".tmp-deleting-step_00000001", ckpts / ".tmp-deleting-step_00000002"]
+    assert all((r / store.TMP_MARKER).is_file() for r in retired)
+    store.remove_leftovers(ckpts)
+    assert sorted(p.name for p in ckpts.iterdir() if p.name != ".lock") == ["step_00000003"]

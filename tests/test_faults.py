@@ -23,9 +23,10 @@ from pathlib import Path
 
 import pytest
 from conftest import TINY_GPT, Run, losses_by_step, train, wait_for_log
-from test_checkpoint import committed, read_tensors, start
+from test_checkpoint import committed, read_tensors, start, tree_hash
 
 from trainflow.checkpoint import check_intact, list_committed
+from trainflow.checkpoint.store import TMP_MARKER
 
 
 @dataclass(frozen=True)
@@ -56,8 +57,9 @@ FAULTS = [
           "test_faults.py::test_ctrl_c_on_a_self_launched_run_stops_every_rank_in_one_line"),
     Fault("SLURM preemption and time limit", "checkpoint, requeue, resume to the same losses",
           "test_launcher_slurm.py::test_preemption_signal_checkpoints_requeues_and_resumes_to_the_same_losses"),
-    Fault("a stale partial checkpoint from an earlier crash",
-          "never listed or resumed from; removed at the next start, which resumes from the last committed one",
+    Fault("a stale partial checkpoint from an earlier crash, beside other programs' `.tmp-*` files and folders",
+          "never listed or resumed from; removed at the next start (trainflow's naming and marker file only), which "
+          "resumes from the last committed one; the others are left alone, byte-identical, and named in the log",
           "test_faults.py::test_leftovers_of_crashed_saves_are_removed_and_never_resumed"),
     Fault("two runs pointed at the same checkpoint dir at once",
           "the second is refused in one line naming the holder; after a SIGKILL of the first, the lock is gone",
@@ -187,14 +189,30 @@ def test_leftovers_of_crashed_saves_are_removed_and_never_resumed(unkilled: dict
     shutil.copytree(source / "step_00000006", ckpts / "step_00000006")
     for leftover in (".tmp-step_00000008", ".tmp-deleting-step_00000004"):  # a crashed save, a crashed deletion
         shutil.copytree(source / "step_00000008", ckpts / leftover)
+        (ckpts / leftover / TMP_MARKER).write_text("made by trainflow")  # written first by every save and retirement
     (ckpts / ".tmp-step_00000008" / "manifest.json").unlink()
+    # what other programs keep in a shared folder: a file, a folder, one of trainflow's naming without its marker,
+    # and a link to a folder holding a marker
+    (ckpts / ".tmp-notes.txt").write_text("someone's notes")
+    (ckpts / ".tmp-build").mkdir()
+    (ckpts / ".tmp-build" / "a.o").write_bytes(b"\x7fELF")
+    (ckpts / ".tmp-step_00000010").mkdir()
+    (ckpts / ".tmp-step_00000010" / "data").write_text("someone's data")
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "elsewhere" / TMP_MARKER).write_text("made by trainflow")
+    (ckpts / ".tmp-step_00000012").symlink_to(tmp_path / "elsewhere")
+    foreign = {p.name: tree_hash(p) if p.is_dir() else p.read_bytes() for p in ckpts.glob(".tmp-*")
+               if not p.name.startswith((".tmp-step_00000008", ".tmp-deleting"))}
     run = train(tmp_path / "run", *KILL)
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.summary["resumed_from_step"] == 6
     assert committed(ckpts) == ["step_00000006", "step_00000008"]
-    assert not list(ckpts.glob(".tmp-*"))
+    assert {p.name: tree_hash(p) if p.is_dir() else p.read_bytes() for p in ckpts.glob(".tmp-*")} == foreign
+    assert (tmp_path / "elsewhere" / TMP_MARKER).is_file() and (ckpts / ".tmp-step_00000012").is_symlink()
     log = (tmp_path / "run" / "train.log").read_text()
     assert log.count("the leftover of a save that never finished") == 2
+    assert sorted(re.findall(r"checkpoint: left \S+/(\.tmp-\S+) alone: trainflow did not make it", log)) == \
+        sorted(foreign)
     assert losses_by_step(tmp_path / "run") == {k: v for k, v in losses_by_step(unkilled["sync"].run_dir).items()
                                                 if k > 6}
 

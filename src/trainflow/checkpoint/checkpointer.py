@@ -250,7 +250,7 @@ class Checkpointer:
         tensors, plain = split_state(state)
         self._refuse_nonfinite(tensors, state.step)
         tmp = self.dir / f"{TMP_PREFIX}step_{state.step:08d}"
-        self._ranks.on_rank0(lambda: self._fresh(tmp))
+        self._ranks.on_rank0(lambda: store.new_tmp(tmp))
         if self.env.is_main:
             log.info("checkpoint step %d: saving to %s", state.step, tmp)
         started = time.perf_counter()
@@ -433,7 +433,3 @@ class Checkpointer:
         # uploaded: the save that was pending when those flags were taken (still the pending one) is done everywhere
         uploaded = self._pending is not None and polled_pending is self._pending and not bool(agreed[1])
         return int(agreed[0]) or None, uploaded
-
-    def _fresh(self, tmp: Path) -> None:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)

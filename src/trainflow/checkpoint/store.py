@@ -4,6 +4,11 @@ Layout of `checkpoint.dir` (default `<run dir>/checkpoints`):
 
     step_00000100/          a committed checkpoint: DCP shards, .metadata, state.json, rng_rankN.json, manifest.json
     .tmp-step_00000200/     a save in progress, or the leftover of a crashed one (removed at the next start)
+    .tmp-deleting-step_N/   a checkpoint retention retired, being deleted (removed at the next start if it stays)
+
+Only what trainflow can prove it made is ever removed: a `.tmp-` folder of its own naming that holds its marker
+file (TMP_MARKER, written first into every folder it makes or retires, under the folder's lock), or such a folder
+left empty. Anything else named `.tmp-*` (checkpoint.dir may be a shared scratch folder) is left alone, and said.
 
 A save writes into `.tmp-step_N`; its commit writes manifest.json (sizes and checksums of every file,
 `finite: true`) into it and renames it to `step_N` in one atomic rename. Listing, resume and retention see only
@@ -50,6 +55,8 @@ log = logging.getLogger(__package__)  # one name for the package: lines read [tr
 
 MANIFEST = "manifest.json"
 TMP_PREFIX = ".tmp-"
+TMP_MARKER = ".trainflow-unfinished"  # in a .tmp- folder: trainflow made it (a save, or a retired checkpoint)
+_TMP_DIR = re.compile(r"\.tmp-(deleting-)?step_\d+")  # the names trainflow gives its .tmp- folders
 MODEL_PREFIX = "app.model."  # where the model's tensors live in the flattened DCP keys
 MAX_LISTED = 6  # mismatched keys named in an error before "and N more"
 _STEP_DIR = re.compile(r"step_(\d+)")
@@ -284,7 +291,7 @@ def new_manifest(step: int, samples_seen: int, world_size: int, save_s: float,
 
 def commit(tmp: Path, final: Path, manifest: dict[str, Any], checksums: dict[str, str]) -> int:
     """Rank 0: the manifest, then the atomic rename that commits the checkpoint."""
-    files = {p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.is_file()}
+    files = {p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.is_file() and p.name != TMP_MARKER}
     if ".metadata" not in files:
         raise CheckpointError(f"{tmp}: the save finished without a .metadata file; nothing was committed")
     if final.exists():
@@ -295,6 +302,7 @@ def commit(tmp: Path, final: Path, manifest: dict[str, Any], checksums: dict[str
         json.dump(manifest, f, indent=1)
         f.flush()
         os.fsync(f.fileno())
+    (tmp / TMP_MARKER).unlink()  # a committed checkpoint is no leftover
     os.rename(tmp, final)
     _fsync_dir(final.parent)
     return manifest["bytes"] + (final / MANIFEST).stat().st_size
@@ -319,6 +327,7 @@ def retain(ckpt_dir: Path, keep_last: int, resumed_from: Committed | None) -> li
         if c.path not in keep:
             doomed = c.path.with_name(f"{TMP_PREFIX}deleting-{c.path.name}")
             try:
+                _mark(c.path)  # so that the next start may remove it, should it stay
                 os.rename(c.path, doomed)
             except OSError as exc:
                 log.warning("checkpoint: could not delete %s (%s); it stays", c.path, exc.strerror)
@@ -368,11 +377,43 @@ def lock_dir(ckpt_dir: Path, run_dir: Path) -> DirLock:
                           "point checkpoint.dir at a writable folder") from exc
 
 
+def new_tmp(tmp: Path) -> None:
+    """Rank 0: an empty `.tmp-` folder for a save, marked as trainflow's first; a leftover of ours in the way goes,
+    anything else there is refused (never deleted)."""
+    if tmp.exists() or tmp.is_symlink():
+        if not _ours(tmp):
+            raise CheckpointError(f"checkpoint.dir: {tmp} is in the way of a save and trainflow did not make it (no "
+                                  f"{TMP_MARKER} inside); nothing was changed: move it away, or point "
+                                  "checkpoint.dir at a folder of trainflow's own")
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    _mark(tmp)
+
+
 def remove_leftovers(ckpt_dir: Path) -> None:
-    """Remove what crashed saves left (`.tmp-` folders): never committed, never resumed."""
+    """Rank 0, under the folder's lock: remove what crashed saves and deletions of trainflow left (never committed,
+    never resumed); say what else named `.tmp-*` is left alone."""
     for leftover in sorted(ckpt_dir.glob(f"{TMP_PREFIX}*")):
-        shutil.rmtree(leftover, ignore_errors=True) if leftover.is_dir() else leftover.unlink(missing_ok=True)
-        log.info("checkpoint: removed %s, the leftover of a save that never finished", leftover)
+        if _ours(leftover):
+            shutil.rmtree(leftover, ignore_errors=True)
+            log.info("checkpoint: removed %s, the leftover of a save that never finished", leftover)
+        else:
+            log.warning("checkpoint: left %s alone: trainflow did not make it (not a folder of its naming holding "
+                        "%s); it is no checkpoint and trainflow never reads it", leftover, TMP_MARKER)
+
+
+def _mark(folder: Path) -> None:
+    (folder / TMP_MARKER).write_text(f"made by trainflow, pid {os.getpid()}: a save that has not finished, or a "
+                                     "retired checkpoint being deleted\n")
+
+
+def _ours(path: Path) -> bool:
+    """A `.tmp-` folder of trainflow's naming (not a link) holding its regular marker file, or left empty (a save
+    stopped between the mkdir and the marker: nothing to lose)."""
+    if not _TMP_DIR.fullmatch(path.name) or path.is_symlink() or not path.is_dir():
+        return False
+    marker = path / TMP_MARKER
+    return (marker.is_file() and not marker.is_symlink()) or not any(path.iterdir())
 
 
 def _fsync_dir(path: Path) -> None:
