@@ -177,6 +177,9 @@ class Checkpointer:
         return stop_signal is not None
 
     def __enter__(self) -> Checkpointer:
+        """The loop begins: a stop signal now saves at the step boundary (before, it ends the process at once)."""
+        if self.enabled:
+            self._signals.training_starts()
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -3,12 +3,17 @@
 SIGTERM, SIGUSR2 or SIGHUP on any rank makes every rank agree (an all-reduce of the flag at each step boundary) to
 save at that step boundary; the process then exits with EXIT_STOPPED = 75 (EX_TEMPFAIL: "try again"); running the
 same command again resumes. A second signal acts as it would without trainflow (terminates at once).
+
+Before the first step there is nothing to save, and no step boundary may ever come (a resume waiting on a stuck
+disk): a stop signal then ends the process at once, in one line, with EXIT_STOPPED.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import signal
+import sys
 import threading
 from typing import Any
 
@@ -45,9 +50,12 @@ class StopSignals:
     def __init__(self) -> None:
         self.caught: int | None = None
         self._previous: dict[int, Any] = {}
+        self._training = False  # from the first step on, a signal waits for the step boundary
+        self._main = False
 
     def install(self, warn: bool) -> None:
-        """Catch STOP_SIGNALS; outside the main thread (where Python delivers none) say so when `warn`."""
+        """Catch STOP_SIGNALS; outside the main thread (where Python delivers none) say so when `warn` (rank 0)."""
+        self._main = warn
         if threading.current_thread() is threading.main_thread():
             self._previous = {s: signal.signal(s, self._on_signal) for s in STOP_SIGNALS}
         elif warn:
@@ -58,9 +66,23 @@ class StopSignals:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
 
+    def training_starts(self) -> None:
+        """The first step begins: from now on a stop signal saves at the next step boundary."""
+        self._training = True
+
     def _on_signal(self, signum: int, _frame: Any) -> None:
+        if not self._training:
+            self._exit_before_training(signum)
         self.caught = signum
         signal.signal(signum, self._previous[signum])  # a second signal acts as it would without us
+
+    def _exit_before_training(self, signum: int) -> None:
+        """At once, whatever the process waits on: threads blocked in a read would keep a normal exit waiting."""
+        if self._main:
+            print(f"Stopped by {signal.Signals(signum).name} before the first step: nothing to save yet, committed "
+                  f"checkpoints are untouched; run the same command to resume (exit code {EXIT_STOPPED})",
+                  file=sys.stderr, flush=True)
+        os._exit(EXIT_STOPPED)
 
 
 class LatePoll:
