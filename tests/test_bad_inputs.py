@@ -174,6 +174,20 @@ def foreign_folder_kept(ctx: Ctx) -> None:
     assert (ctx.ckpts / ".tmp-step_00000006" / "data.csv").read_text() == "someone's data"
 
 
+def another_runs_results(ctx: Ctx) -> None:
+    """The run directory holds what a run of another model left: its config, its summary, its saved overrides."""
+    (ctx.tmp / "run" / ".hydra").mkdir(parents=True)
+    (ctx.tmp / "run" / ".hydra" / "overrides.yaml").write_text("- model=gpt_small\n- trainer.max_steps=4\n")
+    (ctx.tmp / "run" / "config.yaml").write_text("model:\n  n_layer: 12\n")
+    (ctx.tmp / "run" / "summary.json").write_text('{"steps": 4}')
+
+
+def another_runs_results_kept(ctx: Ctx) -> None:
+    assert (ctx.tmp / "run" / "config.yaml").read_text() == "model:\n  n_layer: 12\n"
+    assert (ctx.tmp / "run" / "summary.json").read_text() == '{"steps": 4}'
+    assert "gpt_small" in (ctx.tmp / "run" / ".hydra" / "overrides.yaml").read_text()
+
+
 def lock_checkpoint_dir(ctx: Ctx) -> None:
     from trainflow.locks import DirLock
 
@@ -584,6 +598,11 @@ CASES = [
          "Error: hydra.run.dir: {tmp}/run is in use by another run (pid {n} on {any}, since {any}); wait for it to "
          "end, or give this run its own directory (another trainer.run_name, or hydra.run.dir=<folder>)",
          setup=lock_run_dir),
+    Case("run-dir-of-another-run", "environment", "a run directory holding another run's config and summary", (),
+         "Error: hydra.run.dir: {tmp}/run holds the config.yaml and summary.json of another run "
+         "(model=gpt_small-{any}; this one is {any}); nothing was changed: give this run its own directory "
+         "(hydra.run.dir=<new folder>), or continue that run with trainer.run_name='model=gpt_small-{any}'",
+         setup=another_runs_results, after=another_runs_results_kept),
     # scale decisions
     Case("hsdp-shard-size", "scale", "an HSDP shard size that does not divide the world size",
          ("parallelism=hsdp", "parallelism.nproc_per_node=4", "parallelism.hsdp.shard_size=3"),

@@ -219,3 +219,34 @@ def test_a_checkpoint_dir_inside_the_locked_run_dir_itself_is_allowed(run_dir: P
                 f"checkpoint.dir={run_dir}")
     assert run.returncode == 0, run.stderr[-3000:]
     assert committed(run_dir) == ["step_00000002"]
+
+
+def test_a_run_directory_holding_another_run_is_refused_and_the_same_run_continues(run_dir: Path) -> None:
+    """hydra.run.dir of an earlier run: another model there would overwrite its config.yaml and summary.json;
+    the same run (more steps) resumes in it, and so does another config under that run's trainer.run_name."""
+    from trainflow.rundir import run_identity
+
+    args = [*SHORT, "checkpoint=dcp", "checkpoint.every_steps=2"]
+    first = train(run_dir, *args, "trainer.max_steps=2")
+    assert first.returncode == 0, first.stderr[-3000:]
+    kept = tree_hash(run_dir)
+    theirs = run_identity([*args, "trainer.max_steps=2"])
+
+    other = train(run_dir, *args, "trainer.max_steps=2", "model.n_embd=32")
+    assert other.returncode == 2, other.stderr[-3000:]
+    assert errors(other.stderr) == [
+        f"Error: hydra.run.dir: {run_dir} holds the config.yaml and summary.json of another run ({theirs}; this one "
+        f"is {run_identity([*args, 'model.n_embd=32'])}); nothing was changed: give this run its own directory "
+        f"(hydra.run.dir=<new folder>), or continue that run with trainer.run_name='{theirs}'"]
+    assert "Traceback" not in other.stderr
+    assert {k: v for k, v in tree_hash(run_dir).items() if k != ".lock"} == \
+        {k: v for k, v in kept.items() if k != ".lock"}  # the lock file names its latest holder
+
+    more = train(run_dir, *args, "trainer.max_steps=4")  # the same run, continued
+    assert more.returncode == 0, more.stderr[-3000:]
+    assert more.summary["resumed_from_step"] == 2 and more.summary["steps"] == 4
+
+    changed = train(run_dir, *args, "trainer.max_steps=6", "optim.lr=3e-4", f"trainer.run_name='{theirs}'")
+    assert changed.returncode == 0, changed.stderr[-3000:]
+    assert changed.summary["resumed_from_step"] == 4
+    assert changed.summary["checkpoint"]["resume_changes"][0]["key"] == "optim.lr"

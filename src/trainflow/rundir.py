@@ -14,7 +14,9 @@ checkpoints, on every rank, after any stop or crash.
 
 One run at a time: rank 0 locks the run directory (`<run dir>/.lock`) before
 Hydra writes anything into it, so a second run there is refused without touching
-the first one's files.
+the first one's files. One run per directory, too: a run directory that holds the
+results (config.yaml, summary.json) of a run of another identity (run_identity) is
+refused before anything is written there; the same run may continue in it.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
+import yaml
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
@@ -87,6 +90,13 @@ def run_name(overrides: list[str]) -> str:
     kept = sorted(o for o in overrides if _names_the_run(o))
     readable = re.sub(r"[^A-Za-z0-9._=,+-]", "_", ",".join(kept))[:_READABLE_CHARS] or "default"
     return f"{readable}-{hashlib.sha256(chr(10).join(kept).encode()).hexdigest()[:8]}"
+
+
+def run_identity(overrides: list[str]) -> str:
+    """What makes two runs one run: the trainer.run_name typed for it, else the name made from its overrides (the
+    default run name): more steps or other checkpoint settings keep the identity, another model does not."""
+    named = [o.split("=", 1)[1].strip("'\"") for o in overrides if _override_key(o) == "trainer.run_name" and "=" in o]
+    return named[-1] if named else run_name(overrides)
 
 
 def run_dir(checkpointed: bool = False, name: str | None = None, overrides: Any = ()) -> str:
@@ -167,13 +177,42 @@ class RunDirLock(Callback):
     """
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
-        claim_run_dir(Path(str(config.hydra.run.dir)), "hydra.run.dir")
+        folder = Path(str(config.hydra.run.dir))
+        claim_run_dir(folder, "hydra.run.dir")
+        if env_rank() == 0 and not os.environ.get(RUN_DIR_ENV):  # a launcher's job folder is the launcher's to name
+            check_same_run(folder, [str(o) for o in config.hydra.overrides.task])
 
     def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
         from hydra.types import RunMode
 
         key = "hydra.run.dir" if config.hydra.mode == RunMode.RUN else "hydra.sweep.dir"
         claim_run_dir(Path(str(config.hydra.runtime.output_dir)), key)
+
+
+RESULTS = ("config.yaml", "summary.json")  # what a run leaves in its directory, rewritten by the next run there
+
+
+def check_same_run(folder: Path, overrides: list[str]) -> None:
+    """Rank 0, holding the folder's lock: stop in one line when `folder` holds the results of another run, whose
+    identity its saved overrides (.hydra/overrides.yaml) give; nothing there is changed."""
+    results = [name for name in RESULTS if (folder / name).exists()]
+    if not results:
+        return
+    try:
+        theirs: str | None = run_identity([str(o) for o in OmegaConf.load(folder / ".hydra" / "overrides.yaml")])
+    except (OSError, ValueError, TypeError, yaml.YAMLError):
+        theirs = None
+    ours = run_identity(overrides)
+    if theirs == ours:
+        return
+    held = f"holds the {' and '.join(results)} of"
+    if theirs is None:
+        user_error(f"hydra.run.dir: {folder} {held} a run trainflow cannot identify (no readable "
+                   ".hydra/overrides.yaml); nothing was changed: give this run its own directory "
+                   "(hydra.run.dir=<new folder>)")
+    user_error(f"hydra.run.dir: {folder} {held} another run ({theirs}; this one is {ours}); nothing was changed: "
+               f"give this run its own directory (hydra.run.dir=<new folder>), or continue that run with "
+               f"trainer.run_name='{theirs}'")
 
 
 def _check_writable(key: str, folder: str) -> None:
