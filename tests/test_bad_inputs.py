@@ -188,6 +188,19 @@ def another_runs_results_kept(ctx: Ctx) -> None:
     assert "gpt_small" in (ctx.tmp / "run" / ".hydra" / "overrides.yaml").read_text()
 
 
+def file_where_tensorboard_writes(ctx: Ctx) -> None:
+    (ctx.tmp / "run").mkdir()
+    (ctx.tmp / "run" / "tensorboard").write_text("not a folder")
+
+
+def read_only_tensorboard_folder(ctx: Ctx) -> None:
+    ctx.hold.enter_context(tmpfs(ctx.tmp / "run" / "tensorboard", "1m", read_only=True))
+
+
+def fifo_corpus(ctx: Ctx) -> None:
+    os.mkfifo(ctx.tmp / "pipe")
+
+
 def lock_checkpoint_dir(ctx: Ctx) -> None:
     from trainflow.locks import DirLock
 
@@ -451,6 +464,18 @@ CASES = [
          ("data.paths=[{tmp}/corpus]", "data.cache_dir={tmp}/cache"),
          "Error: data.paths: {tmp}/corpus/b.py is a broken symbolic link (to {tmp}/gone.py, which does not exist); "
          "remove it, or fix it, or narrow data.suffixes", setup=corpus_with_broken_link),
+    Case("fifo-corpus", "data", "a FIFO given as the corpus", ("data.paths=[{tmp}/pipe]",),
+         "Error: data.paths: {tmp}/pipe is a FIFO (named pipe), not a regular file or a folder; give text files or "
+         "folders", setup=fifo_corpus),
+    Case("tensorboard-blocked", "environment", "TensorBoard's folder replaced by a file", ("logger=tensorboard",),
+         "Error: logger.tensorboard: cannot write TensorBoard's events in {tmp}/run/tensorboard ({tmp}/run/tensorboard "
+         "is a file, not a folder); make that a writable folder, or run with logger=none",
+         setup=file_where_tensorboard_writes),
+    Case("tensorboard-read-only", "environment", "TensorBoard's folder on a read-only filesystem",
+         ("logger=tensorboard",),
+         "Error: logger.tensorboard: cannot write TensorBoard's events in {tmp}/run/tensorboard (Read-only file "
+         "system); make that a writable folder, or run with logger=none", setup=read_only_tensorboard_folder,
+         needs="mount"),
     Case("data-cache-blocked", "environment", "a token cache folder blocked by a file",
          ("data.cache_dir={tmp}/notes/cache",),
          "Error: data.cache_dir: cannot write the token cache in {tmp}/notes/cache ({tmp}/notes is a file, not a "

@@ -72,6 +72,13 @@ FAULTS = [
     Fault("the disk fills up during a sync or async save",
           "one line naming the step and free space, exit 2, committed checkpoints byte-identical",
           "test_bad_inputs.py::test_bad_input[full-disk-async]"),
+    Fault("the disk fills while only the manifest of a save is written (the shards fit)",
+          "one line naming the step and the manifest's path; the unfinished save is removed at once, committed "
+          "checkpoints byte-identical",
+          "test_checkpoint_disk.py::test_a_disk_full_only_for_the_manifest_names_the_step_and_the_path"),
+    Fault("a sweep whose non-ASCII swept values make a job name longer than a file name's 255 bytes",
+          "each job's TensorBoard folder is named by the first 200 bytes of it, cut between characters; the jobs run",
+          "test_tensorboard.py::test_a_sweep_of_long_non_ascii_values_names_its_jobs_within_a_file_names_bytes"),
     Fault("one rank's weights differ from the others' (FSDP2, parallelism.check=true)",
           "the parity check fails and logs the parameter difference against a one-process reference",
           "test_distributed.py::test_parity_check_fails_on_a_skewed_rank"),

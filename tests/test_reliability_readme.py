@@ -45,6 +45,8 @@ def why_not_by_default(test: str) -> str | None:
         return "slow: `pytest -m slow`"
     if _needs_cluster(file, function):
         return "skipped without a SLURM cluster"
+    if re.search(r"@pytest\.mark\.skipif\(not can_mount\(\).*\n(@.*\n)*def " + function + r"\(", source):
+        return "skipped without mount rights"
     needs = {c.id: c.needs for c in CASES}.get(param.rstrip("]"))
     return {"mount": "skipped without mount rights", "no-gpu": "skipped where a GPU is visible"}.get(needs or "")
 

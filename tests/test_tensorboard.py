@@ -198,3 +198,32 @@ def test_hyperparameters_keep_their_types() -> None:
     assert record.tag == "_hparams_/session_start_info"
     assert stored["trainer.deterministic"].bool_value is True and stored["extra.flag"].HasField("bool_value")
     assert stored["optim.lr"].number_value == 3e-4 and stored["data.paths"].string_value == "[/a,/b]"
+
+
+def test_a_job_name_is_cut_at_200_bytes_between_characters() -> None:
+    from trainflow.tensorboard import folder_name
+
+    greek = "trainer.run_name=" + "α" * 300  # 2 bytes a character: 200 characters would be 383 bytes
+    cut = folder_name(greek)
+    assert len(cut.encode()) == 199 and greek.startswith(cut)  # 200 would split an α: one byte less
+    assert folder_name("a" * 300) == "a" * 200 and folder_name("short") == "short"
+
+
+def test_a_sweep_of_long_non_ascii_values_names_its_jobs_within_a_file_names_bytes(tmp_path: Path) -> None:
+    """Swept values whose job name has more than 255 bytes (non-ASCII): each job's TensorBoard folder is named by
+    the first 200 bytes of it, and the jobs run."""
+    values = ["1" + "α" * 150, "2" + "α" * 150]
+    folder = tmp_path / "sweep"
+    proc = subprocess.run([sys.executable, str(ROOT / "train.py"), "-m", *TB_GPT, "trainer.max_steps=2",
+                           "trainer.run_name=" + ",".join(f"'{v}'" for v in values), f"hydra.sweep.dir={folder}"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    for job, value in enumerate(values):
+        (events,) = (folder / str(job) / "tensorboard").iterdir()
+        (swept,) = [o for o in (folder / str(job) / ".hydra" / "overrides.yaml").read_text().splitlines()
+                    if "trainer.run_name=" in o]
+        name = swept.removeprefix("- ")  # the job's override as Hydra saved it, its value quoted or not
+        assert value in name and len(name.encode()) > 255
+        assert len(events.name.encode()) <= 200 and name.startswith(events.name)
+        assert list(events.glob("events.out.tfevents.*")) and summary(folder / str(job))["steps"] == 2

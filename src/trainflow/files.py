@@ -1,9 +1,12 @@
-"""Writing a file whole: a reader (another rank, a report, a resumed run) sees the old bytes or the new, never half."""
+"""Writing a file whole: a reader (another rank, a report, a resumed run) sees the old bytes or the new, never half.
+Also: what a path that is not a regular file is, in words.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import os
+import stat
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -31,3 +34,13 @@ def write_atomic(path: Path, data: str | bytes) -> None:
             tmp.write_text(data)
         else:
             tmp.write_bytes(data)
+
+
+_KINDS = {stat.S_IFDIR: "a folder", stat.S_IFLNK: "a symbolic link", stat.S_IFIFO: "a FIFO (named pipe)",
+          stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device", stat.S_IFSOCK: "a socket",
+          stat.S_IFREG: "a regular file"}
+
+
+def kind_of(mode: int) -> str:
+    """What an `lstat`/`stat` st_mode is, in words: a FIFO or a device read as a file would hang or never end."""
+    return _KINDS.get(stat.S_IFMT(mode), "not a file")

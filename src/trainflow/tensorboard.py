@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import math
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -22,9 +23,11 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from trainflow.config import OptimConfig, TrainerConfig
+from trainflow.errors import ConfigError, unwritable_reason
 from trainflow.profile_verdict import format_verdict
 
 EVENTS_DIR = "tensorboard"
+NAME_BYTES = 200  # a sweep job's folder name: one level, within the usual 255-byte limit of a file name
 MIB = 2**20
 # metrics.jsonl name -> TensorBoard tag, where the dashboard needs another group or unit than the log.
 _TAGS = {"train/loss": "loss/train", "val/loss": "loss/val", "perf/memory_bytes": "perf/peak_memory_mib"}
@@ -80,8 +83,13 @@ def job_name(overrides: list[str], run_dir: Path) -> str | None:
         return None
     keys = set(swept_keys(multirun_yaml))
     varied = [o.lstrip("+~") for o in overrides if o.lstrip("+~").split("=", 1)[0] in keys]
-    # One folder level, within the usual 255-byte limit of a file name.
-    return ",".join(varied).replace("/", "_")[:200] or None
+    return folder_name(",".join(varied).replace("/", "_")) or None
+
+
+def folder_name(text: str, limit: int = NAME_BYTES) -> str:
+    """`text` cut to at most `limit` bytes of UTF-8 (a file name may have 255 bytes, whatever its characters),
+    never inside a character."""
+    return text.encode()[:limit].decode(errors="ignore")
 
 
 def saved_hydra(run_dir: Path) -> tuple[str | None, dict[str, Any], list[str]]:
@@ -133,6 +141,7 @@ class Dashboard:
         mode, choices, overrides = saved_hydra(run_dir)
         name = job_name(overrides, run_dir) if mode == "MULTIRUN" else None
         self.dir = run_dir / EVENTS_DIR / name if name else run_dir / EVENTS_DIR
+        _check_writable(self.dir)  # before the writer, whose thread would print its own traceback
         self._writer = SummaryWriter(log_dir=str(self.dir), flush_secs=10)  # a running run shows within seconds
         self._add(session_start_record(hyperparameters(headline(trainer, optim), choices, overrides)))
         self._add(_text_summary("config", f"```yaml\n{config_yaml}```"))
@@ -156,6 +165,17 @@ class Dashboard:
 
     def _add(self, summary: Any, step: int = 0) -> None:
         self._writer.file_writer.add_summary(summary, step)
+
+
+def _check_writable(folder: Path) -> None:
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as exc:
+        raise ConfigError(f"logger.tensorboard: cannot write TensorBoard's events in {folder} "
+                          f"({unwritable_reason(folder, exc)}); make that a writable folder, or run with "
+                          "logger=none") from None
 
 
 def session_start_record(hparams: dict[str, HparamValue]) -> Any:

@@ -48,7 +48,7 @@ from trainflow.checkpoint.safe_io import (
 )
 from trainflow.checkpoint.state import FORMAT, STATE_FILE
 from trainflow.errors import CheckpointError, ConfigError
-from trainflow.files import atomic_path
+from trainflow.files import atomic_path, kind_of
 from trainflow.locks import DirLock
 
 log = logging.getLogger(__package__)  # one name for the package: lines read [trainflow.checkpoint]
@@ -145,8 +145,6 @@ def check_format(ck: Committed) -> None:
                           "new folder to start fresh")
 
 
-_KINDS = {stat.S_IFDIR: "a folder", stat.S_IFLNK: "a symbolic link", stat.S_IFIFO: "a FIFO (named pipe)",
-          stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device", stat.S_IFSOCK: "a socket"}
 _READ_BY_NAME = (".metadata", STATE_FILE)  # files every resume and export opens: the manifest must list them
 
 
@@ -174,7 +172,7 @@ def listed_files_problem(folder: Path, manifest: dict[str, Any]) -> str | None:
         except FileNotFoundError:
             return f"{name} is missing"
         if not stat.S_ISREG(found.st_mode):
-            return f"{name} is {_KINDS.get(stat.S_IFMT(found.st_mode), 'not a file')}, not a regular file"
+            return f"{name} is {kind_of(found.st_mode)}, not a regular file"
         if found.st_size != size:
             return f"{name} is {found.st_size} bytes, the manifest says {size} (truncated)"
     if set(sums) != set(files):
@@ -298,10 +296,18 @@ def commit(tmp: Path, final: Path, manifest: dict[str, Any], checksums: dict[str
         raise CheckpointError(f"{final} already exists; point checkpoint.dir at a folder of one run")
     sums = {name: checksums.get(name) or file_checksum(tmp / name) for name in files}
     manifest = {**manifest, "files": files, "checksums": sums, "bytes": sum(files.values())}
-    with open(tmp / MANIFEST, "w") as f:
-        json.dump(manifest, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with open(tmp / MANIFEST, "w") as f:
+            json.dump(manifest, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as exc:  # the shards fit, the last small file did not: a full disk, a quota
+        shutil.rmtree(tmp, ignore_errors=True)  # never committed: its space goes back at once
+        committed = list_committed(final.parent)
+        newest = f"newest: {committed[-1].path.name}" if committed else "there are none yet"
+        raise CheckpointError(f"checkpoint.dir: saving step {manifest['step']} to {final.parent} failed writing "
+                              f"{tmp / MANIFEST} ({exc.strerror}); free space or point checkpoint.dir at a writable "
+                              f"disk; committed checkpoints are untouched ({newest})") from None
     (tmp / TMP_MARKER).unlink()  # a committed checkpoint is no leftover
     os.rename(tmp, final)
     _fsync_dir(final.parent)

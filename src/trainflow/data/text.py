@@ -20,7 +20,7 @@ from torch.utils.data import Dataset
 
 from trainflow.data.tokenizers import Tokenizer, build_once, build_tokenizer
 from trainflow.errors import DataError, home_note, unwritable_reason
-from trainflow.files import atomic_path
+from trainflow.files import atomic_path, kind_of
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +40,9 @@ def list_files(paths: list[Path], suffixes: list[str]) -> list[Path]:
         if path.is_file():
             files.append(path)
             continue
+        if not path.is_dir():  # a FIFO would wait for a writer, a device might never end
+            raise DataError(f"data.paths: {path} is {kind_of(path.stat().st_mode)}, not a regular file or a folder; "
+                            "give text files or folders")
         for root, dirs, names in os.walk(path):
             dirs[:] = sorted(d for d in dirs if d not in _SKIP_DIRS and not d.startswith("."))
             files.extend(Path(root) / n for n in sorted(names) if n.endswith(tuple(suffixes)))
