@@ -164,8 +164,9 @@ def listed_files_problem(folder: Path, manifest: dict[str, Any]) -> str | None:
     for name in _READ_BY_NAME:
         if name not in files:
             return f"{MANIFEST} does not list {name}"
-    for name in sorted(sums.keys() - files.keys()):
-        return f"{MANIFEST} gives {name} a checksum but no size"
+    no_size = sorted(sums.keys() - files.keys())
+    if no_size:
+        return f"{MANIFEST} gives {no_size[0]} a checksum but no size"
     for name, size in sorted(files.items()):
         try:
             found = os.lstat(folder / name)
