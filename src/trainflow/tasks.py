@@ -137,7 +137,7 @@ def build_task(cfg: DictConfig, lm_data: bool) -> Task:
     target = section.get("_target_")
     if target:
         kwargs = {k: v for k, v in section.items() if k not in (*TASK_KEYS, "_target_")}
-        fn = bound_callable("task._target_", target, kwargs, "a callable of (model, batch) returning (loss, metrics)")
+        fn = bound_callable("task", target, kwargs, "a callable of (model, batch) returning (loss, metrics)")
         return UserTask(fn, target, monitor, mode)
     kind = section.get("kind", "auto")
     if kind == "auto":
