@@ -23,15 +23,12 @@ from omegaconf import DictConfig, OmegaConf
 
 from trainflow.config import LOADER_KEYS, TaskConfig
 from trainflow.errors import ConfigError
-from trainflow.targets import import_target
+from trainflow.targets import WHAT, import_target
 
 log = logging.getLogger(__name__)
 
 # Keys trainflow reads itself whatever the _target_ (the loaders', the task's): never dropped.
 OWN_KEYS = {"model": frozenset(), "data": frozenset(LOADER_KEYS), "task": frozenset(TaskConfig.__dataclass_fields__)}
-WHAT = {"model": "an nn.Module class, e.g. mypackage.models.MyNet",
-        "data": "a function or class returning (train, val) datasets",
-        "task": "a callable of (model, batch) returning (loss, metrics)"}
 
 
 def settle_sections(cfg: DictConfig) -> None:

@@ -19,6 +19,11 @@ from hydra.utils import get_object
 
 from trainflow.errors import ConfigError, TrainflowError
 
+# What the `_target_` of each section must name, as the one-line errors say it.
+WHAT = {"model": "an nn.Module class, e.g. mypackage.models.MyNet",
+        "data": "a function or class returning (train, val) datasets",
+        "task": "a callable of (model, batch) returning (loss, metrics)"}
+
 
 def import_target(key: str, target: str, what: str) -> Any:
     """The object at dotted path `target`; a one-line error naming `key` when it cannot be imported."""

@@ -21,7 +21,7 @@ from torch.utils.data import Dataset, IterableDataset, default_collate
 from trainflow.config import LOADER_KEYS
 from trainflow.data.iterable import IterableSource
 from trainflow.errors import ConfigError, DataError
-from trainflow.targets import bound_callable, call_target
+from trainflow.targets import WHAT, bound_callable, call_target
 
 
 class Collated(Dataset):
@@ -53,7 +53,7 @@ def user_datasets(cfg: DictConfig) -> tuple[Collated | IterableSource, Collated 
     section = OmegaConf.to_container(cfg, resolve=True)
     target = section["_target_"]
     kwargs = {k: v for k, v in section.items() if k not in (*LOADER_KEYS, "_target_")}
-    made = call_target("data", target, kwargs, "a function or class returning (train, val) datasets")
+    made = call_target("data", target, kwargs, WHAT["data"])
     train, val, collate = _parts(made, target)
     if section.get("collate_fn") is not None:
         collate = _configured_collate(section["collate_fn"])

@@ -9,7 +9,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from trainflow.errors import ConfigError
-from trainflow.targets import call_target
+from trainflow.targets import WHAT, call_target
 
 
 def build_model(cfg: DictConfig) -> nn.Module:
@@ -18,7 +18,7 @@ def build_model(cfg: DictConfig) -> nn.Module:
     section = OmegaConf.to_container(cfg, resolve=True)
     target = section.pop("_target_")
     kwargs = {k: _built(f"model.{k}", v) for k, v in section.items()}
-    model = call_target("model", target, kwargs, "an nn.Module class, e.g. mypackage.models.MyNet")
+    model = call_target("model", target, kwargs, WHAT["model"])
     if not isinstance(model, nn.Module):
         raise ConfigError(f"model._target_: {target} is not an nn.Module (it made a {type(model).__name__} "
                           "object); point it at an nn.Module class")
