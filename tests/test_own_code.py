@@ -20,7 +20,7 @@ import yaml
 from conftest import ROOT, Run, train
 from hydra import compose, initialize_config_dir
 from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from trainflow.errors import ConfigError
 from trainflow.sections import settle_sections
@@ -200,3 +200,20 @@ def test_a_key_a_built_in_option_lacks_is_named() -> None:
         composed("model.n_heads=3")
     with pytest.raises(ConfigError, match=r"^task\.smoothing: task=auto has no such key"):
         composed("task.smoothing=0.1")
+
+
+def test_a_nested_target_is_built_first_and_its_failure_names_its_key() -> None:
+    """Lightning-style: the model's argument is a section of its own (here torch's encoder layer)."""
+    from trainflow.models import build_model
+
+    layer = {"_target_": "torch.nn.TransformerEncoderLayer", "d_model": 8, "nhead": 2, "dim_feedforward": 16,
+             "batch_first": True}
+    model = build_model(OmegaConf.create({"_target_": "torch.nn.TransformerEncoder", "encoder_layer": layer,
+                                          "num_layers": 2}))
+    assert len(model.layers) == 2 and model.layers[0].linear1.out_features == 16
+    with pytest.raises(ConfigError) as err:
+        build_model(OmegaConf.create({"_target_": "torch.nn.TransformerEncoder", "num_layers": 2,
+                                      "encoder_layer": {**layer, "nhead": 3}}))
+    assert str(err.value).startswith("model.encoder_layer: torch.nn.TransformerEncoderLayer(d_model=8, nhead=3, "
+                                     "dim_feedforward=16, batch_first=True) failed: AssertionError: ")
+    assert str(err.value).endswith("; fix the model.encoder_layer.* values")
