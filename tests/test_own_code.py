@@ -195,6 +195,11 @@ def test_a_target_keeps_the_option_keys_its_signature_names(monkeypatch: pytest.
     assert set(cfg.model) == {"_target_", "in_features", "hidden", "out_features"}
 
 
+def test_another_trainflow_model_on_a_built_in_option_gets_none_of_its_keys() -> None:
+    cfg = composed("model._target_=trainflow.models.mlp.MLP", "model.hidden=32")  # over gpt_tiny
+    assert OmegaConf.to_container(cfg.model) == {"_target_": "trainflow.models.mlp.MLP", "hidden": 32}
+
+
 def test_a_key_a_built_in_option_lacks_is_named() -> None:
     with pytest.raises(ConfigError, match=r"^model\.n_heads: model=gpt_tiny has no such key \(it has vocab_size, "):
         composed("model.n_heads=3")

@@ -5,11 +5,11 @@ bring only `_target_` and the keys the user adds. The built-in options' schemas 
 user's `_target_` or key set on one composes instead of stopping in Hydra's composer, and is settled here, once,
 before the values are checked:
 
-- a `_target_` outside trainflow keeps the option's keys it takes (named in its signature, or every key when it
-  extends the option's own class, as a GPT subclass does) and those typed on the command line; the others are
-  dropped, and one line says which (`python train.py model._target_=torchvision.models.resnet18
+- a `_target_` other than the option's own keeps the option's keys it takes (named in its signature, or every key
+  when it extends the option's own class, as a GPT subclass does) and those typed on the command line; the others
+  are dropped, and one line says which (`python train.py model._target_=torchvision.models.resnet18
   model.num_classes=10` trains a ResNet, not a ResNet given gpt_tiny's vocab_size);
-- with trainflow's own `_target_`, a key the schema does not have is a misspelling: one line names it.
+- with the option's own `_target_`, a key the schema does not have is a misspelling: one line names it.
 """
 
 from __future__ import annotations
@@ -43,11 +43,12 @@ def settle_sections(cfg: DictConfig) -> None:
         if not dataclasses.is_dataclass(schema):
             continue  # an open section: model=custom, a user's own option file, a config loaded back from YAML
         fields = schema.__dataclass_fields__
+        own = fields["_target_"].default if "_target_" in fields else None  # data=text and synthetic have none
         target = section.get("_target_")
-        if target is None or str(target).startswith("trainflow."):
+        if target == own:
             _refuse_unknown_keys(group, section, fields)
         else:
-            _keep_what_the_target_takes(cfg, group, str(target), fields, given)
+            _keep_what_the_target_takes(cfg, group, str(target), own, fields, given)
 
 
 def _refuse_unknown_keys(group: str, section: DictConfig, fields: dict[str, Any]) -> None:
@@ -59,12 +60,14 @@ def _refuse_unknown_keys(group: str, section: DictConfig, fields: dict[str, Any]
                           f"{group}.{unknown[0]}=<value>")
 
 
-def _keep_what_the_target_takes(cfg: DictConfig, group: str, target: str, fields: dict[str, Any],
+def _keep_what_the_target_takes(cfg: DictConfig, group: str, target: str, own: str | None, fields: dict[str, Any],
                                 given: set[str]) -> None:
     """Drop the option's keys that `target` does not take (and the user did not type)."""
-    takes = _takes(import_target(f"{group}._target_", target, WHAT[group]), fields)
+    taken = _taken_keys(import_target(f"{group}._target_", target, WHAT[group]), own)
+    if taken is None:
+        return
     option_keys = [k for k in fields if k != "_target_" and k not in OWN_KEYS[group]]
-    dropped = [k for k in option_keys if k in cfg[group] and not takes(k) and f"{group}.{k}" not in given]
+    dropped = [k for k in option_keys if k in cfg[group] and k not in taken and f"{group}.{k}" not in given]
     if not dropped:
         return
     kept = {k: v for k, v in OmegaConf.to_container(cfg[group], resolve=False).items() if k not in dropped}
@@ -73,20 +76,19 @@ def _keep_what_the_target_takes(cfg: DictConfig, group: str, target: str, fields
                 group, target, group, _option(group), ", ".join(dropped), group)
 
 
-def _takes(obj: Any, fields: dict[str, Any]) -> Any:
-    """Which keys `obj` takes: those its signature names; all when it extends the option's own class (whose
-    **kwargs are the option's keys) or has no signature to read."""
-    base = fields["_target_"].default if "_target_" in fields else None
-    if inspect.isclass(obj) and base and str(base).startswith("trainflow."):
-        own = import_target("_target_", str(base), "a class")
-        if inspect.isclass(own) and issubclass(obj, own):
-            return lambda key: True
+def _taken_keys(obj: Any, own: str | None) -> set[str] | None:
+    """The keyword arguments `obj` names in its signature; None (all keys) when it extends the option's own class
+    (its **kwargs are that class's arguments) or has no signature to read."""
+    if own and inspect.isclass(obj):
+        base = import_target("_target_", own, "a class")
+        if inspect.isclass(base) and issubclass(obj, base):
+            return None
     try:
-        params = inspect.signature(obj).parameters
+        params = inspect.signature(obj).parameters.values()
     except (TypeError, ValueError):
-        return lambda key: True
-    return lambda key: key in params and params[key].kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD,
-                                                              inspect.Parameter.KEYWORD_ONLY)
+        return None
+    named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return {p.name for p in params if p.kind in named}
 
 
 def _command_line_keys() -> set[str]:
