@@ -189,6 +189,15 @@ def test_a_subclass_of_the_options_model_keeps_its_keys(monkeypatch: pytest.Monk
                               "bias", "nan_at_step"}
 
 
+def test_a_command_line_key_the_user_typed_is_kept_and_no_override_is_resolved(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """model.n_layer typed by the user stays although BranchyMLP does not name it; a broken ${...} in another
+    override is left for validation to name (test_bad_inputs' interpolation rows)."""
+    monkeypatch.syspath_prepend(str(ROOT / "tests"))
+    cfg = composed("model._target_=test_compile.BranchyMLP", "model.n_layer=2", "optim.lr=${trainer.nonexistent}")
+    assert set(cfg.model) == {"_target_", "n_layer"}
+
+
 def test_a_target_keeps_the_option_keys_its_signature_names(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.syspath_prepend(str(ROOT / "tests"))
     cfg = composed("model=mlp", "model._target_=test_compile.BranchyMLP")  # (in_features, hidden, out_features)

@@ -97,8 +97,8 @@ def _command_line_keys() -> set[str]:
 
     if not HydraConfig.initialized():
         return set()
-    overrides = HydraConfig.get().overrides.task
-    return {o.lstrip("+~").split("=", 1)[0] for o in overrides}
+    overrides = OmegaConf.to_container(HydraConfig.get().overrides.task, resolve=False)  # as typed: ${...} too
+    return {str(o).lstrip("+~").split("=", 1)[0] for o in overrides}
 
 
 def _option(group: str, default: str = "") -> str:
