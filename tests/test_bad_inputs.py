@@ -308,6 +308,16 @@ CASES = [
          ("model._target_=collections.OrderedDict",),
          "Error: model._target_: collections.OrderedDict is not an nn.Module (it made a OrderedDict object); point "
          "it at an nn.Module class"),
+    Case("model-key-unknown", "config", "a key the built-in model option does not have", ("model.n_heads=3",),
+         "Error: model.n_heads: model=gpt_tiny has no such key (it has vocab_size, block_size, n_layer, n_head, "
+         "n_embd, dropout, bias); fix the name, or for your own code use model=custom model._target_=<import path> "
+         "model.n_heads=<value>"),
+    Case("custom-model-without-target", "config", "model=custom without the model's import path", ("model=custom",),
+         "Error: model._target_: missing: model=custom calls your own code; set model._target_ to the import path "
+         "of an nn.Module class, e.g. mypackage.models.MyNet"),
+    Case("custom-data-without-target", "data", "data=custom without the factory's import path", ("data=custom",),
+         "Error: data._target_: missing: data=custom calls your own code; set data._target_ to the import path of "
+         "a function or class returning (train, val) datasets"),
     Case("reduce-overhead-on-cpu", "compile", "CUDA graphs on a CPU", ("compile=reduce_overhead",),
          "Error: compile.mode: reduce-overhead uses CUDA graphs, which need a GPU, and this run is on CPU: use "
          "compile=default (inductor without CUDA graphs)"),

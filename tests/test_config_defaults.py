@@ -26,6 +26,8 @@ OPTIONS = sorted(p for group in ("checkpoint", "compile", "data", "logger", "mod
 
 def schema_of(option: Path) -> Any:
     name = f"{option.parent.name}/{option.stem}"
+    if option.stem == "custom":
+        return {}  # model=custom, data=custom, task=custom: open sections, no defaults but the user's
     if option.parent.name == "model" and option.stem.startswith("gpt"):
         return config.GPTConfig
     return KIND_SCHEMAS.get(name) or SECTIONS[option.parent.name]
@@ -47,7 +49,7 @@ def repeated_defaults(values: dict, defaults: dict, prefix: str = "") -> list[st
 @pytest.mark.parametrize("option", OPTIONS, ids=[f"{p.parent.name}/{p.stem}" for p in OPTIONS])
 def test_group_option_lists_only_what_it_changes(option: Path) -> None:
     values = OmegaConf.to_container(OmegaConf.load(option) or OmegaConf.create()) or {}
-    defaults = OmegaConf.to_container(OmegaConf.structured(schema_of(option)))
+    defaults = OmegaConf.to_container(OmegaConf.create(schema_of(option)))
     assert repeated_defaults(values, defaults) == [], f"{option.relative_to(ROOT)} repeats its schema's defaults"
 
 

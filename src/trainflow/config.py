@@ -2,8 +2,10 @@
 
 Each config group option's YAML starts from one of these dataclasses (registered
 in Hydra's ConfigStore), so an unknown key or a wrong type is rejected by Hydra
-with the key's full name before any work starts. Value checks that a type cannot
-express (positive steps, known choices) live in trainflow.validation.
+with the key's full name before any work starts. The model, data and task schemas
+are open to keys they lack (a user's `_target_` takes its own), and
+trainflow.sections settles those keys. Value checks that a type cannot express
+(positive steps, known choices) live in trainflow.validation.
 """
 
 from __future__ import annotations
@@ -87,6 +89,10 @@ class WorkerConfig:
     pin_memory: bool | None = None  # null: pinned on CUDA (asynchronous copies), off on CPU
     persistent_workers: bool = False
     prefetch_factor: int | None = None
+
+
+# trainflow's keys of every data section: they configure the loaders and are not passed to a data._target_
+LOADER_KEYS = (*WorkerConfig.__dataclass_fields__, "seq_lens", "collate_fn")
 
 
 @dataclass
@@ -320,13 +326,20 @@ def register_configs() -> None:
     cs = ConfigStore.instance()
     cs.store(name="train_schema", node=RunConfig)
     # Options whose keys differ (model and data kinds) extend these; the other groups are typed by RunConfig.
-    cs.store(group="schema/model", name="gpt", node=GPTConfig)
-    cs.store(group="schema/model", name="mlp", node=MLPConfig)
-    cs.store(group="schema/data", name="text", node=TextDataConfig)
-    cs.store(group="schema/data", name="synthetic", node=SyntheticDataConfig)
-    cs.store(group="schema/data", name="digits", node=DigitsDataConfig)
-    cs.store(group="schema/task", name="builtin", node=TaskConfig)
-    cs.store(group="schema/model", name="cnn", node=CNNConfig)
-    cs.store(group="schema/data", name="hf", node=HFDataConfig)
+    # Open: a key the schema lacks composes, so that a user's _target_ and its keys on a built-in option reach
+    # trainflow.sections (which drops the option's keys the target does not take, or names a misspelt key).
+    for group, name, schema in (("model", "gpt", GPTConfig), ("model", "mlp", MLPConfig), ("model", "cnn", CNNConfig),
+                                ("data", "text", TextDataConfig), ("data", "synthetic", SyntheticDataConfig),
+                                ("data", "digits", DigitsDataConfig), ("data", "hf", HFDataConfig),
+                                ("task", "builtin", TaskConfig)):
+        cs.store(group=f"schema/{group}", name=name, node=opened(OmegaConf.structured(schema)))
+    for group in ("model", "data", "task"):  # model=custom, data=custom, task=custom: the user's _target_ and keys
+        cs.store(group=f"schema/{group}", name="open", node=opened(OmegaConf.create({"_target_": MISSING})))
+
+
+def opened(section: DictConfig) -> DictConfig:
+    """`section` taking keys it does not declare without Hydra's `+` (Hydra closes the rest of the config)."""
+    OmegaConf.set_struct(section, False)
+    return section
 
 

@@ -1,7 +1,10 @@
-"""A user's callable named by `_target_`: imported, and bound to the section's own keys.
+"""A user's callable named by `_target_`: imported, called with its section's own keys, its failures one line.
+
+The model, the data factory, the task and the collate all come from a section with a `_target_`; this module is
+the one place that imports it, calls it and says what went wrong (the key, the call as written, the fix).
 
 Hydra's `instantiate` calls what it imports, so a function given as a task or a collate would run once at
-build time instead of once per batch. Here a class is instantiated with the keys and a function is bound to
+build time instead of once per batch. `bound_callable` instantiates a class with the keys and binds a function to
 them (functools.partial), so both forms of "a callable taking a batch" work from the same YAML.
 """
 
@@ -9,12 +12,17 @@ from __future__ import annotations
 
 import functools
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from hydra.utils import get_object
 
-from trainflow.errors import ConfigError
+from trainflow.errors import ConfigError, TrainflowError
+
+# What the `_target_` of each section must name, as the one-line errors say it.
+WHAT = {"model": "an nn.Module class, e.g. mypackage.models.MyNet",
+        "data": "a function or class returning (train, val) datasets",
+        "task": "a callable of (model, batch) returning (loss, metrics)"}
 
 
 def import_target(key: str, target: str, what: str) -> Any:
@@ -28,21 +36,40 @@ def import_target(key: str, target: str, what: str) -> Any:
                           "PYTHONPATH)") from None
 
 
-def bound_callable(key: str, target: str, kwargs: dict[str, Any], what: str) -> Callable:
+def call_target(section: str, target: str, kwargs: Mapping[str, Any], what: str) -> Any:
+    """`target(**kwargs)`: imported as `what`, called once. A call that raises is one line naming `section`, the call
+    as written and its error; a trainflow error raised inside (a missing extra, a misspelt key) is its own line."""
+    return call(section, target, import_target(f"{section}._target_", target, what), kwargs)
+
+
+def call(section: str, target: str, obj: Callable, kwargs: Mapping[str, Any]) -> Any:
+    """`obj(**kwargs)` with the failure of `call_target` (for a callable already imported)."""
+    try:
+        return obj(**kwargs)
+    except TrainflowError:
+        raise
+    except Exception as exc:
+        raise ConfigError(f"{section}: {target}({arguments(kwargs)}) failed: {type(exc).__name__}: "
+                          f"{_first_line(exc)}; fix the {section}.* values") from exc
+
+
+def bound_callable(section: str, target: str, kwargs: Mapping[str, Any], what: str) -> Callable:
     """A class instantiated with `kwargs`, or a function with `kwargs` bound: either way, call it per batch."""
-    obj = import_target(key, target, what)
+    obj = import_target(f"{section}._target_", target, what)
     if inspect.isclass(obj):
-        try:
-            obj = obj(**kwargs)
-        except TypeError as exc:
-            raise ConfigError(f"{key}: {target}({_arguments(kwargs)}) failed: {exc}; fix the keys next to "
-                              f"{key}") from None
+        obj = call(section, target, obj, kwargs)
     elif kwargs:
         obj = functools.partial(obj, **kwargs)
     if not callable(obj):
-        raise ConfigError(f"{key}: {target} is a {type(obj).__name__}, not a callable; give {what}")
+        raise ConfigError(f"{section}._target_: {target} is a {type(obj).__name__}, not a callable; give {what}")
     return obj
 
 
-def _arguments(kwargs: dict[str, Any]) -> str:
-    return ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
+def arguments(kwargs: Mapping[str, Any]) -> str:
+    """The keyword arguments of a call as the user wrote them in YAML: k=v, ..."""
+    return ", ".join(f"{k}={v}" for k, v in kwargs.items())
+
+
+def _first_line(exc: Exception) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else ""

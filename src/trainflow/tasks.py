@@ -24,7 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from trainflow.errors import ConfigError, DataError
-from trainflow.targets import bound_callable
+from trainflow.targets import WHAT, bound_callable
 
 Metrics = dict[str, torch.Tensor]
 # trainflow's keys; a _target_ gets the other keys
@@ -137,7 +137,7 @@ def build_task(cfg: DictConfig, lm_data: bool) -> Task:
     target = section.get("_target_")
     if target:
         kwargs = {k: v for k, v in section.items() if k not in (*TASK_KEYS, "_target_")}
-        fn = bound_callable("task._target_", target, kwargs, "a callable of (model, batch) returning (loss, metrics)")
+        fn = bound_callable("task", target, kwargs, WHAT["task"])
         return UserTask(fn, target, monitor, mode)
     kind = section.get("kind", "auto")
     if kind == "auto":

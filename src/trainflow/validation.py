@@ -15,6 +15,7 @@ from omegaconf.errors import InterpolationResolutionError, MissingMandatoryValue
 
 from trainflow.config import LADDER_STAGES, ProfilerConfig, WorkerConfig
 from trainflow.errors import ConfigError
+from trainflow.sections import settle_sections
 
 
 def validate_task(cfg: DictConfig) -> None:
@@ -278,6 +279,7 @@ def run_name_problem(name: str) -> str | None:
 
 def validate(cfg: DictConfig) -> None:
     """Check the values a type cannot; raise ConfigError naming the key and the fix."""
+    settle_sections(cfg)  # first: which keys the model, data and task sections hold
     if found := _non_finite(_resolved(cfg)):
         key, value = found
         what = "finite numbers" if isinstance(value, list) else "a finite number"

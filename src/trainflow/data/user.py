@@ -18,12 +18,10 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch.utils.data import Dataset, IterableDataset, default_collate
 
+from trainflow.config import LOADER_KEYS
 from trainflow.data.iterable import IterableSource
 from trainflow.errors import ConfigError, DataError
-from trainflow.targets import bound_callable, import_target
-
-# trainflow's keys of a data section: they configure the loaders and are not passed to the factory
-LOADER_KEYS = ("num_workers", "pin_memory", "persistent_workers", "prefetch_factor", "seq_lens", "collate_fn")
+from trainflow.targets import WHAT, bound_callable, call_target
 
 
 class Collated(Dataset):
@@ -55,12 +53,7 @@ def user_datasets(cfg: DictConfig) -> tuple[Collated | IterableSource, Collated 
     section = OmegaConf.to_container(cfg, resolve=True)
     target = section["_target_"]
     kwargs = {k: v for k, v in section.items() if k not in (*LOADER_KEYS, "_target_")}
-    factory = import_target("data._target_", target, "a function or class returning (train, val) datasets")
-    try:
-        made = factory(**kwargs)
-    except TypeError as exc:
-        arguments = ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
-        raise ConfigError(f"data: {target}({arguments}) failed: {exc}; fix the data.* keys") from None
+    made = call_target("data", target, kwargs, WHAT["data"])
     train, val, collate = _parts(made, target)
     if section.get("collate_fn") is not None:
         collate = _configured_collate(section["collate_fn"])
@@ -100,7 +93,7 @@ def _configured_collate(section: Any) -> Callable:
         raise ConfigError("data.collate_fn: give a section with _target_, e.g. data.collate_fn._target_="
                           "mypackage.data.collate")
     kwargs = {k: v for k, v in section.items() if k != "_target_"}
-    return bound_callable("data.collate_fn._target_", section["_target_"], kwargs, "a function of a list of items")
+    return bound_callable("data.collate_fn", section["_target_"], kwargs, "a function of a list of items")
 
 
 def _first_line(exc: Exception) -> str:

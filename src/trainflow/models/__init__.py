@@ -2,26 +2,23 @@
 
 from __future__ import annotations
 
-from hydra.errors import InstantiationException
-from hydra.utils import instantiate
-from omegaconf import DictConfig
+from collections.abc import Mapping
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from trainflow.errors import ConfigError
+from trainflow.targets import WHAT, call_target
 
 
 def build_model(cfg: DictConfig) -> nn.Module:
-    """`model._target_(**model)`, with a one-line error naming the key when the class or its arguments are wrong."""
-    target = cfg.get("_target_")
-    try:
-        model = instantiate(cfg)
-    except InstantiationException as exc:
-        cause = exc.__cause__
-        if isinstance(cause, ImportError) or cause is None:
-            raise ConfigError(f"model._target_: cannot import {target!r}; give the import path of an nn.Module "
-                              "class, e.g. mypackage.models.MyNet (its folder on PYTHONPATH)") from exc
-        raise ConfigError(f"model: {target}({_arguments(cfg)}) failed: {type(cause).__name__}: {cause}; fix the "
-                          "model.* values") from exc
+    """`model._target_(**model)`, with a one-line error naming the key when the class or its arguments are wrong.
+    A key that is itself a section with a `_target_` (a backbone, say) is instantiated first, as Hydra would."""
+    section = OmegaConf.to_container(cfg, resolve=True)
+    target = section.pop("_target_")
+    kwargs = {k: _built(f"model.{k}", v) for k, v in section.items()}
+    model = call_target("model", target, kwargs, WHAT["model"])
     if not isinstance(model, nn.Module):
         raise ConfigError(f"model._target_: {target} is not an nn.Module (it made a {type(model).__name__} "
                           "object); point it at an nn.Module class")
@@ -35,5 +32,9 @@ def model_blocks(model: nn.Module) -> nn.ModuleList | nn.Sequential | None:
     return blocks if isinstance(blocks, (nn.ModuleList, nn.Sequential)) and len(blocks) > 0 else None
 
 
-def _arguments(cfg: DictConfig) -> str:
-    return ", ".join(f"{k}={v}" for k, v in cfg.items() if k != "_target_")
+def _built(key: str, value: Any) -> Any:
+    """A nested section with a `_target_` (model.backbone, say), built the same way; any other value as it is."""
+    if not (isinstance(value, Mapping) and "_target_" in value):
+        return value
+    kwargs = {k: _built(f"{key}.{k}", v) for k, v in value.items() if k != "_target_"}
+    return call_target(key, value["_target_"], kwargs, "a class or function")
