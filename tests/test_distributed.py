@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -207,6 +208,62 @@ def test_a_failing_rank_is_named_with_its_traceback(run_dir: Path) -> None:
     traceback = "\n".join(lines[first + 1:])
     assert "in forward" in traceback and 'raise RuntimeError(f"injected failure' in traceback
     assert not (run_dir / "summary.json").exists()
+
+
+def _children(pid: int) -> list[int]:
+    return [int(child) for task in Path(f"/proc/{pid}/task").iterdir()
+            for child in (task / "children").read_text().split()]
+
+
+def test_a_rank_killed_by_a_signal_is_named_not_the_rank_that_lost_it(run_dir: Path) -> None:
+    """SIGKILL of rank 1 (as an OOM kill does): rank 0's collective fails with a connection error, yet the line
+    names rank 1 and its signal, the step rank 0 noticed it in, no traceback; committed checkpoints stay whole."""
+    cmd = [sys.executable, str(ROOT / "train.py"), *SMALL, "trainer.max_steps=100000", "parallelism=ddp",
+           "parallelism.nproc_per_node=2", "checkpoint=dcp", "checkpoint.every_steps=2", f"hydra.run.dir={run_dir}"]
+    env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_for_log(run_dir, "checkpoint step 4 committed", proc, timeout=120)
+    workers = sorted(_children(proc.pid))  # the agent forks rank 0, then rank 1
+    assert len(workers) == 2, workers
+    os.kill(workers[1], signal.SIGKILL)
+    killed_at = time.monotonic()
+    _, stderr = proc.communicate(timeout=120)
+    assert time.monotonic() - killed_at < 60  # a connection reset, not a collective timeout (300 s)
+    assert proc.returncode == 1
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    errors = [line for line in lines if line.startswith("Error:")]
+    assert len(errors) == 1 and errors[0] == lines[-1], stderr[-3000:]
+    assert errors[0].startswith(f"Error: rank 1 (pid {workers[1]}) was lost: killed by signal SIGKILL (rank 0 lost "
+                                "its connection to it in step "), errors[0]
+    assert errors[0].endswith("the same command resumes from the newest")
+    assert "Traceback" not in stderr and "rank 0 failed" not in stderr
+    noticed = int(errors[0].split("in step ")[1].split(")")[0])
+    committed = sorted(int(p.name.removeprefix("step_")) for p in (run_dir / "checkpoints").glob("step_*"))
+    assert committed and max(committed) < noticed and all(step % 2 == 0 for step in committed)
+
+
+def test_a_rank_that_stops_answering_ends_the_run_at_the_collective_timeout(run_dir: Path) -> None:
+    """SIGSTOP of rank 1: rank 0's collective waits parallelism.timeout_s, then the run ends in one line with exit
+    124 (a hang, not a crash), bounded by the timeout plus the agent's shutdown grace."""
+    cmd = [sys.executable, str(ROOT / "train.py"), *SMALL, "trainer.max_steps=100000", "parallelism=ddp",
+           "parallelism.nproc_per_node=2", "parallelism.timeout_s=5", f"hydra.run.dir={run_dir}"]
+    env = {**{k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}, "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "5"}
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_for_log(run_dir, "step 2/100000: loss ", proc, timeout=120)
+    stopped = sorted(_children(proc.pid))[1]
+    os.kill(stopped, signal.SIGSTOP)
+    stopped_at = time.monotonic()
+    try:
+        _, stderr = proc.communicate(timeout=120)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(stopped, signal.SIGKILL)
+    assert time.monotonic() - stopped_at < 5 + 2 + 5 + 30  # timeout, linger, grace, and slack for 2 busy cores
+    assert proc.returncode == 124, stderr[-3000:]
+    errors = [line for line in stderr.splitlines() if line.startswith("Error:")]
+    assert len(errors) == 1 and "Traceback" not in stderr, stderr[-3000:]
+    assert errors[0].startswith("Error: rank 0 waited parallelism.timeout_s in a collective in step "), errors[0]
+    assert "and another rank never arrived (" in errors[0] and "Timed out waiting 5000ms" in errors[0]
 
 
 def test_torchrun_restart_rejoins_the_group_and_the_run_directory(tmp_path: Path) -> None:

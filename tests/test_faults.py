@@ -72,6 +72,13 @@ FAULTS = [
           "test_distributed.py::test_parity_check_fails_on_a_skewed_rank"),
     Fault("a rank raises mid-run", "the run fails naming the rank and its traceback; the other ranks stop",
           "test_distributed.py::test_a_failing_rank_is_named_with_its_traceback"),
+    Fault("SIGKILL of one rank of a self-launched DDP run (an OOM kill)",
+          "one line names the lost rank, its signal and the step the others noticed it in, not the rank that lost "
+          "its connection to it; no traceback; committed checkpoints whole",
+          "test_distributed.py::test_a_rank_killed_by_a_signal_is_named_not_the_rank_that_lost_it"),
+    Fault("one rank of a DDP run stops answering (SIGSTOP)",
+          "the others' collective ends at parallelism.timeout_s: one line, exit 124 (a hang, not a crash)",
+          "test_distributed.py::test_a_rank_that_stops_answering_ends_the_run_at_the_collective_timeout"),
     Fault("the torchrun launcher is killed", "no rank is left behind",
           "test_launcher_torchrun.py::test_killing_the_launcher_leaves_no_ranks_behind"),
 ]

@@ -34,6 +34,7 @@ from trainflow.config import (
 )
 from trainflow.data import DataBundle, IterableBatches, StreamSampler, build_datasets, make_loader, to_device
 from trainflow.distributed import DistEnv, memory_plan
+from trainflow.distributed.failures import note_step
 from trainflow.distributed.parallelism import no_grad_sync, parallelize, unwrap
 from trainflow.distributed.parity import ParityCheck, parallelism_summary
 from trainflow.distributed.process_group import process_group
@@ -78,7 +79,11 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv) -> dict[str, Any] | Non
     """A function of its own so that the model is freed when it returns, before the process group is destroyed:
     a DDP reducer freed after that waits forever in gloo's destructor, and the worker never exits."""
     training = assemble(cfg, run_dir, env)
-    train_loop(training)
+    try:
+        train_loop(training)
+    except BaseException as exc:
+        note_step(exc, training.state.step + 1)  # the step it failed in, for the launcher's account of it
+        raise
     return summarize(training)
 
 

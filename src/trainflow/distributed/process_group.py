@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig
 
-from trainflow.distributed.failures import record_failure
+from trainflow.distributed.failures import linger_if_peer_lost, record_failure
 from trainflow.distributed.hsdp import hsdp_shape, ranks_per_node
 from trainflow.env import env_rank
 from trainflow.errors import ConfigError, TrainflowError
@@ -278,6 +278,7 @@ def process_group(cfg: DictConfig) -> Iterator[DistEnv]:
     except BaseException as exc:
         if not isinstance(exc, (KeyboardInterrupt, SystemExit)):
             record_failure(exc)
+            linger_if_peer_lost(exc)
         raise
     finally:
         if env is not None:
