@@ -161,4 +161,5 @@ def _first_line(text: Any) -> str:
     return _SOURCE_PREFIX.sub(r"\1", line).split(". ")[0]
 
 
-_SOURCE_PREFIX = re.compile(r"^(\w+: )\[[^\]]*\] ")  # "RuntimeError: [.../pair.cc:537] Read error" -> "RuntimeError: Read error"
+# "RuntimeError: [.../pair.cc:537] Read error" -> "RuntimeError: Read error"
+_SOURCE_PREFIX = re.compile(r"^(\w+: )\[[^\]]*\] ")
