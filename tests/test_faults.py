@@ -77,8 +77,12 @@ FAULTS = [
           "its connection to it; no traceback; committed checkpoints whole",
           "test_distributed.py::test_a_rank_killed_by_a_signal_is_named_not_the_rank_that_lost_it"),
     Fault("one rank of a DDP run stops answering (SIGSTOP)",
-          "the others' collective ends at parallelism.timeout_s: one line, exit 124 (a hang, not a crash)",
-          "test_distributed.py::test_a_rank_that_stops_answering_ends_the_run_at_the_collective_timeout"),
+          "the watchdog names it (its beat stopped); the collective ends at parallelism.timeout_s: one line with "
+          "the watchdog's account, exit 124 (a hang, not a crash); every rank's stacks in <run dir>/hang/",
+          "test_distributed.py::test_a_rank_that_stops_answering_is_named_when_the_collective_times_out"),
+    Fault("one rank blocks inside the user's dataset",
+          "the line names the rank, the step and the dataset's file and line; the others wait in trainflow's step",
+          "test_distributed.py::test_a_rank_blocked_in_the_users_dataset_is_named_with_its_file_and_line"),
     Fault("the torchrun launcher is killed", "no rank is left behind",
           "test_launcher_torchrun.py::test_killing_the_launcher_leaves_no_ranks_behind"),
 ]

@@ -38,6 +38,7 @@ from trainflow.distributed.failures import note_step
 from trainflow.distributed.parallelism import no_grad_sync, parallelize, unwrap
 from trainflow.distributed.parity import ParityCheck, parallelism_summary
 from trainflow.distributed.process_group import process_group
+from trainflow.distributed.watchdog import Watchdog
 from trainflow.evaluation import Evaluation
 from trainflow.limits import check_batch
 from trainflow.metrics import (
@@ -177,8 +178,9 @@ def assemble(cfg: DictConfig, run_dir: Path, env: DistEnv) -> Training:
                                                                        env.is_main, state.step),
                                  optimizer, task, trainer.grad_accum, flops_per_step, peak)
     evaluation = Evaluation(trainer, env, data, autocast, task, writer)
+    watchdog = Watchdog(parallelism.watchdog, env, run_dir, meter.excluded_steps)
     # the guard checks before anything is logged or saved; the checkpointer comes last: it may stop the run
-    stages: list[Stage] = [compiler, parity, profiler, guard, train_metrics, evaluation, checkpointer]
+    stages: list[Stage] = [watchdog, compiler, parity, profiler, guard, train_metrics, evaluation, checkpointer]
     if env.is_main:
         log.info("model %s: %.2fM parameters; world size %d; global batch %d; task %s (monitor: val %s, %s); %s",
                  type(unwrap(model)).__name__, parameters / 1e6, env.world_size, global_batch, type(task).__name__,

@@ -94,10 +94,11 @@ def _peer_lost(data: dict[str, Any]) -> bool:
     return any(words in text.lower() for words in _PEER_LOST)
 
 
-def explain_worker_failure(exc: Any, logs: Path | None = None) -> TrainflowError:
+def explain_worker_failure(exc: Any, logs: Path | None = None, hang: str | None = None) -> TrainflowError:
     """The root cause as one error: a user error (the lowest rank that hit it: usually all do), else the rank
     that failed by itself first (the others were stopped after it), with its traceback; else a rank lost to a
-    signal (an OOM kill), named without a traceback, since the others' errors only say that they lost it."""
+    signal (an OOM kill), named without a traceback, since the others' errors only say that they lost it.
+    `hang` is the watchdog's account of a stall, which says who a timed-out collective waited for."""
     records = _records(logs) if logs else {}
     for rank, failure in exc.failures.items():
         records.setdefault(rank, failure.error_file_data)
@@ -127,8 +128,9 @@ def explain_worker_failure(exc: Any, logs: Path | None = None) -> TrainflowError
         said = _first_line(message.get("message"))
         if "timed out" in said.lower():
             return CollectiveTimeout(f"rank {rank} waited parallelism.timeout_s in a collective{_at(data)} and another "
-                                     f"rank never arrived ({said}); the other ranks were stopped; committed "
-                                     "checkpoints are intact: the same command resumes from the newest")
+                                     f"rank never arrived ({said}){'; ' + hang if hang else ''}; the other ranks "
+                                     "were stopped; committed checkpoints are intact: the same command resumes from "
+                                     "the newest")
         return WorkerError(f"rank {rank} lost its connection to another rank{_at(data)} and no rank said why: "
                            f"{said}; the other ranks were stopped")
     if isinstance(message, dict):
