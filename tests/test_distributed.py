@@ -329,6 +329,27 @@ def test_a_rank_blocked_in_the_users_dataset_is_named_with_its_file_and_line(run
     assert "rank 0 waiting at " in error and "/trainflow/run.py:" in error, error
 
 
+def test_ranks_that_composed_different_configs_are_refused_before_any_work(tmp_path: Path) -> None:
+    """Under torchrun each rank composes its own config: one that depends on the rank (here through an environment
+    variable) is refused at start in one line naming the key and each rank's value; no step is taken."""
+    proc = _run_in(tmp_path, [*TORCHRUN, "--standalone", "--nproc_per_node=2", str(ROOT / "train.py"), *SMALL,
+                              "parallelism=ddp", "trainer.seed=${oc.env:RANK}"])
+    assert proc.returncode == 1, proc.stderr[-3000:]  # torchrun's own code for a failed worker (each exits 2)
+    errors = {line for line in proc.stderr.splitlines() if line.startswith("Error:")}
+    assert errors == {"Error: trainer.seed: 0 on rank 0; 1 on rank 1: the ranks composed different configs; every "
+                      "rank must compose the same config: look for an environment variable, a config folder or an "
+                      "override that differs between nodes or ranks (the run's config.yaml is rank 0's)"}, errors
+    assert not list(tmp_path.rglob("metrics.jsonl")) and not list(tmp_path.rglob("summary.json"))
+
+
+def test_a_self_launched_group_says_who_is_there(run_dir: Path) -> None:
+    run = train(run_dir, *SMALL, "trainer.max_steps=1", "parallelism=ddp", "parallelism.nproc_per_node=2")
+    assert run.returncode == 0, run.stderr[-3000:]
+    line = next(line for line in (run_dir / "train.log").read_text().splitlines() if "] - ranks: " in line)
+    assert f"ranks: 2 on 1 host(s) ({socket.gethostname()}), cpu; torch {torch.__version__}, trainflow " in line
+    assert "least free memory " in line
+
+
 def test_torchrun_restart_rejoins_the_group_and_the_run_directory(tmp_path: Path) -> None:
     """Rank 1 dies in the first attempt; torchrun restarts both ranks, the new group forms, the run completes."""
     proc = _run_in(tmp_path, [*TORCHRUN, "--standalone", "--nproc_per_node=2", "--max-restarts=1",

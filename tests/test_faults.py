@@ -83,6 +83,9 @@ FAULTS = [
     Fault("one rank blocks inside the user's dataset",
           "the line names the rank, the step and the dataset's file and line; the others wait in trainflow's step",
           "test_distributed.py::test_a_rank_blocked_in_the_users_dataset_is_named_with_its_file_and_line"),
+    Fault("ranks that composed different configs (a rank-dependent environment variable under torchrun)",
+          "refused at start, before any step: one line naming each differing key and every rank's value",
+          "test_distributed.py::test_ranks_that_composed_different_configs_are_refused_before_any_work"),
     Fault("the torchrun launcher is killed", "no rank is left behind",
           "test_launcher_torchrun.py::test_killing_the_launcher_leaves_no_ranks_behind"),
 ]
