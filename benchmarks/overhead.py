@@ -13,7 +13,7 @@ the literal loop with trainflow's parts added one at a time, then trainflow's ow
 Start-up: `python train.py trainer.max_steps=1 trainer.eval_steps=1` against a bare script that imports torch,
 builds the same model, takes one step and evaluates one batch, alternating as separate processes.
 
-    python benchmarks/overhead.py [--rounds 5] [--steps 60] [--only-literal] [--cpu-time]
+    python benchmarks/overhead.py [--rounds 5] [--steps 60] [--only-literal] [--cpu-time] [--watchdog]
 """
 
 from __future__ import annotations
@@ -277,7 +277,11 @@ def main() -> None:
     parser.add_argument("--only-literal", action="store_true", help="only the seed MLP against the literal loop")
     parser.add_argument("--cpu-time", action="store_true",
                         help="the literal-loop comparison in one thread's CPU time (for a machine under load)")
+    parser.add_argument("--watchdog", action="store_true",
+                        help="trainflow with its hang watchdog on (by default on only for runs of 2+ ranks)")
     args = parser.parse_args()
+    if args.watchdog:
+        COMMON.append("parallelism.watchdog.enabled=true")
     logging.disable(logging.INFO)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.rounds} rounds x {args.steps} steps")
     multiplier = CASES["seed_mlp"][1]

@@ -339,6 +339,11 @@ CASES = [
          ("parallelism=ddp", "parallelism.nproc_per_node=2", "trainer.grad_accum=2", "parallelism.global_batch=30"),
          "Error: parallelism.global_batch: 30 does not divide into 2 ranks x 2 accumulation steps; use a multiple "
          "of 4, e.g. 28 or 32"),
+    Case("watchdog-after-timeout", "scale", "a hang watchdog that would speak after the collective timeout",
+         ("parallelism=ddp", "parallelism.nproc_per_node=2", "parallelism.timeout_s=30",
+          "parallelism.watchdog.min_s=60"),
+         "Error: parallelism.watchdog.min_s: must be > 0 and below parallelism.timeout_s (30), which ends a hung run "
+         "before the watchdog could say where it hangs; got 60.0; lower it or raise parallelism.timeout_s"),
     Case("fsdp-blocks-without-blocks", "scale", "FSDP per-block wrapping of a model without blocks",
          ("model=mlp", "data=synthetic", "parallelism=fsdp", "parallelism.nproc_per_node=2",
           "parallelism.fsdp.wrap=blocks"),

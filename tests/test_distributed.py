@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -9,7 +10,9 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -207,6 +210,144 @@ def test_a_failing_rank_is_named_with_its_traceback(run_dir: Path) -> None:
     traceback = "\n".join(lines[first + 1:])
     assert "in forward" in traceback and 'raise RuntimeError(f"injected failure' in traceback
     assert not (run_dir / "summary.json").exists()
+
+
+def _children(pid: int) -> list[int]:
+    return [int(child) for task in Path(f"/proc/{pid}/task").iterdir()
+            for child in (task / "children").read_text().split()]
+
+
+def test_a_rank_killed_by_a_signal_is_named_not_the_rank_that_lost_it(run_dir: Path) -> None:
+    """SIGKILL of rank 1 (as an OOM kill does): rank 0's collective fails with a connection error, yet the line
+    names rank 1 and its signal, the step rank 0 noticed it in, no traceback; committed checkpoints stay whole."""
+    cmd = [sys.executable, str(ROOT / "train.py"), *SMALL, "trainer.max_steps=100000", "parallelism=ddp",
+           "parallelism.nproc_per_node=2", "checkpoint=dcp", "checkpoint.every_steps=2", f"hydra.run.dir={run_dir}"]
+    env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_for_log(run_dir, "checkpoint step 4 committed", proc, timeout=120)
+    workers = sorted(_children(proc.pid))  # the agent forks rank 0, then rank 1
+    assert len(workers) == 2, workers
+    os.kill(workers[1], signal.SIGKILL)
+    killed_at = time.monotonic()
+    _, stderr = proc.communicate(timeout=120)
+    assert time.monotonic() - killed_at < 60  # a connection reset, not a collective timeout (300 s)
+    assert proc.returncode == 1
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    errors = [line for line in lines if line.startswith("Error:")]
+    assert len(errors) == 1 and errors[0] == lines[-1], stderr[-3000:]
+    assert errors[0].startswith(f"Error: rank 1 (pid {workers[1]}) was lost: killed by signal SIGKILL (rank 0 lost "
+                                "its connection to it in step "), errors[0]
+    assert errors[0].endswith("the same command resumes from the newest")
+    assert "Traceback" not in stderr and "rank 0 failed" not in stderr
+    noticed = int(errors[0].split("in step ")[1].split(")")[0])
+    committed = sorted(int(p.name.removeprefix("step_")) for p in (run_dir / "checkpoints").glob("step_*"))
+    assert committed and max(committed) < noticed and all(step % 2 == 0 for step in committed)
+
+
+def _hang(run_dir: Path, stop: Callable[[subprocess.Popen], int], *run: str, env: dict | None = None
+          ) -> tuple[subprocess.Popen, str, float]:
+    """A 2-rank DDP run whose rank 1 `stop` makes hang after step 3; its stderr and how long it took to end."""
+    cmd = [sys.executable, str(ROOT / "train.py"), *(run or SMALL), "trainer.max_steps=100000", "parallelism=ddp",
+           "parallelism.nproc_per_node=2", "parallelism.timeout_s=6", "parallelism.watchdog.min_s=2",
+           f"hydra.run.dir={run_dir}"]
+    full_env = {**{k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"},
+                "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "5", **(env or {})}
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_for_log(run_dir, "step 3/100000: loss ", proc, timeout=120)
+    rank1 = stop(proc)
+    stopped_at = time.monotonic()
+    try:
+        _, stderr = proc.communicate(timeout=120)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(rank1, signal.SIGKILL)
+    return proc, stderr, time.monotonic() - stopped_at
+
+
+def _one_error(stderr: str) -> str:
+    errors = [line for line in stderr.splitlines() if line.startswith("Error:")]
+    assert len(errors) == 1 and "Traceback" not in stderr, stderr[-3000:]
+    return errors[0]
+
+
+def test_a_rank_that_stops_answering_is_named_when_the_collective_times_out(run_dir: Path) -> None:
+    """SIGSTOP of rank 1: its watchdog beat stops, rank 0's watchdog names it after watchdog.min_s, and rank 0's
+    collective ends the run at parallelism.timeout_s in one line with exit 124 (a hang, not a crash)."""
+    def sigstop(proc: subprocess.Popen) -> int:
+        rank1 = sorted(_children(proc.pid))[1]
+        os.kill(rank1, signal.SIGSTOP)
+        return rank1
+
+    proc, stderr, took = _hang(run_dir, sigstop)
+    assert took < 6 + 2 + 5 + 30  # timeout, linger, the agent's grace, and slack for 2 busy cores
+    assert proc.returncode == 124, stderr[-3000:]
+    error = _one_error(stderr)
+    assert error.startswith("Error: rank 0 waited parallelism.timeout_s in a collective in step "), error
+    assert "and another rank never arrived (RuntimeError: Timed out waiting 6000ms" in error
+    assert "; hang: no step for " in error and "rank 1 stopped answering (last beat " in error, error
+    assert f"every rank's stacks: {run_dir / 'hang'}" in error
+    assert "Thread" in (run_dir / "hang" / "rank_0.stacks.txt").read_text()  # faulthandler's dump of every thread
+    assert "hang: no step for " in (run_dir / "train.log").read_text()  # said when it happened, too
+
+
+class BlockingSet(torch.utils.data.Dataset):
+    """A dataset whose rank 1 blocks in __getitem__ once the file TEST_BLOCK_FILE exists (a dead mount, say)."""
+
+    def __init__(self, inner: torch.utils.data.Dataset) -> None:
+        self.inner = inner
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __getitem__(self, index):
+        if os.environ.get("RANK") == "1" and os.path.exists(os.environ.get("TEST_BLOCK_FILE", "/nonexistent")):
+            time.sleep(3600)  # BLOCKED HERE
+        return self.inner[index]
+
+
+def blocking_digits(val_fraction: float = 0.2, split_seed: int = 0) -> tuple[BlockingSet, Any]:
+    from trainflow.data.digits import digits
+
+    train_set, val_set = digits(val_fraction, split_seed)
+    return BlockingSet(train_set), val_set
+
+
+def test_a_rank_blocked_in_the_users_dataset_is_named_with_its_file_and_line(run_dir: Path, tmp_path: Path) -> None:
+    block = tmp_path / "block"
+
+    def block_rank1(proc: subprocess.Popen) -> int:
+        block.touch()
+        return sorted(_children(proc.pid))[1]
+
+    digits = ["experiment=digits", "data._target_=test_distributed.blocking_digits", "trainer.log_every=1",
+              "trainer.eval_every=0", "trainer.batch_size=8", "logger=none"]
+    proc, stderr, took = _hang(run_dir, block_rank1, *digits, env=_env(TEST_BLOCK_FILE=str(block)))
+    assert proc.returncode == 124 and took < 6 + 2 + 5 + 30, stderr[-3000:]
+    line = next(n for n, text in enumerate(Path(__file__).read_text().splitlines(), 1) if "# BLOCKED HERE" in text)
+    error = _one_error(stderr)
+    assert "rank 1 is stuck in step " in error and f"at {Path(__file__)}:{line} in __getitem__" in error, error
+    assert "rank 0 waiting at " in error and "/trainflow/run.py:" in error, error
+
+
+def test_ranks_that_composed_different_configs_are_refused_before_any_work(tmp_path: Path) -> None:
+    """Under torchrun each rank composes its own config: one that depends on the rank (here through an environment
+    variable) is refused at start in one line naming the key and each rank's value; no step is taken."""
+    proc = _run_in(tmp_path, [*TORCHRUN, "--standalone", "--nproc_per_node=2", str(ROOT / "train.py"), *SMALL,
+                              "parallelism=ddp", "trainer.seed=${oc.env:RANK}"])
+    assert proc.returncode == 1, proc.stderr[-3000:]  # torchrun's own code for a failed worker (each exits 2)
+    errors = {line for line in proc.stderr.splitlines() if line.startswith("Error:")}
+    assert errors == {"Error: trainer.seed: 0 on rank 0; 1 on rank 1: the ranks composed different configs; every "
+                      "rank must compose the same config: look for an environment variable, a config folder or an "
+                      "override that differs between nodes or ranks (the run's config.yaml is rank 0's)"}, errors
+    assert not list(tmp_path.rglob("metrics.jsonl")) and not list(tmp_path.rglob("summary.json"))
+
+
+def test_a_self_launched_group_says_who_is_there(run_dir: Path) -> None:
+    run = train(run_dir, *SMALL, "trainer.max_steps=1", "parallelism=ddp", "parallelism.nproc_per_node=2")
+    assert run.returncode == 0, run.stderr[-3000:]
+    line = next(line for line in (run_dir / "train.log").read_text().splitlines() if "] - ranks: " in line)
+    assert f"ranks: 2 on 1 host(s) ({socket.gethostname()}), cpu; torch {torch.__version__}, trainflow " in line
+    assert "least free memory " in line
 
 
 def test_torchrun_restart_rejoins_the_group_and_the_run_directory(tmp_path: Path) -> None:

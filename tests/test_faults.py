@@ -84,6 +84,20 @@ FAULTS = [
           "test_distributed.py::test_parity_check_fails_on_a_skewed_rank"),
     Fault("a rank raises mid-run", "the run fails naming the rank and its traceback; the other ranks stop",
           "test_distributed.py::test_a_failing_rank_is_named_with_its_traceback"),
+    Fault("SIGKILL of one rank of a self-launched DDP run (an OOM kill)",
+          "one line names the lost rank, its signal and the step the others noticed it in, not the rank that lost "
+          "its connection to it; no traceback; committed checkpoints whole",
+          "test_distributed.py::test_a_rank_killed_by_a_signal_is_named_not_the_rank_that_lost_it"),
+    Fault("one rank of a DDP run stops answering (SIGSTOP)",
+          "the watchdog names it (its beat stopped); the collective ends at parallelism.timeout_s: one line with "
+          "the watchdog's account, exit 124 (a hang, not a crash); every rank's stacks in <run dir>/hang/",
+          "test_distributed.py::test_a_rank_that_stops_answering_is_named_when_the_collective_times_out"),
+    Fault("one rank blocks inside the user's dataset",
+          "the line names the rank, the step and the dataset's file and line; the others wait in trainflow's step",
+          "test_distributed.py::test_a_rank_blocked_in_the_users_dataset_is_named_with_its_file_and_line"),
+    Fault("ranks that composed different configs (a rank-dependent environment variable under torchrun)",
+          "refused at start, before any step: one line naming each differing key and every rank's value",
+          "test_distributed.py::test_ranks_that_composed_different_configs_are_refused_before_any_work"),
     Fault("the torchrun launcher is killed", "no rank is left behind",
           "test_launcher_torchrun.py::test_killing_the_launcher_leaves_no_ranks_behind"),
 ]

@@ -162,7 +162,7 @@ def test_stages_hold_their_typed_sections_in_a_launched_worker(tmp_path: Path) -
     assert OmegaConf.get_type(cfg.profiler) is dict  # untyped, as in the worker
     with process_group(cfg) as env:
         training = assemble(cfg, tmp_path, env)
-        compiler, parity, profiler, _, _, evaluation, checkpointer = training.stages
+        _, compiler, parity, profiler, _, _, evaluation, checkpointer = training.stages  # the watchdog first
         assert type(compiler.cfg) is CompileConfig and compiler.cfg.backend == "aot_eager" and compiler.cfg.fullgraph
         assert not compiler.enabled and compiler.cfg.check is False  # compile=off, check from the schema
         assert type(profiler.cfg) is ProfilerConfig and profiler.cfg.row_limit == 7 and profiler.cfg.ranks == [0]

@@ -238,6 +238,13 @@ class HSDPConfig:
 
 
 @dataclass
+class WatchdogConfig:
+    enabled: Any = "auto"  # auto (runs of 2+ ranks) | true | false: hang reports in <run dir>/hang/
+    factor: float = 20.0  # a rank with no step for this many median step times is reported stuck
+    min_s: float = 60.0  # never sooner (keep it below parallelism.timeout_s, which ends the run)
+
+
+@dataclass
 class ParallelismConfig:
     strategy: str = "single"  # single | ddp | fsdp | hsdp (shard within a node, replicate across) | auto
     # processes on this node: an int, or "auto" (one per GPU; without GPUs 2 for ddp/fsdp/hsdp, else 1); every
@@ -254,6 +261,7 @@ class ParallelismConfig:
     ddp: DDPConfig = field(default_factory=DDPConfig)
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)  # also the sharding options of hsdp
     hsdp: HSDPConfig = field(default_factory=HSDPConfig)
+    watchdog: WatchdogConfig = field(default_factory=WatchdogConfig)
     memory_budget_gb: float | None = None  # auto: memory one rank may use; null: free memory x memory_headroom
     memory_headroom: float = 0.8  # auto: the share of the free memory a plan may fill
 

@@ -34,9 +34,11 @@ from trainflow.config import (
 )
 from trainflow.data import DataBundle, IterableBatches, StreamSampler, build_datasets, make_loader, to_device
 from trainflow.distributed import DistEnv, memory_plan
+from trainflow.distributed.failures import note_step
 from trainflow.distributed.parallelism import no_grad_sync, parallelize, unwrap
 from trainflow.distributed.parity import ParityCheck, parallelism_summary
 from trainflow.distributed.process_group import process_group
+from trainflow.distributed.watchdog import Watchdog
 from trainflow.evaluation import Evaluation
 from trainflow.limits import check_batch
 from trainflow.metrics import (
@@ -78,7 +80,11 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv) -> dict[str, Any] | Non
     """A function of its own so that the model is freed when it returns, before the process group is destroyed:
     a DDP reducer freed after that waits forever in gloo's destructor, and the worker never exits."""
     training = assemble(cfg, run_dir, env)
-    train_loop(training)
+    try:
+        train_loop(training)
+    except BaseException as exc:
+        note_step(exc, training.state.step + 1)  # the step it failed in, for the launcher's account of it
+        raise
     return summarize(training)
 
 
@@ -172,8 +178,9 @@ def assemble(cfg: DictConfig, run_dir: Path, env: DistEnv) -> Training:
                                                                        env.is_main, state.step),
                                  optimizer, task, trainer.grad_accum, flops_per_step, peak)
     evaluation = Evaluation(trainer, env, data, autocast, task, writer)
+    watchdog = Watchdog(parallelism.watchdog, env, run_dir, meter.excluded_steps)
     # the guard checks before anything is logged or saved; the checkpointer comes last: it may stop the run
-    stages: list[Stage] = [compiler, parity, profiler, guard, train_metrics, evaluation, checkpointer]
+    stages: list[Stage] = [watchdog, compiler, parity, profiler, guard, train_metrics, evaluation, checkpointer]
     if env.is_main:
         log.info("model %s: %.2fM parameters; world size %d; global batch %d; task %s (monitor: val %s, %s); %s",
                  type(unwrap(model)).__name__, parameters / 1e6, env.world_size, global_batch, type(task).__name__,

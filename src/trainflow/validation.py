@@ -150,6 +150,13 @@ def validate_parallelism(cfg: DictConfig) -> None:
                  f"must be a positive integer or null; got {p.global_batch}")
     _require(p.max_restarts >= 0, "parallelism.max_restarts", f"must be >= 0; got {p.max_restarts}")
     _require(p.timeout_s > 0, "parallelism.timeout_s", f"must be > 0; got {p.timeout_s}")
+    dog = p.watchdog
+    _require(dog.enabled in ("auto", True, False), "parallelism.watchdog.enabled",
+             f"must be auto, true or false; got {dog.enabled!r}")
+    _require(dog.factor > 0, "parallelism.watchdog.factor", f"must be > 0; got {dog.factor}")
+    _require(dog.enabled is False or 0 < dog.min_s < p.timeout_s, "parallelism.watchdog.min_s",
+             f"must be > 0 and below parallelism.timeout_s ({p.timeout_s:g}), which ends a hung run before the "
+             f"watchdog could say where it hangs; got {dog.min_s}; lower it or raise parallelism.timeout_s")
     _require(p.check_steps > 0, "parallelism.check_steps", f"must be a positive integer; got {p.check_steps}")
     _require(p.check_tolerance is None or p.check_tolerance > 0, "parallelism.check_tolerance",
              f"must be > 0, or null for the precision's default; got {p.check_tolerance}")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import time
 import traceback
 from pathlib import Path
@@ -18,6 +19,35 @@ class WorkerError(TrainflowError):
     """A rank of a launched run failed; the message names the rank and carries its traceback."""
 
     exit_code = 1  # a crash, not a usage error
+
+
+class CollectiveTimeout(WorkerError):
+    """A collective waited parallelism.timeout_s for a rank that never came: a hang, not a crash."""
+
+    exit_code = 124  # as timeout(1) exits
+
+
+# What a collective says when a peer process went away or stopped answering (gloo, NCCL, the c10d store): the
+# rank that says it only lost its neighbour, it is never the cause when another rank failed by itself.
+_PEER_LOST = ("connection reset by peer", "connection closed by peer", "broken pipe", "timed out waiting",
+              "socket timeout", "communicator was aborted", "remote process exited", "connection refused")
+
+
+# How long a rank that lost a peer waits before it exits: the agent then sees the lost rank's own exit (its signal)
+# first, and reports that one, instead of this rank's error about it. A few of the agent's 0.1 s polls.
+_LINGER_S = 2.0
+
+
+def linger_if_peer_lost(exc: BaseException) -> None:
+    """Let the rank that caused this error be found first: wait a moment when `exc` only says a peer went away."""
+    if any(words in str(exc).lower() for words in _PEER_LOST):
+        time.sleep(_LINGER_S)
+
+
+def note_step(exc: BaseException, step: int) -> None:
+    """Remember on the exception the step the loop was in, so that the rank's record can say where it failed."""
+    with contextlib.suppress(AttributeError, TypeError):
+        exc._trainflow_step = step
 
 
 def record_failure(exc: BaseException) -> None:
@@ -36,6 +66,8 @@ def record_failure(exc: BaseException) -> None:
     }
     if isinstance(exc, TrainflowError):
         data["trainflow_user_error"] = str(exc)
+    if (step := getattr(exc, "_trainflow_step", None)) is not None:
+        data["trainflow_step"] = step
     with contextlib.suppress(OSError), open(path, "w") as f:
         json.dump(data, f)
 
@@ -56,30 +88,80 @@ def _records(logs: Path) -> dict[int, dict[str, Any]]:
     return records
 
 
-def explain_worker_failure(exc: Any, logs: Path | None = None) -> TrainflowError:
+def _peer_lost(data: dict[str, Any]) -> bool:
+    message = data.get("message")
+    text = message.get("message", "") if isinstance(message, dict) else str(message or "")
+    return any(words in text.lower() for words in _PEER_LOST)
+
+
+def explain_worker_failure(exc: Any, logs: Path | None = None, hang: str | None = None) -> TrainflowError:
     """The root cause as one error: a user error (the lowest rank that hit it: usually all do), else the rank
-    that failed first (the others were stopped after it), with its traceback."""
+    that failed by itself first (the others were stopped after it), with its traceback; else a rank lost to a
+    signal (an OOM kill), named without a traceback, since the others' errors only say that they lost it.
+    `hang` is the watchdog's account of a stall, which says who a timed-out collective waited for."""
     records = _records(logs) if logs else {}
     for rank, failure in exc.failures.items():
         records.setdefault(rank, failure.error_file_data)
+
+    def killed(rank: int) -> bool:
+        failure = exc.failures.get(rank)
+        return "trainflow_time" not in records[rank] and failure is not None and failure.exitcode < 0
 
     def order(rank: int) -> tuple[int, float, int]:
         data = records[rank]
         if "trainflow_user_error" in data:
             return (0, 0.0, rank)
-        return (1, data["trainflow_time"], rank) if "trainflow_time" in data else (2, 0.0, rank)
+        if "trainflow_time" in data:
+            return (3 if _peer_lost(data) else 1, data["trainflow_time"], rank)
+        return (2, 0.0, rank) if killed(rank) else (4, 0.0, rank)
 
     rank = min(records, key=order)
     data, failure = records[rank], exc.failures.get(rank)
     if "trainflow_user_error" in data:
         return TrainflowError(f"{data['trainflow_user_error']} (rank {rank})")
+    if killed(rank):
+        return WorkerError(f"rank {rank} (pid {failure.pid}) was lost: killed by signal {failure.signal_name()}"
+                           f"{_where_lost(records, rank)}; the other ranks were stopped; committed checkpoints are "
+                           "intact: the same command resumes from the newest")
     message = data.get("message")
+    if isinstance(message, dict) and _peer_lost(data):
+        said = _first_line(message.get("message"))
+        if "timed out" in said.lower():
+            return CollectiveTimeout(f"rank {rank} waited parallelism.timeout_s in a collective{_at(data)} and another "
+                                     f"rank never arrived ({said}){'; ' + hang if hang else ''}; the other ranks "
+                                     "were stopped; committed checkpoints are intact: the same command resumes from "
+                                     "the newest")
+        return WorkerError(f"rank {rank} lost its connection to another rank{_at(data)} and no rank said why: "
+                           f"{said}; the other ranks were stopped")
     if isinstance(message, dict):
         stack = message.get("extraInfo", {}).get("py_callstack", "").rstrip()
         return WorkerError(f"rank {rank} failed: {message.get('message')}; the other ranks were stopped\n"
                            f"--- traceback of rank {rank} ---\n{stack}")
-    if failure is not None and failure.exitcode < 0:
-        return WorkerError(f"rank {rank} (pid {failure.pid}) was killed by signal {failure.signal_name()}; "
-                           "the other ranks were stopped")
     code = failure.exitcode if failure is not None else "?"
     return WorkerError(f"rank {rank} exited with code {code}; the other ranks were stopped; its output above says why")
+
+
+def _at(data: dict[str, Any]) -> str:
+    return f" in step {data['trainflow_step']}" if "trainflow_step" in data else ""
+
+
+def _where_lost(records: dict[int, dict[str, Any]], lost: int) -> str:
+    """When the others noticed the lost rank: the step their collectives failed in, by their records."""
+    steps = sorted({data["trainflow_step"] for rank, data in records.items()
+                    if rank != lost and "trainflow_step" in data and _peer_lost(data)})
+    noticed = sorted(rank for rank, data in records.items() if rank != lost and _peer_lost(data))
+    if not noticed:
+        return ""
+    ranks = ", ".join(map(str, noticed))
+    return f" (rank{'s' if len(noticed) > 1 else ''} {ranks} lost {'their' if len(noticed) > 1 else 'its'} " \
+           f"connection to it{' in step ' + str(steps[0]) if steps else ''})"
+
+
+def _first_line(text: Any) -> str:
+    """A collective's error, short: its first sentence, without the source location gloo puts in front."""
+    line = str(text).splitlines()[0] if text else "no message"
+    return _SOURCE_PREFIX.sub(r"\1", line).split(". ")[0]
+
+
+# "RuntimeError: [.../pair.cc:537] Read error" -> "RuntimeError: Read error"
+_SOURCE_PREFIX = re.compile(r"^(\w+: )\[[^\]]*\] ")

@@ -39,6 +39,7 @@ from trainflow.distributed.process_group import (
     resolve_device,
     resolve_nproc,
 )
+from trainflow.distributed.watchdog import hang_report
 from trainflow.env import env_rank
 from trainflow.errors import TrainflowError
 from trainflow.metrics import RunLogHandler
@@ -95,7 +96,7 @@ def launch(cfg: DictConfig, run_dir: Path) -> dict[str, Any] | None:
         try:
             elastic_launch(config, _worker)(container, str(run_dir))
         except ChildFailedError as exc:
-            raise explain_worker_failure(exc, Path(logs)) from None
+            raise explain_worker_failure(exc, Path(logs), hang_report(run_dir, started)) from None
         except SignalException as exc:
             stop = exc.sigval
         finally:

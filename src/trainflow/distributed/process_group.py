@@ -21,7 +21,8 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig
 
-from trainflow.distributed.failures import record_failure
+from trainflow.distributed.failures import linger_if_peer_lost, record_failure
+from trainflow.distributed.health import check_ranks_agree, composed_config
 from trainflow.distributed.hsdp import hsdp_shape, ranks_per_node
 from trainflow.env import env_rank
 from trainflow.errors import ConfigError, TrainflowError
@@ -251,6 +252,7 @@ def setup(cfg: DictConfig) -> DistEnv:
     device = resolve_device(cfg.trainer.device, local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     started_by = "trainflow" if _self_launched else "the launcher"
     backend = _preflight(cfg, device, world_size, int(os.environ.get("LOCAL_WORLD_SIZE", "1")), started_by)
+    composed = composed_config(cfg) if world_size > 1 else {}  # before this rank fixes its batch size below
     cfg.trainer.batch_size = per_rank_batch(cfg, world_size)
     if rank != 0:
         logging.getLogger("trainflow").setLevel(logging.WARNING)  # rank 0 speaks; the others only warn
@@ -260,6 +262,7 @@ def setup(cfg: DictConfig) -> DistEnv:
         timeout = timedelta(seconds=p.timeout_s)
         dist.init_process_group(backend, store=_store(rank, world_size, timeout), rank=rank, world_size=world_size,
                                 timeout=timeout, device_id=device if device.type == "cuda" else None)
+        check_ranks_agree(composed, device, rank, world_size)
     return DistEnv(rank, world_size, local_rank, device, p.strategy)
 
 
@@ -278,6 +281,7 @@ def process_group(cfg: DictConfig) -> Iterator[DistEnv]:
     except BaseException as exc:
         if not isinstance(exc, (KeyboardInterrupt, SystemExit)):
             record_failure(exc)
+            linger_if_peer_lost(exc)
         raise
     finally:
         if env is not None:

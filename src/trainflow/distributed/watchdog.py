@@ -1,0 +1,225 @@
+"""Hang reports: a thread on every rank notices when its rank stops making steps and says where it is stuck.
+
+A hang at scale (a rank blocked in a collective, a user's dataset waiting on a dead mount, a stopped process)
+shows nothing until the collective timeout ends the run, and then every rank only says that it waited. Here each
+rank's thread beats a small file in `<run dir>/hang/` and, once the rank has made no step for
+`watchdog.factor` times the median step time of the steady state (never sooner than `watchdog.min_s`, the bound
+until there is a median), writes where its main thread is (the innermost
+frame of the user's code, else trainflow's) and every thread's stack (`faulthandler`). Rank 0 then says in one
+line which rank is stuck where, from those files: a rank whose beat went stale stopped answering (SIGSTOP, a
+frozen node), a rank stuck in the user's code is named with its file and line. A save, an evaluation or a
+recompile in progress is not a hang. The report is also what the launcher adds to a collective timeout's line.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import json
+import logging
+import os
+import socket
+import statistics
+import sys
+import sysconfig
+import threading
+import time
+from collections import deque
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import torch
+
+import trainflow
+from trainflow.config import WatchdogConfig
+from trainflow.distributed import DistEnv
+from trainflow.stages import LoopState, Stage
+
+log = logging.getLogger("trainflow")
+
+HANG_DIR = "hang"  # under the run directory
+REPORT = "report.txt"  # rank 0's one line, which the launcher repeats when the run ends on a timeout
+_MEDIAN_OF = 50  # recent step intervals the median is taken over
+_TRAINFLOW = os.path.dirname(trainflow.__file__)
+_LIBRARIES = (os.path.dirname(torch.__file__), _TRAINFLOW, sysconfig.get_paths()["stdlib"])
+# Work that legitimately makes no step for a while: a save, an evaluation, a recompile.
+_BUSY = (os.sep + os.path.join("trainflow", "checkpoint") + os.sep, os.sep + os.path.join("trainflow", "evaluation.py"),
+         os.sep + os.path.join("torch", "_dynamo") + os.sep, os.sep + os.path.join("torch", "_inductor") + os.sep)
+
+
+class Watchdog(Stage):
+    """A stage that only times steps (one clock read each); its thread does the rest."""
+
+    def __init__(self, cfg: WatchdogConfig, env: DistEnv, run_dir: Path, excluded_steps: int) -> None:
+        self.cfg = cfg
+        self.env = env
+        self.enabled = cfg.enabled is True or (cfg.enabled == "auto" and env.world_size > 1)
+        self.dir = run_dir / HANG_DIR
+        self.beat_s = cfg.min_s / 4  # a stopped rank's beat is stale well before anyone calls it stuck
+        self.excluded_steps = excluded_steps
+        self._intervals: deque[float] = deque(maxlen=_MEDIAN_OF)
+        self._last = 0.0  # when the last step ended (monotonic)
+        self._step = 0  # the last step that ended
+        self._steps_seen = 0
+        self._done = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.reports = 0
+
+    def __enter__(self) -> Watchdog:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self._last = time.monotonic()
+        self._beat()  # at once: a rank lost before the first interval still leaves its place
+        self._thread = threading.Thread(target=self._watch, name="trainflow-watchdog", daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._done.set()
+        if self._thread is not None:
+            self._thread.join()
+
+    def after_step(self, state: LoopState) -> bool:
+        now = time.monotonic()
+        self._steps_seen += 1
+        if self._steps_seen > self.excluded_steps:
+            self._intervals.append(now - self._last)
+        self._last, self._step = now, state.step
+        return False
+
+    def bound_s(self) -> float:
+        """How long a step may take before the rank counts as stuck: min_s until the steady state gives a median
+        (a first compile is told apart by its stack, not by time)."""
+        return max(self.cfg.min_s, self.cfg.factor * self.median_s()) if self._intervals else self.cfg.min_s
+
+    def median_s(self) -> float | None:
+        return statistics.median(self._intervals) if self._intervals else None
+
+    # --- the thread -------------------------------------------------------------------------------------------
+
+    def _watch(self) -> None:
+        reported_at = None  # the step a report was made in: one report per stall
+        while not self._done.wait(self.beat_s):
+            self._beat()
+            bound = self.bound_s()
+            stalled = time.monotonic() - self._last
+            if stalled < bound or reported_at == self._step:
+                continue
+            frame = sys._current_frames().get(threading.main_thread().ident)
+            if frame is None or _busy(frame):
+                continue
+            reported_at = self._step
+            self._report(frame, stalled, bound)
+
+    def _beat(self) -> None:
+        _write(self.dir / f"rank_{self.env.rank}.beat", {"rank": self.env.rank, "pid": os.getpid(),
+                                                          "host": socket.gethostname(), "step": self._step,
+                                                          "time": time.time()})
+
+    def _report(self, frame: FrameType, stalled: float, bound: float) -> None:
+        rank = self.env.rank
+        with open(self.dir / f"rank_{rank}.stacks.txt", "w") as stacks:
+            faulthandler.dump_traceback(stacks, all_threads=True)
+        _write(self.dir / f"rank_{rank}.json", {"rank": rank, "step": self._step + 1, "where": where(frame),
+                                                "users": _users_frame(frame) is not None, "time": time.time()})
+        self.reports += 1
+        if rank != 0:
+            return
+        self._done.wait(2 * self.beat_s)  # the other ranks' reports of the same stall land meanwhile
+        line = self._account(stalled, bound)
+        (self.dir / REPORT).write_text(line + "\n")
+        log.error("%s", line)
+
+    def _account(self, stalled: float, bound: float) -> str:
+        """Rank 0's one line: who is stuck where, from every rank's beat and report."""
+        now = time.time()
+        median = self.median_s()
+        basis = (f"{self.cfg.factor:g} x the median step {median:.3f} s, at least parallelism.watchdog.min_s" if median
+                 else "parallelism.watchdog.min_s, until the steady state gives a median step")
+        stuck, waiting = [], []
+        for rank in range(self.env.world_size):
+            beat, report = _read(self.dir / f"rank_{rank}.beat"), _read(self.dir / f"rank_{rank}.json")
+            fresh_report = report if report and now - report["time"] < 4 * self.beat_s + bound else None
+            if beat is None or now - beat["time"] > 3 * self.beat_s + 1:
+                seen = f"last beat {now - beat['time']:.0f} s ago, after step {beat['step']}, " \
+                       f"{beat['host']} pid {beat['pid']}" if beat else "no beat at all"
+                stuck.append(f"rank {rank} stopped answering ({seen})")
+            elif fresh_report and fresh_report["users"]:
+                stuck.append(f"rank {rank} is stuck in step {fresh_report['step']} at {fresh_report['where']}")
+            elif fresh_report:
+                waiting.append((rank, fresh_report["where"]))
+            else:
+                stuck.append(f"rank {rank} is busy (compiling, saving, evaluating) or slow")
+        waits = "; ".join(f"{_ranks(group)} waiting at {at}" for at, group in _group(waiting).items())
+        who = "; ".join(stuck) or "no rank is stuck in the user's code"
+        return (f"hang: no step for {stalled:.0f} s (the bound is {bound:.0f} s: {basis}): {who}"
+                f"{'; ' + waits if waits else ''}; every rank's stacks: {self.dir}")
+
+
+def where(frame: FrameType) -> str:
+    """The place a stuck main thread is at: the user's innermost frame, else trainflow's, else the innermost."""
+    chosen = _users_frame(frame) or _frame_in(frame, _TRAINFLOW) or frame
+    return f"{chosen.f_code.co_filename}:{chosen.f_lineno} in {chosen.f_code.co_name}"
+
+
+def _users_frame(frame: FrameType) -> FrameType | None:
+    """The innermost frame of the user's code that trainflow called (a dataset, a model, a task): the frames
+    outside trainflow's call (the entry point, Hydra) do not count."""
+    current: FrameType | None = frame
+    while current is not None and not current.f_code.co_filename.startswith(_TRAINFLOW):
+        name = current.f_code.co_filename
+        if not name.startswith("<") and not name.startswith(_LIBRARIES) and "site-packages" not in name:
+            return current
+        current = current.f_back
+    return None
+
+
+def _frame_in(frame: FrameType, folder: str) -> FrameType | None:
+    current: FrameType | None = frame
+    while current is not None and not current.f_code.co_filename.startswith(folder):
+        current = current.f_back
+    return current
+
+
+def _busy(frame: FrameType) -> bool:
+    current: FrameType | None = frame
+    while current is not None:
+        if any(part in current.f_code.co_filename for part in _BUSY):
+            return True
+        current = current.f_back
+    return False
+
+
+def _group(waiting: list[tuple[int, str]]) -> dict[str, list[int]]:
+    groups: dict[str, list[int]] = {}
+    for rank, at in waiting:
+        groups.setdefault(at, []).append(rank)
+    return groups
+
+
+def _ranks(ranks: list[int]) -> str:
+    return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
+
+
+def _write(path: Path, value: dict[str, Any]) -> None:
+    """Replace `path` whole: a reader never sees half a beat."""
+    temporary = path.with_name(f".{path.name}.{os.getpid()}")
+    temporary.write_text(json.dumps(value))
+    os.replace(temporary, path)
+
+
+def _read(path: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def hang_report(run_dir: Path, since: float) -> str | None:
+    """Rank 0's hang line of this run, if it wrote one after `since` (for the launcher's final line)."""
+    path = run_dir / HANG_DIR / REPORT
+    try:
+        if path.stat().st_mtime >= since:
+            return path.read_text().strip()
+    except OSError:
+        pass
+    return None
