@@ -221,16 +221,18 @@ def part_by_part(cfg_of: Callable[[int], Any], steps: int, warmup: int) -> dict[
         for length in (steps, warmup):
             cfg_run = cfg_of(length)
             with tempfile.TemporaryDirectory() as tmp, process_group(cfg_run) as env:
-                training = assemble(cfg_run, Path(tmp), env)
+                assembled = assemble(cfg_run, Path(tmp), env)
                 start = time.thread_time()
                 if part == "train_step":
-                    training.model.train()
+                    training = assembled.training
+                    training.state.model.train()
                     while training.state.step < length:
                         train_step(training)
                 else:
-                    training.stages = training.stages if part == "train_loop" else []
-                    train_loop(training)
+                    assembled.stages = assembled.stages if part == "train_loop" else []
+                    train_loop(assembled)
                 cpu_s.append(time.thread_time() - start)
+                assembled.ctx.writer.close()
         return (cpu_s[0] - cpu_s[1]) / (steps - warmup)
 
     timed["literal loop"] = literal_with(False, False, False)

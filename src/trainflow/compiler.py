@@ -45,7 +45,7 @@ from trainflow.errors import ConfigError, home_note, unwritable_reason
 from trainflow.files import write_atomic
 from trainflow.metrics import matmul_math
 from trainflow.models import model_blocks
-from trainflow.stages import LoopState, Stage
+from trainflow.stages import LoopState, Stage, StageContext
 from trainflow.tasks import Task
 
 log = logging.getLogger(__name__)
@@ -98,12 +98,24 @@ class Compiler(Stage):
         self.scope = self.cfg.scope  # null resolved in `apply`, from the model it compiles
         self.cache_dir: str | None = None
         self.mode = effective_mode(self.cfg.mode, env.world_size)
+        self._check_inputs: tuple[Any, Task] | None = None  # built from a run: compile.check's batch and task
         if self.enabled:
             self.cache_dir = _configure_cache(self.cfg.cache_dir, self.cfg.backend)
             self.backend = _resolve_backend(self.cfg.backend)
             if self.mode != self.cfg.mode and env.is_main:
                 log.info("compile.mode: %s without CUDA graphs (%s) on %d ranks: CUDA graphs break under DDP/FSDP",
                          self.cfg.mode, self.mode, env.world_size)
+
+    @classmethod
+    def build(cls, ctx: StageContext) -> Compiler:
+        seq_lens = ctx.cfg.data.get("seq_lens")  # a user's data section may have no such key
+        compiler = cls(ctx.section("compile", CompileConfig), ctx.trainer, list(seq_lens) if seq_lens else None,
+                       ctx.env, ctx.run_dir)
+        compiler._check_inputs = (ctx.example, ctx.task)
+        return compiler
+
+    def prepare(self, model: nn.Module) -> nn.Module:
+        return self.apply(model, *(self._check_inputs or ()))
 
     def apply(self, model: nn.Module, example: Any = None, task: Task | None = None) -> nn.Module:
         """Compile in place (parameter names stay as they are); run `compile.check` on `example` if asked."""

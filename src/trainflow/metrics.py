@@ -31,7 +31,7 @@ from trainflow.errors import RunDirError
 from trainflow.files import write_atomic
 
 if TYPE_CHECKING:
-    from trainflow.stages import LoopState
+    from trainflow.loop_state import LoopState
     from trainflow.tasks import Task
     from trainflow.tensorboard import Dashboard
 

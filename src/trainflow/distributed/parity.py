@@ -19,7 +19,7 @@ from trainflow.distributed.hsdp import MESH_DIMS, hsdp_shape
 from trainflow.distributed.parallelism import full_parameters, is_parallelized
 from trainflow.distributed.process_group import SHARDED, DistEnv, all_reduce_mean, node_count
 from trainflow.metrics import matmul_math
-from trainflow.stages import LoopState, Stage
+from trainflow.stages import LoopState, Stage, StageContext
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +66,11 @@ class ParityCheck(Stage):
         self.task, self.trainer, self.to_device = task, t, to_device
         sampler = StreamSampler(len(dataset), t.batch_size * env.world_size, 0, 1, t.seed)
         self.batches = iter(make_loader(dataset, sampler, data, False))
+
+    @classmethod
+    def build(cls, ctx: StageContext) -> ParityCheck:
+        return cls(ctx.parallelism, ctx.trainer, ctx.optim, ctx.cfg.data, ctx.env, ctx.model, ctx.data.train,
+                   ctx.task)
 
     def _reference_step(self) -> float:
         t = self.trainer
@@ -143,7 +148,7 @@ class ParityCheck(Stage):
 
 
 def parallelism_summary(parallelism: ParallelismConfig, trainer: TrainerConfig, env: DistEnv,
-                        steady: dict[str, float] | None, check: ParityCheck) -> dict[str, Any]:
+                        steady: dict[str, float] | None, check: ParityCheck | None) -> dict[str, Any]:
     """The parallel layout, global batch, throughput in total and per rank, and the parity check's verdict."""
     out: dict[str, Any] = {
         "strategy": env.strategy,
@@ -153,7 +158,7 @@ def parallelism_summary(parallelism: ParallelismConfig, trainer: TrainerConfig, 
         "per_rank_batch": trainer.batch_size,
         "grad_accum": trainer.grad_accum,
         "global_batch": trainer.batch_size * env.world_size * trainer.grad_accum,
-        "check": check.summary(),
+        "check": check.summary() if check else None,
     }
     if env.strategy in SHARDED:
         shape = hsdp_shape(parallelism, env.world_size) if env.strategy == "hsdp" else (1, env.world_size)
