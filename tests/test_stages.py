@@ -191,6 +191,7 @@ def test_stages_hold_their_typed_sections_in_a_launched_worker(tmp_path: Path) -
     assert OmegaConf.get_type(cfg.profiler) is dict  # untyped, as in the worker
     with process_group(cfg) as env:
         run = assemble(cfg, tmp_path, env)
+        assert OmegaConf.is_readonly(run.ctx.cfg) and not OmegaConf.is_readonly(cfg)  # decisions went into a copy
         stage = {type(stage): stage for stage in run.stages}
         compiler, parity, profiler = stage[Compiler], stage[ParityCheck], stage[Profiler]
         evaluation, checkpointer = stage[Evaluation], stage[Checkpointer]

@@ -23,12 +23,12 @@ from torch.profiler import record_function
 
 from trainflow.checkpoint import Checkpointer
 from trainflow.compiler import Compiler
-from trainflow.config import OptimConfig, ParallelismConfig, TrainerConfig, typed
+from trainflow.config import OptimConfig, ParallelismConfig, TrainerConfig, decided, typed
 from trainflow.data import IterableBatches, StreamSampler, build_datasets, make_loader, to_device
 from trainflow.distributed import DistEnv, memory_plan
 from trainflow.distributed.parallelism import no_grad_sync, parallelize, unwrap
 from trainflow.distributed.parity import ParityCheck, parallelism_summary
-from trainflow.distributed.process_group import process_group
+from trainflow.distributed.process_group import per_rank_batch, process_group
 from trainflow.evaluation import Evaluation
 from trainflow.limits import check_batch
 from trainflow.metrics import (
@@ -115,7 +115,9 @@ class Run:
 
 
 def assemble(cfg: DictConfig, run_dir: Path, env: DistEnv, stage_types: Sequence[type[Stage]] = STAGES) -> Run:
-    """Build everything, in the order the parts depend on each other."""
+    """Build everything, in the order the parts depend on each other. What the run decides (the per-rank batch,
+    parallelism=auto's layout) goes into a new, read-only config: nothing writes into a config after validation."""
+    cfg = decided(cfg, {"trainer": {"batch_size": per_rank_batch(cfg, env.world_size)}})
     trainer = _prepare(cfg, run_dir, env)
     data = build_datasets(cfg.data, cfg.model)
     model = build_model(cfg.model).to(env.device)
@@ -129,8 +131,9 @@ def assemble(cfg: DictConfig, run_dir: Path, env: DistEnv, stage_types: Sequence
     if flops_per_step is not None:
         flops_per_step *= trainer.grad_accum
     auto_plan = None
-    if cfg.parallelism.strategy == "auto":  # measures memory, decides, writes the decision into cfg.parallelism
+    if cfg.parallelism.strategy == "auto":  # measures memory and decides
         env, auto_plan = memory_plan.apply_auto(cfg, env, model, example, task)
+        cfg = decided(cfg, {"parallelism": auto_plan.parallelism})
     parallelism, optim = typed(cfg.parallelism, ParallelismConfig), typed(cfg.optim, OptimConfig)  # after auto
     # fp32 skips torch.autocast altogether: even disabled, it costs time every step
     autocast = torch.autocast(env.device.type, torch.bfloat16) if trainer.precision == "bf16" \
