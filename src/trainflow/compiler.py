@@ -25,7 +25,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from trainflow.compare import relative_error
 from trainflow.compile_diagnostics import (
     eager_frames,
     first_line,
@@ -43,17 +42,15 @@ from trainflow.distributed import DistEnv
 from trainflow.distributed.parallelism import unwrap
 from trainflow.errors import ConfigError, home_note, unwritable_reason
 from trainflow.files import write_atomic
-from trainflow.metrics import matmul_math
 from trainflow.models import model_blocks
+from trainflow.precision import autocast_for, matmul_math
 from trainflow.stages import LoopState, Stage, StageContext
 from trainflow.tasks import Task
+from trainflow.tolerance import TOLERANCE, relative_error
 
 log = logging.getLogger(__name__)
 
 CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
-# Relative error that compile.check accepts, by the matmuls' arithmetic (trainflow.metrics.matmul_math): TF32 and
-# bf16 keep 10 and 7 mantissa bits, so fused and unfused kernels round visibly differently.
-TOLERANCE = {"fp32": 1e-4, "tf32": 1e-2, "bf16": 1e-2}
 _DYNAMIC_FIX = "set compile.dynamic=true, or use fewer distinct input shapes (e.g. data.seq_lens with few lengths)"
 _MAX_LISTED = 20  # reasons kept per kind in compile_report.json
 _FSDP_HINT = "with parallelism=fsdp compile each block: compile.scope=blocks"
@@ -203,7 +200,7 @@ class Compiler(Stage):
     def _run_check(self, model: nn.Module, batch: Any, task: Task) -> dict[str, Any]:
         """One batch through the compiled and the eager model, same weights: compare the loss and every gradient."""
         batch = to_device(batch, self.env.device)
-        autocast = torch.autocast(self.env.device.type, dtype=torch.bfloat16, enabled=self.precision == "bf16")
+        autocast = autocast_for(self.env.device, self.precision)
         params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
 
         device = self.env.device
@@ -224,7 +221,7 @@ class Compiler(Stage):
         compiled_s = time.perf_counter() - start
         with torch.compiler.set_stance("force_eager"):
             eager_loss, eager_grads = loss_and_grads()
-        tolerance = TOLERANCE[self.precision]
+        tolerance = TOLERANCE["compile.check"][self.precision]
         loss_err = abs(compiled_loss - eager_loss) / max(abs(eager_loss), 1e-12)
         worst_name, worst_err = None, 0.0
         for name, ref in eager_grads.items():

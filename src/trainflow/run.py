@@ -10,15 +10,13 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
-import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from omegaconf import DictConfig, OmegaConf
-from torch import nn
 from torch.profiler import record_function
 
 from trainflow.checkpoint import Checkpointer
@@ -26,7 +24,7 @@ from trainflow.compiler import Compiler
 from trainflow.config import OptimConfig, ParallelismConfig, TrainerConfig, decided, typed
 from trainflow.data import IterableBatches, StreamSampler, build_datasets, make_loader, to_device
 from trainflow.distributed import DistEnv, memory_plan
-from trainflow.distributed.parallelism import no_grad_sync, parallelize, unwrap
+from trainflow.distributed.parallelism import parallelize, unwrap
 from trainflow.distributed.parity import ParityCheck, parallelism_summary
 from trainflow.distributed.process_group import per_rank_batch, process_group
 from trainflow.evaluation import Evaluation
@@ -35,21 +33,21 @@ from trainflow.metrics import (
     MetricsWriter,
     PeakMemory,
     Throughput,
-    configure_matmul,
     count_train_flops,
     host_load,
-    matmul_math,
     mfu,
     peak_flops,
     write_json,
 )
 from trainflow.models import build_model
 from trainflow.nonfinite import NonFiniteGuard
-from trainflow.optim import build_optimizer, gradient_norm, lr_moves
+from trainflow.optim import build_optimizer, lr_moves
+from trainflow.precision import autocast_for, configure_matmul, matmul_math
 from trainflow.profiler import Profiler
 from trainflow.seeding import SEED_STRIDE, seed_everything
 from trainflow.stages import LoopState, Stage, StageContext
-from trainflow.tasks import Task, add_metrics, build_task, probe
+from trainflow.step import Training, train_step, unnamed
+from trainflow.tasks import build_task, probe
 from trainflow.tensorboard import Dashboard
 from trainflow.train_metrics import TrainMetrics
 
@@ -78,25 +76,6 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv) -> dict[str, Any] | Non
 # checkpointer comes last, as it may stop the run. A new stage is a class with build(ctx) added here.
 STAGES: tuple[type[Stage], ...] = (Compiler, ParityCheck, Profiler, NonFiniteGuard, TrainMetrics, Evaluation,
                                    Checkpointer)
-
-
-@dataclass
-class Training:
-    """What `train_step` reads, as plain attributes: a DictConfig read costs tens of microseconds."""
-
-    trainer: TrainerConfig
-    state: LoopState  # the model, optimizer and scheduler, and what the step leaves for the stages
-    task: Task
-    batches: Iterator[Any]
-    trainable: list[nn.Parameter]  # the model's parameters, listed once rather than walked every step
-    autocast: Any
-    name_part: Callable[[str], Any]  # names a part of the step for the profiler (a no-op when it is off)
-    guard: NonFiniteGuard  # trainer.nonfinite=skip_step decides inside the step
-    batch_device: torch.device | None  # where batches are moved (None: the loader's tensors are already there)
-    pin: bool  # batches are pinned and copied asynchronously
-    schedule_moves: bool  # False: a constant schedule without warm-up is not stepped
-    metrics_every_step: bool  # task.train_metrics=every_step; else the task's metrics at log steps only
-    global_batch: int
 
 
 @dataclass
@@ -135,9 +114,7 @@ def assemble(cfg: DictConfig, run_dir: Path, env: DistEnv, stage_types: Sequence
         env, auto_plan = memory_plan.apply_auto(cfg, env, model, example, task)
         cfg = decided(cfg, {"parallelism": auto_plan.parallelism})
     parallelism, optim = typed(cfg.parallelism, ParallelismConfig), typed(cfg.optim, OptimConfig)  # after auto
-    # fp32 skips torch.autocast altogether: even disabled, it costs time every step
-    autocast = torch.autocast(env.device.type, torch.bfloat16) if trainer.precision == "bf16" \
-        else contextlib.nullcontext()
+    autocast = autocast_for(env.device, trainer.precision)
     dashboard = Dashboard(trainer, optim, (run_dir / "config.yaml").read_text(), run_dir) \
         if env.is_main and cfg.logger.tensorboard else None  # config.yaml: written by _prepare on rank 0
     meter = Throughput(trainer.warmup_steps, env.device, PeakMemory(env.device))
@@ -179,7 +156,7 @@ def assemble(cfg: DictConfig, run_dir: Path, env: DistEnv, stage_types: Sequence
     profiled = any(isinstance(stage, Profiler) and stage.enabled for stage in stages)
     training = Training(
         trainer, state, task, iter(loader), trainable=list(model.parameters()), autocast=autocast,
-        name_part=record_function if profiled else _unnamed,
+        name_part=record_function if profiled else unnamed,
         guard=next(stage for stage in stages if isinstance(stage, NonFiniteGuard)),
         batch_device=env.device if env.device.type != "cpu" else None, pin=pin, schedule_moves=lr_moves(optim),
         metrics_every_step=cfg.task.get("train_metrics") == "every_step", global_batch=global_batch)
@@ -197,52 +174,6 @@ def _prepare(cfg: DictConfig, run_dir: Path, env: DistEnv) -> TrainerConfig:
     configure_matmul(env.device, trainer.precision, trainer.tf32)
     seed_everything(trainer.seed)  # the same initial weights on every rank
     return trainer
-
-
-def train_step(training: Training) -> None:
-    """One optimizer step: the micro-batches' forward and backward, the gradient norm (clipping), the update."""
-    trainer, state, name_part, task = training.trainer, training.state, training.name_part, training.task
-    model = state.model
-    state.log_due = (state.step + 1) % trainer.log_every == 0 or state.step + 1 >= trainer.max_steps
-    with_metrics = state.log_due or training.metrics_every_step
-    data_wait, samples, tokens = 0.0, 0, 0  # of this rank's micro-batches, counted by the task
-    step_loss = None  # this rank's loss of the step, on the device
-    step_metrics: dict[str, torch.Tensor] = {}  # the task's metrics summed over the micro-steps, on the device
-    for micro in range(trainer.grad_accum):
-        with name_part("trainflow/data"):
-            start = time.perf_counter()
-            batch = next(training.batches)
-            data_wait += time.perf_counter() - start  # the copy below may wait for the GPU: not data
-            if training.batch_device is not None:
-                batch = to_device(batch, training.batch_device, non_blocking=training.pin)
-            counted = task.count(batch)  # shapes only (data.seq_lens varies the tokens)
-            samples, tokens = samples + counted[0], tokens + counted[1]
-        with name_part("trainflow/forward_backward"), no_grad_sync(model, micro == trainer.grad_accum - 1):
-            with training.autocast:
-                loss, metrics = task(model, batch, with_metrics)
-            loss_share = loss / trainer.grad_accum if trainer.grad_accum > 1 else loss
-            loss_share.backward()
-        step_loss = loss_share.detach() if step_loss is None else step_loss + loss_share.detach()
-        if with_metrics:  # a user's task computes its metrics every step: kept as task.train_metrics says
-            add_metrics(step_metrics, metrics)
-    guard = training.guard
-    with name_part("trainflow/optimizer"):
-        norm_due = trainer.grad_clip or state.log_due or guard.skips  # the norm is a pass over all gradients
-        state.grad_norm = gradient_norm(training.trainable, trainer.grad_clip) if norm_due else None
-        state.skipped = guard.skips and guard.skip_update(state.step + 1, state.grad_norm)
-        if state.skipped:
-            guard.drop_update(state.optimizer, state.scheduler)
-        else:
-            state.optimizer.step()
-            if training.schedule_moves:
-                state.scheduler.step()
-            state.optimizer.zero_grad(set_to_none=True)
-    state.step += 1
-    state.samples_seen += training.global_batch
-    state.steps_this_run += 1
-    state.done = state.step >= trainer.max_steps
-    state.loss, state.step_loss, state.data_wait_s = loss, step_loss, data_wait
-    state.samples, state.tokens, state.metrics = samples, tokens, step_metrics
 
 
 def train_loop(run: Run) -> None:
@@ -318,10 +249,3 @@ def summarize(run: Run) -> dict[str, Any] | None:
              f"{steady['samples_per_sec']:.1f} samples/s, {steady['step_time_s'] * 1e3:.1f} ms/step"
              if steady else "not reached (too few steps after warm-up)")
     return summary
-
-
-def _unnamed(_name: str) -> contextlib.nullcontext:
-    return _NO_REGION
-
-
-_NO_REGION = contextlib.nullcontext()  # reusable: it holds no state

@@ -39,6 +39,7 @@ from trainflow.distributed.parallelism import fsdp_dtypes, shard_units
 from trainflow.distributed.process_group import node_count
 from trainflow.errors import ConfigError
 from trainflow.models import model_blocks
+from trainflow.precision import autocast_for
 
 log = logging.getLogger(__name__)
 GB = 1024**3
@@ -383,7 +384,7 @@ def apply_auto(cfg: DictConfig, env: Any, model: nn.Module, example: Any, task: 
     from dataclasses import replace
 
     p, t = cfg.parallelism, cfg.trainer
-    autocast = torch.autocast(env.device.type, torch.bfloat16, enabled=t.precision == "bf16")
+    autocast = autocast_for(env.device, t.precision)
     facts = model_facts(model, cfg.optim, p.fsdp, example, task, autocast)
     ranks_per_node = env.world_size // node_count(env.world_size)
     layouts = candidates(env.world_size, ranks_per_node, facts.checkpointed_activation_bytes < facts.activation_bytes)
