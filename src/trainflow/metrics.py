@@ -398,7 +398,7 @@ def host_load() -> dict[str, Any]:
     return {"load_average": load, "cpu_cores": os.cpu_count()}
 
 
-def write_json(path: Path, obj: Any) -> None:
+def write_json_atomic(path: Path, obj: Any) -> None:
     """Write via a temporary file and rename, so readers never see half a file."""
     try:
         write_atomic(path, json.dumps(obj, indent=2, default=str))

@@ -37,7 +37,7 @@ from trainflow.metrics import (
     host_load,
     mfu,
     peak_flops,
-    write_json,
+    write_json_atomic,
 )
 from trainflow.models import build_model
 from trainflow.nonfinite import NonFiniteGuard
@@ -244,7 +244,7 @@ def summarize(run: Run) -> dict[str, Any] | None:
         run.dashboard.finish(summary)
     if not env.is_main:
         return None
-    write_json(ctx.run_dir / "summary.json", summary)
+    write_json_atomic(ctx.run_dir / "summary.json", summary)
     log.info("done: %d steps; steady state %s", state.step,
              f"{steady['samples_per_sec']:.1f} samples/s, {steady['step_time_s'] * 1e3:.1f} ms/step"
              if steady else "not reached (too few steps after warm-up)")
