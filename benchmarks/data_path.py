@@ -44,7 +44,7 @@ def steady(cfg_dir: Path, extra_dir: Path | None, overrides: list[str]) -> dict[
     with initialize_config_dir(str(cfg_dir), version_base="1.3"):
         cfg = compose("train", overrides=[*overrides, *([f"hydra.searchpath=[file://{extra_dir}]"] if extra_dir
                                                         else [])])
-    validate(cfg)
+    cfg = validate(cfg)
     with tempfile.TemporaryDirectory() as tmp:
         summary = run(cfg, Path(tmp))
     return {"samples_per_sec": summary["steady_state"]["samples_per_sec"],

@@ -39,7 +39,7 @@ from torch import nn
 from trainflow.cli import register_with_hydra
 from trainflow.data import StreamSampler, build_datasets, make_loader
 from trainflow.distributed.process_group import process_group
-from trainflow.optim import build_optimizer, lr_moves
+from trainflow.optim import build_optimizer, schedule_moves
 from trainflow.run import assemble, run, train_loop, train_step
 from trainflow.tasks import build_task, cross_entropy
 
@@ -190,7 +190,7 @@ def part_by_part(cfg_of: Callable[[int], Any], steps: int, warmup: int) -> dict[
         model = instantiate(cfg.model)
         if optimizer_and_schedule:
             optimizer, scheduler = build_optimizer(model, cfg.optim, steps, torch.device("cpu"))
-            scheduler = scheduler if lr_moves(cfg.optim) else None  # as train_step: a constant LR is not stepped
+            scheduler = scheduler if schedule_moves(cfg.optim) else None  # as train_step: a constant LR is not stepped
         else:
             optimizer, scheduler = torch.optim.SGD(model.parameters(), lr=cfg.optim.lr,
                                                    momentum=cfg.optim.momentum), None
@@ -221,16 +221,18 @@ def part_by_part(cfg_of: Callable[[int], Any], steps: int, warmup: int) -> dict[
         for length in (steps, warmup):
             cfg_run = cfg_of(length)
             with tempfile.TemporaryDirectory() as tmp, process_group(cfg_run) as env:
-                training = assemble(cfg_run, Path(tmp), env)
+                assembled = assemble(cfg_run, Path(tmp), env)
                 start = time.thread_time()
                 if part == "train_step":
-                    training.model.train()
+                    training = assembled.training
+                    training.state.model.train()
                     while training.state.step < length:
                         train_step(training)
                 else:
-                    training.stages = training.stages if part == "train_loop" else []
-                    train_loop(training)
+                    assembled.stages = assembled.stages if part == "train_loop" else []
+                    train_loop(assembled)
                 cpu_s.append(time.thread_time() - start)
+                assembled.ctx.writer.close()
         return (cpu_s[0] - cpu_s[1]) / (steps - warmup)
 
     timed["literal loop"] = literal_with(False, False, False)

@@ -137,6 +137,20 @@ def test_self_launched_ddp_with_accumulation_equals_one_process_on_the_whole_bat
         assert abs(a - b) <= TOLERANCE * abs(b)
 
 
+@pytest.mark.parametrize(("preset", "strategy"), [("single", "single"), ("ddp", "ddp"), ("fsdp", "fsdp"),
+                                                  ("hsdp", "hsdp"), ("auto", "ddp")])
+def test_every_preset_trains_on_a_read_only_config(run_dir: Path, preset: str, strategy: str) -> None:
+    """The loop gets its config read-only (validate, then run.assemble): a write into it anywhere fails the run.
+    The run's decisions are in the config it reports: the per-rank batch, parallelism=auto's choice."""
+    ranks = [] if preset == "single" else ["parallelism.nproc_per_node=2"]
+    run = train(run_dir, *MLP_SMALL, f"parallelism={preset}", *ranks, "parallelism.global_batch=32")
+    assert run.returncode == 0, run.stderr
+    assert run.summary["steps"] == 4 and run.summary["parallelism"]["strategy"] == strategy
+    config = run.summary["config"]
+    assert config["parallelism"]["strategy"] == strategy
+    assert config["trainer"]["batch_size"] == run.summary["parallelism"]["per_rank_batch"] == 32 // (1 + bool(ranks))
+
+
 @pytest.mark.parametrize(
     ("strategy", "extra"),
     [("ddp", ["parallelism.global_batch=24"]),  # 24 / 3 ranks: trainer.batch_size becomes 8

@@ -13,16 +13,18 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from trainflow.compiler import TOLERANCE, effective_mode
+from trainflow.compiler import effective_mode
 from trainflow.config import OptimConfig, ParallelismConfig, RunConfig, TrainerConfig, typed
 from trainflow.data import Pinned, StreamSampler, SyntheticTokens, TokenWindows, VariableLengths, make_loader
 from trainflow.distributed import DistEnv
 from trainflow.distributed.parallelism import fsdp_dtypes
-from trainflow.distributed.parity import PARITY_TOLERANCE, ParityCheck
+from trainflow.distributed.parity import ParityCheck
 from trainflow.distributed.process_group import cuda_index, node_count
 from trainflow.errors import ConfigError
-from trainflow.metrics import configure_matmul, gpu_peak_flops, matmul_math
+from trainflow.metrics import gpu_peak_flops
+from trainflow.precision import configure_matmul, matmul_math
 from trainflow.profile_verdict import verdict
+from trainflow.tolerance import TOLERANCE
 from trainflow.validation import validate_compile, validate_parallelism
 
 
@@ -181,14 +183,16 @@ def parity_check(config: DictConfig, env: DistEnv) -> ParityCheck:
 
 
 def test_tolerances_follow_the_arithmetic() -> None:
-    assert TOLERANCE["fp32"] < TOLERANCE["tf32"] and TOLERANCE["fp32"] < TOLERANCE["bf16"]
-    for precision, expected in (("fp32", PARITY_TOLERANCE["fp32"]), ("bf16", PARITY_TOLERANCE["bf16"])):
+    compile_check = TOLERANCE["compile.check"]
+    assert compile_check["fp32"] < compile_check["tf32"] and compile_check["fp32"] < compile_check["bf16"]
+    parity = TOLERANCE["parallelism.check"]
+    for precision, expected in (("fp32", parity["fp32"]), ("bf16", parity["bf16"])):
         config = cfg(trainer={"precision": precision}, parallelism={"strategy": "ddp", "check": True})
         check = parity_check(config, DistEnv(1, 2, 1, torch.device("cpu"), "ddp"))
         assert check.tolerance == expected  # rank 1 keeps no reference: nothing else is built
     config = cfg(parallelism={"strategy": "ddp", "check": True, "check_tolerance": 0.5})
     assert parity_check(config, DistEnv(1, 2, 1, torch.device("cpu"), "ddp")).tolerance == 0.5
-    assert PARITY_TOLERANCE["bf16"] >= 5 * 4e-3  # bf16 gradients of 2-sample shards differ by ~4e-3
+    assert parity["bf16"] >= 5 * 4e-3  # bf16 gradients of 2-sample shards differ by ~4e-3
 
 
 # -- batches ready for asynchronous copies ----------------------------------------------------------------------

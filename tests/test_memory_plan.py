@@ -158,7 +158,7 @@ def test_slurm_four_nodes_of_eight_gpus_rendezvous_once_and_auto_picks_hsdp_8_by
     assert next(iter(seen))[3] == 8  # ranks per node: what HSDP shards over by default
 
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
-    from trainflow.config import register_configs
+    from trainflow.config import decided, register_configs
 
     register_configs()
     with initialize_config_dir(str(Path(__file__).resolve().parents[1] / "conf"), version_base=None):
@@ -174,6 +174,7 @@ def test_slurm_four_nodes_of_eight_gpus_rendezvous_once_and_auto_picks_hsdp_8_by
         assert list(table)[:3] == ["ddp", "hsdp", "fsdp"]
         cfg.parallelism.memory_budget_gb = float(budget_between(table, "hsdp", "ddp").split("=")[1])
         env, auto = apply_auto(cfg, env, model, example, LanguageModel())
+        cfg = decided(cfg, {"parallelism": auto.parallelism})  # the decision, as the run records it
         assert auto.plan.choice.name == "hsdp" and env.strategy == cfg.parallelism.strategy == "hsdp"
         assert hsdp_shape(cfg.parallelism, 32) == (4, 8)
         mesh = build_mesh("cpu", 32, hsdp_shape(cfg.parallelism, 32))

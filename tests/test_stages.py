@@ -12,8 +12,14 @@ from conftest import ROOT
 from hydra import compose, initialize_config_dir
 from torch import nn
 
+from trainflow.checkpoint import Checkpointer
+from trainflow.compiler import Compiler
+from trainflow.distributed.parity import ParityCheck
+from trainflow.evaluation import Evaluation
 from trainflow.metrics import PeakMemory, Throughput
-from trainflow.stages import LoopState, Stage
+from trainflow.profiler import Profiler
+from trainflow.run import STAGES
+from trainflow.stages import LoopState, Stage, StageContext
 
 CPU = torch.device("cpu")
 
@@ -25,15 +31,31 @@ def seed_mlp_cfg(*overrides: str):
 
 
 class StopAndPause(Stage):
-    """A stage from outside trainflow: records its calls, pauses the clock at one step, stops the run at another."""
+    """A stage from outside trainflow: records its calls, pauses the clock at one step, stops the run at another,
+    and asks the meter to leave its first steps out."""
 
     summary_key = "stop_and_pause"
+    built: list[StopAndPause] = []  # what build() made, for the test to inspect
 
-    def __init__(self, pause_at: int, pause_s: float, stop_at: int) -> None:
-        self.pause_at, self.pause_s, self.stop_at = pause_at, pause_s, stop_at
+    def __init__(self, pause_at: int, pause_s: float, stop_at: int, excluded: int = 0) -> None:
+        self.pause_at, self.pause_s, self.stop_at, self.excluded = pause_at, pause_s, stop_at, excluded
         self.steps: list[int] = []
         self.paused_s = 0.0
         self.entered = self.closed = False
+        self.started_at: int | None = None
+
+    @classmethod
+    def build(cls, ctx: StageContext) -> StopAndPause:
+        """Its settings from the run's config, as a stage of trainflow's own would read them."""
+        stage = cls(pause_at=6, pause_s=1.5, stop_at=12, excluded=ctx.trainer.warmup_steps + 3)
+        cls.built.append(stage)
+        return stage
+
+    def excluded_steps(self) -> int:
+        return self.excluded
+
+    def start(self, state: LoopState) -> None:
+        self.started_at = state.step
 
     def __enter__(self) -> StopAndPause:
         self.entered = True
@@ -63,6 +85,10 @@ class Off(Stage):
 
     enabled = False
 
+    @classmethod
+    def build(cls, ctx: StageContext) -> Off:
+        return cls()
+
     def __enter__(self) -> Off:
         raise AssertionError("an off stage was entered")
 
@@ -77,22 +103,26 @@ def test_the_loop_calls_only_enabled_stages_and_any_stage_can_stop_it_and_pause_
 
     register_with_hydra()
     cfg = seed_mlp_cfg("trainer.max_steps=40", "trainer.warmup_steps=2", "trainer.log_every=5")
+    StopAndPause.built.clear()
     with process_group(cfg) as env:
-        training = assemble(cfg, tmp_path, env)
-        enabled = [type(stage).__name__ for stage in training.stages if stage.enabled]
+        run = assemble(cfg, tmp_path, env, [*STAGES, Off, StopAndPause])  # plugged in like trainflow's own
+        enabled = [type(stage).__name__ for stage in run.stages if stage.enabled]
         # compile, the profiler, the parity check and checkpoints are off in this experiment: never called
-        assert enabled == ["NonFiniteGuard", "TrainMetrics", "Evaluation"]
-        extra = StopAndPause(pause_at=6, pause_s=1.5, stop_at=12)
-        training.stages += [Off(), extra]
-        train_loop(training)
-        summary = summarize(training)
+        assert enabled == ["NonFiniteGuard", "TrainMetrics", "Evaluation", "StopAndPause"]
+        (extra,) = StopAndPause.built
+        assert extra.started_at == 0
+        train_loop(run)
+        summary = summarize(run)
+        run.ctx.writer.close()
     assert extra.entered and extra.closed and extra.steps == list(range(1, 13))
     assert summary["steps"] == summary["steps_this_run"] == 12 and summary["stop_and_pause"] == {"steps": 12}
     steady = summary["steady_state"]
-    assert steady["excluded_steps"] == 2 and steady["steps"] == 10
+    # the new stage's excluded steps (warm-up + 3) are the most any stage asked for: the meter honours them
+    assert steady["excluded_steps"] == 5 and steady["steps"] == 7
     # the 1.5 s pause is out of the steady state: 10 steps of a 0.03M-parameter MLP take far less (~5 ms on an
     # idle machine, under 1 s on this shared one at its busiest)
     assert steady["step_time_s"] * steady["steps"] < 1.5
+    assert (tmp_path / "metrics.jsonl").read_text().count("\n") == 2  # the log steps 5 and 10
     assert summary["loss"]["first"] > summary["loss"]["last"] > 0
     assert summary["val"] is None  # stopped before the end: as after a stop signal, no final evaluation
 
@@ -126,7 +156,6 @@ def test_the_parity_check_refuses_a_model_parallelize_already_wrapped() -> None:
     from torch.nn.parallel import DistributedDataParallel
 
     from trainflow.config import OptimConfig, ParallelismConfig, TrainerConfig, typed
-    from trainflow.distributed.parity import ParityCheck
     from trainflow.distributed.process_group import DistEnv
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
@@ -161,26 +190,30 @@ def test_stages_hold_their_typed_sections_in_a_launched_worker(tmp_path: Path) -
     OmegaConf.set_struct(cfg, True)
     assert OmegaConf.get_type(cfg.profiler) is dict  # untyped, as in the worker
     with process_group(cfg) as env:
-        training = assemble(cfg, tmp_path, env)
-        _, compiler, parity, profiler, _, _, evaluation, checkpointer = training.stages  # the watchdog first
+        run = assemble(cfg, tmp_path, env)
+        assert OmegaConf.is_readonly(run.ctx.cfg) and not OmegaConf.is_readonly(cfg)  # decisions went into a copy
+        stage = {type(stage): stage for stage in run.stages}
+        compiler, parity, profiler = stage[Compiler], stage[ParityCheck], stage[Profiler]
+        evaluation, checkpointer = stage[Evaluation], stage[Checkpointer]
         assert type(compiler.cfg) is CompileConfig and compiler.cfg.backend == "aot_eager" and compiler.cfg.fullgraph
         assert not compiler.enabled and compiler.cfg.check is False  # compile=off, check from the schema
         assert type(profiler.cfg) is ProfilerConfig and profiler.cfg.row_limit == 7 and profiler.cfg.ranks == [0]
         assert type(checkpointer.cfg) is CheckpointConfig
         assert (checkpointer.cfg.every_steps, checkpointer.cfg.keep_last, checkpointer.cfg.mode) == (4, 5, "sync")
-        assert type(evaluation.trainer) is TrainerConfig and evaluation.trainer is training.trainer
+        assert type(evaluation.trainer) is TrainerConfig and evaluation.trainer is run.training.trainer
         assert (evaluation.every, evaluation.trainer.eval_steps, evaluation.trainer.batch_size) == (3, 1, 64)
         assert parity.tolerance == 0.25 and not parity.enabled  # one process: nothing to compare
-        train_loop(training)
-        summary = summarize(training)
+        train_loop(run)
+        summary = summarize(run)
+        run.ctx.writer.close()
     assert summary["checkpoint"]["saves"] == 2  # step 4 and the final step 6
     assert summary["profiler"]["schedule"] == {"skip_first": 0, "wait": 0, "warmup": 1, "active": 2, "repeat": 1}
     assert summary["parallelism"]["per_rank_batch"] == 64 and summary["parallelism"]["global_batch"] == 64
-    assert training.dashboard is not None
+    assert run.dashboard is not None
     from tensorboard.backend.event_processing.event_accumulator import TENSORS, EventAccumulator
     from tensorboard.plugins.hparams import metadata
 
-    events = EventAccumulator(str(training.dashboard.dir), size_guidance={TENSORS: 0})
+    events = EventAccumulator(str(run.dashboard.dir), size_guidance={TENSORS: 0})
     events.Reload()
     start = events.SummaryMetadata("_hparams_/session_start_info")
     hparams = metadata.parse_session_start_info_plugin_data(start.plugin_data.content).hparams

@@ -37,7 +37,7 @@ def run_from_hydra(cfg: DictConfig) -> float | None:
     from trainflow.run import run
 
     try:
-        validate(cfg)
+        cfg = validate(cfg)
         run_dir = Path(HydraConfig.get().runtime.output_dir)
         # ddp/fsdp typed without torchrun: start the local workers, which train through `run` themselves
         summary = launch(cfg, run_dir) if should_launch(cfg) else run(cfg, run_dir)

@@ -25,7 +25,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from trainflow.compare import relative_error
 from trainflow.compile_diagnostics import (
     eager_frames,
     first_line,
@@ -43,17 +42,15 @@ from trainflow.distributed import DistEnv
 from trainflow.distributed.parallelism import unwrap
 from trainflow.errors import ConfigError, home_note, unwritable_reason
 from trainflow.files import write_atomic
-from trainflow.metrics import matmul_math
 from trainflow.models import model_blocks
-from trainflow.stages import LoopState, Stage
+from trainflow.precision import autocast_for, matmul_math
+from trainflow.stages import LoopState, Stage, StageContext
 from trainflow.tasks import Task
+from trainflow.tolerance import TOLERANCE, relative_error
 
 log = logging.getLogger(__name__)
 
 CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
-# Relative error that compile.check accepts, by the matmuls' arithmetic (trainflow.metrics.matmul_math): TF32 and
-# bf16 keep 10 and 7 mantissa bits, so fused and unfused kernels round visibly differently.
-TOLERANCE = {"fp32": 1e-4, "tf32": 1e-2, "bf16": 1e-2}
 _DYNAMIC_FIX = "set compile.dynamic=true, or use fewer distinct input shapes (e.g. data.seq_lens with few lengths)"
 _MAX_LISTED = 20  # reasons kept per kind in compile_report.json
 _FSDP_HINT = "with parallelism=fsdp compile each block: compile.scope=blocks"
@@ -98,12 +95,24 @@ class Compiler(Stage):
         self.scope = self.cfg.scope  # null resolved in `apply`, from the model it compiles
         self.cache_dir: str | None = None
         self.mode = effective_mode(self.cfg.mode, env.world_size)
+        self._check_inputs: tuple[Any, Task] | None = None  # built from a run: compile.check's batch and task
         if self.enabled:
             self.cache_dir = _configure_cache(self.cfg.cache_dir, self.cfg.backend)
             self.backend = _resolve_backend(self.cfg.backend)
             if self.mode != self.cfg.mode and env.is_main:
                 log.info("compile.mode: %s without CUDA graphs (%s) on %d ranks: CUDA graphs break under DDP/FSDP",
                          self.cfg.mode, self.mode, env.world_size)
+
+    @classmethod
+    def build(cls, ctx: StageContext) -> Compiler:
+        seq_lens = ctx.cfg.data.get("seq_lens")  # a user's data section may have no such key
+        compiler = cls(ctx.section("compile", CompileConfig), ctx.trainer, list(seq_lens) if seq_lens else None,
+                       ctx.env, ctx.run_dir)
+        compiler._check_inputs = (ctx.example, ctx.task)
+        return compiler
+
+    def prepare(self, model: nn.Module) -> nn.Module:
+        return self.apply(model, *(self._check_inputs or ()))
 
     def apply(self, model: nn.Module, example: Any = None, task: Task | None = None) -> nn.Module:
         """Compile in place (parameter names stay as they are); run `compile.check` on `example` if asked."""
@@ -191,7 +200,7 @@ class Compiler(Stage):
     def _run_check(self, model: nn.Module, batch: Any, task: Task) -> dict[str, Any]:
         """One batch through the compiled and the eager model, same weights: compare the loss and every gradient."""
         batch = to_device(batch, self.env.device)
-        autocast = torch.autocast(self.env.device.type, dtype=torch.bfloat16, enabled=self.precision == "bf16")
+        autocast = autocast_for(self.env.device, self.precision)
         params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
 
         device = self.env.device
@@ -212,7 +221,7 @@ class Compiler(Stage):
         compiled_s = time.perf_counter() - start
         with torch.compiler.set_stance("force_eager"):
             eager_loss, eager_grads = loss_and_grads()
-        tolerance = TOLERANCE[self.precision]
+        tolerance = TOLERANCE["compile.check"][self.precision]
         loss_err = abs(compiled_loss - eager_loss) / max(abs(eager_loss), 1e-12)
         worst_name, worst_err = None, 0.0
         for name, ref in eager_grads.items():

@@ -10,11 +10,12 @@ trainflow.sections settles those keys. Value checks that a type cannot express
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf import MISSING, DictConfig, OmegaConf, open_dict
 
 Schema = TypeVar("Schema")
 
@@ -327,6 +328,18 @@ def typed(section: Any, schema: type[Schema]) -> Schema:
     read plain attributes, at no DictConfig cost, and the schema's defaults fill what the section leaves out."""
     values = OmegaConf.to_container(section, resolve=True) if isinstance(section, DictConfig) else section
     return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema), values))
+
+
+def decided(cfg: DictConfig, decisions: dict[str, Any]) -> DictConfig:
+    """A read-only copy of `cfg` with `decisions` merged in (values settled once: the per-rank batch size,
+    parallelism=auto's layout, a user data section's loader keys); `cfg` itself is never written, so whoever
+    holds a config reads what it said when they got it."""
+    final = copy.deepcopy(cfg)
+    OmegaConf.set_readonly(final, False)
+    with open_dict(final):  # a user's section (no schema) may gain keys
+        final.merge_with(decisions)
+    OmegaConf.set_readonly(final, True)
+    return final
 
 
 def register_configs() -> None:

@@ -15,7 +15,7 @@ from trainflow.data import DataBundle, StreamSampler, to_device
 from trainflow.distributed import DistEnv
 from trainflow.distributed.process_group import all_reduce_mean
 from trainflow.metrics import MetricsWriter
-from trainflow.stages import LoopState, Stage
+from trainflow.stages import LoopState, Stage, StageContext
 from trainflow.tasks import Task, add_metrics
 
 log = logging.getLogger("trainflow")
@@ -35,6 +35,10 @@ class Evaluation(Stage):
         self.enabled = data.val is not None  # a data factory may give no validation set
         self.result: dict[str, float] | None = None  # the latest evaluation
         self._paused_s = 0.0
+
+    @classmethod
+    def build(cls, ctx: StageContext) -> Evaluation:
+        return cls(ctx.trainer, ctx.env, ctx.data, ctx.autocast, ctx.task, ctx.writer)
 
     def after_step(self, state: LoopState) -> bool:
         if not (state.done or (self.every and state.step % self.every == 0)):

@@ -27,13 +27,10 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from trainflow.config import LADDER_STAGES
+from trainflow.config import LADDER_STAGES, LadderConfig
+from trainflow.tolerance import TOLERANCE
 
 PASS, FAIL, WARN, NOT_EVALUATED = "PASS", "FAIL", "WARN", "NOT EVALUATED"
-# Largest relative loss difference to the baseline at any step, by trainer.precision, when ladder.loss_rtol is null:
-# fp32 reorderings (fused kernels, all-reduce order) drift ~1e-5 over a short run; bf16 rounds at ~4e-3 per op.
-# TF32 (fp32 runs on CUDA tensor cores) keeps 10 mantissa bits: between the two.
-LOSS_RTOL = {"fp32": 1e-3, "tf32": 1e-2, "bf16": 3e-2}
 
 
 def half(steps: int) -> int:
@@ -95,14 +92,13 @@ class Rung:
         return self.summary is not None
 
 
-def evaluate(rungs: list[Rung], settings: dict[str, Any]) -> list[Gate]:
-    """Every gate of the ladder, in rung order, from the jobs of one sweep."""
+def evaluate(rungs: list[Rung], settings: LadderConfig, precision: str) -> list[Gate]:
+    """Every gate of the ladder, in rung order, from the jobs of one sweep; `precision`: the matmuls' arithmetic."""
     by_stage: dict[str, Rung] = {}
     for r in rungs:
         by_stage.setdefault(r.stage, r)
-    precision = settings.get("precision", "fp32")
-    rtol = settings.get("loss_rtol") or LOSS_RTOL.get(precision, LOSS_RTOL["fp32"])
-    gates = _LadderGates(by_stage, rtol, float(settings.get("resume_atol", 0.0)))
+    rtol = settings.loss_rtol or TOLERANCE["ladder.loss_rtol"].get(precision, TOLERANCE["ladder.loss_rtol"]["fp32"])
+    gates = _LadderGates(by_stage, rtol, settings.resume_atol)
     return [
         gates.baseline_gate(),
         *gates.compile_gates(),

@@ -29,9 +29,10 @@ from torch.utils.flop_counter import FlopCounterMode
 from trainflow.data.loaders import to_device
 from trainflow.errors import RunDirError
 from trainflow.files import write_atomic
+from trainflow.precision import matmul_math
 
 if TYPE_CHECKING:
-    from trainflow.stages import LoopState
+    from trainflow.loop_state import LoopState
     from trainflow.tasks import Task
     from trainflow.tensorboard import Dashboard
 
@@ -150,31 +151,6 @@ def gpu_peak_flops(name: str, math_used: str) -> float | None:
             tflops = peaks.get(math_used)
             return tflops * 1e12 if tflops else None
     return None
-
-
-def configure_matmul(device: torch.device, precision: str, tf32: bool) -> None:
-    """fp32 matmuls and convolutions on CUDA in TF32 (10-bit mantissa, ~8x the fp32 rate on tensor cores) when
-    `tf32`; off, full fp32. bf16 runs are unaffected (autocast picks bf16 kernels)."""
-    if device.type != "cuda":
-        return
-    mode = "tf32" if tf32 and precision == "fp32" else "ieee"
-    if hasattr(torch.backends.cuda.matmul, "fp32_precision"):
-        torch.backends.cuda.matmul.fp32_precision = mode
-        torch.backends.cudnn.conv.fp32_precision = mode
-    else:  # torch < 2.9
-        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = mode == "tf32"
-
-
-def matmul_math(device: torch.device, precision: str) -> str:
-    """The arithmetic a run's matmuls use, whose peak MFU divides by and whose rounding tolerances follow: bf16,
-    tf32 (CUDA only) or fp32."""
-    if precision == "bf16":
-        return "bf16"
-    if device.type != "cuda":
-        return "fp32"
-    if hasattr(torch.backends.cuda.matmul, "fp32_precision"):
-        return "tf32" if torch.backends.cuda.matmul.fp32_precision == "tf32" else "fp32"
-    return "tf32" if torch.backends.cuda.matmul.allow_tf32 else "fp32"
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -422,7 +398,7 @@ def host_load() -> dict[str, Any]:
     return {"load_average": load, "cpu_cores": os.cpu_count()}
 
 
-def write_json(path: Path, obj: Any) -> None:
+def write_json_atomic(path: Path, obj: Any) -> None:
     """Write via a temporary file and rename, so readers never see half a file."""
     try:
         write_atomic(path, json.dumps(obj, indent=2, default=str))

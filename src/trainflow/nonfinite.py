@@ -16,17 +16,15 @@ from __future__ import annotations
 import logging
 import math
 import warnings
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
+from trainflow.checkpoint.store import list_committed
 from trainflow.distributed import DistEnv
 from trainflow.distributed.process_group import all_reduce_mean
 from trainflow.errors import NonFiniteError
-from trainflow.stages import LoopState, Stage
-
-if TYPE_CHECKING:
-    from trainflow.checkpoint import Checkpointer
+from trainflow.stages import LoopState, Stage, StageContext
 
 log = logging.getLogger("trainflow")
 
@@ -43,24 +41,31 @@ class NonFiniteGuard(Stage):
     """What the loop does about non-finite values, as `trainer.nonfinite` says.
 
     As a stage (`stop`): keeps every step's loss and checks where the loop syncs anyway (the first step, log steps) and
-    before the checkpointer saves; `skip_step` acts inside the step instead (`skip_update`). The checkpointer's
-    newest committed checkpoint (the run's resume point) goes into the message.
+    before a checkpoint is saved; `skip_step` acts inside the step instead (`skip_update`). The newest committed
+    checkpoint (the run's resume point) goes into the message; the loop state says when saves come and where.
     """
 
     summary_key = "nonfinite"
 
-    def __init__(self, mode: str, env: DistEnv, checkpointer: Checkpointer) -> None:
+    def __init__(self, mode: str, env: DistEnv) -> None:
         self.mode = mode
         self.skips = mode == "skip_step"
         self.enabled = not self.skips  # skip_step: no work after the step
         self.env = env
-        self._checkpointer = checkpointer
+        self._state: LoopState | None = None  # the loop state, read when a message names the resume point
         self._first_step = 0  # the losses noted since the last check are those of the steps from here on
         self._losses: list[torch.Tensor] = []  # on the device
         self._norms: dict[int, torch.Tensor] = {}  # of the steps that measured one
         self.skipped: list[int] = []
         self._skipped_count = 0
         self._in_a_row: list[int] = []
+
+    @classmethod
+    def build(cls, ctx: StageContext) -> NonFiniteGuard:
+        return cls(ctx.trainer.nonfinite, ctx.env)
+
+    def start(self, state: LoopState) -> None:
+        self._state = state
 
     # -- stop ----------------------------------------------------------------------------------------------------
 
@@ -72,7 +77,7 @@ class NonFiniteGuard(Stage):
         self._losses.append(state.step_loss)
         if state.grad_norm is not None:
             self._norms[state.step] = state.grad_norm
-        if state.log_due or state.steps_this_run == 1 or self._checkpointer.saves_at(state.step, state.done):
+        if state.log_due or state.steps_this_run == 1 or state.save_due():
             self.check()
         return False
 
@@ -138,10 +143,11 @@ class NonFiniteGuard(Stage):
     # -- reporting -----------------------------------------------------------------------------------------------
 
     def _saved(self) -> str:
-        committed = (self._checkpointer.summary() or {}).get("committed")
+        folder = self._state.checkpoint_dir if self._state else None
+        committed = list_committed(folder) if folder else []
         if not committed:
             return "no checkpoint holds this state"
-        return f"no checkpoint holds this state (newest committed: {committed[-1]})"
+        return f"no checkpoint holds this state (newest committed: {committed[-1].path.name})"
 
     def summary(self, steady: dict[str, Any] | None = None) -> dict[str, Any]:
         return {"mode": self.mode, "skipped_steps": self._skipped_count, "skipped_at": self.skipped}

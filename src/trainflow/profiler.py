@@ -24,8 +24,9 @@ import torch
 from trainflow.config import ProfilerConfig
 from trainflow.distributed import DistEnv
 from trainflow.errors import ConfigError
+from trainflow.metrics import Throughput
 from trainflow.profile_verdict import analyze_window, format_verdict, verdict
-from trainflow.stages import LoopState, Stage
+from trainflow.stages import LoopState, Stage, StageContext
 from trainflow.validation import profiler_skip_and_end
 
 log = logging.getLogger("trainflow")
@@ -51,16 +52,18 @@ class Profiler(Stage):
 
     `skip_first` is the number of steps this run excludes from its figures (warm-up + compile), used when
     `profiler.skip_first` is null; `start_step` is the step the run resumed at (file names use global steps).
+    Built from a run's context, it reads both when the run starts: the meter's excluded steps, the state's step.
     """
 
     summary_key = "profiler"
 
     def __init__(self, cfg: ProfilerConfig, env: DistEnv, run_dir: Path, max_steps: int, skip_first: int = 0,
-                 start_step: int = 0) -> None:
+                 start_step: int = 0, meter: Throughput | None = None) -> None:
         self.cfg = cfg
         self.env = env
         self.run_dir = run_dir
-        self.start_step = start_step
+        self.max_steps = max_steps
+        self._meter = meter  # given: the window is planned at start(), from its excluded steps
         self._prof: Any = None
         self._steps = 0  # steps of this run so far
         self._windows_done = 0
@@ -71,8 +74,24 @@ class Profiler(Stage):
         self._load = 0.0  # the highest 1-minute load average seen at the end of a window
         self.result = _RankResult(env.rank)
         self.enabled = cfg.enabled and self._selected(cfg.ranks, env)  # this rank records
-        if not cfg.enabled:
-            return
+        self.device = env.device.type
+        self.dir = run_dir / "profile"
+        if cfg.enabled and meter is None:
+            self._plan(skip_first, start_step)
+
+    @classmethod
+    def build(cls, ctx: StageContext) -> Profiler:
+        return cls(ctx.section("profiler", ProfilerConfig), ctx.env, ctx.run_dir, ctx.trainer.max_steps,
+                   meter=ctx.meter)
+
+    def start(self, state: LoopState) -> None:
+        if self.cfg.enabled and self._meter is not None:  # every rank checks the window, recording or not
+            self._plan(self._meter.excluded_steps, state.step)
+
+    def _plan(self, skip_first: int, start_step: int) -> None:
+        """The schedule's first skipped steps and the last window's end; refuse a window past the end of the run."""
+        cfg, max_steps = self.cfg, self.max_steps
+        self.start_step = start_step
         self.skip, end = profiler_skip_and_end(cfg, skip_first)
         self._last_window_end = end if cfg.repeat > 0 else math.inf  # no torch.profiler step() after it
         if end > max_steps - start_step:
@@ -82,10 +101,8 @@ class Profiler(Stage):
             if start_step == 0:
                 raise ConfigError(f"{message}; raise trainer.max_steps to >= {end} or shorten the window "
                                   "(profiler.skip_first, profiler.wait, profiler.warmup, profiler.active)")
-            if env.is_main:
+            if self.env.is_main:
                 log.warning("%s after resuming at step %d: the window may not complete", message, start_step)
-        self.device = env.device.type
-        self.dir = run_dir / "profile"
 
     @staticmethod
     def _selected(ranks: Any, env: DistEnv) -> bool:

@@ -32,6 +32,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 from trainflow import ladder
+from trainflow.config import LadderConfig, TrainerConfig, typed
 from trainflow.env import env_rank
 from trainflow.errors import TrainflowError
 from trainflow.files import write_atomic
@@ -159,8 +160,7 @@ def build(root: Path, baseline: str | None = None) -> dict[str, Any]:
     }
     rungs = [ladder.Rung(r.stage, r.name, r.summary, r.losses, r.error) for r in runs if r.stage]
     if rungs:
-        settings = _gate_settings(runs)
-        gates = [g.as_dict() for g in ladder.evaluate(rungs, settings)]
+        gates = [g.as_dict() for g in ladder.evaluate(rungs, *_gate_settings(runs))]
         report["gates"] = gates
         report["passed"] = not any(g["status"] == ladder.FAIL for g in gates)
     report["warnings"] = [w for r in runs if (w := load_warning(r))]
@@ -180,16 +180,15 @@ def _pick_baseline(runs: list[RunRecord], wanted: str | None, root: Path) -> Run
     return staged[0] if staged else runs[0]
 
 
-def _gate_settings(runs: list[RunRecord]) -> dict[str, Any]:
-    """Tolerances and precision from a finished ladder job's config (all jobs share them)."""
+def _gate_settings(runs: list[RunRecord]) -> tuple[LadderConfig, str]:
+    """The ladder section (its tolerances) and the matmuls' arithmetic of a finished ladder job (all jobs share
+    them); the schema's defaults when no job finished."""
     for r in runs:
         cfg = (r.summary or {}).get("config") or {}
         if r.stage and cfg:
-            lad = cfg.get("ladder", {})
-            precision = r.summary.get("matmul_math") or cfg.get("trainer", {}).get("precision", "fp32")
-            return {"precision": precision, "loss_rtol": lad.get("loss_rtol"),
-                    "resume_atol": lad.get("resume_atol", 0.0)}
-    return {}
+            trainer = typed(cfg.get("trainer") or {}, TrainerConfig)
+            return typed(cfg.get("ladder") or {}, LadderConfig), r.summary.get("matmul_math") or trainer.precision
+    return LadderConfig(), TrainerConfig.precision
 
 
 OVERLOAD = 1.5  # the load average, per core, above which a run waited for cores it did not use itself

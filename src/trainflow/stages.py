@@ -1,38 +1,65 @@
 """The stage interface: what the loop asks of compile, profile, checkpoint, the parity check, evaluation, the
 non-finite guard and the train metrics, each by the same names.
 
-The loop knows stages only as a list. After every optimizer step it calls `after_step(state)` on the enabled
-ones (a stage that is off is never called: it costs nothing per step); the throughput meter leaves out of the
-steady state the first steps the stages ask for (`excluded_steps()`) and the time they paused the clock
-(`take_paused_s()`); at the end each stage is closed and gives its part of summary.json under `summary_key`.
+Each stage builds itself from one `StageContext` (`build(ctx)`), so the assembly builds the list in a loop and a
+new stage is one class added to it. Before training, every stage may change the parallelized model (`prepare`:
+compile does), may restore a saved run into the loop state (`resume`: the checkpointer) and then sees the state
+the run starts from (`start`). After every
+optimizer step the loop calls `after_step(state)` on the enabled ones (a stage that is off is never called: it
+costs nothing per step); the throughput meter leaves out of the steady state the most steps any stage asks for
+(`excluded_steps()`) and the time they paused the clock (`take_paused_s()`); at the end each stage is closed and
+gives its part of summary.json under `summary_key`. Stages talk to each other only through the loop state.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
-
-import torch
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from trainflow.checkpoint import TrainState
+from trainflow.loop_state import LoopState
+
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
+    from torch import nn
+
+    from trainflow.config import OptimConfig, ParallelismConfig, TrainerConfig
+    from trainflow.data import DataBundle
+    from trainflow.distributed import DistEnv
+    from trainflow.metrics import MetricsWriter, Throughput
+    from trainflow.tasks import Task
+
+__all__ = ["LoopState", "Stage", "StageContext"]
+
+Schema = TypeVar("Schema")
 
 
 @dataclass
-class LoopState(TrainState):
-    """The checkpointed TrainState plus what the last step left for the stages (not saved)."""
+class StageContext:
+    """Everything a stage is built from, built once by the assembly before the model is parallelized."""
 
-    loss: torch.Tensor | None = None  # this rank's last micro-step loss, on the device
-    step_loss: torch.Tensor | None = None  # this rank's loss of the whole step (micro-steps summed), on the device
-    grad_norm: torch.Tensor | None = None  # None: the step measured no norm (no clipping, not a log step)
-    samples: int = 0  # samples of this rank's micro-batches of the step, counted by the task
-    tokens: int = 0  # tokens of this rank's micro-batches of the step, counted by the task
-    metrics: dict[str, torch.Tensor] | None = None  # the task's metrics of the step, summed over micro-steps
-    data_wait_s: float = 0.0  # seconds the step waited for its batches
-    skipped: bool = False  # trainer.nonfinite=skip_step left the update out
-    steps_this_run: int = 0
-    log_due: bool = False  # a log step: the train metrics sync and are written
-    done: bool = False  # the last step of the run
-    step_time_s: float | None = None  # the synced wall time of the step, while excluded steps run; else None
+    cfg: DictConfig  # the validated run config, read-only
+    run_dir: Path
+    env: DistEnv
+    trainer: TrainerConfig
+    parallelism: ParallelismConfig  # as parallelism=auto decided it
+    optim: OptimConfig
+    data: DataBundle
+    task: Task
+    model: nn.Module  # on the device, not yet parallelized (the parity check copies it)
+    example: Any  # a batch of trainer.batch_size items, on the host (compile.check runs it)
+    autocast: Any  # the step's autocast context (reusable)
+    writer: MetricsWriter  # closed by the assembly's owner, not by a stage
+    meter: Throughput  # its excluded steps are set once every stage is built
+    flops_per_step: int | None
+    peak_flops: float | None
+
+    def section(self, name: str, schema: type[Schema]) -> Schema:
+        """The config section `name` as its schema's dataclass (plain attributes: no DictConfig cost per read)."""
+        from trainflow.config import typed
+
+        return typed(self.cfg[name], schema)
 
 
 class Stage(Protocol):
@@ -41,6 +68,21 @@ class Stage(Protocol):
 
     enabled: bool = True  # False: the loop never calls after_step and never enters the stage
     summary_key: str | None = None  # its part of summary.json (None: the stage reports inside another part)
+
+    @classmethod
+    def build(cls, ctx: StageContext) -> Stage:
+        """The stage as the run's config says, from the context alone."""
+        raise NotImplementedError(f"{cls.__name__} has no build(ctx)")
+
+    def prepare(self, model: nn.Module) -> nn.Module:
+        """The parallelized model before the optimizer is built; returns the model to train (compile changes it)."""
+        return model
+
+    def resume(self, state: LoopState) -> None:
+        """Restore a saved run into the loop state, before the first step (the checkpointer does)."""
+
+    def start(self, state: LoopState) -> None:
+        """Once every stage resumed: the state the run starts from (its step, its optimizer), kept if needed."""
 
     def excluded_steps(self) -> int:
         """The first steps of the run (counted from its start) to leave out of the steady-state figures."""

@@ -23,12 +23,12 @@ import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
+from trainflow.config import TaskConfig, typed
 from trainflow.errors import ConfigError, DataError
 from trainflow.targets import WHAT, bound_callable
 
 Metrics = dict[str, torch.Tensor]
-# trainflow's keys; a _target_ gets the other keys
-TASK_KEYS = ("kind", "monitor", "mode", "top_k", "loss_from_model", "train_metrics")
+TASK_KEYS = tuple(TaskConfig.__dataclass_fields__)  # trainflow's keys of a task section; a _target_ gets the others
 
 
 class Task:
@@ -133,18 +133,17 @@ class UserTask(Task):
 def build_task(cfg: DictConfig, lm_data: bool) -> Task:
     """The task the config names; kind=auto: lm for language-model data (a model with a vocab_size), else classify."""
     section = OmegaConf.to_container(cfg, resolve=True)
-    monitor, mode = section.get("monitor", "loss"), section.get("mode", "min")
     target = section.get("_target_")
-    if target:
+    if target:  # the user's keyword arguments beside trainflow's keys: no schema to type it with
+        monitor, mode = (section.get(key, getattr(TaskConfig, key)) for key in ("monitor", "mode"))
         kwargs = {k: v for k, v in section.items() if k not in (*TASK_KEYS, "_target_")}
         fn = bound_callable("task", target, kwargs, WHAT["task"])
         return UserTask(fn, target, monitor, mode)
-    kind = section.get("kind", "auto")
-    if kind == "auto":
-        kind = "lm" if lm_data else "classify"
+    task = typed(section, TaskConfig)
+    kind = task.kind if task.kind != "auto" else "lm" if lm_data else "classify"
     if kind == "lm":
-        return LanguageModel(monitor, mode, bool(section.get("loss_from_model", False)))
-    return Classification(monitor, mode, int(section.get("top_k", 5)))
+        return LanguageModel(task.monitor, task.mode, task.loss_from_model)
+    return Classification(task.monitor, task.mode, task.top_k)
 
 
 def probe(task: Task, model: nn.Module, sample: Any, data_name: str, model_name: str) -> list[str]:

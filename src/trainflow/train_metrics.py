@@ -7,15 +7,14 @@ Between log steps nothing is read from the device: the step losses stay there, i
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from trainflow.distributed import DistEnv
 from trainflow.distributed.process_group import all_reduce_mean
-from trainflow.metrics import Counts, MetricsWriter, Throughput
-from trainflow.stages import LoopState, Stage
+from trainflow.metrics import Counts, MetricsWriter, Throughput, progress_reporter
+from trainflow.stages import LoopState, Stage, StageContext
 from trainflow.tasks import Task
 
 
@@ -25,15 +24,26 @@ class TrainMetrics(Stage):
 
     summary_key = "loss"
 
-    def __init__(self, env: DistEnv, meter: Throughput, writer: MetricsWriter,
-                 progress: Callable[[int | None, dict | None], None], optimizer: torch.optim.Optimizer,
-                 task: Task, grad_accum: int, flops_per_step: int | None, peak_flops: float | None) -> None:
-        self.env, self.meter, self.writer, self.progress, self.optimizer = env, meter, writer, progress, optimizer
+    def __init__(self, env: DistEnv, meter: Throughput, writer: MetricsWriter, task: Task, grad_accum: int,
+                 flops_per_step: int | None, peak_flops: float | None, max_steps: int, progress_mode: str) -> None:
+        self.env, self.meter, self.writer = env, meter, writer
         self.is_lm, self.grad_accum = task.is_lm, grad_accum
         self.flops_per_step, self.peak_flops = flops_per_step, peak_flops
+        self.max_steps, self.progress_mode = max_steps, progress_mode
         self.first_loss: float | None = None  # the first step's loss, the mean over ranks
         self.last: dict[str, float] = {}  # the figures of the latest log interval
+        self._state: LoopState | None = None  # its optimizer's learning rate is logged; its step starts the progress
         self._new_interval()
+
+    @classmethod
+    def build(cls, ctx: StageContext) -> TrainMetrics:
+        t = ctx.trainer
+        return cls(ctx.env, ctx.meter, ctx.writer, ctx.task, t.grad_accum, ctx.flops_per_step, ctx.peak_flops,
+                   t.max_steps, t.progress)
+
+    def start(self, state: LoopState) -> None:
+        self._state = state
+        self.progress = progress_reporter(self.max_steps, self.progress_mode, self.env.is_main, state.step)
 
     def _new_interval(self) -> None:
         self._step_losses: list[torch.Tensor] = []  # the applied steps' losses, on the device
@@ -74,7 +84,7 @@ class TrainMetrics(Stage):
         step_time = elapsed / counts.steps
         figures = {
             "train/loss": loss,
-            "train/lr": self.optimizer.param_groups[0]["lr"],
+            "train/lr": self._state.optimizer.param_groups[0]["lr"],
             "train/grad_norm": float(grad_norm),
             "perf/step_time_s": step_time,
             "perf/samples_per_sec": counts.samples / elapsed,
@@ -90,7 +100,6 @@ class TrainMetrics(Stage):
         return figures
 
     def close(self, state: LoopState) -> None:
-        self.writer.close()
         self.progress(None, None)
 
     def summary(self, steady: dict[str, Any] | None) -> dict[str, float | None]:

@@ -13,7 +13,8 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import InterpolationResolutionError, MissingMandatoryValue
 
-from trainflow.config import LADDER_STAGES, ProfilerConfig, WorkerConfig
+from trainflow.config import LADDER_STAGES, ProfilerConfig, TaskConfig, WorkerConfig, decided
+from trainflow.data.tokenizers import BYTE_VOCAB
 from trainflow.errors import ConfigError
 from trainflow.sections import settle_sections
 
@@ -21,9 +22,10 @@ from trainflow.sections import settle_sections
 def validate_task(cfg: DictConfig) -> None:
     """Task values a type cannot check; whether task.monitor exists is known once the task ran on a sample."""
     task = cfg.task
-    _require(task.get("mode", "min") in ("min", "max"), "task.mode", f"must be min or max; got {task.get('mode')!r}")
-    _require(task.get("train_metrics", "log_step") in ("log_step", "every_step"), "task.train_metrics",
-             f"must be log_step or every_step; got {task.get('train_metrics')!r}")
+    mode, train_metrics = (task.get(key, getattr(TaskConfig, key)) for key in ("mode", "train_metrics"))
+    _require(mode in ("min", "max"), "task.mode", f"must be min or max; got {mode!r}")
+    _require(train_metrics in ("log_step", "every_step"), "task.train_metrics",
+             f"must be log_step or every_step; got {train_metrics!r}")
     if task.get("_target_"):
         return
     _one_of(cfg, "task.kind", ("auto", "lm", "classify"))
@@ -33,11 +35,11 @@ def validate_task(cfg: DictConfig) -> None:
              "is for language models (task=lm); set it to false, or task.kind=lm")
 
 
-def with_worker_defaults(cfg: DictConfig) -> None:
+def with_worker_defaults(cfg: DictConfig) -> DictConfig:
     """A user's data section (data._target_, no schema) gets trainflow's loader keys it does not set."""
     d = cfg.data
-    if d.get("_target_") and any(k not in d for k in WorkerConfig.__dataclass_fields__):
-        cfg.data = OmegaConf.merge(OmegaConf.create(asdict(WorkerConfig())), OmegaConf.to_container(d))
+    missing = {k: v for k, v in asdict(WorkerConfig()).items() if k not in d}
+    return decided(cfg, {"data": missing}) if d.get("_target_") and missing else cfg
 
 
 COMPILE_MODES = ("default", "max-autotune", "max-autotune-no-cudagraphs", "reduce-overhead")
@@ -230,7 +232,6 @@ def _one_of(cfg: DictConfig, key: str, choices: tuple) -> None:
 SEED_RANGE = 2**32  # numpy's seed range; per-rank and per-epoch seeds derived from it stay within torch's 64 bits
 
 
-BYTE_VOCAB = 256  # data=text is byte-level: tokens are the values 0..255
 
 
 def _resolved(cfg: DictConfig) -> dict[str, Any]:
@@ -284,8 +285,9 @@ def run_name_problem(name: str) -> str | None:
     return f"{name!r} is not a folder name; give a name without '/', e.g. trainer.run_name=gpt-small-try2"
 
 
-def validate(cfg: DictConfig) -> None:
-    """Check the values a type cannot; raise ConfigError naming the key and the fix."""
+def validate(cfg: DictConfig) -> DictConfig:
+    """Check the values a type cannot; raise ConfigError naming the key and the fix. Returns the config the run
+    uses, read-only: `cfg` with what validation settles recorded in it (nothing writes into it afterwards)."""
     settle_sections(cfg)  # first: which keys the model, data and task sections hold
     if found := _non_finite(_resolved(cfg)):
         key, value = found
@@ -323,7 +325,7 @@ def validate(cfg: DictConfig) -> None:
 
     _require("_target_" in cfg.model, "model._target_",
              "missing: pick model=gpt_tiny|gpt_small|gpt_medium|mlp or set model._target_ to an nn.Module class")
-    with_worker_defaults(cfg)
+    cfg = with_worker_defaults(cfg)
     d = cfg.data
     _require(bool(d.get("_target_")) or d.get("kind") in ("text", "synthetic"), "data.kind",
              "unknown data source: pick data=text, data=synthetic or data=digits, or set data._target_ to a function "
@@ -354,3 +356,4 @@ def validate(cfg: DictConfig) -> None:
     validate_compile(cfg)
     validate_checkpoint(cfg)
     validate_ladder(cfg)
+    return decided(cfg, {})

@@ -134,12 +134,25 @@ class Checkpointer:
         self._deleter = store.Deleter()  # rank 0: removes the checkpoints retention retired
         self._signals.install(warn=env.is_main)
 
-    # -- the stage interface (and resume, called by the assembly) ------------------------------------------------
+    # -- the stage interface -------------------------------------------------------------------------------------
+
+    @classmethod
+    def build(cls, ctx: Any) -> Checkpointer:
+        """From the run's StageContext (trainflow.stages)."""
+        return cls(ctx.section("checkpoint", CheckpointConfig), ctx.env, ctx.run_dir)
+
+    def prepare(self, model: Any) -> Any:
+        return model
+
+    def start(self, state: TrainState) -> None:
+        """Nothing to read: resume() was its start."""
 
     def resume(self, state: TrainState) -> None:
-        """Restore the newest committed checkpoint into `state`, if there is one and resuming is on."""
+        """Restore the newest committed checkpoint into `state`, if there is one and resuming is on; tell the other
+        stages (through the loop state) when saves come and where they go."""
         if not self.enabled:
             return
+        state.save_every, state.checkpoint_dir = self._every_steps, self.dir
         self._fingerprint = fingerprint(model_shapes(state.model))
         self._ranks.on_rank0(self._prepare_dir)
         target, weights_only = self._ranks.on_rank0(lambda: resuming.pick(self.dir, self.cfg))
@@ -187,10 +200,6 @@ class Checkpointer:
 
     def excluded_steps(self) -> int:
         return 0
-
-    def saves_at(self, step: int, done: bool) -> bool:
-        """Whether a save is due at this step boundary (a periodic one, or the final one after the last step)."""
-        return self.enabled and (done or step % self._every_steps == 0)
 
     def take_paused_s(self) -> float:
         """Seconds the loop spent on checkpoints since the last call (to keep them out of throughput)."""

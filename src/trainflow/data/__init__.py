@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from omegaconf import DictConfig
 from torch.utils.data import Dataset
 
+from trainflow.config import MLPConfig
 from trainflow.data.iterable import IterableBatches, IterableSource
 from trainflow.data.loaders import (
     Batch,
@@ -74,7 +75,7 @@ def build_datasets(cfg: DictConfig, model_cfg: DictConfig) -> DataBundle:
         make = lambda n, s: SyntheticTokens(n, model_cfg.vocab_size, seq_len, s)  # noqa: E731
         return DataBundle(make(cfg.num_samples, cfg.data_seed), make(1024, cfg.data_seed + 1), True, seq_len,
                           "data=synthetic")
-    in_f, classes = model_cfg.get("in_features", 100), model_cfg.get("out_features", 10)
+    in_f, classes = (model_cfg.get(key, getattr(MLPConfig, key)) for key in ("in_features", "out_features"))
     seed = cfg.data_seed
     train = SyntheticClassification(cfg.num_samples, in_f, classes, task_seed=seed, input_seed=seed + 1)
     val = SyntheticClassification(4096, in_f, classes, task_seed=seed, input_seed=seed + 2)

@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from trainflow.config import TokenizerConfig, typed
 from trainflow.errors import ConfigError, DataError, home_note, unwritable_reason
 from trainflow.files import atomic_path
 from trainflow.locks import flock_unsupported
@@ -85,19 +86,19 @@ class Tokenizer:
                 "tokenizer.vocab_size), or pick a smaller tokenizer.vocab_size")
 
 
-def build_tokenizer(settings: Mapping[str, Any] | None, corpus_key: str,
+def build_tokenizer(settings: TokenizerConfig | Mapping[str, Any] | None, corpus_key: str,
                     training_text: Callable[[], Iterable[str]]) -> Tokenizer:
     """The tokenizer the settings (the `tokenizer` section; None: bytes) describe.
 
     `corpus_key` names the training text (its files, sizes and times, and what is read of them); `training_text`
     yields it, and is called only when a BPE for that corpus and these settings is not cached yet.
     """
-    settings = settings or {}
-    kind = settings.get("kind", "bytes")
+    settings = typed(settings or {}, TokenizerConfig)  # the schema's defaults fill what the section leaves out
+    kind = settings.kind
     if kind not in KINDS:
         raise ConfigError(f"tokenizer.kind: must be one of {', '.join(KINDS)}; got {kind!r}")
     if kind == "bytes":
-        vocab = settings.get("vocab_size", BYTE_VOCAB)
+        vocab = settings.vocab_size
         if vocab != BYTE_VOCAB:
             raise ConfigError(f"tokenizer.vocab_size: is {vocab}, but tokenizer=bytes has {BYTE_VOCAB} tokens (one a "
                               f"byte); leave it at {BYTE_VOCAB}, or pick tokenizer=bpe for a vocabulary of your size")
@@ -110,19 +111,19 @@ def build_tokenizer(settings: Mapping[str, Any] | None, corpus_key: str,
         raise DataError(f"tokenizer.path: {path} is not a tokenizer.json the tokenizers library can read "
                         f"({str(exc).splitlines()[0]}); give a file written by tokenizers' Tokenizer.save") from None
     vocab = encoder.get_vocab_size(with_added_tokens=True)
-    if kind == "file" and vocab != settings.get("vocab_size"):
-        raise ConfigError(f"tokenizer.vocab_size: is {settings.get('vocab_size')}, but {path} has {vocab} tokens; "
+    if kind == "file" and vocab != settings.vocab_size:
+        raise ConfigError(f"tokenizer.vocab_size: is {settings.vocab_size}, but {path} has {vocab} tokens; "
                           f"set tokenizer.vocab_size={vocab} (the model's vocabulary follows it)")
     ends = [i for i in (encoder.token_to_id(t) for t in END_TOKENS) if i is not None]
     digest = hashlib.sha256(path.read_bytes()).hexdigest()[:16]
     return Tokenizer(kind, vocab, tuple(ends[:1]), encoder, digest)
 
 
-def _user_file(settings: Mapping[str, Any]) -> Path:
-    if not settings.get("path"):
+def _user_file(settings: TokenizerConfig) -> Path:
+    if not settings.path:
         raise ConfigError("tokenizer.path: not set; give your tokenizer.json, e.g. "
                           "tokenizer.path=/data/tokenizer.json tokenizer.vocab_size=50257")
-    path = Path(str(settings["path"])).expanduser()
+    path = Path(settings.path).expanduser()
     if not path.is_file():
         what = "is not a file" if path.exists() else "does not exist"
         raise DataError(f"tokenizer.path: {path} {what}; give the tokenizer.json written by tokenizers' "
@@ -130,10 +131,10 @@ def _user_file(settings: Mapping[str, Any]) -> Path:
     return path
 
 
-def _trained_bpe(lib: ModuleType, settings: Mapping[str, Any], corpus_key: str,
+def _trained_bpe(lib: ModuleType, settings: TokenizerConfig, corpus_key: str,
                  training_text: Callable[[], Iterable[str]]) -> Path:
     """The cached tokenizer.json of a byte-level BPE for this corpus and these settings, trained if missing."""
-    vocab, min_frequency, train_bytes = (settings.get(k) for k in ("vocab_size", "min_frequency", "train_bytes"))
+    vocab, min_frequency, train_bytes = settings.vocab_size, settings.min_frequency, settings.train_bytes
     least = BYTE_VOCAB + 1  # every byte, and the end-of-text token
     if not isinstance(vocab, int) or vocab < least:
         raise ConfigError(f"tokenizer.vocab_size: is {vocab}, but a byte-level BPE holds the {BYTE_VOCAB} bytes and "
@@ -142,7 +143,7 @@ def _trained_bpe(lib: ModuleType, settings: Mapping[str, Any], corpus_key: str,
         if not isinstance(value, int) or value < 1:
             raise ConfigError(f"tokenizer.{key}: must be a positive integer; got {value}")
     key = hashlib.sha256(f"{corpus_key}\0{vocab}\0{min_frequency}\0{train_bytes}\0{lib.__version__}".encode())
-    configured = str(settings.get("cache_dir", "~/.cache/trainflow/tokenizers"))
+    configured = settings.cache_dir
     path = Path(configured).expanduser() / f"bpe-{key.hexdigest()[:20]}.json"
 
     def train(tmp: Path) -> None:

@@ -39,6 +39,7 @@ from trainflow.distributed.parallelism import fsdp_dtypes, shard_units
 from trainflow.distributed.process_group import node_count
 from trainflow.errors import ConfigError
 from trainflow.models import model_blocks
+from trainflow.precision import autocast_for
 
 log = logging.getLogger(__name__)
 GB = 1024**3
@@ -373,15 +374,17 @@ class AutoPlan:
     plan: Plan
     baseline: int  # resident bytes (CPU) when the plan was made
     resident_model: int  # the model's bytes the baseline already held
+    parallelism: dict[str, Any]  # the decision, as values of the parallelism section
 
 
 def apply_auto(cfg: DictConfig, env: Any, model: nn.Module, example: Any, task: Callable) -> tuple[Any, AutoPlan]:
-    """parallelism=auto: measure, decide, and write the decision into cfg.parallelism (strategy, activation
-    checkpointing) so that everything after it sees a plain ddp/fsdp/hsdp run. Returns the env with the strategy."""
+    """parallelism=auto: measure and decide. The plan's `parallelism` is the decision (strategy, activation
+    checkpointing, the HSDP mesh) for the run to record in its config, so that everything after it sees a plain
+    ddp/fsdp/hsdp run. Returns the env with the strategy."""
     from dataclasses import replace
 
     p, t = cfg.parallelism, cfg.trainer
-    autocast = torch.autocast(env.device.type, torch.bfloat16, enabled=t.precision == "bf16")
+    autocast = autocast_for(env.device, t.precision)
     facts = model_facts(model, cfg.optim, p.fsdp, example, task, autocast)
     ranks_per_node = env.world_size // node_count(env.world_size)
     layouts = candidates(env.world_size, ranks_per_node, facts.checkpointed_activation_bytes < facts.activation_bytes)
@@ -395,17 +398,18 @@ def apply_auto(cfg: DictConfig, env: Any, model: nn.Module, example: Any, task: 
     gather = 0.5 if fsdp_dtypes(p.fsdp.param_dtype, p.fsdp.reduce_dtype, t.precision)[0] == "bf16" else 1.0
     plan = decide(facts, layouts, budget, source, t.batch_size, t.precision, gather,
                   not p.ddp.gradient_as_bucket_view)
-    p.strategy = plan.choice.strategy
-    p.activation_checkpointing = "full" if plan.choice.checkpointing else "off"
+    decision: dict[str, Any] = {"strategy": plan.choice.strategy,
+                                "activation_checkpointing": "full" if plan.choice.checkpointing else "off"}
     if plan.choice.strategy == "hsdp":
-        p.hsdp.shard_size, p.hsdp.replicate_size = plan.choice.shard_size, env.world_size // plan.choice.shard_size
+        decision["hsdp"] = {"shard_size": plan.choice.shard_size,
+                            "replicate_size": env.world_size // plan.choice.shard_size}
     if env.is_main:
         if facts.wrap_note:
             log.warning(facts.wrap_note)
         log.info("parallelism=auto chose %s on %d rank%s: budget %.3g GB per rank (%s); MB per rank:\n%s",
                  plan.choice.name, env.world_size, "s" * (env.world_size > 1), budget / GB, source, format_table(plan))
     resident = sum(x.numel() * x.element_size() for x in model.parameters())
-    return replace(env, strategy=plan.choice.strategy), AutoPlan(plan, reset_peak(env.device), resident)
+    return replace(env, strategy=plan.choice.strategy), AutoPlan(plan, reset_peak(env.device), resident, decision)
 
 
 def finish(auto: AutoPlan, device: torch.device, model: nn.Module, optimizer: torch.optim.Optimizer,

@@ -13,21 +13,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from trainflow.compare import relative_error
 from trainflow.config import OptimConfig, ParallelismConfig, TrainerConfig
 from trainflow.distributed.hsdp import MESH_DIMS, hsdp_shape
 from trainflow.distributed.parallelism import full_parameters, is_parallelized
 from trainflow.distributed.process_group import SHARDED, DistEnv, all_reduce_mean, node_count
-from trainflow.metrics import matmul_math
-from trainflow.stages import LoopState, Stage
+from trainflow.precision import autocast_for, matmul_math
+from trainflow.stages import LoopState, Stage, StageContext
+from trainflow.tolerance import TOLERANCE, relative_error
 
 log = logging.getLogger(__name__)
-
-
-# The parity check's default tolerance by the matmuls' arithmetic (trainflow.metrics.matmul_math): fp32 all-reduce
-# reorderings stay ~1e-5; bf16 (and TF32) gradients of 2-sample shards round differently from the one-process
-# batch (~4e-3 measured for bf16).
-PARITY_TOLERANCE = {"fp32": 1e-4, "tf32": 1e-2, "bf16": 2e-2}
 
 
 class ParityCheck(Stage):
@@ -51,36 +45,41 @@ class ParityCheck(Stage):
         p, t = parallelism, trainer
         self.enabled = p.check and env.distributed
         self.steps = min(p.check_steps, t.max_steps) if self.enabled else 0
-        self.tolerance = p.check_tolerance or PARITY_TOLERANCE[matmul_math(env.device, t.precision)]
+        self.tolerance = p.check_tolerance or TOLERANCE["parallelism.check"][matmul_math(env.device, t.precision)]
         self.env = env
         self.result: dict[str, Any] | None = None
         self._losses: list[tuple[float, float]] = []  # (ranks' mean, reference), on rank 0
         self._seen = 0
         if not (self.enabled and env.is_main):
             return
-        from trainflow.data import StreamSampler, make_loader, to_device
+        from trainflow.data import StreamSampler, make_loader
+        from trainflow.nonfinite import NonFiniteGuard
         from trainflow.optim import build_optimizer
+        from trainflow.stages import LoopState
+        from trainflow.step import Training, unnamed
 
         self.reference = copy.deepcopy(model)
-        self.optimizer, self.scheduler = build_optimizer(self.reference, optim, t.max_steps, env.device)
-        self.task, self.trainer, self.to_device = task, t, to_device
+        optimizer, scheduler = build_optimizer(self.reference, optim, t.max_steps, env.device)
         sampler = StreamSampler(len(dataset), t.batch_size * env.world_size, 0, 1, t.seed)
-        self.batches = iter(make_loader(dataset, sampler, data, False))
+        # the loop's own step on the reference: one process, the union of the ranks' micro-batches
+        self._reference_training = Training(
+            t, LoopState(self.reference, optimizer, scheduler), task, iter(make_loader(dataset, sampler, data, False)),
+            trainable=list(self.reference.parameters()), autocast=autocast_for(env.device, t.precision),
+            name_part=unnamed, guard=NonFiniteGuard("stop", env),
+            batch_device=env.device if env.device.type != "cpu" else None, pin=False, schedule_moves=True,
+            metrics_every_step=False, global_batch=t.batch_size * env.world_size * t.grad_accum)
+
+    @classmethod
+    def build(cls, ctx: StageContext) -> ParityCheck:
+        return cls(ctx.parallelism, ctx.trainer, ctx.optim, ctx.cfg.data, ctx.env, ctx.model, ctx.data.train,
+                   ctx.task)
 
     def _reference_step(self) -> float:
-        t = self.trainer
-        autocast = torch.autocast(self.env.device.type, dtype=torch.bfloat16, enabled=t.precision == "bf16")
-        for _ in range(t.grad_accum):
-            batch = self.to_device(next(self.batches), self.env.device)
-            with autocast:
-                loss, _ = self.task(self.reference, batch)
-            (loss / t.grad_accum).backward()
-        if t.grad_clip:
-            nn.utils.clip_grad_norm_(self.reference.parameters(), t.grad_clip)
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return loss.item()
+        """One step of the reference, by `train_step`; its last micro-step's loss."""
+        from trainflow.step import train_step
+
+        train_step(self._reference_training)
+        return self._reference_training.state.loss.item()
 
     def excluded_steps(self) -> int:
         """The checked steps: the reference trains beside them, which is not the parallel run's speed."""
@@ -133,7 +132,7 @@ class ParityCheck(Stage):
         self._release()
 
     def _release(self) -> None:
-        for name in ("reference", "optimizer", "scheduler", "batches"):
+        for name in ("reference", "_reference_training"):
             self.__dict__.pop(name, None)
 
     def summary(self, steady: dict[str, Any] | None = None) -> dict[str, Any] | None:
@@ -143,7 +142,7 @@ class ParityCheck(Stage):
 
 
 def parallelism_summary(parallelism: ParallelismConfig, trainer: TrainerConfig, env: DistEnv,
-                        steady: dict[str, float] | None, check: ParityCheck) -> dict[str, Any]:
+                        steady: dict[str, float] | None, check: ParityCheck | None) -> dict[str, Any]:
     """The parallel layout, global batch, throughput in total and per rank, and the parity check's verdict."""
     out: dict[str, Any] = {
         "strategy": env.strategy,
@@ -153,7 +152,7 @@ def parallelism_summary(parallelism: ParallelismConfig, trainer: TrainerConfig, 
         "per_rank_batch": trainer.batch_size,
         "grad_accum": trainer.grad_accum,
         "global_batch": trainer.batch_size * env.world_size * trainer.grad_accum,
-        "check": check.summary(),
+        "check": check.summary() if check else None,
     }
     if env.strategy in SHARDED:
         shape = hsdp_shape(parallelism, env.world_size) if env.strategy == "hsdp" else (1, env.world_size)

@@ -244,7 +244,7 @@ def _store(rank: int, world_size: int, timeout: timedelta) -> dist.Store:
 
 
 def setup(cfg: DictConfig) -> DistEnv:
-    """Join the process group the launcher prepared (or stay a single process); fix this rank's batch size."""
+    """Join the process group the launcher prepared (or stay a single process)."""
     p = cfg.parallelism
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = env_rank()
@@ -252,8 +252,7 @@ def setup(cfg: DictConfig) -> DistEnv:
     device = resolve_device(cfg.trainer.device, local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     started_by = "trainflow" if _self_launched else "the launcher"
     backend = _preflight(cfg, device, world_size, int(os.environ.get("LOCAL_WORLD_SIZE", "1")), started_by)
-    composed = composed_config(cfg) if world_size > 1 else {}  # before this rank fixes its batch size below
-    cfg.trainer.batch_size = per_rank_batch(cfg, world_size)
+    composed = composed_config(cfg) if world_size > 1 else {}
     if rank != 0:
         logging.getLogger("trainflow").setLevel(logging.WARNING)  # rank 0 speaks; the others only warn
     if device.type == "cuda":

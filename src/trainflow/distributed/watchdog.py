@@ -33,7 +33,8 @@ import torch
 import trainflow
 from trainflow.config import WatchdogConfig
 from trainflow.distributed import DistEnv
-from trainflow.stages import LoopState, Stage
+from trainflow.metrics import Throughput
+from trainflow.stages import LoopState, Stage, StageContext
 
 log = logging.getLogger("trainflow")
 
@@ -50,13 +51,13 @@ _BUSY = (os.sep + os.path.join("trainflow", "checkpoint") + os.sep, os.sep + os.
 class Watchdog(Stage):
     """A stage that only times steps (one clock read each); its thread does the rest."""
 
-    def __init__(self, cfg: WatchdogConfig, env: DistEnv, run_dir: Path, excluded_steps: int) -> None:
+    def __init__(self, cfg: WatchdogConfig, env: DistEnv, run_dir: Path, meter: Throughput) -> None:
         self.cfg = cfg
         self.env = env
         self.enabled = cfg.enabled is True or (cfg.enabled == "auto" and env.world_size > 1)
         self.dir = run_dir / HANG_DIR
         self.beat_s = cfg.min_s / 4  # a stopped rank's beat is stale well before anyone calls it stuck
-        self.excluded_steps = excluded_steps
+        self.meter = meter  # its excluded steps (warm-up, compile) are known once every stage is built
         self._intervals: deque[float] = deque(maxlen=_MEDIAN_OF)
         self._last = 0.0  # when the last step ended (monotonic)
         self._step = 0  # the last step that ended
@@ -64,6 +65,10 @@ class Watchdog(Stage):
         self._done = threading.Event()
         self._thread: threading.Thread | None = None
         self.reports = 0
+
+    @classmethod
+    def build(cls, ctx: StageContext) -> Watchdog:
+        return cls(ctx.parallelism.watchdog, ctx.env, ctx.run_dir, ctx.meter)
 
     def __enter__(self) -> Watchdog:
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -81,7 +86,7 @@ class Watchdog(Stage):
     def after_step(self, state: LoopState) -> bool:
         now = time.monotonic()
         self._steps_seen += 1
-        if self._steps_seen > self.excluded_steps:
+        if self._steps_seen > self.meter.excluded_steps:
             self._intervals.append(now - self._last)
         self._last, self._step = now, state.step
         return False

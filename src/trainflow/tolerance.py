@@ -1,0 +1,23 @@
+"""How the correctness checks measure a difference (compiled vs eager, many ranks vs one process, a ladder rung vs
+the baseline), and how much of one each accepts."""
+
+import torch
+
+# The relative error each check accepts by default, by the matmuls' arithmetic (trainflow.precision.matmul_math):
+# TF32 and bf16 keep 10 and 7 mantissa bits, so fused and unfused kernels, and differently ordered reductions, round
+# visibly differently. compile.check: one batch, compiled against eager. parallelism.check: the ranks against one
+# process (bf16 gradients of 2-sample shards round differently from the one-process batch). ladder: every logged
+# loss of a rung against the baseline's.
+TOLERANCE = {
+    "compile.check": {"fp32": 1e-4, "tf32": 1e-2, "bf16": 1e-2},
+    "parallelism.check": {"fp32": 1e-4, "tf32": 1e-2, "bf16": 2e-2},
+    "ladder.loss_rtol": {"fp32": 1e-3, "tf32": 1e-2, "bf16": 3e-2},
+}
+
+
+def relative_error(got: torch.Tensor, ref: torch.Tensor) -> float:
+    """The norm of the difference over the norm of the reference, all elements as one vector (one figure per
+    tensor, whatever its size); the norm of the difference itself where the reference is all zeros."""
+    diff = torch.linalg.vector_norm(got - ref).item()
+    scale = torch.linalg.vector_norm(ref).item()
+    return diff / scale if scale > 0 else diff
