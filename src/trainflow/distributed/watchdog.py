@@ -41,6 +41,11 @@ log = logging.getLogger("trainflow")
 HANG_DIR = "hang"  # under the run directory
 REPORT = "report.txt"  # rank 0's one line, which the launcher repeats when the run ends on a timeout
 _MEDIAN_OF = 50  # recent step intervals the median is taken over
+# A live rank beats every beat_s; a beat older than _STALE_BEATS of them (+1 s for a loaded machine) is a rank that
+# stopped answering. Rank 0 speaks _SETTLE_BEATS after the bound (at least 4 beats: min_s / 4 each), when a rank
+# stopped since the stall began has a beat at least 4 + _SETTLE_BEATS - 1 = 7 beats old.
+_STALE_BEATS = 3
+_SETTLE_BEATS = 4
 _TRAINFLOW = os.path.dirname(trainflow.__file__)
 _LIBRARIES = (os.path.dirname(torch.__file__), _TRAINFLOW, sysconfig.get_paths()["stdlib"])
 # Work that legitimately makes no step for a while: a save, an evaluation, a recompile.
@@ -129,7 +134,9 @@ class Watchdog(Stage):
         self.reports += 1
         if rank != 0:
             return
-        self._done.wait(2 * self.beat_s)  # the other ranks' reports of the same stall land meanwhile
+        # the other ranks' reports of the same stall land meanwhile, and a stopped rank's beat grows older than any
+        # live rank's can (_STALE_BEATS), however the stall and the beats fell
+        self._done.wait(_SETTLE_BEATS * self.beat_s)
         line = self._account(stalled, bound)
         (self.dir / REPORT).write_text(line + "\n")
         log.error("%s", line)
@@ -144,7 +151,7 @@ class Watchdog(Stage):
         for rank in range(self.env.world_size):
             beat, report = _read(self.dir / f"rank_{rank}.beat"), _read(self.dir / f"rank_{rank}.json")
             fresh_report = report if report and now - report["time"] < 4 * self.beat_s + bound else None
-            if beat is None or now - beat["time"] > 3 * self.beat_s + 1:
+            if beat is None or now - beat["time"] > _STALE_BEATS * self.beat_s + 1:
                 seen = f"last beat {now - beat['time']:.0f} s ago, after step {beat['step']}, " \
                        f"{beat['host']} pid {beat['pid']}" if beat else "no beat at all"
                 stuck.append(f"rank {rank} stopped answering ({seen})")
