@@ -340,7 +340,7 @@ def test_a_rank_blocked_in_the_users_dataset_is_named_with_its_file_and_line(run
     line = next(n for n, text in enumerate(Path(__file__).read_text().splitlines(), 1) if "# BLOCKED HERE" in text)
     error = _one_error(stderr)
     assert "rank 1 is stuck in step " in error and f"at {Path(__file__)}:{line} in __getitem__" in error, error
-    assert "rank 0 waiting at " in error and "/trainflow/run.py:" in error, error
+    assert "rank 0 waiting at " in error and "/trainflow/step.py:" in error, error
 
 
 def test_ranks_that_composed_different_configs_are_refused_before_any_work(tmp_path: Path) -> None:
