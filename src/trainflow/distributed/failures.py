@@ -40,7 +40,7 @@ _LINGER_S = 2.0
 
 def linger_if_peer_lost(exc: BaseException) -> None:
     """Let the rank that caused this error be found first: wait a moment when `exc` only says a peer went away."""
-    if any(words in str(exc).lower() for words in _PEER_LOST):
+    if _says_peer_lost(str(exc)):
         time.sleep(_LINGER_S)
 
 
@@ -91,6 +91,10 @@ def _records(logs: Path) -> dict[int, dict[str, Any]]:
 def _peer_lost(data: dict[str, Any]) -> bool:
     message = data.get("message")
     text = message.get("message", "") if isinstance(message, dict) else str(message or "")
+    return _says_peer_lost(text)
+
+
+def _says_peer_lost(text: str) -> bool:
     return any(words in text.lower() for words in _PEER_LOST)
 
 
