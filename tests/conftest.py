@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from helpers.processes import run_process
 
 from trainflow.cli import register_with_hydra
 
@@ -65,10 +66,7 @@ def train(run_dir: Path, *overrides: str, env: dict | None = None, timeout: floa
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     if "HYDRA_FULL_ERROR" not in (env or {}):
         full_env.pop("HYDRA_FULL_ERROR", None)  # tests see what users see: no traceback
-    proc = subprocess.run(
-        [*cmd, *overrides, f"hydra.run.dir={run_dir}"],
-        cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout,
-    )
+    proc = run_process([*cmd, *overrides, f"hydra.run.dir={run_dir}"], ROOT, full_env, timeout)
     return Run(proc.returncode, proc.stdout, proc.stderr, Path(run_dir))
 
 

@@ -15,7 +15,6 @@ import os
 import re
 import shutil
 import socket
-import subprocess
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -24,6 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import ROOT, TINY_GPT, can_mount, tmpfs, train
+from helpers.processes import run_process
 
 # 8 steps, a save every 2; the committed checkpoints of the reference run (steps 2 and 4) sit in checkpoint.dir.
 BASE = [*TINY_GPT, "trainer.max_steps=8", "trainer.eval_every=0", "trainer.eval_steps=2", "checkpoint=dcp",
@@ -754,7 +754,7 @@ def test_bad_input(case: Case, reference_checkpoints: Path, tmp_path: Path) -> N
         for key in ("HYDRA_FULL_ERROR", *(k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
                                           if k not in dict(case.env))):
             env.pop(key, None)
-        proc = subprocess.run(command(case, ctx), cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+        proc = run_process(command(case, ctx), ROOT, env, timeout=300)
         after = committed_hashes(tmp_path)
         if case.after:
             case.after(ctx)

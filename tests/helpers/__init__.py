@@ -1,0 +1,1 @@
+"""What several test modules share: running trainflow as users do, and reading what it wrote."""

@@ -1,0 +1,98 @@
+"""A warm interpreter that forks one fresh process per `python train.py ...` a test runs.
+
+Most of a short run's wall time is imports (torch, Hydra, trainflow: ~3 s of a bad-input row's ~4 s on 2 cores).
+The server imports them once; each run is then a real child process of its own (`os.fork`), with its own argv,
+working directory, environment, stdout, stderr and exit code, running `train.py` as `python train.py` would: the
+same `__main__`, `sys.argv`, `sys.path[0]` and interpreter shutdown (threads joined, atexit handlers, flushed
+streams). trainflow's own local launcher forks its CPU workers the same way.
+
+What cannot be forked is run the ordinary way (`runs.run_process` decides): another command than a script of this
+interpreter, or an environment that differs from the server's in a variable read at import time (OMP_NUM_THREADS,
+HOME, PYTHONPATH, ...).
+
+Protocol (one line of JSON each way, one run at a time): the client sends {argv, cwd, env, out, err}; the server
+answers {"pid": N} once the child exists and {"code": N} once it has ended.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+# Variables a run may set without leaving the warm interpreter: each is read when trainflow runs, not at import.
+RUNTIME_VARIABLES = frozenset({
+    "PYTHONUNBUFFERED", "HYDRA_FULL_ERROR", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+    "MASTER_PORT", "TRAINFLOW_TEST_MARKER",
+})
+
+
+def _child(request: dict) -> None:
+    """In the forked process: become `python <script> <args>` and end as that interpreter would."""
+    import runpy
+    import threading
+    import traceback
+
+    os.setpgid(0, 0)  # its own process group: a timeout kills the run and whatever it started, not the server
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(request["env"])
+    stdin = os.open(os.devnull, os.O_RDONLY)
+    out = os.open(request["out"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    err = os.open(request["err"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    for fd, target in ((stdin, 0), (out, 1), (err, 2)):
+        os.dup2(fd, target)
+        os.close(fd)
+    sys.stdin = open(0, closefd=False)  # noqa: SIM115 (the process's own streams, closed by its exit)
+    sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115
+    sys.stderr = open(2, "w", buffering=1, errors="backslashreplace", closefd=False)  # noqa: SIM115
+    script, *args = request["argv"]
+    sys.argv = [script, *args]
+    sys.orig_argv = [sys.executable, script, *args]
+    sys.path[0] = os.path.dirname(os.path.abspath(script))
+    code: object = 0
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as exc:
+        code = exc.code
+    except BaseException:  # what the interpreter prints for an uncaught exception, and its exit code
+        traceback.print_exc()
+        code = 1
+    if code is None:
+        code = 0
+    elif not isinstance(code, int):
+        print(code, file=sys.stderr)
+        code = 1
+    try:  # the interpreter's own shutdown order: join non-daemon threads, run atexit handlers, flush
+        threading._shutdown()  # type: ignore[attr-defined]
+        import atexit
+
+        atexit._run_exitfuncs()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code & 0xFF)
+
+
+def serve() -> None:
+    """Import what every run imports, then fork a child per request until stdin closes."""
+    import hydra  # noqa: F401
+    import torch  # noqa: F401
+
+    import trainflow.cli  # noqa: F401
+    import trainflow.distributed.launch  # noqa: F401  (imports trainflow.run and the loop's modules)
+
+    answers = sys.stdout
+    print(json.dumps({"ready": True}), file=answers, flush=True)
+    for line in sys.stdin:
+        request = json.loads(line)
+        pid = os.fork()
+        if pid == 0:
+            _child(request)
+        print(json.dumps({"pid": pid}), file=answers, flush=True)
+        _, status = os.waitpid(pid, 0)
+        print(json.dumps({"code": os.waitstatus_to_exitcode(status)}), file=answers, flush=True)
+
+
+if __name__ == "__main__":
+    serve()
