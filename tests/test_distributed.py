@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import torch
 from conftest import ROOT, TINY_GPT, Run, train, wait_for_log
+from helpers.processes import run_process
 from omegaconf import OmegaConf
 
 from trainflow.models.gpt import GPT
@@ -71,7 +72,7 @@ def _run_in(cwd: Path, command: list[str], env: dict | None = None, timeout: flo
     """Run without hydra.run.dir, so the run directory is the one trainflow agrees on under ./outputs."""
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     full_env.pop("HYDRA_FULL_ERROR", None)
-    return subprocess.run(command, cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout)
+    return run_process(command, cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout)
 
 
 def _the_one_run_dir(cwd: Path) -> Run:

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import ROOT
+from helpers.processes import run_process
 
 HERE = Path(__file__).resolve().parent
 GATES = ["baseline.learns", "compile.numerics", "compile.loss_parity", "compile.graph_breaks", "compile.recompiles",
@@ -182,9 +183,9 @@ def test_a_broken_compile_rung_fails_its_gate_and_the_sweep(tmp_path: Path) -> N
     """A backend with wrong numerics: compile.check stops the compile rung; the next rung still runs; exit 1."""
     sweep = tmp_path / "sweep"
     pythonpath = os.pathsep.join(p for p in (str(HERE), os.environ.get("PYTHONPATH")) if p)
-    proc = subprocess.run([sys.executable, str(ROOT / "train.py"), "-m", "experiment=ladder", "ladder=compile,baseline",
-                           *TINY, "compile.backend=test_ladder.skewed_backend", f"hydra.sweep.dir={sweep}"],
-                          cwd=ROOT, env=clean_env(PYTHONPATH=pythonpath), capture_output=True, text=True, timeout=600)
+    proc = run_process([sys.executable, str(ROOT / "train.py"), "-m", "experiment=ladder", "ladder=compile,baseline",
+                        *TINY, "compile.backend=test_ladder.skewed_backend", f"hydra.sweep.dir={sweep}"],
+                       cwd=ROOT, env=clean_env(PYTHONPATH=pythonpath), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "job #0 failed (exit code 2): compile.check: compiled and eager results differ" in proc.stderr
     assert "Traceback" not in proc.stderr
@@ -205,10 +206,10 @@ def test_a_failed_gate_of_finished_rungs_fails_the_sweep_in_one_line(tmp_path: P
     """Every rung finishes but a gate fails (SGD at lr 100 blows the loss up; clipping keeps it finite, so the
     run is not stopped as non-finite): the sweep still exits 1."""
     sweep = tmp_path / "sweep"
-    proc = subprocess.run([sys.executable, str(ROOT / "train.py"), "-m", "experiment=ladder", "ladder=baseline",
-                           *TINY, "optim=sgd", "optim.lr=100", "optim.warmup_steps=0", "optim.schedule=constant",
-                           "trainer.grad_clip=1", f"hydra.sweep.dir={sweep}"], cwd=ROOT, env=clean_env(),
-                          capture_output=True, text=True, timeout=600)
+    proc = run_process([sys.executable, str(ROOT / "train.py"), "-m", "experiment=ladder", "ladder=baseline",
+                        *TINY, "optim=sgd", "optim.lr=100", "optim.warmup_steps=0", "optim.schedule=constant",
+                        "trainer.grad_clip=1", f"hydra.sweep.dir={sweep}"], cwd=ROOT, env=clean_env(),
+                       capture_output=True, text=True, timeout=600)
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert proc.stderr.strip().splitlines()[-1].startswith("ladder: 1 gate(s) FAILED: baseline.learns: 8 steps"), \
         proc.stderr
@@ -219,9 +220,9 @@ def test_a_failed_gate_of_finished_rungs_fails_the_sweep_in_one_line(tmp_path: P
 
 
 def test_bad_ladder_setting_is_one_line(tmp_path: Path) -> None:
-    proc = subprocess.run([sys.executable, str(ROOT / "train.py"), "experiment=ladder", "ladder.nproc_per_node=1",
-                           *TINY, f"hydra.run.dir={tmp_path / 'run'}"], cwd=ROOT, env=clean_env(),
-                          capture_output=True, text=True, timeout=300)
+    proc = run_process([sys.executable, str(ROOT / "train.py"), "experiment=ladder", "ladder.nproc_per_node=1",
+                        *TINY, f"hydra.run.dir={tmp_path / 'run'}"], cwd=ROOT, env=clean_env(),
+                       capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("Error: ladder.nproc_per_node: the scale stages need 2 or more"), \
@@ -243,9 +244,9 @@ def test_a_rung_that_cannot_run_stops_the_ladder_before_its_first_rung(tmp_path:
     """`python train.py -m experiment=ladder trainer.max_steps=8`, as typed: the profile rung's window does not fit
     8 steps, so the sweep fails at once, naming the rung and the key, instead of training two rungs first."""
     sweep = tmp_path / "sweep"
-    proc = subprocess.run([sys.executable, str(ROOT / "train.py"), "-m", "experiment=ladder", "trainer.max_steps=8",
-                           f"hydra.sweep.dir={sweep}"], cwd=ROOT, env=clean_env(), capture_output=True, text=True,
-                          timeout=300)
+    proc = run_process([sys.executable, str(ROOT / "train.py"), "-m", "experiment=ladder", "trainer.max_steps=8",
+                        f"hydra.sweep.dir={sweep}"], cwd=ROOT, env=clean_env(), capture_output=True, text=True,
+                       timeout=300)
     assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert proc.stderr.strip().splitlines() == [
         "Error: ladder=profile (job #2): trainer.max_steps: is 8 but the profiler window ends at step 15 (skip_first "
@@ -266,10 +267,10 @@ def test_rungs_that_log_rarely_still_pass_the_resume_gates(tmp_path: Path) -> No
     """40 steps: every rung logs every 4 steps (10 host syncs, not 40); the resumed run's logged interval means
     equal the uninterrupted run's exactly, from the first log after the half-way step on."""
     sweep = tmp_path / "sweep"
-    proc = subprocess.run([sys.executable, str(ROOT / "train.py"), "-m", "experiment=ladder",
-                           "ladder=baseline,checkpoint,resume", *TINY, "trainer.max_steps=40",
-                           f"hydra.sweep.dir={sweep}"], cwd=ROOT, env=clean_env(), capture_output=True, text=True,
-                          timeout=600)
+    proc = run_process([sys.executable, str(ROOT / "train.py"), "-m", "experiment=ladder",
+                        "ladder=baseline,checkpoint,resume", *TINY, "trainer.max_steps=40",
+                        f"hydra.sweep.dir={sweep}"], cwd=ROOT, env=clean_env(), capture_output=True, text=True,
+                       timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     for job in ("0", "1", "2"):
         steps = [json.loads(line)["step"] for line in (sweep / job / "metrics.jsonl").read_text().splitlines()

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 from conftest import ROOT, TINY_GPT, losses_by_step
+from helpers.processes import run_process
 
 SLURM = ["hydra/launcher=slurm", "hydra.launcher.poll_interval_s=0.5"]
 # one job = 2 ranks on gloo, as SLURM tasks; timeout_min > 10 so that submitit takes USR2 for a preemption
@@ -45,8 +46,8 @@ def _env() -> dict[str, str]:
 
 def multirun(sweep_dir: Path, *overrides: str, timeout: float = 300, env: dict | None = None
              ) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(ROOT / "train.py"), "-m", *overrides, f"hydra.sweep.dir={sweep_dir}"],
-                          cwd=ROOT, env=env or _env(), capture_output=True, text=True, timeout=timeout)
+    return run_process([sys.executable, str(ROOT / "train.py"), "-m", *overrides, f"hydra.sweep.dir={sweep_dir}"],
+                       cwd=ROOT, env=env or _env(), capture_output=True, text=True, timeout=timeout)
 
 
 def one_line_error(proc: subprocess.CompletedProcess) -> str:
@@ -223,9 +224,9 @@ def test_time_limit_checkpoints_requeues_and_resumes_to_the_same_losses(tmp_path
     # ~95 s of training on an idle 2-core machine (23 ms steps): longer than one attempt's ~60 s before the notice
     steps = ["trainer.max_steps=4000", "model.n_embd=128", "trainer.eval_every=0"]
     reference = tmp_path / "reference"
-    local = subprocess.run([sys.executable, str(ROOT / "train.py"), *TINY_GPT, *steps, "parallelism=ddp",
-                            "parallelism.nproc_per_node=2", "data=synthetic", f"hydra.run.dir={reference}"],
-                           cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
+    local = run_process([sys.executable, str(ROOT / "train.py"), *TINY_GPT, *steps, "parallelism=ddp",
+                         "parallelism.nproc_per_node=2", "data=synthetic", f"hydra.run.dir={reference}"],
+                        cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
     assert local.returncode == 0, local.stderr[-3000:]
     sweep = tmp_path / "sweep"
     proc = multirun(sweep, *TINY_GPT, *steps, *SLURM, *TWO_RANKS[:2], "hydra.launcher.timeout_min=2",
@@ -299,7 +300,7 @@ def test_no_sbatch_on_path_fails_in_one_line(tmp_path: Path) -> None:
 
 
 def test_slurm_launcher_without_multirun_is_refused(tmp_path: Path) -> None:
-    proc = subprocess.run([sys.executable, str(ROOT / "train.py"), "hydra/launcher=slurm",
-                           f"hydra.run.dir={tmp_path / 'run'}"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    proc = run_process([sys.executable, str(ROOT / "train.py"), "hydra/launcher=slurm",
+                        f"hydra.run.dir={tmp_path / 'run'}"], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert "add -m" in one_line_error(proc)
     assert not (tmp_path / "run").exists()

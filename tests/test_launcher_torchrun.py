@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 from conftest import ROOT, TINY_GPT, losses_by_step
+from helpers.processes import run_process
 
 TORCHRUN = ["hydra/launcher=torchrun", "hydra.launcher.monitor_interval=0.2"]
 DDP2 = ["parallelism=ddp", "hydra.launcher.nproc_per_node=2", "data=synthetic"]
@@ -25,9 +26,9 @@ RESUMABLE = [f"trainer.max_steps={STEPS}", "checkpoint=dcp", "checkpoint.every_s
 def multirun(sweep_dir: Path, *overrides: str, timeout: float = 300) -> subprocess.CompletedProcess:
     """`python train.py -m ...` as users type it, into sweep_dir."""
     env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
-    return subprocess.run([sys.executable, str(ROOT / "train.py"), "-m", *overrides, f"hydra.sweep.dir={sweep_dir}"],
-                          cwd=ROOT, env={**env, "PYTHONUNBUFFERED": "1"}, capture_output=True, text=True,
-                          timeout=timeout)
+    return run_process([sys.executable, str(ROOT / "train.py"), "-m", *overrides, f"hydra.sweep.dir={sweep_dir}"],
+                       cwd=ROOT, env={**env, "PYTHONUNBUFFERED": "1"}, capture_output=True, text=True,
+                       timeout=timeout)
 
 
 
@@ -225,7 +226,7 @@ def test_bad_launcher_settings_fail_in_one_line(tmp_path: Path, overrides: list[
 
 
 def test_torchrun_launcher_without_multirun_is_refused(tmp_path: Path) -> None:
-    proc = subprocess.run([sys.executable, str(ROOT / "train.py"), "hydra/launcher=torchrun",
-                           f"hydra.run.dir={tmp_path / 'run'}"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    proc = run_process([sys.executable, str(ROOT / "train.py"), "hydra/launcher=torchrun",
+                        f"hydra.run.dir={tmp_path / 'run'}"], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert "add -m" in one_line_error(proc)
     assert not (tmp_path / "run").exists()

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 from conftest import ROOT, TINY_GPT, train, wait_for
+from helpers.processes import run_process
 
 SHORT = [*TINY_GPT, "trainer.eval_every=0", "trainer.eval_steps=2"]
 DIVERGES = ["optim.lr=1e30", "optim.warmup_steps=0"]  # the first update throws the weights to ~1e30: NaN at step 2
@@ -134,15 +135,15 @@ def test_the_same_command_resumes_a_stopped_checkpointed_run(tmp_path: Path) -> 
     assert hint == ["Stopped after a committed checkpoint; to resume, run the same command: "
                     f"{shlex.join(command('trainer.max_steps=60'))}"]
 
-    again = subprocess.run(command("trainer.max_steps=60"), cwd=tmp_path, env=clean_env(), capture_output=True,
-                           text=True, timeout=300)
+    again = run_process(command("trainer.max_steps=60"), cwd=tmp_path, env=clean_env(), capture_output=True,
+                        text=True, timeout=300)
     assert again.returncode == 0, again.stderr[-3000:]
     assert list(runs.iterdir()) == [run]
     summary = json.loads((run / "summary.json").read_text())
     assert summary["resumed_from_step"] == stopped_at and summary["steps"] == 60
 
-    fresh = subprocess.run(command("trainer.max_steps=2", "trainer.run_name=try2"), cwd=tmp_path, env=clean_env(),
-                           capture_output=True, text=True, timeout=300)
+    fresh = run_process(command("trainer.max_steps=2", "trainer.run_name=try2"), cwd=tmp_path, env=clean_env(),
+                        capture_output=True, text=True, timeout=300)
     assert fresh.returncode == 0, fresh.stderr[-3000:]
     summary = json.loads((runs / "try2" / "summary.json").read_text())
     assert summary["resumed_from_step"] is None and summary["steps"] == 2
@@ -150,7 +151,7 @@ def test_the_same_command_resumes_a_stopped_checkpointed_run(tmp_path: Path) -> 
 
 def test_runs_without_checkpoints_keep_their_timestamped_folders(tmp_path: Path) -> None:
     command = [sys.executable, str(ROOT / "train.py"), *SHORT, "trainer.max_steps=1"]
-    run = subprocess.run(command, cwd=tmp_path, env=clean_env(), capture_output=True, text=True, timeout=300)
+    run = run_process(command, cwd=tmp_path, env=clean_env(), capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     assert not (tmp_path / "outputs" / "runs").exists()
     (summary,) = list((tmp_path / "outputs").glob("*/*/summary.json"))
@@ -173,8 +174,8 @@ def test_the_run_name_leaves_out_what_does_not_change_the_training() -> None:
 @pytest.mark.parametrize("pinned", [False, True], ids=["named-dir", "pinned-dir"])
 def test_a_run_name_that_is_not_a_folder_name_is_one_line(tmp_path: Path, pinned: bool) -> None:
     command = [sys.executable, str(ROOT / "train.py"), *SHORT, "trainer.run_name=a/b"]
-    run = subprocess.run([*command, *([f"hydra.run.dir={tmp_path / 'run'}"] if pinned else [])], cwd=tmp_path,
-                         env=clean_env(), capture_output=True, text=True, timeout=300)
+    run = run_process([*command, *([f"hydra.run.dir={tmp_path / 'run'}"] if pinned else [])], cwd=tmp_path,
+                      env=clean_env(), capture_output=True, text=True, timeout=300)
     assert run.returncode == 2 and "Traceback" not in run.stderr
     assert errors(run.stderr) == ["Error: trainer.run_name: 'a/b' is not a folder name; give a name without '/', "
                                   "e.g. trainer.run_name=gpt-small-try2"]

@@ -78,9 +78,13 @@ def _kill_group(pid: int) -> None:
 _SERVER = ForkServer()
 
 
-def run_process(cmd: list[str], cwd: Path, env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
-    """`subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)`, in a child forked
-    from the warm interpreter where that gives the same process (TRAINFLOW_TEST_FORK=0: never)."""
+def run_process(cmd: list[str], cwd: Path | str, env: dict[str, str] | None = None, timeout: float = 600,
+                capture_output: bool = True, text: bool = True) -> subprocess.CompletedProcess:
+    """`subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)` (the only form the
+    suite uses), in a child forked from the warm interpreter where that gives the same process
+    (TRAINFLOW_TEST_FORK=0: never)."""
+    assert capture_output and text, "run_process captures stdout and stderr as text"
+    env = dict(os.environ) if env is None else env
     if os.environ.get("TRAINFLOW_TEST_FORK", "1") != "0" and _SERVER.can_fork(cmd, env):
-        return _SERVER.run(cmd, cwd, env, timeout)
+        return _SERVER.run(cmd, Path(cwd), env, timeout)
     return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
