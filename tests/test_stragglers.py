@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 import time
 from typing import Any
 
@@ -14,6 +15,7 @@ from conftest import ROOT, TINY_GPT, train
 from trainflow.config import StragglerConfig
 from trainflow.distributed import DistEnv
 from trainflow.distributed.failures import rank_list
+from trainflow.distributed.process_group import oversubscription_warning
 from trainflow.distributed.stragglers import Stragglers
 from trainflow.metrics import PeakMemory, Throughput
 from trainflow.profile_verdict import verdict
@@ -116,3 +118,22 @@ def test_the_verdict_blames_a_straggler_only_for_the_ranks_that_wait_for_it() ->
     assert "cause" not in verdict(waiting, "cpu", True, None, rank=0)
     computing = {**waiting, "seconds": {"communication": 0.05, "forward_backward_compute": 0.25}}
     assert "cause" not in verdict(computing, "cpu", True, straggler, rank=0)  # not waiting: not its cause
+
+
+def test_more_ranks_than_cores_is_said_once_before_start_with_its_cost(run_dir) -> None:
+    """2 ranks on the one core this process may use (its affinity, as taskset or a SLURM allocation sets it)."""
+    one_core = [sys.executable, "-c", "import os, sys; os.sched_setaffinity(0, {0}); "
+                "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])", str(ROOT / "train.py")]
+    run = train(run_dir, *TINY_GPT, "data=synthetic", "data.num_samples=4096", "trainer.eval_every=0",
+                "trainer.max_steps=1", *DDP, command=one_core)
+    assert run.returncode == 0, run.stderr[-3000:]
+    said = "parallelism.nproc_per_node: 2 ranks share 1 CPU core, so each runs 0.5 of a core: a step takes at least " \
+           "2x as long as with one rank per core, for no more samples per second (fewer: the ranks also wait for " \
+           "each other to get a core); use parallelism.nproc_per_node=1 or fewer"
+    output = run.stdout + run.stderr
+    assert output.count("ranks share ") == 1 and f"[WARNING] - {said}\n" in output, output[-3000:]
+    assert output.index(said) < output.index("starting 2 ddp workers")  # before any rank starts
+    cpu = torch.device("cpu")
+    assert oversubscription_warning(cpu, 64, 2).startswith("parallelism.nproc_per_node: 64 ranks share 2 CPU cores, "
+                                                           "so each runs 0.031 of a core: a step takes at least 32x")
+    assert oversubscription_warning(cpu, 2, 2) is None and oversubscription_warning(torch.device("cuda"), 64, 2) is None
