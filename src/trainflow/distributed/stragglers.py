@@ -116,6 +116,11 @@ class Stragglers(Stage):
         self._previous = time.perf_counter()
         return self
 
+    def __exit__(self, *exc: object) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+
     def after_step(self, state: LoopState) -> bool:
         now = time.perf_counter()
         if state.steps_this_run == 1:
