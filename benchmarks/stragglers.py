@@ -63,7 +63,7 @@ def _rank(rank: int, args: argparse.Namespace, port: int) -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     batch = torch.randint(0, 256, (8, 33))
     env = DistEnv(rank, 2, rank, CPU, "ddp")
-    stage = Stragglers(StragglerConfig(), env, Throughput(0, CPU, PeakMemory(CPU)))
+    stage = Stragglers(StragglerConfig(factor=1e9), env, Throughput(0, CPU, PeakMemory(CPU)))  # measure, name no one
     state = LoopState(model, optimizer, None)
     stage.prepare(model)
     stage.__enter__()
