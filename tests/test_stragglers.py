@@ -73,16 +73,17 @@ def test_a_rank_slowed_in_its_data_path_is_named_once_with_its_host(run_dir) -> 
     stragglers = run.summary["stragglers"]
     assert [(n["rank"], n["host"]) for n in stragglers["named"]] == [(1, socket.gethostname())], stragglers
     named = stragglers["named"][0]
-    # named after straggler.intervals (3) judged intervals in a row: steps 3, 4, 5 (steps 1-2 are the warm-up)
-    assert named["step"] == 5 and named["ratio"] >= 1.5, named
-    assert named["data_wait_s"] >= 8 * SLOW_READ_S and named["own_s"] > named["others_own_s"] + 0.03, named
+    # named after straggler.intervals (3) judged intervals in a row: at step 5 at the earliest (steps 3, 4, 5; steps
+    # 1-2 are the warm-up), later if the busy machine slowed rank 0 too in one of them
+    assert 5 <= named["step"] <= 12 and named["ratio"] >= 1.5, named
+    assert named["own_s"] >= 1.5 * named["others_own_s"] and named["data_wait_s"] >= 8 * SLOW_READ_S, named
     last = stragglers["last_interval"]
     assert last["slowest_rank"] == 1 and last["wait_s"][0] > last["wait_s"][1], last  # rank 0 waited for rank 1
     log = (run_dir / "train.log").read_text()
     lines = [line for line in log.splitlines() if "straggler: " in line]
     assert len(lines) == 1 and f"straggler: rank 1 on {socket.gethostname()} took " in lines[0], lines
-    assert "in 3 log intervals in a row, up to step 5; every other rank waits for it" in lines[0]
-    progress = [line for line in log.splitlines() if "] - step 8/12: loss " in line]
+    assert f"in 3 log intervals in a row, up to step {named['step']}; every other rank waits for it" in lines[0]
+    progress = [line for line in log.splitlines() if "] - step 6/12: loss " in line]
     assert len(progress) == 1 and progress[0].endswith(" (rank 1)") and "ranks' own time median " in progress[0]
     logged = [m for m in run.metrics() if "perf/slowest_rank" in m]
     assert len(logged) == 12 and all(m["perf/own_time_max_s"] >= m["perf/own_time_median_s"] for m in logged)
