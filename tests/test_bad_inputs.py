@@ -344,6 +344,13 @@ CASES = [
           "parallelism.watchdog.min_s=60"),
          "Error: parallelism.watchdog.min_s: must be > 0 and below parallelism.timeout_s (30), which ends a hung run "
          "before the watchdog could say where it hangs; got 60.0; lower it or raise parallelism.timeout_s"),
+    Case("straggler-factor-one", "scale", "a straggler factor that would name a rank no slower than the others",
+         ("parallelism=ddp", "parallelism.nproc_per_node=2", "parallelism.straggler.factor=1"),
+         "Error: parallelism.straggler.factor: must be > 1 (a rank this many times slower than the others is named); "
+         "got 1.0"),
+    Case("straggler-intervals-zero", "scale", "a straggler named after no log interval at all",
+         ("parallelism=ddp", "parallelism.nproc_per_node=2", "parallelism.straggler.intervals=0"),
+         "Error: parallelism.straggler.intervals: must be a positive integer (log intervals in a row); got 0"),
     Case("fsdp-blocks-without-blocks", "scale", "FSDP per-block wrapping of a model without blocks",
          ("model=mlp", "data=synthetic", "parallelism=fsdp", "parallelism.nproc_per_node=2",
           "parallelism.fsdp.wrap=blocks"),

@@ -98,6 +98,11 @@ FAULTS = [
     Fault("ranks that composed different configs (a rank-dependent environment variable under torchrun)",
           "refused at start, before any step: one line naming each differing key and every rank's value",
           "test_distributed.py::test_ranks_that_composed_different_configs_are_refused_before_any_work"),
+    Fault("one rank of a DDP run is slow in its data path (a sleep in every read)",
+          "named once in one line with its host, its own time against the others' and its data wait; the log line "
+          "and summary.json show every rank's own time; the profiler's verdict on a waiting rank gives the "
+          "straggler as the cause",
+          "test_stragglers.py::test_a_rank_slowed_in_its_data_path_is_named_once_with_its_host"),
     Fault("the torchrun launcher is killed", "no rank is left behind",
           "test_launcher_torchrun.py::test_killing_the_launcher_leaves_no_ranks_behind"),
 ]

@@ -246,6 +246,14 @@ class WatchdogConfig:
 
 
 @dataclass
+class StragglerConfig:
+    # a rank whose own time per step (step time less its wait in the gradient sync) is this many times the median
+    # of the other ranks' is a straggler; named once, with its host, after `intervals` log intervals in a row
+    factor: float = 1.5
+    intervals: int = 3
+
+
+@dataclass
 class ParallelismConfig:
     strategy: str = "single"  # single | ddp | fsdp | hsdp (shard within a node, replicate across) | auto
     # processes on this node: an int, or "auto" (one per GPU; without GPUs 2 for ddp/fsdp/hsdp, else 1); every
@@ -263,6 +271,7 @@ class ParallelismConfig:
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)  # also the sharding options of hsdp
     hsdp: HSDPConfig = field(default_factory=HSDPConfig)
     watchdog: WatchdogConfig = field(default_factory=WatchdogConfig)
+    straggler: StragglerConfig = field(default_factory=StragglerConfig)  # runs of 2+ ranks, at log steps
     memory_budget_gb: float | None = None  # auto: memory one rank may use; null: free memory x memory_headroom
     memory_headroom: float = 0.8  # auto: the share of the free memory a plan may fill
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -28,6 +29,8 @@ class LoopState(TrainState):
     step_time_s: float | None = None  # the synced wall time of the step, while excluded steps run; else None
     save_every: int = 0  # the checkpointer saves after every this many steps (0: no periodic saves)
     checkpoint_dir: Path | None = None  # where the committed checkpoints are (None: checkpoints are off)
+    rank_times: dict[str, float] | None = None  # log steps of 2+ ranks: the ranks' own step times (stragglers)
+    straggler: dict[str, Any] | None = None  # the first rank named a straggler in this run (rank, host, ratio)
 
     def save_due(self) -> bool:
         """Whether a periodic checkpoint is saved after this step (the final save comes at a log step too)."""

@@ -383,10 +383,13 @@ def progress_reporter(max_steps: int, mode: str, is_main: bool, start: int) -> C
             bar.n = step
             bar.set_postfix(loss=f"{values['train/loss']:.4f}", lr=f"{values['train/lr']:.2e}")
         elif is_main:
-            log.info("step %d/%d: loss %.4f, lr %.2e, %.1f ms/step, %.0f samples/s, data wait %.1f%%",
+            ranks = (f"; ranks' own time median {values['perf/own_time_median_s'] * 1e3:.1f} ms, max "
+                     f"{values['perf/own_time_max_s'] * 1e3:.1f} ms (rank {values['perf/slowest_rank']})"
+                     if "perf/slowest_rank" in values else "")
+            log.info("step %d/%d: loss %.4f, lr %.2e, %.1f ms/step, %.0f samples/s, data wait %.1f%%%s",
                      step, max_steps, values["train/loss"], values["train/lr"],
                      values["perf/step_time_s"] * 1e3, values["perf/samples_per_sec"],
-                     values["perf/data_wait_fraction"] * 100)
+                     values["perf/data_wait_fraction"] * 100, ranks)
 
     return update
 

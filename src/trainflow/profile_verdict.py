@@ -264,10 +264,13 @@ def analyze_window(events: list[Any], on_gpu: bool, last_step: int) -> dict[str,
             "step_ms": step_ms, "seconds": seconds, "regions": region_s}
 
 
-def verdict(totals: dict[str, Any], device: str, distributed: bool = False) -> dict[str, Any] | None:
+def verdict(totals: dict[str, Any], device: str, distributed: bool = False,
+            straggler: dict[str, Any] | None = None, rank: int = 0) -> dict[str, Any] | None:
     """Name the bottleneck from accumulated window seconds; None when nothing was recorded.
 
     `distributed`: the run has several ranks, so the action never recommends CUDA graphs (see above).
+    `straggler`: the rank the stragglers stage named in this run: when this rank (another one) is
+    communication-bound, its collectives wait for that rank, and the cause is the straggler, not the collectives.
     """
     step_s = totals["step_s"]
     if totals["steps"] == 0 or step_s <= 0:
@@ -282,6 +285,11 @@ def verdict(totals: dict[str, Any], device: str, distributed: bool = False) -> d
     action = ACTIONS[cause or bound]
     if distributed and (cause or bound) == "cpu-overhead-bound":
         action = _MULTI_RANK_OVERHEAD
+    if straggler and bound == "communication-bound" and straggler["rank"] != rank:
+        cause = "a straggler rank"
+        action = (f"the collectives wait for rank {straggler['rank']} on {straggler['host']}, a straggler "
+                  f"({straggler['ratio']:g}x the other ranks' own time per step, summary.json['stragglers']): "
+                  "look at that host's load, its data path and its device before tuning the collectives")
     if retracing and cause is None:
         action += f"; also: {ACTIONS['retracing']}"
     result: dict[str, Any] = {

@@ -72,6 +72,7 @@ class Profiler(Stage):
         self._memory_history = False
         self._snapshot: dict[str, Any] | None = None  # the CUDA allocator history, written after the loop
         self._load = 0.0  # the highest 1-minute load average seen at the end of a window
+        self._straggler: dict[str, Any] | None = None  # the rank the stragglers stage named, if any
         self.result = _RankResult(env.rank)
         self.enabled = cfg.enabled and self._selected(cfg.ranks, env)  # this rank records
         self.device = env.device.type
@@ -170,6 +171,9 @@ class Profiler(Stage):
         self.step()
         return False
 
+    def close(self, state: LoopState) -> None:
+        self._straggler = state.straggler  # a rank the others waited for: the verdict's cause
+
     def _on_window(self, prof: Any) -> None:
         """After each window: the trace, the ops table, and this window's share of the verdict."""
         window = analyze_window(list(prof.events()), self.device == "cuda", self.start_step + self._steps)
@@ -241,7 +245,7 @@ class Profiler(Stage):
         if not self.enabled:
             return None
         r = self.result
-        r.verdict = verdict(self._totals, self.device, self.env.distributed)
+        r.verdict = verdict(self._totals, self.device, self.env.distributed, self._straggler, self.env.rank)
         cores = os.cpu_count() or 1
         if r.verdict and self.device == "cpu" and self._load > cores:
             r.verdict["note"] = (f"the machine was oversubscribed (load average {self._load:.1f} on {cores} cores): "

@@ -28,6 +28,7 @@ from trainflow.distributed.failures import note_step
 from trainflow.distributed.parallelism import parallelize, unwrap
 from trainflow.distributed.parity import ParityCheck, parallelism_summary
 from trainflow.distributed.process_group import per_rank_batch, process_group
+from trainflow.distributed.stragglers import Stragglers
 from trainflow.distributed.watchdog import Watchdog
 from trainflow.evaluation import Evaluation
 from trainflow.limits import check_batch
@@ -79,10 +80,10 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv) -> dict[str, Any] | Non
 
 
 # The stages in the order they act after each step: the watchdog times each step first; the guard checks before
-# anything is logged or saved; the checkpointer comes last, as it may stop the run. A new stage is a class with
-# build(ctx) added here.
-STAGES: tuple[type[Stage], ...] = (Watchdog, Compiler, ParityCheck, Profiler, NonFiniteGuard, TrainMetrics,
-                                   Evaluation, Checkpointer)
+# anything is logged or saved; the ranks' step times are gathered just before the train metrics log them; the
+# checkpointer comes last, as it may stop the run. A new stage is a class with build(ctx) added here.
+STAGES: tuple[type[Stage], ...] = (Watchdog, Compiler, ParityCheck, Profiler, NonFiniteGuard, Stragglers,
+                                   TrainMetrics, Evaluation, Checkpointer)
 
 
 @dataclass

@@ -65,6 +65,8 @@ class TrainMetrics(Stage):
         elapsed = self.meter.interval_s()
         counts = self.meter.counts().since(self._counts_at_start)
         self.last = self._interval_figures(elapsed, counts, state.grad_norm, self.meter.memory.take())
+        if state.rank_times:  # 2+ ranks: the stragglers stage gathered them at this log step, just before
+            self.last.update(state.rank_times)
         self.writer.write(state.step, self.last)
         self.progress(state.step, self.last)
         self._new_interval()

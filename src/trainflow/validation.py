@@ -159,6 +159,10 @@ def validate_parallelism(cfg: DictConfig) -> None:
     _require(dog.enabled is False or 0 < dog.min_s < p.timeout_s, "parallelism.watchdog.min_s",
              f"must be > 0 and below parallelism.timeout_s ({p.timeout_s:g}), which ends a hung run before the "
              f"watchdog could say where it hangs; got {dog.min_s}; lower it or raise parallelism.timeout_s")
+    _require(p.straggler.factor > 1, "parallelism.straggler.factor",
+             f"must be > 1 (a rank this many times slower than the others is named); got {p.straggler.factor}")
+    _require(p.straggler.intervals >= 1, "parallelism.straggler.intervals",
+             f"must be a positive integer (log intervals in a row); got {p.straggler.intervals}")
     _require(p.check_steps > 0, "parallelism.check_steps", f"must be a positive integer; got {p.check_steps}")
     _require(p.check_tolerance is None or p.check_tolerance > 0, "parallelism.check_tolerance",
              f"must be > 0, or null for the precision's default; got {p.check_tolerance}")

@@ -8,6 +8,7 @@
 - hsdp: the device mesh of a sharded run;
 - memory_plan: parallelism=auto, the per-rank memory of each layout and the choice;
 - parity: the parallel run checked against one process, and the parallel part of the summary.
+- stragglers: every rank's own time per step, gathered at log steps, and a rank the others wait for named.
 
 Imports run one way: launch -> the training loop -> parallelism / parity -> process_group. The stages take a
 `DistEnv`, the one name the package itself exports.

@@ -156,9 +156,14 @@ def _where_lost(records: dict[int, dict[str, Any]], lost: int) -> str:
     noticed = sorted(rank for rank, data in records.items() if rank != lost and _peer_lost(data))
     if not noticed:
         return ""
-    ranks = ", ".join(map(str, noticed))
-    return f" (rank{'s' if len(noticed) > 1 else ''} {ranks} lost {'their' if len(noticed) > 1 else 'its'} " \
+    return f" ({rank_list(noticed)} lost {'their' if len(noticed) > 1 else 'its'} " \
            f"connection to it{' in step ' + str(steps[0]) if steps else ''})"
+
+
+def rank_list(ranks: list[int], limit: int = 8) -> str:
+    """Ranks as every one-line account names them: "rank 3", "ranks 0, 2", and past `limit` "ranks 0, ..., 7, ..."."""
+    shown = ", ".join(map(str, ranks[:limit])) + (", ..." if len(ranks) > limit else "")
+    return f"rank{'s' if len(ranks) > 1 else ''} {shown}"
 
 
 def _first_line(text: Any) -> str:

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
 import trainflow
+from trainflow.distributed.failures import rank_list
 from trainflow.errors import ConfigError
 from trainflow.limits import available_bytes
 
@@ -53,7 +54,7 @@ def check_ranks_agree(composed: dict[str, Any], device: torch.device, rank: int,
         for each_rank, info in enumerate(everyone):
             holders.setdefault(info[key], []).append(each_rank)
         if len(holders) > 1:
-            ranks = "; ".join(f"{key} {value} on {_ranks(group)}" for value, group in holders.items())
+            ranks = "; ".join(f"{key} {value} on {rank_list(group)}" for value, group in holders.items())
             raise ConfigError(f"parallelism: the ranks disagree on {key} ({ranks}); {fix}")
     if rank == 0:
         hosts = sorted({info["host"] for info in everyone})
@@ -75,7 +76,7 @@ def _refuse_config_difference(composed: dict[str, Any], world_size: int) -> None
         holders: dict[str, list[int]] = {}
         for each_rank, config in enumerate(configs):
             holders.setdefault(repr(config.get(key, "<absent>")), []).append(each_rank)
-        shown.append(f"{key}: " + "; ".join(f"{value} on {_ranks(group)}" for value, group in holders.items()))
+        shown.append(f"{key}: " + "; ".join(f"{value} on {rank_list(group)}" for value, group in holders.items()))
     more = f" (and {len(keys) - 3} more keys)" if len(keys) > 3 else ""
     raise ConfigError(f"{' | '.join(shown)}{more}: the ranks composed different configs; {_SAME_CONFIG}")
 
@@ -84,8 +85,3 @@ def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
     if isinstance(tree, dict):
         return {k: v for key, value in tree.items() for k, v in _flat(value, f"{prefix}{key}.").items()}
     return {prefix.rstrip("."): tree}
-
-
-def _ranks(ranks: list[int]) -> str:
-    shown = ", ".join(map(str, ranks[:8])) + (", ..." if len(ranks) > 8 else "")
-    return f"rank{'s' if len(ranks) > 1 else ''} {shown}"

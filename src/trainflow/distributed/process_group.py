@@ -206,7 +206,7 @@ def _preflight(cfg: DictConfig, device: torch.device, world_size: int, local_wor
     if device.type == "cuda" and not gpus_bound_per_task():
         check_nproc(local_world_size, "cuda", torch.cuda.device_count())
     if env_rank() == 0 and not _self_launched:
-        for warning in (bf16_warning(cfg, device), _oversubscription_warning(device, local_world_size)):
+        for warning in (bf16_warning(cfg, device), oversubscription_warning(device, local_world_size, usable_cores())):
             if warning:
                 log.warning(warning)
         if p.check and cfg.model.get("dropout"):
@@ -215,12 +215,20 @@ def _preflight(cfg: DictConfig, device: torch.device, world_size: int, local_wor
     return backend
 
 
-def _oversubscription_warning(device: torch.device, local_world_size: int) -> str | None:
-    cores = os.cpu_count() or 1
-    if device.type == "cpu" and local_world_size > cores:
-        return (f"parallelism.nproc_per_node: {local_world_size} processes share {cores} CPU cores; "
-                "they will run, but slower than with one process per core")
-    return None
+def usable_cores() -> int:
+    """The CPU cores this process may run on (its affinity: taskset, a SLURM allocation), else the machine's."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def oversubscription_warning(device: torch.device, local_world_size: int, cores: int) -> str | None:
+    """More CPU ranks on this node than cores they may use: said once, before start, with what it costs."""
+    if device.type != "cpu" or local_world_size <= cores:
+        return None
+    return (f"parallelism.nproc_per_node: {local_world_size} ranks share {cores} CPU core{'s' if cores > 1 else ''}, "
+            f"so each runs {cores / local_world_size:.2g} of a core: a step takes at least "
+            f"{local_world_size / cores:.2g}x as long as with one rank per core, for no more samples per second "
+            f"(fewer: the ranks also wait for each other to get a core); use parallelism.nproc_per_node={cores} "
+            "or fewer")
 
 
 def _store(rank: int, world_size: int, timeout: timedelta) -> dist.Store:

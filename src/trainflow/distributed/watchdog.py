@@ -33,6 +33,7 @@ import torch
 import trainflow
 from trainflow.config import WatchdogConfig
 from trainflow.distributed import DistEnv
+from trainflow.distributed.failures import rank_list
 from trainflow.metrics import Throughput
 from trainflow.stages import LoopState, Stage, StageContext
 
@@ -161,7 +162,7 @@ class Watchdog(Stage):
                 waiting.append((rank, fresh_report["where"]))
             else:
                 stuck.append(f"rank {rank} is busy (compiling, saving, evaluating) or slow")
-        waits = "; ".join(f"{_ranks(group)} waiting at {at}" for at, group in _group(waiting).items())
+        waits = "; ".join(f"{rank_list(group)} waiting at {at}" for at, group in _group(waiting).items())
         who = "; ".join(stuck) or "no rank is stuck in the user's code"
         return (f"hang: no step for {stalled:.0f} s (the bound is {bound:.0f} s: {basis}): {who}"
                 f"{'; ' + waits if waits else ''}; every rank's stacks: {self.dir}")
@@ -206,10 +207,6 @@ def _group(waiting: list[tuple[int, str]]) -> dict[str, list[int]]:
     for rank, at in waiting:
         groups.setdefault(at, []).append(rank)
     return groups
-
-
-def _ranks(ranks: list[int]) -> str:
-    return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
 
 
 def _write(path: Path, value: dict[str, Any]) -> None:
