@@ -105,6 +105,27 @@ def test_checkpoint_reshards_fsdp_tp_to_one_process_to_tp(fsdp_tp: Run, single_f
     assert_close_losses(losses_by_step(tp.run_dir), reference, range(4, 5))
 
 
+LLAMA = ["model=custom", "model._target_=test_tensor_parallel.tiny_llama", "+model.vocab_size=256",
+         "+model.hidden_size=64", "+model.intermediate_size=128", "+model.num_hidden_layers=2",
+         "+model.num_attention_heads=4", "+model.num_key_value_heads=2", "+model.max_position_embeddings=64",
+         "data=text", "data.seq_len=32"]
+
+
+def test_hugging_face_llama_under_tp2_by_its_own_plan(tmp_path: Path) -> None:
+    """transformers' plan splits attention and MLP, and leaves the norms whole: the gradient norm (clipped at 0.5)
+    spans DTensors and plain tensors, and the run still matches one process."""
+    run = ok(train(tmp_path / "run", *TINY_GPT, *LLAMA, "optim=sgd", "trainer.max_steps=3", "trainer.eval_every=0",
+                   "trainer.grad_clip=0.5", *TP2, *CHECKED, env={"PYTHONPATH": str(Path(__file__).parent)}))
+    check = run.summary["parallelism"]["check"]
+    assert check["passed"] and check["param_rel_diff"] <= 1e-5, check
+    assert min(grad_norms(run.run_dir).values()) > 0.5  # clipping acted on every step
+    config = {a[len("+model."):].split("=")[0]: int(a.split("=")[1]) for a in LLAMA if a.startswith("+model.")}
+    named = dict(tiny_llama(**config).named_parameters())
+    whole = sum(p.numel() for name, p in named.items() if "norm" in name)  # the plan leaves the RMSNorms whole
+    total = sum(p.numel() for p in named.values())
+    assert f"rank 0 holds {(total - whole) // 2 + whole} of the {total} parameters" in run.stdout
+
+
 @pytest.mark.slow
 def test_ddp2_x_tp2_matches_one_process(tmp_path: Path) -> None:
     run = ok(train(tmp_path / "run", *BASE, "parallelism=ddp", "parallelism.tp=2", "parallelism.nproc_per_node=4",
@@ -145,3 +166,15 @@ def test_degrees_on_one_mesh(overrides: list[str], world: int, per_node: int,
     found = layout(cfg.parallelism, world, per_node)
     assert (found.name, found.replicate, found.shard, found.tp) == expected
     assert found.world_size == world
+
+
+def tiny_llama(**config: int) -> object:
+    """A transformers Llama of the given LlamaConfig keys, returning logits (the lm task's contract); its config
+    declares `base_model_tp_plan`, which trainflow applies."""
+    import transformers
+
+    class LlamaLogits(transformers.LlamaForCausalLM):
+        def forward(self, idx):  # noqa: ANN001, ANN202 - transformers' own types
+            return super().forward(input_ids=idx, use_cache=False).logits
+
+    return LlamaLogits(transformers.LlamaConfig(**config))
