@@ -105,6 +105,25 @@ def test_checkpoint_reshards_fsdp_tp_to_one_process_to_tp(fsdp_tp: Run, single_f
     assert_close_losses(losses_by_step(tp.run_dir), reference, range(4, 5))
 
 
+def test_export_gathers_the_tp_shards(fsdp_tp: Run, single_from_fsdp_tp: Run, tmp_path: Path) -> None:
+    """An FSDP 2 x TP 2 checkpoint exports whole tensors that load into the plain GPT, equal to the one-process
+    run's weights of the same step within fp32 rounding."""
+    import torch
+    from hydra.utils import instantiate
+    from omegaconf import OmegaConf
+
+    from trainflow.checkpoint import export_weights
+    from trainflow.tolerance import relative_error
+
+    export_weights(step_dir(fsdp_tp, 4), tmp_path / "tp.pt")
+    export_weights(step_dir(single_from_fsdp_tp, 4), tmp_path / "single.pt")
+    sharded, whole = (torch.load(tmp_path / name, weights_only=True) for name in ("tp.pt", "single.pt"))
+    model = instantiate(OmegaConf.create(fsdp_tp.summary["config"]["model"]))
+    model.load_state_dict(sharded)  # strict: every tensor whole, the names the plain model's
+    assert sharded.keys() == whole.keys()
+    assert max(relative_error(sharded[k].double(), whole[k].double()) for k in whole) < 1e-5
+
+
 LLAMA = ["model=custom", "model._target_=test_tensor_parallel.tiny_llama", "+model.vocab_size=256",
          "+model.hidden_size=64", "+model.intermediate_size=128", "+model.num_hidden_layers=2",
          "+model.num_attention_heads=4", "+model.num_key_value_heads=2", "+model.max_position_embeddings=64",
@@ -178,3 +197,34 @@ def tiny_llama(**config: int) -> object:
             return super().forward(input_ids=idx, use_cache=False).logits
 
     return LlamaLogits(transformers.LlamaConfig(**config))
+
+
+def test_slurm_dry_run_of_4_nodes_x_8_gpus_with_tp8_keeps_tp_in_a_node(tmp_path: Path) -> None:
+    """One srun step of 32 tasks; their mesh (rank 0's view, on a fake process group of 32) puts each TP group of 8
+    on one node's consecutive ranks and shards FSDP over the 4 nodes."""
+    import torch.distributed as dist
+    from hydra import compose, initialize_config_dir
+    from test_launcher_slurm import SLURM, multirun
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from trainflow.config import register_configs
+    from trainflow.distributed.mesh import layout, mesh_for
+
+    overrides = ["parallelism=fsdp", "parallelism.tp=8", "model.n_head=8"]
+    proc = multirun(tmp_path, *SLURM, "hydra.launcher.nodes=4", "hydra.launcher.tasks_per_node=8",
+                    "hydra.launcher.gpus_per_node=8", "hydra.launcher.dry_run=true", *overrides, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    script = (tmp_path / "dry_run.sbatch").read_text().splitlines()
+    assert {"#SBATCH --nodes=4", "#SBATCH --ntasks-per-node=8"} <= set(script)
+    assert len([line for line in script if line.startswith("srun ")]) == 1
+    register_configs()
+    with initialize_config_dir(str(Path(__file__).resolve().parents[1] / "conf"), version_base=None):
+        cfg = compose("train", overrides=overrides)
+    found = layout(cfg.parallelism, 32, 8)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=32)
+    try:
+        mesh = mesh_for(found, "cpu")
+        assert mesh.mesh_dim_names == ("replicate", "shard", "tp") and tuple(mesh.shape) == (1, 4, 8)
+        assert mesh["tp"].mesh.tolist() == list(range(8)) and mesh["shard"].mesh.tolist() == [0, 8, 16, 24]
+    finally:
+        dist.destroy_process_group()
