@@ -669,6 +669,12 @@ CASES = [
          "Error: parallelism.tp: 4 is larger than the 2 ranks of one node, and tensor parallelism gathers activations "
          "every layer over its group; set parallelism.tp to 2 or less (parallelism.dp_shard / dp_replicate for the "
          "rest)"),
+    Case("tp-checkpointing-compile", "scale", "tensor parallel with activation checkpointing and compile together",
+         ("parallelism=fsdp", "parallelism.tp=2", "parallelism.nproc_per_node=2", "compile=default",
+          "parallelism.activation_checkpointing=full"),
+         "Error: parallelism.activation_checkpointing: full with compile under parallelism.tp=2 fails inside torch "
+         "(its compiled backward cannot save a checkpointed block's tensor-parallel mesh); set compile=off or "
+         "parallelism.activation_checkpointing=off"),
     Case("degrees-not-world-size", "scale", "mesh degrees whose product is not the world size",
          ("parallelism=fsdp", "parallelism.dp_shard=3", "parallelism.nproc_per_node=4"),
          "Error: parallelism.dp_replicate x dp_shard x tp: 1 x 3 x 1 does not make the world size 4 (-1: the rest of "

@@ -128,6 +128,10 @@ def validate_parallelism(cfg: DictConfig) -> None:
              f"is {p.tp}, but parallelism=auto chooses data-parallel layouts only; pick parallelism=fsdp, ddp or hsdp "
              "with parallelism.tp")
     validate_tp_sizes(cfg)
+    _require(p.tp == 1 or p.activation_checkpointing == "off" or not cfg.compile.enabled,
+             "parallelism.activation_checkpointing",
+             f"full with compile under parallelism.tp={p.tp} fails inside torch (its compiled backward cannot save a "
+             "checkpointed block's tensor-parallel mesh); set compile=off or parallelism.activation_checkpointing=off")
     _one_of(cfg, "parallelism.backend", ("auto", "gloo", "nccl"))
     _one_of(cfg, "parallelism.activation_checkpointing", ("off", "full"))
     n = p.nproc_per_node
