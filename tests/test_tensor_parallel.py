@@ -228,3 +228,17 @@ def test_slurm_dry_run_of_4_nodes_x_8_gpus_with_tp8_keeps_tp_in_a_node(tmp_path:
         assert mesh["tp"].mesh.tolist() == list(range(8)) and mesh["shard"].mesh.tolist() == [0, 8, 16, 24]
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_checkpoint_reshards_fsdp_tp_to_fsdp4_to_hsdp_x_tp(fsdp_tp: Run, tmp_path: Path) -> None:
+    """The rest of the chain: FSDP 2 x TP 2 -> FSDP 4 -> HSDP 2 x 2 x TP 2 (8 ranks)."""
+    reference = losses_by_step(fsdp_tp.run_dir)
+    fsdp4 = ok(train(tmp_path / "fsdp4", *BASE, "parallelism=fsdp", "parallelism.nproc_per_node=4",
+                     "trainer.grad_clip=0.5", "checkpoint.every_steps=1", f"checkpoint.resume={step_dir(fsdp_tp, 2)}"))
+    assert_close_losses(losses_by_step(fsdp4.run_dir), reference, range(3, 5))
+    hsdp = ok(train(tmp_path / "hsdp", *BASE, "parallelism=hsdp", "parallelism.tp=2", "parallelism.nproc_per_node=8",
+                    "parallelism.hsdp.shard_size=2", "trainer.grad_clip=0.5",
+                    f"checkpoint.resume={step_dir(fsdp4, 3)}"))
+    assert hsdp.summary["parallelism"]["mesh"] == {"replicate": 2, "shard": 2, "tp": 2}
+    assert_close_losses(losses_by_step(hsdp.run_dir), reference, range(4, 5))
