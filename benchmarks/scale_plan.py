@@ -25,8 +25,8 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from trainflow.config import FSDPConfig, OptimConfig
 from trainflow.distributed import DistEnv
-from trainflow.distributed.hsdp import build_mesh
 from trainflow.distributed.memory_plan import Layout, estimate, local_bytes, model_facts
+from trainflow.distributed.mesh import build_mesh
 from trainflow.distributed.parallelism import shard, shard_units
 from trainflow.models.gpt import GPT
 from trainflow.optim import build_optimizer

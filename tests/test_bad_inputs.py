@@ -662,6 +662,30 @@ CASES = [
     Case("hsdp-one-rank", "scale", "HSDP on one rank", ("parallelism=hsdp", "parallelism.nproc_per_node=1"),
          "Error: parallelism.nproc_per_node: hsdp needs 2 or more processes, got 1 (one was asked for); set "
          "parallelism.nproc_per_node=2 or more, or use parallelism=single"),
+    Case("tp-heads-not-divisible", "scale", "a tensor-parallel degree that does not divide the GPT's heads",
+         ("parallelism=fsdp", "parallelism.tp=4", "parallelism.nproc_per_node=4"),
+         "Error: parallelism.tp: 4 does not divide model.n_head=2: each TP rank takes whole heads and an equal share "
+         "of the hidden units; use a parallelism.tp that divides both, or change the model"),
+    Case("tp-no-plan", "scale", "tensor parallel for a model without a TP plan",
+         ("model=mlp", "data=synthetic", "parallelism=fsdp", "parallelism.tp=2", "parallelism.nproc_per_node=2"),
+         "Error: parallelism.tp: 2 splits each layer by the model's plan, and MLP has none; give the model a "
+         "`tp_plan` ({module name: ParallelStyle}), set parallelism.tp_plan._target_ to a function of the model "
+         "returning one, or set parallelism.tp=1 (rank {n})"),
+    Case("tp-larger-than-node", "scale", "a tensor-parallel degree larger than the ranks of one node",
+         ("parallelism=fsdp", "parallelism.tp=4", "model.n_head=4", "parallelism.nproc_per_node=2"),
+         "Error: parallelism.tp: 4 is larger than the 2 ranks of one node, and tensor parallelism gathers activations "
+         "every layer over its group; set parallelism.tp to 2 or less (parallelism.dp_shard / dp_replicate for the "
+         "rest)"),
+    Case("tp-checkpointing-compile", "scale", "tensor parallel with activation checkpointing and compile together",
+         ("parallelism=fsdp", "parallelism.tp=2", "parallelism.nproc_per_node=2", "compile=default",
+          "parallelism.activation_checkpointing=full"),
+         "Error: parallelism.activation_checkpointing: full with compile under parallelism.tp=2 fails inside torch "
+         "(its compiled backward cannot save a checkpointed block's tensor-parallel mesh); set compile=off or "
+         "parallelism.activation_checkpointing=off"),
+    Case("degrees-not-world-size", "scale", "mesh degrees whose product is not the world size",
+         ("parallelism=fsdp", "parallelism.dp_shard=3", "parallelism.nproc_per_node=4"),
+         "Error: parallelism.dp_replicate x dp_shard x tp: 1 x 3 x 1 does not make the world size 4 (-1: the rest of "
+         "the world); set degrees whose product is 4"),
     Case("auto-budget-too-small", "scale", "a memory budget too small for any strategy",
          ("parallelism=auto", "parallelism.memory_budget_gb=0.000001"),
          "Error: parallelism.memory_budget_gb: no strategy fits: the leanest, single + activation checkpointing, "

@@ -421,7 +421,7 @@ def test_headline_command_runs_unchanged_on_a_machine_without_gpus(run_dir: Path
     ("ddp", 3, 0, 3), ("ddp", 3, 8, 3),  # a number is taken as given
 ])
 def test_ranks_per_node_auto(strategy: str, nproc: object, gpus: int, ranks: int) -> None:
-    from trainflow.validation import local_ranks
+    from trainflow.distributed.mesh import local_ranks
 
     assert local_ranks(strategy, nproc, gpus) == ranks
 

@@ -90,7 +90,7 @@ def test_checkpoint_reshards_back_to_hsdp(name: str, hsdp_straight: Run, reshard
 ])
 def test_mesh_shape_defaults_come_from_the_launch(world: int, per_node: int, shard: int | None,
                                                   replicate: int | None, expected: tuple[int, int]) -> None:
-    from trainflow.distributed.hsdp import mesh_shape
+    from trainflow.distributed.mesh import mesh_shape
 
     assert mesh_shape(world, per_node, shard, replicate) == expected
 

@@ -131,8 +131,8 @@ def test_slurm_four_nodes_of_eight_gpus_rendezvous_once_and_auto_picks_hsdp_8_by
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from trainflow.distributed import DistEnv
-    from trainflow.distributed.hsdp import build_mesh, hsdp_shape
     from trainflow.distributed.memory_plan import apply_auto
+    from trainflow.distributed.mesh import build_mesh, hsdp_shape
     from trainflow.models import build_model
     from trainflow.tasks import LanguageModel
 

@@ -256,6 +256,12 @@ class StragglerConfig:
 @dataclass
 class ParallelismConfig:
     strategy: str = "single"  # single | ddp | fsdp | hsdp (shard within a node, replicate across) | auto
+    # degrees of the mesh (trainflow.distributed.mesh), their product the world size; -1: the rest of the world;
+    # null: the strategy's rule (ddp replicates over every data-parallel rank, fsdp shards, hsdp both)
+    dp_replicate: int | None = None
+    dp_shard: int | None = None
+    tp: int = 1  # tensor parallel: ranks each layer is split over (within a node; the mesh's last dimension)
+    tp_plan: Any = None  # a _target_ returning the model's TP plan ({module name: ParallelStyle}); null: the model's
     # processes on this node: an int, or "auto" (one per GPU; without GPUs 2 for ddp/fsdp/hsdp, else 1); every
     # launcher follows it (hydra.launcher.nproc_per_node / tasks_per_node only override it)
     nproc_per_node: Any = 1

@@ -65,7 +65,7 @@ def evaluate(model: nn.Module, dataset: Dataset, task: Task, trainer: TrainerCon
              autocast) -> dict[str, float]:
     """The task's loss and metrics, means over the same held-out batches every time (rank-strided, in order)."""
     model.eval()
-    sampler = StreamSampler(len(dataset), trainer.batch_size, env.rank, env.world_size, seed=0, shuffle=False)
+    sampler = StreamSampler(len(dataset), trainer.batch_size, env.dp_rank, env.dp_size, seed=0, shuffle=False)
     totals: dict[str, torch.Tensor] = {}
     for _, indices in zip(range(trainer.eval_steps), sampler, strict=False):
         batch = to_device(dataset[indices], env.device)

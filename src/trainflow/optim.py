@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 from omegaconf import DictConfig
@@ -49,6 +50,18 @@ def schedule_moves(cfg: OptimConfig | DictConfig) -> bool:
 def gradient_norm(parameters: list[torch.Tensor], clip: float) -> torch.Tensor:
     """The gradients' total norm, and the gradients clipped to `clip` when it is set (0: no clipping pass, which
     would scale every gradient by 1)."""
+    groups: dict[Any, list[torch.Tensor]] = {}  # by device mesh: a TP plan may leave some parameters whole
+    for param in parameters:
+        if param.grad is not None:
+            groups.setdefault(getattr(param.grad, "device_mesh", None), []).append(param)
+    if len(groups) <= 1:
+        if clip:
+            return nn.utils.clip_grad_norm_(parameters, clip)
+        return nn.utils.get_total_norm([p.grad for p in parameters if p.grad is not None])
+    # each group's norm reduced over its own mesh (DTensor), then the norm of those: the whole model's
+    norms = [nn.utils.get_total_norm([p.grad for p in group]) for group in groups.values()]
+    total = torch.linalg.vector_norm(torch.stack([n.full_tensor() if hasattr(n, "full_tensor") else n for n in norms]))
     if clip:
-        return nn.utils.clip_grad_norm_(parameters, clip)
-    return nn.utils.get_total_norm([p.grad for p in parameters if p.grad is not None])
+        for group in groups.values():
+            nn.utils.clip_grads_with_norm_(group, clip, total)
+    return total

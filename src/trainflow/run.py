@@ -104,7 +104,7 @@ class Run:
 def assemble(cfg: DictConfig, run_dir: Path, env: DistEnv, stage_types: Sequence[type[Stage]] = STAGES) -> Run:
     """Build everything, in the order the parts depend on each other. What the run decides (the per-rank batch,
     parallelism=auto's layout) goes into a new, read-only config: nothing writes into a config after validation."""
-    cfg = decided(cfg, {"trainer": {"batch_size": per_rank_batch(cfg, env.world_size)}})
+    cfg = decided(cfg, {"trainer": {"batch_size": per_rank_batch(cfg, env.dp_size)}})
     trainer = _prepare(cfg, run_dir, env)
     data = build_datasets(cfg.data, cfg.model)
     model = build_model(cfg.model).to(env.device)
@@ -146,7 +146,7 @@ def assemble(cfg: DictConfig, run_dir: Path, env: DistEnv, stage_types: Sequence
     if resumed_from and resumed_from >= trainer.max_steps and env.is_main:  # a finished run started again
         log.warning("the checkpoint is at step %d, trainer.max_steps is %d: nothing left to train; raise "
                     "trainer.max_steps to continue this run", resumed_from, trainer.max_steps)
-    global_batch = trainer.batch_size * env.world_size * trainer.grad_accum
+    global_batch = trainer.batch_size * env.dp_size * trainer.grad_accum  # a TP group reads one batch
     if env.is_main:
         log.info("model %s: %.2fM parameters; world size %d; global batch %d; task %s (monitor: val %s, %s); %s",
                  type(unwrap(model)).__name__, parameters / 1e6, env.world_size, global_batch, type(task).__name__,
@@ -154,7 +154,7 @@ def assemble(cfg: DictConfig, run_dir: Path, env: DistEnv, stage_types: Sequence
         if data.val is None:
             log.info("%s gives no validation set: no evaluation", data.name)
     pin = cfg.data.pin_memory is not False and env.device.type == "cuda"  # null: pinned on CUDA
-    sampler = StreamSampler(len(data.train), trainer.batch_size, env.rank, env.world_size, trainer.seed,
+    sampler = StreamSampler(len(data.train), trainer.batch_size, env.dp_rank, env.dp_size, trainer.seed,
                             state.samples_seen)
     loader = make_loader(data.train, sampler, cfg.data, pin)
     if isinstance(loader, IterableBatches):  # the user's stream: its position is checkpointed with the state
@@ -188,7 +188,7 @@ def train_loop(run: Run) -> None:
     """Steps until trainer.max_steps or a stage stops the run; after each, the enabled stages in order; the
     meter times it all, less what the stages report as paused. Then the stages close."""
     training, meter = run.training, run.ctx.meter
-    state, max_steps, world_size = training.state, training.trainer.max_steps, run.ctx.env.world_size
+    state, max_steps, world_size = training.state, training.trainer.max_steps, run.ctx.env.dp_size
     enabled = [stage for stage in run.stages if stage.enabled]  # a stage that is off costs nothing per step
     pausing = [stage for stage in enabled if type(stage).take_paused_s is not Stage.take_paused_s]
     state.model.train()

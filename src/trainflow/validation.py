@@ -15,6 +15,7 @@ from omegaconf.errors import InterpolationResolutionError, MissingMandatoryValue
 
 from trainflow.config import LADDER_STAGES, ProfilerConfig, TaskConfig, WorkerConfig, decided
 from trainflow.data.tokenizers import BYTE_VOCAB
+from trainflow.distributed.mesh import STRATEGIES
 from trainflow.errors import ConfigError
 from trainflow.sections import settle_sections
 
@@ -115,31 +116,22 @@ def validate_profiler(cfg: DictConfig) -> None:
              f"trainer.max_steps to >= {end} or shorten the window (profiler.skip_first/wait/warmup/active)")
 
 
-GROUP_STRATEGIES = ("ddp", "fsdp", "hsdp")  # the strategies that need a process group of 2 or more ranks
-
-
-CPU_GROUP_RANKS = 2  # nproc_per_node=auto without GPUs: the smallest group that really runs data parallel
-
-
-def local_ranks(strategy: str, nproc_per_node: Any, gpus: int) -> int:
-    """The processes per node that parallelism.nproc_per_node asks for, with `gpus` GPUs on the node.
-
-
-    auto is one process per GPU. Without GPUs, the strategies that need a group get 2 CPU ranks on gloo, so that
-    a command such as `python train.py parallelism=fsdp` works unchanged on any machine; single and auto get one.
-    Every launcher (trainflow's own, torchrun's, SLURM's) follows this one rule.
-    """
-    if nproc_per_node != "auto":
-        return int(nproc_per_node)
-    if gpus > 0:
-        return gpus
-    return CPU_GROUP_RANKS if strategy in GROUP_STRATEGIES else 1
-
-
 def validate_parallelism(cfg: DictConfig) -> None:
     """Checks that need no process group; world-size-dependent ones happen where the world size is known."""
     p = cfg.parallelism
-    _one_of(cfg, "parallelism.strategy", ("single", "ddp", "fsdp", "hsdp", "auto"))
+    _one_of(cfg, "parallelism.strategy", (*STRATEGIES, "auto"))
+    for key in ("dp_replicate", "dp_shard", "tp"):
+        value = p[key]
+        _require(value is None or value == -1 or value >= 1, f"parallelism.{key}",
+                 f"must be a positive integer, -1 (the rest of the world){' or null' * (key != 'tp')}; got {value}")
+    _require(p.tp == 1 or p.strategy != "auto", "parallelism.tp",
+             f"is {p.tp}, but parallelism=auto chooses data-parallel layouts only; pick parallelism=fsdp, ddp or hsdp "
+             "with parallelism.tp")
+    validate_tp_sizes(cfg)
+    _require(p.tp == 1 or p.activation_checkpointing == "off" or not cfg.compile.enabled,
+             "parallelism.activation_checkpointing",
+             f"full with compile under parallelism.tp={p.tp} fails inside torch (its compiled backward cannot save a "
+             "checkpointed block's tensor-parallel mesh); set compile=off or parallelism.activation_checkpointing=off")
     _one_of(cfg, "parallelism.backend", ("auto", "gloo", "nccl"))
     _one_of(cfg, "parallelism.activation_checkpointing", ("off", "full"))
     n = p.nproc_per_node
@@ -185,6 +177,16 @@ def validate_parallelism(cfg: DictConfig) -> None:
              f"must be > 0, or null for the device's free memory; got {p.memory_budget_gb}")
     _require(0 < p.memory_headroom <= 1, "parallelism.memory_headroom",
              f"must be in (0, 1]; got {p.memory_headroom}")
+
+
+def validate_tp_sizes(cfg: DictConfig) -> None:
+    """Tensor parallel splits trainflow's GPT by heads and hidden units: tp must divide each of them."""
+    tp, model = cfg.parallelism.tp, cfg.model
+    if tp in (1, -1) or "n_head" not in model or "n_embd" not in model:
+        return
+    bad = [f"model.{key}={model[key]}" for key in ("n_head", "n_embd") if model[key] % tp]
+    _require(not bad, "parallelism.tp", f"{tp} does not divide {' and '.join(bad)}: each TP rank takes whole heads "
+             f"and an equal share of the hidden units; use a parallelism.tp that divides both, or change the model")
 
 
 def validate_checkpoint(cfg: DictConfig) -> None:

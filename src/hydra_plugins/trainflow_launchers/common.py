@@ -189,7 +189,8 @@ def job_ranks_per_node(job: SweepJob, launcher_key: str, launcher_value: Any, gp
     decided by `local_ranks` with `gpus()` GPUs per node), unless the launcher's own key overrides it. The two
     set to different numbers is refused in one line naming both: the job would run with one, its checks with the
     other."""
-    from trainflow.validation import local_ranks, validate_parallelism
+    from trainflow.distributed.mesh import local_ranks
+    from trainflow.validation import validate_parallelism
 
     try:
         validate_parallelism(job.config)

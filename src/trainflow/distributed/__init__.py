@@ -4,8 +4,10 @@
   joining and leaving the group, the collectives the stages share);
 - launch: starting the ranks on this machine through torch's elastic agent, when no launcher did;
 - failures: each rank's failure record and the one error the launching process makes of them;
-- parallelism: activation checkpointing, DDP, FSDP2 and HSDP wrapping, gradient sync control;
-- hsdp: the device mesh of a sharded run;
+- parallelism: tensor parallel, activation checkpointing, DDP, FSDP2 and HSDP wrapping, gradient sync control;
+- mesh: the degrees (replicate x shard x tp) on one named device mesh, and what a layout does (the one module
+  that knows the strategy names);
+- tensor: tensor parallel by the model's plan;
 - memory_plan: parallelism=auto, the per-rank memory of each layout and the choice;
 - parity: the parallel run checked against one process, and the parallel part of the summary.
 - stragglers: every rank's own time per step, gathered at log steps, and a rank the others wait for named.

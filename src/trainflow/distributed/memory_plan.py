@@ -35,6 +35,7 @@ import torch.distributed as dist
 from omegaconf import DictConfig
 from torch import nn
 
+from trainflow.distributed.mesh import SHARDED
 from trainflow.distributed.parallelism import fsdp_dtypes, shard_units
 from trainflow.distributed.process_group import node_count
 from trainflow.errors import ConfigError
@@ -50,7 +51,7 @@ ITEMS = ("params", "grads", "optimizer", "buckets", "all_gather", "activations")
 class Layout:
     """One candidate: a strategy, how many ranks shard one copy of the model, activation checkpointing."""
 
-    strategy: str  # single | ddp | fsdp | hsdp
+    strategy: str  # one of trainflow.distributed.mesh.STRATEGIES
     shard_size: int
     checkpointing: bool = False
 
@@ -195,7 +196,7 @@ def estimate(facts: ModelFacts, layout: Layout, gather_factor: float = 1.0, buck
     """Bytes per rank of each item under `layout`; gather_factor: gathered parameter bytes over stored ones
     (0.5 when FSDP gathers bf16 copies of fp32 parameters)."""
     s = layout.shard_size
-    sharded = layout.strategy in ("fsdp", "hsdp")
+    sharded = layout.strategy in SHARDED
     row = {
         "params": sum(sharded_bytes(shape, size, s) for shape, size, _ in facts.params),
         "grads": sum(sharded_bytes(shape, size, s) for shape, size, _ in facts.params),

@@ -1,8 +1,9 @@
 """Wrapping the model for its strategy: activation checkpointing, then DDP, or FSDP2 (HSDP on a 2-D mesh).
 
-Order of model assembly (run.py): activation checkpointing -> DDP, or FSDP2 `fully_shard` on each block of
-`model.blocks` then on the root (one device mesh: 1-D for FSDP, replicate x shard for HSDP, see
-trainflow.distributed.hsdp) -> compile -> optimizer. `parallelism=auto` picks one of these before
+Order of model assembly (run.py): tensor parallel over the mesh's tp dimension (trainflow.distributed.tensor)
+-> activation checkpointing -> DDP, or FSDP2 `fully_shard` on each block of `model.blocks` then on the root
+(one device mesh: 1-D for FSDP, replicate x shard for HSDP and for DDP under TP, see
+trainflow.distributed.mesh) -> compile -> optimizer. `parallelism=auto` picks one of these before
 (trainflow.distributed.memory_plan). The optimizer must see the final (sharded) parameters.
 
 Per-block compile and FSDP2: compile each block *in place* (`block.compile()`) after `fully_shard`, i.e. in
@@ -32,8 +33,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from trainflow.config import FSDPConfig, ParallelismConfig
-from trainflow.distributed.hsdp import build_mesh, hsdp_shape
-from trainflow.distributed.process_group import SHARDED, DistEnv
+from trainflow.distributed.mesh import build_mesh, data_parallel_mesh, layout, mesh_for
+from trainflow.distributed.process_group import DistEnv
 from trainflow.errors import ConfigError
 from trainflow.models import model_blocks
 
@@ -45,14 +46,28 @@ _DTYPES = {None: None, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": to
 
 def parallelize(model: nn.Module, cfg: ParallelismConfig | DictConfig, env: DistEnv,
                 precision: str = "fp32") -> nn.Module:
-    """Activation checkpointing, then DDP or FSDP2 for the chosen strategy; one process trains the model as is."""
+    """Tensor parallel, activation checkpointing, then DDP or FSDP2 for the chosen strategy; one process trains
+    the model as is."""
+    if not env.distributed:
+        if cfg.activation_checkpointing == "full":
+            checkpoint_blocks(model)
+        return model
+    found = layout(cfg, env.world_size)
+    mesh = mesh_for(found, env.device.type)
+    if found.tp > 1:
+        from trainflow.distributed.tensor import apply_tensor_parallel
+
+        total = sum(p.numel() for p in model.parameters())
+        apply_tensor_parallel(model, mesh["tp"], cfg.tp_plan)
+        if env.is_main:
+            local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in model.parameters())
+            log.info("tensor parallel over %d ranks: rank 0 holds %d of the %d parameters", found.tp, local, total)
     if cfg.activation_checkpointing == "full":
         checkpoint_blocks(model)
-    if not env.distributed:
+    if found.data_parallel == 1:
         return model
-    if cfg.strategy in SHARDED:
-        shape = hsdp_shape(cfg, env.world_size) if cfg.strategy == "hsdp" else None
-        return shard(model, cfg.fsdp, env, precision, build_mesh(env.device.type, env.world_size, shape))
+    if found.sharded or found.tp > 1:  # DDP under TP: FSDP2 replicating over shard groups of one rank
+        return shard(model, cfg.fsdp, env, precision, data_parallel_mesh(mesh))
     from torch.nn.parallel import DistributedDataParallel
 
     d = cfg.ddp
@@ -125,7 +140,7 @@ def shard(model: nn.Module, cfg: FSDPConfig | DictConfig, env: DistEnv, precisio
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     param_dtype, reduce_dtype = fsdp_dtypes(cfg.param_dtype, cfg.reduce_dtype, precision)
-    mesh = mesh or build_mesh(env.device.type, env.world_size)
+    mesh = data_parallel_mesh(mesh or build_mesh(env.device.type, env.world_size))
     options = {
         "mesh": mesh,
         "mp_policy": MixedPrecisionPolicy(param_dtype=_DTYPES[param_dtype], reduce_dtype=_DTYPES[reduce_dtype]),
@@ -138,7 +153,7 @@ def shard(model: nn.Module, cfg: FSDPConfig | DictConfig, env: DistEnv, precisio
     # would cost an all-gather at the start of every backward.
     fully_shard(model, **options)
     if env.is_main:
-        log.info("%s: %d shard units + root over %d ranks (mesh %s)", env.strategy, len(units), env.world_size,
+        log.info("%s: %d shard units + root over %d ranks (mesh %s)", env.strategy, len(units), mesh.size(),
                  " x ".join(f"{size} {name}" for name, size in zip(mesh.mesh_dim_names, mesh.shape, strict=True)))
     return model
 

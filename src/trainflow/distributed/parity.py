@@ -14,9 +14,9 @@ import torch.distributed as dist
 from torch import nn
 
 from trainflow.config import OptimConfig, ParallelismConfig, TrainerConfig
-from trainflow.distributed.hsdp import MESH_DIMS, hsdp_shape
+from trainflow.distributed.mesh import layout
 from trainflow.distributed.parallelism import full_parameters, is_parallelized
-from trainflow.distributed.process_group import SHARDED, DistEnv, all_reduce_mean, node_count
+from trainflow.distributed.process_group import DistEnv, all_reduce_mean, node_count
 from trainflow.precision import autocast_for, matmul_math
 from trainflow.stages import LoopState, Stage, StageContext
 from trainflow.tolerance import TOLERANCE, relative_error
@@ -47,6 +47,7 @@ class ParityCheck(Stage):
         self.steps = min(p.check_steps, t.max_steps) if self.enabled else 0
         self.tolerance = p.check_tolerance or TOLERANCE["parallelism.check"][matmul_math(env.device, t.precision)]
         self.env = env
+        self.name = layout(parallelism, env.world_size).name if self.enabled else env.strategy
         self.result: dict[str, Any] | None = None
         self._losses: list[tuple[float, float]] = []  # (ranks' mean, reference), on rank 0
         self._seen = 0
@@ -60,14 +61,14 @@ class ParityCheck(Stage):
 
         self.reference = copy.deepcopy(model)
         optimizer, scheduler = build_optimizer(self.reference, optim, t.max_steps, env.device)
-        sampler = StreamSampler(len(dataset), t.batch_size * env.world_size, 0, 1, t.seed)
+        sampler = StreamSampler(len(dataset), t.batch_size * env.dp_size, 0, 1, t.seed)
         # the loop's own step on the reference: one process, the union of the ranks' micro-batches
         self._reference_training = Training(
             t, LoopState(self.reference, optimizer, scheduler), task, iter(make_loader(dataset, sampler, data, False)),
             trainable=list(self.reference.parameters()), autocast=autocast_for(env.device, t.precision),
             name_part=unnamed, guard=NonFiniteGuard("stop", env),
             batch_device=env.device if env.device.type != "cpu" else None, pin=False, schedule_moves=True,
-            metrics_every_step=False, global_batch=t.batch_size * env.world_size * t.grad_accum)
+            metrics_every_step=False, global_batch=t.batch_size * env.dp_size * t.grad_accum)
 
     @classmethod
     def build(cls, ctx: StageContext) -> ParityCheck:
@@ -125,7 +126,7 @@ class ParityCheck(Stage):
             (log.info if passed else log.error)(
                 "parity check %s: %s on %d ranks vs one process after %d steps: loss rel diff %.1e, "
                 "parameter rel diff %.1e (worst tensor %s: %.1e), tolerance %.0e", "passed" if passed else "FAILED",
-                self.env.strategy, self.env.world_size, step, loss_diff, param_diff, worst_name, worst,
+                self.name, self.env.world_size, step, loss_diff, param_diff, worst_name, worst,
                 self.tolerance)
         else:
             self.result = {}
@@ -151,12 +152,14 @@ def parallelism_summary(parallelism: ParallelismConfig, trainer: TrainerConfig, 
         "backend": dist.get_backend() if env.distributed and dist.is_initialized() else None,
         "per_rank_batch": trainer.batch_size,
         "grad_accum": trainer.grad_accum,
-        "global_batch": trainer.batch_size * env.world_size * trainer.grad_accum,
+        "global_batch": trainer.batch_size * env.dp_size * trainer.grad_accum,
         "check": check.summary() if check else None,
     }
-    if env.strategy in SHARDED:
-        shape = hsdp_shape(parallelism, env.world_size) if env.strategy == "hsdp" else (1, env.world_size)
-        out["mesh"] = dict(zip(MESH_DIMS, shape, strict=True))
+    if env.distributed:
+        found = layout(parallelism, env.world_size)
+        out["layout"] = found.name
+        if found.summary():
+            out["mesh"] = found.summary()
     if steady:
         for key in ("samples_per_sec", "tokens_per_sec"):
             out[f"{key}_total"] = steady[key]

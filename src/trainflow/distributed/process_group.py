@@ -23,14 +23,12 @@ from omegaconf import DictConfig
 
 from trainflow.distributed.failures import linger_if_peer_lost, record_failure
 from trainflow.distributed.health import check_ranks_agree, composed_config
-from trainflow.distributed.hsdp import hsdp_shape, ranks_per_node
+from trainflow.distributed.mesh import CPU_GROUP_RANKS, GROUP_STRATEGIES, SHARDED, layout, local_ranks, ranks_per_node
 from trainflow.env import env_rank
 from trainflow.errors import ConfigError, TrainflowError
-from trainflow.validation import CPU_GROUP_RANKS, GROUP_STRATEGIES, local_ranks
 
 log = logging.getLogger(__name__)
 
-SHARDED = ("fsdp", "hsdp")  # the strategies that shard with FSDP2 (over one mesh dimension, or two)
 _self_launched = False  # set in workers started by `launch`: the launching process already spoke for them
 
 
@@ -47,10 +45,20 @@ class DistEnv:
     local_rank: int
     device: torch.device
     strategy: str = "single"
+    tp: int = 1  # ranks of one tensor-parallel group: consecutive ranks, the mesh's last dimension
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    @property
+    def dp_size(self) -> int:
+        """Data-parallel ranks: each reads its own batches (the ranks of a TP group read the same)."""
+        return self.world_size // self.tp
+
+    @property
+    def dp_rank(self) -> int:
+        return self.rank // self.tp
 
     @property
     def distributed(self) -> bool:
@@ -138,7 +146,8 @@ def check_world_size(cfg: DictConfig, world_size: int, started_by: str) -> None:
 
 
 def per_rank_batch(cfg: DictConfig, world_size: int) -> int:
-    """trainer.batch_size, or the share of parallelism.global_batch each rank takes per micro-step."""
+    """trainer.batch_size, or the share of parallelism.global_batch each rank takes per micro-step; `world_size`:
+    the data-parallel ranks (a TP group shares one batch)."""
     global_batch = cfg.parallelism.global_batch
     if global_batch is None:
         return int(cfg.trainer.batch_size)
@@ -200,9 +209,8 @@ def _preflight(cfg: DictConfig, device: torch.device, world_size: int, local_wor
     if p.strategy in SHARDED and p.fsdp.cpu_offload and device.type == "cpu":
         raise ConfigError("parallelism.fsdp.cpu_offload: the run is on CPU already, so there is nothing to offload "
                           "to; set it to false")
-    per_rank_batch(cfg, world_size)
-    if p.strategy == "hsdp":
-        hsdp_shape(p, world_size)  # raises: a shape that does not fit this world
+    found = layout(p, world_size, local_world_size)  # raises: degrees that do not fit this world
+    per_rank_batch(cfg, found.data_parallel)
     if device.type == "cuda" and not gpus_bound_per_task():
         check_nproc(local_world_size, "cuda", torch.cuda.device_count())
     if env_rank() == 0 and not _self_launched:
@@ -270,7 +278,8 @@ def setup(cfg: DictConfig) -> DistEnv:
         dist.init_process_group(backend, store=_store(rank, world_size, timeout), rank=rank, world_size=world_size,
                                 timeout=timeout, device_id=device if device.type == "cuda" else None)
         check_ranks_agree(composed, device, rank, world_size)
-    return DistEnv(rank, world_size, local_rank, device, p.strategy)
+    tp = layout(p, world_size, int(os.environ.get("LOCAL_WORLD_SIZE", world_size))).tp
+    return DistEnv(rank, world_size, local_rank, device, p.strategy, tp)
 
 
 def teardown(env: DistEnv) -> None:

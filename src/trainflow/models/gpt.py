@@ -1,10 +1,12 @@
 """A decoder-only transformer small enough to read top to bottom.
 
 Blocks sit in `self.blocks` (an nn.ModuleList) so that later stages can wrap
-(FSDP), checkpoint or compile them one at a time.
+(FSDP), checkpoint or compile them one at a time. `GPT.tp_plan` says how tensor
+parallelism splits it (trainflow.distributed.tensor applies it).
 """
 
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -17,18 +19,22 @@ class CausalSelfAttention(nn.Module):
         if n_embd % n_head:
             raise ValueError(f"n_embd ({n_embd}) must be divisible by n_head ({n_head})")
         self.n_head = n_head
+        self.head_dim = n_embd // n_head
         self.dropout = dropout
+        # qkv's outputs are head by head ([q k v] of head 0, then of head 1, ...): split by rows into equal
+        # parts (tensor parallel, column-wise), each part is whole heads with their q, k and v
         self.qkv = nn.Linear(n_embd, 3 * n_embd, bias=bias)
         self.proj = nn.Linear(n_embd, n_embd, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, c = x.shape
-        q, k, v = self.qkv(x).split(c, dim=2)
-        q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
+        b, t, _ = x.shape
+        qkv = self.qkv(x)
+        heads = qkv.shape[-1] // (3 * self.head_dim)  # this rank's heads: all, or 1/tp under tensor parallel
+        q, k, v = qkv.view(b, t, heads, 3, self.head_dim).permute(3, 0, 2, 1, 4)
         y = F.scaled_dot_product_attention(
             q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
         )
-        return self.proj(y.transpose(1, 2).reshape(b, t, c))
+        return self.proj(y.transpose(1, 2).reshape(b, t, heads * self.head_dim))
 
 
 class Block(nn.Module):
@@ -80,6 +86,39 @@ class GPT(nn.Module):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
         if isinstance(module, nn.Linear) and module.bias is not None:
             nn.init.zeros_(module.bias)
+
+    def tp_plan(self) -> dict[str, Any]:
+        """Megatron-style tensor parallel with sequence parallel: between blocks the activations are split along
+        the sequence (layer norms, dropout and the residual stream run on 1/tp of the tokens); attention and the
+        MLP all-gather them, split qkv and the first MLP layer by columns (whole heads, a share of the hidden
+        units) and the output projections by rows, whose reduce-scatter splits the sequence again. The
+        embeddings are split by rows (vocabulary, positions); the tied output layer by vocabulary, its logits
+        gathered whole for the task's loss."""
+        from torch.distributed.tensor import Replicate, Shard
+        from torch.distributed.tensor.parallel import (
+            ColwiseParallel,
+            PrepareModuleInput,
+            RowwiseParallel,
+            SequenceParallel,
+        )
+
+        gather = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
+                                    use_local_output=True)
+        plan: dict[str, Any] = {
+            "tok_emb": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+            "pos_emb": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(0)),
+            "ln_f": SequenceParallel(),
+            "head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+        }
+        for i in range(len(self.blocks)):
+            plan.update({
+                f"blocks.{i}.ln1": SequenceParallel(), f"blocks.{i}.attn": gather,
+                f"blocks.{i}.attn.qkv": ColwiseParallel(),
+                f"blocks.{i}.attn.proj": RowwiseParallel(output_layouts=Shard(1)),
+                f"blocks.{i}.ln2": SequenceParallel(), f"blocks.{i}.mlp": gather,
+                f"blocks.{i}.mlp.0": ColwiseParallel(), f"blocks.{i}.mlp.2": RowwiseParallel(output_layouts=Shard(1)),
+            })
+        return plan
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         t = idx.shape[1]

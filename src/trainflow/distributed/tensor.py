@@ -1,0 +1,91 @@
+"""Tensor parallel: each layer split over the ranks of the mesh's tp dimension, by the model's own plan.
+
+A plan maps module names (fnmatch patterns such as `blocks.*.attn.qkv`) to torch's ParallelStyles, which
+`torch.distributed.tensor.parallel.parallelize_module` applies: parameters become DTensors sharded over the TP
+group, and each module's inputs and outputs are redistributed as the style says. Where the plan comes from, in
+order: `parallelism.tp_plan._target_` (called with the model), the model's `tp_plan` (a dict, or a method
+returning one: trainflow's GPT has one; a transformers model's whole plan, style names such as "colwise"), its
+config's `base_model_tp_plan` (applied under its base model). Parameters tied to each other (GPT's embedding
+and output layer) are tied again afterwards: each module's style distributes its own copy.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from trainflow.errors import ConfigError
+
+# Hugging Face's plan entries (transformers' tensor-parallel style names) as torch styles
+_HF_STYLES = {
+    "colwise": lambda t, r: t.ColwiseParallel(),
+    "rowwise": lambda t, r: t.RowwiseParallel(),
+    "colwise_rep": lambda t, r: t.ColwiseParallel(output_layouts=r()),
+    "colwise_gather_output": lambda t, r: t.ColwiseParallel(output_layouts=r()),
+    "rowwise_rep": lambda t, r: t.RowwiseParallel(input_layouts=r()),
+    "embedding_rowwise": lambda t, r: t.RowwiseParallel(input_layouts=r()),
+    "sequence_parallel": lambda t, r: t.SequenceParallel(),
+}
+
+
+def as_styles(model: nn.Module, plan: dict[str, Any]) -> dict[str, Any]:
+    """`plan` with transformers' style names (a Hugging Face model's `tp_plan`) replaced by torch's styles."""
+    named = {name: style for name, style in plan.items() if isinstance(style, str)}
+    if not named:
+        return plan
+    unknown = sorted(set(named.values()) - set(_HF_STYLES))
+    if unknown:
+        raise ConfigError(f"parallelism.tp: {type(model).__name__}'s TP plan uses {', '.join(unknown)}, which "
+                          f"trainflow does not translate (it knows {', '.join(_HF_STYLES)}); give a plan of torch "
+                          "ParallelStyles by parallelism.tp_plan._target_")
+    import torch.distributed.tensor.parallel as styles
+    from torch.distributed.tensor import Replicate
+
+    return {name: _HF_STYLES[style](styles, Replicate) if isinstance(style, str) else style
+            for name, style in plan.items()}
+
+
+def hf_base_plan(model: nn.Module) -> dict[str, Any] | None:
+    """A transformers model's config's `base_model_tp_plan`, on this model's names (under its base model)."""
+    plan = getattr(getattr(model, "config", None), "base_model_tp_plan", None)
+    if not plan:
+        return None
+    prefix = getattr(model, "base_model_prefix", "")
+    prefix = f"{prefix}." if prefix and hasattr(model, prefix) else ""
+    return {prefix + name: style for name, style in plan.items()}
+
+
+def tp_plan(model: nn.Module, target: Any, tp: int) -> dict[str, Any]:
+    """The model's plan, from the first of: parallelism.tp_plan._target_, a `tp_plan`, a Hugging Face plan."""
+    if target is not None and target.get("_target_"):
+        from trainflow.targets import call_target
+
+        kwargs = {k: v for k, v in target.items() if k != "_target_"}
+        return call_target("parallelism.tp_plan", target["_target_"], {"model": model, **kwargs}, "a TP plan")
+    own = getattr(model, "tp_plan", None)  # trainflow's GPT: a method; a transformers model: a property
+    plan = (own() if callable(own) else dict(own)) if own else hf_base_plan(model)
+    if not plan:
+        raise ConfigError(f"parallelism.tp: {tp} splits each layer by the model's plan, and {type(model).__name__} "
+                          "has none; give the model a `tp_plan` ({module name: ParallelStyle}), set "
+                          "parallelism.tp_plan._target_ to a function of the model returning one, or set "
+                          "parallelism.tp=1")
+    return as_styles(model, plan)
+
+
+def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh, target: Any = None) -> nn.Module:
+    """Split `model` in place over the 1-D TP `mesh` by its plan; tied parameters stay tied."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    plan = tp_plan(model, target, mesh.size())
+    tied: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        tied.setdefault(id(param), []).append(name)
+    parallelize_module(model, mesh, plan)
+    for names in tied.values():
+        first = model.get_parameter(names[0])
+        for name in names[1:]:
+            owner, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(owner), attr, first)
+    return model
