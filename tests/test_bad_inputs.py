@@ -272,6 +272,21 @@ def unfinished_save(ctx: Ctx) -> None:
     (ctx.tmp / ".tmp-step_00000006" / "manifest.json").unlink()
 
 
+PRECIOUS = "weights of another run\n"
+
+
+def earlier_output(ctx: Ctx) -> None:
+    """A file where an export will go, and a folder of the user's that trainflow did not export."""
+    (ctx.tmp / "model.pt").write_text(PRECIOUS)
+    (ctx.tmp / "mine").mkdir()
+    (ctx.tmp / "mine" / "notes.txt").write_text(PRECIOUS)
+
+
+def earlier_output_kept(ctx: Ctx) -> None:
+    assert (ctx.tmp / "model.pt").read_text() == PRECIOUS
+    assert (ctx.tmp / "mine" / "notes.txt").read_text() == PRECIOUS
+
+
 # -- the table --------------------------------------------------------------------------------------------------
 
 RANK_ENV = (("RANK", "0"), ("WORLD_SIZE", "2"), ("LOCAL_RANK", "0"), ("LOCAL_WORLD_SIZE", "2"),
@@ -690,6 +705,33 @@ CASES = [
          ("export", "{tmp}/.tmp-step_00000006", "{tmp}/model.pt"),
          "Error: {tmp}/.tmp-step_00000006 is not a committed checkpoint (no manifest.json: a save that never "
          "finished); pick a step_N folder that has one", tool="trainflow", setup=unfinished_save),
+    Case("export-into-checkpoint", "tools", "an export written into the checkpoint it reads",
+         ("export", "{ckpts}/step_00000004", "{ckpts}/step_00000004/__0_0.distcp"),
+         "Error: {ckpts}/step_00000004/__0_0.distcp: inside the checkpoint folder {ckpts}/step_00000004; an export "
+         "never writes into a checkpoint folder (it would damage the checkpoints): give a path outside it",
+         tool="trainflow"),
+    Case("export-into-checkpoint-dir", "tools", "an export written into a checkpoint dir, even with --force",
+         ("export", "{ckpts}", "{ckpts}/model.pt", "--force"),
+         "Error: {ckpts}/model.pt: inside the checkpoint folder {ckpts}; an export never writes into a checkpoint "
+         "folder (it would damage the checkpoints): give a path outside it", tool="trainflow"),
+    Case("export-existing-output", "tools", "an export onto an existing file",
+         ("export", "{ckpts}", "{tmp}/model.pt"),
+         "Error: {tmp}/model.pt already exists; nothing was changed: give a new path, or add --force to replace it",
+         tool="trainflow", setup=earlier_output, after=earlier_output_kept),
+    Case("export-force-foreign-folder", "tools", "--force onto a folder that is no export",
+         ("export", "{ckpts}", "{tmp}/mine", "--force"),
+         "Error: {tmp}/mine is a folder trainflow did not export (no trainflow_export.json inside); --force replaces "
+         "only a file or an earlier export: give a new path", tool="trainflow", setup=earlier_output,
+         after=earlier_output_kept),
+    Case("export-empty-output", "tools", "an export to an empty path", ("export", "{ckpts}", ""),
+         "Error: export: the output path is empty; give the file or folder to write, e.g. model.safetensors",
+         tool="trainflow"),
+    Case("export-to-proc", "tools", "an export into /proc", ("export", "{ckpts}", "/proc/model.pt"),
+         "Error: /proc/model.pt: cannot write the export (No such file or directory); give a path on a writable "
+         "disk", tool="trainflow"),
+    Case("export-read-only", "tools", "an export onto a read-only disk", ("export", "{ckpts}", "{tmp}/ro/model.pt"),
+         "Error: {tmp}/ro/model.pt: cannot write the export (Read-only file system); give a path on a writable disk",
+         tool="trainflow", setup=read_only_disk, needs="mount"),
     Case("report-missing-folder", "tools", "a report on a folder that does not exist", ("report", "{tmp}/nope"),
          "Error: {tmp}/nope: no such folder; give a run folder, a sweep folder (multirun/<date>/<time>) or a folder "
          "holding them (e.g. outputs)", tool="trainflow"),
