@@ -287,6 +287,11 @@ def earlier_output_kept(ctx: Ctx) -> None:
     assert (ctx.tmp / "mine" / "notes.txt").read_text() == PRECIOUS
 
 
+def mlp_config(ctx: Ctx) -> None:
+    """A run config naming a model that has no Hugging Face counterpart."""
+    (ctx.tmp / "config.yaml").write_text("model:\n  _target_: trainflow.models.mlp.MLP\ncheckpoint:\n  dir: null\n")
+
+
 # -- the table --------------------------------------------------------------------------------------------------
 
 RANK_ENV = (("RANK", "0"), ("WORLD_SIZE", "2"), ("LOCAL_RANK", "0"), ("LOCAL_WORLD_SIZE", "2"),
@@ -732,6 +737,15 @@ CASES = [
     Case("export-read-only", "tools", "an export onto a read-only disk", ("export", "{ckpts}", "{tmp}/ro/model.pt"),
          "Error: {tmp}/ro/model.pt: cannot write the export (Read-only file system); give a path on a writable disk",
          tool="trainflow", setup=read_only_disk, needs="mount"),
+    Case("export-hf-unmappable", "tools", "a Hugging Face export of a model that has no mapping",
+         ("export", "{ckpts}", "{tmp}/hf", "--format", "hf", "--config", "{tmp}/config.yaml"),
+         "Error: export --format hf: model._target_ trainflow.models.mlp.MLP has no Hugging Face mapping (only "
+         "trainflow.models.gpt.GPT and trainflow.models.hf.gpt2 have); export --format safetensors instead",
+         tool="trainflow", setup=mlp_config),
+    Case("export-hf-without-config", "tools", "a Hugging Face export of a checkpoint dir kept outside its run",
+         ("export", "{ckpts}", "{tmp}/hf", "--format", "hf"),
+         "Error: export --format hf: needs the config of the run that saved {ckpts}/step_00000004, and "
+         "{tmp}/config.yaml is not it; give --config <run dir>/config.yaml", tool="trainflow"),
     Case("report-missing-folder", "tools", "a report on a folder that does not exist", ("report", "{tmp}/nope"),
          "Error: {tmp}/nope: no such folder; give a run folder, a sweep folder (multirun/<date>/<time>) or a folder "
          "holding them (e.g. outputs)", tool="trainflow"),

@@ -1,6 +1,15 @@
 """`trainflow export`: a committed checkpoint's weights in a format other tools load, never at a checkpoint's cost.
 
-Formats: `torch` (one `torch.load(weights_only=True)` file of the model's tensors).
+Formats:
+- `torch`: one `torch.load(weights_only=True)` file of the model's tensors.
+- `safetensors`: a folder of `model.safetensors` and EXPORT_INFO (the checkpoint and the run's config). Written
+  here tensor by tensor in batches of at most BATCH_BYTES (safetensors' own save_file needs every tensor in memory
+  at once); read back by `safetensors.torch.load_file`.
+- `hf`: a Hugging Face folder (`save_pretrained`): trainflow's GPT as a GPT-2 (hf_names.py), or the Hugging Face
+  model a run built by `_target_` (experiment=hf_gpt2). Needs the run's config.yaml (found beside the checkpoint
+  dir of a run, or given).
+- `dcp`: a stock torch.distributed.checkpoint folder (`model`, and with the optimizer `optimizer`) of torch's own
+  records, which torch's DCP tools read without trainflow (trainflow's own shards are raw records they cannot).
 
 Where an export goes: never inside a checkpoint folder (a step_N folder, a save in progress, a checkpoint dir
 holding committed checkpoints; links followed), whatever `force` says; an existing output is refused unless
@@ -15,15 +24,26 @@ it: the keys are the model's own names (DCP's get_model_state_dict strips compil
 from __future__ import annotations
 
 import contextlib
+import json
+import math
 import os
 import shutil
-from collections.abc import Callable
+import struct
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from trainflow.checkpoint.safe_io import SafeReader, failure_cause, read_metadata, reraise_interrupt, root_error
+from trainflow.checkpoint.hf_names import GPT_TARGET, HF_TARGET, TIED, gpt2_config, hf_name
+from trainflow.checkpoint.safe_io import (
+    SafeReader,
+    failure_cause,
+    read_metadata,
+    reraise_interrupt,
+    root_error,
+    tensor_bytes,
+)
 from trainflow.checkpoint.store import (
     MANIFEST,
     MODEL_PREFIX,
@@ -31,11 +51,15 @@ from trainflow.checkpoint.store import (
     Committed,
     check_intact,
     list_committed,
+    read_state,
     resolve_checkpoint,
 )
-from trainflow.errors import CheckpointError, unwritable_reason
+from trainflow.errors import CheckpointError, ConfigError, unwritable_reason
 
-FORMATS = ("torch",)
+FORMATS = ("torch", "safetensors", "hf", "dcp")
+WEIGHTS = "model.safetensors"
+BATCH_BYTES = 256 << 20  # tensors read at once by a safetensors or hf export (a larger tensor is read alone)
+OPTIM_PREFIX = "app.optim."
 EXPORT_INFO = "trainflow_export.json"  # in an export folder: what it was exported from (and the run's config)
 
 
@@ -75,18 +99,185 @@ class Source:
             raise CheckpointError(f"{self.ck.path}: cannot be read ({failure_cause(exc)}); it is corrupt") from exc
         return out
 
+    def batches(self, keys: list[str]) -> Iterator[dict[str, torch.Tensor]]:
+        """These keys' tensors, in order, a batch of at most BATCH_BYTES at a time."""
+        batch: list[str] = []
+        size = 0
+        for key in keys:
+            nbytes = self.nbytes(key)
+            if batch and size + nbytes > BATCH_BYTES:
+                yield self.read(batch)
+                batch, size = [], 0
+            batch.append(key)
+            size += nbytes
+        if batch:
+            yield self.read(batch)
 
-def export_weights(checkpoint: Path, out: str | Path, fmt: str = "torch", force: bool = False) -> dict[str, Any]:
-    """Write the checkpoint's weights to `out` in format `fmt`; return what was written."""
+    def nbytes(self, key: str) -> int:
+        meta = self.tensors[key]
+        return math.prod(meta.size) * meta.properties.dtype.itemsize
+
+    def shape(self, name: str) -> list[int]:
+        return list(self.tensors[self.model_keys[name]].size)
+
+
+def export_weights(checkpoint: Path, out: str | Path, fmt: str = "torch", force: bool = False,
+                   with_optimizer: bool = False, config: Path | None = None) -> dict[str, Any]:
+    """Write the checkpoint's weights to `out` in format `fmt`; return what was written. `config`: the run's
+    config.yaml, when it is not beside the checkpoint dir (<run dir>/config.yaml)."""
     if fmt not in FORMATS:
         raise CheckpointError(f"export --format: must be one of {', '.join(FORMATS)}; got {fmt!r}")
+    if with_optimizer and fmt != "dcp":
+        raise CheckpointError(f"export --with-optimizer: only --format dcp holds the optimizer state; got --format "
+                              f"{fmt}: drop --with-optimizer, or use --format dcp")
     source = Source(Path(checkpoint))
     target = check_output(out, force)
-    weights = source.read(list(source.model_keys.values()))
-    model = {name: weights[key] for name, key in source.model_keys.items()}
-    write_whole(target, lambda tmp: save_file(tmp, lambda f: torch.save(model, f)))
-    return {"path": str(target), "format": fmt, "step": source.ck.step, "tensors": len(model),
+    run_cfg = run_config(source.ck, config)
+    if fmt == "torch":
+        weights = source.read(list(source.model_keys.values()))
+        model = {name: weights[key] for name, key in source.model_keys.items()}
+        write_whole(target, lambda tmp: save_file(tmp, lambda f: torch.save(model, f)))
+    else:
+        write = {"safetensors": lambda tmp: write_safetensors(source, tmp / WEIGHTS),
+                 "hf": lambda tmp: write_hf(source, tmp, run_cfg),
+                 "dcp": lambda tmp: write_dcp(source, tmp, with_optimizer)}[fmt]
+        info = {"format": fmt, "checkpoint": str(source.ck.path), "step": source.ck.step,
+                "world_size": source.ck.manifest.get("world_size"),
+                "trainflow_version": source.ck.manifest.get("trainflow_version"), "config": run_cfg}
+
+        def folder(tmp: Path) -> None:
+            tmp.mkdir()
+            write(tmp)
+            save_file(tmp / EXPORT_INFO, lambda f: f.write(json.dumps(info, indent=1).encode()))
+
+        write_whole(target, folder)
+    return {"path": str(target), "format": fmt, "step": source.ck.step, "tensors": len(source.model_keys),
             "bytes": size_of(target), "checkpoint": str(source.ck.path)}
+
+
+def run_config(ck: Committed, given: Path | None) -> dict[str, Any] | None:
+    """The config.yaml of the run that saved `ck`: the one given, or the one of the run dir holding its checkpoint
+    dir (None when there is none, or when that run kept its checkpoints elsewhere)."""
+    from omegaconf import OmegaConf
+
+    path = Path(given).expanduser() if given else ck.path.parent.parent / "config.yaml"
+    if not path.is_file():
+        if given:
+            raise CheckpointError(f"export --config: {path} is not a file; give the run's config.yaml")
+        return None
+    try:
+        cfg = OmegaConf.to_container(OmegaConf.load(path))
+    except Exception as exc:  # noqa: BLE001 (yaml and omegaconf raise many kinds for a file they cannot parse)
+        raise CheckpointError(f"{path}: not a readable config ({type(exc).__name__}); give the run's config.yaml "
+                              "with --config") from None
+    if not isinstance(cfg, dict) or (not given and (cfg.get("checkpoint") or {}).get("dir") is not None):
+        return None
+    return cfg
+
+
+_SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+                       torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+                       torch.uint8: "U8", torch.bool: "BOOL"}
+
+
+def write_safetensors(source: Source, path: Path) -> None:
+    """The model's tensors in the safetensors layout (a little-endian u64 header size, the JSON header, the
+    tensors' bytes back to back), read and written a batch at a time."""
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, key in source.model_keys.items():
+        dtype = source.tensors[key].properties.dtype
+        if dtype not in _SAFETENSORS_DTYPES:
+            raise CheckpointError(f"{source.ck.path}: {name} is {dtype}, which safetensors has no type for; "
+                                  "export --format torch instead")
+        end = offset + source.nbytes(key)
+        header[name] = {"dtype": _SAFETENSORS_DTYPES[dtype], "shape": source.shape(name), "data_offsets": [offset, end]}
+        offset = end
+    data = json.dumps(header, separators=(",", ":")).encode()
+    data += b" " * (-len(data) % 8)  # the tensors start 8-byte aligned
+
+    def write(f: Any) -> None:
+        f.write(struct.pack("<Q", len(data)) + data)
+        for batch in source.batches(list(source.model_keys.values())):
+            for tensor in batch.values():
+                f.write(tensor_bytes(tensor))
+
+    save_file(path, write)
+
+
+def write_hf(source: Source, folder: Path, run_cfg: dict[str, Any] | None) -> None:
+    """A Hugging Face folder (config.json, model.safetensors) by save_pretrained."""
+    from trainflow.data.tokenizers import import_hf
+
+    if run_cfg is None or not isinstance(run_cfg.get("model"), dict):
+        raise CheckpointError(f"export --format hf: needs the config of the run that saved {source.ck.path}, and "
+                              f"{source.ck.path.parent.parent / 'config.yaml'} is not it; give --config <run dir>/"
+                              "config.yaml")
+    model_cfg = run_cfg["model"]
+    target = model_cfg.get("_target_")
+    transformers = import_hf("transformers", "export --format hf")
+    if target == GPT_TARGET:
+        kwargs, shapes = gpt2_config(model_cfg)
+        for name, shape in shapes.items():
+            saved = source.shape(name) if name in source.model_keys else None
+            if saved != shape:
+                raise CheckpointError(f"export --format hf: {name} is {saved} in {source.ck.path}, {shape} in a GPT "
+                                      "of the run's config; give the config the checkpoint was saved with (--config)")
+        model = transformers.GPT2LMHeadModel(transformers.GPT2Config(**kwargs))
+        names = {k: hf_name(k) for k in source.model_keys if k != TIED}
+    elif target == HF_TARGET:
+        from trainflow.models.hf import gpt2
+
+        try:
+            model = gpt2(**{k: v for k, v in model_cfg.items() if k != "_target_"})
+        except ConfigError as exc:
+            raise CheckpointError(f"export --format hf: the run's model does not build here ({exc})") from None
+        names = {k: (k, False) for k in source.model_keys}
+    else:
+        raise CheckpointError(f"export --format hf: model._target_ {target} has no Hugging Face mapping (only "
+                              f"{GPT_TARGET} and {HF_TARGET} have); export --format safetensors instead")
+    params = model.state_dict()
+    unmapped = [k for k, v in names.items() if v is None or v[0] not in params]
+    if unmapped:
+        raise CheckpointError(f"export --format hf: {unmapped[0]} has no place in the Hugging Face model; export "
+                              "--format safetensors instead")
+    filled = set()
+    with torch.no_grad():
+        for batch in source.batches([source.model_keys[k] for k in names]):
+            for key, tensor in batch.items():
+                hf_key, transposed = names[key.removeprefix(MODEL_PREFIX)]
+                params[hf_key].copy_(tensor.t() if transposed else tensor)
+                filled.add(hf_key)
+        for key in params.keys() - filled:
+            if key.endswith(".bias"):  # a GPT without biases: zero ones compute the same
+                params[key].zero_()
+    if target == GPT_TARGET and (missing := sorted(k for k in params.keys() - filled if not k.endswith(".bias")
+                                                   and k != "lm_head.weight")):
+        raise CheckpointError(f"export --format hf: {source.ck.path} holds nothing for the GPT-2 tensor "
+                              f"{missing[0]}; export --format safetensors instead")
+    transformers.utils.logging.disable_progress_bar()  # one line per export is what trainflow prints
+    model.save_pretrained(folder)
+
+
+def write_dcp(source: Source, folder: Path, with_optimizer: bool) -> None:
+    """A stock DCP folder of `{"model": ..., "optimizer": {"state": ..., "param_groups": ...}}`, torch's records."""
+    import torch.distributed.checkpoint as dcp
+
+    keys = [k for k in source.tensors if k.startswith(MODEL_PREFIX) or (with_optimizer and k.startswith(OPTIM_PREFIX))]
+    paths = source.metadata.planner_data or {}
+    tree: dict[str, Any] = {}
+    for key, tensor in source.read(keys).items():
+        path = paths.get(key)
+        if not path or path[0] != "app" or path[1] not in ("model", "optim"):
+            raise CheckpointError(f"{source.ck.path}/.metadata: no nesting recorded for {key}; the checkpoint is not "
+                                  "trainflow's")
+        node = tree.setdefault("model" if path[1] == "model" else "optimizer", {})
+        for part in path[2:-1]:
+            node = node.setdefault(part, {})
+        node[path[-1]] = tensor
+    if with_optimizer:
+        tree.setdefault("optimizer", {})["param_groups"] = read_state(source.ck.path)["param_groups"]
+    dcp.save(tree, storage_writer=dcp.FileSystemWriter(folder), no_dist=True)
 
 
 def check_output(out: str | Path, force: bool) -> Path:
