@@ -292,6 +292,16 @@ def mlp_config(ctx: Ctx) -> None:
     (ctx.tmp / "config.yaml").write_text("model:\n  _target_: trainflow.models.mlp.MLP\ncheckpoint:\n  dir: null\n")
 
 
+def narrower_weights(ctx: Ctx) -> None:
+    """Exported weights of a GPT narrower than the base's (n_embd 32, not 64)."""
+    from safetensors.torch import save_file
+
+    from trainflow.models.gpt import GPT
+
+    model = GPT(n_layer=2, n_embd=32, n_head=2, block_size=32)
+    save_file({k: v.clone() for k, v in model.state_dict().items()}, ctx.tmp / "w.safetensors")
+
+
 # -- the table --------------------------------------------------------------------------------------------------
 
 RANK_ENV = (("RANK", "0"), ("WORLD_SIZE", "2"), ("LOCAL_RANK", "0"), ("LOCAL_WORLD_SIZE", "2"),
@@ -607,6 +617,11 @@ CASES = [
          "optimizer state does not fit: to continue from its weights only (fresh optimizer and LR schedule from "
          "step 0), run with checkpoint.load=model checkpoint.resume={ckpts}/step_00000004 and checkpoint.dir at a "
          "new folder, or set optim.name back"),
+    Case("load-exported-other-shape", "checkpoint", "fine-tuning from exported weights of another model shape",
+         ("checkpoint.load=model", "checkpoint.resume={tmp}/w.safetensors", "checkpoint.dir={tmp}/fresh"),
+         "Error: checkpoint.resume: {tmp}/w.safetensors: tok_emb.weight is [256, 32] there, [256, 64] in this model; "
+         "give weights exported from a model of this config, or set the model config they were trained with",
+         setup=narrower_weights),
     Case("load-model-without-source", "checkpoint", "weights only, but from no named checkpoint",
          ("checkpoint.load=model",),
          "Error: checkpoint.load: model loads the weights of the checkpoint named by checkpoint.resume, which is "

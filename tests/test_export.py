@@ -15,6 +15,7 @@ import torch
 from conftest import TINY_GPT, train
 
 from trainflow.checkpoint import export_weights
+from trainflow.errors import ConfigError
 from trainflow.models.gpt import GPT
 
 STEPS = ["trainer.max_steps=3", "trainer.eval_every=0", "trainer.eval_steps=2", "checkpoint=dcp",
@@ -122,3 +123,40 @@ def test_dcp_folder_reads_with_torch_alone(runs: dict[str, Path]) -> None:
         assert state.keys() == reference.keys() - {"head.weight"} and float(state["ln_f.weight"]["step"]) == 3.0
         assert state["tok_emb.weight"]["exp_avg"].abs().max() > 0
         assert len(read["optimizer"]["param_groups"]) >= 1
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "hf"])
+def test_exported_weights_load_back_into_trainflows_gpt(run_dir: Path, fmt: str) -> None:
+    from trainflow.checkpoint.resume import exported_weights, load_exported
+    from trainflow.checkpoint.state import TrainState
+    from trainflow.distributed import DistEnv
+
+    model = GPT(n_layer=2, n_embd=64, n_head=2, block_size=32)
+    optimizer = torch.optim.AdamW(model.parameters())
+    state = TrainState(model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0))
+    load_exported(exported_weights(run_dir.parent / fmt), state, DistEnv(0, 1, 0, torch.device("cpu")))
+    reference = torch.load(run_dir.parent / "torch", weights_only=True)
+    for key, tensor in model.state_dict().items():
+        assert torch.equal(tensor, reference[key]), key
+    assert model.head.weight is model.tok_emb.weight  # still tied
+
+    other = GPT(n_layer=2, n_embd=32, n_head=2, block_size=32)
+    state.model = other
+    with pytest.raises(ConfigError, match=r"tok_emb.weight is \[256, 64\] there, \[256, 32\] in this model"):
+        load_exported(exported_weights(run_dir.parent / fmt), state, DistEnv(0, 1, 0, torch.device("cpu")))
+
+
+def first_loss(run_dir: Path) -> float:
+    return next(json.loads(line)["train/loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+                if json.loads(line).get("step") == 1)
+
+
+def test_a_run_starts_from_a_hugging_face_folder(runs: dict[str, Path], tmp_path: Path) -> None:
+    """checkpoint.load=model from the hf export of the FSDP run: the first step trains the exported weights (its
+    loss is not the fresh model's, which the single run's first step was: same seed, same batch)."""
+    hf = runs["fsdp2"].parent / "hf"
+    run = train(tmp_path / "run", *TINY_GPT, "trainer.max_steps=1", "trainer.eval_every=0", "checkpoint=dcp",
+                "checkpoint.load=model", f"checkpoint.resume={hf}")
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert f"checkpoint.load=model: loaded the weights of {hf}/model.safetensors" in run.stdout
+    assert abs(first_loss(run.run_dir) - first_loss(runs["single"])) > 1e-3

@@ -161,6 +161,9 @@ class Checkpointer:
             if self.env.is_main:
                 log.info("checkpoint: no committed checkpoint in %s: fresh start", self.dir)
             return
+        if isinstance(target, Path):  # exported weights (a safetensors file or folder): the model's only
+            resuming.load_exported(target, state, self.env)
+            return
         check_intact(target, list_committed(target.path.parent))
         resuming.check_fits(target, state.model, self._fingerprint)
         if weights_only:
