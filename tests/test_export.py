@@ -160,3 +160,33 @@ def test_a_run_starts_from_a_hugging_face_folder(runs: dict[str, Path], tmp_path
     assert run.returncode == 0, run.stderr[-3000:]
     assert f"checkpoint.load=model: loaded the weights of {hf}/model.safetensors" in run.stdout
     assert abs(first_loss(run.run_dir) - first_loss(runs["single"])) > 1e-3
+
+
+@pytest.mark.slow
+def test_a_hugging_face_model_trained_by_target_exports_by_save_pretrained(tmp_path: Path) -> None:
+    """experiment=hf_gpt2: the hf export is the model's own save_pretrained output, and loads back into it."""
+    from transformers import GPT2LMHeadModel
+
+    from trainflow.checkpoint.export import Source
+    from trainflow.checkpoint.resume import exported_weights, load_exported
+    from trainflow.checkpoint.state import TrainState
+    from trainflow.distributed import DistEnv
+    from trainflow.models.hf import gpt2
+
+    run = train(tmp_path / "run", "experiment=hf_gpt2", "trainer.max_steps=2", "trainer.eval_every=0",
+                "logger=none", "checkpoint=dcp", "checkpoint.every_steps=2", f"tokenizer.cache_dir={tmp_path}/tok",
+                f"data.cache_dir={tmp_path}/data")
+    assert run.returncode == 0, run.stderr[-3000:]
+    export_weights(run.run_dir, tmp_path / "hf", "hf")
+    source = Source(run.run_dir)
+    saved = source.read(list(source.model_keys.values()))
+    loaded = GPT2LMHeadModel.from_pretrained(tmp_path / "hf").state_dict()
+    for key, tensor in saved.items():
+        assert torch.equal(loaded[key.removeprefix("app.model.")], tensor), key
+
+    model = gpt2(vocab_size=2048, n_positions=128, n_embd=128, n_layer=2, n_head=4)
+    optimizer = torch.optim.AdamW(model.parameters())
+    state = TrainState(model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0))
+    load_exported(exported_weights(tmp_path / "hf"), state, DistEnv(0, 1, 0, torch.device("cpu")))
+    for key, tensor in saved.items():
+        assert torch.equal(model.state_dict()[key.removeprefix("app.model.")], tensor), key

@@ -225,8 +225,9 @@ def load_exported(path: Path, state: TrainState, env: DistEnv) -> None:
             names = list(f.keys())
             plan = {k: (k, False) for k in shapes if k in names}
             as_gpt2 = gpt_names(names)
-            if len(as_gpt2) > len(plan):  # a GPT-2 folder loaded into trainflow's GPT
-                plan = {k: as_gpt2[k] for k in shapes if k in as_gpt2}
+            from_gpt2 = {k: as_gpt2[k] for k in shapes if k in as_gpt2}
+            if len(from_gpt2) > len(plan):  # a GPT-2 folder loaded into trainflow's GPT
+                plan = from_gpt2
             for key, stored in _TIED.items():
                 if key in shapes and key not in plan and stored in plan:
                     plan[key] = plan[stored]
