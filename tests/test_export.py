@@ -165,7 +165,7 @@ def test_a_run_starts_from_a_hugging_face_folder(runs: dict[str, Path], tmp_path
 @pytest.mark.slow
 def test_a_hugging_face_model_trained_by_target_exports_by_save_pretrained(tmp_path: Path) -> None:
     """experiment=hf_gpt2: the hf export is the model's own save_pretrained output, and loads back into it."""
-    from transformers import GPT2LMHeadModel
+    from transformers import AutoTokenizer, GPT2LMHeadModel
 
     from trainflow.checkpoint.export import Source
     from trainflow.checkpoint.resume import exported_weights, load_exported
@@ -183,6 +183,11 @@ def test_a_hugging_face_model_trained_by_target_exports_by_save_pretrained(tmp_p
     loaded = GPT2LMHeadModel.from_pretrained(tmp_path / "hf").state_dict()
     for key, tensor in saved.items():
         assert torch.equal(loaded[key.removeprefix("app.model.")], tensor), key
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "hf")  # the run's BPE, saved beside the model
+    assert len(tokenizer) == 2048 and tokenizer.eos_token_id == 0
+    text = "Return the sum of the arguments."
+    assert tokenizer.decode(tokenizer(text)["input_ids"]) == text
+    assert len(tokenizer(text)["input_ids"]) < len(text)  # BPE pieces, not bytes
 
     model = gpt2(vocab_size=2048, n_positions=128, n_embd=128, n_layer=2, n_head=4)
     optimizer = torch.optim.AdamW(model.parameters())

@@ -257,6 +257,59 @@ def write_hf(source: Source, folder: Path, run_cfg: dict[str, Any] | None) -> No
                               f"{missing[0]}; export --format safetensors instead")
     transformers.utils.logging.disable_progress_bar()  # one line per export is what trainflow prints
     model.save_pretrained(folder)
+    tokenizer = tokenizer_file(run_cfg)
+    if tokenizer is not None:
+        write_tokenizer(tokenizer, folder)
+
+
+def tokenizer_file(run_cfg: dict[str, Any]) -> Path | None:
+    """The tokenizer.json of a run of tokenizer=bpe|file (None for bytes), found where the data code keeps it;
+    a BPE is never trained here: one no longer cached is refused in one line."""
+    from trainflow.config import TokenizerConfig, typed
+    from trainflow.data.tokenizers import _trained_bpe, import_hf
+
+    settings = run_cfg.get("tokenizer") or {}
+    kind = settings.get("kind", "bytes")
+    if kind == "file":
+        return Path(settings["path"]).expanduser()
+    if kind != "bpe":
+        return None
+    data = run_cfg.get("data") or {}
+    if data.get("_target_") == "trainflow.data.hf.token_windows":
+        from trainflow.data.hf import Split, _files
+
+        cache = data.get("cache_dir", "~/.cache/trainflow/hf")
+        split = Split(_files(data.get("paths"), "data.paths"), data.get("format"), data.get("column", "text"),
+                      Path(cache).expanduser(), cache)
+        corpus_key = f"hf\0{split.key}"
+    elif data.get("kind") == "text":
+        from omegaconf import OmegaConf
+
+        from trainflow.data.text import Corpus
+
+        corpus_key = f"text\0{Corpus.of(OmegaConf.create(data)).key}"
+    else:
+        raise CheckpointError("export --format hf: the run trained a BPE tokenizer on data trainflow cannot find "
+                              "again here; export --format safetensors, and save the tokenizer yourself")
+
+    def not_cached() -> Any:
+        raise CheckpointError("export --format hf: the run's BPE tokenizer is no longer in tokenizer.cache_dir "
+                              f"({settings.get('cache_dir')}), or its data changed since; export from where the run "
+                              "ran, with its data unchanged")
+
+    return _trained_bpe(import_hf("tokenizers", "export --format hf"), typed(settings, TokenizerConfig), corpus_key,
+                        not_cached)
+
+
+def write_tokenizer(path: Path, folder: Path) -> None:
+    """The tokenizer.json as a Hugging Face fast tokenizer, for AutoTokenizer.from_pretrained(folder)."""
+    from trainflow.data.tokenizers import END_TOKENS, import_hf
+
+    encoder = import_hf("tokenizers", "export --format hf").Tokenizer.from_file(str(path))
+    end = next((t for t in END_TOKENS if encoder.token_to_id(t) is not None), None)
+    fast = import_hf("transformers", "export --format hf").PreTrainedTokenizerFast(
+        tokenizer_object=encoder, bos_token=end, eos_token=end)
+    fast.save_pretrained(folder)
 
 
 def write_dcp(source: Source, folder: Path, with_optimizer: bool) -> None:
