@@ -272,6 +272,36 @@ def unfinished_save(ctx: Ctx) -> None:
     (ctx.tmp / ".tmp-step_00000006" / "manifest.json").unlink()
 
 
+PRECIOUS = "weights of another run\n"
+
+
+def earlier_output(ctx: Ctx) -> None:
+    """A file where an export will go, and a folder of the user's that trainflow did not export."""
+    (ctx.tmp / "model.pt").write_text(PRECIOUS)
+    (ctx.tmp / "mine").mkdir()
+    (ctx.tmp / "mine" / "notes.txt").write_text(PRECIOUS)
+
+
+def earlier_output_kept(ctx: Ctx) -> None:
+    assert (ctx.tmp / "model.pt").read_text() == PRECIOUS
+    assert (ctx.tmp / "mine" / "notes.txt").read_text() == PRECIOUS
+
+
+def mlp_config(ctx: Ctx) -> None:
+    """A run config naming a model that has no Hugging Face counterpart."""
+    (ctx.tmp / "config.yaml").write_text("model:\n  _target_: trainflow.models.mlp.MLP\ncheckpoint:\n  dir: null\n")
+
+
+def narrower_weights(ctx: Ctx) -> None:
+    """Exported weights of a GPT narrower than the base's (n_embd 32, not 64)."""
+    from safetensors.torch import save_file
+
+    from trainflow.models.gpt import GPT
+
+    model = GPT(n_layer=2, n_embd=32, n_head=2, block_size=32)
+    save_file({k: v.clone() for k, v in model.state_dict().items()}, ctx.tmp / "w.safetensors")
+
+
 # -- the table --------------------------------------------------------------------------------------------------
 
 RANK_ENV = (("RANK", "0"), ("WORLD_SIZE", "2"), ("LOCAL_RANK", "0"), ("LOCAL_WORLD_SIZE", "2"),
@@ -594,6 +624,11 @@ CASES = [
          "optimizer state does not fit: to continue from its weights only (fresh optimizer and LR schedule from "
          "step 0), run with checkpoint.load=model checkpoint.resume={ckpts}/step_00000004 and checkpoint.dir at a "
          "new folder, or set optim.name back"),
+    Case("load-exported-other-shape", "checkpoint", "fine-tuning from exported weights of another model shape",
+         ("checkpoint.load=model", "checkpoint.resume={tmp}/w.safetensors", "checkpoint.dir={tmp}/fresh"),
+         "Error: checkpoint.resume: {tmp}/w.safetensors: tok_emb.weight is [256, 32] there, [256, 64] in this model; "
+         "give weights exported from a model of this config, or set the model config they were trained with",
+         setup=narrower_weights),
     Case("load-model-without-source", "checkpoint", "weights only, but from no named checkpoint",
          ("checkpoint.load=model",),
          "Error: checkpoint.load: model loads the weights of the checkpoint named by checkpoint.resume, which is "
@@ -721,6 +756,42 @@ CASES = [
          ("export", "{tmp}/.tmp-step_00000006", "{tmp}/model.pt"),
          "Error: {tmp}/.tmp-step_00000006 is not a committed checkpoint (no manifest.json: a save that never "
          "finished); pick a step_N folder that has one", tool="trainflow", setup=unfinished_save),
+    Case("export-into-checkpoint", "tools", "an export written into the checkpoint it reads",
+         ("export", "{ckpts}/step_00000004", "{ckpts}/step_00000004/__0_0.distcp"),
+         "Error: {ckpts}/step_00000004/__0_0.distcp: inside the checkpoint folder {ckpts}/step_00000004; an export "
+         "never writes into a checkpoint folder (it would damage the checkpoints): give a path outside it",
+         tool="trainflow"),
+    Case("export-into-checkpoint-dir", "tools", "an export written into a checkpoint dir, even with --force",
+         ("export", "{ckpts}", "{ckpts}/model.pt", "--force"),
+         "Error: {ckpts}/model.pt: inside the checkpoint folder {ckpts}; an export never writes into a checkpoint "
+         "folder (it would damage the checkpoints): give a path outside it", tool="trainflow"),
+    Case("export-existing-output", "tools", "an export onto an existing file",
+         ("export", "{ckpts}", "{tmp}/model.pt"),
+         "Error: {tmp}/model.pt already exists; nothing was changed: give a new path, or add --force to replace it",
+         tool="trainflow", setup=earlier_output, after=earlier_output_kept),
+    Case("export-force-foreign-folder", "tools", "--force onto a folder that is no export",
+         ("export", "{ckpts}", "{tmp}/mine", "--force"),
+         "Error: {tmp}/mine is a folder trainflow did not export (no trainflow_export.json inside); --force replaces "
+         "only a file or an earlier export: give a new path", tool="trainflow", setup=earlier_output,
+         after=earlier_output_kept),
+    Case("export-empty-output", "tools", "an export to an empty path", ("export", "{ckpts}", ""),
+         "Error: export: the output path is empty; give the file or folder to write, e.g. model.safetensors",
+         tool="trainflow"),
+    Case("export-to-proc", "tools", "an export into /proc", ("export", "{ckpts}", "/proc/model.pt"),
+         "Error: /proc/model.pt: cannot write the export (No such file or directory); give a path on a writable "
+         "disk", tool="trainflow"),
+    Case("export-read-only", "tools", "an export onto a read-only disk", ("export", "{ckpts}", "{tmp}/ro/model.pt"),
+         "Error: {tmp}/ro/model.pt: cannot write the export (Read-only file system); give a path on a writable disk",
+         tool="trainflow", setup=read_only_disk, needs="mount"),
+    Case("export-hf-unmappable", "tools", "a Hugging Face export of a model that has no mapping",
+         ("export", "{ckpts}", "{tmp}/hf", "--format", "hf", "--config", "{tmp}/config.yaml"),
+         "Error: export --format hf: model._target_ trainflow.models.mlp.MLP has no Hugging Face mapping (only "
+         "trainflow.models.gpt.GPT and trainflow.models.hf.gpt2 have); export --format safetensors instead",
+         tool="trainflow", setup=mlp_config),
+    Case("export-hf-without-config", "tools", "a Hugging Face export of a checkpoint dir kept outside its run",
+         ("export", "{ckpts}", "{tmp}/hf", "--format", "hf"),
+         "Error: export --format hf: needs the config of the run that saved {ckpts}/step_00000004, and "
+         "{tmp}/config.yaml is not it; give --config <run dir>/config.yaml", tool="trainflow"),
     Case("report-missing-folder", "tools", "a report on a folder that does not exist", ("report", "{tmp}/nope"),
          "Error: {tmp}/nope: no such folder; give a run folder, a sweep folder (multirun/<date>/<time>) or a folder "
          "holding them (e.g. outputs)", tool="trainflow"),

@@ -84,18 +84,30 @@ def resume_command() -> str:
 def _export(args: argparse.Namespace) -> int:
     from trainflow.checkpoint import export_weights
 
-    info = export_weights(args.checkpoint, args.file)
-    print(f"wrote {info['path']}: {info['tensors']} tensors, {info['bytes'] / 1e6:.1f} MB, "
+    info = export_weights(args.checkpoint, args.out, args.format, force=args.force,
+                          with_optimizer=args.with_optimizer, config=args.config)
+    print(f"wrote {info['path']} ({info['format']}): {info['tensors']} tensors, {info['bytes'] / 1e6:.1f} MB, "
           f"the model of step {info['step']} ({info['checkpoint']})")
     return 0
 
 
 def _add_export(commands: argparse._SubParsersAction) -> None:
-    p = commands.add_parser("export", help="write a committed checkpoint's model weights as one torch.save file",
+    from trainflow.checkpoint.export import FORMATS
+
+    p = commands.add_parser("export", help="write a committed checkpoint's model weights for other tools",
                             description="Consolidate the model weights of a committed checkpoint (saved on any "
-                                        "number of ranks) into one file for torch.load(path, weights_only=True).")
+                                        "number of ranks, by any strategy) into one file or folder. Never writes "
+                                        "inside a checkpoint folder; an existing output needs --force.")
     p.add_argument("checkpoint", type=Path, help="a step_N folder, or a checkpoint dir / run dir (its newest)")
-    p.add_argument("file", type=Path, help="the file to write, e.g. model.pt")
+    p.add_argument("out", help="the file (torch: model.pt) or folder to write")
+    p.add_argument("--format", choices=FORMATS, default="torch",
+                   help="torch: one file for torch.load(path, weights_only=True); safetensors: a folder of "
+                        "model.safetensors; hf: a Hugging Face folder (from_pretrained); dcp: a stock "
+                        "torch.distributed.checkpoint folder")
+    p.add_argument("--force", action="store_true", help="replace an existing file or earlier export at OUT")
+    p.add_argument("--with-optimizer", action="store_true", help="dcp: the optimizer state too")
+    p.add_argument("--config", type=Path, help="the run's config.yaml (default: <run dir>/config.yaml beside the "
+                                                "checkpoint dir); hf needs it")
     p.set_defaults(handler=_export)
 
 

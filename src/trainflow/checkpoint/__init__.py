@@ -9,7 +9,8 @@ One module per concern:
 
     state.py         the app state: what goes into a checkpoint (tensors and JSON), non-finite check, fingerprint
     safe_io.py       the bytes: raw tensor records, a checksum per file while writing, reading without running code
-    store.py         the on-disk store: lock, committed listing, manifest, integrity, commit, retention, export
+    store.py         the on-disk store: lock, committed listing, manifest, integrity, commit, retention
+    export.py        weights out of a checkpoint in other formats (torch, safetensors, Hugging Face, stock DCP)
     resume.py        which checkpoint to resume from, whether it fits, loading it
     checkpointer.py  the Checkpointer the loop calls: saving (sync, async), resume
     stopping.py      stop signals: caught, agreed on by every rank one step late, the exit code after
@@ -18,9 +19,10 @@ One module per concern:
 """
 
 from trainflow.checkpoint.checkpointer import Checkpointer
+from trainflow.checkpoint.export import export_weights
 from trainflow.checkpoint.state import TrainState, fingerprint, split_state
 from trainflow.checkpoint.stopping import EXIT_STOPPED, stop_exit_code
-from trainflow.checkpoint.store import check_intact, export_weights, list_committed
+from trainflow.checkpoint.store import check_intact, list_committed
 
 __all__ = ["EXIT_STOPPED", "Checkpointer", "TrainState", "check_intact", "export_weights", "fingerprint",
            "list_committed", "split_state", "stop_exit_code"]

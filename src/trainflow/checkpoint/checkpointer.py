@@ -35,6 +35,7 @@ from torch.profiler import record_function
 from trainflow.checkpoint import resume as resuming
 from trainflow.checkpoint import store
 from trainflow.checkpoint.agreement import RankAgreement
+from trainflow.checkpoint.export import export_weights
 from trainflow.checkpoint.safe_io import (
     ChecksummingWriter,
     SafeReader,
@@ -159,6 +160,9 @@ class Checkpointer:
         if target is None:
             if self.env.is_main:
                 log.info("checkpoint: no committed checkpoint in %s: fresh start", self.dir)
+            return
+        if isinstance(target, Path):  # exported weights (a safetensors file or folder): the model's only
+            resuming.load_exported(target, state, self.env)
             return
         check_intact(target, list_committed(target.path.parent))
         resuming.check_fits(target, state.model, self._fingerprint)
@@ -423,7 +427,8 @@ class Checkpointer:
                         "to resume)", name, state.step, self.dir / f"step_{state.step:08d}", EXIT_STOPPED)
 
     def _export(self) -> dict[str, Any]:
-        info = store.export_weights(self.dir / f"step_{self._last_saved_step:08d}", self.run_dir / "model.pt")
+        # the run's own model.pt, from an earlier invocation of the same run: replaced
+        info = export_weights(self.dir / f"step_{self._last_saved_step:08d}", self.run_dir / "model.pt", force=True)
         log.info("exported the model weights of step %d to %s (%.1f MB)", info["step"], info["path"],
                  info["bytes"] / 1e6)
         return info

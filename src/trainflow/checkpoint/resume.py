@@ -5,6 +5,11 @@ optimizer type is refused, with `checkpoint.load=model` (weights only, step 0) a
 A checkpoint loads on any number of ranks and the sample stream continues exactly; RNG states are restored when
 the world size is the same (on another world size each rank keeps its fresh per-rank seed, and a warning says so).
 An iterable dataset's stream position (one JSON file per rank) is read here and restored by its loader.
+
+`checkpoint.load=model` also starts from exported weights (fine-tuning): a `.safetensors` file, or a folder
+holding `model.safetensors` (`trainflow export --format safetensors|hf`, any Hugging Face GPT-2 folder). Tensors
+are matched by name: the model's own names, or for trainflow's GPT the GPT-2 names (hf_names.py); a tensor
+missing or of another shape is refused in one line, naming the first such key.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from typing import Any
 
 from torch import nn
 
+from trainflow.checkpoint.hf_names import gpt_names
 from trainflow.checkpoint.safe_io import (
     SafeReader,
     failure_cause,
@@ -53,8 +59,13 @@ from trainflow.errors import CheckpointError, ConfigError
 log = logging.getLogger(__package__)  # one name for the package: lines read [trainflow.checkpoint]
 
 
-def pick(ckpt_dir: Path, cfg: CheckpointConfig) -> tuple[Committed | None, bool]:
-    """Rank 0: (the checkpoint to resume from, as checkpoint.resume says; whether to load its weights only)."""
+WEIGHTS = "model.safetensors"  # in an export folder or a Hugging Face folder
+_TIED = {"head.weight": "tok_emb.weight", "lm_head.weight": "transformer.wte.weight"}  # stored once when tied
+
+
+def pick(ckpt_dir: Path, cfg: CheckpointConfig) -> tuple[Committed | Path | None, bool]:
+    """Rank 0: (the checkpoint to resume from, as checkpoint.resume says, or the safetensors file of exported
+    weights; whether to load its weights only)."""
     own = list_committed(ckpt_dir)
     unfinished = uncommitted_newer(ckpt_dir, own)
     if unfinished is not None:
@@ -79,6 +90,8 @@ def pick(ckpt_dir: Path, cfg: CheckpointConfig) -> tuple[Committed | None, bool]
         log.info("checkpoint.load=model: %s already holds this run's checkpoints (up to %s): resuming them in "
                  "full", ckpt_dir, own[-1].path.name)
         return own[-1], False
+    if cfg.load == "model" and (weights := exported_weights(Path(resume))) is not None:
+        return weights, True
     try:
         target = resolve_checkpoint(Path(resume))
     except CheckpointError as exc:
@@ -188,3 +201,54 @@ def load_weights(target: Committed, state: TrainState, env: DistEnv, group: Any)
     if env.is_main:
         log.warning("checkpoint.load=model: loaded the weights of step %d (%s); optimizer, LR schedule, step "
                     "and data position start fresh at step 0", target.step, target.path)
+
+
+def exported_weights(path: Path) -> Path | None:
+    """The safetensors file of exported weights that `path` names (the file, or a folder holding WEIGHTS); None
+    for anything else (a checkpoint)."""
+    path = path.expanduser()
+    if path.is_file() and path.suffix == ".safetensors":
+        return path
+    return path / WEIGHTS if (path / WEIGHTS).is_file() else None
+
+
+def load_exported(path: Path, state: TrainState, env: DistEnv) -> None:
+    """checkpoint.load=model from exported weights: every rank reads the file and keeps its own shard."""
+    import torch
+    from safetensors import SafetensorError, safe_open
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    shapes = model_shapes(state.model)
+    fix = "give weights exported from a model of this config, or set the model config they were trained with"
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            names = list(f.keys())
+            plan = {k: (k, False) for k in shapes if k in names}
+            as_gpt2 = gpt_names(names)
+            from_gpt2 = {k: as_gpt2[k] for k in shapes if k in as_gpt2}
+            if len(from_gpt2) > len(plan):  # a GPT-2 folder loaded into trainflow's GPT
+                plan = from_gpt2
+            for key, stored in _TIED.items():
+                if key in shapes and key not in plan and stored in plan:
+                    plan[key] = plan[stored]
+            missing = [k for k in shapes if k not in plan]
+            if missing:
+                raise ConfigError(f"checkpoint.resume: {path} holds no tensor for {missing[0]} of this model "
+                                  f"({len(missing)} of {len(shapes)} missing); {fix}")
+            loaded = {}
+            for key, (name, transposed) in plan.items():
+                want = list(shapes[key][0])
+                got = list(f.get_slice(name).get_shape())
+                if transposed:
+                    got = got[::-1]
+                if got != want:
+                    raise ConfigError(f"checkpoint.resume: {path}: {key} is {got} there, {want} in this model; {fix}")
+                tensor = f.get_tensor(name)
+                loaded[key] = (tensor.t().contiguous() if transposed else tensor).to(getattr(torch, shapes[key][1]))
+    except SafetensorError as exc:
+        raise ConfigError(f"checkpoint.resume: {path} is not a readable safetensors file ({exc}); give a file "
+                          "written by trainflow export or save_pretrained") from None
+    set_model_state_dict(state.model, loaded, options=StateDictOptions(full_state_dict=True))
+    if env.is_main:
+        log.warning("checkpoint.load=model: loaded the weights of %s; optimizer, LR schedule, step and data "
+                    "position start fresh at step 0", path)

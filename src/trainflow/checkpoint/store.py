@@ -1,4 +1,4 @@
-"""The on-disk store: committed checkpoints, their manifest and checksums, the commit, retention and export.
+"""The on-disk store: committed checkpoints, their manifest and checksums, the commit, retention.
 
 Layout of `checkpoint.dir` (default `<run dir>/checkpoints`):
 
@@ -37,18 +37,13 @@ from typing import Any
 import torch
 
 from trainflow.checkpoint.safe_io import (
-    SafeReader,
     check_files,
-    failure_cause,
     file_checksum,
     read_json,
-    read_metadata,
-    reraise_interrupt,
-    root_error,
 )
 from trainflow.checkpoint.state import FORMAT, STATE_FILE
 from trainflow.errors import CheckpointError, ConfigError
-from trainflow.files import atomic_path, kind_of
+from trainflow.files import kind_of
 from trainflow.locks import DirLock
 
 log = logging.getLogger(__package__)  # one name for the package: lines read [trainflow.checkpoint]
@@ -229,45 +224,6 @@ def resolve_dir(configured: str | None, run_dir: Path) -> Path:
     if (path / "checkpoints").is_dir() and not list_committed(path):
         return path / "checkpoints"
     return path
-
-
-def export_weights(checkpoint: Path, out: Path) -> dict[str, Any]:
-    """Write the model weights of a committed checkpoint as one `torch.load(weights_only=True)` file.
-
-    Reads the DCP shards of any world size in this one process (no process group), so it works on a laptop
-    for a checkpoint written by many ranks. Returns what was written.
-    """
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    ck = resolve_checkpoint(checkpoint)
-    check_intact(ck, list_committed(ck.path.parent))
-    metadata = read_metadata(ck.path)
-    pickled = [k for k, m in metadata.state_dict_metadata.items()
-               if k.startswith(MODEL_PREFIX) and not isinstance(m, TensorStorageMetadata)]
-    if pickled:
-        raise CheckpointError(f"{ck.path}: {pickled[0]} is stored as a pickled object, which trainflow does not load "
-                              "(it could run code); the checkpoint was tampered with or is not trainflow's")
-    weights = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in metadata.state_dict_metadata.items()
-               if k.startswith(MODEL_PREFIX) and isinstance(m, TensorStorageMetadata)}
-    try:
-        dcp.load(weights, storage_reader=SafeReader(ck.path, set(ck.manifest["files"])), no_dist=True)
-    except BaseException as exc:  # DCP's CheckpointException derives from BaseException
-        reraise_interrupt(exc)
-        if isinstance(root_error(exc), CheckpointError):
-            raise root_error(exc) from None
-        raise CheckpointError(f"{ck.path}: cannot be read ({failure_cause(exc)}); it is corrupt") from exc
-    model = {k.removeprefix(MODEL_PREFIX): v for k, v in weights.items()}
-    out = out.expanduser()
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        with atomic_path(out) as tmp:
-            torch.save(model, tmp)
-    except OSError as exc:
-        raise CheckpointError(f"{out}: cannot write the exported weights ({exc.strerror}); "
-                              "give a writable file path") from exc
-    return {"path": str(out), "step": ck.step, "tensors": len(model), "bytes": out.stat().st_size,
-            "checkpoint": str(ck.path)}
 
 
 def new_manifest(step: int, samples_seen: int, world_size: int, save_s: float,

@@ -1,0 +1,197 @@
+"""Exports of checkpoints saved by one process, DDP 2 and FSDP 2 (with compile and activation checkpointing on),
+loaded by their real consumers: safetensors, transformers (GPT2LMHeadModel), torch's DCP tools without trainflow.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import TINY_GPT, train
+
+from trainflow.checkpoint import export_weights
+from trainflow.errors import ConfigError
+from trainflow.models.gpt import GPT
+
+STEPS = ["trainer.max_steps=3", "trainer.eval_every=0", "trainer.eval_steps=2", "checkpoint=dcp",
+         "checkpoint.every_steps=3", "compile=default", "compile.backend=eager",
+         "parallelism.activation_checkpointing=full"]
+STRATEGIES = {"single": [], "ddp2": ["parallelism=ddp", "parallelism.nproc_per_node=2"],
+              "fsdp2": ["parallelism=fsdp", "parallelism.nproc_per_node=2", "compile.scope=blocks"]}
+WRAPPERS = ("_orig_mod.", "module.", "_fsdp_wrapped_module.", "_checkpoint_wrapped_module.")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Per strategy, a run of 3 steps with one committed checkpoint, and its exports in every format beside it."""
+    out = {}
+    for name, strategy in STRATEGIES.items():
+        run = train(tmp_path_factory.mktemp(name) / "run", *TINY_GPT, *STEPS, *strategy)
+        assert run.returncode == 0, run.stderr[-3000:]
+        for fmt in ("torch", "safetensors", "hf", "dcp"):
+            export_weights(run.run_dir, run.run_dir.parent / fmt, fmt)
+        export_weights(run.run_dir, run.run_dir.parent / "dcp_optim", "dcp", with_optimizer=True)
+        out[name] = run.run_dir
+    return out
+
+
+@pytest.fixture(params=list(STRATEGIES))
+def run_dir(request: pytest.FixtureRequest, runs: dict[str, Path]) -> Path:
+    return runs[request.param]
+
+
+def trainflow_logits(run_dir: Path, tokens: torch.Tensor) -> torch.Tensor:
+    """trainflow's GPT of the run's config, with the weights of the torch export."""
+    import yaml
+
+    cfg = yaml.safe_load((run_dir / "config.yaml").read_text())["model"]
+    model = GPT(**{k: v for k, v in cfg.items() if k != "_target_"})
+    model.load_state_dict(torch.load(run_dir.parent / "torch", weights_only=True))
+    return model.eval()(tokens)
+
+
+TOKENS = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
+
+
+def test_keys_are_the_models_own_names(run_dir: Path) -> None:
+    from safetensors.torch import load_file
+
+    from trainflow.checkpoint.safe_io import read_metadata
+
+    (step,) = (run_dir / "checkpoints").glob("step_*")
+    saved = list(read_metadata(step).state_dict_metadata)
+    exported = load_file(run_dir.parent / "safetensors" / "model.safetensors")
+    assert len(saved) > 29 and len(exported) == 29  # the model's tensors and the optimizer's
+    for key in [*saved, *exported]:
+        assert not any(w in key for w in WRAPPERS), key
+    assert set(exported) == set(GPT(n_layer=2, n_embd=64, n_head=2, block_size=32).state_dict())
+
+
+def test_safetensors_holds_the_checkpoints_weights(run_dir: Path) -> None:
+    from safetensors.torch import load_file
+
+    weights = load_file(run_dir.parent / "safetensors" / "model.safetensors")
+    reference = torch.load(run_dir.parent / "torch", weights_only=True)
+    assert weights.keys() == reference.keys()
+    for key, tensor in reference.items():
+        assert torch.equal(weights[key], tensor), key
+    info = json.loads((run_dir.parent / "safetensors" / "trainflow_export.json").read_text())
+    assert info["step"] == 3 and info["config"]["model"]["n_layer"] == 2
+    assert info["world_size"] == (1 if run_dir.parent.name.startswith("single") else 2)
+
+
+def test_hf_folder_loads_in_transformers_with_the_same_logits(run_dir: Path) -> None:
+    from transformers import GPT2LMHeadModel
+
+    model = GPT2LMHeadModel.from_pretrained(run_dir.parent / "hf").eval()
+    assert model.config.n_layer == 2 and model.config.activation_function == "gelu"
+    with torch.no_grad():
+        theirs = model(input_ids=TOKENS).logits
+        ours = trainflow_logits(run_dir, TOKENS)
+    torch.testing.assert_close(theirs, ours, rtol=1e-4, atol=1e-5)
+    assert ours.abs().max() > 0.1  # trained weights, not zeros
+
+
+def test_dcp_folder_reads_with_torch_alone(runs: dict[str, Path]) -> None:
+    """One process that never imports trainflow reads every run's stock DCP exports with torch's own tools."""
+    script = textwrap.dedent("""
+        import sys, torch, torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+        for folder in sys.argv[1:]:
+            dcp_to_torch_save(folder + "/dcp_optim", folder + "/whole.pt")
+            whole = torch.load(folder + "/whole.pt", weights_only=False)
+            model = {k: torch.empty_like(v) for k, v in whole["model"].items()}
+            dcp.load({"model": model}, checkpoint_id=folder + "/dcp", no_dist=True)
+            torch.save({"model": model, "optimizer": whole["optimizer"]}, folder + "/read.pt")
+        assert "trainflow" not in sys.modules
+    """)
+    folders = [str(r.parent) for r in runs.values()]
+    proc = subprocess.run([sys.executable, "-c", script, *folders], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for run_dir in runs.values():
+        read = torch.load(run_dir.parent / "read.pt", weights_only=False)
+        reference = torch.load(run_dir.parent / "torch", weights_only=True)
+        assert read["model"].keys() == reference.keys()
+        for key, tensor in reference.items():
+            assert torch.equal(read["model"][key], tensor), key
+        state = read["optimizer"]["state"]
+        assert state.keys() == reference.keys() - {"head.weight"} and float(state["ln_f.weight"]["step"]) == 3.0
+        assert state["tok_emb.weight"]["exp_avg"].abs().max() > 0
+        assert len(read["optimizer"]["param_groups"]) >= 1
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "hf"])
+def test_exported_weights_load_back_into_trainflows_gpt(run_dir: Path, fmt: str) -> None:
+    from trainflow.checkpoint.resume import exported_weights, load_exported
+    from trainflow.checkpoint.state import TrainState
+    from trainflow.distributed import DistEnv
+
+    model = GPT(n_layer=2, n_embd=64, n_head=2, block_size=32)
+    optimizer = torch.optim.AdamW(model.parameters())
+    state = TrainState(model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0))
+    load_exported(exported_weights(run_dir.parent / fmt), state, DistEnv(0, 1, 0, torch.device("cpu")))
+    reference = torch.load(run_dir.parent / "torch", weights_only=True)
+    for key, tensor in model.state_dict().items():
+        assert torch.equal(tensor, reference[key]), key
+    assert model.head.weight is model.tok_emb.weight  # still tied
+
+    other = GPT(n_layer=2, n_embd=32, n_head=2, block_size=32)
+    state.model = other
+    with pytest.raises(ConfigError, match=r"tok_emb.weight is \[256, 64\] there, \[256, 32\] in this model"):
+        load_exported(exported_weights(run_dir.parent / fmt), state, DistEnv(0, 1, 0, torch.device("cpu")))
+
+
+def first_loss(run_dir: Path) -> float:
+    return next(json.loads(line)["train/loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+                if json.loads(line).get("step") == 1)
+
+
+def test_a_run_starts_from_a_hugging_face_folder(runs: dict[str, Path], tmp_path: Path) -> None:
+    """checkpoint.load=model from the hf export of the FSDP run: the first step trains the exported weights (its
+    loss is not the fresh model's, which the single run's first step was: same seed, same batch)."""
+    hf = runs["fsdp2"].parent / "hf"
+    run = train(tmp_path / "run", *TINY_GPT, "trainer.max_steps=1", "trainer.eval_every=0", "checkpoint=dcp",
+                "checkpoint.load=model", f"checkpoint.resume={hf}")
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert f"checkpoint.load=model: loaded the weights of {hf}/model.safetensors" in run.stdout
+    assert abs(first_loss(run.run_dir) - first_loss(runs["single"])) > 1e-3
+
+
+@pytest.mark.slow
+def test_a_hugging_face_model_trained_by_target_exports_by_save_pretrained(tmp_path: Path) -> None:
+    """experiment=hf_gpt2: the hf export is the model's own save_pretrained output, and loads back into it."""
+    from transformers import AutoTokenizer, GPT2LMHeadModel
+
+    from trainflow.checkpoint.export import Source
+    from trainflow.checkpoint.resume import exported_weights, load_exported
+    from trainflow.checkpoint.state import TrainState
+    from trainflow.distributed import DistEnv
+    from trainflow.models.hf import gpt2
+
+    run = train(tmp_path / "run", "experiment=hf_gpt2", "trainer.max_steps=2", "trainer.eval_every=0",
+                "logger=none", "checkpoint=dcp", "checkpoint.every_steps=2", f"tokenizer.cache_dir={tmp_path}/tok",
+                f"data.cache_dir={tmp_path}/data")
+    assert run.returncode == 0, run.stderr[-3000:]
+    export_weights(run.run_dir, tmp_path / "hf", "hf")
+    source = Source(run.run_dir)
+    saved = source.read(list(source.model_keys.values()))
+    loaded = GPT2LMHeadModel.from_pretrained(tmp_path / "hf").state_dict()
+    for key, tensor in saved.items():
+        assert torch.equal(loaded[key.removeprefix("app.model.")], tensor), key
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "hf")  # the run's BPE, saved beside the model
+    assert len(tokenizer) == 2048 and tokenizer.eos_token_id == 0
+    text = "Return the sum of the arguments."
+    assert tokenizer.decode(tokenizer(text)["input_ids"]) == text
+    assert len(tokenizer(text)["input_ids"]) < len(text)  # BPE pieces, not bytes
+
+    model = gpt2(vocab_size=2048, n_positions=128, n_embd=128, n_layer=2, n_head=4)
+    optimizer = torch.optim.AdamW(model.parameters())
+    state = TrainState(model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0))
+    load_exported(exported_weights(tmp_path / "hf"), state, DistEnv(0, 1, 0, torch.device("cpu")))
+    for key, tensor in saved.items():
+        assert torch.equal(model.state_dict()[key.removeprefix("app.model.")], tensor), key
