@@ -31,6 +31,7 @@ from trainflow.checkpoint.state import (
     model_shapes,
     restore_schedule,
     rng_file,
+    saved_stream_version,
     set_rng_state,
     split_state,
     split_tensors,
@@ -154,6 +155,7 @@ def load_all(target: Committed, state: TrainState, env: DistEnv, group: Any) -> 
     set_state_dict(state.model, state.optimizer, model_state_dict=loaded["model"],
                    optim_state_dict={"state": loaded["optim"]["state"], "param_groups": live["param_groups"]})
     state.step, state.samples_seen = int(plain["step"]), int(plain["samples_seen"])
+    state.stream_version = saved_stream_version(plain, target.path)
     restore_schedule(state, plain["scheduler"], live["scheduler"], state.step)
     same_world = target.manifest.get("world_size") == env.world_size
     listed = target.manifest["files"]  # checked by check_intact: regular files of the folder
