@@ -589,6 +589,10 @@ CASES = [
          "Error: {ckpts}/step_00000004: saved in checkpoint format 4 by trainflow 9.0.0, a newer format: this "
          "trainflow ({any}) reads format 3 only; nothing was changed: resume or export it with that trainflow or a "
          "newer one", setup=newer_format_in_the_newest_manifest),
+    Case("shards-not-prepared", "data", "data=shards at a folder nothing was prepared in",
+         ("data=shards", "data.path={tmp}", "model.vocab_size=512"),
+         "Error: data.path: {tmp}/manifest.json does not exist; prepare the corpus first with `trainflow prepare "
+         "data=text data.paths=[...] --out {tmp}`, or point data.path at a prepared folder"),
     Case("unknown-stream-version", "checkpoint", "resuming a data position of an unknown sample stream order", (),
          "Error: {ckpts}/step_00000004: its data position counts in sample stream version 3, and this trainflow "
          "knows versions 1, 2; resume it with the trainflow that saved it, or keep its weights only (a fresh data "
