@@ -162,7 +162,7 @@ def assemble(cfg: DictConfig, run_dir: Path, env: DistEnv, stage_types: Sequence
     loader = make_loader(data.train, sampler, cfg.data, pin)
     if isinstance(loader, IterableBatches):  # the user's stream: its position is checkpointed with the state
         loader.check(parallelism.global_batch, trainer.grad_accum)
-        loader.restore(state.data_state, resumed_from is not None, env.is_main)
+        loader.restore(state.data_state, resumed_from is not None, env.is_main, state.data_states)
         state.data_loader = loader
     profiled = any(isinstance(stage, Profiler) and stage.enabled for stage in stages)
     training = Training(

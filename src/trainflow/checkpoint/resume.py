@@ -167,6 +167,7 @@ def load_all(target: Committed, state: TrainState, env: DistEnv, group: Any) -> 
         set_rng_state(read_json(rng), rng)
     position = target.path / data_file(env.rank)  # an iterable dataset's stream (its loader checks the split)
     state.data_state = read_json(position) if position.name in listed else None
+    state.data_states = [read_json(target.path / name) for name in sorted(listed) if name.startswith("data_rank")]
     if env.is_main:
         log.info("resumed from step %d (%s, saved on %d rank(s); data position %d samples)", state.step,
                  target.path, target.manifest.get("world_size"), state.samples_seen)

@@ -37,6 +37,7 @@ class TrainState:
     stream_version: int = STREAM_VERSION  # how that stream orders its samples; a resume keeps the checkpoint's
     data_loader: Any = None  # an iterable dataset's loader: its state_dict() is this rank's stream position
     data_state: dict[str, Any] | None = None  # that position as a resume read it, restored when the loader is built
+    data_states: list[dict[str, Any]] | None = None  # every rank's (a sharded stream resumes from all of them)
 
 
 def rng_file(rank: int) -> str:
