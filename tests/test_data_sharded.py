@@ -91,3 +91,21 @@ def test_train_py_resumes_a_sharded_stream_exactly(tmp_path: Path) -> None:
     expected = losses_by_step(whole.run_dir)
     assert len(set(expected.values())) == 8
     assert losses_by_step(resumed.run_dir) == {step: expected[step] for step in range(4, 9)}
+
+
+def numbers(shards: list[int]):
+    for s in shards:
+        for j in range(8):
+            yield {"x": s * 1000 + j}
+
+
+def test_a_hugging_face_iterable_dataset_is_read_by_its_shards() -> None:
+    """`n_shards` / `shard(num_shards=, index=)`: 8 shards (one per gen_kwargs entry) on 2 ranks x 2 workers."""
+    import datasets
+
+    hf = datasets.IterableDataset.from_generator(numbers, gen_kwargs={"shards": list(range(8))})
+    source = IterableSource(hf, default_collate, "hf")
+    ranks = [IterableBatches(source, r, 2, BATCH, LOADER, pin_memory=False) for r in range(2)]
+    items = [[n for _, batch in rank.loader for n in batch["x"].tolist()] for rank in ranks]
+    assert sorted(items[0] + items[1]) == EVERY_ITEM
+    assert {n // 1000 for n in items[0]} == {0, 1, 4, 5} and {n // 1000 for n in items[1]} == {2, 3, 6, 7}

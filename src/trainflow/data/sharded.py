@@ -23,17 +23,20 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 def shard_count(dataset: Any) -> int | None:
     """How many shards the dataset exposes, or None when it cannot be sharded."""
-    if isinstance(getattr(dataset, "num_shards", None), int) and callable(getattr(dataset, "shard", None)):
-        return dataset.num_shards
-    if isinstance(getattr(dataset, "n_shards", None), int) and callable(getattr(dataset, "shard", None)):
-        return dataset.n_shards  # a Hugging Face IterableDataset
+    if not callable(getattr(dataset, "shard", None)):
+        return None
+    for name in ("n_shards", "num_shards"):  # a Hugging Face IterableDataset has both; trainflow's protocol the second
+        if isinstance(getattr(dataset, name, None), int):
+            return getattr(dataset, name)
     return None
 
 
 def shard_items(dataset: Any, index: int) -> Iterable[Any]:
-    if isinstance(getattr(dataset, "num_shards", None), int):
-        return dataset.shard(index)
-    return dataset.shard(num_shards=dataset.n_shards, index=index)
+    if isinstance(getattr(dataset, "n_shards", None), int):  # Hugging Face: a dataset of that one shard, read by
+        # `iter` (its own __iter__ would split the shard again among the loader's workers)
+        one = dataset.shard(num_shards=dataset.n_shards, index=index)
+        return ({key: values[0] for key, values in batch.items()} for batch in one.iter(batch_size=1))
+    return dataset.shard(index)
 
 
 class ShardedShare(IterableDataset):
