@@ -9,12 +9,17 @@ with 2, worker processes prepare the next batches while the step runs.
     python benchmarks/data_path.py [--experiment digits] [--rounds 3] [--steps 150] [--threads N] [override ...]
     python benchmarks/data_path.py --what sampler     # the stream's order: per-index permutation vs randperm
     python benchmarks/data_path.py --what prepare     # trainflow prepare vs a plain tokenizers batch-encode loop
+    python benchmarks/data_path.py --what loader      # data=shards' windows vs Hugging Face datasets streaming
 
 --what sampler: the memory (RSS growth) and time per micro-batch of the sample stream at n = 1e6, 1e9, 1e12
 samples, the per-index permutation (stream version 2) beside the stored torch.randperm (version 1) where it fits
 in memory (n = 1e6: 8 bytes a sample, so 1e9 would take 8 GB a rank). --what prepare: tokens/s of `trainflow
 prepare` with one worker (encode, write the shard, checksum it) against a loop that only encodes the same pieces
-with the same BPE, on the same corpus, alternating round by round.
+with the same BPE, on the same corpus, alternating round by round. --what loader: tokens/s of micro-batches of 32
+windows of 129 tokens, from the prepared shards of trainflow's src/ (ShardWindows gathering the shuffled stream's
+indices from the memory maps) against `datasets.load_dataset("parquet", streaming=True)` over one parquet file
+per shard holding the same windows, read in order and stacked into the same batch tensor; Mosaic `streaming` is
+measured too when it is installed.
 
 --threads sets torch's intra-op threads: on a machine whose cores other processes also use, two threads of a
 small model's step wait on each other (measured here: 7 ms a step with one thread, 40-80 ms with two), which
@@ -113,6 +118,63 @@ def prepare_throughput(rounds: int) -> None:
           f"{', '.join(f'{r:.3f}' for r in ratios)})")
 
 
+def loader_throughput(rounds: int, batches: int = 300) -> None:
+    """Tokens/s of data=shards' windows against Hugging Face datasets streaming over the same windows."""
+    import datasets
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from omegaconf import OmegaConf
+
+    from trainflow.data.shards import ShardWindows, prepare, read_manifest
+    from trainflow.data.stream import StreamSampler
+    from trainflow.data.text import Corpus
+
+    seq_len, b = 128, 32
+    corpus = Corpus.of(OmegaConf.create({"paths": [str(ROOT / "src")], "suffixes": [".py"]}))
+    with tempfile.TemporaryDirectory() as tmp:
+        tok = corpus.tokenizer(OmegaConf.create({"kind": "bpe", "vocab_size": 4096, "cache_dir": f"{tmp}/tok"}))
+        out = Path(tmp) / "shards"
+        prepare(corpus, tok, out, workers=1, shard_bytes=256 << 10, progress=False)
+        manifest = read_manifest(out)
+        files = []
+        for i, shard in enumerate(manifest["shards"]):  # the same windows, a parquet file a shard
+            tokens = np.fromfile(out / shard["name"], dtype=manifest["dtype"]).astype(np.int64)
+            rows = [tokens[k * seq_len:k * seq_len + seq_len + 1].tolist() for k in range((len(tokens) - 1) // seq_len)]
+            if rows:
+                files.append(f"{tmp}/p{i}.parquet")
+                pq.write_table(pa.table({"ids": rows}), files[-1])
+        ours, hf = [], []
+        for _ in range(rounds):
+            windows = ShardWindows(out, manifest, seq_len)
+            stream, started = iter(StreamSampler(len(windows), b, 0, 1, seed=0)), time.perf_counter()
+            for _ in range(batches):
+                inputs, _ = windows[next(stream)]
+            ours.append(batches * b * (seq_len + 1) / (time.perf_counter() - started))
+            rows = datasets.load_dataset("parquet", data_files=files, split="train", streaming=True)
+            started, taken = time.perf_counter(), 0
+            while taken < batches:  # pass after pass over the windows (a streaming dataset restarts when iterated)
+                batch = []
+                for row in rows:
+                    batch.append(row["ids"])
+                    if len(batch) == b:
+                        torch.tensor(batch)
+                        batch, taken = [], taken + 1
+                        if taken == batches:
+                            break
+            hf.append(batches * b * (seq_len + 1) / (time.perf_counter() - started))
+    print(f"{len(manifest['shards'])} shards, {manifest['tokens']} tokens; micro-batches of {b} x {seq_len + 1}")
+    print(f"data=shards (shuffled, memory-mapped): median {statistics.median(ours) / 1e6:7.2f}M tokens/s")
+    print(f"datasets streaming (in order, parquet): median {statistics.median(hf) / 1e6:7.2f}M tokens/s")
+    ratios = [a / c for a, c in zip(ours, hf, strict=True)]
+    print(f"data=shards / datasets streaming: median {statistics.median(ratios):.2f} (rounds: "
+          f"{', '.join(f'{r:.2f}' for r in ratios)})")
+    try:
+        import streaming  # noqa: F401
+    except ImportError:
+        print("Mosaic streaming: not installed (pip install mosaicml-streaming to measure it): skipped")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--experiment", default="digits")
@@ -120,13 +182,15 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads; default: torch's")
-    parser.add_argument("--what", choices=("workers", "sampler", "prepare"), default="workers")
+    parser.add_argument("--what", choices=("workers", "sampler", "prepare", "loader"), default="workers")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
     if args.what == "sampler":
         return sampler_costs(batches=2000)
     if args.what == "prepare":
         return prepare_throughput(args.rounds)
+    if args.what == "loader":
+        return loader_throughput(args.rounds)
     if args.threads:
         torch.set_num_threads(args.threads)
     logging.getLogger("trainflow").setLevel(logging.WARNING)
