@@ -593,6 +593,10 @@ CASES = [
          ("data=shards", "data.path={tmp}", "model.vocab_size=512"),
          "Error: data.path: {tmp}/manifest.json does not exist; prepare the corpus first with `trainflow prepare "
          "data=text data.paths=[...] --out {tmp}`, or point data.path at a prepared folder"),
+    Case("prepare-without-conf", "data", "trainflow prepare where no conf/ folder is",
+         ("prepare", "--out", "{tmp}/shards", "--config-dir", "{tmp}/conf", "data.paths=[{tmp}]"),
+         "Error: --config-dir: {tmp}/conf holds no train.yaml; run trainflow prepare from the folder holding conf/ "
+         "(the repository's root), or pass --config-dir", tool="trainflow"),
     Case("unknown-stream-version", "checkpoint", "resuming a data position of an unknown sample stream order", (),
          "Error: {ckpts}/step_00000004: its data position counts in sample stream version 3, and this trainflow "
          "knows versions 1, 2; resume it with the trainflow that saved it, or keep its weights only (a fresh data "

@@ -113,6 +113,9 @@ def _prepare(args: argparse.Namespace) -> int:
     from trainflow.data.text import Corpus
     from trainflow.errors import ConfigError
 
+    if not (args.config_dir / "train.yaml").is_file():
+        raise ConfigError(f"--config-dir: {args.config_dir.resolve()} holds no train.yaml; run trainflow prepare from "
+                          "the folder holding conf/ (the repository's root), or pass --config-dir")
     register_with_hydra()
     with initialize_config_dir(str(args.config_dir.resolve()), version_base="1.3"):
         cfg = compose("train", overrides=args.overrides)
