@@ -65,8 +65,8 @@ def test_a_rank_opens_only_the_shards_its_positions_fall_in(prepared: Path) -> N
 
 
 def test_an_interrupted_prepare_does_only_what_is_left(prepared: Path, tmp_path: Path) -> None:
-    """A shard renamed into place without its record (stopped in between), another never written, no manifest:
-    the next prepare writes those two again, byte for byte, and keeps the others untouched."""
+    """What a kill leaves: a shard renamed into place without its record, another half-written under its temporary
+    name, no manifest: the next prepare writes those two again, byte for byte, and keeps the others untouched."""
     copy = tmp_path / "prepared"
     shutil.copytree(prepared, copy)
     before = read_manifest(copy)
@@ -74,6 +74,7 @@ def test_an_interrupted_prepare_does_only_what_is_left(prepared: Path, tmp_path:
     (copy / shard_name(1)).with_suffix(".json").unlink()
     (copy / shard_name(2)).unlink()
     (copy / shard_name(2)).with_suffix(".json").unlink()
+    (copy / f".{shard_name(2)}.tmp4242.bin").write_bytes(b"half a shard")  # what a kill leaves of one being written
     kept = {p.name: p.stat().st_mtime_ns for p in copy.glob("shard_*.bin")}
     cfg = {"paths": [str(prepared.parent / "corpus")], "suffixes": [".py"]}
     corpus = Corpus.of(_section(cfg))
@@ -82,6 +83,7 @@ def test_an_interrupted_prepare_does_only_what_is_left(prepared: Path, tmp_path:
     assert after == before
     rewritten = {p.name for p in copy.glob("shard_*.bin") if kept.get(p.name) != p.stat().st_mtime_ns}
     assert rewritten == {shard_name(1), shard_name(2)}
+    assert not list(copy.glob(".*"))  # nothing half-written left behind
 
 
 def _section(values: dict):

@@ -119,6 +119,8 @@ def prepare(corpus: Corpus, tokenizer: Tokenizer, out: Path, workers: int, shard
             progress: bool = True) -> dict:
     """Tokenize the corpus into shards in `out` with `workers` processes; shards finished before are kept."""
     out.mkdir(parents=True, exist_ok=True)
+    for stale in out.glob(".shard_*.tmp*"):  # a shard or record a killed prepare was writing (atomic_path's names)
+        stale.unlink()
     jobs = plan(corpus.files, tokenizer, shard_bytes)
     records: dict[int, dict] = {}
     todo = []
