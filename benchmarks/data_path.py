@@ -7,6 +7,19 @@ summary. Reported: the median samples/s and data-wait fraction of each, and the 
 with 2, worker processes prepare the next batches while the step runs.
 
     python benchmarks/data_path.py [--experiment digits] [--rounds 3] [--steps 150] [--threads N] [override ...]
+    python benchmarks/data_path.py --what sampler     # the stream's order: per-index permutation vs randperm
+    python benchmarks/data_path.py --what prepare     # trainflow prepare vs a plain tokenizers batch-encode loop
+    python benchmarks/data_path.py --what loader      # data=shards' windows vs Hugging Face datasets streaming
+
+--what sampler: the memory (RSS growth) and time per micro-batch of the sample stream at n = 1e6, 1e9, 1e12
+samples, the per-index permutation (stream version 2) beside the stored torch.randperm (version 1) where it fits
+in memory (n = 1e6: 8 bytes a sample, so 1e9 would take 8 GB a rank). --what prepare: tokens/s of `trainflow
+prepare` with one worker (encode, write the shard, checksum it) against a loop that only encodes the same pieces
+with the same BPE, on the same corpus, alternating round by round. --what loader: tokens/s of micro-batches of 32
+windows of 129 tokens, from the prepared shards of trainflow's src/ (ShardWindows gathering the shuffled stream's
+indices from the memory maps) against `datasets.load_dataset("parquet", streaming=True)` over one parquet file
+per shard holding the same windows, read in order and stacked into the same batch tensor; Mosaic `streaming` is
+measured too when it is installed.
 
 --threads sets torch's intra-op threads: on a machine whose cores other processes also use, two threads of a
 small model's step wait on each other (measured here: 7 ms a step with one thread, 40-80 ms with two), which
@@ -23,6 +36,7 @@ import argparse
 import logging
 import statistics
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -51,6 +65,116 @@ def steady(cfg_dir: Path, extra_dir: Path | None, overrides: list[str]) -> dict[
             "data_wait_fraction": summary["data_wait_fraction"]}
 
 
+def rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+
+def sampler_costs(batches: int) -> None:
+    """Per-batch time and RSS growth of this rank's stream (rank 0 of 8, 32 samples a micro-batch)."""
+    from trainflow.data.stream import StreamSampler
+
+    for n in (10**6, 10**9, 10**12):
+        for version in (1, 2) if n <= 10**6 else (2,):
+            before, started = rss(), time.perf_counter()
+            stream = iter(StreamSampler(n, 32, 0, 8, seed=0, version=version))
+            next(stream)  # the epoch's start: randperm draws the whole order here
+            first = time.perf_counter() - started
+            started = time.perf_counter()
+            for _ in range(batches):
+                next(stream)
+            per_batch = (time.perf_counter() - started) / batches
+            name = "randperm (v1)" if version == 1 else "per-index (v2)"
+            print(f"n={n:.0e} {name:15s}: first batch {first * 1e3:8.1f} ms, then {per_batch * 1e6:7.1f} us/batch, "
+                  f"RSS +{(rss() - before) / 2**20:7.1f} MiB")
+
+
+def prepare_throughput(rounds: int) -> None:
+    """trainflow prepare (1 worker) against encode_batch over the same pieces, tokens/s, alternating."""
+    from omegaconf import OmegaConf
+
+    from trainflow.data.shards import prepare
+    from trainflow.data.text import PIECES_AT_ONCE, Corpus, _pieces
+
+    corpus = Corpus.of(OmegaConf.create({"paths": [str(ROOT / "src")], "suffixes": [".py"]}))
+    with tempfile.TemporaryDirectory() as tmp:
+        tok = corpus.tokenizer(OmegaConf.create({"kind": "bpe", "vocab_size": 4096, "cache_dir": f"{tmp}/tok"}))
+        ours, plain = [], []
+        for r in range(rounds):
+            started = time.perf_counter()
+            manifest = prepare(corpus, tok, Path(tmp) / f"out{r}", workers=1, progress=False)
+            ours.append(manifest["tokens"] / (time.perf_counter() - started))
+            started, tokens = time.perf_counter(), 0
+            for f in corpus.files:
+                pieces = list(_pieces(f))
+                for i in range(0, len(pieces), PIECES_AT_ONCE):
+                    tokens += sum(len(e.ids) for e in tok.encoder.encode_batch(pieces[i:i + PIECES_AT_ONCE]))
+            plain.append(tokens / (time.perf_counter() - started))
+    print(f"corpus: {len(corpus.files)} files of src/, {manifest['tokens']} tokens (BPE 4096)")
+    print(f"trainflow prepare, 1 worker: median {statistics.median(ours) / 1e3:8.0f}k tokens/s")
+    print(f"tokenizers encode_batch loop: median {statistics.median(plain) / 1e3:8.0f}k tokens/s")
+    ratios = [a / b for a, b in zip(ours, plain, strict=True)]
+    print(f"prepare / plain loop: median {statistics.median(ratios):.3f} (rounds: "
+          f"{', '.join(f'{r:.3f}' for r in ratios)})")
+
+
+def loader_throughput(rounds: int, batches: int = 300) -> None:
+    """Tokens/s of data=shards' windows against Hugging Face datasets streaming over the same windows."""
+    import datasets
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from omegaconf import OmegaConf
+
+    from trainflow.data.shards import ShardWindows, prepare, read_manifest
+    from trainflow.data.stream import StreamSampler
+    from trainflow.data.text import Corpus
+
+    seq_len, b = 128, 32
+    corpus = Corpus.of(OmegaConf.create({"paths": [str(ROOT / "src")], "suffixes": [".py"]}))
+    with tempfile.TemporaryDirectory() as tmp:
+        tok = corpus.tokenizer(OmegaConf.create({"kind": "bpe", "vocab_size": 4096, "cache_dir": f"{tmp}/tok"}))
+        out = Path(tmp) / "shards"
+        prepare(corpus, tok, out, workers=1, shard_bytes=256 << 10, progress=False)
+        manifest = read_manifest(out)
+        files = []
+        for i, shard in enumerate(manifest["shards"]):  # the same windows, a parquet file a shard
+            tokens = np.fromfile(out / shard["name"], dtype=manifest["dtype"]).astype(np.int64)
+            rows = [tokens[k * seq_len:k * seq_len + seq_len + 1].tolist() for k in range((len(tokens) - 1) // seq_len)]
+            if rows:
+                files.append(f"{tmp}/p{i}.parquet")
+                pq.write_table(pa.table({"ids": rows}), files[-1])
+        ours, hf = [], []
+        for _ in range(rounds):
+            windows = ShardWindows(out, manifest, seq_len)
+            stream, started = iter(StreamSampler(len(windows), b, 0, 1, seed=0)), time.perf_counter()
+            for _ in range(batches):
+                inputs, _ = windows[next(stream)]
+            ours.append(batches * b * (seq_len + 1) / (time.perf_counter() - started))
+            rows = datasets.load_dataset("parquet", data_files=files, split="train", streaming=True)
+            started, taken = time.perf_counter(), 0
+            while taken < batches:  # pass after pass over the windows (a streaming dataset restarts when iterated)
+                batch = []
+                for row in rows:
+                    batch.append(row["ids"])
+                    if len(batch) == b:
+                        torch.tensor(batch)
+                        batch, taken = [], taken + 1
+                        if taken == batches:
+                            break
+            hf.append(batches * b * (seq_len + 1) / (time.perf_counter() - started))
+    print(f"{len(manifest['shards'])} shards, {manifest['tokens']} tokens; micro-batches of {b} x {seq_len + 1}")
+    print(f"data=shards (shuffled, memory-mapped): median {statistics.median(ours) / 1e6:7.2f}M tokens/s")
+    print(f"datasets streaming (in order, parquet): median {statistics.median(hf) / 1e6:7.2f}M tokens/s")
+    ratios = [a / c for a, c in zip(ours, hf, strict=True)]
+    print(f"data=shards / datasets streaming: median {statistics.median(ratios):.2f} (rounds: "
+          f"{', '.join(f'{r:.2f}' for r in ratios)})")
+    try:
+        import streaming  # noqa: F401
+    except ImportError:
+        print("Mosaic streaming: not installed (pip install mosaicml-streaming to measure it): skipped")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--experiment", default="digits")
@@ -58,8 +182,15 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads; default: torch's")
+    parser.add_argument("--what", choices=("workers", "sampler", "prepare", "loader"), default="workers")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
+    if args.what == "sampler":
+        return sampler_costs(batches=2000)
+    if args.what == "prepare":
+        return prepare_throughput(args.rounds)
+    if args.what == "loader":
+        return loader_throughput(args.rounds)
     if args.threads:
         torch.set_num_threads(args.threads)
     logging.getLogger("trainflow").setLevel(logging.WARNING)

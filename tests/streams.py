@@ -48,8 +48,43 @@ class StatefulVectorStream(VectorStream):
         self.position = state["position"]
 
 
+class ShardedVectorStream(VectorStream):
+    """The same items in `num_shards` shards of consecutive items (trainflow's shard protocol)."""
+
+    def __init__(self, num_shards: int, *args: Any) -> None:
+        super().__init__(*args)
+        self.num_shards = num_shards
+
+    def shard(self, index: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        per_shard = self.size // self.num_shards
+        for i in range(index * per_shard, (index + 1) * per_shard):
+            yield item(i, self.features, self.classes, self.seed)
+
+
 def vector_stream(size: int = 20, features: int = 100, classes: int = 10, seed: int = 0,
-                  stateful: bool = False) -> dict[str, IterableDataset]:
-    """train: `size` items a pass; val: 16 items of another seed (an iterable too, read once)."""
-    kind = StatefulVectorStream if stateful else VectorStream
-    return {"train": kind(size, features, classes, seed), "val": VectorStream(16, features, classes, seed + 1)}
+                  stateful: bool = False, shards: int = 0) -> dict[str, IterableDataset]:
+    """train: `size` items a pass (in `shards` shards, when given); val: 16 items of another seed (an iterable too,
+    read once)."""
+    if shards:
+        train = ShardedVectorStream(shards, size, features, classes, seed)
+    else:
+        train = (StatefulVectorStream if stateful else VectorStream)(size, features, classes, seed)
+    return {"train": train, "val": VectorStream(16, features, classes, seed + 1)}
+
+
+class ShardedNumbers(IterableDataset):
+    """`num_shards` shards of `per_shard` items each, trainflow's shard protocol: item j of shard s is the number
+    s * 1000 + j (so a test counts which were read)."""
+
+    def __init__(self, num_shards: int = 8, per_shard: int = 8) -> None:
+        self.num_shards, self.per_shard = num_shards, per_shard
+        self.opened: list[int] = []  # shards this copy started reading (a worker's copy: its own)
+
+    def shard(self, index: int) -> Iterator[torch.Tensor]:
+        self.opened.append(index)
+        for j in range(self.per_shard):
+            yield torch.tensor(index * 1000 + j)
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        for index in range(self.num_shards):
+            yield from self.shard(index)

@@ -164,6 +164,18 @@ def newer_format_in_the_newest_manifest(ctx: Ctx) -> None:
     edit_newest_manifest(ctx, format=4, trainflow_version="9.0.0")
 
 
+def unknown_stream_version_in_the_newest_state(ctx: Ctx) -> None:
+    """A data position counted in a sample stream order this trainflow does not know (sizes and checksums kept)."""
+    from trainflow.checkpoint.safe_io import file_checksum
+
+    folder = ctx.ckpts / "step_00000004"
+    state = json.loads((folder / "state.json").read_text())
+    (folder / "state.json").write_text(json.dumps({**state, "stream_version": 3}))
+    manifest = json.loads((folder / "manifest.json").read_text())
+    edit_newest_manifest(ctx, files={**manifest["files"], "state.json": (folder / "state.json").stat().st_size},
+                         checksums={**manifest["checksums"], "state.json": file_checksum(folder / "state.json")})
+
+
 def foreign_folder_where_a_save_goes(ctx: Ctx) -> None:
     """A folder of trainflow's naming that another program made (no marker inside), where step 6 will be saved."""
     (ctx.ckpts / ".tmp-step_00000006").mkdir()
@@ -614,6 +626,19 @@ CASES = [
          "Error: {ckpts}/step_00000004: saved in checkpoint format 4 by trainflow 9.0.0, a newer format: this "
          "trainflow ({any}) reads format 3 only; nothing was changed: resume or export it with that trainflow or a "
          "newer one", setup=newer_format_in_the_newest_manifest),
+    Case("shards-not-prepared", "data", "data=shards at a folder nothing was prepared in",
+         ("data=shards", "data.path={tmp}", "model.vocab_size=512"),
+         "Error: data.path: {tmp}/manifest.json does not exist; prepare the corpus first with `trainflow prepare "
+         "data=text data.paths=[...] --out {tmp}`, or point data.path at a prepared folder"),
+    Case("prepare-without-conf", "data", "trainflow prepare where no conf/ folder is",
+         ("prepare", "--out", "{tmp}/shards", "--config-dir", "{tmp}/conf", "data.paths=[{tmp}]"),
+         "Error: --config-dir: {tmp}/conf holds no train.yaml; run trainflow prepare from the folder holding conf/ "
+         "(the repository's root), or pass --config-dir", tool="trainflow"),
+    Case("unknown-stream-version", "checkpoint", "resuming a data position of an unknown sample stream order", (),
+         "Error: {ckpts}/step_00000004: its data position counts in sample stream version 3, and this trainflow "
+         "knows versions 1, 2; resume it with the trainflow that saved it, or keep its weights only (a fresh data "
+         "stream) with checkpoint.load=model checkpoint.resume={ckpts}/step_00000004 and checkpoint.dir at a new "
+         "folder", setup=unknown_stream_version_in_the_newest_state),
     Case("export-newer-format", "checkpoint", "exporting a checkpoint of a newer format",
          ("export", "{ckpts}/step_00000004", "{tmp}/model.pt"),
          "Error: {ckpts}/step_00000004: saved in checkpoint format 4 by trainflow 9.0.0, a newer format: this "

@@ -17,7 +17,7 @@ CONF = ROOT / "conf"
 # The group options typed by their own schema (model and data kinds); the others by RunConfig's section.
 KIND_SCHEMAS = {"model/mlp": config.MLPConfig, "model/cnn": config.CNNConfig, "data/text": config.TextDataConfig,
                 "data/synthetic": config.SyntheticDataConfig, "data/digits": config.DigitsDataConfig,
-                "data/hf": config.HFDataConfig}
+                "data/hf": config.HFDataConfig, "data/shards": config.ShardsDataConfig}
 SECTIONS = {f.name: f.default_factory for f in fields(config.RunConfig) if callable(f.default_factory)}
 SECTIONS["task"] = config.TaskConfig  # the built-in tasks' schema (a user's task._target_ has none)
 OPTIONS = sorted(p for group in ("checkpoint", "compile", "data", "logger", "model", "optim", "parallelism",

@@ -117,8 +117,50 @@ def _add_report(commands: argparse._SubParsersAction) -> None:
     add_command(commands)
 
 
+def _prepare(args: argparse.Namespace) -> int:
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from trainflow.data.shards import prepare
+    from trainflow.data.text import Corpus
+    from trainflow.errors import ConfigError
+
+    if not (args.config_dir / "train.yaml").is_file():
+        raise ConfigError(f"--config-dir: {args.config_dir.resolve()} holds no train.yaml; run trainflow prepare from "
+                          "the folder holding conf/ (the repository's root), or pass --config-dir")
+    register_with_hydra()
+    with initialize_config_dir(str(args.config_dir.resolve()), version_base="1.3"):
+        cfg = compose("train", overrides=args.overrides)
+    data = cfg.data
+    if data.get("kind") != "text":
+        raise ConfigError("data: trainflow prepare reads a corpus of text files; give data=text data.paths=[...] "
+                          "(and the tokenizer= the run will train with)")
+    corpus = Corpus.of(data)
+    tokenizer = corpus.tokenizer(OmegaConf.to_container(data.tokenizer, resolve=True))
+    manifest = prepare(corpus, tokenizer, args.out, args.workers, int(args.shard_mb * (1 << 20)),
+                       progress=not args.quiet)
+    print(f"wrote {len(manifest['shards'])} shards of {manifest['tokens']} tokens ({manifest['dtype']}, tokenizer "
+          f"{manifest['tokenizer']}) to {args.out}; train with data=shards data.path={args.out} "
+          f"model.vocab_size={manifest['vocab_size']}")
+    return 0
+
+
+def _add_prepare(commands: argparse._SubParsersAction) -> None:
+    p = commands.add_parser("prepare", help="tokenize a corpus once into token shards for data=shards",
+                            description="Tokenize the corpus of data=text (the same config keys as training) into "
+                                        "memory-mapped token shards with a manifest of checksums; run again to "
+                                        "finish an interrupted prepare.")
+    p.add_argument("--out", type=Path, required=True, help="the folder to write the shards and manifest.json to")
+    p.add_argument("--workers", type=int, default=1, help="processes that tokenize shards in parallel")
+    p.add_argument("--shard-mb", type=float, default=64, help="text a shard holds, about (MB)")
+    p.add_argument("--config-dir", type=Path, default=Path("conf"), help="the conf folder (default: ./conf)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("overrides", nargs="*", help="config overrides, e.g. data.paths=[corpus/] tokenizer=bpe")
+    p.set_defaults(handler=_prepare)
+
+
 # One function per `trainflow <command>`: it adds its parser and sets `handler` (args -> exit code).
-SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_export, _add_report]
+SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_export, _add_report, _add_prepare]
 
 
 def main(argv: list[str] | None = None) -> None:

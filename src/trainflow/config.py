@@ -113,6 +113,15 @@ class TextDataConfig(LoaderConfig):
 
 
 @dataclass
+class ShardsDataConfig(LoaderConfig):
+    """data=shards: token shards prepared once by `trainflow prepare`, read by memory map."""
+
+    kind: str = "shards"
+    path: str | None = None  # the folder `trainflow prepare --out` wrote (manifest.json and shard_NNNNN.bin)
+    val_fraction: float = 0.05  # the last this fraction of the windows is held out
+
+
+@dataclass
 class TokenizerConfig:
     kind: str = "bytes"  # bytes (a token is a byte) | bpe (byte-level BPE trained here) | file (a tokenizer.json)
     vocab_size: int = 256  # bytes: 256; bpe: the vocabulary to train; file: the file's (the model's follows it)
@@ -367,6 +376,7 @@ def register_configs() -> None:
     for group, name, schema in (("model", "gpt", GPTConfig), ("model", "mlp", MLPConfig), ("model", "cnn", CNNConfig),
                                 ("data", "text", TextDataConfig), ("data", "synthetic", SyntheticDataConfig),
                                 ("data", "digits", DigitsDataConfig), ("data", "hf", HFDataConfig),
+                                ("data", "shards", ShardsDataConfig),
                                 ("task", "builtin", TaskConfig)):
         cs.store(group=f"schema/{group}", name=name, node=opened(OmegaConf.structured(schema)))
     for group in ("model", "data", "task"):  # model=custom, data=custom, task=custom: the user's _target_ and keys

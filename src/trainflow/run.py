@@ -23,6 +23,7 @@ from trainflow.checkpoint import Checkpointer
 from trainflow.compiler import Compiler
 from trainflow.config import OptimConfig, ParallelismConfig, TrainerConfig, decided, typed
 from trainflow.data import IterableBatches, StreamSampler, build_datasets, make_loader, to_device
+from trainflow.data.stream import STREAM_VERSION
 from trainflow.distributed import DistEnv, memory_plan
 from trainflow.distributed.failures import note_step
 from trainflow.distributed.parallelism import parallelize, unwrap
@@ -155,11 +156,14 @@ def assemble(cfg: DictConfig, run_dir: Path, env: DistEnv, stage_types: Sequence
             log.info("%s gives no validation set: no evaluation", data.name)
     pin = cfg.data.pin_memory is not False and env.device.type == "cuda"  # null: pinned on CUDA
     sampler = StreamSampler(len(data.train), trainer.batch_size, env.dp_rank, env.dp_size, trainer.seed,
-                            state.samples_seen)
+                            state.samples_seen, version=state.stream_version)
+    if state.stream_version != STREAM_VERSION and env.is_main:
+        log.info("data: the checkpoint's stream is of version %d (an epoch's order held in memory, 8 bytes a "
+                 "sample): the run continues in that order; a fresh run computes it per sample", state.stream_version)
     loader = make_loader(data.train, sampler, cfg.data, pin)
     if isinstance(loader, IterableBatches):  # the user's stream: its position is checkpointed with the state
         loader.check(parallelism.global_batch, trainer.grad_accum)
-        loader.restore(state.data_state, resumed_from is not None, env.is_main)
+        loader.restore(state.data_state, resumed_from is not None, env.is_main, state.data_states)
         state.data_loader = loader
     profiled = any(isinstance(stage, Profiler) and stage.enabled for stage in stages)
     training = Training(

@@ -333,7 +333,7 @@ def validate(cfg: DictConfig) -> DictConfig:
              "missing: pick model=gpt_tiny|gpt_small|gpt_medium|mlp or set model._target_ to an nn.Module class")
     cfg = with_worker_defaults(cfg)
     d = cfg.data
-    _require(bool(d.get("_target_")) or d.get("kind") in ("text", "synthetic"), "data.kind",
+    _require(bool(d.get("_target_")) or d.get("kind") in ("text", "synthetic", "shards"), "data.kind",
              "unknown data source: pick data=text, data=synthetic or data=digits, or set data._target_ to a function "
              "returning (train, val) datasets")
     if "seq_len" in d:

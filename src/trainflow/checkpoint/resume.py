@@ -37,6 +37,7 @@ from trainflow.checkpoint.state import (
     model_shapes,
     restore_schedule,
     rng_file,
+    saved_stream_version,
     set_rng_state,
     split_state,
     split_tensors,
@@ -167,6 +168,7 @@ def load_all(target: Committed, state: TrainState, env: DistEnv, group: Any) -> 
     set_state_dict(state.model, state.optimizer, model_state_dict=loaded["model"],
                    optim_state_dict={"state": loaded["optim"]["state"], "param_groups": live["param_groups"]})
     state.step, state.samples_seen = int(plain["step"]), int(plain["samples_seen"])
+    state.stream_version = saved_stream_version(plain, target.path)
     restore_schedule(state, plain["scheduler"], live["scheduler"], state.step)
     same_world = target.manifest.get("world_size") == env.world_size
     listed = target.manifest["files"]  # checked by check_intact: regular files of the folder
@@ -178,6 +180,7 @@ def load_all(target: Committed, state: TrainState, env: DistEnv, group: Any) -> 
         set_rng_state(read_json(rng), rng)
     position = target.path / data_file(env.rank)  # an iterable dataset's stream (its loader checks the split)
     state.data_state = read_json(position) if position.name in listed else None
+    state.data_states = [read_json(target.path / name) for name in sorted(listed) if name.startswith("data_rank")]
     if env.is_main:
         log.info("resumed from step %d (%s, saved on %d rank(s); data position %d samples)", state.step,
                  target.path, target.manifest.get("world_size"), state.samples_seen)

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from trainflow.data.stream import STREAM_VERSION, STREAM_VERSIONS
 from trainflow.errors import CheckpointError
 
 FORMAT = 3  # shards of raw tensor bytes (see safe_io.py), JSON state, a checksum per file: the only one read
@@ -32,9 +33,11 @@ class TrainState:
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     step: int = 0
-    samples_seen: int = 0  # position in the global sample stream (see data.py)
+    samples_seen: int = 0  # position in the global sample stream (see data/stream.py)
+    stream_version: int = STREAM_VERSION  # how that stream orders its samples; a resume keeps the checkpoint's
     data_loader: Any = None  # an iterable dataset's loader: its state_dict() is this rank's stream position
     data_state: dict[str, Any] | None = None  # that position as a resume read it, restored when the loader is built
+    data_states: list[dict[str, Any]] | None = None  # every rank's (a sharded stream resumes from all of them)
 
 
 def rng_file(rank: int) -> str:
@@ -54,6 +57,7 @@ def split_state(state: TrainState) -> tuple[dict[str, Any], dict[str, Any]]:
     model_sd, optim_sd = get_state_dict(state.model, state.optimizer)
     tensors, aside = split_tensors({"model": model_sd, "optim": {"state": optim_sd["state"]}})
     plain = {"format": FORMAT, "step": state.step, "samples_seen": state.samples_seen,
+             "stream_version": state.stream_version,
              "optimizer": type(state.optimizer).__name__, "param_groups": optim_sd["param_groups"],
              "scheduler": state.scheduler.state_dict(), "non_tensor": aside}
     return tensors, plain
@@ -81,6 +85,18 @@ def merge_tensors(tensors: Any, plain: Any) -> Any:
         tensors, plain = tensors or {}, plain or {}
         return {k: merge_tensors(tensors.get(k), plain.get(k)) for k in {**tensors, **plain}}
     return tensors if tensors is not None else plain
+
+
+def saved_stream_version(plain: dict[str, Any], where: Path) -> int:
+    """The sample stream's version a checkpoint's position counts in (none saved: 1, the torch.randperm order)."""
+    version = plain.get("stream_version", 1)
+    if version not in STREAM_VERSIONS:
+        raise CheckpointError(
+            f"{where}: its data position counts in sample stream version {version!r}, and this trainflow knows "
+            f"versions {', '.join(map(str, STREAM_VERSIONS))}; resume it with the trainflow that saved it, or keep "
+            f"its weights only (a fresh data stream) with checkpoint.load=model checkpoint.resume={where} and "
+            "checkpoint.dir at a new folder")
+    return int(version)
 
 
 # optimizer param-group keys under the config key that sets them

@@ -2,14 +2,16 @@
 
 Modules: `stream` (the resumable, world-size-independent sample stream), `text` (a corpus of text files),
 `tokenizers` (bytes, a BPE trained here, a tokenizer.json), `hf` (local files read by Hugging Face datasets),
-`synthetic` (random tensors with something to learn), `iterable` (an IterableDataset's stream, sharded and
-resumable through torchdata), `loaders` (micro-batch loaders: cut, pinned, workers, moved
-to the device), `user` (datasets by `data._target_`), `digits` (scikit-learn's handwritten digits, a `_target_`).
+`shards` (token shards prepared once, memory-mapped), `synthetic` (random tensors with something to learn),
+`iterable` (an IterableDataset's stream, sharded and resumable through torchdata), `loaders` (micro-batch loaders:
+cut, pinned, workers, moved to the device), `user` (datasets by `data._target_`), `digits` (scikit-learn's
+handwritten digits, a `_target_`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from omegaconf import DictConfig
 from torch.utils.data import Dataset
@@ -29,7 +31,7 @@ from trainflow.data.stream import StreamSampler
 from trainflow.data.synthetic import SyntheticClassification, SyntheticTokens
 from trainflow.data.text import Corpus, TokenWindows, load_tokens
 from trainflow.data.user import LOADER_KEYS, Collated, user_datasets
-from trainflow.errors import DataError
+from trainflow.errors import ConfigError, DataError
 
 __all__ = [
     "LOADER_KEYS", "Batch", "Collated", "DataBundle", "InProcessBatches", "IterableBatches", "IterableSource",
@@ -70,6 +72,8 @@ def build_datasets(cfg: DictConfig, model_cfg: DictConfig) -> DataBundle:
             )
         return DataBundle(TokenWindows(tokens[:split], seq_len), TokenWindows(tokens[split:], seq_len), True, seq_len,
                           "data=text")
+    if cfg.kind == "shards":
+        return _shards(cfg, model_cfg)
     if "vocab_size" in model_cfg:
         seq_len = int(cfg.seq_len)
         make = lambda n, s: SyntheticTokens(n, model_cfg.vocab_size, seq_len, s)  # noqa: E731
@@ -80,3 +84,18 @@ def build_datasets(cfg: DictConfig, model_cfg: DictConfig) -> DataBundle:
     train = SyntheticClassification(cfg.num_samples, in_f, classes, task_seed=seed, input_seed=seed + 1)
     val = SyntheticClassification(4096, in_f, classes, task_seed=seed, input_seed=seed + 2)
     return DataBundle(train, val, False, 1, "data=synthetic")
+
+
+def _shards(cfg: DictConfig, model_cfg: DictConfig) -> DataBundle:
+    """data=shards: the prepared folder's windows, its tokens checked against the model's vocabulary."""
+    from trainflow.data.shards import shard_datasets
+
+    if not cfg.path:
+        raise ConfigError("data.path: data=shards needs the folder `trainflow prepare --out` wrote; set data.path")
+    train, val, manifest = shard_datasets(Path(cfg.path).expanduser(), int(cfg.seq_len), float(cfg.val_fraction))
+    vocab = model_cfg.get("vocab_size")
+    if vocab is not None and manifest["vocab_size"] > vocab:
+        raise ConfigError(f"model.vocab_size: is {vocab}, but the shards in {cfg.path} were prepared with a "
+                          f"tokenizer of {manifest['vocab_size']} tokens; set model.vocab_size={manifest['vocab_size']}"
+                          f" (or tokenizer.vocab_size, which it follows)")
+    return DataBundle(train, val, True, int(cfg.seq_len), "data=shards")

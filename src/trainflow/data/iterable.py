@@ -2,7 +2,10 @@
 torchdata's StatefulDataLoader, whose `state_dict()` is the data position a checkpoint saves (JSON, beside the
 shards, never pickled) and a resume restores.
 
-Sharding: trainflow takes the share itself, so that any iterable dataset trains on any number of ranks and workers
+Sharded streams (a dataset with `num_shards` + `shard(index)`, or a Hugging Face IterableDataset) are read a whole
+shard per rank and worker, and resume from every rank's items taken of each shard on any layout (data/sharded.py).
+
+Others: trainflow takes the share itself, so that any iterable dataset trains on any number of ranks and workers
 without knowing of them: rank r of W, worker w of K keeps the items i of the stream with i % (W*K) == r*K + w. Every
 worker reads the whole stream and keeps its share (simple and exact; a dataset whose items are expensive to read
 is better split into map-style items). Each micro-batch holds `trainer.batch_size` items of one worker; a pass that
@@ -29,6 +32,7 @@ import torch
 from omegaconf import DictConfig
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
+from trainflow.data.sharded import ShardedShare, merged_position, shard_count, tagged_collate
 from trainflow.errors import ConfigError, DataError
 
 log = logging.getLogger("trainflow")
@@ -115,14 +119,32 @@ class IterableBatches:
                               "data.seq_lens, or vary the lengths in data.collate_fn")
         self.source, self.world_size, self.batch_size = source, world_size, batch_size
         self.num_workers = int(cfg.num_workers)
-        self.stateful = is_stateful(source.dataset)
+        readers = world_size * max(1, self.num_workers)
+        self.sharded = shard_count(source.dataset) is not None
+        self.stateful = is_stateful(source.dataset) and not self.sharded
         # a copy of its own: a stateful dataset's position belongs to one loader (the parity check reads another)
-        share = (StatefulRankShare if self.stateful else RankShare)(copy.deepcopy(source.dataset), rank, world_size)
+        dataset = copy.deepcopy(source.dataset)
+        share: IterableDataset
+        if self.sharded:
+            share, collate = ShardedShare(dataset, rank, world_size), tagged_collate(source.collate)
+            if rank == 0 and share.num_shards < readers:
+                log.warning("data: %s has %d shards for %d readers (%d rank(s) x %d worker(s)): %d of them read "
+                            "nothing", source.name, share.num_shards, readers, world_size,
+                            max(1, self.num_workers), readers - share.num_shards)
+        else:
+            share = (StatefulRankShare if self.stateful else RankShare)(dataset, rank, world_size)
+            collate = source.collate
+            if rank == 0 and readers > 1:
+                log.info("data: %s exposes no shards (num_shards and shard(index)): each of its %d readers (%d "
+                         "rank(s) x %d worker(s)) reads the whole stream and keeps 1 item in %d: %dx the reading",
+                         source.name, readers, world_size, max(1, self.num_workers), readers, readers)
+        self.share = share
+        self.pass_number, self.taken = 0, {}  # a sharded stream's position: its pass, items taken of each shard
         workers = self.num_workers > 0
         with warnings.catch_warnings():  # torchdata 0.11 calls a deprecated torch function: noise for the user
             warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
             self.loader = StatefulDataLoader(
-                share, batch_size=batch_size, drop_last=True, collate_fn=source.collate, num_workers=self.num_workers,
+                share, batch_size=batch_size, drop_last=True, collate_fn=collate, num_workers=self.num_workers,
                 pin_memory=pin_memory, persistent_workers=workers and cfg.persistent_workers,
                 prefetch_factor=cfg.prefetch_factor if workers else None)
         self._resumed = False
@@ -159,7 +181,13 @@ class IterableBatches:
             taken = 0
             for batch in self.loader:
                 taken += 1
+                if self.sharded:
+                    tags, batch = batch
+                    for shard, offset in tags:
+                        self.taken[shard] = max(self.taken.get(shard, 0), offset + 1)
                 yield batch
+            if self.sharded:  # the next pass reads every shard from its start
+                self.pass_number, self.taken, self.share.taken = self.pass_number + 1, {}, {}
             if taken == 0 and not self._resumed:  # a pass too short for a micro-batch of any of this rank's workers
                 split = f", split among {self.num_workers} workers" if self.num_workers else ""
                 raise ConfigError(f"trainer.batch_size: a pass of the train stream of {self.source.name} gave this "
@@ -169,14 +197,38 @@ class IterableBatches:
 
     def state_dict(self) -> dict[str, Any]:
         """The position of this rank's stream, as JSON values (the checkpoint writes it beside the shards)."""
+        if self.sharded:  # the pass and the items taken of each shard this rank read (any layout resumes from
+            # them), and the loader's own state (the same layout resumes in the same order of workers' batches)
+            return {"sharded": True, "pass": self.pass_number, "taken": {str(k): v for k, v in self.taken.items()},
+                    "layout": [self.world_size, self.num_workers, self.batch_size], "loader": self.loader.state_dict()}
         return {"world_size": self.world_size, "num_workers": self.num_workers, "batch_size": self.batch_size,
                 "stateful": self.stateful, "loader": self.loader.state_dict()}
 
-    def restore(self, saved: dict[str, Any] | None, resumed: bool, is_main: bool) -> None:
-        """Continue where the checkpoint's stream stopped; say what happens instead where that cannot be exact."""
+    def restore(self, saved: dict[str, Any] | None, resumed: bool, is_main: bool,
+                every_rank: list[dict[str, Any]] | None = None) -> None:
+        """Continue where the checkpoint's stream stopped; say what happens instead where that cannot be exact.
+
+        A sharded stream continues from the position of all ranks together (`every_rank`), on any layout."""
         if not resumed:
             return
         name = self.source.name
+        if self.sharded:
+            states = [s for s in every_rank or [] if s.get("sharded")]
+            if not states:
+                if is_main:
+                    log.warning("data: the checkpoint holds no position of the sharded stream of %s: the stream "
+                                "restarts from its beginning", name)
+                return
+            self.pass_number, taken = merged_position(states)
+            self.taken = {shard: count for shard, count in taken.items()
+                          if shard % (self.world_size * max(1, self.num_workers)) // max(1, self.num_workers)
+                          == self.share.rank}
+            if saved and saved.get("layout") == [self.world_size, self.num_workers, self.batch_size]:
+                self.loader.load_state_dict(saved["loader"])  # reads its shards again to the same batch
+            else:  # another layout: the unfinished shards, each from its count, shared out anew
+                self.share.taken = taken
+            self._resumed = True
+            return
         if saved is None:
             if is_main:
                 log.warning("data: the checkpoint holds no position of the iterable stream of %s (saved from "

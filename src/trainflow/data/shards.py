@@ -1,0 +1,264 @@
+"""Prepared token shards: a corpus tokenized once (`trainflow prepare`), then read by memory map (`data=shards`).
+
+A prepared folder holds `shard_NNNNN.bin` (the tokens of a group of the corpus's files, each file followed by the
+tokenizer's separator, as uint16 or uint32 by the vocabulary's size) and `manifest.json`: the index (each shard's
+token count, in order) and each shard's byte size and xxh3-64 checksum, the dtype and the tokenizer. Preparing
+writes each shard under a temporary name, renames it, then records it in `shard_NNNNN.json`: an interrupted
+prepare keeps its finished shards and does the rest when run again. The manifest is written last.
+
+Training cuts each shard into windows of `seq_len + 1` tokens (a window never spans two shards) and numbers the
+windows of all shards in order: the global sample stream (data/stream.py) serves them as it serves any map-style
+dataset, so the stream, its resume on any world size and its per-epoch shuffle are the same. A shard is mapped
+the first time a rank reads a window of it, so each rank opens only the shards its positions fall in.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import multiprocessing
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import xxhash
+from torch.utils.data import Dataset
+
+from trainflow.data.text import PIECES_AT_ONCE, Corpus, _pieces
+from trainflow.data.tokenizers import Tokenizer
+from trainflow.errors import DataError
+from trainflow.files import atomic_path, write_atomic
+
+log = logging.getLogger(__name__)
+
+MANIFEST = "manifest.json"
+FORMAT = 1
+SHARD_BYTES = 64 << 20  # text a shard holds, about: files are grouped in order until they reach it
+
+
+def shard_name(i: int) -> str:
+    return f"shard_{i:05d}.bin"
+
+
+@dataclass(frozen=True)
+class Job:
+    """One shard to write: its number and the corpus files it holds."""
+
+    index: int
+    files: tuple[str, ...]
+    key: str  # of those files (names, sizes, times) and the tokenizer: a record with another key is redone
+
+
+def plan(files: list[Path], tokenizer: Tokenizer, shard_bytes: int) -> list[Job]:
+    """The corpus's files in order, grouped into shards of about `shard_bytes` of text."""
+    groups: list[list[Path]] = [[]]
+    size = 0
+    for f in files:
+        if groups[-1] and size >= shard_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(f)
+        size += f.stat().st_size
+    jobs = []
+    for i, group in enumerate(groups):
+        key = xxhash.xxh3_64(tokenizer.name.encode())
+        for f in group:
+            st = f.stat()
+            key.update(f"{f}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+        jobs.append(Job(i, tuple(map(str, group)), key.hexdigest()))
+    return jobs
+
+
+_TOKENIZER: Tokenizer | None = None  # a prepare worker's tokenizer, given once when the worker starts
+
+
+def _start_worker(tokenizer: Tokenizer) -> None:
+    global _TOKENIZER
+    _TOKENIZER = tokenizer
+
+
+def write_shard(job: Job, out: Path, tokenizer: Tokenizer | None = None) -> dict:
+    """Tokenize the job's files into its shard (renamed into place when whole) and record it; returns the record."""
+    tokenizer = tokenizer or _TOKENIZER
+    assert tokenizer is not None
+    path = out / shard_name(job.index)
+    digest, tokens = xxhash.xxh3_64(), 0
+    separator = np.asarray(tokenizer.separator, dtype=tokenizer.dtype)
+    with atomic_path(path) as tmp, open(tmp, "wb") as f:
+        for name in job.files:
+            pieces = _pieces(Path(name))
+            while batch := [p for _, p in zip(range(PIECES_AT_ONCE), pieces, strict=False)]:
+                for ids in tokenizer.encode(batch):
+                    data = np.asarray(ids, dtype=tokenizer.dtype).tobytes()
+                    f.write(data)
+                    digest.update(data)
+                    tokens += len(ids)
+            f.write(separator.tobytes())
+            digest.update(separator.tobytes())
+            tokens += len(separator)
+    record = {"name": path.name, "tokens": tokens, "bytes": path.stat().st_size, "checksum": digest.hexdigest(),
+              "key": job.key, "source_bytes": sum(Path(n).stat().st_size for n in job.files)}
+    write_atomic(path.with_suffix(".json"), json.dumps(record))
+    return record
+
+
+def _done(job: Job, out: Path) -> dict | None:
+    """The shard's record when an earlier prepare finished it from the same files and tokenizer."""
+    try:
+        record = json.loads((out / shard_name(job.index)).with_suffix(".json").read_text())
+    except (OSError, ValueError):
+        return None
+    whole = record.get("key") == job.key and (out / record["name"]).stat().st_size == record["bytes"]
+    return record if whole else None
+
+
+def prepare(corpus: Corpus, tokenizer: Tokenizer, out: Path, workers: int, shard_bytes: int = SHARD_BYTES,
+            progress: bool = True) -> dict:
+    """Tokenize the corpus into shards in `out` with `workers` processes; shards finished before are kept."""
+    out.mkdir(parents=True, exist_ok=True)
+    for stale in out.glob(".shard_*.tmp*"):  # a shard or record a killed prepare was writing (atomic_path's names)
+        stale.unlink()
+    jobs = plan(corpus.files, tokenizer, shard_bytes)
+    records: dict[int, dict] = {}
+    todo = []
+    for job in jobs:
+        if (record := _done(job, out)) is not None:
+            records[job.index] = record
+        else:
+            todo.append(job)
+    if records:
+        log.info("prepare: %d of %d shards already in %s; preparing the other %d", len(records), len(jobs), out,
+                 len(todo))
+    total = sum(Path(n).stat().st_size for job in todo for n in job.files)
+    with _Progress(total, progress) as bar:
+        if workers <= 1:
+            for job in todo:
+                records[job.index] = bar.update(write_shard(job, out, tokenizer))
+        else:
+            # spawn: a fresh interpreter per worker (the tokenizers library's threads do not survive a fork)
+            context = multiprocessing.get_context("spawn")
+            with context.Pool(workers, initializer=_start_worker, initargs=(tokenizer,)) as pool:
+                for index, record in pool.imap_unordered(_write_in_worker, [(job, out) for job in todo]):
+                    records[index] = bar.update(record)
+    shards = [{k: records[i][k] for k in ("name", "tokens", "bytes", "checksum")} for i in range(len(jobs))]
+    manifest = {"format": FORMAT, "dtype": tokenizer.dtype.name, "vocab_size": tokenizer.vocab_size,
+                "tokenizer": tokenizer.name, "tokens": sum(s["tokens"] for s in shards), "shards": shards}
+    write_atomic(out / MANIFEST, json.dumps(manifest, indent=1))
+    return manifest
+
+
+def _write_in_worker(args: tuple[Job, Path]) -> tuple[int, dict]:
+    return args[0].index, write_shard(*args)
+
+
+class _Progress:
+    """A tqdm bar of the corpus's bytes, with tokens/s and the ETA tqdm computes from the bytes' rate."""
+
+    def __init__(self, total: int, shown: bool) -> None:
+        from tqdm import tqdm
+
+        self.bar = tqdm(total=total, unit="B", unit_scale=True, desc="prepare", disable=not shown)
+        self.tokens, self.started = 0, time.perf_counter()
+
+    def update(self, record: dict) -> dict:
+        self.tokens += record["tokens"]
+        rate = self.tokens / max(time.perf_counter() - self.started, 1e-9)
+        self.bar.set_postfix_str(f"{rate / 1e3:.0f}k tokens/s")
+        self.bar.update(record["source_bytes"])
+        return record
+
+    def __enter__(self) -> _Progress:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.bar.close()
+
+
+def read_manifest(folder: Path) -> dict:
+    """The prepared folder's manifest, each shard checked whole (present, its size, its checksum): one line naming
+    the first that is not."""
+    path = folder / MANIFEST
+    try:
+        manifest = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise DataError(f"data.path: {path} does not exist; prepare the corpus first with `trainflow prepare "
+                        f"data=text data.paths=[...] --out {folder}`, or point data.path at a prepared "
+                        "folder") from None
+    except (OSError, ValueError) as exc:
+        raise DataError(f"data.path: {path} is unreadable ({exc}); prepare the corpus again into a new "
+                        "folder") from None
+    for shard in manifest["shards"]:
+        shard_path = folder / shard["name"]
+        try:
+            size = os.stat(shard_path).st_size
+        except FileNotFoundError:
+            raise DataError(f"data.path: shard {shard_path} is missing; run `trainflow prepare` again with "
+                            f"--out {folder} (it redoes only what is missing)") from None
+        if size != shard["bytes"]:
+            raise DataError(f"data.path: shard {shard_path} is {size} bytes, the manifest says {shard['bytes']} "
+                            f"(truncated); remove it and run `trainflow prepare` again with --out {folder}")
+        if _file_checksum(shard_path) != shard["checksum"]:
+            raise DataError(f"data.path: shard {shard_path} fails its checksum (its bytes changed after it was "
+                            f"prepared); remove it and run `trainflow prepare` again with --out {folder}")
+    return manifest
+
+
+def _file_checksum(path: Path) -> str:
+    """xxh3-64 of the file, as the checkpoints hash theirs (not their helper: trainflow.checkpoint imports the
+    sample stream's version from this package)."""
+    digest = xxhash.xxh3_64()
+    with open(path, "rb") as f:
+        while chunk := f.read(16 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+class ShardWindows(Dataset):
+    """Windows [first, first + count) of the prepared shards' windows, gathered a micro-batch at a time."""
+
+    def __init__(self, folder: Path, manifest: dict, seq_len: int, first: int = 0, count: int | None = None) -> None:
+        self.folder, self.seq_len, self.dtype = folder, seq_len, np.dtype(manifest["dtype"])
+        self.names = [s["name"] for s in manifest["shards"]]
+        per_shard = np.asarray([max(0, (s["tokens"] - 1) // seq_len) for s in manifest["shards"]], dtype=np.int64)
+        self.ends = np.cumsum(per_shard)  # window i of all shards lies in the first shard whose end exceeds i
+        self.begins = self.ends - per_shard
+        self.first = first
+        self.count = int(self.ends[-1]) - first if count is None else count
+        self.maps: dict[int, np.ndarray] = {}  # the shards this process opened, by number
+
+    def __len__(self) -> int:
+        return self.count
+
+    def _shard(self, i: int) -> np.ndarray:
+        if i not in self.maps:
+            self.maps[i] = np.memmap(self.folder / self.names[i], dtype=self.dtype, mode="r")
+        return self.maps[i]
+
+    def __getitem__(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        windows = np.asarray(indices, dtype=np.int64).reshape(-1) + self.first
+        shards = np.searchsorted(self.ends, windows, side="right")
+        starts = (windows - self.begins[shards]) * self.seq_len
+        out = np.empty((len(windows), self.seq_len + 1), dtype=np.int64)
+        for shard in np.unique(shards):
+            rows = np.flatnonzero(shards == shard)
+            tokens = self._shard(int(shard))
+            out[rows] = tokens[starts[rows, None] + np.arange(self.seq_len + 1)]
+        window = torch.from_numpy(out)
+        return window[:, :-1].contiguous(), window[:, 1:].contiguous()
+
+
+def shard_datasets(folder: Path, seq_len: int, val_fraction: float) -> tuple[ShardWindows, ShardWindows, dict]:
+    """The train windows (the first 1 - val_fraction of them) and the validation ones, and the manifest."""
+    manifest = read_manifest(folder)
+    every = ShardWindows(folder, manifest, seq_len)
+    split = int(len(every) * (1 - val_fraction))
+    if split < 1 or len(every) - split < 1:
+        raise DataError(f"data.path: the prepared shards in {folder} hold {len(every)} windows of {seq_len + 1} "
+                        f"tokens, too few for one training and one validation window (val_fraction={val_fraction}); "
+                        "prepare more text or lower data.seq_len")
+    return (ShardWindows(folder, manifest, seq_len, 0, split),
+            ShardWindows(folder, manifest, seq_len, split, len(every) - split), manifest)
+

@@ -1,0 +1,129 @@
+"""Prepared token shards: `trainflow prepare` (in parallel, resumable), then `data=shards` by memory map, with the
+same exact stream; shards that are missing, truncated or changed are refused in one line naming them."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import ROOT, TINY_GPT, losses_by_step, train
+
+from trainflow.data.shards import MANIFEST, ShardWindows, prepare, read_manifest, shard_name
+from trainflow.data.stream import StreamSampler
+from trainflow.data.text import Corpus
+from trainflow.errors import DataError
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """trainflow's own source (~270 kB) in shards of ~0.1 MB of text, a BPE of 512 tokens, 2 worker processes."""
+    tmp = tmp_path_factory.mktemp("shards")
+    shutil.copytree(ROOT / "src" / "trainflow", tmp / "corpus", ignore=shutil.ignore_patterns("__pycache__"))
+    out = tmp / "prepared"
+    done = subprocess.run(
+        [str(Path(sys.executable).parent / "trainflow"), "prepare", "--out", str(out), "--workers", "2",
+         "--shard-mb", "0.05", "--quiet", "--config-dir", str(ROOT / "conf"), f"data.paths=[{tmp / 'corpus'}]",
+         "tokenizer=bpe", "tokenizer.vocab_size=512", f"tokenizer.cache_dir={tmp / 'tok'}"],
+        capture_output=True, text=True, cwd=tmp, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert f"train with data=shards data.path={out} model.vocab_size=512" in done.stdout
+    return out
+
+
+def test_prepare_writes_checksummed_uint16_shards_of_the_corpus(prepared: Path) -> None:
+    manifest = read_manifest(prepared)
+    assert manifest["dtype"] == "uint16" and manifest["vocab_size"] == 512 and len(manifest["shards"]) >= 4
+    tokens = [np.fromfile(prepared / s["name"], dtype=np.uint16) for s in manifest["shards"]]
+    assert [len(t) for t in tokens] == [s["tokens"] for s in manifest["shards"]]  # the index
+    assert sum(map(len, tokens)) == manifest["tokens"] and all(int(t.max()) < 512 for t in tokens)
+    assert all(t[-1] == 0 for t in tokens)  # each shard's last file ends with <|endoftext|>
+
+
+def test_a_rank_opens_only_the_shards_its_positions_fall_in(prepared: Path) -> None:
+    """Counted: after two micro-batches, each of 2 ranks has mapped exactly the shards of the windows it read."""
+    manifest = read_manifest(prepared)
+    for rank in range(2):
+        windows = ShardWindows(prepared, manifest, 32)
+        sampler = iter(StreamSampler(len(windows), 2, rank, 2, seed=0))
+        read = [next(sampler) for _ in range(2)]
+        for indices in read:
+            windows[indices]
+        wanted = {int(np.searchsorted(windows.ends, i, side="right")) for b in read for i in b.tolist()}
+        assert set(windows.maps) == wanted and len(wanted) < len(manifest["shards"])
+        inputs, targets = windows[read[0]]  # window i: 33 tokens of its shard, from (i - the shard's first) x 32
+        i = int(read[0][1])
+        shard = int(np.searchsorted(windows.ends, i, side="right"))
+        offset = (i - int(windows.begins[shard])) * 32
+        expected = np.fromfile(prepared / shard_name(shard), dtype=np.uint16)[offset:offset + 33].astype(np.int64)
+        assert inputs[1].tolist() == expected[:-1].tolist() and targets[1].tolist() == expected[1:].tolist()
+
+
+def test_an_interrupted_prepare_does_only_what_is_left(prepared: Path, tmp_path: Path) -> None:
+    """What a kill leaves: a shard renamed into place without its record, another half-written under its temporary
+    name, no manifest: the next prepare writes those two again, byte for byte, and keeps the others untouched."""
+    copy = tmp_path / "prepared"
+    shutil.copytree(prepared, copy)
+    before = read_manifest(copy)
+    (copy / MANIFEST).unlink()
+    (copy / shard_name(1)).with_suffix(".json").unlink()
+    (copy / shard_name(2)).unlink()
+    (copy / shard_name(2)).with_suffix(".json").unlink()
+    (copy / f".{shard_name(2)}.tmp4242.bin").write_bytes(b"half a shard")  # what a kill leaves of one being written
+    kept = {p.name: p.stat().st_mtime_ns for p in copy.glob("shard_*.bin")}
+    cfg = {"paths": [str(prepared.parent / "corpus")], "suffixes": [".py"]}
+    corpus = Corpus.of(_section(cfg))
+    tok = corpus.tokenizer(_section({"kind": "bpe", "vocab_size": 512, "cache_dir": str(prepared.parent / "tok")}))
+    after = prepare(corpus, tok, copy, workers=1, shard_bytes=int(0.05 * (1 << 20)), progress=False)
+    assert after == before
+    rewritten = {p.name for p in copy.glob("shard_*.bin") if kept.get(p.name) != p.stat().st_mtime_ns}
+    assert rewritten == {shard_name(1), shard_name(2)}
+    assert not list(copy.glob(".*"))  # nothing half-written left behind
+
+
+def _section(values: dict):
+    from omegaconf import OmegaConf
+
+    return OmegaConf.create(values)
+
+
+@pytest.mark.parametrize("damage", ["missing", "truncated", "flipped"])
+def test_a_damaged_shard_is_refused_in_one_line_naming_it(prepared: Path, tmp_path: Path, damage: str) -> None:
+    copy = tmp_path / "prepared"
+    shutil.copytree(prepared, copy)
+    shard = copy / shard_name(3)
+    data = bytearray(shard.read_bytes())
+    if damage == "missing":
+        shard.unlink()
+    elif damage == "truncated":
+        shard.write_bytes(data[:-2])
+    else:
+        data[len(data) // 2] ^= 1
+        shard.write_bytes(bytes(data))
+    said = {"missing": "is missing", "truncated": f"is {len(data) - 2} bytes, the manifest says {len(data)} "
+            "(truncated)", "flipped": "fails its checksum (its bytes changed after it was prepared)"}[damage]
+    with pytest.raises(DataError, match="^" + re.escape(f"data.path: shard {shard} {said}; ")) as raised:
+        read_manifest(copy)
+    assert "\n" not in str(raised.value) and "trainflow prepare" in str(raised.value)
+
+
+def test_training_from_shards_learns_and_resumes_exactly(prepared: Path, tmp_path: Path) -> None:
+    """12 steps straight (saving at 6 and 12), then the same run resumed from step 6: the loss falls, and the
+    resumed steps' losses equal the uninterrupted run's."""
+    common = [*TINY_GPT, "data=shards", f"data.path={prepared}", "model.vocab_size=512", "trainer.eval_every=0",
+              "trainer.max_steps=12", "checkpoint=dcp", "checkpoint.every_steps=6"]
+    whole = train(tmp_path / "whole", *common, f"checkpoint.dir={tmp_path / 'ck'}")
+    assert whole.returncode == 0, whole.stderr
+    straight = losses_by_step(tmp_path / "whole")
+    assert sum(list(straight.values())[-3:]) < sum(list(straight.values())[:3])
+    saved = tmp_path / "ck" / "step_00000006"
+    assert json.loads((saved / "state.json").read_text())["stream_version"] == 2
+    again = train(tmp_path / "again", *common, f"checkpoint.dir={tmp_path / 'ck2'}", f"checkpoint.resume={saved}")
+    assert again.returncode == 0, again.stderr
+    resumed = losses_by_step(tmp_path / "again")
+    assert min(resumed) == 7 and [resumed[s] for s in range(7, 13)] == [straight[s] for s in range(7, 13)]
