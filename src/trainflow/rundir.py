@@ -44,7 +44,8 @@ RUNS_DIR = "outputs/runs"  # where runs with a stable identity live, one folder 
 # continues with them (more steps, another logger, another world size, checkpoint settings, ...).
 _NOT_IN_RUN_NAME = ("hydra", "checkpoint", "compile", "parallelism", "profiler", "logger", "metrics",
                     "trainer.max_steps", "trainer.log_every", "trainer.eval_every", "trainer.eval_steps",
-                    "trainer.progress", "trainer.nonfinite", "trainer.device", "trainer.run_name")
+                    "trainer.progress", "trainer.nonfinite", "trainer.device", "trainer.run_name",
+                    "trainer.sweep_name")
 _IN_RUN_NAME = ("checkpoint.dir",)  # another checkpoint folder is another history
 _READABLE_CHARS = 160  # a folder name may have 255 bytes
 
@@ -136,12 +137,17 @@ def register_resolvers() -> None:
 
 
 class OutputDirCheck(Callback):
-    """Makes the run (or sweep) directory before Hydra does, so an unwritable one is one line, not a traceback."""
+    """Makes the run (or sweep) directory before Hydra does, so an unwritable one is one line, not a traceback;
+    refuses a sweep folder that holds another sweep."""
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
         _check_writable("hydra.run.dir", str(config.hydra.run.dir))
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        from trainflow.sweeps import begin, check_same_sweep
+
+        begin(config)  # before anything resolves hydra.sweep.dir
+        check_same_sweep(Path(str(config.hydra.sweep.dir)), config.hydra)  # before Hydra rewrites its multirun.yaml
         _check_writable("hydra.sweep.dir", str(config.hydra.sweep.dir))
 
 

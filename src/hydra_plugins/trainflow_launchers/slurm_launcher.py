@@ -47,6 +47,7 @@ from hydra_plugins.trainflow_launchers.common import (
     SweepJob,
     SweepLauncher,
     failure_reason,
+    finished_already,
     job_ranks_per_node,
     log_outcome,
     run_job_here,
@@ -105,17 +106,20 @@ class SlurmLauncher(SweepLauncher):
         if not OmegaConf.select(jobs[0].config, "checkpoint.enabled", default=True):
             log.warning("checkpoint=off: a preempted or timed-out job starts again from step 0; "
                         "use checkpoint=dcp to resume where it stopped")
-        runner = SlurmJobRunner(self.hydra_context, self.task_function, Singleton.get_state())
-        submitted = submit(self.conf, params, runner, jobs)
-        log.info("Submitted %d jobs to SLURM as array %s (logs: %s)", len(jobs),
-                 submitted[0].job_id.split("_")[0], submitted[0].paths.folder.parent)
-        for job, sj in zip(jobs, submitted, strict=True):
-            log.info("\t%s -> %s in %s", job.describe(), sj.job_id, job.dir)
-        wait(self.conf, params, submitted)
-        results = [collect(self.hydra_context, job, sj) for job, sj in zip(jobs, submitted, strict=True)]
-        for job, sj, ret in zip(jobs, submitted, results, strict=True):
-            log_outcome(f"#{job.num} ({sj.job_id})", ret, job.dir)
-        return results
+        done = {job.num: ret for job in jobs if (ret := finished_already(job)) is not None}
+        todo = [job for job in jobs if job.num not in done]  # the same sweep again: only unfinished jobs go
+        if todo:
+            runner = SlurmJobRunner(self.hydra_context, self.task_function, Singleton.get_state())
+            submitted = submit(self.conf, params, runner, todo)
+            log.info("Submitted %d jobs to SLURM as array %s (logs: %s)", len(todo),
+                     submitted[0].job_id.split("_")[0], submitted[0].paths.folder.parent)
+            for job, sj in zip(todo, submitted, strict=True):
+                log.info("\t%s -> %s in %s", job.describe(), sj.job_id, job.dir)
+            wait(self.conf, params, submitted)
+            for job, sj in zip(todo, submitted, strict=True):
+                done[job.num] = collect(self.hydra_context, job, sj)
+                log_outcome(f"#{job.num} ({sj.job_id})", done[job.num], job.dir)
+        return [done[job.num] for job in jobs]
 
 
 class SlurmJobRunner:
