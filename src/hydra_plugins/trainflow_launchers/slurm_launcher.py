@@ -349,8 +349,15 @@ def collect(hydra_context: HydraContext, job: SweepJob, sj: Any) -> JobReturn:
         reason = failure_reason(rank0.stderr(), str(exc)) or "no error message; see the logs"
         failed = JobReturn(overrides=job.overrides, working_dir=str(job.dir), status=JobStatus.FAILED)
         state = sj.get_info(mode="force").get("State", "UNKNOWN")
-        failed.return_value = JobFailed(f"job #{job.num} failed on SLURM (job {sj.job_id}, state {state}): {reason} "
-                                        f"[log: {rank0.paths.stderr}]")
+        failed.return_value = JobFailed(f"job #{job.num} failed on SLURM (job {sj.job_id}, state {state}, exit code "
+                                        f"{_exit_code(sj.job_id)}): {reason} [log: {rank0.paths.stderr}]")
         # the ranks died before Hydra's on_job_end ran there: run the callbacks here
         hydra_context.callbacks.on_job_end(config=job.config, job_return=failed)
         return failed
+
+
+def _exit_code(job_id: str) -> str:
+    """The job's exit code as SLURM's accounting has it ("2" of "2:0"), "?" without accounting."""
+    out = _slurm_command(["sacct", "-n", "-X", "-P", "-j", job_id, "-o", "ExitCode"]) or ""
+    codes = [line.split(":")[0] for line in out.split() if line.split(":")[0].isdigit()]
+    return codes[-1] if codes else "?"
