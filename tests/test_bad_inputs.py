@@ -709,7 +709,7 @@ CASES = [
          "Error: {tmp}/.tmp-step_00000006 is not a committed checkpoint (no manifest.json: a save that never "
          "finished); pick a step_N folder that has one", tool="trainflow", setup=unfinished_save),
     Case("report-missing-folder", "tools", "a report on a folder that does not exist", ("report", "{tmp}/nope"),
-         "Error: {tmp}/nope: no such folder; give a run folder, a sweep folder (multirun/<date>/<time>) or a folder "
+         "Error: {tmp}/nope: no such folder; give a run folder, a sweep folder (multirun/<sweep name>) or a folder "
          "holding them (e.g. outputs)", tool="trainflow"),
 ]
 

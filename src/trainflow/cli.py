@@ -42,7 +42,6 @@ def run_from_hydra(cfg: DictConfig) -> float | None:
     hydra_cfg = HydraConfig.get()
     sweep_job = sweeps.is_sweep_job(hydra_cfg)
     try:
-        explicit_ckpt_dir = cfg.checkpoint.dir is not None
         cfg = validate(sweeps.with_job_checkpoint_dir(cfg, hydra_cfg))
         run_dir = Path(hydra_cfg.runtime.output_dir)
         if sweep_job:
@@ -50,7 +49,7 @@ def run_from_hydra(cfg: DictConfig) -> float | None:
                 if env_rank() == 0:
                     print(sweeps.skip_line(hydra_cfg.job.num, run_dir, done), flush=True)
                 return sweeps.monitor_value(done)
-            if explicit_ckpt_dir and cfg.checkpoint.enabled:
+            if sweeps.typed_checkpoint_dir(hydra_cfg) and cfg.checkpoint.enabled:
                 sweeps.claim_checkpoint_dir(Path(cfg.checkpoint.dir), sweeps.job_identity(hydra_cfg))
         # ddp/fsdp typed without torchrun: start the local workers, which train through `run` themselves
         summary = launch(cfg, run_dir) if should_launch(cfg) else run(cfg, run_dir)

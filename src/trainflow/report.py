@@ -83,7 +83,7 @@ class RunRecord:
 def find_runs(root: Path) -> list[Path]:
     """Run folders under `root` (itself included), in job order for sweeps and path order otherwise."""
     if not root.exists():
-        raise ReportError(f"{root}: no such folder; give a run folder, a sweep folder (multirun/<date>/<time>) "
+        raise ReportError(f"{root}: no such folder; give a run folder, a sweep folder (multirun/<sweep name>) "
                           "or a folder holding them (e.g. outputs)")
     if not root.is_dir():
         raise ReportError(f"{root}: is a file, not a folder; give the folder of a run (the one holding "
@@ -97,7 +97,7 @@ def find_runs(root: Path) -> list[Path]:
         dirs[:] = sorted(d for d in dirs if not d.startswith(".") and d not in _SKIP)
     if not found:
         raise ReportError(f"{root}: no runs found (no summary.json or .hydra folder below it); point trainflow "
-                          "report at a run or sweep folder, e.g. outputs or multirun/<date>/<time>")
+                          "report at a run or sweep folder, e.g. outputs or multirun/<sweep name>")
     return sorted(found, key=lambda p: _order(p.relative_to(root)))
 
 
@@ -381,7 +381,7 @@ def add_command(commands: argparse._SubParsersAction) -> None:
                             description="Write report.md, report.json and report.png comparing every run under "
                                         "FOLDER (a sweep, a folder of single runs, or one run). A workflow-ladder "
                                         "sweep also gets its gates; the exit code is 1 when one failed.")
-    p.add_argument("folder", type=Path, help="a sweep folder (multirun/<date>/<time>), outputs/, or one run")
+    p.add_argument("folder", type=Path, help="a sweep folder (multirun/<sweep name>), outputs/, or one run")
     p.add_argument("--out", type=Path, default=None, help="where to write the report (default: FOLDER)")
     p.add_argument("--baseline", default=None,
                    help="the run the speedups are against, as listed (default: the ladder's baseline, else the first)")

@@ -7,7 +7,7 @@ In it a job whose summary.json is complete (not a stop on a signal) and whose co
 with one line; any other job runs, resuming from its committed checkpoint when it has one. A sweep folder that holds
 another sweep (its multirun.yaml names other overrides) is refused in one line.
 
-An explicit checkpoint.dir in a sweep is one folder per job: `<checkpoint.dir>/<sweep name>/<job number>`, as the
+A checkpoint.dir typed for a sweep is one folder per job: `<checkpoint.dir>/<sweep name>/<job number>`, as the
 job directories are, so that jobs never resume each other's checkpoints. The folder names the run identity it
 belongs to (`run_identity`); a job of another identity is refused there in one line rather than resume it (a fresh
 start in that folder would mix two histories, and keep_last would delete the other run's checkpoints).
@@ -28,7 +28,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 from trainflow.env import env_rank
 from trainflow.errors import ConfigError, user_error
 from trainflow.files import write_atomic
-from trainflow.rundir import run_identity, run_name
+from trainflow.rundir import override_key, run_identity, run_name
 
 log = logging.getLogger(__name__)
 
@@ -95,10 +95,16 @@ def is_sweep_job(hydra_cfg: Any) -> bool:
     return hydra_cfg.mode == RunMode.MULTIRUN
 
 
+def typed_checkpoint_dir(hydra_cfg: Any) -> bool:
+    """Whether this is a sweep job given checkpoint.dir on the command line (a folder a config sets, as the
+    ladder's checkpoint rung does for its resume rung, is the config's own choice and stays as set)."""
+    return is_sweep_job(hydra_cfg) and any(override_key(str(o)) == "checkpoint.dir" for o in hydra_cfg.overrides.task)
+
+
 def with_job_checkpoint_dir(cfg: DictConfig, hydra_cfg: Any) -> DictConfig:
-    """A sweep job's config with an explicit checkpoint.dir made the job's own folder under it."""
+    """A sweep job's config with the checkpoint.dir typed for the sweep made the job's own folder under it."""
     base = OmegaConf.select(cfg, "checkpoint.dir", default=None)
-    if base is None or not is_sweep_job(hydra_cfg):
+    if base is None or not typed_checkpoint_dir(hydra_cfg):
         return cfg
     cfg = copy.deepcopy(cfg)
     own = Path(str(base)) / Path(str(hydra_cfg.sweep.dir)).name / str(hydra_cfg.sweep.subdir)
