@@ -157,3 +157,21 @@ def test_a_failing_job_fails_only_itself_and_the_sweep(tmp_path: Path) -> None:
     rows = json.loads((sweep / "report.json").read_text())["runs"]
     assert [r["status"] for r in rows] == ["finished", "failed", "finished"]
     assert rows[1]["error"].startswith("job #1 failed (exit code 2): trainer.batch_size: must be a positive")
+
+
+def test_a_failed_optuna_trial_is_told_to_optuna_as_failed(tmp_path: Path) -> None:
+    """hydra/sweeper=optuna under Hydra's own launcher: a trial that cannot run comes back to Optuna as a failed
+    trial (its max_failure_rate decides whether the sweep goes on), not as an exit of the whole sweep."""
+    pytest.importorskip("hydra_plugins.hydra_optuna_sweeper")
+    tiny = [o for o in TINY_GPT if not o.startswith("trainer.batch_size=")]  # the sampled key, not fixed
+    proc = multirun(tmp_path, *tiny, "hydra/sweeper=optuna", "hydra.sweeper.n_trials=3",
+                    "hydra.sweeper.max_failure_rate=1.0", "hydra.sweeper.sampler.seed=1",
+                    "trainer.batch_size=choice(0,8)", "trainer.max_steps=2", "trainer.eval_steps=1",
+                    "trainer.sweep_name=optuna")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    sweep = tmp_path / "multirun" / "optuna"
+    rows = json.loads((sweep / "report.json").read_text())["runs"]
+    failed = [r for r in rows if r["status"] == "failed"]
+    assert len(rows) == 3 and [r["overrides"] for r in failed] == [["trainer.batch_size=0"]]
+    assert f"Failed experiment: job #{failed[0]['name']} failed (exit code 2): trainer.batch_size:" in proc.stdout
+    assert "best_params:\n  trainer.batch_size: 8" in (sweep / "optimization_results.yaml").read_text()
