@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import copy
 import json
-import logging
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -29,8 +28,6 @@ from trainflow.env import env_rank
 from trainflow.errors import ConfigError, user_error
 from trainflow.files import write_atomic
 from trainflow.rundir import override_key, run_identity, run_name
-
-log = logging.getLogger(__name__)
 
 SWEEPS_DIR = "multirun"  # where sweeps without hydra.sweep.dir live, one folder per sweep name
 IDENTITY_FILE = "run_identity"  # in a sweep job's checkpoint folder: the identity of the run it belongs to
