@@ -137,17 +137,12 @@ def register_resolvers() -> None:
 
 
 class OutputDirCheck(Callback):
-    """Makes the run (or sweep) directory before Hydra does, so an unwritable one is one line, not a traceback;
-    refuses a sweep folder that holds another sweep."""
+    """Makes the run (or sweep) directory before Hydra does, so an unwritable one is one line, not a traceback."""
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
         _check_writable("hydra.run.dir", str(config.hydra.run.dir))
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
-        from trainflow.sweeps import begin, check_same_sweep
-
-        begin(config)  # before anything resolves hydra.sweep.dir
-        check_same_sweep(Path(str(config.hydra.sweep.dir)), config.hydra)  # before Hydra rewrites its multirun.yaml
         _check_writable("hydra.sweep.dir", str(config.hydra.sweep.dir))
 
 

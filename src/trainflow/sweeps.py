@@ -2,13 +2,14 @@
 has a checkpoint folder of its own.
 
 The sweep folder is `multirun/<sweep name>`: trainer.sweep_name, else a name made from the sweep's overrides
-(swept and fixed, as trainer.run_name is for runs), so running the same `-m` command again finds the same folder.
-In it a job whose summary.json is complete (not a stop on a signal) and whose config equals the job's is skipped
-with one line; any other job runs, resuming from its committed checkpoint when it has one. A sweep folder that holds
-another sweep (its multirun.yaml names other overrides) is refused in one line.
+(swept and fixed, as trainer.run_name is for runs; SweepFolder, a Hydra callback, notes it at the sweep's start),
+so running the same `-m` command again finds the same folder. In it a job whose summary.json is complete (not a
+stop on a signal) and whose config equals the job's is skipped with one line; any other job runs, resuming from its
+committed checkpoint when it has one. A sweep folder that holds another sweep (its multirun.yaml names other
+overrides) is refused in one line.
 
-A checkpoint.dir typed for a sweep is one folder per job: `<checkpoint.dir>/<sweep name>/<job number>`, as the
-job directories are, so that jobs never resume each other's checkpoints. The folder names the run identity it
+A checkpoint.dir typed for a sweep is one folder per job: `<checkpoint.dir>/<sweep folder name>/<job number>`, as
+the job directories are, so that jobs never resume each other's checkpoints. The folder names the run identity it
 belongs to (`run_identity`); a job of another identity is refused there in one line rather than resume it (a fresh
 start in that folder would mix two histories, and keep_last would delete the other run's checkpoints).
 """
@@ -22,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
 from trainflow.env import env_rank
@@ -50,7 +52,7 @@ _sweep: list[str] = []  # the name made from this process's sweep, set by begin(
 
 
 def begin(config: DictConfig) -> None:
-    """At the start of a sweep, in the launching process: note the name its overrides make."""
+    """At the start of a sweep, in the launching process (SweepFolder): note the name its overrides make."""
     _sweep[:] = [sweep_name(config.hydra)]
 
 
@@ -67,6 +69,15 @@ def sweep_dir(name: str | None) -> str:
     if name is None:
         name = _sweep[0] if _sweep else datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
     return f"{SWEEPS_DIR}/{name}"
+
+
+class SweepFolder(Callback):
+    """At a sweep's start, before anything resolves hydra.sweep.dir: notes the sweep's name, then refuses a folder
+    that holds another sweep (before Hydra rewrites its multirun.yaml)."""
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        begin(config)
+        check_same_sweep(Path(str(config.hydra.sweep.dir)), config.hydra)
 
 
 def check_same_sweep(folder: Path, hydra_cfg: Any) -> None:
