@@ -65,6 +65,19 @@ class Case:
     after: Callable[[Ctx], None] | None = None  # checks on what the run left behind
 
 
+OTHER_SWEEP = "hydra:\n  overrides:\n    task:\n    - optim.lr=1e-3,2e-3\n"  # the multirun.yaml of another sweep
+
+
+def another_sweep_in_the_folder(ctx: Ctx) -> None:
+    (ctx.tmp / "sweep").mkdir()
+    (ctx.tmp / "sweep" / "multirun.yaml").write_text(OTHER_SWEEP)
+
+
+def other_sweep_untouched(ctx: Ctx) -> None:
+    assert sorted(p.name for p in (ctx.tmp / "sweep").iterdir()) == ["multirun.yaml"]
+    assert (ctx.tmp / "sweep" / "multirun.yaml").read_text() == OTHER_SWEEP
+
+
 def no_rung_ran(ctx: Ctx) -> None:
     """The ladder stopped before its first rung: no job folder, no training."""
     assert sorted(p.name for p in (ctx.tmp / "sweep").iterdir()) == ["multirun.yaml"]
@@ -776,6 +789,11 @@ CASES = [
          "Error: ladder=profile (job #2): trainer.max_steps: is 8 but the profiler window ends at step 12 "
          "(skip_first 2 + 1 x (wait 5 + warmup 2 + active 3)); raise trainer.max_steps to >= 12 or shorten the "
          "window (profiler.skip_first/wait/warmup/active)", tool="multirun", after=no_rung_ran),
+    Case("sweep-folder-of-another-sweep", "launch", "a sweep folder that holds another sweep", (),
+         "Error: hydra.sweep.dir: {tmp}/sweep holds another sweep (optim.lr=1e-3,2e-3-{any}; this one is {any}); "
+         "nothing was changed: give this sweep its own folder (trainer.sweep_name=<new name> or "
+         "hydra.sweep.dir=<new folder>)", tool="multirun", setup=another_sweep_in_the_folder,
+         after=other_sweep_untouched),
     # tools
     Case("export-unfinished-save", "tools", "exporting a save that never finished",
          ("export", "{tmp}/.tmp-step_00000006", "{tmp}/model.pt"),
@@ -818,7 +836,7 @@ CASES = [
          "Error: export --format hf: needs the config of the run that saved {ckpts}/step_00000004, and "
          "{tmp}/config.yaml is not it; give --config <run dir>/config.yaml", tool="trainflow"),
     Case("report-missing-folder", "tools", "a report on a folder that does not exist", ("report", "{tmp}/nope"),
-         "Error: {tmp}/nope: no such folder; give a run folder, a sweep folder (multirun/<date>/<time>) or a folder "
+         "Error: {tmp}/nope: no such folder; give a run folder, a sweep folder (multirun/<sweep name>) or a folder "
          "holding them (e.g. outputs)", tool="trainflow"),
 ]
 

@@ -105,6 +105,18 @@ FAULTS = [
           "test_stragglers.py::test_a_rank_slowed_in_its_data_path_is_named_once_with_its_host"),
     Fault("the torchrun launcher is killed", "no rank is left behind",
           "test_launcher_torchrun.py::test_killing_the_launcher_leaves_no_ranks_behind"),
+    Fault("SIGTERM to a checkpointed 4-job sweep while its second job trains",
+          "the job saves and the sweep stops; the same command skips the finished job (metrics.jsonl "
+          "byte-identical), resumes the stopped one to its uninterrupted twin's losses, runs the other two; one "
+          "report of 4 jobs",
+          "test_sweeps.py::test_the_same_command_skips_resumes_and_runs_the_rest"),
+    Fault("one job of a sweep cannot run",
+          "the others still run (under Hydra's own launcher too), the report names it with its exit code and line, "
+          "the sweep exits 1; the same sweep again runs that job only",
+          "test_sweeps.py::test_a_failing_job_fails_only_itself_and_the_sweep"),
+    Fault("a SLURM sweep with a failed job, run again", "only the failed job is submitted again; the finished one "
+          "is skipped and keeps its results",
+          "test_launcher_slurm.py::test_failed_job_comes_back_with_its_reason_and_alone_is_submitted_again"),
 ]
 
 # A 20 MB checkpoint (long enough a save to land kills in it), saved every 2 of 8 steps.

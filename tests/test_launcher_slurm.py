@@ -64,6 +64,11 @@ def slurm_ids(sweep_dir: Path) -> list[str]:
     return sorted(n for n in names if re.fullmatch(r"\d+_\d+", n)) or sorted(n for n in names if n.isdigit())
 
 
+def _submitit_entries(sweep_dir: Path) -> set[str]:
+    """The SLURM ids submitit keeps a log folder for, array elements and single jobs alike."""
+    return {p.name for p in (sweep_dir / ".submitit").iterdir() if re.fullmatch(r"\d+(_\d+)?", p.name)}
+
+
 def sacct(job_id: str) -> tuple[str, int]:
     """(final state, restarts) of a job as SLURM has it; waits while the accounting still says RUNNING."""
     deadline = time.monotonic() + 60
@@ -152,6 +157,7 @@ class Sweep:
     returncode: int
     output: str  # the launcher's stdout and stderr
     preempted: str  # the SLURM id of the job that got the preemption notice
+    command: list[str]
 
 
 @pytest.fixture(scope="module")
@@ -169,7 +175,7 @@ def sweep(cluster: None, tmp_path_factory: pytest.TempPathFactory) -> Sweep:
         out, _ = proc.communicate(timeout=400)
     finally:
         proc.kill()
-    return Sweep(sweep_dir, proc.returncode, out, job_id)
+    return Sweep(sweep_dir, proc.returncode, out, job_id, cmd)
 
 
 def test_sweep_of_two_jobs_each_on_two_ranks(sweep: Sweep) -> None:
@@ -215,6 +221,19 @@ def test_preemption_signal_checkpoints_requeues_and_resumes_to_the_same_losses(s
     assert "this job is preempted" in rank_logs and "Requeued job" in rank_logs  # submitit's path, not a timeout
 
 
+def test_the_same_sweep_again_submits_nothing_when_every_job_finished(sweep: Sweep) -> None:
+    """Both jobs (one of them preempted and resumed) finished with this config: each is skipped in one line, their
+    results are kept, and nothing goes to SLURM."""
+    assert sweep.returncode == 0, sweep.output[-5000:]
+    before = {n: (sweep.dir / n / "metrics.jsonl").read_bytes() for n in ("0", "1")}
+    entries = _submitit_entries(sweep.dir)
+    again = subprocess.run(sweep.command, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert re.findall(r"sweep: job #(\d) finished already", again.stdout + again.stderr) == ["0", "1"]
+    assert "Submitted" not in again.stdout + again.stderr and _submitit_entries(sweep.dir) == entries
+    assert {n: (sweep.dir / n / "metrics.jsonl").read_bytes() for n in ("0", "1")} == before
+
+
 @pytest.mark.slow
 @needs_cluster
 def test_time_limit_checkpoints_requeues_and_resumes_to_the_same_losses(tmp_path: Path) -> None:
@@ -244,12 +263,28 @@ def test_time_limit_checkpoints_requeues_and_resumes_to_the_same_losses(tmp_path
 
 
 @needs_cluster
-def test_failed_job_comes_back_with_its_reason(tmp_path: Path) -> None:
-    proc = multirun(tmp_path, *TINY_GPT, *SLURM, "trainer.max_steps=2", "trainer.eval_steps=0,1")
+def test_failed_job_comes_back_with_its_reason_and_alone_is_submitted_again(tmp_path: Path) -> None:
+    """Job 0 fails, job 1 still runs; the report names job 0's failure. The same sweep again submits job 0 only:
+    job 1 finished (same config), is skipped in one line and keeps its results."""
+    overrides = [*TINY_GPT, *SLURM, "trainer.max_steps=2", "trainer.eval_steps=0,1"]
+    proc = multirun(tmp_path, *overrides)
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert json.loads((tmp_path / "1" / "summary.json").read_text())["steps"] == 2  # job 1 ran despite job 0
-    assert re.search(r"job #0 failed on SLURM \(job \d+_0, state FAILED\): "
-                     r"trainer\.eval_steps: must be a positive integer; got 0", proc.stderr), proc.stderr[-3000:]
+    failure = (r"job #0 failed on SLURM \(job \d+_0, state FAILED, exit code 2\): "
+               r"trainer\.eval_steps: must be a positive integer; got 0")
+    assert re.search(failure, proc.stderr), proc.stderr[-3000:]
+    rows = json.loads((tmp_path / "report.json").read_text())["runs"]
+    assert [r["status"] for r in rows] == ["failed", "finished"] and re.match(failure, rows[0]["error"])
+    metrics, first_ids = (tmp_path / "1" / "metrics.jsonl").read_bytes(), _submitit_entries(tmp_path)
+
+    again = multirun(tmp_path, *overrides)
+    assert again.returncode == 1, again.stderr[-3000:]
+    assert re.findall(r"sweep: job #(\d) finished already", again.stdout + again.stderr) == ["1"]
+    assert "Submitted 1 jobs to SLURM" in again.stdout + again.stderr
+    new_ids = sorted(_submitit_entries(tmp_path) - first_ids)
+    assert len(new_ids) == 1 and new_ids[0].isdigit()  # one job, not an array: job 0 alone went to SLURM again
+    assert sacct(new_ids[0])[0] == "FAILED"
+    assert (tmp_path / "1" / "metrics.jsonl").read_bytes() == metrics
 
 
 @needs_cluster

@@ -12,10 +12,12 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
+from trainflow import sweeps
 from trainflow.config import register_configs
 from trainflow.env import env_rank
 from trainflow.errors import EXIT_INTERRUPTED, TrainflowError, traceback_wanted
 from trainflow.ladder import register_resolvers as register_ladder_resolvers
+from trainflow.rundir import RUN_DIR_ENV
 from trainflow.rundir import register_resolvers as register_run_dir_resolvers
 from trainflow.validation import validate
 
@@ -26,6 +28,7 @@ def register_with_hydra() -> None:
     register_configs()
     register_run_dir_resolvers()
     register_ladder_resolvers()
+    sweeps.register_resolvers()
 
 
 def run_from_hydra(cfg: DictConfig) -> float | None:
@@ -36,15 +39,30 @@ def run_from_hydra(cfg: DictConfig) -> float | None:
     from trainflow.distributed.launch import launch, should_launch
     from trainflow.run import run
 
+    hydra_cfg = HydraConfig.get()
+    sweep_job = sweeps.is_sweep_job(hydra_cfg)
     try:
-        cfg = validate(cfg)
-        run_dir = Path(HydraConfig.get().runtime.output_dir)
+        cfg = validate(sweeps.with_job_checkpoint_dir(cfg, hydra_cfg))
+        run_dir = Path(hydra_cfg.runtime.output_dir)
+        if sweep_job:
+            if (done := sweeps.finished(run_dir, cfg)) is not None:  # the same -m command again: keep its results
+                if env_rank() == 0:
+                    print(sweeps.skip_line(hydra_cfg.job.num, run_dir, done), flush=True)
+                return sweeps.monitor_value(done)
+            if sweeps.typed_checkpoint_dir(hydra_cfg) and cfg.checkpoint.enabled:
+                sweeps.claim_checkpoint_dir(Path(cfg.checkpoint.dir), sweeps.job_identity(hydra_cfg))
         # ddp/fsdp typed without torchrun: start the local workers, which train through `run` themselves
         summary = launch(cfg, run_dir) if should_launch(cfg) else run(cfg, run_dir)
     except TrainflowError as exc:
         if traceback_wanted():
             raise
         print(f"Error: {exc}", file=sys.stderr)
+        if sweep_job and not os.environ.get(RUN_DIR_ENV):
+            # Hydra's own launcher runs every job in this process: fail this job, not the sweep (Hydra runs the
+            # rest, then exits non-zero naming the first failure)
+            from hydra_plugins.trainflow_launchers.common import JobFailed
+
+            raise JobFailed(f"job #{hydra_cfg.job.num} failed (exit code {exc.exit_code}): {exc}") from None
         sys.exit(exc.exit_code)
     except KeyboardInterrupt:
         if traceback_wanted():

@@ -40,6 +40,7 @@ class TrainerConfig:
     progress: str = "auto"  # auto (bar when stdout is a terminal) | bar | log
     nonfinite: str = "stop"  # stop (at the next sync point, before any save) | skip_step (one host sync a step)
     run_name: str | None = None  # checkpointed runs live in outputs/runs/<run_name>; null: made from the overrides
+    sweep_name: str | None = None  # -m sweeps live in multirun/<sweep_name>; null: made from the overrides
 
     def eval_interval(self) -> int:
         """auto: 10 evaluations (a validation curve) in runs of 100 steps or more; shorter runs once, at the end."""

@@ -22,6 +22,8 @@ import argparse
 import json
 import logging
 import os
+import re
+import socket
 import sys
 import time
 from dataclasses import dataclass, field
@@ -36,6 +38,7 @@ from trainflow.config import LadderConfig, TrainerConfig, typed
 from trainflow.env import env_rank
 from trainflow.errors import TrainflowError
 from trainflow.files import write_atomic
+from trainflow.locks import LOCK_FILE
 from trainflow.report_render import markdown, write_png
 
 log = logging.getLogger(__name__)
@@ -61,6 +64,7 @@ class RunRecord:
     summary: dict[str, Any] | None
     losses: dict[int, float] = field(default_factory=dict)
     error: str | None = None
+    status: str = "finished"  # finished | failed | running | interrupted (run_status)
 
     @property
     def label(self) -> str:
@@ -79,7 +83,7 @@ class RunRecord:
 def find_runs(root: Path) -> list[Path]:
     """Run folders under `root` (itself included), in job order for sweeps and path order otherwise."""
     if not root.exists():
-        raise ReportError(f"{root}: no such folder; give a run folder, a sweep folder (multirun/<date>/<time>) "
+        raise ReportError(f"{root}: no such folder; give a run folder, a sweep folder (multirun/<sweep name>) "
                           "or a folder holding them (e.g. outputs)")
     if not root.is_dir():
         raise ReportError(f"{root}: is a file, not a folder; give the folder of a run (the one holding "
@@ -93,7 +97,7 @@ def find_runs(root: Path) -> list[Path]:
         dirs[:] = sorted(d for d in dirs if not d.startswith(".") and d not in _SKIP)
     if not found:
         raise ReportError(f"{root}: no runs found (no summary.json or .hydra folder below it); point trainflow "
-                          "report at a run or sweep folder, e.g. outputs or multirun/<date>/<time>")
+                          "report at a run or sweep folder, e.g. outputs or multirun/<sweep name>")
     return sorted(found, key=lambda p: _order(p.relative_to(root)))
 
 
@@ -118,13 +122,44 @@ def load_run(path: Path, root: Path) -> RunRecord:
     stage = (summary.get("config") or {}).get("ladder", {}).get("stage") if summary else None
     if summary is None and (path / ".hydra" / "config.yaml").exists():
         stage = OmegaConf.select(OmegaConf.load(path / ".hydra" / "config.yaml"), "ladder.stage", default=None)
-    error = None
-    if summary is None:
-        failure = path / FAILURE_FILE
-        error = (failure.read_text().strip() if failure.exists()
-                 else "no summary.json: the run is still going, or it was killed")
+    status, error = run_status(path, summary)
     name = str(path.relative_to(root)) if path != root else "."
-    return RunRecord(name, path, overrides, stage, summary, read_losses(path / "metrics.jsonl"), error)
+    return RunRecord(name, path, overrides, stage, summary, read_losses(path / "metrics.jsonl"), error, status)
+
+
+def run_status(path: Path, summary: dict[str, Any] | None) -> tuple[str, str | None]:
+    """finished, failed (its failure.txt says why), running (a live process holds its lock), or interrupted (it
+    stopped on a signal after a checkpoint, or died without a word): the same command resumes or reruns it."""
+    stopped = ((summary or {}).get("checkpoint") or {}).get("stopped_by")
+    if summary is not None and not stopped:
+        return "finished", None
+    if stopped:
+        return "interrupted", (f"stopped by {stopped} at step {summary.get('steps')} after a committed checkpoint; "
+                               "the same command resumes it")
+    failure = path / FAILURE_FILE
+    if failure.exists():
+        return "failed", failure.read_text().strip()
+    if _lock_holder_alive(path):
+        return "running", "still training (no summary.json yet)"
+    return "interrupted", "no summary.json and no process at work on it: it was killed or never finished; the same " \
+                          "command runs it again (from its newest committed checkpoint, if any)"
+
+
+def _lock_holder_alive(path: Path) -> bool:
+    """Whether the process named in the run's lock file (trainflow.locks: "pid N on HOST, ...") is alive here."""
+    try:
+        match = re.match(r"pid (\d+) on (\S+?),", (path / LOCK_FILE).read_text())
+    except OSError:
+        return False
+    if match is None or match.group(2) != socket.gethostname():
+        return False
+    try:
+        os.kill(int(match.group(1)), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def read_losses(path: Path) -> dict[int, float]:
@@ -215,7 +250,7 @@ def _row(r: RunRecord, common: list[str], base_sps: float | None) -> dict[str, A
         "name": r.name,
         "stage": r.stage,
         "overrides": [o for o in r.overrides if o not in common],
-        "status": "finished" if r.summary is not None else "failed",
+        "status": r.status,
         "error": r.error,
         "steps": r.figure("steps"),
         "world_size": r.figure("world_size"),
@@ -286,6 +321,12 @@ class ReportCallback(Callback):
     def __init__(self, baseline: str | None = None) -> None:
         self.baseline = baseline
 
+    def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
+        from hydra.types import RunMode
+
+        if config.hydra.mode == RunMode.MULTIRUN and env_rank() == 0:  # a rerun of a failed job: not failed (yet)
+            (_job_dir(config) / FAILURE_FILE).unlink(missing_ok=True)
+
     def on_job_end(self, config: DictConfig, job_return: Any, **kwargs: Any) -> None:
         from hydra.core.utils import JobStatus
         from hydra.types import RunMode
@@ -340,7 +381,7 @@ def add_command(commands: argparse._SubParsersAction) -> None:
                             description="Write report.md, report.json and report.png comparing every run under "
                                         "FOLDER (a sweep, a folder of single runs, or one run). A workflow-ladder "
                                         "sweep also gets its gates; the exit code is 1 when one failed.")
-    p.add_argument("folder", type=Path, help="a sweep folder (multirun/<date>/<time>), outputs/, or one run")
+    p.add_argument("folder", type=Path, help="a sweep folder (multirun/<sweep name>), outputs/, or one run")
     p.add_argument("--out", type=Path, default=None, help="where to write the report (default: FOLDER)")
     p.add_argument("--baseline", default=None,
                    help="the run the speedups are against, as listed (default: the ladder's baseline, else the first)")

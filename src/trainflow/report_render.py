@@ -31,6 +31,9 @@ def markdown(report: dict[str, Any]) -> str:
     lines = [f"# Report: {report['folder']}", "",
              f"Written {report['written']}. Speedups are steady-state samples/s against the baseline run "
              f"`{report['baseline']}`; loss columns are the first step's and the last logged interval's.", ""]
+    counts = {s: sum(r["status"] == s for r in report["runs"]) for s in ("finished", "failed", "running",
+                                                                         "interrupted")}
+    lines += [f"{len(report['runs'])} run(s): " + ", ".join(f"{n} {s}" for s, n in counts.items() if n) + ".", ""]
     if report["common_overrides"]:
         lines += [f"Overrides common to all runs: `{' '.join(report['common_overrides'])}`", ""]
     if report["warnings"]:
@@ -49,7 +52,7 @@ def markdown(report: dict[str, Any]) -> str:
               "| --- | --- | --- | ---: | ---: | ---: | ---: | --- | --- | --- | --- | --- |"]
     for row in report["runs"]:
         c, p, k = row["compile"], row["profiler"], row["checkpoint"]
-        status = "finished" if row["status"] == "finished" else f"FAILED: {_cell(row['error'] or '')}"
+        status = "finished" if row["status"] == "finished" else f"{row['status'].upper()}: {_cell(row['error'] or '')}"
         world = f" x{row['world_size']}" if row["world_size"] and row["world_size"] > 1 else ""
         lines.append(" | ".join([
             f"| {row['name']}" + (f" ({row['stage']})" if row["stage"] else ""),
@@ -97,10 +100,10 @@ def write_png(curves_of: list[tuple[str, dict[int, float]]], report: dict[str, A
     labels = [label for label, _ in curves_of]
     rows = report["runs"]
     values = [row["samples_per_sec"] or 0.0 for row in rows]
-    colors = ["tab:red" if row["status"] != "finished" else "tab:blue" for row in rows]
+    colors = [{"finished": "tab:blue", "failed": "tab:red"}.get(row["status"], "tab:gray") for row in rows]
     drawn = bars.bar(range(len(labels)), values, color=colors)
     for bar, row in zip(drawn, rows, strict=True):
-        text = "failed" if row["status"] != "finished" else _num(row["speedup"], ".2f", "x")
+        text = row["status"] if row["status"] != "finished" else _num(row["speedup"], ".2f", "x")
         bars.annotate(text, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom",
                       fontsize=8, xytext=(0, 2), textcoords="offset points")
     bars.set_xticks(range(len(labels)), labels, rotation=30, ha="right", fontsize=8)

@@ -44,7 +44,8 @@ RUNS_DIR = "outputs/runs"  # where runs with a stable identity live, one folder 
 # continues with them (more steps, another logger, another world size, checkpoint settings, ...).
 _NOT_IN_RUN_NAME = ("hydra", "checkpoint", "compile", "parallelism", "profiler", "logger", "metrics",
                     "trainer.max_steps", "trainer.log_every", "trainer.eval_every", "trainer.eval_steps",
-                    "trainer.progress", "trainer.nonfinite", "trainer.device", "trainer.run_name")
+                    "trainer.progress", "trainer.nonfinite", "trainer.device", "trainer.run_name",
+                    "trainer.sweep_name")
 _IN_RUN_NAME = ("checkpoint.dir",)  # another checkpoint folder is another history
 _READABLE_CHARS = 160  # a folder name may have 255 bytes
 
@@ -73,13 +74,13 @@ def _agreed_under_torchrun() -> str:
     return agreed
 
 
-def _override_key(override: str) -> str:
+def override_key(override: str) -> str:
     """`model.n_embd` of `model.n_embd=64`, `+x=1`, `~x`; `hydra/launcher` of a group choice."""
     return override.split("=", 1)[0].lstrip("~+").split("@", 1)[0]
 
 
 def _names_the_run(override: str) -> bool:
-    key = _override_key(override)
+    key = override_key(override)
     left_out = any(key == p or key.startswith((f"{p}.", f"{p}/")) for p in _NOT_IN_RUN_NAME)
     return key in _IN_RUN_NAME or not left_out
 
@@ -95,7 +96,7 @@ def run_name(overrides: list[str]) -> str:
 def run_identity(overrides: list[str]) -> str:
     """What makes two runs one run: the trainer.run_name typed for it, else the name made from its overrides (the
     default run name): more steps or other checkpoint settings keep the identity, another model does not."""
-    named = [o.split("=", 1)[1].strip("'\"") for o in overrides if _override_key(o) == "trainer.run_name" and "=" in o]
+    named = [o.split("=", 1)[1].strip("'\"") for o in overrides if override_key(o) == "trainer.run_name" and "=" in o]
     return named[-1] if named else run_name(overrides)
 
 

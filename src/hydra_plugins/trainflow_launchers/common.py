@@ -6,13 +6,14 @@ the sweep directory and every other cached value is the same for all ranks
 and nodes), then pickled with the task function to the processes that run it.
 """
 
+import contextlib
 import copy
 import logging
 import os
 import re
 import subprocess
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,7 @@ from hydra.plugins.launcher import Launcher
 from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
+from trainflow import sweeps
 from trainflow.cli import register_with_hydra
 from trainflow.errors import TrainflowError, user_error
 from trainflow.rundir import RUN_DIR_ENV, claim_run_dir
@@ -66,30 +68,58 @@ def compose_jobs(hydra_context: HydraContext, config: DictConfig, job_overrides:
     return jobs
 
 
+@contextlib.contextmanager
+def as_job(job: SweepJob) -> Iterator[DictConfig]:
+    """The task config Hydra's run_job hands the task function (the job's, without `hydra`), with Hydra's config
+    set to the job's meanwhile, so that `${hydra:...}` in it resolves as it will when the job runs."""
+    from hydra.core.hydra_config import HydraConfig
+
+    hydra_config = HydraConfig.instance()
+    sweep_config = hydra_config.cfg
+    try:
+        hydra_config.set_config(job.config)
+        task = copy.deepcopy(job.config)
+        with read_write(task), open_dict(task):
+            del task["hydra"]
+        yield task
+    finally:
+        hydra_config.cfg = sweep_config
+
+
 def check_ladder_rungs(jobs: list[SweepJob]) -> None:
     """Validate every rung of a ladder sweep before the first starts: a rung that cannot run as composed (a
     profiler window past trainer.max_steps, say) fails the sweep at once, in one line naming the rung, rather
     than after the rungs before it trained. (Other sweeps run their good jobs and report the bad ones.)"""
     if not any(OmegaConf.select(job.config, "ladder.stage") for job in jobs):
         return
-    from hydra.core.hydra_config import HydraConfig
-
     from trainflow.validation import validate
 
-    hydra_config = HydraConfig.instance()
-    sweep_config = hydra_config.cfg
-    try:
-        for job in jobs:
-            hydra_config.set_config(job.config)  # ${hydra:...} in the job resolves as it will when it runs
-            task = copy.deepcopy(job.config)
-            with read_write(task), open_dict(task):
-                del task["hydra"]  # what Hydra's run_job hands the task function
+    for job in jobs:
+        with as_job(job) as task:
             try:
                 validate(task)
             except TrainflowError as exc:
                 user_error(f"ladder={task.ladder.stage} (job #{job.num}): {exc}")
-    finally:
-        hydra_config.cfg = sweep_config
+
+
+def finished_already(job: SweepJob) -> JobReturn | None:
+    """A completed JobReturn for a job that finished in its directory with its config (the same -m command run
+    again), said in one line; None for a job to run (trainflow.sweeps.finished says which)."""
+    from trainflow.validation import validate
+
+    if not (job.dir / "summary.json").exists():
+        return None
+    with as_job(job) as task:
+        try:
+            cfg = validate(sweeps.with_job_checkpoint_dir(task, job.config.hydra))
+        except Exception:  # the job itself will say what is wrong with it
+            return None
+    summary = sweeps.finished(job.dir, cfg)
+    if summary is None:
+        return None
+    log.info("\t%s", sweeps.skip_line(job.num, job.dir, summary))
+    return JobReturn(overrides=job.overrides, cfg=task, working_dir=str(job.dir), status=JobStatus.COMPLETED,
+                     _return_value=sweeps.monitor_value(summary))
 
 
 def run_job_here(hydra_context: HydraContext, task_function: TaskFunction, job: SweepJob) -> JobReturn:
@@ -140,12 +170,13 @@ class SweepLauncher(Launcher):
         return jobs
 
     def run_in_turn(self, jobs: list[SweepJob], run_one: Callable[[SweepJob, Any], JobReturn]) -> list[JobReturn]:
-        """Run the jobs one after the other, each given Hydra's global state to take along."""
+        """Run the jobs one after the other, each given Hydra's global state to take along; a job that finished
+        already (the same sweep run again) is skipped."""
         state = Singleton.get_state()
         results = []
         for job in jobs:
             log.info("\t%s", job.describe())
-            ret = run_one(job, state)
+            ret = finished_already(job) or run_one(job, state)
             log_outcome(f"#{job.num}", ret, job.dir)
             results.append(ret)
         return results

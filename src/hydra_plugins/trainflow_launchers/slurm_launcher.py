@@ -47,6 +47,7 @@ from hydra_plugins.trainflow_launchers.common import (
     SweepJob,
     SweepLauncher,
     failure_reason,
+    finished_already,
     job_ranks_per_node,
     log_outcome,
     run_job_here,
@@ -105,17 +106,20 @@ class SlurmLauncher(SweepLauncher):
         if not OmegaConf.select(jobs[0].config, "checkpoint.enabled", default=True):
             log.warning("checkpoint=off: a preempted or timed-out job starts again from step 0; "
                         "use checkpoint=dcp to resume where it stopped")
-        runner = SlurmJobRunner(self.hydra_context, self.task_function, Singleton.get_state())
-        submitted = submit(self.conf, params, runner, jobs)
-        log.info("Submitted %d jobs to SLURM as array %s (logs: %s)", len(jobs),
-                 submitted[0].job_id.split("_")[0], submitted[0].paths.folder.parent)
-        for job, sj in zip(jobs, submitted, strict=True):
-            log.info("\t%s -> %s in %s", job.describe(), sj.job_id, job.dir)
-        wait(self.conf, params, submitted)
-        results = [collect(self.hydra_context, job, sj) for job, sj in zip(jobs, submitted, strict=True)]
-        for job, sj, ret in zip(jobs, submitted, results, strict=True):
-            log_outcome(f"#{job.num} ({sj.job_id})", ret, job.dir)
-        return results
+        done = {job.num: ret for job in jobs if (ret := finished_already(job)) is not None}
+        todo = [job for job in jobs if job.num not in done]  # the same sweep again: only unfinished jobs go
+        if todo:
+            runner = SlurmJobRunner(self.hydra_context, self.task_function, Singleton.get_state())
+            submitted = submit(self.conf, params, runner, todo)
+            log.info("Submitted %d jobs to SLURM as array %s (logs: %s)", len(todo),
+                     submitted[0].job_id.split("_")[0], submitted[0].paths.folder.parent)
+            for job, sj in zip(todo, submitted, strict=True):
+                log.info("\t%s -> %s in %s", job.describe(), sj.job_id, job.dir)
+            wait(self.conf, params, submitted)
+            for job, sj in zip(todo, submitted, strict=True):
+                done[job.num] = collect(self.hydra_context, job, sj)
+                log_outcome(f"#{job.num} ({sj.job_id})", done[job.num], job.dir)
+        return [done[job.num] for job in jobs]
 
 
 class SlurmJobRunner:
@@ -345,8 +349,15 @@ def collect(hydra_context: HydraContext, job: SweepJob, sj: Any) -> JobReturn:
         reason = failure_reason(rank0.stderr(), str(exc)) or "no error message; see the logs"
         failed = JobReturn(overrides=job.overrides, working_dir=str(job.dir), status=JobStatus.FAILED)
         state = sj.get_info(mode="force").get("State", "UNKNOWN")
-        failed.return_value = JobFailed(f"job #{job.num} failed on SLURM (job {sj.job_id}, state {state}): {reason} "
-                                        f"[log: {rank0.paths.stderr}]")
+        failed.return_value = JobFailed(f"job #{job.num} failed on SLURM (job {sj.job_id}, state {state}, exit code "
+                                        f"{_exit_code(sj.job_id)}): {reason} [log: {rank0.paths.stderr}]")
         # the ranks died before Hydra's on_job_end ran there: run the callbacks here
         hydra_context.callbacks.on_job_end(config=job.config, job_return=failed)
         return failed
+
+
+def _exit_code(job_id: str) -> str:
+    """The job's exit code as SLURM's accounting has it ("2" of "2:0"), "?" without accounting."""
+    out = _slurm_command(["sacct", "-n", "-X", "-P", "-j", job_id, "-o", "ExitCode"]) or ""
+    codes = [line.split(":")[0] for line in out.split() if line.split(":")[0].isdigit()]
+    return codes[-1] if codes else "?"

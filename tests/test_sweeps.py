@@ -1,0 +1,177 @@
+"""Sweeps that resume: the same `python train.py -m ...` after an interruption skips the finished jobs, resumes the
+interrupted one from its checkpoint and runs the rest; a failing job fails only itself; jobs never share a
+checkpoint folder. Real sweeps of TINY_GPT under Hydra's own launcher and trainflow's process launcher."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from conftest import ROOT, TINY_GPT, losses_by_step, wait_for
+
+from trainflow import report
+from trainflow.errors import ConfigError
+from trainflow.rundir import run_name
+from trainflow.sweeps import IDENTITY_FILE, claim_checkpoint_dir
+
+STEPS = 8
+# 4 jobs: seeds 1,1,2,2; keep_last changes no loss, so job 0 is an uninterrupted twin of job 1
+SWEEP = [*TINY_GPT, "checkpoint=dcp", "checkpoint.every_steps=100", "checkpoint.verify=false",
+         f"trainer.max_steps={STEPS}", "trainer.eval_every=0", "trainer.eval_steps=2",
+         "trainer.seed=1,2", "checkpoint.keep_last=2,3"]
+
+
+def _env() -> dict[str, str]:
+    return {**{k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}, "PYTHONUNBUFFERED": "1"}
+
+
+def command(*overrides: str) -> list[str]:
+    return [sys.executable, str(ROOT / "train.py"), "-m", *overrides]
+
+
+def multirun(cwd: Path, *overrides: str) -> subprocess.CompletedProcess:
+    return subprocess.run(command(*overrides), cwd=cwd, env=_env(), capture_output=True, text=True, timeout=600)
+
+
+def skipped(output: str) -> list[str]:
+    return [line.split("job #")[1].split()[0] for line in output.splitlines() if "sweep: job #" in line]
+
+
+@dataclass
+class Resumed:
+    sweep: Path
+    ckpt_root: Path
+    first_rc: int
+    first_output: str
+    while_running: dict  # the report built while job 1 trained
+    after_stop: dict  # the report built after the interruption
+    stopped: dict  # job 1's summary.json after the interruption
+    job0_metrics: bytes
+    second: subprocess.CompletedProcess
+
+
+@pytest.fixture(scope="module")
+def resumed(tmp_path_factory: pytest.TempPathFactory) -> Resumed:
+    """The sweep, interrupted by SIGTERM while job 1 trains (jobs 2-3 not started), then the same command again."""
+    cwd = tmp_path_factory.mktemp("sweeps")
+    ckpt_root = cwd / "ck"
+    overrides = [*SWEEP, f"checkpoint.dir={ckpt_root}"]  # one explicit folder for the whole sweep
+    sweep = cwd / "multirun" / run_name(overrides)  # named by the sweep's overrides: the same command, the same one
+    out = cwd / "first.out"
+    with out.open("w") as sink:
+        proc = subprocess.Popen(command(*overrides), cwd=cwd, env=_env(), stdout=sink, stderr=subprocess.STDOUT)
+    try:
+        metrics = sweep / "1" / "metrics.jsonl"
+        wait_for(lambda: metrics.exists() and max(losses_by_step(sweep / "1"), default=0) >= 2, proc, "job 1 step 2")
+        while_running = report.build(sweep)
+        proc.send_signal(signal.SIGTERM)
+        first_rc = proc.wait(timeout=120)
+    finally:
+        proc.kill()
+    after_stop = report.build(sweep)
+    stopped = json.loads((sweep / "1" / "summary.json").read_text())
+    job0_metrics = (sweep / "0" / "metrics.jsonl").read_bytes()
+    second = multirun(cwd, *overrides)
+    return Resumed(sweep, ckpt_root, first_rc, out.read_text(), while_running, after_stop, stopped, job0_metrics,
+                   second)
+
+
+def _statuses(built: dict) -> dict[str, str]:
+    return {row["name"]: row["status"] for row in built["runs"]}
+
+
+def test_interrupted_sweep_stops_with_a_checkpoint_and_reports_it(resumed: Resumed) -> None:
+    assert resumed.first_rc == 75, resumed.first_output[-3000:]  # trainflow's stopped-with-a-checkpoint code
+    assert _statuses(resumed.while_running) == {"0": "finished", "1": "running"}
+    assert _statuses(resumed.after_stop) == {"0": "finished", "1": "interrupted"}  # jobs 2-3 never started
+    assert "stopped by SIGTERM" in resumed.after_stop["runs"][1]["error"]
+    stopped = resumed.stopped
+    assert stopped["checkpoint"]["stopped_by"] == "SIGTERM" and 2 <= stopped["steps"] < STEPS
+    assert stopped["resumed_from_step"] is None  # a fresh start: not job 0's checkpoint of the same folder
+
+
+def test_the_same_command_skips_resumes_and_runs_the_rest(resumed: Resumed) -> None:
+    second, sweep = resumed.second, resumed.sweep
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert skipped(second.stdout + second.stderr) == ["0"]  # one line, for job 0 only
+    assert "trainer.sweep_name=<name>" in second.stdout  # the skip line says how to start afresh
+    assert (sweep / "0" / "metrics.jsonl").read_bytes() == resumed.job0_metrics
+    summaries = [json.loads((sweep / str(n) / "summary.json").read_text()) for n in range(4)]
+    assert [s["steps"] for s in summaries] == [STEPS] * 4
+    assert summaries[1]["resumed_from_step"] == resumed.stopped["steps"]
+    assert summaries[2]["resumed_from_step"] is None and summaries[3]["resumed_from_step"] is None
+    assert losses_by_step(sweep / "1") == losses_by_step(sweep / "0")  # resumed = its uninterrupted twin
+    assert losses_by_step(sweep / "2") != losses_by_step(sweep / "0")  # (another seed: the test can tell)
+    written = json.loads((sweep / "report.json").read_text())
+    assert [(r["name"], r["status"]) for r in written["runs"]] == [(str(n), "finished") for n in range(4)]
+
+
+def test_jobs_have_checkpoint_folders_of_their_own(resumed: Resumed) -> None:
+    """An explicit checkpoint.dir: <dir>/<sweep folder>/<job>, each naming the run identity it belongs to (on main,
+    job 1 resumed job 0's last checkpoint there and trained nothing)."""
+    folders = sorted(p for p in (resumed.ckpt_root / resumed.sweep.name).iterdir())
+    assert [p.name for p in folders] == ["0", "1", "2", "3"]
+    identities = [(p / IDENTITY_FILE).read_text().strip() for p in folders]
+    # keep_last is how a run is kept, not what it trains: jobs 0 and 1 are one run identity, in two folders
+    assert identities[0] == identities[1] != identities[2] == identities[3]
+    saves = [sorted(c.name for c in p.glob("step_*")) for p in folders]
+    stop = f"step_{resumed.stopped['steps']:08d}"
+    assert saves == [[f"step_{STEPS:08d}"], [stop, f"step_{STEPS:08d}"], [f"step_{STEPS:08d}"], [f"step_{STEPS:08d}"]]
+    summary = json.loads((resumed.sweep / "1" / "summary.json").read_text())
+    assert summary["config"]["checkpoint"]["dir"] == str(folders[1])
+
+
+def test_a_folder_of_another_run_is_refused(tmp_path: Path) -> None:
+    claim_checkpoint_dir(tmp_path, "run-a")
+    claim_checkpoint_dir(tmp_path, "run-a")  # the same run continues there
+    with pytest.raises(ConfigError, match=r"holds the checkpoints of another run \(run-a; this job is run-b\); "
+                                          r"nothing was changed and nothing is resumed"):
+        claim_checkpoint_dir(tmp_path, "run-b")
+    assert (tmp_path / IDENTITY_FILE).read_text() == "run-a\n"
+
+
+def test_a_failing_job_fails_only_itself_and_the_sweep(tmp_path: Path) -> None:
+    """Job 1 cannot run: jobs 0 and 2 still train, the report names job 1's failure, the sweep exits non-zero.
+    The same sweep again (under the process launcher: still the same sweep) skips 0 and 2 and runs 1 again."""
+    overrides = [*TINY_GPT, "trainer.max_steps=2", "trainer.eval_every=0", "trainer.eval_steps=1",
+                 "trainer.batch_size=4,0,8", "trainer.sweep_name=failing"]
+    first = multirun(tmp_path, *overrides)
+    sweep = tmp_path / "multirun" / "failing"
+    assert first.returncode == 1, first.stderr[-3000:]
+    assert "Traceback" not in first.stderr
+    rows = json.loads((sweep / "report.json").read_text())["runs"]
+    assert [(r["name"], r["status"], r["steps"]) for r in rows] == [("0", "finished", 2), ("1", "failed", None),
+                                                                    ("2", "finished", 2)]
+    assert rows[1]["error"] == "job #1 failed (exit code 2): trainer.batch_size: must be a positive integer; got 0"
+    assert "1 failed" in (sweep / "report.md").read_text()
+
+    again = multirun(tmp_path, *overrides, "hydra/launcher=process")
+    assert again.returncode == 1, again.stderr[-3000:]
+    assert skipped(again.stdout + again.stderr) == ["0", "2"]
+    rows = json.loads((sweep / "report.json").read_text())["runs"]
+    assert [r["status"] for r in rows] == ["finished", "failed", "finished"]
+    assert rows[1]["error"].startswith("job #1 failed (exit code 2): trainer.batch_size: must be a positive")
+
+
+def test_a_failed_optuna_trial_is_told_to_optuna_as_failed(tmp_path: Path) -> None:
+    """hydra/sweeper=optuna under Hydra's own launcher: a trial that cannot run comes back to Optuna as a failed
+    trial (its max_failure_rate decides whether the sweep goes on), not as an exit of the whole sweep."""
+    pytest.importorskip("hydra_plugins.hydra_optuna_sweeper")
+    tiny = [o for o in TINY_GPT if not o.startswith("trainer.batch_size=")]  # the sampled key, not fixed
+    proc = multirun(tmp_path, *tiny, "hydra/sweeper=optuna", "hydra.sweeper.n_trials=3",
+                    "hydra.sweeper.max_failure_rate=1.0", "hydra.sweeper.sampler.seed=1",
+                    "trainer.batch_size=choice(0,8)", "trainer.max_steps=2", "trainer.eval_steps=1",
+                    "trainer.sweep_name=optuna")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    sweep = tmp_path / "multirun" / "optuna"
+    rows = json.loads((sweep / "report.json").read_text())["runs"]
+    failed = [r for r in rows if r["status"] == "failed"]
+    assert len(rows) == 3 and [r["overrides"] for r in failed] == [["trainer.batch_size=0"]]
+    assert f"Failed experiment: job #{failed[0]['name']} failed (exit code 2): trainer.batch_size:" in proc.stdout
+    assert "best_params:\n  trainer.batch_size: 8" in (sweep / "optimization_results.yaml").read_text()
