@@ -223,3 +223,18 @@ def test_a_server_killed_mid_run_is_said_once_and_the_run_goes_on(server: Server
     assert run.loggers == {}
     assert [json.loads(line)["step"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()] == [
         1, 2, 3, 4]
+
+
+def test_a_logger_of_ones_own_is_one_yaml_with_a_target(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """examples/my_project's CSV logger, built from its YAML as `logger=[csv]` composes it, fed by the writer."""
+    from trainflow.loggers import build_loggers
+
+    monkeypatch.syspath_prepend(str(ROOT / "examples" / "my_project"))
+    section = OmegaConf.load(ROOT / "examples" / "my_project" / "conf" / "logger" / "csv.yaml")
+    run = writer(tmp_path / "run", **build_loggers(section))
+    run.start(CONFIG, 1, None)
+    run.write(2, {"train/loss": 1.5, "perf/mfu": float("nan"), "note": "text"})  # finite numbers only
+    run.finish("FINISHED")
+    run.close()
+    rows = (tmp_path / "run" / "scalars.csv").read_text().splitlines()
+    assert rows == ["step,name,value", "2,train/loss,1.5", ",status,FINISHED"]
