@@ -161,6 +161,7 @@ def test_steps_replayed_after_a_crash_appear_once_in_every_logger(tmp_path: Path
     for step in range(1, 8):
         crashed.write(step, {"train/loss": 10.0 - step})
     crashed.loggers["tensorboard"]._writer.flush()  # what the crashed process had written (flush_secs)
+    crashed.loggers["mlflow"].settle()  # and sent
     crashed.close()  # no finish: the process died
     resumed = writer(run_dir, tensorboard=TensorBoardLogger(), mlflow=MLflowLogger(uri))
     resumed.start(CONFIG, 1, 5)

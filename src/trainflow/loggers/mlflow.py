@@ -2,8 +2,9 @@
 
 - params: the resolved config, flattened (`optim.lr`); a value over MLflow's length limit is shortened (said
   once), and params go in batches under its per-call limit;
-- metrics: every scalar of metrics.jsonl at its step, batched per log step; a resumed run logs only the steps
-  past the last one its tracked run already holds (a crash replays a few);
+- metrics: every scalar of metrics.jsonl at its step, one batch per log step, sent by MLflow's background
+  thread (the loop does not wait for the store; a failed batch surfaces at the next log step); a resumed run logs
+  only the steps past the last one its tracked run already holds (a crash replays a few);
 - tags: run name, run directory, host, world size, strategy, the working directory's git commit;
 - at the end: config.yaml, summary.json, compile_report.json, the profiler's verdict as profiler.md, and the
   status (FINISHED, FAILED, KILLED for a stop on a signal);
@@ -63,6 +64,7 @@ class MLflowLogger:
         self.client: Any = None
         self.run_id: str | None = None
         self._logged_to = 0  # steps up to here are in the tracked run already (a resume after a crash replays)
+        self._pending: list[Any] = []  # the last log step's batches, still being sent
 
     def start(self, run: RunInfo) -> str:
         from mlflow.tracking import MlflowClient
@@ -89,10 +91,18 @@ class MLflowLogger:
 
         if step <= self._logged_to:
             return
+        self.settle()
         now = int(time.time() * 1000)
         metrics = [Metric(key, float(value), now, step) for key, value in values.items()]
-        for i in range(0, len(metrics), MAX_METRICS_PER_BATCH):
-            self.client.log_batch(self.run_id, metrics=metrics[i:i + MAX_METRICS_PER_BATCH])
+        self._pending = [self.client.log_batch(self.run_id, metrics=metrics[i:i + MAX_METRICS_PER_BATCH],
+                                               synchronous=False)
+                         for i in range(0, len(metrics), MAX_METRICS_PER_BATCH)]
+
+    def settle(self) -> None:
+        """Wait for the batches still being sent; one that failed raises here."""
+        pending, self._pending = self._pending, []
+        for operations in pending:
+            operations.wait()
 
     def text(self, tag: str, text: str, step: int) -> None:
         self.client.log_text(self.run_id, text, f"{tag}.md")
@@ -102,6 +112,7 @@ class MLflowLogger:
             self.client.log_artifact(self.run_id, str(path))
 
     def finish(self, status: str) -> None:
+        self.settle()
         self.client.set_terminated(self.run_id, status)
 
     def _experiment_id(self) -> str:
