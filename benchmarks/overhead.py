@@ -14,6 +14,7 @@ Start-up: `python train.py trainer.max_steps=1 trainer.eval_steps=1` against a b
 builds the same model, takes one step and evaluates one batch, alternating as separate processes.
 
     python benchmarks/overhead.py [--rounds 5] [--steps 60] [--only-literal] [--cpu-time] [--watchdog]
+                                  [--logger '[tensorboard,mlflow]']
 """
 
 from __future__ import annotations
@@ -281,9 +282,16 @@ def main() -> None:
                         help="the literal-loop comparison in one thread's CPU time (for a machine under load)")
     parser.add_argument("--watchdog", action="store_true",
                         help="trainflow with its hang watchdog on (by default on only for runs of 2+ ranks)")
+    parser.add_argument("--logger", default="none",
+                        help="trainflow's loggers, e.g. [tensorboard,mlflow] (MLflow: a SQLite store in a temporary "
+                             "folder); default none")
     args = parser.parse_args()
     if args.watchdog:
         COMMON.append("parallelism.watchdog.enabled=true")
+    COMMON[COMMON.index("logger=none")] = f"logger={args.logger}"
+    if "mlflow" in args.logger:
+        store = Path(tempfile.mkdtemp()) / "mlflow.db"
+        COMMON.append(f"logger.mlflow.tracking_uri=sqlite:///{store}")
     logging.disable(logging.INFO)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.rounds} rounds x {args.steps} steps")
     multiplier = CASES["seed_mlp"][1]

@@ -222,6 +222,13 @@ def read_only_tensorboard_folder(ctx: Ctx) -> None:
     ctx.hold.enter_context(tmpfs(ctx.tmp / "run" / "tensorboard", "1m", read_only=True))
 
 
+def mlflow_not_installed(ctx: Ctx) -> None:
+    """A Python path on which `import mlflow` fails as it does where the extra is not installed."""
+    (ctx.tmp / "no_mlflow" / "mlflow").mkdir(parents=True)
+    (ctx.tmp / "no_mlflow" / "mlflow" / "__init__.py").write_text(
+        "raise ModuleNotFoundError(\"No module named 'mlflow'\", name='mlflow')\n")
+
+
 def fifo_corpus(ctx: Ctx) -> None:
     os.mkfifo(ctx.tmp / "pipe")
 
@@ -553,6 +560,24 @@ CASES = [
          "Error: logger.tensorboard: cannot write TensorBoard's events in {tmp}/run/tensorboard (Read-only file "
          "system); make that a writable folder, or run with logger=none", setup=read_only_tensorboard_folder,
          needs="mount"),
+    Case("mlflow-server-down", "environment", "an MLflow server that does not answer",
+         ("logger=mlflow", "logger.mlflow.tracking_uri=http://127.0.0.1:{port}"),
+         "Error: logger.mlflow.tracking_uri: no MLflow server answers at http://127.0.0.1:{port} (ConnectionError); "
+         "start it (mlflow server --backend-store-uri sqlite:///mlflow.db), or leave logger.mlflow.tracking_uri unset "
+         "for the local store outputs/mlflow.db"),
+    Case("mlflow-store-blocked", "environment", "MLflow's SQLite store where a file stands in for its folder",
+         ("logger=mlflow", "logger.mlflow.tracking_uri=sqlite:///{tmp}/notes/mlflow.db"),
+         "Error: logger.mlflow.tracking_uri: cannot write the MLflow store in {tmp}/notes ({tmp}/notes is a file, "
+         "not a folder); point logger.mlflow.tracking_uri at sqlite:///<a writable path>, or run with a writable "
+         "outputs/", setup=file_in_the_way),
+    Case("mlflow-not-installed", "environment", "logger=mlflow without the mlflow extra installed",
+         ("logger=[tensorboard,mlflow]",),
+         "Error: logger.mlflow: the mlflow package is not installed; pip install 'trainflow[mlflow]', or leave mlflow "
+         "out of logger=[...]", setup=mlflow_not_installed, env=(("PYTHONPATH", "{tmp}/no_mlflow"),)),
+    Case("logger-target-unknown", "config", "a logger of one's own whose _target_ cannot be imported",
+         ("+logger.mine._target_=nowhere.Logger",),
+         "Error: logger.mine._target_: cannot import 'nowhere.Logger'; give the import path of a logger class (see "
+         "docs/loggers.md) (its folder on PYTHONPATH)"),
     Case("data-cache-blocked", "environment", "a token cache folder blocked by a file",
          ("data.cache_dir={tmp}/notes/cache",),
          "Error: data.cache_dir: cannot write the token cache in {tmp}/notes/cache ({tmp}/notes is a file, not a "

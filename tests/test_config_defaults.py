@@ -28,6 +28,8 @@ def schema_of(option: Path) -> Any:
     name = f"{option.parent.name}/{option.stem}"
     if option.stem == "custom":
         return {}  # model=custom, data=custom, task=custom: open sections, no defaults but the user's
+    if option.parent.name == "logger":  # each logger's keys under logger.<name>, typed by its own schema
+        return {option.stem: config.LOGGER_SCHEMAS[option.stem]} if option.stem in config.LOGGER_SCHEMAS else {}
     if option.parent.name == "model" and option.stem.startswith("gpt"):
         return config.GPTConfig
     return KIND_SCHEMAS.get(name) or SECTIONS[option.parent.name]

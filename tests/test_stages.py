@@ -209,11 +209,10 @@ def test_stages_hold_their_typed_sections_in_a_launched_worker(tmp_path: Path) -
     assert summary["checkpoint"]["saves"] == 2  # step 4 and the final step 6
     assert summary["profiler"]["schedule"] == {"skip_first": 0, "wait": 0, "warmup": 1, "active": 2, "repeat": 1}
     assert summary["parallelism"]["per_rank_batch"] == 64 and summary["parallelism"]["global_batch"] == 64
-    assert run.dashboard is not None
     from tensorboard.backend.event_processing.event_accumulator import TENSORS, EventAccumulator
     from tensorboard.plugins.hparams import metadata
 
-    events = EventAccumulator(str(run.dashboard.dir), size_guidance={TENSORS: 0})
+    events = EventAccumulator(str(tmp_path / "tensorboard"), size_guidance={TENSORS: 0})
     events.Reload()
     start = events.SummaryMetadata("_hparams_/session_start_info")
     hparams = metadata.parse_session_start_info_plugin_data(start.plugin_data.content).hparams

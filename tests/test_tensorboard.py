@@ -179,7 +179,7 @@ def test_eval_interval(max_steps: int, eval_every: int | str, interval: int) -> 
 def test_hyperparameters_keep_their_types() -> None:
     """Numbers stay numbers and bools bools (TensorBoard filters and charts them so); the rest is its text."""
     from trainflow.config import OptimConfig
-    from trainflow.tensorboard import headline, hyperparameters
+    from trainflow.loggers import headline, hyperparameters
 
     trainer, optim = TrainerConfig(batch_size=8, max_steps=20, precision="fp32"), OptimConfig(lr=3e-4)
     choices = {"model": "gpt_tiny", "experiment": None, "hydra/launcher": "basic"}
@@ -191,7 +191,7 @@ def test_hyperparameters_keep_their_types() -> None:
                       "checkpoint.dir": "null", "extra.flag": False, "metrics.peak_flops": "(deleted)"}
     from tensorboard.plugins.hparams import metadata
 
-    from trainflow.tensorboard import session_start_record
+    from trainflow.loggers.tensorboard import session_start_record
 
     record = session_start_record(values).value[0]
     stored = metadata.parse_session_start_info_plugin_data(record.metadata.plugin_data.content).hparams
@@ -201,7 +201,7 @@ def test_hyperparameters_keep_their_types() -> None:
 
 
 def test_a_job_name_is_cut_at_200_bytes_between_characters() -> None:
-    from trainflow.tensorboard import folder_name
+    from trainflow.loggers import folder_name
 
     greek = "trainer.run_name=" + "α" * 300  # 2 bytes a character: 200 characters would be 383 bytes
     cut = folder_name(greek)

@@ -307,8 +307,25 @@ class CheckpointConfig:
 
 
 @dataclass
-class LoggerConfig:
-    tensorboard: bool = True
+class TensorBoardLoggerConfig:
+    """logger=tensorboard: event files in <run dir>/tensorboard (a sweep job: tensorboard/<swept values>)."""
+
+    _target_: str = "trainflow.loggers.tensorboard.TensorBoardLogger"
+    flush_secs: int = 10  # a running run shows within seconds
+
+
+@dataclass
+class MLflowLoggerConfig:
+    """logger=mlflow (`pip install 'trainflow[mlflow]'`): params, metrics, tags, artifacts, status of one run."""
+
+    _target_: str = "trainflow.loggers.mlflow.MLflowLogger"
+    tracking_uri: str | None = None  # null: sqlite:///<working dir>/outputs/mlflow.db (no server); or http://host:port
+    experiment: str = "trainflow"
+    tags: dict[str, str] = field(default_factory=dict)  # added to the run's own (run name, run dir, host, ...)
+
+
+# The built-in loggers' schemas, by their key under `logger`; a user's logger (its own `_target_`) is open.
+LOGGER_SCHEMAS: dict[str, type] = {"tensorboard": TensorBoardLoggerConfig, "mlflow": MLflowLoggerConfig}
 
 
 LADDER_STAGES = ("baseline", "compile", "profile", "ddp", "fsdp", "checkpoint", "resume")
@@ -342,7 +359,8 @@ class RunConfig:
     profiler: ProfilerConfig = field(default_factory=ProfilerConfig)
     parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    # logger=[tensorboard,mlflow]: each chosen logger's keys under logger.<name>, its class by `_target_`
+    logger: Any = field(default_factory=dict)
     ladder: LadderConfig = field(default_factory=LadderConfig)
 
 
@@ -382,6 +400,8 @@ def register_configs() -> None:
         cs.store(group=f"schema/{group}", name=name, node=opened(OmegaConf.structured(schema)))
     for group in ("model", "data", "task"):  # model=custom, data=custom, task=custom: the user's _target_ and keys
         cs.store(group=f"schema/{group}", name="open", node=opened(OmegaConf.create({"_target_": MISSING})))
+    for name, schema in LOGGER_SCHEMAS.items():  # closed: a misspelt logger.mlflow.* key is Hydra's one line
+        cs.store(group="schema/logger", name=name, node=schema)
 
 
 def opened(section: DictConfig) -> DictConfig:

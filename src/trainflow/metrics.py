@@ -1,4 +1,4 @@
-"""Measured figures: FLOPs, peak FLOP/s, throughput, memory; written to jsonl, TensorBoard and the log.
+"""Measured figures: FLOPs, peak FLOP/s, throughput, memory; written to jsonl, the chosen loggers and the log.
 
 Step times are read at log boundaries only (with a device sync there), so
 measuring does not put a sync in every step.
@@ -27,14 +27,17 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from trainflow.data.loaders import to_device
-from trainflow.errors import RunDirError
+from trainflow.errors import ConfigError, RunDirError, TrainflowError
 from trainflow.files import write_atomic
 from trainflow.precision import matmul_math
+from trainflow.targets import first_line
 
 if TYPE_CHECKING:
+    from omegaconf import DictConfig
+
+    from trainflow.loggers import Logger
     from trainflow.loop_state import LoopState
     from trainflow.tasks import Task
-    from trainflow.tensorboard import Dashboard
 
 log = logging.getLogger(__name__)
 
@@ -203,24 +206,89 @@ def device_sync(device: torch.device) -> None:
 
 
 class MetricsWriter:
-    """metrics.jsonl always; the TensorBoard dashboard when given. Rank 0 only: other ranks get a writer that drops.
+    """metrics.jsonl always; then each chosen logger (trainflow.loggers). Rank 0 only: other ranks get a writer
+    that drops.
 
-    The dashboard is closed by its owner (it records the run's summary at the end).
+    A logger that fails mid-run is said once and dropped: the run trains on and metrics.jsonl keeps every value.
     """
 
-    def __init__(self, run_dir: Path, enabled: bool, dashboard: Dashboard | None) -> None:
+    def __init__(self, run_dir: Path, enabled: bool, loggers: dict[str, Logger]) -> None:
         self.enabled = enabled
         self.run_dir = run_dir
         # unbuffered: each line reaches the file in one call, so a failed write can be taken back whole
         self._jsonl = open(run_dir / "metrics.jsonl", "ab", buffering=0) if enabled else None  # noqa: SIM115
-        self._tb = dashboard
+        self.loggers = loggers
+
+    def start(self, cfg: DictConfig, world_size: int, resumed_step: int | None) -> None:
+        """After the resume, before the first step: one step axis from here on (metrics.jsonl drops the lines a
+        crashed process wrote past the resumed step); each logger starts, a resumed run's trackers continue their
+        tracked runs, whose ids are kept in the run directory."""
+        from trainflow.loggers import IDS_FILE, kept_ids, run_info
+
+        if not self.enabled:
+            return
+        if resumed_step is not None:
+            self._keep_lines_up_to(resumed_step)
+        kept = kept_ids(self.run_dir) if resumed_step is not None else {}
+        ids = {}
+        for name, logger in self.loggers.items():
+            try:
+                tracked = logger.start(run_info(cfg, self.run_dir, world_size, resumed_step, kept.get(name)))
+            except TrainflowError:
+                raise
+            except Exception as exc:
+                raise ConfigError(f"logger.{name}: could not start ({type(exc).__name__}: {first_line(exc)}); "
+                                  f"fix the logger.{name}.* values, or leave {name} out of logger=[...]") from exc
+            if tracked is not None:
+                ids[name] = tracked
+        if ids:
+            write_json_atomic(self.run_dir / IDS_FILE, ids)
 
     def write(self, step: int, values: dict[str, Any]) -> None:
         if not self.enabled:
             return
         self._append_line(json.dumps({"step": step, **values}) + "\n")
-        if self._tb is not None:
-            self._tb.scalars(step, values)
+        if self.loggers:
+            from trainflow.loggers import finite
+
+            self._each("scalars", step, finite(values))
+
+    def finish(self, status: str, summary: dict[str, Any] | None = None) -> None:
+        """The run's end for every logger: its final figures, the profiler's text and the run's files (when it
+        got to its summary), then its status."""
+        from trainflow.loggers import final_figures, profiler_text
+
+        if summary is not None:
+            step = summary["steps"]
+            self._each("scalars", step, final_figures(summary))
+            if text := profiler_text(summary.get("profiler")):
+                self._each("text", "profiler", text, step)
+            files = ("config.yaml", "summary.json", "compile_report.json")
+            self._each("artifacts", [self.run_dir / f for f in files if (self.run_dir / f).exists()])
+        self._each("finish", status)
+        self.loggers = {}
+
+    def _each(self, method: str, *args: Any) -> None:
+        for name, logger in list(self.loggers.items()):
+            try:
+                getattr(logger, method)(*args)
+            except Exception as exc:
+                log.warning("logger.%s failed (%s: %s); the run goes on without it, metrics.jsonl keeps every "
+                            "value", name, type(exc).__name__, first_line(exc))
+                del self.loggers[name]
+
+    def _keep_lines_up_to(self, step: int) -> None:
+        """metrics.jsonl without the lines past `step` (replayed after a resume, they would appear twice)."""
+        path = self.run_dir / "metrics.jsonl"
+        lines = path.read_bytes().splitlines(keepends=True)
+        kept = [line for line in lines if json.loads(line).get("step", 0) <= step]
+        if len(kept) < len(lines):
+            self._jsonl.close()
+            try:
+                write_atomic(path, b"".join(kept))
+            except OSError as exc:
+                raise run_dir_error(self.run_dir, "metrics.jsonl", exc) from None
+            self._jsonl = open(path, "ab", buffering=0)  # noqa: SIM115
 
     def _append_line(self, line: str) -> None:
         """Whole lines only: a write the disk cuts short is taken back, and the run stops with one line."""
@@ -236,6 +304,7 @@ class MetricsWriter:
             raise run_dir_error(self.run_dir, "metrics.jsonl", exc) from None
 
     def close(self) -> None:
+        """metrics.jsonl is closed; the loggers end with `finish`, once the run's summary is known."""
         if self._jsonl is not None:
             self._jsonl.close()
 

@@ -349,6 +349,9 @@ class ReportCallback(Callback):
         if not sweep.is_dir():
             return  # nothing ran (e.g. --info)
         report = write(sweep, baseline=self.baseline)
+        from trainflow.loggers.mlflow import finish_sweep
+
+        finish_sweep(sweep, [sweep / f for f in REPORT_FILES])  # the report on the sweep's MLflow parent run
         for warning in report["warnings"]:
             log.warning(warning)
         log.info("sweep report: %s", sweep / "report.md")

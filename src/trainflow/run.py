@@ -33,6 +33,7 @@ from trainflow.distributed.stragglers import Stragglers
 from trainflow.distributed.watchdog import Watchdog
 from trainflow.evaluation import Evaluation
 from trainflow.limits import check_batch
+from trainflow.loggers import FAILED, FINISHED, KILLED, build_loggers
 from trainflow.metrics import (
     MetricsWriter,
     PeakMemory,
@@ -52,7 +53,6 @@ from trainflow.seeding import SEED_STRIDE, seed_everything
 from trainflow.stages import LoopState, Stage, StageContext
 from trainflow.step import Training, train_step, unnamed
 from trainflow.tasks import build_task, probe
-from trainflow.tensorboard import Dashboard
 from trainflow.train_metrics import TrainMetrics
 
 log = logging.getLogger("trainflow")
@@ -76,6 +76,7 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv) -> dict[str, Any] | Non
             train_loop(run)
         except BaseException as exc:
             note_step(exc, run.training.state.step + 1)  # the step it failed in, for the launcher's account of it
+            run.ctx.writer.finish(KILLED if isinstance(exc, KeyboardInterrupt) else FAILED)
             raise
     return summarize(run)
 
@@ -98,7 +99,6 @@ class Run:
     parameters: int
     flops_absent: str | None  # why the FLOPs (and so MFU) are unknown
     auto_plan: Any  # parallelism=auto's plan, checked against the measured peak at the end
-    dashboard: Dashboard | None
     resumed_from: int | None
 
 
@@ -107,6 +107,7 @@ def assemble(cfg: DictConfig, run_dir: Path, env: DistEnv, stage_types: Sequence
     parallelism=auto's layout) goes into a new, read-only config: nothing writes into a config after validation."""
     cfg = decided(cfg, {"trainer": {"batch_size": per_rank_batch(cfg, env.dp_size)}})
     trainer = _prepare(cfg, run_dir, env)
+    loggers = build_loggers(cfg.logger) if env.is_main else {}  # a missing extra stops the run here, in one line
     data = build_datasets(cfg.data, cfg.model)
     model = build_model(cfg.model).to(env.device)
     parameters = sum(p.numel() for p in model.parameters())
@@ -124,11 +125,9 @@ def assemble(cfg: DictConfig, run_dir: Path, env: DistEnv, stage_types: Sequence
         cfg = decided(cfg, {"parallelism": auto_plan.parallelism})
     parallelism, optim = typed(cfg.parallelism, ParallelismConfig), typed(cfg.optim, OptimConfig)  # after auto
     autocast = autocast_for(env.device, trainer.precision)
-    dashboard = Dashboard(trainer, optim, (run_dir / "config.yaml").read_text(), run_dir) \
-        if env.is_main and cfg.logger.tensorboard else None  # config.yaml: written by _prepare on rank 0
     meter = Throughput(trainer.warmup_steps, env.device, PeakMemory(env.device))
     ctx = StageContext(cfg, run_dir, env, trainer, parallelism, optim, data, task, model, example, autocast,
-                       MetricsWriter(run_dir, env.is_main, dashboard), meter, flops_per_step,
+                       MetricsWriter(run_dir, env.is_main, loggers), meter, flops_per_step,
                        peak_flops(env.device, trainer.precision, cfg.metrics.peak_flops))
     stages: list[Stage] = [stage_type.build(ctx) for stage_type in stage_types]  # before parallelize: see parity
     meter.excluded_steps = max([trainer.warmup_steps, *(stage.excluded_steps() for stage in stages)])
@@ -144,6 +143,7 @@ def assemble(cfg: DictConfig, run_dir: Path, env: DistEnv, stage_types: Sequence
     for stage in stages:
         stage.start(state)
     resumed_from = state.step if state.step > 0 else None
+    ctx.writer.start(cfg, env.world_size, resumed_from)  # a tracker that cannot be reached stops the run here
     if resumed_from and resumed_from >= trainer.max_steps and env.is_main:  # a finished run started again
         log.warning("the checkpoint is at step %d, trainer.max_steps is %d: nothing left to train; raise "
                     "trainer.max_steps to continue this run", resumed_from, trainer.max_steps)
@@ -172,7 +172,7 @@ def assemble(cfg: DictConfig, run_dir: Path, env: DistEnv, stage_types: Sequence
         guard=next(stage for stage in stages if isinstance(stage, NonFiniteGuard)),
         batch_device=env.device if env.device.type != "cpu" else None, pin=pin, schedule_moves=schedule_moves(optim),
         metrics_every_step=cfg.task.get("train_metrics") == "every_step", global_batch=global_batch)
-    return Run(ctx, training, stages, metric_names, parameters, flops_absent, auto_plan, dashboard, resumed_from)
+    return Run(ctx, training, stages, metric_names, parameters, flops_absent, auto_plan, resumed_from)
 
 
 def _prepare(cfg: DictConfig, run_dir: Path, env: DistEnv) -> TrainerConfig:
@@ -252,11 +252,10 @@ def summarize(run: Run) -> dict[str, Any] | None:
     if run.auto_plan:
         summary["parallelism"]["plan"] = memory_plan.finish(run.auto_plan, env.device, state.model, state.optimizer,
                                                             peak_memory["peak_memory_bytes"])
-    if run.dashboard is not None:
-        run.dashboard.finish(summary)
     if not env.is_main:
         return None
     write_json_atomic(ctx.run_dir / "summary.json", summary)
+    ctx.writer.finish(KILLED if (summary.get("checkpoint") or {}).get("stopped_by") else FINISHED, summary)
     log.info("done: %d steps; steady state %s", state.step,
              f"{steady['samples_per_sec']:.1f} samples/s, {steady['step_time_s'] * 1e3:.1f} ms/step"
              if steady else "not reached (too few steps after warm-up)")

@@ -50,7 +50,7 @@ def call(section: str, target: str, obj: Callable, kwargs: Mapping[str, Any]) ->
         raise
     except Exception as exc:
         raise ConfigError(f"{section}: {target}({arguments(kwargs)}) failed: {type(exc).__name__}: "
-                          f"{_first_line(exc)}; fix the {section}.* values") from exc
+                          f"{first_line(exc)}; fix the {section}.* values") from exc
 
 
 def bound_callable(section: str, target: str, kwargs: Mapping[str, Any], what: str) -> Callable:
@@ -70,6 +70,6 @@ def arguments(kwargs: Mapping[str, Any]) -> str:
     return ", ".join(f"{k}={v}" for k, v in kwargs.items())
 
 
-def _first_line(exc: Exception) -> str:
+def first_line(exc: Exception) -> str:
     text = str(exc).strip()
     return text.splitlines()[0] if text else ""

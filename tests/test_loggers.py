@@ -1,0 +1,241 @@
+"""Loggers: a real `mlflow server` on the loopback (SQLite backend) and the server-less SQLite default, read back
+with MlflowClient; TensorBoard's events read back with TensorBoard's reader; metrics.jsonl. One tracked run across
+a SIGTERM stop and the resume; replayed steps once; a server killed mid-run said once; a 2-job sweep as a parent
+run with two children.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from conftest import ROOT, TINY_GPT, wait_for
+from omegaconf import OmegaConf
+
+from trainflow.loggers.mlflow import MLflowLogger
+from trainflow.loggers.tensorboard import TensorBoardLogger
+from trainflow.metrics import MetricsWriter
+
+pytest.importorskip("mlflow")  # the dev extra has it; a bare install of trainflow does not
+
+LOGGED = [o for o in TINY_GPT if o != "logger=none"] + ["trainer.eval_steps=1"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """`mlflow server` on 127.0.0.1 with a SQLite backend and its own artifact folder, in its own process group."""
+
+    def __init__(self, folder: Path) -> None:
+        folder.mkdir(parents=True, exist_ok=True)
+        self.uri = f"http://127.0.0.1:{free_port()}"
+        port = self.uri.rsplit(":", 1)[1]
+        self.proc = subprocess.Popen(
+            [str(Path(sys.executable).parent / "mlflow"), "server", "--host", "127.0.0.1", "--port", port,
+             "--workers", "1", "--backend-store-uri", f"sqlite:///{folder / 'mlflow.db'}",
+             "--artifacts-destination", str(folder / "artifacts")],
+            stdout=open(folder / "server.out", "w"), stderr=subprocess.STDOUT,  # noqa: SIM115 (the child owns it)
+            start_new_session=True)
+        import requests
+
+        def up() -> bool:
+            try:
+                return requests.get(f"{self.uri}/health", timeout=1).ok
+            except requests.RequestException:
+                return False
+
+        wait_for(up, self.proc, "the MLflow server answers", timeout=120)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)  # the server and its workers
+            self.proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    started = Server(tmp_path_factory.mktemp("mlflow"))
+    yield started
+    started.stop()
+
+
+def start(run_dir: Path, *overrides: str) -> subprocess.Popen:
+    out = open(run_dir.parent / f"{run_dir.name}.out", "a")  # noqa: SIM115 (the child owns it)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env.pop("HYDRA_FULL_ERROR", None)
+    return subprocess.Popen([sys.executable, str(ROOT / "train.py"), *overrides, f"hydra.run.dir={run_dir}"],
+                            cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+
+
+def steps_of(history: list) -> list[int]:
+    return [m.step for m in sorted(history, key=lambda m: m.step)]
+
+
+@pytest.fixture(scope="module")
+def resumed(server: Server, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The issue's command, stopped with SIGTERM after its first checkpoint, then the same command again."""
+    run_dir = tmp_path_factory.mktemp("resume") / "run"
+    command = [*LOGGED, "logger=[tensorboard,mlflow]", f"logger.mlflow.tracking_uri={server.uri}", "checkpoint=dcp",
+               "checkpoint.every_steps=5", "trainer.max_steps=20"]
+    first = start(run_dir, *command)
+    wait_for(lambda: (run_dir / "checkpoints" / "step_00000005" / "manifest.json").is_file(), first, "checkpoint 5")
+    first.send_signal(signal.SIGTERM)
+    assert first.wait(timeout=120) == 75, (run_dir.parent / "run.out").read_text()[-3000:]
+    from mlflow.tracking import MlflowClient
+
+    run_id = json.loads((run_dir / "loggers.json").read_text())["mlflow"]
+    assert MlflowClient(server.uri).get_run(run_id).info.status == "KILLED"  # stopped on a signal, saved
+    second = start(run_dir, *command)
+    assert second.wait(timeout=300) == 0, (run_dir.parent / "run.out").read_text()[-3000:]
+    return run_dir
+
+
+def test_a_stopped_and_resumed_run_is_one_mlflow_run_with_each_step_once(server: Server, resumed: Path) -> None:
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(server.uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("trainflow").experiment_id])
+    assert run.info.run_id == json.loads((resumed / "loggers.json").read_text())["mlflow"]
+    assert run.info.status == "FINISHED" and run.info.run_name == "run"
+    assert steps_of(client.get_metric_history(run.info.run_id, "train/loss")) == list(range(1, 21))
+    jsonl = {r["step"]: r["train/loss"] for r in map(json.loads, (resumed / "metrics.jsonl").read_text().splitlines())
+             if "train/loss" in r}
+    history = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "train/loss")}
+    assert history == pytest.approx(jsonl, rel=1e-12)
+    summary = json.loads((resumed / "summary.json").read_text())
+    assert summary["resumed_from_step"] is not None and 5 <= summary["resumed_from_step"] < 20
+    assert run.data.metrics["summary/val_loss"] == pytest.approx(summary["val"]["loss"])
+    assert run.data.params["trainer.max_steps"] == "20" and run.data.params["checkpoint.every_steps"] == "5"
+    assert run.data.params["optim.betas"] == "[0.9, 0.95]"  # lists as their JSON text
+    tags = run.data.tags
+    assert tags["trainflow.run_dir"] == str(resumed) and tags["trainflow.world_size"] == "1"
+    assert tags["trainflow.strategy"] == "single" and tags["trainflow.host"] == socket.gethostname()
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    assert tags["mlflow.source.git.commit"] == commit
+    assert {a.path for a in client.list_artifacts(run.info.run_id)} == {"config.yaml", "summary.json"}
+    saved = Path(client.download_artifacts(run.info.run_id, "summary.json", str(resumed.parent)))
+    assert json.loads(saved.read_text())["steps"] == 20
+
+
+def test_a_stopped_and_resumed_run_shows_each_step_once_in_tensorboard_and_metrics_jsonl(resumed: Path) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(resumed / "tensorboard"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("loss/train")] == list(range(1, 21))
+    assert len(list((resumed / "tensorboard").glob("events.out.tfevents.*"))) == 2  # one a process, one run
+    records = [json.loads(line) for line in (resumed / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "train/loss" in r] == list(range(1, 21))
+
+
+def writer(run_dir: Path, **loggers) -> MetricsWriter:
+    """The metrics writer of a run directory holding a config.yaml, with `loggers`."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(CONFIG))
+    return MetricsWriter(run_dir, True, loggers)
+
+
+CONFIG = OmegaConf.create({"trainer": {"max_steps": 10}, "optim": {"lr": 0.1}, "parallelism": {"strategy": "single"}})
+
+
+def test_steps_replayed_after_a_crash_appear_once_in_every_logger(tmp_path: Path) -> None:
+    """A crash at step 7 after the checkpoint of step 5: the resumed process logs 6 and 7 again."""
+    from mlflow.tracking import MlflowClient
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    uri, run_dir = f"sqlite:///{tmp_path / 'mlflow.db'}", tmp_path / "run"
+    crashed = writer(run_dir, tensorboard=TensorBoardLogger(), mlflow=MLflowLogger(uri))
+    crashed.start(CONFIG, 1, None)
+    for step in range(1, 8):
+        crashed.write(step, {"train/loss": 10.0 - step})
+    crashed.loggers["tensorboard"]._writer.flush()  # what the crashed process had written (flush_secs)
+    crashed.loggers["mlflow"].settle()  # and sent
+    crashed.close()  # no finish: the process died
+    resumed = writer(run_dir, tensorboard=TensorBoardLogger(), mlflow=MLflowLogger(uri))
+    resumed.start(CONFIG, 1, 5)
+    for step in range(6, 11):
+        resumed.write(step, {"train/loss": 100.0 + step})
+    resumed.finish("FINISHED")
+    resumed.close()
+    once = [(s, 10.0 - s) for s in range(1, 6)] + [(s, 100.0 + s) for s in range(6, 11)]
+    jsonl = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["train/loss"]) for r in jsonl] == once
+    events = EventAccumulator(str(run_dir / "tensorboard"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("loss/train")] == once
+    client = MlflowClient(uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("trainflow").experiment_id])
+    assert run.info.status == "FINISHED" and run.info.run_id == json.loads((run_dir / "loggers.json").read_text())[
+        "mlflow"]
+    # the tracked run keeps the crashed process's steps 1..7 (MLflow cannot take them back): 6 and 7 appear once
+    history = sorted(client.get_metric_history(run.info.run_id, "train/loss"), key=lambda m: m.step)
+    assert [(m.step, m.value) for m in history] == [(s, 10.0 - s) for s in range(1, 8)] + [
+        (s, 100.0 + s) for s in range(8, 11)]
+
+
+def test_a_sweep_is_a_parent_run_with_its_jobs_as_children_in_the_sqlite_default(tmp_path: Path) -> None:
+    """`-m` with logger=[mlflow] and no tracking_uri: outputs/mlflow.db below the working directory, no server."""
+    from mlflow.tracking import MlflowClient
+
+    sweep = tmp_path / "multirun" / "day" / "time"
+    proc = subprocess.run([sys.executable, str(ROOT / "train.py"), "-m", *LOGGED, "logger=[mlflow]",
+                           "trainer.max_steps=2", "optim.lr=1e-3,3e-4", f"hydra.sweep.dir={sweep}"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    client = MlflowClient(f"sqlite:///{tmp_path / 'outputs' / 'mlflow.db'}")
+    runs = client.search_runs([client.get_experiment_by_name("trainflow").experiment_id])
+    (parent,) = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
+    children = sorted((r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id),
+                      key=lambda r: r.info.run_name)
+    assert parent.info.run_name == "day/time" and parent.info.status == "FINISHED" and len(runs) == 3
+    assert [r.info.run_name for r in children] == ["optim.lr=0.0003", "optim.lr=0.001"]
+    assert [r.data.params["optim.lr"] for r in children] == ["0.0003", "0.001"]
+    assert all(r.info.status == "FINISHED" and r.data.metrics["train/loss"] > 0 for r in children)
+    assert {a.path for a in client.list_artifacts(parent.info.run_id)} == {"report.md", "report.json", "report.png"}
+
+
+def test_a_server_killed_mid_run_is_said_once_and_the_run_goes_on(server: Server, resumed: Path, tmp_path: Path,
+                                                                 caplog: pytest.LogCaptureFixture) -> None:
+    """Last: it stops the module's server (after the resumed run, which it waits for)."""
+    run = writer(tmp_path / "run", mlflow=MLflowLogger(server.uri))
+    run.start(CONFIG, 1, None)
+    run.write(1, {"train/loss": 1.0})
+    server.stop()
+    with caplog.at_level(logging.WARNING, logger="trainflow.metrics"):
+        for step in range(2, 5):
+            run.write(step, {"train/loss": float(step)})
+        run.finish("FINISHED")
+    run.close()
+    warnings = [r.getMessage() for r in caplog.records if r.name == "trainflow.metrics"]
+    assert len(warnings) == 1 and warnings[0].startswith("logger.mlflow failed (MlflowException: ")
+    assert warnings[0].endswith("the run goes on without it, metrics.jsonl keeps every value")
+    assert run.loggers == {}
+    assert [json.loads(line)["step"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()] == [
+        1, 2, 3, 4]
+
+
+def test_a_logger_of_ones_own_is_one_yaml_with_a_target(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """examples/my_project's CSV logger, built from its YAML as `logger=[csv]` composes it, fed by the writer."""
+    from trainflow.loggers import build_loggers
+
+    monkeypatch.syspath_prepend(str(ROOT / "examples" / "my_project"))
+    section = OmegaConf.load(ROOT / "examples" / "my_project" / "conf" / "logger" / "csv.yaml")
+    run = writer(tmp_path / "run", **build_loggers(section))
+    run.start(CONFIG, 1, None)
+    run.write(2, {"train/loss": 1.5, "perf/mfu": float("nan"), "note": "text"})  # finite numbers only
+    run.finish("FINISHED")
+    run.close()
+    rows = (tmp_path / "run" / "scalars.csv").read_text().splitlines()
+    assert rows == ["step,name,value", "2,train/loss,1.5", ",status,FINISHED"]
