@@ -24,6 +24,7 @@ it: the keys are the model's own names (DCP's get_model_state_dict strips compil
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import math
 import os
@@ -35,7 +36,7 @@ from typing import Any
 
 import torch
 
-from trainflow.checkpoint.hf_names import GPT_TARGET, HF_TARGET, TIED, gpt2_config, hf_name
+from trainflow.checkpoint.hf_names import GPT_TARGET, HF_TARGET, TIED, as_stored, gpt2_config, hf_name, to_gpt2
 from trainflow.checkpoint.safe_io import (
     SafeReader,
     failure_cause,
@@ -225,6 +226,7 @@ def write_hf(source: Source, folder: Path, run_cfg: dict[str, Any] | None) -> No
                                       "of the run's config; give the config the checkpoint was saved with (--config)")
         model = transformers.GPT2LMHeadModel(transformers.GPT2Config(**kwargs))
         names = {k: hf_name(k) for k in source.model_keys if k != TIED}
+        layout = functools.partial(to_gpt2, n_head=kwargs["n_head"])
     elif target == HF_TARGET:
         from trainflow.models.hf import gpt2
 
@@ -233,6 +235,7 @@ def write_hf(source: Source, folder: Path, run_cfg: dict[str, Any] | None) -> No
         except ConfigError as exc:
             raise CheckpointError(f"export --format hf: the run's model does not build here ({exc})") from None
         names = {k: (k, False) for k in source.model_keys}
+        layout = as_stored
     else:
         raise CheckpointError(f"export --format hf: model._target_ {target} has no Hugging Face mapping (only "
                               f"{GPT_TARGET} and {HF_TARGET} have); export --format safetensors instead")
@@ -245,8 +248,9 @@ def write_hf(source: Source, folder: Path, run_cfg: dict[str, Any] | None) -> No
     with torch.no_grad():
         for batch in source.batches([source.model_keys[k] for k in names]):
             for key, tensor in batch.items():
-                hf_key, transposed = names[key.removeprefix(MODEL_PREFIX)]
-                params[hf_key].copy_(tensor.t() if transposed else tensor)
+                name = key.removeprefix(MODEL_PREFIX)
+                hf_key, transposed = names[name]
+                params[hf_key].copy_(layout(name, tensor, transposed))
                 filled.add(hf_key)
         for key in params.keys() - filled:
             if key.endswith(".bias"):  # a GPT without biases: zero ones compute the same

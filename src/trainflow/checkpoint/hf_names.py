@@ -3,7 +3,9 @@
 GPT-2 keeps its linear layers as Conv1D, whose weights are stored (in, out): the transpose of nn.Linear's. Its
 output layer is tied to the token embedding (not stored). GPT-2 always has biases: a GPT without them
 (`bias=false`) maps to zero biases, which compute the same. Dropout maps to GPT-2's three rates; GPT-2 also
-drops after the attention projection, which only training sees.
+drops after the attention projection, which only training sees. The GPT's qkv outputs run head by head ([q k v]
+of head 0, then of head 1: the order tensor parallelism splits by whole heads); GPT-2's c_attn holds q of every
+head, then k, then v: the rows are reordered both ways.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
+import torch
 from torch import nn
 
 from trainflow.errors import CheckpointError
@@ -25,6 +28,7 @@ _BLOCK = {"ln1": "ln_1", "ln2": "ln_2", "attn.qkv": "attn.c_attn", "attn.proj": 
           "mlp.2": "mlp.c_proj"}
 _CONV1D = ("attn.qkv", "attn.proj", "mlp.0", "mlp.2")
 _IN_BLOCK = re.compile(r"blocks\.(\d+)\.(.+)\.(weight|bias)")
+_QKV = re.compile(r"blocks\.\d+\.attn\.qkv\.(weight|bias)")
 
 
 def hf_name(name: str) -> tuple[str, bool] | None:
@@ -55,11 +59,30 @@ def gpt_names(hf_names: list[str]) -> dict[str, tuple[str, bool]]:
     return out
 
 
+def to_gpt2(name: str, tensor: torch.Tensor, transposed: bool, n_head: int) -> torch.Tensor:
+    """The GPT tensor `name` in GPT-2's layout: qkv's rows from head by head to q, k, v of all heads; Conv1D
+    weights transposed."""
+    if _QKV.fullmatch(name):
+        tensor = tensor.unflatten(0, (n_head, 3, -1)).transpose(0, 1).flatten(0, 2)
+    return tensor.t() if transposed else tensor
+
+
+def from_gpt2(name: str, tensor: torch.Tensor, transposed: bool, n_head: int) -> torch.Tensor:
+    """The inverse of `to_gpt2`: a GPT-2 tensor in the layout of the GPT tensor `name`."""
+    tensor = tensor.t() if transposed else tensor
+    if _QKV.fullmatch(name):
+        tensor = tensor.unflatten(0, (3, n_head, -1)).transpose(0, 1).flatten(0, 2)
+    return tensor
+
+
+def as_stored(name: str, tensor: torch.Tensor, transposed: bool) -> torch.Tensor:
+    """A tensor whose layout is already the model's (a model's own names, a Hugging Face model's own save)."""
+    return tensor
+
+
 def gpt2_config(model_cfg: dict[str, Any]) -> tuple[dict[str, Any], dict[str, list[int]]]:
     """(GPT2Config keyword arguments for a GPT of this config, the shapes of the GPT's tensors); what cannot be
     mapped is refused in one line."""
-    import torch
-
     from trainflow.models.gpt import GPT
 
     kwargs = {k: v for k, v in model_cfg.items() if k != "_target_"}

@@ -14,13 +14,14 @@ missing or of another shape is refused in one line, naming the first such key.
 
 from __future__ import annotations
 
+import functools
 import logging
 from pathlib import Path
 from typing import Any
 
 from torch import nn
 
-from trainflow.checkpoint.hf_names import gpt_names
+from trainflow.checkpoint.hf_names import as_stored, from_gpt2, gpt_names
 from trainflow.checkpoint.safe_io import (
     SafeReader,
     failure_cause,
@@ -56,6 +57,7 @@ from trainflow.checkpoint.store import (
 from trainflow.config import CheckpointConfig
 from trainflow.distributed import DistEnv
 from trainflow.errors import CheckpointError, ConfigError
+from trainflow.models.gpt import CausalSelfAttention
 
 log = logging.getLogger(__package__)  # one name for the package: lines read [trainflow.checkpoint]
 
@@ -228,9 +230,9 @@ def load_exported(path: Path, state: TrainState, env: DistEnv) -> None:
             names = list(f.keys())
             plan = {k: (k, False) for k in shapes if k in names}
             as_gpt2 = gpt_names(names)
-            from_gpt2 = {k: as_gpt2[k] for k in shapes if k in as_gpt2}
-            if len(from_gpt2) > len(plan):  # a GPT-2 folder loaded into trainflow's GPT
-                plan = from_gpt2
+            from_gpt2_plan = {k: as_gpt2[k] for k in shapes if k in as_gpt2}
+            if len(from_gpt2_plan) > len(plan):  # a GPT-2 folder loaded into trainflow's GPT
+                plan = from_gpt2_plan
             for key, stored in _TIED.items():
                 if key in shapes and key not in plan and stored in plan:
                     plan[key] = plan[stored]
@@ -238,6 +240,8 @@ def load_exported(path: Path, state: TrainState, env: DistEnv) -> None:
             if missing:
                 raise ConfigError(f"checkpoint.resume: {path} holds no tensor for {missing[0]} of this model "
                                   f"({len(missing)} of {len(shapes)} missing); {fix}")
+            n_head = next((m.n_head for m in state.model.modules() if isinstance(m, CausalSelfAttention)), 0)
+            layout = functools.partial(from_gpt2, n_head=n_head) if plan is from_gpt2_plan else as_stored
             loaded = {}
             for key, (name, transposed) in plan.items():
                 want = list(shapes[key][0])
@@ -247,7 +251,7 @@ def load_exported(path: Path, state: TrainState, env: DistEnv) -> None:
                 if got != want:
                     raise ConfigError(f"checkpoint.resume: {path}: {key} is {got} there, {want} in this model; {fix}")
                 tensor = f.get_tensor(name)
-                loaded[key] = (tensor.t().contiguous() if transposed else tensor).to(getattr(torch, shapes[key][1]))
+                loaded[key] = layout(key, tensor, transposed).contiguous().to(getattr(torch, shapes[key][1]))
     except SafetensorError as exc:
         raise ConfigError(f"checkpoint.resume: {path} is not a readable safetensors file ({exc}); give a file "
                           "written by trainflow export or save_pretrained") from None
