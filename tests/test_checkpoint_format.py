@@ -203,3 +203,46 @@ def test_a_torch_save_record_is_refused_without_running_it(tmp_path: Path) -> No
     assert str(resume_error.value) == str(export_error.value) == (
         f"{folder}: app.model.net.0.weight is a torch.save record, which checkpoint format 3 never writes; trainflow "
         "reads raw records only: the checkpoint is not of this format or was tampered with")
+
+
+def test_weights_of_another_layout_are_refused_before_loading(tmp_path: Path) -> None:
+    """Names and shapes cannot tell the order of the numbers behind them (the GPT's qkv rows went from q, k, v of
+    all heads to head by head): a model that declares a weights_layout has it saved with each checkpoint, and one
+    saved before (no layout: 1) or in another layout is refused in one line, nothing loaded."""
+    from omegaconf import OmegaConf
+    from test_checkpoint_safety import OPTIM
+
+    from trainflow.checkpoint import TrainState
+    from trainflow.models.gpt import GPT
+    from trainflow.models.mlp import MLP
+    from trainflow.optim import build_optimizer
+
+    assert GPT.weights_layout == 2
+
+    class LaidOut(MLP):
+        weights_layout = 2
+
+    def laid_out() -> TrainState:
+        model = LaidOut(in_features=8, hidden=16, out_features=4)
+        model.load_state_dict(make_state(seed=1).model.state_dict())
+        return TrainState(model, *build_optimizer(model, OmegaConf.create(OPTIM), 100, torch.device("cpu")))
+
+    train_and_save(tmp_path, 2, laid_out(), save_final=False)
+    folder = tmp_path / "ckpts" / "step_00000002"
+    manifest = json.loads((folder / "manifest.json").read_text())
+    assert manifest["weights_layout"] == 2
+    del manifest["weights_layout"]  # what a trainflow before layouts wrote
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    before = tree_hash(folder)
+    state = laid_out()
+    untouched = {k: v.clone() for k, v in state.model.state_dict().items()}
+    ck = checkpointer(tmp_path)
+    with pytest.raises(CheckpointError) as refused:
+        ck.resume(state)
+    ck.close(state)
+    assert str(refused.value) == (
+        f"{folder} holds the model's weights in layout 1, and this trainflow's model reads layout 2 (the same names "
+        "and shapes, their numbers in another order); resume it with the trainflow that saved it, or set "
+        "checkpoint.dir to a new folder to start fresh")
+    assert all(torch.equal(v, untouched[k]) for k, v in state.model.state_dict().items())
+    assert tree_hash(folder) == before and state.step == 0

@@ -97,6 +97,26 @@ def test_hf_folder_loads_in_transformers_with_the_same_logits(run_dir: Path) -> 
     assert ours.abs().max() > 0.1  # trained weights, not zeros
 
 
+def test_a_gpt_checkpoint_of_the_old_qkv_layout_is_not_exported_as_gpt2(runs: dict[str, Path], tmp_path: Path) -> None:
+    """A checkpoint saved before the GPT's weights_layout (qkv rows q, k, v of all heads) would map to wrong GPT-2
+    weights: refused in one line, nothing written."""
+    import shutil
+
+    from trainflow.errors import CheckpointError
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(runs["single"], run_dir)
+    (step,) = sorted((run_dir / "checkpoints").glob("step_*"))
+    manifest = json.loads((step / "manifest.json").read_text())
+    del manifest["weights_layout"]
+    (step / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError) as refused:
+        export_weights(step, tmp_path / "hf", "hf")
+    assert str(refused.value) == (f"export --format hf: {step} holds the GPT's weights in layout 1, and this "
+                                  "trainflow maps layout 2 to GPT-2; export it with the trainflow that saved it")
+    assert not (tmp_path / "hf").exists()
+
+
 def test_dcp_folder_reads_with_torch_alone(runs: dict[str, Path]) -> None:
     """One process that never imports trainflow reads every run's stock DCP exports with torch's own tools."""
     script = textwrap.dedent("""

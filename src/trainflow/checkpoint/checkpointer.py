@@ -58,6 +58,7 @@ from trainflow.checkpoint.state import (
     rng_state,
     split_state,
     state_bytes,
+    weights_layout,
 )
 from trainflow.checkpoint.stopping import EXIT_STOPPED, LatePoll, StopSignals, mark_stopped
 from trainflow.checkpoint.store import TMP_PREFIX, Committed, check_intact, list_committed
@@ -128,6 +129,7 @@ class Checkpointer:
         self._changes: list[dict[str, Any]] = []  # optimizer hyperparameters the config changed on resume
         self._exported: dict[str, Any] | None = None
         self._fingerprint: str | None = None
+        self._layout: int | None = None  # the model's weights_layout, saved in each manifest
         self._need_bytes = 0  # what a save writes, at least: to recognise a full disk
         self._signals = StopSignals()
         self._stopped_by: str | None = None
@@ -155,6 +157,7 @@ class Checkpointer:
             return
         state.save_every, state.checkpoint_dir = self._every_steps, self.dir
         self._fingerprint = fingerprint(model_shapes(state.model))
+        self._layout = weights_layout(state.model)
         self._ranks.on_rank0(self._prepare_dir)
         target, weights_only = self._ranks.on_rank0(lambda: resuming.pick(self.dir, self.cfg))
         if target is None:
@@ -165,7 +168,7 @@ class Checkpointer:
             resuming.load_exported(target, state, self.env)
             return
         check_intact(target, list_committed(target.path.parent))
-        resuming.check_fits(target, state.model, self._fingerprint)
+        resuming.check_fits(target, state.model, self._fingerprint, self._layout)
         if weights_only:
             resuming.load_weights(target, state, self.env, self._ctl)
         else:
@@ -380,7 +383,8 @@ class Checkpointer:
         checksums = self._ranks.gather_checksums(checksums)
         commit_start = time.perf_counter()
         final = self.dir / f"step_{step:08d}"
-        manifest = store.new_manifest(step, samples_seen, self.env.world_size, write_s, self._fingerprint)
+        manifest = store.new_manifest(step, samples_seen, self.env.world_size, write_s, self._fingerprint,
+                                      self._layout)
         nbytes = self._ranks.on_rank0(lambda: store.commit(tmp, final, manifest, checksums))
         self._ranks.on_rank0(self._retain)
         blocked_s += time.perf_counter() - commit_start

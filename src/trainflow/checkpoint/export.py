@@ -56,6 +56,7 @@ from trainflow.checkpoint.store import (
     resolve_checkpoint,
 )
 from trainflow.errors import CheckpointError, ConfigError, unwritable_reason
+from trainflow.models.gpt import GPT
 
 FORMATS = ("torch", "safetensors", "hf", "dcp")
 WEIGHTS = "model.safetensors"
@@ -218,6 +219,10 @@ def write_hf(source: Source, folder: Path, run_cfg: dict[str, Any] | None) -> No
     target = model_cfg.get("_target_")
     transformers = import_hf("transformers", "export --format hf")
     if target == GPT_TARGET:
+        if (layout := source.ck.manifest.get("weights_layout", 1)) != GPT.weights_layout:
+            raise CheckpointError(f"export --format hf: {source.ck.path} holds the GPT's weights in layout {layout}, "
+                                  f"and this trainflow maps layout {GPT.weights_layout} to GPT-2; export it with the "
+                                  "trainflow that saved it")
         kwargs, shapes = gpt2_config(model_cfg)
         for name, shape in shapes.items():
             saved = source.shape(name) if name in source.model_keys else None

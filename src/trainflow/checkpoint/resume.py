@@ -106,9 +106,16 @@ def pick(ckpt_dir: Path, cfg: CheckpointConfig) -> tuple[Committed | Path | None
     return target, cfg.load == "model" and not own
 
 
-def check_fits(target: Committed, model: nn.Module, model_fingerprint: str) -> None:
-    """Refuse a checkpoint of another model shape, listing the keys that differ (and unreadable metadata)."""
+def check_fits(target: Committed, model: nn.Module, model_fingerprint: str, layout: int | None) -> None:
+    """Refuse a checkpoint of another model shape, listing the keys that differ (and unreadable metadata), or of
+    another weights layout (a model that declares one: saved before it, the checkpoint holds layout 1)."""
     metadata = read_metadata(target.path)  # here, not inside DCP, which would wrap its one-line error
+    saved_layout = target.manifest.get("weights_layout", None if layout is None else 1)
+    if saved_layout != layout:
+        raise CheckpointError(f"{target.path} holds the model's weights in layout {saved_layout}, and this "
+                              f"trainflow's model reads layout {layout} (the same names "
+                              "and shapes, their numbers in another order); resume it with the trainflow that "
+                              "saved it, or set checkpoint.dir to a new folder to start fresh")
     if target.manifest.get("model_fingerprint") == model_fingerprint:
         return
     shapes = model_shapes(model)

@@ -144,6 +144,12 @@ def state_bytes(state: TrainState) -> int:
     return sum(t.numel() * t.element_size() for t in [*state.model.parameters(), *optim])
 
 
+def weights_layout(model: nn.Module) -> int | None:
+    """The layout a model declares for its weights (`weights_layout`, e.g. the GPT's): the same names and shapes
+    can hold their numbers in another order, which the shapes cannot tell. None: the model declares none."""
+    return next((m.weights_layout for m in model.modules() if hasattr(m, "weights_layout")), None)
+
+
 def fingerprint(shapes: dict[str, tuple[tuple[int, ...], str]]) -> str:
     """A short hash of the model's tensor names, shapes and dtypes: equal fingerprints load into each other."""
     text = "\n".join(f"{k}:{list(s)}:{d}" for k, (s, d) in sorted(shapes.items()))

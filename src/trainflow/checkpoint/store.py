@@ -227,7 +227,7 @@ def resolve_dir(configured: str | None, run_dir: Path) -> Path:
 
 
 def new_manifest(step: int, samples_seen: int, world_size: int, save_s: float,
-                 model_fingerprint: str | None) -> dict[str, Any]:
+                 model_fingerprint: str | None, weights_layout: int | None) -> dict[str, Any]:
     """What a committed checkpoint says of itself; commit() adds its files, their checksums and the total bytes."""
     return {
         "format": FORMAT,
@@ -241,6 +241,7 @@ def new_manifest(step: int, samples_seen: int, world_size: int, save_s: float,
         "trainflow_version": _trainflow_version(),
         "torch_version": torch.__version__,
         "model_fingerprint": model_fingerprint,
+        "weights_layout": weights_layout,
     }
 
 

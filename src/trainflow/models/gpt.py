@@ -56,6 +56,10 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
+    # the order of the numbers behind the state dict's names, saved with each checkpoint: 2, qkv's rows head by head
+    # ([q k v] of head 0, then head 1: what tensor parallelism splits); 1, before: q, k, v of all heads
+    weights_layout = 2
+
     def __init__(
         self,
         vocab_size: int = 256,
