@@ -15,7 +15,6 @@ import json
 import logging
 import math
 import os
-import tempfile
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -41,7 +40,7 @@ from trainflow.data.loaders import to_device
 from trainflow.distributed import DistEnv
 from trainflow.distributed.parallelism import unwrap
 from trainflow.errors import ConfigError, home_note, unwritable_reason
-from trainflow.files import write_atomic
+from trainflow.files import cannot_write, write_atomic
 from trainflow.models import model_blocks
 from trainflow.precision import autocast_for, matmul_math
 from trainflow.stages import LoopState, Stage, StageContext
@@ -374,10 +373,10 @@ def _configure_cache(cache_dir: str | None, backend: str) -> str:
 
     try:
         path = inductor_cache_dir()  # the env var or torch's default, made if missing
-        with tempfile.TemporaryFile(dir=path):
-            pass
     except OSError as exc:
         raise _unwritable_cache(Path(os.environ[CACHE_ENV]), cache_dir, exc) from None
+    if (exc := cannot_write(path)) is not None:
+        raise _unwritable_cache(Path(os.environ[CACHE_ENV]), cache_dir, exc)
     return path
 
 

@@ -1,5 +1,5 @@
 """Writing a file whole: a reader (another rank, a report, a resumed run) sees the old bytes or the new, never half.
-Also: what a path that is not a regular file is, in words.
+Also: what a path that is not a regular file is, in words; whether a folder takes new files.
 """
 
 from __future__ import annotations
@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import os
 import stat
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -44,3 +45,15 @@ _KINDS = {stat.S_IFDIR: "a folder", stat.S_IFLNK: "a symbolic link", stat.S_IFIF
 def kind_of(mode: int) -> str:
     """What an `lstat`/`stat` st_mode is, in words: a FIFO or a device read as a file would hang or never end."""
     return _KINDS.get(stat.S_IFMT(mode), "not a file")
+
+
+def cannot_write(folder: Path | str) -> OSError | None:
+    """Why no file can be made in `folder` (created when missing), or None: tried with a real file, since the
+    mode bits do not tell (a read-only mount, root, ACLs)."""
+    try:
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as exc:
+        return exc
+    return None

@@ -24,7 +24,6 @@ from __future__ import annotations
 import hashlib
 import os
 import re
-import tempfile
 from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -35,6 +34,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from trainflow.env import env_rank
 from trainflow.errors import ConfigError, user_error
+from trainflow.files import cannot_write
 from trainflow.locks import DirLock
 
 RUN_DIR_ENV = "TRAINFLOW_RUN_DIR"  # set by our launchers for the processes they start
@@ -217,9 +217,5 @@ def check_same_run(folder: Path, overrides: list[str]) -> None:
 
 
 def _check_writable(key: str, folder: str) -> None:
-    try:
-        Path(folder).mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=folder):
-            pass
-    except OSError as exc:
+    if (exc := cannot_write(folder)) is not None:
         user_error(f"{key}: cannot create {folder} ({exc.strerror}); point {key} at a writable folder")

@@ -23,13 +23,13 @@ import logging
 import os
 import socket
 import subprocess
-import tempfile
 import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from trainflow.errors import ConfigError, unwritable_reason
+from trainflow.files import cannot_write
 from trainflow.loggers import RunInfo
 from trainflow.targets import first_line
 
@@ -223,11 +223,7 @@ def _check_store(uri: str) -> None:
                               "logger.mlflow.tracking_uri unset for the local store outputs/mlflow.db") from None
     elif uri.startswith("sqlite:///"):
         folder = Path(uri.removeprefix("sqlite:///")).parent
-        try:
-            folder.mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryFile(dir=folder):
-                pass
-        except OSError as exc:
+        if (exc := cannot_write(folder)) is not None:
             raise ConfigError(f"logger.mlflow.tracking_uri: cannot write the MLflow store in {folder} "
                               f"({unwritable_reason(folder, exc)}); point logger.mlflow.tracking_uri at "
                               "sqlite:///<a writable path>, or run with a writable outputs/") from None

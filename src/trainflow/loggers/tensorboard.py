@@ -16,13 +16,13 @@
 
 from __future__ import annotations
 
-import tempfile
 import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from trainflow.errors import ConfigError, unwritable_reason
+from trainflow.files import cannot_write
 from trainflow.loggers import FINISHED, MIB, HparamValue, RunInfo
 
 EVENTS_DIR = "tensorboard"
@@ -77,11 +77,7 @@ class TensorBoardLogger:
 
 
 def _check_writable(folder: Path) -> None:
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=folder):
-            pass
-    except OSError as exc:
+    if (exc := cannot_write(folder)) is not None:
         raise ConfigError(f"logger.tensorboard: cannot write TensorBoard's events in {folder} "
                           f"({unwritable_reason(folder, exc)}); make that a writable folder, or run with "
                           "logger=none") from None
