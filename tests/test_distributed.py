@@ -514,7 +514,7 @@ def test_bf16_on_a_cpu_without_native_bf16_warns_with_the_measured_slowdown() ->
 
 
 def test_bf16_warning_matches_this_cpu(run_dir: Path) -> None:
-    from trainflow.distributed.process_group import cpu_flags
+    from trainflow.precision import cpu_flags
 
     run = train(run_dir, *SMALL, "trainer.precision=bf16", "trainer.max_steps=1", "trainer.warmup_steps=0")
     assert run.returncode == 0, run.stderr

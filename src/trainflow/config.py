@@ -223,6 +223,12 @@ class ProfilerConfig:
     memory_snapshot: bool = False  # CUDA allocator history + snapshot for pytorch.org/memory_viz
     memory_history_entries: int = 100_000  # allocator events kept for the snapshot
 
+    def window(self, excluded_steps: int) -> tuple[int, int]:
+        """Steps skipped before the first cycle, and the step (counted from the run's start) the last window ends;
+        `excluded_steps` stand for a skip_first of null."""
+        skip = excluded_steps if self.skip_first is None else self.skip_first
+        return skip, skip + (self.wait + self.warmup + self.active) * max(self.repeat, 1)
+
 
 @dataclass
 class DDPConfig:

@@ -1,8 +1,11 @@
-"""The run's arithmetic: TF32 for fp32 matmuls on CUDA, which arithmetic the matmuls use, and bf16 autocast."""
+"""The run's arithmetic: TF32 for fp32 matmuls on CUDA, which arithmetic the matmuls use, bf16 autocast, and
+whether this CPU computes bf16 natively (emulated, it is slower than fp32: measured, then said)."""
 
 from __future__ import annotations
 
 import contextlib
+import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -39,3 +42,41 @@ def matmul_math(device: torch.device, precision: str) -> str:
     if hasattr(torch.backends.cuda.matmul, "fp32_precision"):
         return "tf32" if torch.backends.cuda.matmul.fp32_precision == "tf32" else "fp32"
     return "tf32" if torch.backends.cuda.matmul.allow_tf32 else "fp32"
+
+
+def cpu_flags() -> frozenset[str] | None:
+    """The CPU feature flags Linux reports, or None where /proc/cpuinfo is not available."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return None
+
+
+def bf16_slowdown(size: int = 384, repeats: int = 5) -> float:
+    """Time of a bf16 matmul over an fp32 one of the same size (best of a few): > 1 means bf16 is slower."""
+    best = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
+        a @ b
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            a @ b
+            times.append(time.perf_counter() - start)
+        best[dtype] = min(times)
+    return best[torch.bfloat16] / best[torch.float32]
+
+
+def emulated_bf16_warning(keys: list[str], device: torch.device, flags: frozenset[str] | None = None) -> str | None:
+    """A warning when the config `keys` ask for bf16 on a CPU without native bf16, with the slowdown measured."""
+    if not keys or device.type != "cpu":
+        return None
+    flags = cpu_flags() if flags is None else flags
+    if flags is not None and flags & {"avx512_bf16", "amx_bf16"}:
+        return None
+    ratio = bf16_slowdown()
+    return (f"{', '.join(keys)}=bf16: this CPU has no native bf16 (no avx512_bf16/amx_bf16 flag), so bf16 is "
+            f"emulated: a bf16 matmul measured {ratio:.2g}x the time of fp32 here; use fp32 on this machine")

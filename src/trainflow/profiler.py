@@ -27,7 +27,6 @@ from trainflow.errors import ConfigError
 from trainflow.metrics import Throughput
 from trainflow.profile_verdict import analyze_window, format_verdict, verdict
 from trainflow.stages import LoopState, Stage, StageContext
-from trainflow.validation import profiler_skip_and_end
 
 log = logging.getLogger("trainflow")
 
@@ -93,7 +92,7 @@ class Profiler(Stage):
         """The schedule's first skipped steps and the last window's end; refuse a window past the end of the run."""
         cfg, max_steps = self.cfg, self.max_steps
         self.start_step = start_step
-        self.skip, end = profiler_skip_and_end(cfg, skip_first)
+        self.skip, end = cfg.window(skip_first)
         self._last_window_end = end if cfg.repeat > 0 else math.inf  # no torch.profiler step() after it
         if end > max_steps - start_step:
             message = (f"trainer.max_steps: the profiler window ends at step {start_step + end} (skip_first "

@@ -13,7 +13,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import InterpolationResolutionError, MissingMandatoryValue
 
-from trainflow.config import LADDER_STAGES, ProfilerConfig, TaskConfig, WorkerConfig, decided
+from trainflow.config import LADDER_STAGES, ProfilerConfig, TaskConfig, WorkerConfig, decided, typed
 from trainflow.data.tokenizers import BYTE_VOCAB
 from trainflow.distributed.mesh import STRATEGIES
 from trainflow.errors import ConfigError
@@ -82,12 +82,6 @@ def validate_compile(cfg: DictConfig) -> None:
                  "use compile=default (inductor without CUDA graphs)")
 
 
-def profiler_skip_and_end(p: ProfilerConfig | DictConfig, excluded_steps: int) -> tuple[int, int]:
-    """Steps skipped before the first cycle, and the step (counted from the run's start) the last window ends."""
-    skip = excluded_steps if p.skip_first is None else p.skip_first
-    return skip, skip + (p.wait + p.warmup + p.active) * max(p.repeat, 1)
-
-
 def validate_profiler(cfg: DictConfig) -> None:
     """Window and option checks; `ranks` against the world size happens in the Profiler, where it is known."""
     p = cfg.profiler
@@ -109,7 +103,7 @@ def validate_profiler(cfg: DictConfig) -> None:
     _require(p.memory_history_entries > 0, "profiler.memory_history_entries",
              f"must be > 0; got {p.memory_history_entries}")
     # A window past the end would profile nothing: refuse (compile steps are added at run time, in the Profiler).
-    skip, end = profiler_skip_and_end(p, cfg.trainer.warmup_steps)
+    skip, end = typed(p, ProfilerConfig).window(cfg.trainer.warmup_steps)
     _require(end <= cfg.trainer.max_steps, "trainer.max_steps",
              f"is {cfg.trainer.max_steps} but the profiler window ends at step {end} (skip_first {skip} + "
              f"{max(p.repeat, 1)} x (wait {p.wait} + warmup {p.warmup} + active {p.active})); raise "

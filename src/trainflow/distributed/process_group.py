@@ -11,11 +11,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -26,6 +24,7 @@ from trainflow.distributed.health import check_ranks_agree, composed_config
 from trainflow.distributed.mesh import CPU_GROUP_RANKS, GROUP_STRATEGIES, SHARDED, layout, local_ranks, ranks_per_node
 from trainflow.env import env_rank
 from trainflow.errors import ConfigError, TrainflowError
+from trainflow.precision import emulated_bf16_warning
 
 log = logging.getLogger(__name__)
 
@@ -160,45 +159,12 @@ def per_rank_batch(cfg: DictConfig, world_size: int) -> int:
     return global_batch // parts
 
 
-def cpu_flags() -> frozenset[str] | None:
-    """The CPU feature flags Linux reports, or None where /proc/cpuinfo is not available."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return frozenset(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return None
-
-
-def bf16_slowdown(size: int = 384, repeats: int = 5) -> float:
-    """Time of a bf16 matmul over an fp32 one of the same size (best of a few): > 1 means bf16 is slower."""
-    best = {}
-    for dtype in (torch.float32, torch.bfloat16):
-        a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
-        a @ b
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            a @ b
-            times.append(time.perf_counter() - start)
-        best[dtype] = min(times)
-    return best[torch.bfloat16] / best[torch.float32]
-
-
 def bf16_warning(cfg: DictConfig, device: torch.device, flags: frozenset[str] | None = None) -> str | None:
-    """A warning when bf16 is asked for on a CPU without native bf16 (emulated bf16 is slower than fp32)."""
+    """A warning when bf16 is asked for (the step's autocast, FSDP2's dtypes) on a CPU without native bf16."""
     keys = ["trainer.precision"] if cfg.trainer.precision == "bf16" else []
     if cfg.parallelism.strategy in SHARDED:
         keys += [f"parallelism.fsdp.{k}" for k in ("param_dtype", "reduce_dtype") if cfg.parallelism.fsdp[k] == "bf16"]
-    if not keys or device.type != "cpu":
-        return None
-    flags = cpu_flags() if flags is None else flags
-    if flags is not None and flags & {"avx512_bf16", "amx_bf16"}:
-        return None
-    ratio = bf16_slowdown()
-    return (f"{', '.join(keys)}=bf16: this CPU has no native bf16 (no avx512_bf16/amx_bf16 flag), so bf16 is "
-            f"emulated: a bf16 matmul measured {ratio:.2g}x the time of fp32 here; use fp32 on this machine")
+    return emulated_bf16_warning(keys, device, flags)
 
 
 def _preflight(cfg: DictConfig, device: torch.device, world_size: int, local_world_size: int, started_by: str) -> str:
