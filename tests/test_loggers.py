@@ -22,7 +22,7 @@ from omegaconf import OmegaConf
 
 from trainflow.loggers.mlflow import MLflowLogger
 from trainflow.loggers.tensorboard import TensorBoardLogger
-from trainflow.metrics import MetricsWriter
+from trainflow.loggers.writer import MetricsWriter
 
 pytest.importorskip("mlflow")  # the dev extra has it; a bare install of trainflow does not
 
@@ -214,12 +214,12 @@ def test_a_server_killed_mid_run_is_said_once_and_the_run_goes_on(server: Server
     run.start(CONFIG, 1, None)
     run.write(1, {"train/loss": 1.0})
     server.stop()
-    with caplog.at_level(logging.WARNING, logger="trainflow.metrics"):
+    with caplog.at_level(logging.WARNING, logger="trainflow.loggers.writer"):
         for step in range(2, 5):
             run.write(step, {"train/loss": float(step)})
         run.finish("FINISHED")
     run.close()
-    warnings = [r.getMessage() for r in caplog.records if r.name == "trainflow.metrics"]
+    warnings = [r.getMessage() for r in caplog.records if r.name == "trainflow.loggers.writer"]
     assert len(warnings) == 1 and warnings[0].startswith("logger.mlflow failed (MlflowException: ")
     assert warnings[0].endswith("the run goes on without it, metrics.jsonl keeps every value")
     assert run.loggers == {}

@@ -14,7 +14,7 @@ from trainflow.config import TrainerConfig
 from trainflow.data import DataBundle, StreamSampler, to_device
 from trainflow.distributed import DistEnv
 from trainflow.distributed.process_group import all_reduce_mean
-from trainflow.metrics import MetricsWriter
+from trainflow.loggers.writer import MetricsWriter
 from trainflow.stages import LoopState, Stage, StageContext
 from trainflow.tasks import Task, add_metrics
 

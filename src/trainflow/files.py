@@ -1,15 +1,20 @@
 """Writing a file whole: a reader (another rank, a report, a resumed run) sees the old bytes or the new, never half.
-Also: what a path that is not a regular file is, in words; whether a folder takes new files.
+Also: JSON written whole in the run directory (a failure is one line), what a path that is not a regular file is,
+in words, and whether a folder takes new files.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import stat
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
+
+from trainflow.errors import RunDirError
 
 
 @contextlib.contextmanager
@@ -57,3 +62,17 @@ def cannot_write(folder: Path | str) -> OSError | None:
     except OSError as exc:
         return exc
     return None
+
+
+def write_json_atomic(path: Path, obj: Any) -> None:
+    """Write via a temporary file and rename, so readers never see half a file."""
+    try:
+        write_atomic(path, json.dumps(obj, indent=2, default=str))
+    except OSError as exc:
+        raise run_dir_error(path.parent, path.name, exc) from None
+
+
+def run_dir_error(run_dir: Path, name: str, exc: OSError) -> RunDirError:
+    """The one line for a file of the run directory that could not be written (a full disk, a read-only mount)."""
+    return RunDirError(f"hydra.run.dir: writing {name} in {run_dir} failed ({exc.strerror or exc}); free space or "
+                       "point hydra.run.dir at a writable disk")

@@ -6,7 +6,6 @@ measuring does not put a sync in every step.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import json
 import logging
@@ -15,9 +14,7 @@ import os
 import platform
 import re
 import resource
-import sys
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -27,15 +24,11 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from trainflow.data.loaders import to_device
-from trainflow.errors import ConfigError, RunDirError, TrainflowError
 from trainflow.files import write_atomic
 from trainflow.precision import matmul_math
-from trainflow.targets import first_line
 
 if TYPE_CHECKING:
-    from omegaconf import DictConfig
 
-    from trainflow.loggers import Logger
     from trainflow.loop_state import LoopState
     from trainflow.tasks import Task
 
@@ -205,121 +198,6 @@ def device_sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-class MetricsWriter:
-    """metrics.jsonl always; then each chosen logger (trainflow.loggers). Rank 0 only: other ranks get a writer
-    that drops.
-
-    A logger that fails mid-run is said once and dropped: the run trains on and metrics.jsonl keeps every value.
-    """
-
-    def __init__(self, run_dir: Path, enabled: bool, loggers: dict[str, Logger]) -> None:
-        self.enabled = enabled
-        self.run_dir = run_dir
-        # unbuffered: each line reaches the file in one call, so a failed write can be taken back whole
-        self._jsonl = open(run_dir / "metrics.jsonl", "ab", buffering=0) if enabled else None  # noqa: SIM115
-        self.loggers = loggers
-
-    def start(self, cfg: DictConfig, world_size: int, resumed_step: int | None) -> None:
-        """After the resume, before the first step: one step axis from here on (metrics.jsonl drops the lines a
-        crashed process wrote past the resumed step); each logger starts, a resumed run's trackers continue their
-        tracked runs, whose ids are kept in the run directory."""
-        from trainflow.loggers import IDS_FILE, kept_ids, run_info
-
-        if not self.enabled:
-            return
-        if resumed_step is not None:
-            self._keep_lines_up_to(resumed_step)
-        kept = kept_ids(self.run_dir) if resumed_step is not None else {}
-        ids = {}
-        for name, logger in self.loggers.items():
-            try:
-                tracked = logger.start(run_info(cfg, self.run_dir, world_size, resumed_step, kept.get(name)))
-            except TrainflowError:
-                raise
-            except Exception as exc:
-                raise ConfigError(f"logger.{name}: could not start ({type(exc).__name__}: {first_line(exc)}); "
-                                  f"fix the logger.{name}.* values, or leave {name} out of logger=[...]") from exc
-            if tracked is not None:
-                ids[name] = tracked
-        if ids:
-            write_json_atomic(self.run_dir / IDS_FILE, ids)
-
-    def write(self, step: int, values: dict[str, Any]) -> None:
-        if not self.enabled:
-            return
-        self._append_line(json.dumps({"step": step, **values}) + "\n")
-        if self.loggers:
-            from trainflow.loggers import finite
-
-            self._each("scalars", step, finite(values))
-
-    def finish(self, status: str, summary: dict[str, Any] | None = None) -> None:
-        """The run's end for every logger: its final figures, the profiler's text and the run's files (when it
-        got to its summary), then its status."""
-        from trainflow.loggers import final_figures, profiler_text
-
-        if summary is not None:
-            step = summary["steps"]
-            self._each("scalars", step, final_figures(summary))
-            if text := profiler_text(summary.get("profiler")):
-                self._each("text", "profiler", text, step)
-            files = ("config.yaml", "summary.json", "compile_report.json")
-            self._each("artifacts", [self.run_dir / f for f in files if (self.run_dir / f).exists()])
-        self._each("finish", status)
-        self.loggers = {}
-
-    def _each(self, method: str, *args: Any) -> None:
-        for name, logger in list(self.loggers.items()):
-            try:
-                getattr(logger, method)(*args)
-            except Exception as exc:
-                log.warning("logger.%s failed (%s: %s); the run goes on without it, metrics.jsonl keeps every "
-                            "value", name, type(exc).__name__, first_line(exc))
-                del self.loggers[name]
-
-    def _keep_lines_up_to(self, step: int) -> None:
-        """metrics.jsonl without the lines past `step` (replayed after a resume, they would appear twice)."""
-        path = self.run_dir / "metrics.jsonl"
-        lines = path.read_bytes().splitlines(keepends=True)
-        kept = [line for line in lines if json.loads(line).get("step", 0) <= step]
-        if len(kept) < len(lines):
-            self._jsonl.close()
-            try:
-                write_atomic(path, b"".join(kept))
-            except OSError as exc:
-                raise run_dir_error(self.run_dir, "metrics.jsonl", exc) from None
-            self._jsonl = open(path, "ab", buffering=0)  # noqa: SIM115
-
-    def _append_line(self, line: str) -> None:
-        """Whole lines only: a write the disk cuts short is taken back, and the run stops with one line."""
-        data = line.encode()
-        end = self._jsonl.seek(0, os.SEEK_END)
-        try:
-            written = 0
-            while written < len(data):
-                written += self._jsonl.write(data[written:])
-        except OSError as exc:
-            with contextlib.suppress(OSError):
-                self._jsonl.truncate(end)
-            raise run_dir_error(self.run_dir, "metrics.jsonl", exc) from None
-
-    def close(self) -> None:
-        """metrics.jsonl is closed; the loggers end with `finish`, once the run's summary is known."""
-        if self._jsonl is not None:
-            self._jsonl.close()
-
-
-class RunLogHandler(logging.FileHandler):
-    """train.log's handler: a failed write (a full disk) is dropped quietly instead of printing a traceback.
-
-    The run does not go on unnoticed: its next metrics.jsonl line meets the same disk and stops it in one line.
-    """
-
-    def handleError(self, record: logging.LogRecord) -> None:  # noqa: N802 (logging's name)
-        if not isinstance(sys.exc_info()[1], OSError):
-            super().handleError(record)
-
-
 @dataclass
 class Counts:
     """What the steps of a stretch of the run did: steps, samples and tokens (of every rank), data wait."""
@@ -430,54 +308,8 @@ def mfu(flops_per_step: int | None, steady: dict | None, peak: float | None) -> 
     return flops_per_step / steady["step_time_s"] / peak
 
 
-def progress_reporter(max_steps: int, mode: str, is_main: bool, start: int) -> Callable[[int | None, dict | None],
-                                                                                         None]:
-    """A tqdm bar on rank 0 when stdout is a terminal (or asked for); plain log lines otherwise.
-
-    Call it with (step, values) at each log step, and with (None, None) at the end.
-    """
-    use_bar = is_main and (mode == "bar" or (mode == "auto" and sys.stdout.isatty()))
-    bar = None
-    if use_bar:
-        from tqdm import tqdm
-
-        bar = tqdm(total=max_steps, initial=start, unit="step", dynamic_ncols=True)
-
-    def update(step: int | None, values: dict | None) -> None:
-        if step is None:
-            if bar is not None:
-                bar.close()
-            return
-        if bar is not None:
-            bar.n = step
-            bar.set_postfix(loss=f"{values['train/loss']:.4f}", lr=f"{values['train/lr']:.2e}")
-        elif is_main:
-            ranks = (f"; ranks' own time median {values['perf/own_time_median_s'] * 1e3:.1f} ms, max "
-                     f"{values['perf/own_time_max_s'] * 1e3:.1f} ms (rank {values['perf/slowest_rank']})"
-                     if "perf/slowest_rank" in values else "")
-            log.info("step %d/%d: loss %.4f, lr %.2e, %.1f ms/step, %.0f samples/s, data wait %.1f%%%s",
-                     step, max_steps, values["train/loss"], values["train/lr"],
-                     values["perf/step_time_s"] * 1e3, values["perf/samples_per_sec"],
-                     values["perf/data_wait_fraction"] * 100, ranks)
-
-    return update
-
-
 def host_load() -> dict[str, Any]:
     """The machine's load at the end of a run (os.getloadavg: 1, 5 and 15 minutes) and its CPU cores: a load
     above the cores means the run's processes waited for a core, and its timings say so much about the machine."""
     load = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
     return {"load_average": load, "cpu_cores": os.cpu_count()}
-
-
-def write_json_atomic(path: Path, obj: Any) -> None:
-    """Write via a temporary file and rename, so readers never see half a file."""
-    try:
-        write_atomic(path, json.dumps(obj, indent=2, default=str))
-    except OSError as exc:
-        raise run_dir_error(path.parent, path.name, exc) from None
-
-
-def run_dir_error(run_dir: Path, name: str, exc: OSError) -> RunDirError:
-    return RunDirError(f"hydra.run.dir: writing {name} in {run_dir} failed ({exc.strerror or exc}); free space or "
-                       "point hydra.run.dir at a writable disk")

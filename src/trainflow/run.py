@@ -32,18 +32,11 @@ from trainflow.distributed.process_group import per_rank_batch, process_group
 from trainflow.distributed.stragglers import Stragglers
 from trainflow.distributed.watchdog import Watchdog
 from trainflow.evaluation import Evaluation
+from trainflow.files import write_json_atomic
 from trainflow.limits import check_batch
 from trainflow.loggers import FAILED, FINISHED, KILLED, build_loggers
-from trainflow.metrics import (
-    MetricsWriter,
-    PeakMemory,
-    Throughput,
-    count_train_flops,
-    host_load,
-    mfu,
-    peak_flops,
-    write_json_atomic,
-)
+from trainflow.loggers.writer import MetricsWriter
+from trainflow.metrics import PeakMemory, Throughput, count_train_flops, host_load, mfu, peak_flops
 from trainflow.models import build_model
 from trainflow.nonfinite import NonFiniteGuard
 from trainflow.optim import build_optimizer, schedule_moves

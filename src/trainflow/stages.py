@@ -27,7 +27,8 @@ if TYPE_CHECKING:
     from trainflow.config import OptimConfig, ParallelismConfig, TrainerConfig
     from trainflow.data import DataBundle
     from trainflow.distributed import DistEnv
-    from trainflow.metrics import MetricsWriter, Throughput
+    from trainflow.loggers.writer import MetricsWriter
+    from trainflow.metrics import Throughput
     from trainflow.tasks import Task
 
 __all__ = ["LoopState", "Stage", "StageContext"]

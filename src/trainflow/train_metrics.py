@@ -11,9 +11,11 @@ from typing import Any
 
 import torch
 
+from trainflow.console import progress_reporter
 from trainflow.distributed import DistEnv
 from trainflow.distributed.process_group import all_reduce_mean
-from trainflow.metrics import Counts, MetricsWriter, Throughput, progress_reporter
+from trainflow.loggers.writer import MetricsWriter
+from trainflow.metrics import Counts, Throughput
 from trainflow.stages import LoopState, Stage, StageContext
 from trainflow.tasks import Task
 

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from trainflow.console import RunLogHandler
 from trainflow.distributed.failures import WorkerError, explain_worker_failure, record_failure
 from trainflow.distributed.process_group import (
     _preflight,
@@ -42,7 +43,6 @@ from trainflow.distributed.process_group import (
 from trainflow.distributed.watchdog import hang_report
 from trainflow.env import env_rank
 from trainflow.errors import TrainflowError
-from trainflow.metrics import RunLogHandler
 from trainflow.run import run
 
 log = logging.getLogger(__name__)

@@ -1,7 +1,7 @@
 """Loggers: where a run's figures go besides metrics.jsonl (always written), chosen as a list by `logger=[...]`.
 
 Each chosen logger is the section `logger.<name>`, built by its `_target_` with the section's other keys, and
-answers one small protocol (`Logger`). The metrics writer (trainflow.metrics.MetricsWriter) fans out to them on
+answers one small protocol (`Logger`). The metrics writer (loggers/writer.py, MetricsWriter) fans out to them on
 rank 0 only. A tracked run (MLflow's, W&B's) keeps its id in <run dir>/loggers.json, so that the same command
 after a stop, a crash or a requeue continues the same tracked run on one step axis.
 """

@@ -1,0 +1,126 @@
+"""The metrics writer: metrics.jsonl always, then each chosen logger, on rank 0; one step axis across resumes."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from trainflow.errors import ConfigError, TrainflowError
+from trainflow.files import run_dir_error, write_atomic, write_json_atomic
+from trainflow.targets import first_line
+
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
+
+    from trainflow.loggers import Logger
+
+log = logging.getLogger(__name__)
+
+
+class MetricsWriter:
+    """metrics.jsonl always; then each chosen logger (trainflow.loggers). Rank 0 only: other ranks get a writer
+    that drops.
+
+    A logger that fails mid-run is said once and dropped: the run trains on and metrics.jsonl keeps every value.
+    """
+
+    def __init__(self, run_dir: Path, enabled: bool, loggers: dict[str, Logger]) -> None:
+        self.enabled = enabled
+        self.run_dir = run_dir
+        # unbuffered: each line reaches the file in one call, so a failed write can be taken back whole
+        self._jsonl = open(run_dir / "metrics.jsonl", "ab", buffering=0) if enabled else None  # noqa: SIM115
+        self.loggers = loggers
+
+    def start(self, cfg: DictConfig, world_size: int, resumed_step: int | None) -> None:
+        """After the resume, before the first step: one step axis from here on (metrics.jsonl drops the lines a
+        crashed process wrote past the resumed step); each logger starts, a resumed run's trackers continue their
+        tracked runs, whose ids are kept in the run directory."""
+        from trainflow.loggers import IDS_FILE, kept_ids, run_info
+
+        if not self.enabled:
+            return
+        if resumed_step is not None:
+            self._keep_lines_up_to(resumed_step)
+        kept = kept_ids(self.run_dir) if resumed_step is not None else {}
+        ids = {}
+        for name, logger in self.loggers.items():
+            try:
+                tracked = logger.start(run_info(cfg, self.run_dir, world_size, resumed_step, kept.get(name)))
+            except TrainflowError:
+                raise
+            except Exception as exc:
+                raise ConfigError(f"logger.{name}: could not start ({type(exc).__name__}: {first_line(exc)}); "
+                                  f"fix the logger.{name}.* values, or leave {name} out of logger=[...]") from exc
+            if tracked is not None:
+                ids[name] = tracked
+        if ids:
+            write_json_atomic(self.run_dir / IDS_FILE, ids)
+
+    def write(self, step: int, values: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        self._append_line(json.dumps({"step": step, **values}) + "\n")
+        if self.loggers:
+            from trainflow.loggers import finite
+
+            self._each("scalars", step, finite(values))
+
+    def finish(self, status: str, summary: dict[str, Any] | None = None) -> None:
+        """The run's end for every logger: its final figures, the profiler's text and the run's files (when it
+        got to its summary), then its status."""
+        from trainflow.loggers import final_figures, profiler_text
+
+        if summary is not None:
+            step = summary["steps"]
+            self._each("scalars", step, final_figures(summary))
+            if text := profiler_text(summary.get("profiler")):
+                self._each("text", "profiler", text, step)
+            files = ("config.yaml", "summary.json", "compile_report.json")
+            self._each("artifacts", [self.run_dir / f for f in files if (self.run_dir / f).exists()])
+        self._each("finish", status)
+        self.loggers = {}
+
+    def _each(self, method: str, *args: Any) -> None:
+        for name, logger in list(self.loggers.items()):
+            try:
+                getattr(logger, method)(*args)
+            except Exception as exc:
+                log.warning("logger.%s failed (%s: %s); the run goes on without it, metrics.jsonl keeps every "
+                            "value", name, type(exc).__name__, first_line(exc))
+                del self.loggers[name]
+
+    def _keep_lines_up_to(self, step: int) -> None:
+        """metrics.jsonl without the lines past `step` (replayed after a resume, they would appear twice), and
+        without a last line a killed process left unfinished."""
+        path = self.run_dir / "metrics.jsonl"
+        lines = path.read_bytes().splitlines(keepends=True)
+        kept = [line for line in lines if line.endswith(b"\n") and json.loads(line).get("step", 0) <= step]
+        if len(kept) < len(lines):
+            self._jsonl.close()
+            try:
+                write_atomic(path, b"".join(kept))
+            except OSError as exc:
+                raise run_dir_error(self.run_dir, "metrics.jsonl", exc) from None
+            self._jsonl = open(path, "ab", buffering=0)  # noqa: SIM115
+
+    def _append_line(self, line: str) -> None:
+        """Whole lines only: a write the disk cuts short is taken back, and the run stops with one line."""
+        data = line.encode()
+        end = self._jsonl.seek(0, os.SEEK_END)
+        try:
+            written = 0
+            while written < len(data):
+                written += self._jsonl.write(data[written:])
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                self._jsonl.truncate(end)
+            raise run_dir_error(self.run_dir, "metrics.jsonl", exc) from None
+
+    def close(self) -> None:
+        """metrics.jsonl is closed; the loggers end with `finish`, once the run's summary is known."""
+        if self._jsonl is not None:
+            self._jsonl.close()
