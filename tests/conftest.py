@@ -70,6 +70,24 @@ def train(run_dir: Path, *overrides: str, env: dict | None = None, timeout: floa
     return Run(proc.returncode, proc.stdout, proc.stderr, Path(run_dir))
 
 
+def start(run_dir: Path, *overrides: str, new_session: bool = False) -> subprocess.Popen:
+    """Start `python train.py` without waiting; its output goes to a file beside the run directory.
+
+    `new_session`: the run and every worker it starts form one process group, to be killed together.
+    """
+    run_dir.parent.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env.pop("HYDRA_FULL_ERROR", None)
+    out = open(run_dir.parent / f"{run_dir.name}.out", "a")  # noqa: SIM115 (the child owns it)
+    return subprocess.Popen([sys.executable, str(ROOT / "train.py"), *overrides, f"hydra.run.dir={run_dir}"],
+                            cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=new_session)
+
+
+def ok(run: Run) -> Run:
+    assert run.returncode == 0, run.stderr[-3000:]
+    return run
+
+
 def wait_for(condition: Callable[[], bool], proc: subprocess.Popen, what: str, timeout: float = 300) -> None:
     """Poll every millisecond until `condition` holds; fail if the process ends first (or kill it at the timeout)."""
     deadline = time.monotonic() + timeout

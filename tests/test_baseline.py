@@ -128,7 +128,8 @@ def test_summary_has_sane_figures(run_dir: Path) -> None:
 def test_help_lists_the_groups() -> None:
     out = subprocess.run([sys.executable, "train.py", "--help"], cwd=ROOT, capture_output=True, text=True).stdout
     for line in ("model: cnn, custom, gpt_medium, gpt_small, gpt_tiny, mlp",
-                 "data: custom, digits, hf, shards, synthetic, text", "optim: adamw, sgd", "task: auto, classify, custom, lm",
+                 "data: custom, digits, hf, shards, synthetic, text", "optim: adamw, sgd",
+                 "task: auto, classify, custom, lm",
                  "tokenizer: bpe, bytes, file"):
         assert line in out
 

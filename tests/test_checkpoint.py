@@ -7,9 +7,7 @@ checkpoints on disk byte-identical.
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
 import shutil
 import signal
 import subprocess
@@ -18,7 +16,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, TINY_GPT, Run, losses_by_step, train, wait_for
+from conftest import ROOT, TINY_GPT, Run, losses_by_step, start, train, wait_for
+from helpers.checkpoints import assert_same_tensors, committed, logged_steps, read_tensors, tree_hash
 from omegaconf import OmegaConf
 
 from trainflow.checkpoint.store import TMP_MARKER
@@ -33,61 +32,9 @@ BASE = [*TINY_GPT, "trainer.max_steps=12", "trainer.eval_every=0", "trainer.eval
 # helpers
 
 
-def start(run_dir: Path, *overrides: str, new_session: bool = False) -> subprocess.Popen:
-    """Start `python train.py` without waiting; its output goes to a file beside the run directory.
-
-    `new_session`: the run and every worker it starts form one process group, to be killed together.
-    """
-    run_dir.parent.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    env.pop("HYDRA_FULL_ERROR", None)
-    out = open(run_dir.parent / f"{run_dir.name}.out", "a")  # noqa: SIM115 (the child owns it)
-    return subprocess.Popen([sys.executable, str(ROOT / "train.py"), *overrides, f"hydra.run.dir={run_dir}"],
-                            cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=new_session)
-
-
-def logged_steps(run_dir: Path) -> int:
-    path = run_dir / "metrics.jsonl"
-    return sum(1 for line in path.read_text().splitlines() if '"train/loss"' in line) if path.exists() else 0
-
-
-
-def committed(ckpt_dir: Path) -> list[str]:
-    return sorted(p.name for p in ckpt_dir.iterdir() if (p / "manifest.json").is_file())
-
-
-def tree_hash(folder: Path) -> dict[str, str]:
-    """sha256 of every file under `folder` but the run lock: to prove nothing already saved was touched."""
-    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(folder.rglob("*")) if p.is_file() and p.name != LOCK_FILE}
-
-
 def entries(folder: Path) -> list[str]:
     """What a checkpoint dir holds, besides the run lock."""
     return sorted(p.name for p in folder.iterdir() if p.name != LOCK_FILE)
-
-
-def read_tensors(ckpt: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of a DCP checkpoint (model and optimizer), read in this process without a process group
-    (trainflow's reader: the shards hold raw tensor bytes, which DCP's stock reader does not know)."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    from trainflow.checkpoint.safe_io import SafeReader
-
-    reader = SafeReader(ckpt)
-    md = reader.read_metadata()
-    sd = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in md.state_dict_metadata.items()
-          if isinstance(m, TensorStorageMetadata)}
-    dcp.load(sd, storage_reader=reader, no_dist=True)
-    return sd
-
-
-def assert_same_tensors(a: Path, b: Path) -> None:
-    ta, tb = read_tensors(a), read_tensors(b)
-    assert ta.keys() == tb.keys()
-    different = [k for k in ta if not torch.equal(ta[k], tb[k])]
-    assert not different, f"{len(different)} tensors differ, e.g. {different[:3]}"
 
 
 def one_line_error(run: Run) -> str:

@@ -11,8 +11,7 @@ from pathlib import Path
 
 import pytest
 from conftest import can_mount, tmpfs
-from test_checkpoint import tree_hash
-from test_checkpoint_safety import checkpointer, make_state, step
+from helpers.checkpoints import checkpointer, make_state, step, tree_hash
 
 from trainflow.errors import CheckpointError
 

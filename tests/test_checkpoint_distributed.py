@@ -15,25 +15,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY_GPT, Run, losses_by_step, train, wait_for, wait_for_log
-from test_checkpoint import assert_same_tensors, committed, logged_steps, start
+from conftest import TINY_GPT, Run, losses_by_step, ok, start, train, wait_for, wait_for_log
+from helpers.checkpoints import assert_close_losses, assert_same_tensors, committed, logged_steps
 
 BASE = [*TINY_GPT, "parallelism.global_batch=24", "trainer.max_steps=12", "trainer.eval_every=0",
         "trainer.eval_steps=2", "checkpoint.every_steps=4"]
 FSDP2 = ["parallelism=fsdp", "parallelism.nproc_per_node=2"]
-RESHARD_TOLERANCE = 1e-5  # per-step loss; measured <= 5e-7 here, against ~5e-2 between neighbouring batches
-
-
-def ok(run: Run) -> Run:
-    assert run.returncode == 0, run.stderr[-3000:]
-    return run
-
-
-def assert_close_losses(resumed: dict[int, float], reference: dict[int, float], steps: range) -> None:
-    diffs = {s: abs(resumed[s] - reference[s]) for s in steps}
-    assert max(diffs.values()) < RESHARD_TOLERANCE, diffs
-    neighbours = [abs(reference[s] - reference[s - 1]) for s in steps]
-    assert sum(neighbours) / len(neighbours) > 100 * RESHARD_TOLERANCE  # it can tell one batch from another
 
 
 def kill_tree(proc) -> None:

@@ -14,18 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from test_checkpoint import tree_hash
-from test_checkpoint_safety import checkpointer, make_state, rewrite_manifest, shard, train_and_save
+from helpers.checkpoints import checkpointer, make_state, records, rewrite_manifest, shard, train_and_save, tree_hash
 
 from trainflow.checkpoint.safe_io import RAW_RECORD, ChecksummingWriter, SafeReader, file_checksum, read_metadata
 from trainflow.checkpoint.state import FORMAT, flatten, split_state
 from trainflow.errors import CheckpointError
-
-
-def records(folder: Path) -> dict[str, object]:
-    """Each tensor key of a checkpoint's shards: its _StorageInfo (file, offset, length, descriptors)."""
-    metadata = read_metadata(folder)
-    return {index.fqn: info for index, info in metadata.storage_data.items()}
 
 
 def test_a_shard_is_the_tensors_raw_bytes_back_to_back(tmp_path: Path) -> None:
@@ -209,8 +202,8 @@ def test_weights_of_another_layout_are_refused_before_loading(tmp_path: Path) ->
     """Names and shapes cannot tell the order of the numbers behind them (the GPT's qkv rows went from q, k, v of
     all heads to head by head): a model that declares a weights_layout has it saved with each checkpoint, and one
     saved before (no layout: 1) or in another layout is refused in one line, nothing loaded."""
+    from helpers.checkpoints import OPTIM
     from omegaconf import OmegaConf
-    from test_checkpoint_safety import OPTIM
 
     from trainflow.checkpoint import TrainState
     from trainflow.models.gpt import GPT

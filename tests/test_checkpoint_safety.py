@@ -16,56 +16,20 @@ from pathlib import Path
 
 import pytest
 import torch
-from omegaconf import OmegaConf
-from test_checkpoint import committed, tree_hash
+from helpers.checkpoints import (
+    checkpointer,
+    committed,
+    make_state,
+    rewrite_manifest,
+    shard,
+    step,
+    train_and_save,
+    tree_hash,
+)
 
-from trainflow.checkpoint import Checkpointer, TrainState, list_committed
-from trainflow.config import CheckpointConfig
-from trainflow.distributed import DistEnv
+from trainflow.checkpoint import TrainState, list_committed
 from trainflow.errors import CheckpointError
 from trainflow.locks import LOCK_FILE
-from trainflow.models.mlp import MLP
-from trainflow.optim import build_optimizer
-
-OPTIM = {"name": "adamw", "lr": 1e-2, "weight_decay": 0.1, "betas": [0.9, 0.95], "momentum": 0.9,
-         "warmup_steps": 2, "min_lr_ratio": 0.1, "schedule": "cosine"}
-
-
-def make_state(seed: int = 0, **optim) -> TrainState:
-    torch.manual_seed(seed)
-    model = MLP(in_features=8, hidden=16, out_features=4)
-    return TrainState(model, *build_optimizer(model, OmegaConf.create({**OPTIM, **optim}), 100, torch.device("cpu")))
-
-
-def step(state: TrainState) -> None:
-    state.model(torch.randn(4, 8)).square().mean().backward()
-    state.optimizer.step()
-    state.scheduler.step()
-    state.optimizer.zero_grad()
-    state.step += 1
-    state.samples_seen += 4
-
-
-def checkpointer(tmp_path: Path, **overrides) -> Checkpointer:
-    cfg = CheckpointConfig(**{"enabled": True, "mode": "sync", "dir": str(tmp_path / "ckpts"), "every_steps": 1,
-                              "keep_last": 3, "resume": "auto", "save_final": True, "verify": True, "export": False,
-                              "load": "all", **overrides})
-    return Checkpointer(cfg, DistEnv(0, 1, 0, torch.device("cpu")), tmp_path)
-
-
-def train_and_save(tmp_path: Path, steps: int, state: TrainState | None = None, **overrides) -> TrainState:
-    state = state or make_state()
-    ck = checkpointer(tmp_path, **overrides)
-    ck.resume(state)
-    for _ in range(steps):
-        step(state)
-        ck.after_step(state)
-    ck.close(state)
-    return state
-
-
-def shard(folder: Path) -> Path:
-    return folder / "__0_0.distcp"
 
 
 def flip_a_byte_of(tensor: torch.Tensor, file: Path) -> None:
@@ -238,17 +202,6 @@ def trap(marker: Path) -> bytes:
             return exec, (f"open({str(marker)!r}, 'w').close()",)
 
     return pickle.dumps(Trap())
-
-
-def rewrite_manifest(folder: Path) -> None:
-    """What a tamperer does: sizes and checksums made to match the new files."""
-    from trainflow.checkpoint.safe_io import file_checksum
-
-    path = folder / "manifest.json"
-    manifest = json.loads(path.read_text())
-    files = {p.name: p.stat().st_size for p in sorted(folder.iterdir()) if p.is_file() and p.name != "manifest.json"}
-    path.write_text(json.dumps({**manifest, "files": files, "checksums": {n: file_checksum(folder / n) for n in files},
-                                "bytes": sum(files.values())}))
 
 
 def plant_in_a_shard(folder: Path, payload: bytes) -> None:

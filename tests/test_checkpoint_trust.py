@@ -16,9 +16,7 @@ import threading
 from pathlib import Path
 
 import pytest
-from test_checkpoint import tree_hash
-from test_checkpoint_format import records
-from test_checkpoint_safety import checkpointer, make_state, rewrite_manifest, step, train_and_save
+from helpers.checkpoints import checkpointer, make_state, records, rewrite_manifest, step, train_and_save, tree_hash
 
 from trainflow.checkpoint import export_weights
 from trainflow.checkpoint.safe_io import read_metadata

@@ -6,7 +6,6 @@ Without SLURM's commands (a developer machine) the cluster tests skip; the sbatc
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import subprocess
@@ -18,8 +17,8 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, TINY_GPT, losses_by_step
 from helpers.processes import run_process
+from helpers.slurm import SLURM, multirun, sweep_env
 
-SLURM = ["hydra/launcher=slurm", "hydra.launcher.poll_interval_s=0.5"]
 # one job = 2 ranks on gloo, as SLURM tasks; timeout_min > 10 so that submitit takes USR2 for a preemption
 TWO_RANKS = ["hydra.launcher.tasks_per_node=2", "hydra.launcher.cpus_per_task=1", "hydra.launcher.timeout_min=15",
              "parallelism=ddp", "data=synthetic"]
@@ -38,16 +37,6 @@ def cluster() -> None:
 
 
 needs_cluster = pytest.mark.usefixtures("cluster")
-
-
-def _env() -> dict[str, str]:
-    return {**{k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}, "PYTHONUNBUFFERED": "1"}
-
-
-def multirun(sweep_dir: Path, *overrides: str, timeout: float = 300, env: dict | None = None
-             ) -> subprocess.CompletedProcess:
-    return run_process([sys.executable, str(ROOT / "train.py"), "-m", *overrides, f"hydra.sweep.dir={sweep_dir}"],
-                       cwd=ROOT, env=env or _env(), capture_output=True, text=True, timeout=timeout)
 
 
 def one_line_error(proc: subprocess.CompletedProcess) -> str:
@@ -167,7 +156,7 @@ def sweep(cluster: None, tmp_path_factory: pytest.TempPathFactory) -> Sweep:
     sweep_dir = tmp_path_factory.mktemp("sweep")
     cmd = [sys.executable, str(ROOT / "train.py"), "-m", *TINY_GPT, *SLURM, *TWO_RANKS, *RESUMABLE,
            "trainer.max_steps=120", "trainer.seed=5,5", f"hydra.sweep.dir={sweep_dir}"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=sweep_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         _wait_for_step(proc, sweep_dir / "0", 3, timeout=240)
         job_id = slurm_ids(sweep_dir)[0]
@@ -227,7 +216,7 @@ def test_the_same_sweep_again_submits_nothing_when_every_job_finished(sweep: Swe
     assert sweep.returncode == 0, sweep.output[-5000:]
     before = {n: (sweep.dir / n / "metrics.jsonl").read_bytes() for n in ("0", "1")}
     entries = _submitit_entries(sweep.dir)
-    again = subprocess.run(sweep.command, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+    again = subprocess.run(sweep.command, cwd=ROOT, env=sweep_env(), capture_output=True, text=True, timeout=300)
     assert again.returncode == 0, again.stderr[-3000:]
     assert re.findall(r"sweep: job #(\d) finished already", again.stdout + again.stderr) == ["0", "1"]
     assert "Submitted" not in again.stdout + again.stderr and _submitit_entries(sweep.dir) == entries
@@ -245,7 +234,7 @@ def test_time_limit_checkpoints_requeues_and_resumes_to_the_same_losses(tmp_path
     reference = tmp_path / "reference"
     local = run_process([sys.executable, str(ROOT / "train.py"), *TINY_GPT, *steps, "parallelism=ddp",
                          "parallelism.nproc_per_node=2", "data=synthetic", f"hydra.run.dir={reference}"],
-                        cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
+                        cwd=ROOT, env=sweep_env(), capture_output=True, text=True, timeout=600)
     assert local.returncode == 0, local.stderr[-3000:]
     sweep = tmp_path / "sweep"
     proc = multirun(sweep, *TINY_GPT, *steps, *SLURM, *TWO_RANKS[:2], "hydra.launcher.timeout_min=2",
@@ -323,13 +312,14 @@ def test_bad_slurm_settings_fail_in_one_line(tmp_path: Path, overrides: list[str
 
 
 def test_bad_setting_shows_the_traceback_with_hydra_full_error(tmp_path: Path) -> None:
-    proc = multirun(tmp_path, *SLURM, "hydra.launcher.nodes=0", env={**_env(), "HYDRA_FULL_ERROR": "1"}, timeout=60)
+    proc = multirun(tmp_path, *SLURM, "hydra.launcher.nodes=0", env={**sweep_env(), "HYDRA_FULL_ERROR": "1"},
+                    timeout=60)
     assert proc.returncode != 0 and "Traceback" in proc.stderr
     assert "trainflow.errors.ConfigError: hydra.launcher.nodes: must be >= 1; got 0" in proc.stderr
 
 
 def test_no_sbatch_on_path_fails_in_one_line(tmp_path: Path) -> None:
-    env = {**_env(), "PATH": str(Path(sys.executable).parent)}  # python, but no SLURM commands
+    env = {**sweep_env(), "PATH": str(Path(sys.executable).parent)}  # python, but no SLURM commands
     proc = multirun(tmp_path, *SLURM, "trainer.max_steps=1", env=env, timeout=60)
     assert one_line_error(proc).startswith("Error: hydra/launcher=slurm: sbatch is not on PATH")
 

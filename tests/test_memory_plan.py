@@ -11,8 +11,7 @@ import re
 from pathlib import Path
 
 import pytest
-from conftest import TINY_GPT, Run, train
-from test_checkpoint_distributed import ok
+from conftest import TINY_GPT, Run, ok, train
 
 from trainflow.distributed.memory_plan import GB
 
@@ -125,9 +124,9 @@ def test_slurm_four_nodes_of_eight_gpus_rendezvous_once_and_auto_picks_hsdp_8_by
 
     import torch
     import torch.distributed as dist
+    from helpers.slurm import SLURM, multirun
     from hydra import compose, initialize_config_dir
     from submitit.helpers import TorchDistributedEnvironment
-    from test_launcher_slurm import SLURM, multirun
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from trainflow.distributed import DistEnv

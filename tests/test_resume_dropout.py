@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 from conftest import TINY_GPT, Run, losses_by_step, train
-from test_checkpoint import assert_same_tensors
+from helpers.checkpoints import assert_same_tensors
 
 # 8 steps, a sync checkpoint every 4; the resumed run starts from the reference's step 4 in a fresh run directory.
 DROPOUT = [*TINY_GPT, "data=synthetic", "data.num_samples=4096", "model.dropout=0.1", "trainer.max_steps=8",

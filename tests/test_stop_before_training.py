@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 from conftest import ROOT, TINY_GPT, train, wait_for
-from test_checkpoint import committed, tree_hash
+from helpers.checkpoints import committed, tree_hash
 
 ARGS = [*TINY_GPT, "trainer.eval_every=0", "trainer.eval_steps=2", "checkpoint=dcp",
         "checkpoint.every_steps=2"]

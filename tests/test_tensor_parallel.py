@@ -14,8 +14,8 @@ import re
 from pathlib import Path
 
 import pytest
-from conftest import TINY_GPT, Run, losses_by_step, train
-from test_checkpoint_distributed import assert_close_losses, ok
+from conftest import TINY_GPT, Run, losses_by_step, ok, train
+from helpers.checkpoints import assert_close_losses
 
 BASE = [*TINY_GPT, "optim=sgd", "trainer.grad_accum=2", "parallelism.global_batch=8", "trainer.max_steps=4",
         "trainer.eval_every=0", "trainer.eval_steps=1", "checkpoint=dcp", "checkpoint.every_steps=2"]
@@ -203,8 +203,8 @@ def test_slurm_dry_run_of_4_nodes_x_8_gpus_with_tp8_keeps_tp_in_a_node(tmp_path:
     """One srun step of 32 tasks; their mesh (rank 0's view, on a fake process group of 32) puts each TP group of 8
     on one node's consecutive ranks and shards FSDP over the 4 nodes."""
     import torch.distributed as dist
+    from helpers.slurm import SLURM, multirun
     from hydra import compose, initialize_config_dir
-    from test_launcher_slurm import SLURM, multirun
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from trainflow.config import register_configs
