@@ -71,7 +71,7 @@ def test_smoke_ladder_runs_every_rung_and_passes_every_gate(smoke) -> None:
     assert sorted(p.name for p in out.iterdir()) == ["console.log", "report.json", "report.md", "report.png"]
     report = json.loads((out / "report.json").read_text())
     assert report["passed"] is True
-    assert [r["stage"] for r in report["runs"]] == RUNGS and report["baseline"] == "0"
+    assert [r["rung"] for r in report["runs"]] == RUNGS and report["baseline"] == "0"
     assert all(r["status"] == "finished" for r in report["runs"])
     gates = gates_of(report)
     assert list(gates) == GATES
@@ -93,7 +93,7 @@ def test_smoke_ladder_runs_every_rung_and_passes_every_gate(smoke) -> None:
 
 def test_each_rung_ran_in_its_own_process_with_its_own_settings(smoke) -> None:
     _, _, sweep = smoke
-    summaries = {json.loads((d / "summary.json").read_text())["config"]["ladder"]["stage"]: json.loads(
+    summaries = {json.loads((d / "summary.json").read_text())["config"]["ladder"]["rung"]: json.loads(
         (d / "summary.json").read_text()) for d in sweep.iterdir() if (d / "summary.json").exists()}
     assert sorted(summaries) == sorted(RUNGS)
     for stage in RUNGS:
@@ -191,7 +191,7 @@ def test_a_broken_compile_rung_fails_its_gate_and_the_sweep(tmp_path: Path) -> N
     assert "Traceback" not in proc.stderr
     report = json.loads((sweep / "report.json").read_text())
     assert report["passed"] is False and report["baseline"] == "1"
-    assert [(r["stage"], r["status"]) for r in report["runs"]] == [("compile", "failed"), ("baseline", "finished")]
+    assert [(r["rung"], r["status"]) for r in report["runs"]] == [("compile", "failed"), ("baseline", "finished")]
     gates = gates_of(report)
     assert gates["baseline.learns"]["status"] == "PASS"
     for name in ("compile.numerics", "compile.loss_parity", "compile.graph_breaks", "compile.recompiles"):

@@ -334,15 +334,15 @@ class MLflowLoggerConfig:
 LOGGER_SCHEMAS: dict[str, type] = {"tensorboard": TensorBoardLoggerConfig, "mlflow": MLflowLoggerConfig}
 
 
-LADDER_STAGES = ("baseline", "compile", "profile", "ddp", "fsdp", "checkpoint", "resume")
+LADDER_RUNGS = ("baseline", "compile", "profile", "ddp", "fsdp", "checkpoint", "resume")
 
 
 @dataclass
 class LadderConfig:
     """experiment=ladder: which rung a job is, and what its gates accept (trainflow.ladder evaluates them)."""
 
-    stage: str | None = None  # set by the ladder/ options; null: not a ladder job
-    nproc_per_node: Any = 2  # processes of the ddp and fsdp stages: N >= 2, or auto (one per GPU)
+    rung: str | None = None  # set by the ladder/ options; null: not a ladder job
+    nproc_per_node: Any = 2  # processes of the ddp and fsdp rungs: N >= 2, or auto (one per GPU)
     loss_rtol: float | None = None  # largest relative loss difference to the baseline at any step; null: by precision
     resume_atol: float = 0.0  # largest |resumed - uninterrupted| loss at any step; 0: bit-identical
     # trainer.log_every of every rung; null: ~10 logs a run, at a divisor of the half-way step where the resume rung

@@ -27,7 +27,7 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from trainflow.config import LADDER_STAGES, LadderConfig
+from trainflow.config import LADDER_RUNGS, LadderConfig
 from trainflow.tolerance import TOLERANCE
 
 PASS, FAIL, WARN, NOT_EVALUATED = "PASS", "FAIL", "WARN", "NOT EVALUATED"
@@ -81,7 +81,7 @@ class Gate:
 class Rung:
     """What the gates need of one ladder job."""
 
-    stage: str
+    kind: str  # which rung of the ladder it is (baseline, compile, ...)
     name: str
     summary: dict[str, Any] | None  # None: the job did not finish
     losses: dict[int, float]  # train loss by step
@@ -94,11 +94,11 @@ class Rung:
 
 def evaluate(rungs: list[Rung], settings: LadderConfig, precision: str) -> list[Gate]:
     """Every gate of the ladder, in rung order, from the jobs of one sweep; `precision`: the matmuls' arithmetic."""
-    by_stage: dict[str, Rung] = {}
+    by_rung: dict[str, Rung] = {}
     for r in rungs:
-        by_stage.setdefault(r.stage, r)
+        by_rung.setdefault(r.kind, r)
     rtol = settings.loss_rtol or TOLERANCE["ladder.loss_rtol"].get(precision, TOLERANCE["ladder.loss_rtol"]["fp32"])
-    gates = _LadderGates(by_stage, rtol, settings.resume_atol)
+    gates = _LadderGates(by_rung, rtol, settings.resume_atol)
     return [
         gates.baseline_gate(),
         *gates.compile_gates(),
@@ -121,32 +121,32 @@ def max_rel_diff(losses: dict[int, float], reference: dict[int, float]) -> tuple
 
 
 class _LadderGates:
-    """The gates of one sweep: its rungs by stage and the tolerances they are judged with."""
+    """The gates of one sweep: its rungs by name and the tolerances they are judged with."""
 
-    def __init__(self, by_stage: dict[str, Rung], rtol: float, resume_atol: float) -> None:
-        self.by_stage = by_stage
+    def __init__(self, by_rung: dict[str, Rung], rtol: float, resume_atol: float) -> None:
+        self.by_rung = by_rung
         self.rtol = rtol
         self.resume_atol = resume_atol
 
-    def _missing(self, name: str, *stages: str) -> Gate | None:
+    def _missing(self, name: str, *rungs: str) -> Gate | None:
         """Why a gate cannot pass on its rungs: absent (not evaluated), failed (FAIL), or no baseline to compare."""
-        for stage in stages:
-            rung = self.by_stage.get(stage)
+        for rung_name in rungs:
+            rung = self.by_rung.get(rung_name)
             if rung is None:
-                return Gate(name, NOT_EVALUATED, f"not evaluated: the {stage} rung is not in this sweep "
-                            f"(add it: ladder={','.join(LADDER_STAGES)})")
+                return Gate(name, NOT_EVALUATED, f"not evaluated: the {rung_name} rung is not in this sweep "
+                            f"(add it: ladder={','.join(LADDER_RUNGS)})")
             if not rung.finished:
                 why = rung.error or "it wrote no summary.json (still running, or killed)"
-                if stage == "baseline" and name != "baseline.learns":  # the baseline's own gate fails for it
+                if rung_name == "baseline" and name != "baseline.learns":  # the baseline's own gate fails for it
                     return Gate(name, NOT_EVALUATED, f"not evaluated: no baseline to compare with ({why})")
-                return Gate(name, FAIL, f"the {stage} rung ({rung.name}) failed: {why}")
+                return Gate(name, FAIL, f"the {rung_name} rung ({rung.name}) failed: {why}")
         return None
 
     def baseline_gate(self) -> Gate:
         missing = self._missing("baseline.learns", "baseline")
         if missing:
             return missing
-        s = self.by_stage["baseline"].summary
+        s = self.by_rung["baseline"].summary
         first, last = s["loss"]["first"], s["loss"]["last"]
         steady = s.get("steady_state") or {}
         speed = (f"{steady['samples_per_sec']:.1f} samples/s ({steady['step_time_s'] * 1e3:.1f} ms/step)"
@@ -158,8 +158,8 @@ class _LadderGates:
                     {"steps": s["steps"], "loss_first": first, "loss_last": last,
                      "samples_per_sec": steady.get("samples_per_sec")})
 
-    def _parity(self, stage: str) -> tuple[float, int | None, int]:
-        return max_rel_diff(self.by_stage[stage].losses, self.by_stage["baseline"].losses)
+    def _parity(self, rung: str) -> tuple[float, int | None, int]:
+        return max_rel_diff(self.by_rung[rung].losses, self.by_rung["baseline"].losses)
 
     def compile_gates(self) -> list[Gate]:
         gates = []
@@ -167,7 +167,7 @@ class _LadderGates:
         if missing:
             gates.append(missing)
         else:
-            check = (self.by_stage["compile"].summary.get("compile") or {}).get("check")
+            check = (self.by_rung["compile"].summary.get("compile") or {}).get("check")
             if not check:
                 gates.append(Gate("compile.numerics", NOT_EVALUATED,
                                   "not evaluated: the compile rung ran without compile.check=true"))
@@ -185,7 +185,7 @@ class _LadderGates:
             diff, at, n = self._parity("compile")
             gates.append(self._curve_gate("compile.loss_parity", "compiled", diff, at, n))
         missing = self._missing("compile.graph_breaks", "compile")
-        report = None if missing else self.by_stage["compile"].summary.get("compile") or {}
+        report = None if missing else self.by_rung["compile"].summary.get("compile") or {}
         if missing:
             gates.append(missing)
             gates.append(self._missing("compile.recompiles", "compile"))
@@ -218,7 +218,7 @@ class _LadderGates:
         missing = self._missing("profile.next_step", "profile")
         if missing:
             return missing
-        prof = self.by_stage["profile"].summary.get("profiler") or {}
+        prof = self.by_rung["profile"].summary.get("profiler") or {}
         v = prof.get("verdict")
         if not v:
             return Gate("profile.next_step", FAIL, "the profiler recorded no verdict: its window did not close "
@@ -231,14 +231,14 @@ class _LadderGates:
                     {"bound": v["bound"], "step_time_ms": v["step_time_ms"], "shares": v["shares"],
                      "action": v["action"]})
 
-    def scale_gate(self, stage: str) -> Gate:
-        name = f"scale.{stage}"
-        missing = self._missing(name, stage, "baseline")
+    def scale_gate(self, rung: str) -> Gate:
+        name = f"scale.{rung}"
+        missing = self._missing(name, rung, "baseline")
         if missing:
             return missing
-        par = self.by_stage[stage].summary.get("parallelism") or {}
+        par = self.by_rung[rung].summary.get("parallelism") or {}
         check = par.get("check") or {}
-        diff, at, n = self._parity(stage)
+        diff, at, n = self._parity(rung)
         numbers = {"world_size": par.get("world_size"), "max_rel_diff": diff, "at_step": at, "steps_compared": n,
                    "tolerance": self.rtol}
         curve = (f"loss vs baseline over {n} steps: max rel. difference {diff:.1e} at step {at} "
@@ -258,7 +258,7 @@ class _LadderGates:
         restore = self._missing("checkpoint.restore", "checkpoint", "resume")
         if restore:
             return [restore, self._missing("checkpoint.resume_losses", "checkpoint", "resume")]
-        saved, resumed = self.by_stage["checkpoint"], self.by_stage["resume"]
+        saved, resumed = self.by_rung["checkpoint"], self.by_rung["resume"]
         ck = saved.summary.get("checkpoint") or {}
         at = resumed.summary.get("resumed_from_step")
         steps = saved.summary["steps"]

@@ -60,7 +60,7 @@ class RunRecord:
     name: str  # path relative to the report's folder ("." for the folder itself)
     dir: Path
     overrides: list[str]
-    stage: str | None
+    rung: str | None
     summary: dict[str, Any] | None
     losses: dict[int, float] = field(default_factory=dict)
     error: str | None = None
@@ -68,7 +68,7 @@ class RunRecord:
 
     @property
     def label(self) -> str:
-        return f"{self.name} {self.stage}" if self.stage else self.name
+        return f"{self.name} {self.rung}" if self.rung else self.name
 
     def figure(self, *keys: str) -> Any:
         """summary[k1][k2]..., None where any level is missing."""
@@ -106,7 +106,7 @@ def _order(rel: Path) -> tuple:
 
 
 def load_run(path: Path, root: Path) -> RunRecord:
-    """Read a run's summary, loss curve, overrides, ladder stage and (if it failed) the reason."""
+    """Read a run's summary, loss curve, overrides, ladder rung and (if it failed) the reason."""
     summary = None
     summary_path = path / "summary.json"
     if summary_path.exists():
@@ -119,12 +119,12 @@ def load_run(path: Path, root: Path) -> RunRecord:
     overrides_path = path / ".hydra" / "overrides.yaml"
     if overrides_path.exists():
         overrides = [str(o) for o in OmegaConf.load(overrides_path)]
-    stage = (summary.get("config") or {}).get("ladder", {}).get("stage") if summary else None
+    rung = (summary.get("config") or {}).get("ladder", {}).get("rung") if summary else None
     if summary is None and (path / ".hydra" / "config.yaml").exists():
-        stage = OmegaConf.select(OmegaConf.load(path / ".hydra" / "config.yaml"), "ladder.stage", default=None)
+        rung = OmegaConf.select(OmegaConf.load(path / ".hydra" / "config.yaml"), "ladder.rung", default=None)
     status, error = run_status(path, summary)
     name = str(path.relative_to(root)) if path != root else "."
-    return RunRecord(name, path, overrides, stage, summary, read_losses(path / "metrics.jsonl"), error, status)
+    return RunRecord(name, path, overrides, rung, summary, read_losses(path / "metrics.jsonl"), error, status)
 
 
 def run_status(path: Path, summary: dict[str, Any] | None) -> tuple[str, str | None]:
@@ -193,7 +193,7 @@ def build(root: Path, baseline: str | None = None) -> dict[str, Any]:
         "gates": None,
         "passed": None,
     }
-    rungs = [ladder.Rung(r.stage, r.name, r.summary, r.losses, r.error) for r in runs if r.stage]
+    rungs = [ladder.Rung(r.rung, r.name, r.summary, r.losses, r.error) for r in runs if r.rung]
     if rungs:
         gates = [g.as_dict() for g in ladder.evaluate(rungs, *_gate_settings(runs))]
         report["gates"] = gates
@@ -211,8 +211,8 @@ def _pick_baseline(runs: list[RunRecord], wanted: str | None, root: Path) -> Run
                 return r
         raise ReportError(f"baseline {wanted!r}: no such run under {root}; use one of: "
                           f"{', '.join(r.name for r in runs)}")
-    staged = [r for r in runs if r.stage == "baseline"]
-    return staged[0] if staged else runs[0]
+    baseline_rungs = [r for r in runs if r.rung == "baseline"]
+    return baseline_rungs[0] if baseline_rungs else runs[0]
 
 
 def _gate_settings(runs: list[RunRecord]) -> tuple[LadderConfig, str]:
@@ -220,7 +220,7 @@ def _gate_settings(runs: list[RunRecord]) -> tuple[LadderConfig, str]:
     them); the schema's defaults when no job finished."""
     for r in runs:
         cfg = (r.summary or {}).get("config") or {}
-        if r.stage and cfg:
+        if r.rung and cfg:
             trainer = typed(cfg.get("trainer") or {}, TrainerConfig)
             return typed(cfg.get("ladder") or {}, LadderConfig), r.summary.get("matmul_math") or trainer.precision
     return LadderConfig(), TrainerConfig.precision
@@ -236,7 +236,7 @@ def load_warning(r: RunRecord) -> str | None:
     load, cores = r.figure("host", "load_average"), r.figure("host", "cpu_cores")
     if not load or not cores or load[0] <= OVERLOAD * cores:
         return None
-    return (f"{r.name}" + (f" ({r.stage})" if r.stage else "") + f": the load average was {load[0]:.1f} on "
+    return (f"{r.name}" + (f" ({r.rung})" if r.rung else "") + f": the load average was {load[0]:.1f} on "
             f"{cores} cores at its end, so its timings include waiting for a core; rerun it on an idle machine "
             "before trusting its speed")
 
@@ -248,7 +248,7 @@ def _row(r: RunRecord, common: list[str], base_sps: float | None) -> dict[str, A
     ckpt = r.figure("checkpoint") or {}
     return {
         "name": r.name,
-        "stage": r.stage,
+        "rung": r.rung,
         "overrides": [o for o in r.overrides if o not in common],
         "status": r.status,
         "error": r.error,

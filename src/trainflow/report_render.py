@@ -55,7 +55,7 @@ def markdown(report: dict[str, Any]) -> str:
         status = "finished" if row["status"] == "finished" else f"{row['status'].upper()}: {_cell(row['error'] or '')}"
         world = f" x{row['world_size']}" if row["world_size"] and row["world_size"] > 1 else ""
         lines.append(" | ".join([
-            f"| {row['name']}" + (f" ({row['stage']})" if row["stage"] else ""),
+            f"| {row['name']}" + (f" ({row['rung']})" if row["rung"] else ""),
             f"`{' '.join(row['overrides'])}`" if row["overrides"] else "",
             status + world,
             _num(row["samples_per_sec"], ".1f"),

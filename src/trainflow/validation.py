@@ -13,7 +13,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import InterpolationResolutionError, MissingMandatoryValue
 
-from trainflow.config import LADDER_STAGES, ProfilerConfig, TaskConfig, WorkerConfig, decided, typed
+from trainflow.config import LADDER_RUNGS, ProfilerConfig, TaskConfig, WorkerConfig, decided, typed
 from trainflow.data.tokenizers import BYTE_VOCAB
 from trainflow.distributed.mesh import STRATEGIES
 from trainflow.errors import ConfigError
@@ -204,12 +204,12 @@ def validate_checkpoint(cfg: DictConfig) -> None:
 def validate_ladder(cfg: DictConfig) -> None:
     """Ladder knobs a type cannot check; they matter only in ladder jobs."""
     lad = cfg.ladder
-    if lad.stage is None:
+    if lad.rung is None:
         return
-    _one_of(cfg, "ladder.stage", LADDER_STAGES)
+    _one_of(cfg, "ladder.rung", LADDER_RUNGS)
     n = lad.nproc_per_node
     _require(n == "auto" or (isinstance(n, int) and not isinstance(n, bool) and n >= 2), "ladder.nproc_per_node",
-             f"the scale stages need 2 or more processes (or auto: one per GPU); got {n!r}")
+             f"the scale rungs need 2 or more processes (or auto: one per GPU); got {n!r}")
     _require(lad.loss_rtol is None or lad.loss_rtol > 0, "ladder.loss_rtol",
              f"must be > 0 or null; got {lad.loss_rtol}")
     _require(lad.log_every is None or lad.log_every > 0, "ladder.log_every",

@@ -90,7 +90,7 @@ def check_ladder_rungs(jobs: list[SweepJob]) -> None:
     """Validate every rung of a ladder sweep before the first starts: a rung that cannot run as composed (a
     profiler window past trainer.max_steps, say) fails the sweep at once, in one line naming the rung, rather
     than after the rungs before it trained. (Other sweeps run their good jobs and report the bad ones.)"""
-    if not any(OmegaConf.select(job.config, "ladder.stage") for job in jobs):
+    if not any(OmegaConf.select(job.config, "ladder.rung") for job in jobs):
         return
     from trainflow.validation import validate
 
@@ -99,7 +99,7 @@ def check_ladder_rungs(jobs: list[SweepJob]) -> None:
             try:
                 validate(task)
             except TrainflowError as exc:
-                user_error(f"ladder={task.ladder.stage} (job #{job.num}): {exc}")
+                user_error(f"ladder={task.ladder.rung} (job #{job.num}): {exc}")
 
 
 def finished_already(job: SweepJob) -> JobReturn | None:
