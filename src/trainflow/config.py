@@ -330,8 +330,23 @@ class MLflowLoggerConfig:
     tags: dict[str, str] = field(default_factory=dict)  # added to the run's own (run name, run dir, host, ...)
 
 
+@dataclass
+class WandbLoggerConfig:
+    """logger=wandb (`pip install 'trainflow[wandb]'`): config, scalars, summary, files and exit code of one run."""
+
+    _target_: str = "trainflow.loggers.wandb.WandbLogger"
+    project: str = "trainflow"
+    entity: str | None = None  # null: the API key's default entity
+    group: str | None = None  # null: a sweep job's sweep name (single runs: none)
+    tags: list[str] = field(default_factory=list)
+    notes: str | None = None
+    mode: str | None = None  # null: WANDB_MODE, else online with an API key, offline without | online | offline
+    dir: str | None = None  # null: WANDB_DIR, else the run directory (W&B writes <dir>/wandb/)
+
+
 # The built-in loggers' schemas, by their key under `logger`; a user's logger (its own `_target_`) is open.
-LOGGER_SCHEMAS: dict[str, type] = {"tensorboard": TensorBoardLoggerConfig, "mlflow": MLflowLoggerConfig}
+LOGGER_SCHEMAS: dict[str, type] = {"tensorboard": TensorBoardLoggerConfig, "mlflow": MLflowLoggerConfig,
+                                   "wandb": WandbLoggerConfig}
 
 
 LADDER_RUNGS = ("baseline", "compile", "profile", "ddp", "fsdp", "checkpoint", "resume")

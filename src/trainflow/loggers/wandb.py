@@ -1,0 +1,91 @@
+"""Weights & Biases: one W&B run per trainflow run, continued across resumes (`pip install 'trainflow[wandb]'`).
+
+- mode: `logger.wandb.mode`, else `WANDB_MODE`, else online where an API key is configured (`WANDB_API_KEY`,
+  `wandb login`'s .netrc entry) and offline otherwise: an offline run is written below `<run dir>/wandb/` (or
+  `WANDB_DIR`) and reaches no network; `wandb sync <run dir>/wandb/offline-run-*` uploads it later;
+- config: the resolved config; project / entity / group / tags / notes from `logger.wandb.*`; a sweep job's group
+  is its sweep's name unless `logger.wandb.group` says otherwise;
+- history: every scalar of metrics.jsonl at its step; at the end the final figures (`summary/*`), which W&B's
+  summary then holds; a resumed run logs only the steps past the resumed one;
+- at the end: config.yaml, summary.json, compile_report.json and the profiler's verdict (profiler.md) as the run's
+  files, and its exit code: 0 for FINISHED, 1 for FAILED, 75 (not finished: resumed later) for KILLED.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from trainflow.errors import ConfigError
+from trainflow.loggers import FAILED, FINISHED, RunInfo
+from trainflow.loggers.mlflow import sweep_name
+
+EXIT_CODES = {FINISHED: 0, FAILED: 1}  # KILLED (and any other): 75, trainflow's exit code of a stop after a save
+KILLED_EXIT = 75
+
+
+class WandbLogger:
+    """One W&B run (rank 0), its own run object: a run the user's code opened with `wandb.init` stays as it is."""
+
+    def __init__(self, project: str = "trainflow", entity: str | None = None, group: str | None = None,
+                 tags: list[str] | None = None, notes: str | None = None, mode: str | None = None,
+                 dir: str | None = None) -> None:  # noqa: A002 (wandb.init's own name for it)
+        try:
+            import wandb  # noqa: F401 (the extra, checked before any training)
+        except ImportError:
+            raise ConfigError("logger.wandb: the wandb package is not installed; pip install 'trainflow[wandb]', "
+                              "or leave wandb out of logger=[...]") from None
+        self.project, self.entity, self.group = project, entity, group
+        self.tags, self.notes, self.mode, self.dir = list(tags or []), notes, mode, dir
+        self.run: Any = None
+        self._logged_to = 0  # steps up to here are in the tracked run already
+
+    def start(self, run: RunInfo) -> str:
+        import wandb
+
+        self.run = wandb.init(
+            project=self.project, entity=self.entity, name=run.name, notes=self.notes, tags=self.tags,
+            group=self.group or (sweep_name(run.sweep_dir) if run.sweep_dir is not None else None),
+            config=run.config, id=run.tracked_id, resume="allow", mode=self._mode(),
+            dir=self.dir or (None if os.environ.get("WANDB_DIR") else str(run.run_dir)),
+            # the console stays trainflow's (train.log has it all); the run is its own, not wandb.run's
+            settings=wandb.Settings(console="off", reinit="create_new"))
+        # an online run continued from the server starts past its last step; offline starts at 0
+        self._logged_to = max(run.resumed_step or 0, self.run.starting_step - 1)
+        return self.run.id
+
+    def _mode(self) -> str | None:
+        """The configured mode, else W&B's own choice (WANDB_MODE) when set, else online only with a key."""
+        if self.mode or os.environ.get("WANDB_MODE"):
+            return self.mode
+        return "online" if _has_api_key() else "offline"
+
+    def scalars(self, step: int, values: Mapping[str, float]) -> None:
+        if step > self._logged_to:
+            self.run.log(dict(values), step=step)
+
+    def text(self, tag: str, text: str, step: int) -> None:
+        (Path(self.run.dir) / f"{tag}.md").write_text(text)  # the run's files folder: kept with the run
+
+    def artifacts(self, paths: list[Path]) -> None:
+        for path in paths:
+            self.run.save(str(path), base_path=str(path.parent), policy="end", glob=False)
+
+    def finish(self, status: str) -> None:
+        self.run.finish(exit_code=EXIT_CODES.get(status, KILLED_EXIT))
+
+
+def _has_api_key() -> bool:
+    """An API key W&B would use: its environment variables or the .netrc entry `wandb login` writes."""
+    if os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_IDENTITY_TOKEN_FILE"):
+        return True
+    from wandb.sdk.lib.wbauth.host_url import HostUrl
+    from wandb.sdk.lib.wbauth.wbnetrc import read_netrc_auth_with_source
+
+    try:
+        return read_netrc_auth_with_source(host=HostUrl(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")))\
+            is not None
+    except Exception:  # a key in a bad format: online, where W&B's own error says what is wrong with it
+        return True

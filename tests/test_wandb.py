@@ -1,0 +1,146 @@
+"""The W&B logger, offline: its run files read back record by record with wandb's own protobufs (the scalars by
+step, the config, the summary, the exit code); a run stopped after a save and resumed is one W&B run id with each
+step once; a `python train.py` run without an API key or WANDB_MODE is offline, below its run directory.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import pytest
+from conftest import TINY_GPT, ok, train
+from omegaconf import OmegaConf
+
+from trainflow.loggers.wandb import WandbLogger
+from trainflow.loggers.writer import MetricsWriter
+
+wandb = pytest.importorskip("wandb")  # the dev extra has it; a bare install of trainflow does not
+
+CONFIG = OmegaConf.create({"trainer": {"max_steps": 10}, "optim": {"lr": 0.1}, "parallelism": {"strategy": "single"}})
+BLOCK, HEADER = 32768, 7  # the .wandb file: a 7-byte header, then LevelDB-log blocks of 7-byte-headed chunks
+FULL, FIRST, MIDDLE, LAST = 1, 2, 3, 4
+
+
+def records(path: Path) -> list:
+    """The protobuf records of a .wandb transaction log (wandb 0.31 reads it only in its Go core)."""
+    from wandb.proto.wandb_internal_pb2 import Record
+
+    data, pos, pending, out = path.read_bytes(), HEADER, b"", []
+    assert data[:4] == b":W&B"
+    while pos + HEADER <= len(data):
+        if BLOCK - pos % BLOCK < HEADER:  # a block's tail too short for a chunk header is padding
+            pos += BLOCK - pos % BLOCK
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos:pos + HEADER])
+        chunk, pos = data[pos + HEADER:pos + HEADER + length], pos + HEADER + length
+        if kind in (FULL, LAST):
+            record = Record()
+            record.ParseFromString(pending + chunk)
+            out.append(record)
+            pending = b""
+        elif kind in (FIRST, MIDDLE):
+            pending += chunk
+    return out
+
+
+def of_kind(recs: list, kind: str) -> list:
+    return [getattr(r, kind) for r in recs if r.WhichOneof("record_type") == kind]
+
+
+def items(update) -> dict:
+    return {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in update}
+
+
+def offline_runs(wandb_dir: Path, run_id: str) -> list[Path]:
+    """The offline run folders of `run_id`, oldest first: `offline-run-<start time>-<id>`, with `-1`, `-2`, ...
+    for a resume started within the same second."""
+    stamp = len("offline-run-YYYYmmdd_HHMMSS")
+    return sorted(wandb_dir.glob(f"offline-run-*-{run_id}*"), key=lambda d: (d.name[:stamp], len(d.name), d.name))
+
+
+def run_records(folder: Path) -> list:
+    return records(next(folder.glob("run-*.wandb")))
+
+
+def history(recs: list, key: str = "train/loss") -> list[tuple[int, float]]:
+    rows = [items(h.item) for h in of_kind(recs, "history")]
+    return [(row["_step"], row[key]) for row in rows if key in row]
+
+
+SUMMARY = {"steps": 10, "val": {"loss": 1.25}, "steady_state": {"samples_per_sec": 80.0, "step_time_s": 0.1},
+           "mfu": 0.02, "peak_memory_bytes": 3 * 2**20}
+
+
+def writer(run_dir: Path, logger: WandbLogger) -> MetricsWriter:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(CONFIG))
+    (run_dir / "summary.json").write_text(json.dumps(SUMMARY))
+    return MetricsWriter(run_dir, True, {"wandb": logger})
+
+
+def test_a_stopped_and_resumed_run_is_one_offline_wandb_run_with_each_step_once(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path / "wb"))
+    run_dir = tmp_path / "run"
+    keys = {"project": "vision", "tags": ["tiny"], "notes": "a smoke run"}
+    stopped = writer(run_dir, WandbLogger(**keys))
+    stopped.start(CONFIG, 1, None)
+    for step in range(1, 6):
+        stopped.write(step, {"train/loss": 10.0 - step})
+    stopped.finish("KILLED")  # a stop on a signal after the save of step 5
+    stopped.close()
+    run_id = json.loads((run_dir / "loggers.json").read_text())["wandb"]
+    resumed = writer(run_dir, WandbLogger(**keys))
+    resumed.start(CONFIG, 1, 5)
+    for step in range(5, 11):  # step 5 is in the tracked run already: not again
+        resumed.write(step, {"train/loss": 100.0 + step})
+    resumed.finish("FINISHED", SUMMARY)
+    resumed.close()
+    wandb.teardown()  # the W&B service writes the run files out when it stops, as at a training process's exit
+    assert json.loads((run_dir / "loggers.json").read_text())["wandb"] == run_id
+    folders = offline_runs(tmp_path / "wb" / "wandb", run_id)
+    first, second = map(run_records, folders)
+    assert history(first) == [(s, 10.0 - s) for s in range(1, 6)]
+    assert history(second) == [(s, 100.0 + s) for s in range(6, 11)]
+    assert [e.exit_code for e in of_kind(first, "exit")] == [75]  # not finished: W&B shows it as such
+    assert [e.exit_code for e in of_kind(second, "exit")] == [0]
+    for recs in (first, second):
+        (run,) = of_kind(recs, "run")
+        assert (run.run_id, run.project, list(run.tags), run.notes, run.display_name) == (
+            run_id, "vision", ["tiny"], "a smoke run", "run")
+        config = items(run.config.update)
+        assert config["optim"] == {"lr": 0.1} and config["trainer"] == {"max_steps": 10}
+    summary: dict = {}
+    for update in of_kind(second, "summary"):
+        summary.update(items(update.update))
+    assert summary["summary/val_loss"] == 1.25 and summary["summary/peak_memory_mib"] == 3.0
+    assert summary["train/loss"] == 110.0
+    files = folders[1] / "files"
+    assert json.loads((files / "summary.json").read_text()) == SUMMARY
+    assert OmegaConf.load(files / "config.yaml") == CONFIG
+
+
+def test_train_py_without_a_key_logs_offline_below_the_run_directory(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """No WANDB_MODE, no WANDB_API_KEY, no .netrc: offline, in <run dir>/wandb, with the group given."""
+    for name in ("WANDB_MODE", "WANDB_API_KEY", "WANDB_DIR"):
+        monkeypatch.delenv(name, raising=False)
+    env = {"NETRC": str(tmp_path / "no.netrc")}
+    run = ok(train(tmp_path / "run", *[o for o in TINY_GPT if o != "logger=none"], "logger=[tensorboard,wandb]",
+                   "trainer.max_steps=3", "logger.wandb.group=ablation", env=env))
+    run_id = json.loads((run.run_dir / "loggers.json").read_text())["wandb"]
+    (folder,) = offline_runs(run.run_dir / "wandb", run_id)
+    recs = run_records(folder)
+    jsonl = {m["step"]: m["train/loss"] for m in run.metrics() if "train/loss" in m}
+    assert dict(history(recs)) == pytest.approx(jsonl, rel=1e-12) and sorted(jsonl) == [1, 2, 3]
+    (info,) = of_kind(recs, "run")
+    assert info.run_group == "ablation" and items(info.config.update)["trainer"]["max_steps"] == 3
+    summary: dict = {}
+    for update in of_kind(recs, "summary"):
+        summary.update(items(update.update))
+    assert summary["summary/val_loss"] == pytest.approx(run.summary["val"]["loss"])
+    assert [e.exit_code for e in of_kind(recs, "exit")] == [0]
+    assert (run.run_dir / "tensorboard").is_dir()
