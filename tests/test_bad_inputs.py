@@ -229,6 +229,13 @@ def mlflow_not_installed(ctx: Ctx) -> None:
         "raise ModuleNotFoundError(\"No module named 'mlflow'\", name='mlflow')\n")
 
 
+def wandb_not_installed(ctx: Ctx) -> None:
+    """A Python path on which `import wandb` fails as it does where the extra is not installed."""
+    (ctx.tmp / "no_wandb" / "wandb").mkdir(parents=True)
+    (ctx.tmp / "no_wandb" / "wandb" / "__init__.py").write_text(
+        "raise ModuleNotFoundError(\"No module named 'wandb'\", name='wandb')\n")
+
+
 def fifo_corpus(ctx: Ctx) -> None:
     os.mkfifo(ctx.tmp / "pipe")
 
@@ -574,6 +581,10 @@ CASES = [
          ("logger=[tensorboard,mlflow]",),
          "Error: logger.mlflow: the mlflow package is not installed; pip install 'trainflow[mlflow]', or leave mlflow "
          "out of logger=[...]", setup=mlflow_not_installed, env=(("PYTHONPATH", "{tmp}/no_mlflow"),)),
+    Case("wandb-not-installed", "environment", "logger=wandb without the wandb extra installed",
+         ("logger=[tensorboard,wandb]",),
+         "Error: logger.wandb: the wandb package is not installed; pip install 'trainflow[wandb]', or leave wandb "
+         "out of logger=[...]", setup=wandb_not_installed, env=(("PYTHONPATH", "{tmp}/no_wandb"),)),
     Case("logger-target-unknown", "config", "a logger of one's own whose _target_ cannot be imported",
          ("+logger.mine._target_=nowhere.Logger",),
          "Error: logger.mine._target_: cannot import 'nowhere.Logger'; give the import path of a logger class (see "

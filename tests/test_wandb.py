@@ -6,6 +6,7 @@ step once; a `python train.py` run without an API key or WANDB_MODE is offline, 
 from __future__ import annotations
 
 import json
+import socket
 import struct
 from pathlib import Path
 
@@ -126,11 +127,18 @@ def test_a_stopped_and_resumed_run_is_one_offline_wandb_run_with_each_step_once(
 def test_train_py_without_a_key_logs_offline_below_the_run_directory(tmp_path: Path,
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """No WANDB_MODE, no WANDB_API_KEY, no .netrc: offline, in <run dir>/wandb, with the group given."""
-    for name in ("WANDB_MODE", "WANDB_API_KEY", "WANDB_DIR"):
+    for name in ("WANDB_MODE", "WANDB_API_KEY", "WANDB_DIR", "NO_PROXY", "no_proxy"):
         monkeypatch.delenv(name, raising=False)
-    env = {"NETRC": str(tmp_path / "no.netrc")}
-    run = ok(train(tmp_path / "run", *[o for o in TINY_GPT if o != "logger=none"], "logger=[tensorboard,wandb]",
-                   "trainer.max_steps=3", "logger.wandb.group=ablation", env=env))
+    with socket.socket() as proxy:  # every HTTP(S) request of the run, W&B's Go core included, would come here
+        proxy.bind(("127.0.0.1", 0))
+        proxy.listen()
+        address = f"http://127.0.0.1:{proxy.getsockname()[1]}"
+        env = {"NETRC": str(tmp_path / "no.netrc"), "HTTPS_PROXY": address, "HTTP_PROXY": address}
+        run = ok(train(tmp_path / "run", *[o for o in TINY_GPT if o != "logger=none"], "logger=[tensorboard,wandb]",
+                       "trainer.max_steps=3", "logger.wandb.group=ablation", env=env))
+        proxy.setblocking(False)
+        with pytest.raises(BlockingIOError):  # nothing reached the network
+            proxy.accept()
     run_id = json.loads((run.run_dir / "loggers.json").read_text())["wandb"]
     (folder,) = offline_runs(run.run_dir / "wandb", run_id)
     recs = run_records(folder)

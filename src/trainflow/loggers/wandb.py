@@ -45,10 +45,13 @@ class WandbLogger:
     def start(self, run: RunInfo) -> str:
         import wandb
 
+        mode = self._mode()
+        if mode:  # for the whole process: W&B's own telemetry then stays offline too, not only the run
+            wandb.setup(settings=wandb.Settings(mode=mode))
         self.run = wandb.init(
             project=self.project, entity=self.entity, name=run.name, notes=self.notes, tags=self.tags,
             group=self.group or (sweep_name(run.sweep_dir) if run.sweep_dir is not None else None),
-            config=run.config, id=run.tracked_id, resume="allow", mode=self._mode(),
+            config=run.config, id=run.tracked_id, resume="allow", mode=mode,
             dir=self.dir or (None if os.environ.get("WANDB_DIR") else str(run.run_dir)),
             # the console stays trainflow's (train.log has it all); the run is its own, not wandb.run's
             settings=wandb.Settings(console="off", reinit="create_new"))
