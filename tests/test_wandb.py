@@ -14,6 +14,7 @@ import pytest
 from conftest import TINY_GPT, ok, train
 from omegaconf import OmegaConf
 
+from trainflow.loggers import RunInfo
 from trainflow.loggers.wandb import WandbLogger
 from trainflow.loggers.writer import MetricsWriter
 
@@ -152,3 +153,22 @@ def test_train_py_without_a_key_logs_offline_below_the_run_directory(tmp_path: P
     assert summary["summary/val_loss"] == pytest.approx(run.summary["val"]["loss"])
     assert [e.exit_code for e in of_kind(recs, "exit")] == [0]
     assert (run.run_dir / "tensorboard").is_dir()
+
+
+def test_a_sweep_job_is_grouped_by_its_sweep_and_named_by_its_swept_values(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    sweep = tmp_path / "multirun" / "day" / "time"
+    logger = WandbLogger()
+    run_id = logger.start(RunInfo(sweep / "0", {"optim": {"lr": 0.001}}, "", {}, "optim.lr=0.001", sweep, None, None,
+                                  1))
+    logger.text("profiler", "| operator | self ms/step |", 3)
+    logger.finish("FAILED")
+    wandb.teardown()
+    (folder,) = offline_runs(tmp_path / "wandb", run_id)
+    recs = run_records(folder)
+    (info,) = of_kind(recs, "run")
+    assert (info.run_group, info.display_name, info.project) == ("day/time", "optim.lr=0.001", "trainflow")
+    assert [e.exit_code for e in of_kind(recs, "exit")] == [1]
+    assert (folder / "files" / "profiler.md").read_text() == "| operator | self ms/step |"
