@@ -51,11 +51,16 @@ class Run:
 
 def losses_by_step(run_dir: Path) -> dict[int, float]:
     """train/loss of every step; a step logged twice (before a crash and after the resume) keeps its last value."""
+    return logged_by_step(run_dir, "train/loss")
+
+
+def logged_by_step(run_dir: Path, key: str) -> dict[int, float]:
+    """The value metrics.jsonl holds under `key` at every step that logged it (the last, for a step logged twice)."""
     out = {}
     for line in (run_dir / "metrics.jsonl").read_text().splitlines():
         record = json.loads(line)
-        if "train/loss" in record:
-            out[record["step"]] = record["train/loss"]
+        if key in record:
+            out[record["step"]] = record[key]
     return out
 
 

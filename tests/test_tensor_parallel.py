@@ -14,7 +14,7 @@ import re
 from pathlib import Path
 
 import pytest
-from conftest import TINY_GPT, Run, losses_by_step, ok, train
+from conftest import TINY_GPT, Run, logged_by_step, losses_by_step, ok, train
 from helpers.checkpoints import assert_close_losses
 
 BASE = [*TINY_GPT, "optim=sgd", "trainer.grad_accum=2", "parallelism.global_batch=8", "trainer.max_steps=4",
@@ -24,17 +24,11 @@ FSDP2_TP2 = ["parallelism=fsdp", "parallelism.tp=2", "parallelism.nproc_per_node
 TP2 = ["parallelism=fsdp", "parallelism.tp=2", "parallelism.nproc_per_node=2"]
 
 
+GRAD_NORM = "train/grad_norm"
+
+
 def step_dir(run: Run, step: int) -> Path:
     return run.run_dir / "checkpoints" / f"step_{step:08d}"
-
-
-def grad_norms(run_dir: Path) -> dict[int, float]:
-    out = {}
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        record = json.loads(line)
-        if "train/grad_norm" in record:
-            out[record["step"]] = record["train/grad_norm"]
-    return out
 
 
 def expected_rank0_parameters(tp: int) -> tuple[int, int]:
@@ -87,7 +81,7 @@ def test_fsdp2_x_tp2_matches_one_process(fsdp_tp: Run) -> None:
 
 def test_gradient_norm_is_the_whole_models(fsdp_tp: Run, single_from_fsdp_tp: Run) -> None:
     """Clipped at 0.5 (every step's norm is above it): a norm over one shard would clip by another factor."""
-    sharded, whole = grad_norms(fsdp_tp.run_dir), grad_norms(single_from_fsdp_tp.run_dir)
+    sharded, whole = logged_by_step(fsdp_tp.run_dir, GRAD_NORM), logged_by_step(single_from_fsdp_tp.run_dir, GRAD_NORM)
     assert min(sharded.values()) > 0.5
     assert [sharded[s] for s in (3, 4)] == pytest.approx([whole[s] for s in (3, 4)], rel=1e-5)
 
@@ -137,7 +131,7 @@ def test_hugging_face_llama_under_tp2_by_its_own_plan(tmp_path: Path) -> None:
                    "trainer.grad_clip=0.5", *TP2, *CHECKED, env={"PYTHONPATH": str(Path(__file__).parent)}))
     check = run.summary["parallelism"]["check"]
     assert check["passed"] and check["param_rel_diff"] <= 1e-5, check
-    assert min(grad_norms(run.run_dir).values()) > 0.5  # clipping acted on every step
+    assert min(logged_by_step(run.run_dir, GRAD_NORM).values()) > 0.5  # clipping acted on every step
     config = {a[len("+model."):].split("=")[0]: int(a.split("=")[1]) for a in LLAMA if a.startswith("+model.")}
     named = dict(tiny_llama(**config).named_parameters())
     whole = sum(p.numel() for name, p in named.items() if "norm" in name)  # the plan leaves the RMSNorms whole
