@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 from conftest import ROOT, TINY_GPT, wait_for
+from helpers.processes import run_process
 from omegaconf import OmegaConf
 
 from trainflow.loggers.mlflow import MLflowLogger
@@ -205,6 +206,29 @@ def test_a_sweep_is_a_parent_run_with_its_jobs_as_children_in_the_sqlite_default
     assert [r.data.params["optim.lr"] for r in children] == ["0.0003", "0.001"]
     assert all(r.info.status == "FINISHED" and r.data.metrics["train/loss"] > 0 for r in children)
     assert {a.path for a in client.list_artifacts(parent.info.run_id)} == {"report.md", "report.json", "report.png"}
+
+
+def test_two_ddp_ranks_log_once_through_rank_0(tmp_path: Path) -> None:
+    """Under DDP on 2 ranks only rank 0 logs: one MLflow run (world size 2) and one TensorBoard event file, each
+    step once; rank 1 writes nothing of its own."""
+    from mlflow.tracking import MlflowClient
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run_dir = tmp_path / "run"
+    proc = run_process([sys.executable, str(ROOT / "train.py"), *LOGGED, "logger=[tensorboard,mlflow]",
+                        "parallelism=ddp", "parallelism.nproc_per_node=2", "trainer.max_steps=4",
+                        f"hydra.run.dir={run_dir}"], cwd=tmp_path, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    client = MlflowClient(f"sqlite:///{tmp_path / 'outputs' / 'mlflow.db'}")
+    (run,) = client.search_runs([client.get_experiment_by_name("trainflow").experiment_id])
+    assert run.data.tags["trainflow.world_size"] == "2" and run.info.status == "FINISHED"
+    assert steps_of(client.get_metric_history(run.info.run_id, "train/loss")) == [1, 2, 3, 4]
+    assert len(list((run_dir / "tensorboard").glob("events.out.tfevents.*"))) == 1
+    events = EventAccumulator(str(run_dir / "tensorboard"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("loss/train")] == [1, 2, 3, 4]
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "train/loss" in r] == [1, 2, 3, 4]
 
 
 def test_a_server_killed_mid_run_is_said_once_and_the_run_goes_on(server: Server, resumed: Path, tmp_path: Path,
