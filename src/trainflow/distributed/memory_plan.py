@@ -39,6 +39,7 @@ from trainflow.distributed.mesh import SHARDED
 from trainflow.distributed.parallelism import fsdp_dtypes, shard_units
 from trainflow.distributed.process_group import node_count
 from trainflow.errors import ConfigError
+from trainflow.limits import available_bytes
 from trainflow.models import model_blocks
 from trainflow.precision import autocast_for
 
@@ -235,16 +236,11 @@ def device_budget(device: torch.device, local_ranks: int, headroom: float) -> tu
         free, _ = torch.cuda.mem_get_info(device)
         held = torch.cuda.memory_allocated(device)
         return int((free + held) * headroom), f"free CUDA memory x memory_headroom {headroom}"
-    available = _meminfo_bytes("MemAvailable")
+    available = available_bytes(device)  # the system's available memory, within the cgroup's limit
+    if available is None:
+        raise RuntimeError("/proc/meminfo has no MemAvailable: the memory plan cannot size a rank's budget")
     return int(available / local_ranks * headroom), \
         f"available RAM / {local_ranks} local rank{'s' * (local_ranks > 1)} x memory_headroom {headroom}"
-
-
-def _meminfo_bytes(key: str) -> int:
-    for line in Path("/proc/meminfo").read_text().splitlines():
-        if line.startswith(key + ":"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError(f"/proc/meminfo has no {key}")
 
 
 def smallest_over_ranks(value: int, device: torch.device) -> int:
