@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +19,7 @@ from torch import nn
 from torch.func import functional_call
 from torch.utils.data import Dataset
 
+from trainflow.activations import saved_for_backward
 from trainflow.data import apply_to_tensors
 from trainflow.errors import ConfigError
 from trainflow.models import model_blocks
@@ -63,43 +63,15 @@ def micro_batch_bytes(model: nn.Module, sample: Any, batch_size: int, task: Task
     state = {name: torch.empty_like(t, device="meta").requires_grad_(t.requires_grad)
              for name, t in [*model.named_parameters(), *model.named_buffers()]}
     weights = {id(t) for t in state.values()}
+
+    def size_of(t: torch.Tensor) -> int:  # a weight (or a view of one) is not an activation
+        return 0 if id(t) in weights or id(t._base) in weights else t.numel() * t.element_size()
+
     blocks = list(model_blocks(model) or [])  # the blocks activation checkpointing would wrap
-    per_block = [0] * len(blocks)
-    block_inputs = 0
-    current: list[int] = []  # the block running now (blocks do not nest)
-    outside = 0
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        nonlocal outside
-        if id(t) not in weights and id(t._base) not in weights:  # a weight (or a view of one) is not an activation
-            if current:
-                per_block[current[-1]] += t.numel() * t.element_size()
-            else:
-                outside += t.numel() * t.element_size()
-        return t
-
-    def enter(index: int) -> Callable:
-        def hook(_module: nn.Module, args: tuple) -> None:
-            nonlocal block_inputs
-            current.append(index)
-            block_inputs += sum(a.numel() * a.element_size() for a in args if isinstance(a, torch.Tensor))
-        return hook
-
-    def leave(_module: nn.Module, _args: tuple, _output: object) -> None:
-        current.pop()
-
-    handles = [b.register_forward_pre_hook(enter(i)) for i, b in enumerate(blocks)]
-    handles += [b.register_forward_hook(leave) for b in blocks]
-    try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            task(lambda *args, **kwargs: functional_call(model, state, args, kwargs), batch)
-    finally:
-        for h in handles:
-            h.remove()
+    saved = saved_for_backward(lambda: task(lambda *args, **kwargs: functional_call(model, state, args, kwargs), batch),
+                               blocks, size_of)
     batch_bytes = sum(t.numel() * t.element_size() for t in tensors(batch))
-    if activation_checkpointing and blocks:
-        return batch_bytes + outside + block_inputs + max(per_block)
-    return batch_bytes + outside + sum(per_block)
+    return batch_bytes + (saved.checkpointed if activation_checkpointing and blocks else saved.total)
 
 
 def available_bytes(device: torch.device) -> int | None:

@@ -35,6 +35,7 @@ import torch.distributed as dist
 from omegaconf import DictConfig
 from torch import nn
 
+from trainflow.activations import saved_for_backward
 from trainflow.distributed.mesh import SHARDED
 from trainflow.distributed.parallelism import fsdp_dtypes, shard_units
 from trainflow.distributed.process_group import node_count
@@ -126,41 +127,21 @@ def measure_activations(model: nn.Module, example: Any, task: Callable[[nn.Modul
     """(bytes saved for backward in one forward, the same with each block checkpointed), deduplicated by storage."""
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     seen: set[int] = set()
-    per_block = [0] * len(blocks)
-    inputs = [0] * len(blocks)
-    current: list[int] = []  # the block running now (blocks may nest in other modules, not in each other)
-    total = 0
 
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        nonlocal total
+    def size_of(t: torch.Tensor) -> int:  # each storage once (views share one); parameters are not activations
         storage = t.untyped_storage()
-        if storage.data_ptr() not in params and storage.data_ptr() not in seen:
-            seen.add(storage.data_ptr())
-            total += storage.nbytes()
-            if current:
-                per_block[current[-1]] += storage.nbytes()
-        return t
+        if storage.data_ptr() in params or storage.data_ptr() in seen:
+            return 0
+        seen.add(storage.data_ptr())
+        return storage.nbytes()
 
-    def enter(index: int) -> Callable:
-        def hook(_module: nn.Module, args: tuple) -> None:
-            current.append(index)
-            inputs[index] = sum(a.numel() * a.element_size() for a in args if isinstance(a, torch.Tensor))
-        return hook
-
-    def leave(*_: Any) -> None:  # a forward hook's return value would replace the block's output
-        current.pop()
-
-    handles = [b.register_forward_pre_hook(enter(i)) for i, b in enumerate(blocks)]
-    handles += [b.register_forward_hook(leave) for b in blocks]
-    try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast:
+    def forward() -> None:
+        with autocast:
             loss, _ = task(model, example)
         del loss
-    finally:
-        for handle in handles:
-            handle.remove()
-    checkpointed = total - sum(per_block) + sum(inputs) + max(per_block, default=0)
-    return total, checkpointed
+
+    saved = saved_for_backward(forward, blocks, size_of)
+    return saved.total, saved.checkpointed
 
 
 def model_facts(model: nn.Module, optim_cfg: DictConfig, fsdp_cfg: DictConfig, example: tuple | None = None,
