@@ -60,9 +60,7 @@ def run_from_hydra(cfg: DictConfig) -> float | None:
         if sweep_job and not os.environ.get(RUN_DIR_ENV):
             # Hydra's own launcher runs every job in this process: fail this job, not the sweep (Hydra runs the
             # rest, then exits non-zero naming the first failure)
-            from hydra_plugins.trainflow_launchers.common import JobFailed
-
-            raise JobFailed(f"job #{hydra_cfg.job.num} failed (exit code {exc.exit_code}): {exc}") from None
+            raise sweeps.JobFailed(f"job #{hydra_cfg.job.num} failed (exit code {exc.exit_code}): {exc}") from None
         sys.exit(exc.exit_code)
     except KeyboardInterrupt:
         if traceback_wanted():

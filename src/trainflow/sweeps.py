@@ -23,17 +23,23 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from hydra.errors import CompactHydraException
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
 from trainflow.env import env_rank
-from trainflow.errors import ConfigError, user_error
+from trainflow.errors import ConfigError, TrainflowError, user_error
 from trainflow.files import write_atomic
 from trainflow.rundir import override_key, run_identity, run_name
 
 SWEEPS_DIR = "multirun"  # where sweeps without hydra.sweep.dir live, one folder per sweep name
 IDENTITY_FILE = "run_identity"  # in a sweep job's checkpoint folder: the identity of the run it belongs to
 FRESH = "for a fresh sweep, give it another trainer.sweep_name=<name> (or hydra.sweep.dir=<folder>)"
+
+
+class JobFailed(TrainflowError, CompactHydraException):
+    """A job of a sweep failed. Hydra prints it as one line (its traceback lives in the job's logs); under Hydra's
+    own launcher, which runs every job in one process, it fails that job and not the sweep."""
 
 
 def sweep_overrides(hydra_cfg: Any) -> list[str]:

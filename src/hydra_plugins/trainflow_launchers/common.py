@@ -21,7 +21,6 @@ from typing import Any
 import cloudpickle
 from hydra.core.singleton import Singleton
 from hydra.core.utils import JobReturn, JobStatus, configure_log, run_job, setup_globals
-from hydra.errors import CompactHydraException
 from hydra.experimental.callback import Callback
 from hydra.plugins.launcher import Launcher
 from hydra.types import HydraContext, TaskFunction
@@ -31,14 +30,11 @@ from trainflow import sweeps
 from trainflow.cli import register_with_hydra
 from trainflow.errors import TrainflowError, user_error
 from trainflow.rundir import RUN_DIR_ENV, claim_run_dir
+from trainflow.sweeps import JobFailed
 
 log = logging.getLogger(__name__)
 
 RESULT_NAME = "result.pkl"  # a job's pickled JobReturn, left beside its pickled spec by the process that ran it
-
-
-class JobFailed(TrainflowError, CompactHydraException):
-    """A launched job failed. Hydra prints it as one line (its traceback lives in the job's logs)."""
 
 
 @dataclass
