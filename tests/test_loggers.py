@@ -231,6 +231,31 @@ def test_two_ddp_ranks_log_once_through_rank_0(tmp_path: Path) -> None:
     assert [r["step"] for r in records if "train/loss" in r] == [1, 2, 3, 4]
 
 
+def test_a_resume_continues_the_tracked_run_that_its_checkpoint_names(tmp_path: Path) -> None:
+    """The tracked run's id is saved in each checkpoint too: a resume whose run directory lost loggers.json (a
+    checkpoint.dir elsewhere, a cleaned folder) continues the same MLflow run, each step once."""
+    from mlflow.tracking import MlflowClient
+
+    run_dir = tmp_path / "run"
+
+    def command(steps: int) -> list[str]:
+        return [sys.executable, str(ROOT / "train.py"), *LOGGED, "logger=[mlflow]", "checkpoint=dcp",
+                "checkpoint.every_steps=2", f"trainer.max_steps={steps}", f"hydra.run.dir={run_dir}"]
+
+    first = run_process(command(2), cwd=tmp_path, timeout=600)
+    assert first.returncode == 0, first.stderr[-3000:]
+    tracked = json.loads((run_dir / "loggers.json").read_text())
+    state = json.loads((run_dir / "checkpoints" / "step_00000002" / "state.json").read_text())
+    assert state["tracked_runs"] == tracked
+    (run_dir / "loggers.json").unlink()
+    again = run_process(command(4), cwd=tmp_path, timeout=600)
+    assert again.returncode == 0, again.stderr[-3000:]
+    client = MlflowClient(f"sqlite:///{tmp_path / 'outputs' / 'mlflow.db'}")
+    (run,) = client.search_runs([client.get_experiment_by_name("trainflow").experiment_id])
+    assert run.info.run_id == tracked["mlflow"] and run.info.status == "FINISHED"
+    assert steps_of(client.get_metric_history(run.info.run_id, "train/loss")) == [1, 2, 3, 4]
+
+
 def test_a_server_killed_mid_run_is_said_once_and_the_run_goes_on(server: Server, resumed: Path, tmp_path: Path,
                                                                  caplog: pytest.LogCaptureFixture) -> None:
     """Last: it stops the module's server (after the resumed run, which it waits for)."""

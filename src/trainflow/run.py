@@ -136,7 +136,8 @@ def assemble(cfg: DictConfig, run_dir: Path, env: DistEnv, stage_types: Sequence
     for stage in stages:
         stage.start(state)
     resumed_from = state.step if state.step > 0 else None
-    ctx.writer.start(cfg, env.world_size, resumed_from)  # a tracker that cannot be reached stops the run here
+    # a tracker that cannot be reached stops the run here; the tracked runs' ids go into the next checkpoints
+    state.tracked_runs = ctx.writer.start(cfg, env.world_size, resumed_from, state.tracked_runs)
     if resumed_from and resumed_from >= trainer.max_steps and env.is_main:  # a finished run started again
         log.warning("the checkpoint is at step %d, trainer.max_steps is %d: nothing left to train; raise "
                     "trainer.max_steps to continue this run", resumed_from, trainer.max_steps)

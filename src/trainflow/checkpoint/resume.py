@@ -178,6 +178,7 @@ def load_all(target: Committed, state: TrainState, env: DistEnv, group: Any) -> 
                    optim_state_dict={"state": loaded["optim"]["state"], "param_groups": live["param_groups"]})
     state.step, state.samples_seen = int(plain["step"]), int(plain["samples_seen"])
     state.stream_version = saved_stream_version(plain, target.path)
+    state.tracked_runs = dict(plain.get("tracked_runs") or {})
     restore_schedule(state, plain["scheduler"], live["scheduler"], state.step)
     same_world = target.manifest.get("world_size") == env.world_size
     listed = target.manifest["files"]  # checked by check_intact: regular files of the folder

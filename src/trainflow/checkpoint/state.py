@@ -10,7 +10,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +38,9 @@ class TrainState:
     data_loader: Any = None  # an iterable dataset's loader: its state_dict() is this rank's stream position
     data_state: dict[str, Any] | None = None  # that position as a resume read it, restored when the loader is built
     data_states: list[dict[str, Any]] | None = None  # every rank's (a sharded stream resumes from all of them)
+    # the trackers' run ids ({logger: id}, as loggers.json holds them): a resume continues those tracked runs even
+    # where the run directory's own copy is gone
+    tracked_runs: dict[str, str] = field(default_factory=dict)
 
 
 def rng_file(rank: int) -> str:
@@ -57,7 +60,7 @@ def split_state(state: TrainState) -> tuple[dict[str, Any], dict[str, Any]]:
     model_sd, optim_sd = get_state_dict(state.model, state.optimizer)
     tensors, aside = split_tensors({"model": model_sd, "optim": {"state": optim_sd["state"]}})
     plain = {"format": FORMAT, "step": state.step, "samples_seen": state.samples_seen,
-             "stream_version": state.stream_version,
+             "stream_version": state.stream_version, "tracked_runs": state.tracked_runs,
              "optimizer": type(state.optimizer).__name__, "param_groups": optim_sd["param_groups"],
              "scheduler": state.scheduler.state_dict(), "non_tensor": aside}
     return tensors, plain

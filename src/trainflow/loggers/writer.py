@@ -35,17 +35,19 @@ class MetricsWriter:
         self._jsonl = open(run_dir / "metrics.jsonl", "ab", buffering=0) if enabled else None  # noqa: SIM115
         self.loggers = loggers
 
-    def start(self, cfg: DictConfig, world_size: int, resumed_step: int | None) -> None:
+    def start(self, cfg: DictConfig, world_size: int, resumed_step: int | None,
+              saved_ids: dict[str, str] | None = None) -> dict[str, str]:
         """After the resume, before the first step: one step axis from here on (metrics.jsonl drops the lines a
         crashed process wrote past the resumed step); each logger starts, a resumed run's trackers continue their
-        tracked runs, whose ids are kept in the run directory."""
+        tracked runs, whose ids are kept in the run directory and in the checkpoint (`saved_ids`). Returns the
+        tracked runs' ids, for the next checkpoints."""
         from trainflow.loggers import IDS_FILE, kept_ids, run_info
 
         if not self.enabled:
-            return
+            return {}
         if resumed_step is not None:
             self._keep_lines_up_to(resumed_step)
-        kept = kept_ids(self.run_dir) if resumed_step is not None else {}
+        kept = {**(saved_ids or {}), **kept_ids(self.run_dir)} if resumed_step is not None else {}
         ids = {}
         for name, logger in self.loggers.items():
             try:
@@ -59,6 +61,7 @@ class MetricsWriter:
                 ids[name] = tracked
         if ids:
             write_json_atomic(self.run_dir / IDS_FILE, ids)
+        return ids
 
     def write(self, step: int, values: dict[str, Any]) -> None:
         if not self.enabled:
