@@ -127,7 +127,8 @@ def test_a_stopped_and_resumed_run_is_one_offline_wandb_run_with_each_step_once(
 
 def test_train_py_without_a_key_logs_offline_below_the_run_directory(tmp_path: Path,
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    """No WANDB_MODE, no WANDB_API_KEY, no .netrc: offline, in <run dir>/wandb, with the group given."""
+    """No WANDB_MODE, no WANDB_API_KEY, no .netrc: offline, in <run dir>/wandb, with the group given; under DDP on
+    2 ranks, one W&B run, rank 0's."""
     for name in ("WANDB_MODE", "WANDB_API_KEY", "WANDB_DIR", "NO_PROXY", "no_proxy"):
         monkeypatch.delenv(name, raising=False)
     with socket.socket() as proxy:  # every HTTP(S) request of the run, W&B's Go core included, would come here
@@ -136,12 +137,14 @@ def test_train_py_without_a_key_logs_offline_below_the_run_directory(tmp_path: P
         address = f"http://127.0.0.1:{proxy.getsockname()[1]}"
         env = {"NETRC": str(tmp_path / "no.netrc"), "HTTPS_PROXY": address, "HTTP_PROXY": address}
         run = ok(train(tmp_path / "run", *[o for o in TINY_GPT if o != "logger=none"], "logger=[tensorboard,wandb]",
-                       "trainer.max_steps=3", "logger.wandb.group=ablation", env=env))
+                       "trainer.max_steps=3", "logger.wandb.group=ablation", "parallelism=ddp",
+                       "parallelism.nproc_per_node=2", env=env))
         proxy.setblocking(False)
         with pytest.raises(BlockingIOError):  # nothing reached the network
             proxy.accept()
     run_id = json.loads((run.run_dir / "loggers.json").read_text())["wandb"]
     (folder,) = offline_runs(run.run_dir / "wandb", run_id)
+    assert [d.name for d in (run.run_dir / "wandb").glob("*run-*")] == [folder.name]  # nothing of rank 1
     recs = run_records(folder)
     jsonl = {m["step"]: m["train/loss"] for m in run.metrics() if "train/loss" in m}
     assert dict(history(recs)) == pytest.approx(jsonl, rel=1e-12) and sorted(jsonl) == [1, 2, 3]
