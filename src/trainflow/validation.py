@@ -209,7 +209,7 @@ def validate_ladder(cfg: DictConfig) -> None:
     _one_of(cfg, "ladder.rung", LADDER_RUNGS)
     n = lad.nproc_per_node
     _require(n == "auto" or (isinstance(n, int) and not isinstance(n, bool) and n >= 2), "ladder.nproc_per_node",
-             f"the scale rungs need 2 or more processes (or auto: one per GPU); got {n!r}")
+             f"the scale stages need 2 or more processes (or auto: one per GPU); got {n!r}")
     _require(lad.loss_rtol is None or lad.loss_rtol > 0, "ladder.loss_rtol",
              f"must be > 0 or null; got {lad.loss_rtol}")
     _require(lad.log_every is None or lad.log_every > 0, "ladder.log_every",
