@@ -25,6 +25,9 @@ MAX_SAMPLES = 1 << 63  # the largest n the permutation takes: positions and indi
 _M32 = 0xFFFFFFFF
 _M64 = (1 << 64) - 1
 CHUNK_BATCHES = 64  # micro-batches whose indices are computed together
+# an epoch of at most this many samples keeps its order as a table (8 MiB at most), computed once per epoch by the
+# same permutation: a small data set's batches then cost a lookup, not the permutation's few hundred tensor ops
+TABLE_SAMPLES = 1 << 20
 
 
 def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
@@ -120,12 +123,14 @@ class StreamSampler:
         self._order: tuple[int, FeistelPermutation | torch.Tensor] | None = None  # the current epoch's
 
     def epoch_order(self, epoch: int) -> FeistelPermutation | torch.Tensor:
-        """What orders one epoch (reshuffled per epoch, keyed by the seed): a permutation computed per index, or a
-        stored one for a stream of version 1."""
+        """What orders one epoch (reshuffled per epoch, keyed by the seed): a permutation computed per index, its
+        table for a small data set, or the stored randperm of a stream of version 1."""
         if self._order is None or self._order[0] != epoch:
             key = self.seed * SEED_STRIDE + epoch
             if self.version == 1:
                 self._order = (epoch, torch.randperm(self.num_samples, generator=torch.Generator().manual_seed(key)))
+            elif self.num_samples <= TABLE_SAMPLES:
+                self._order = (epoch, FeistelPermutation(self.num_samples, key)(torch.arange(self.num_samples)))
             else:
                 self._order = (epoch, FeistelPermutation(self.num_samples, key))
         return self._order[1]
