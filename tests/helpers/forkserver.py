@@ -23,7 +23,7 @@ import sys
 # Variables a run may set without leaving the warm interpreter: each is read when trainflow runs, not at import.
 RUNTIME_VARIABLES = frozenset({
     "PYTHONUNBUFFERED", "HYDRA_FULL_ERROR", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
-    "MASTER_PORT", "TRAINFLOW_TEST_MARKER",
+    "MASTER_PORT",
 })
 
 

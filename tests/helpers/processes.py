@@ -25,13 +25,13 @@ class ForkServer:
         self._proc: subprocess.Popen | None = None
         self._env: dict[str, str] = {}
         self._lock = threading.Lock()
+        atexit.register(self.stop)
 
     def _start(self) -> None:
         self._env = dict(os.environ)
         self._proc = subprocess.Popen([sys.executable, str(SERVER)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                       text=True, env=self._env)
         assert json.loads(self._proc.stdout.readline()) == {"ready": True}
-        atexit.register(self.stop)
 
     def stop(self) -> None:
         if self._proc is not None and self._proc.poll() is None:
