@@ -1,5 +1,5 @@
-"""parallelism=auto: budgets that force each outcome (DDP, FSDP, FSDP + activation checkpointing, refusal), the
-decision table in summary.json, and the estimate kept honest against what the run measured.
+"""parallelism=auto: budgets that force each outcome (DDP, FSDP, FSDP + activation checkpointing, tensor parallel,
+refusal), the decision table in summary.json, and the estimate kept honest against what the run measured.
 
 The budgets come from the table of a first run (never hard-coded): half-way between two layouts' totals, the
 plan must pick the cheaper-to-communicate one that fits.
@@ -180,3 +180,123 @@ def test_slurm_four_nodes_of_eight_gpus_rendezvous_once_and_auto_picks_hsdp_8_by
         assert mesh.mesh_dim_names == ("replicate", "shard") and tuple(mesh.shape) == (4, 8)
     finally:
         dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Tensor parallel on the ladder: the plan's arithmetic in-process (the tiny GPT, measured on a real example), and
+# one real run that the batch forces onto TP 2.
+
+
+@pytest.fixture(scope="module")
+def tiny_facts():  # noqa: ANN201 (ModelFacts)
+    import contextlib
+
+    import torch
+    from omegaconf import OmegaConf
+
+    from trainflow.config import FSDPConfig, OptimConfig
+    from trainflow.distributed.memory_estimate import model_facts
+    from trainflow.models.gpt import GPT
+    from trainflow.tasks import LanguageModel
+
+    torch.manual_seed(0)
+    model = GPT(n_layer=2, n_head=4, n_embd=64, block_size=32)
+    example = (torch.randint(0, 256, (4, 32)),) * 2
+    return model_facts(model, OmegaConf.structured(OptimConfig), OmegaConf.structured(FSDPConfig), example,
+                       LanguageModel(), contextlib.nullcontext())
+
+
+TINY = {"n_head": 4, "n_embd": 64}
+
+
+def test_tp_degrees_stay_inside_a_node_and_divide_the_heads(tiny_facts) -> None:  # noqa: ANN001
+    from dataclasses import replace
+
+    from trainflow.distributed.memory_plan import tp_degrees
+
+    assert tp_degrees(tiny_facts, TINY, 8, 8) == (2, 4)  # 8 does not divide 4 heads
+    assert tp_degrees(tiny_facts, TINY, 16, 2) == (2,)  # a node of 2 ranks: tp 2 at most
+    assert tp_degrees(tiny_facts, {"n_head": 6, "n_embd": 96}, 12, 6) == (2, 3, 6)  # all divide 6 heads, 96
+    assert tp_degrees(tiny_facts, TINY, 1, 1) == ()
+    assert tp_degrees(replace(tiny_facts, tp_dims=None), TINY, 8, 8) == ()  # a model without a TP plan
+
+
+def test_tp_layouts_divide_the_state_and_the_gathered_block(tiny_facts) -> None:  # noqa: ANN001
+    from trainflow.distributed.memory_estimate import estimate
+    from trainflow.distributed.memory_plan import candidates
+
+    layouts, left_out = candidates(4, 4, True, (2, 4), global_batch=16)
+    assert left_out == [] and [c.name for c in layouts] == [
+        "ddp", "fsdp", "fsdp + activation checkpointing", "ddp x tp 2", "fsdp x tp 2",
+        "fsdp x tp 2 + activation checkpointing", "tp 4", "tp 4 + activation checkpointing"]
+    rows = {c.name: estimate(tiny_facts, c) for c in layouts}
+    batch = {c.name: c.batch for c in layouts}
+    assert batch["fsdp"] == 4 and batch["fsdp x tp 2"] == 8 and batch["tp 4"] == 16  # the global batch stays
+    # FSDP 4 and FSDP 2 x TP 2 hold a quarter of the state each (TP 2 a little more: layer norms, row biases
+    # replicated); TP alone has nothing to gather, FSDP x TP gathers half the block FSDP gathers
+    for item in STATE:
+        assert rows["fsdp x tp 2"][item] == pytest.approx(rows["fsdp"][item], rel=0.01)
+        assert rows["ddp x tp 2"][item] == pytest.approx(2 * rows["fsdp x tp 2"][item], rel=0.01)
+    assert rows["fsdp x tp 2"]["all_gather"] == pytest.approx(rows["fsdp"]["all_gather"] / 2, rel=0.01)
+    assert rows["tp 4"]["all_gather"] == 0 and rows["ddp x tp 2"]["buckets"] == 0 < rows["ddp"]["buckets"]
+    # activations: the blocks' share is divided by tp, all but the gathered inputs of qkv and the MLP's first
+    # layer; outside the blocks (the logits) each TP rank holds its whole, tp times larger, micro-batch
+    saved, gathered = tiny_facts.saved, tiny_facts.gathered
+    assert gathered == [2 * 4 * 32 * 64 * 4] * 2  # qkv's and mlp.0's input, b x t x n_embd fp32, per block
+    expected = 2 * (saved.outside + sum((b - g) / 2 + g for b, g in zip(saved.per_block, gathered, strict=True)))
+    assert rows["fsdp x tp 2"]["activations"] == int(expected)
+
+
+def test_tp_when_no_data_parallel_layout_fits(tiny_facts) -> None:  # noqa: ANN001
+    from trainflow.distributed.memory_estimate import GB, estimate
+    from trainflow.distributed.memory_plan import candidates, decide, why_tensor_parallel
+
+    layouts, _ = candidates(4, 4, True, (2, 4), global_batch=16)
+    table = {c.name: estimate(tiny_facts, c)["total"] for c in layouts}
+    leanest_dp = min(t for name, t in table.items() if "tp" not in name)
+    rescue = min(t for name, t in table.items() if "tp" in name)
+    assert rescue < leanest_dp  # the block and its activations, divided by tp, fit where FSDP's do not
+    plan = decide(tiny_facts, layouts, (rescue + leanest_dp) // 2, "test", 4, "fp32")
+    assert plan.choice.tp > 1 and plan.choice is next(c for c in layouts if table[c.name] <= plan.budget_bytes)
+    reason = why_tensor_parallel(plan, [], 16, 1)
+    assert reason.startswith("tensor parallel: no data-parallel layout fits: the leanest, fsdp + activation "
+                             f"checkpointing, needs {leanest_dp / GB:.3g} GB per rank")
+
+
+def test_refusal_with_tp_on_the_ladder_names_the_leanest(tiny_facts) -> None:  # noqa: ANN001
+    from trainflow.distributed.memory_estimate import GB, estimate
+    from trainflow.distributed.memory_plan import candidates, decide
+    from trainflow.errors import ConfigError
+
+    layouts, _ = candidates(4, 4, True, (2, 4), global_batch=16)
+    leanest = min(layouts, key=lambda c: estimate(tiny_facts, c)["total"])
+    need = estimate(tiny_facts, leanest)["total"]
+    with pytest.raises(ConfigError) as refused:
+        decide(tiny_facts, layouts, int(need * 0.9), "parallelism.memory_budget_gb=x", 4, "fp32")
+    assert str(refused.value).startswith(f"parallelism.memory_budget_gb: no strategy fits: the leanest, "
+                                         f"{leanest.name}, needs {need / GB:.3g} GB per rank")
+    assert "it would fit with" in str(refused.value)
+
+
+@pytest.fixture(scope="module")
+def batch_forced(tmp_path_factory: pytest.TempPathFactory) -> Run:
+    """2 ranks and parallelism.global_batch=1: one sample cannot split over 2 data-parallel ranks, so auto
+    chooses TP 2 (one copy of the model over both ranks, which read the one sample together)."""
+    return ok(train(tmp_path_factory.mktemp("tp") / "run", *BASE, "parallelism.memory_budget_gb=1",
+                    "parallelism.global_batch=1", "trainer.warmup_steps=0"))
+
+
+def test_tp_when_the_global_batch_is_smaller_than_the_world(batch_forced: Run) -> None:
+    parallelism = batch_forced.summary["parallelism"]
+    plan = parallelism["plan"]
+    assert plan["choice"] == "tp 2" and plan["excluded"] == ["ddp", "fsdp", "fsdp + activation checkpointing"]
+    assert plan["reason"].startswith("tensor parallel: the global batch 1 x 1 accumulation step does not split")
+    assert parallelism["mesh"] == {"replicate": 1, "shard": 1, "tp": 2}
+    config = batch_forced.summary["config"]
+    assert config["parallelism"]["tp"] == 2 and config["trainer"]["batch_size"] == 1
+    assert "parallelism=auto chose tp 2 on 2 ranks (tensor parallel: the global batch 1" in batch_forced.stdout
+    row, check = plan["table"]["tp 2"], plan["check"]
+    # exact: rank 0's TP shards of the parameters and of AdamW's state, as the estimate has them
+    assert check["params_bytes"] == row["params"] < batch_forced.summary["parameters"] * 4 * 0.75
+    assert check["optimizer_bytes"] == row["optimizer"]
+    assert batch_forced.summary["loss"]["last"] < batch_forced.summary["loss"]["first"] * 1.1

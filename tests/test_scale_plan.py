@@ -1,6 +1,6 @@
-"""Plans at cluster scale, by simulation: trainflow's own sharding over a fake process group of 8 and 64 ranks
-(benchmarks/scale_plan.py) holds 1/shard size of the model per rank, and the memory plan's estimate (what
-parallelism=auto decides with) agrees with it to the byte."""
+"""Plans at cluster scale, by simulation: trainflow's own sharding and tensor parallel over a fake process group of
+8 and 64 ranks (benchmarks/scale_plan.py) holds 1/(shard size x tp) of the model per rank, and the memory plan's
+estimate (what parallelism=auto decides with) agrees with it to the byte."""
 
 from __future__ import annotations
 
@@ -17,8 +17,11 @@ STATE = ("params", "grads", "optimizer")
 
 @pytest.fixture(scope="module")
 def rows() -> dict[tuple[str, int], dict]:
-    return {(strategy, world): simulate("gpt_small", world, strategy) for world in (8, 64)
-            for strategy in ("fsdp", "hsdp")}
+    plain = {(strategy, world): simulate("gpt_small", world, strategy) for world in (8, 64)
+             for strategy in ("fsdp", "hsdp")}
+    with_tp = {(strategy, world, tp): simulate("gpt_small", world, strategy, tp)
+               for strategy, world, tp in (("fsdp", 8, 2), ("hsdp", 64, 2), ("fsdp", 64, 8))}
+    return {**plain, **with_tp}
 
 
 def test_per_rank_bytes_fall_as_one_over_the_shard_size(rows: dict) -> None:
@@ -41,3 +44,20 @@ def test_per_rank_bytes_fall_as_one_over_the_shard_size(rows: dict) -> None:
 def test_the_memory_plan_estimate_equals_the_simulation(rows: dict) -> None:
     for row in rows.values():
         assert {k: row["estimate"][k] for k in STATE} == {k: row["measured"][k] for k in STATE}, row
+
+
+def test_tensor_parallel_divides_the_state_and_the_gathered_block(rows: dict) -> None:
+    fsdp8, fsdp64 = rows[("fsdp", 8)]["measured"], rows[("fsdp", 64)]["measured"]
+    tp2, tp8 = rows[("fsdp", 8, 2)], rows[("fsdp", 64, 8)]
+    assert (tp2["layout"], tp2["shard_size"], tp8["layout"], tp8["shard_size"]) == ("fsdp x tp 2", 4, "fsdp x tp 8", 8)
+    # FSDP 4 x TP 2 holds what FSDP 8 holds, FSDP 8 x TP 8 what FSDP 64 holds (a little more: TP replicates
+    # the layer norms and the row-wise layers' biases)
+    for item in STATE:
+        assert fsdp8[item] <= tp2["measured"][item] == pytest.approx(fsdp8[item], rel=1e-3)
+        assert fsdp64[item] <= tp8["measured"][item] == pytest.approx(fsdp64[item], rel=5e-3)
+    # the block FSDP gathers is split by TP: half at tp 2, an eighth at tp 8
+    assert tp2["measured"]["largest_unit"] == pytest.approx(fsdp8["largest_unit"] / 2, rel=1e-3)
+    assert tp8["measured"]["largest_unit"] == pytest.approx(fsdp8["largest_unit"] / 8, rel=5e-3)
+    # HSDP x TP 2 at 64 ranks: 4 shards x tp 2 per node of 8, so one copy per node, as FSDP 4 x TP 2 at 8 ranks
+    hsdp = rows[("hsdp", 64, 2)]
+    assert hsdp["shard_size"] == 4 and {k: hsdp["measured"][k] for k in STATE} == {k: tp2["measured"][k] for k in STATE}

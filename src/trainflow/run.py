@@ -98,7 +98,9 @@ class Run:
 def assemble(cfg: DictConfig, run_dir: Path, env: DistEnv, stage_types: Sequence[type[Stage]] = STAGES) -> Run:
     """Build everything, in the order the parts depend on each other. What the run decides (the per-rank batch,
     parallelism=auto's layout) goes into a new, read-only config: nothing writes into a config after validation."""
-    cfg = decided(cfg, {"trainer": {"batch_size": per_rank_batch(cfg, env.dp_size)}})
+    auto = cfg.parallelism.strategy == "auto"  # measures memory and decides (below): its batch spans what it may pick
+    ranks = memory_plan.probe_ranks(cfg, env.world_size) if auto else env.dp_size
+    cfg = decided(cfg, {"trainer": {"batch_size": per_rank_batch(cfg, ranks)}})
     trainer = _prepare(cfg, run_dir, env)
     loggers = build_loggers(cfg.logger) if env.is_main else {}  # a missing extra stops the run here, in one line
     data = build_datasets(cfg.data, cfg.model)
@@ -109,13 +111,16 @@ def assemble(cfg: DictConfig, run_dir: Path, env: DistEnv, stage_types: Sequence
     metric_names = probe(task, model, to_device(first_two, env.device), data.name, cfg.model._target_)
     check_batch(cfg, trainer.batch_size, model, data.train, task, env.device)  # before a batch of that size
     example = data.train[torch.arange(trainer.batch_size)]
-    flops_per_step, flops_absent = count_train_flops(model, example, task)
-    if flops_per_step is not None:
-        flops_per_step *= trainer.grad_accum
     auto_plan = None
-    if cfg.parallelism.strategy == "auto":  # measures memory and decides
+    if auto:  # the layout, and with tensor parallel a TP group's batch (the global batch stays)
         env, auto_plan = memory_plan.apply_auto(cfg, env, model, example, task)
-        cfg = decided(cfg, {"parallelism": auto_plan.parallelism})
+        cfg = decided(cfg, {"parallelism": auto_plan.parallelism, "trainer": {"batch_size": auto_plan.batch_size}})
+        if auto_plan.batch_size != trainer.batch_size:
+            trainer = typed(cfg.trainer, TrainerConfig)
+            example = data.train[torch.arange(trainer.batch_size)]
+    flops_per_step, flops_absent = count_train_flops(model, example, task)
+    if flops_per_step is not None:  # per device: a TP group shares its batch's work
+        flops_per_step = flops_per_step * trainer.grad_accum // env.tp
     parallelism, optim = typed(cfg.parallelism, ParallelismConfig), typed(cfg.optim, OptimConfig)  # after auto
     autocast = autocast_for(env.device, trainer.precision)
     meter = Throughput(trainer.warmup_steps, env.device, PeakMemory(env.device))

@@ -8,7 +8,8 @@
 - mesh: the degrees (replicate x shard x tp) on one named device mesh, and what a layout does (the one module
   that knows the strategy names);
 - tensor: tensor parallel by the model's plan;
-- memory_plan: parallelism=auto, the per-rank memory of each layout and the choice;
+- memory_estimate: the per-rank bytes of one layout (data parallel, TP), before training;
+- memory_plan: parallelism=auto, the ladder of layouts, the choice and its check after training;
 - parity: the parallel run checked against one process, and the parallel part of the summary.
 - stragglers: every rank's own time per step, gathered at log steps, and a rank the others wait for named.
 

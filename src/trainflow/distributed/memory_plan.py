@@ -1,27 +1,19 @@
-"""parallelism=auto: the per-rank memory of each strategy, estimated before training, and the decision.
-
-Items, per rank, in bytes:
-- params, grads, optimizer: exact. The optimizer takes one step on a meta-device copy of the model (no memory,
-  no arithmetic) to show its state; FSDP2 shards every tensor along dim 0 in chunks of ceil(dim0 / shard size),
-  and the largest chunk (rank 0's) is what a rank must hold.
-- buckets (DDP): the gradient buckets are a second copy of the gradients (unless gradient_as_bucket_view).
-- all_gather (FSDP/HSDP): the root's parameters (kept gathered from forward into backward), the largest shard
-  unit gathered twice (the one running and the one prefetched) and its unsharded gradient before the
-  reduce-scatter.
-- activations: measured, not modelled: the bytes autograd saves for backward in one forward of one micro-batch
-  (saved-tensor hooks; parameters excluded), attributed to the blocks they were saved in. With activation
-  checkpointing a block keeps only its input, and one block's activations live again during its backward.
+"""parallelism=auto: the per-rank memory of each layout (trainflow.distributed.memory_estimate), the decision, and
+after training the estimate checked against what the run measured.
 
 The budget is the device's free memory (CUDA: free + what this process holds; CPU: available RAM shared by this
 node's ranks) times parallelism.memory_headroom, or parallelism.memory_budget_gb; the smallest budget of all
 ranks counts, so that every rank decides alike. Order of preference: DDP (one process: as is), HSDP (several
-nodes), FSDP, then the same with activation checkpointing; none fitting is a one-line refusal with the numbers.
+nodes), FSDP, then the same with activation checkpointing; then tensor parallel, tp = 2, 4, ... up to the
+ranks of a node (dividing the model's heads and hidden sizes), each as DDP, HSDP, FSDP (or TP alone) x tp, then
+with activation checkpointing. A layout whose data-parallel ranks do not divide the global batch
+(parallelism.global_batch, else trainer.batch_size x world size: auto keeps it) is not offered. None fitting
+is a one-line refusal with the numbers.
 """
 
 from __future__ import annotations
 
 import contextlib
-import copy
 import logging
 import math
 import os
@@ -35,44 +27,14 @@ import torch.distributed as dist
 from omegaconf import DictConfig
 from torch import nn
 
-from trainflow.activations import saved_for_backward
-from trainflow.distributed.mesh import SHARDED
-from trainflow.distributed.parallelism import fsdp_dtypes, shard_units
+from trainflow.distributed.memory_estimate import GB, ITEMS, Layout, ModelFacts, estimate, local_bytes, model_facts
+from trainflow.distributed.parallelism import fsdp_dtypes
 from trainflow.distributed.process_group import node_count
 from trainflow.errors import ConfigError
 from trainflow.limits import available_bytes
-from trainflow.models import model_blocks
 from trainflow.precision import autocast_for
 
 log = logging.getLogger(__name__)
-GB = 1024**3
-ITEMS = ("params", "grads", "optimizer", "buckets", "all_gather", "activations")
-
-
-@dataclass
-class Layout:
-    """One candidate: a strategy, how many ranks shard one copy of the model, activation checkpointing."""
-
-    strategy: str  # one of trainflow.distributed.mesh.STRATEGIES
-    shard_size: int
-    checkpointing: bool = False
-
-    @property
-    def name(self) -> str:
-        return self.strategy + (" + activation checkpointing" if self.checkpointing else "")
-
-
-@dataclass
-class ModelFacts:
-    """What the estimate needs from the model: per-parameter sizes, shard units, measured activations."""
-
-    params: list[tuple[torch.Size, int, int]]  # (shape, element size, optimizer state bytes when unsharded)
-    optimizer_scalar_bytes: int  # per-parameter scalars (AdamW's step): never sharded
-    unit_bytes: list[int]  # each shard unit's full parameter bytes
-    root_bytes: int  # parameters outside every unit (kept gathered by the root)
-    activation_bytes: int  # one micro-batch, no checkpointing
-    checkpointed_activation_bytes: int  # the same with each block recomputed in backward
-    wrap_note: str | None = None  # said once when size-based wrapping stands in for blocks
 
 
 @dataclass
@@ -83,132 +45,50 @@ class Plan:
     budget_source: str
     choice: Layout | None = None
     check: dict[str, Any] = field(default_factory=dict)
+    reason: str | None = None  # why tensor parallel, when chosen
+    excluded: list[str] = field(default_factory=list)  # layouts whose data-parallel ranks do not divide the batch
 
     def summary(self) -> dict[str, Any]:
         return {"choice": self.choice.name if self.choice else None, "budget_bytes": self.budget_bytes,
-                "budget_source": self.budget_source, "table": self.table, "check": self.check or None}
+                "budget_source": self.budget_source, "table": self.table, "check": self.check or None,
+                "reason": self.reason, "excluded": self.excluded}
 
 
-def shard_rows(dim0: int, shard_size: int) -> int:
-    """Rows of rank 0's FSDP2 chunk of a tensor with `dim0` rows (torch.chunk: ceil-sized chunks)."""
-    return math.ceil(dim0 / shard_size)
+def candidates(world_size: int, ranks_per_node: int, can_checkpoint: bool, tp_degrees: tuple[int, ...] = (),
+               global_batch: int | None = None, grad_accum: int = 1,
+               checkpoint_under_tp: bool = True) -> tuple[list[Layout], list[str]]:
+    """The layouts in order of preference for this launch (cheapest communication first), each with its per-rank
+    micro-batch of `global_batch`; and the names of those left out because their data-parallel ranks do not
+    divide it. Tensor parallel comes last: it communicates every layer."""
+    order: list[Layout] = []
+    for tp in (1, *tp_degrees):
+        dp, per_node = world_size // tp, max(ranks_per_node // tp, 1)
+        if world_size == 1:
+            level = [Layout("single", 1)]
+        elif dp == 1:  # one copy of the model spans the world
+            level = [Layout("fsdp", 1, tp=tp)]
+        else:
+            hsdp = [Layout("hsdp", per_node, tp=tp)] if world_size > ranks_per_node and per_node > 1 else []
+            level = [Layout("ddp", 1, tp=tp), *hsdp, Layout("fsdp", dp, tp=tp)]
+        if can_checkpoint and (tp == 1 or checkpoint_under_tp):
+            level += [Layout(c.strategy, c.shard_size, True, tp) for c in level if c.strategy != "ddp"]
+        order += level
+    if global_batch is None:
+        return order, []
+    fits = [c for c in order if global_batch % (world_size // c.tp * grad_accum) == 0]
+    for c in fits:
+        c.batch = global_batch // (world_size // c.tp * grad_accum)
+    return fits, [c.name for c in order if c not in fits]
 
 
-def sharded_bytes(shape: torch.Size, element_size: int, shard_size: int) -> int:
-    if len(shape) == 0:
-        return element_size
-    rest = math.prod(shape[1:])
-    return shard_rows(shape[0], shard_size) * rest * element_size
-
-
-def optimizer_state(model: nn.Module, optim_cfg: DictConfig) -> tuple[list[int], int]:
-    """Bytes of the optimizer state of each of `model.parameters()` that scale with it, and the scalar bytes,
-    exactly: one step of the configured optimizer on a meta-device copy."""
-    from trainflow.optim import build_optimizer
-
-    meta = copy.deepcopy(model).to("meta")
-    for param in meta.parameters():
-        param.grad = torch.zeros_like(param)
-    optimizer, _ = build_optimizer(meta, optim_cfg, 1, torch.device("meta"))
-    optimizer.step()
-    scaled, scalars = [], 0
-    named = dict(meta.named_parameters(remove_duplicate=False))  # a copy to meta may untie shared weights
-    for name, _ in model.named_parameters():
-        param = named[name]
-        state = optimizer.state.get(param, {})
-        tensors = [v for v in state.values() if isinstance(v, torch.Tensor)]
-        scaled.append(sum(t.numel() * t.element_size() for t in tensors if t.shape == param.shape))
-        scalars += sum(t.numel() * t.element_size() for t in tensors if t.shape != param.shape)
-    return scaled, scalars
-
-
-def measure_activations(model: nn.Module, example: Any, task: Callable[[nn.Module, Any], tuple],
-                        blocks: list[nn.Module], autocast: Any) -> tuple[int, int]:
-    """(bytes saved for backward in one forward, the same with each block checkpointed), deduplicated by storage."""
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    seen: set[int] = set()
-
-    def size_of(t: torch.Tensor) -> int:  # each storage once (views share one); parameters are not activations
-        storage = t.untyped_storage()
-        if storage.data_ptr() in params or storage.data_ptr() in seen:
-            return 0
-        seen.add(storage.data_ptr())
-        return storage.nbytes()
-
-    def forward() -> None:
-        with autocast:
-            loss, _ = task(model, example)
-        del loss
-
-    saved = saved_for_backward(forward, blocks, size_of)
-    return saved.total, saved.checkpointed
-
-
-def model_facts(model: nn.Module, optim_cfg: DictConfig, fsdp_cfg: DictConfig, example: tuple | None = None,
-                task: Callable | None = None, autocast: Any = None) -> ModelFacts:
-    """Everything the table needs from this model (the same on every rank); without an example (a model on the
-    meta device) the activations are left at 0."""
-    blocks = model_blocks(model)
-    wrap = fsdp_cfg.wrap
-    note = None
-    if blocks is None and wrap != "size":
-        note = (f"parallelism.strategy: auto: {type(model).__name__} has no `blocks` list, so FSDP would shard "
-                f"modules by size (parallelism.fsdp.min_params={fsdp_cfg.min_params}) and activation "
-                "checkpointing is not available")
-        wrap = "size"
-    units = shard_units(model, wrap, fsdp_cfg.min_params)
-    in_units = {id(p) for unit in units for p in unit.parameters()}
-    scaled, scalars = optimizer_state(model, optim_cfg)
-    full = checkpointed = 0
-    if example is not None:
-        full, checkpointed = measure_activations(model, example, task, list(blocks) if blocks is not None else [],
-                                                 autocast)
-    return ModelFacts(
-        params=[(p.shape, p.element_size(), s) for p, s in zip(model.parameters(), scaled, strict=True)],
-        optimizer_scalar_bytes=scalars,
-        unit_bytes=[sum(p.numel() * p.element_size() for p in unit.parameters()) for unit in units],
-        root_bytes=sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in in_units),
-        activation_bytes=full,
-        checkpointed_activation_bytes=checkpointed if blocks is not None else full,
-        wrap_note=note,
-    )
-
-
-def estimate(facts: ModelFacts, layout: Layout, gather_factor: float = 1.0, bucket_copy: bool = True) -> dict:
-    """Bytes per rank of each item under `layout`; gather_factor: gathered parameter bytes over stored ones
-    (0.5 when FSDP gathers bf16 copies of fp32 parameters)."""
-    s = layout.shard_size
-    sharded = layout.strategy in SHARDED
-    row = {
-        "params": sum(sharded_bytes(shape, size, s) for shape, size, _ in facts.params),
-        "grads": sum(sharded_bytes(shape, size, s) for shape, size, _ in facts.params),
-        "optimizer": facts.optimizer_scalar_bytes + sum(
-            sharded_bytes(shape, state // max(1, math.prod(shape)), s) if state else 0
-            for shape, _, state in facts.params),
-        "buckets": 0,
-        "all_gather": 0,
-        "activations": facts.checkpointed_activation_bytes if layout.checkpointing else facts.activation_bytes,
-    }
-    if layout.strategy == "ddp" and bucket_copy:
-        row["buckets"] = row["grads"]
-    if sharded:
-        largest = max(facts.unit_bytes, default=0)
-        row["all_gather"] = int(facts.root_bytes * gather_factor + 2 * largest * gather_factor + largest)
-    row["total"] = sum(row[item] for item in ITEMS)
-    return row
-
-
-def candidates(world_size: int, ranks_per_node: int, can_checkpoint: bool) -> list[Layout]:
-    """The layouts in order of preference for this launch (cheapest communication first)."""
-    if world_size == 1:
-        order = [Layout("single", 1)]
-    else:
-        nodes = world_size // ranks_per_node
-        hsdp = [Layout("hsdp", ranks_per_node)] if nodes > 1 and ranks_per_node > 1 else []
-        order = [Layout("ddp", 1), *hsdp, Layout("fsdp", world_size)]
-    if can_checkpoint:
-        order += [Layout(c.strategy, c.shard_size, True) for c in order if c.strategy != "ddp"]
-    return order
+def tp_degrees(facts: ModelFacts, model_cfg: Any, world_size: int, ranks_per_node: int) -> tuple[int, ...]:
+    """The TP degrees auto may use: within a node, dividing the world and, for a model with heads, its heads
+    and hidden size (each TP rank takes whole heads and an equal share of the hidden units)."""
+    if facts.tp_dims is None:
+        return ()
+    sizes = [model_cfg.get(key) for key in ("n_head", "n_embd")]
+    return tuple(t for t in range(2, min(ranks_per_node, world_size) + 1)
+                 if world_size % t == 0 and ranks_per_node % t == 0 and all(n is None or n % t == 0 for n in sizes))
 
 
 def device_budget(device: torch.device, local_ranks: int, headroom: float) -> tuple[int, str]:
@@ -258,7 +138,7 @@ def refusal(facts: ModelFacts, plan: Plan, batch_size: int, precision: str) -> s
         fixes.append("2 or more ranks (parallelism.nproc_per_node) to shard it")
     other = row["total"] - row["activations"]
     if plan.budget_bytes > other and row["activations"]:
-        smaller = int(batch_size * (plan.budget_bytes - other) / row["activations"])
+        smaller = int((leanest.batch or batch_size) * (plan.budget_bytes - other) / row["activations"])
         if smaller >= 1:
             fixes.append(f"trainer.batch_size={smaller}")
     if precision == "fp32" and row["total"] - row["activations"] // 2 <= plan.budget_bytes:
@@ -312,15 +192,6 @@ def measured_peak(device: torch.device, training_peak: int | None = None) -> int
     raise RuntimeError("/proc/self/status has no VmHWM")
 
 
-def local_bytes(tensors: Any) -> int:
-    """Bytes this rank holds of the tensors (a DTensor counts its local shard)."""
-    total = 0
-    for t in tensors:
-        local = t.to_local() if hasattr(t, "to_local") else t
-        total += local.numel() * local.element_size()
-    return total
-
-
 def check_estimate(plan: Plan, device: torch.device, baseline: int, resident_model: int, model: nn.Module,
                    optimizer: torch.optim.Optimizer, training_peak: int | None = None) -> dict[str, Any]:
     """The chosen layout's estimate against the measured peak and the live state this rank holds.
@@ -353,6 +224,7 @@ class AutoPlan:
     baseline: int  # resident bytes (CPU) when the plan was made
     resident_model: int  # the model's bytes the baseline already held
     parallelism: dict[str, Any]  # the decision, as values of the parallelism section
+    batch_size: int  # the per-rank micro-batch of the chosen layout (trainer.batch_size)
 
 
 def apply_auto(cfg: DictConfig, env: Any, model: nn.Module, example: Any, task: Callable) -> tuple[Any, AutoPlan]:
@@ -363,9 +235,17 @@ def apply_auto(cfg: DictConfig, env: Any, model: nn.Module, example: Any, task: 
 
     p, t = cfg.parallelism, cfg.trainer
     autocast = autocast_for(env.device, t.precision)
-    facts = model_facts(model, cfg.optim, p.fsdp, example, task, autocast)
+    facts = model_facts(model, cfg.optim, p.fsdp, example, task, autocast, p.tp_plan)
     ranks_per_node = env.world_size // node_count(env.world_size)
-    layouts = candidates(env.world_size, ranks_per_node, facts.checkpointed_activation_bytes < facts.activation_bytes)
+    global_batch = global_batch_of(cfg, env.world_size)
+    layouts, excluded = candidates(
+        env.world_size, ranks_per_node, facts.activations(1, True) < facts.activations(1, False),
+        tp_degrees(facts, cfg.model, env.world_size, ranks_per_node), global_batch, t.grad_accum,
+        checkpoint_under_tp=not cfg.compile.enabled)  # compiled checkpointed blocks under TP fail in torch
+    if not layouts:
+        raise ConfigError(f"parallelism.global_batch: {global_batch} does not split over the data-parallel ranks of "
+                          f"any layout of {env.world_size} ranks x trainer.grad_accum={t.grad_accum} (left out: "
+                          f"{', '.join(excluded)}); use a multiple of {t.grad_accum * env.world_size}")
     if p.activation_checkpointing == "full":
         layouts = [c for c in layouts if c.checkpointing] or layouts
     if p.memory_budget_gb is not None:
@@ -376,18 +256,58 @@ def apply_auto(cfg: DictConfig, env: Any, model: nn.Module, example: Any, task: 
     gather = 0.5 if fsdp_dtypes(p.fsdp.param_dtype, p.fsdp.reduce_dtype, t.precision)[0] == "bf16" else 1.0
     plan = decide(facts, layouts, budget, source, t.batch_size, t.precision, gather,
                   not p.ddp.gradient_as_bucket_view)
-    decision: dict[str, Any] = {"strategy": plan.choice.strategy,
-                                "activation_checkpointing": "full" if plan.choice.checkpointing else "off"}
-    if plan.choice.strategy == "hsdp":
-        decision["hsdp"] = {"shard_size": plan.choice.shard_size,
-                            "replicate_size": env.world_size // plan.choice.shard_size}
+    choice = plan.choice
+    plan.excluded, plan.reason = excluded, why_tensor_parallel(plan, excluded, global_batch, t.grad_accum)
+    decision: dict[str, Any] = {"strategy": choice.strategy, "tp": choice.tp,
+                                "activation_checkpointing": "full" if choice.checkpointing else "off"}
+    if choice.strategy == "hsdp":
+        decision["hsdp"] = {"shard_size": choice.shard_size,
+                            "replicate_size": env.world_size // choice.tp // choice.shard_size}
     if env.is_main:
         if facts.wrap_note:
             log.warning(facts.wrap_note)
-        log.info("parallelism=auto chose %s on %d rank%s: budget %.3g GB per rank (%s); MB per rank:\n%s",
-                 plan.choice.name, env.world_size, "s" * (env.world_size > 1), budget / GB, source, format_table(plan))
+        log.info("parallelism=auto chose %s on %d rank%s%s: budget %.3g GB per rank (%s); MB per rank:\n%s",
+                 choice.name, env.world_size, "s" * (env.world_size > 1), f" ({plan.reason})" * bool(plan.reason),
+                 budget / GB, source, format_table(plan))
     resident = sum(x.numel() * x.element_size() for x in model.parameters())
-    return replace(env, strategy=plan.choice.strategy), AutoPlan(plan, reset_peak(env.device), resident, decision)
+    return (replace(env, strategy=choice.strategy, tp=choice.tp),
+            AutoPlan(plan, reset_peak(env.device), resident, decision, choice.batch or t.batch_size))
+
+
+def global_batch_of(cfg: DictConfig, world_size: int) -> int:
+    """The samples of one optimizer step auto keeps whatever it chooses: parallelism.global_batch, else what
+    trainer.batch_size gives on every rank of the world (a TP group then reads tp of them per micro-step)."""
+    p, t = cfg.parallelism, cfg.trainer
+    return p.global_batch if p.global_batch is not None else t.batch_size * world_size * t.grad_accum
+
+
+def probe_ranks(cfg: DictConfig, world_size: int) -> int:
+    """The data-parallel ranks the activations are measured for, before the decision: the most (the fewest TP
+    ranks within a node) that divide the global batch; the world when none does (per_rank_batch then says so)."""
+    per_node = world_size // node_count(world_size)
+    batch = global_batch_of(cfg, world_size)
+    for tp in range(1, per_node + 1):
+        if world_size % tp == 0 and batch % (world_size // tp * cfg.trainer.grad_accum) == 0:
+            return world_size // tp
+    return world_size
+
+
+def why_tensor_parallel(plan: Plan, excluded: list[str], global_batch: int, grad_accum: int) -> str | None:
+    """The decision line's reason for TP: what no data-parallel layout could fit, or the batch they cannot split."""
+    if plan.choice.tp == 1:
+        return None
+    reasons = []
+    data_parallel = [c for c in plan.layouts if c.tp == 1]  # before the choice: none of them fit
+    if data_parallel:
+        leanest = min(data_parallel, key=lambda c: plan.table[c.name]["total"])
+        row = plan.table[leanest.name]
+        reasons.append(f"no data-parallel layout fits: the leanest, {leanest.name}, needs {row['total'] / GB:.3g} GB "
+                       f"per rank, of which the gathered blocks {row['all_gather'] / GB:.3g} GB and activations "
+                       f"{row['activations'] / GB:.3g} GB, which only tensor parallel divides")
+    if any(" x tp " not in name and not name.startswith("tp ") for name in excluded):
+        reasons.append(f"the global batch {global_batch} x {grad_accum} accumulation step{'s' * (grad_accum > 1)} "
+                       f"does not split over every rank ({', '.join(excluded)} left out)")
+    return "tensor parallel: " + "; ".join(reasons)
 
 
 def finish(auto: AutoPlan, device: torch.device, model: nn.Module, optimizer: torch.optim.Optimizer,

@@ -176,7 +176,8 @@ def _preflight(cfg: DictConfig, device: torch.device, world_size: int, local_wor
         raise ConfigError("parallelism.fsdp.cpu_offload: the run is on CPU already, so there is nothing to offload "
                           "to; set it to false")
     found = layout(p, world_size, local_world_size)  # raises: degrees that do not fit this world
-    per_rank_batch(cfg, found.data_parallel)
+    if p.strategy != "auto":  # auto picks its data-parallel ranks (fewer under TP) for the batch: memory_plan
+        per_rank_batch(cfg, found.data_parallel)
     if device.type == "cuda" and not gpus_bound_per_task():
         check_nproc(local_world_size, "cuda", torch.cuda.device_count())
     if env_rank() == 0 and not _self_launched:

@@ -11,6 +11,7 @@ and output layer) are tied again afterwards: each module's style distributes its
 
 from __future__ import annotations
 
+from fnmatch import fnmatch
 from typing import Any
 
 from torch import nn
@@ -89,3 +90,47 @@ def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh, target: Any = None
             owner, _, attr = name.rpartition(".")
             setattr(model.get_submodule(owner), attr, first)
     return model
+
+
+def styled_modules(model: nn.Module, plan: dict[str, Any]) -> list[tuple[nn.Module, Any]]:
+    """Each module a plan entry reaches and its style, matched as parallelize_module matches (fnmatch per name
+    part), in the plan's order."""
+    found = []
+    for pattern, style in plan.items():
+        parts = pattern.split(".") if pattern else []
+        for name, module in model.named_modules():
+            atoms = name.split(".") if name else []
+            if len(atoms) == len(parts) and all(fnmatch(a, p) for a, p in zip(atoms, parts, strict=True)):
+                found.append((module, style))
+    return found
+
+
+def shard_dims(model: nn.Module, plan: dict[str, Any]) -> list[int | None]:
+    """The dimension tensor parallel splits each of `model.parameters()` along (None: replicated), as the plan's
+    torch styles place them: column-wise, a Linear's weight and bias by rows (its outputs), an Embedding's weight
+    by columns; row-wise, a Linear's weight by columns (its inputs, its bias replicated), an Embedding's by rows
+    (the vocabulary). Any other style is counted as replicating its module's parameters (an over-estimate).
+    What the memory plan (parallelism=auto) sizes TP layouts with, before any mesh exists."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    dims: dict[int, int | None] = {}
+    for module, style in styled_modules(model, as_styles(model, plan)):
+        embedding = isinstance(module, nn.Embedding)
+        for name, param in module.named_parameters(recurse=False):
+            if isinstance(style, ColwiseParallel):
+                dim = 1 if embedding else 0
+            elif isinstance(style, RowwiseParallel):
+                dim = 0 if embedding else (1 if name == "weight" else None)
+            else:
+                dim = None
+            dims.setdefault(id(param), dim)  # a tied parameter: its first module's split (tied ones agree)
+    return [dims.get(id(p)) for p in model.parameters()]
+
+
+def gathered_inputs(model: nn.Module, plan: dict[str, Any]) -> list[nn.Module]:
+    """The column-wise Linear modules: under sequence parallel their input is all-gathered whole (and saved so
+    for backward) on every TP rank, the part of a block's activations tensor parallel does not split."""
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
+    return [m for m, style in styled_modules(model, as_styles(model, plan))
+            if isinstance(style, ColwiseParallel) and isinstance(m, nn.Linear)]
