@@ -138,7 +138,7 @@ def refusal(facts: ModelFacts, plan: Plan, batch_size: int, precision: str) -> s
         fixes.append("2 or more ranks (parallelism.nproc_per_node) to shard it")
     other = row["total"] - row["activations"]
     if plan.budget_bytes > other and row["activations"]:
-        smaller = int((leanest.batch or batch_size) * (plan.budget_bytes - other) / row["activations"])
+        smaller = int(batch_size * (plan.budget_bytes - other) / row["activations"])  # activations: linear in it
         if smaller >= 1:
             fixes.append(f"trainer.batch_size={smaller}")
     if precision == "fp32" and row["total"] - row["activations"] // 2 <= plan.budget_bytes:
