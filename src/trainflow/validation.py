@@ -119,8 +119,8 @@ def validate_parallelism(cfg: DictConfig) -> None:
         _require(value is None or value == -1 or value >= 1, f"parallelism.{key}",
                  f"must be a positive integer, -1 (the rest of the world){' or null' * (key != 'tp')}; got {value}")
     _require(p.tp == 1 or p.strategy != "auto", "parallelism.tp",
-             f"is {p.tp}, but parallelism=auto chooses the TP degree itself; to fix it, pick parallelism=fsdp, ddp or hsdp "
-             "with parallelism.tp")
+             f"is {p.tp}, but parallelism=auto chooses the TP degree itself; to fix it, pick parallelism=fsdp, ddp "
+             "or hsdp with parallelism.tp")
     validate_tp_sizes(cfg)
     _require(p.tp == 1 or p.activation_checkpointing == "off" or not cfg.compile.enabled,
              "parallelism.activation_checkpointing",
