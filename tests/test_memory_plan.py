@@ -289,7 +289,9 @@ def batch_forced(tmp_path_factory: pytest.TempPathFactory) -> Run:
                     "parallelism.global_batch=1", "trainer.warmup_steps=0"))
 
 
-def test_tp_when_the_global_batch_is_smaller_than_the_world(batch_forced: Run) -> None:
+def test_tp_when_the_global_batch_is_smaller_than_the_world(batch_forced: Run, tmp_path: Path) -> None:
+    from trainflow import report
+
     parallelism = batch_forced.summary["parallelism"]
     plan = parallelism["plan"]
     assert plan["choice"] == "tp 2" and plan["excluded"] == ["ddp", "fsdp", "fsdp + activation checkpointing"]
@@ -303,3 +305,6 @@ def test_tp_when_the_global_batch_is_smaller_than_the_world(batch_forced: Run) -
     assert check["params_bytes"] == row["params"] < batch_forced.summary["parameters"] * 4 * 0.75
     assert check["optimizer_bytes"] == row["optimizer"]
     assert batch_forced.summary["loss"]["last"] < batch_forced.summary["loss"]["first"] * 1.1
+    report.write(batch_forced.run_dir, tmp_path)
+    page = (tmp_path / "report.md").read_text()
+    assert f"**tp 2 {row['total'] / 2**20:.1f}**" in page and f"; {plan['reason']}" in page

@@ -79,7 +79,8 @@ def markdown(report: dict[str, Any]) -> str:
             (f"**{layout} {t['total'] / 2**20:.1f}**" if layout == plan["choice"] else f"{layout} "
              f"{t['total'] / 2**20:.1f}") for layout, t in plan["table"].items())
             + f"; budget {plan['budget_bytes'] / 2**20:.1f} ({plan['budget_source']}); measured peak / estimate "
-            + _num((plan["check"] or {}).get("peak_over_estimate"), ".2f") for name, plan in plans]
+            + _num((plan["check"] or {}).get("peak_over_estimate"), ".2f")
+            + (f"; {plan['reason']}" if plan.get("reason") else "") for name, plan in plans]
     lines += ["", "![throughput and loss curves](report.png)", ""]
     return "\n".join(lines)
 
