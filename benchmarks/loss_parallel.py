@@ -104,7 +104,8 @@ def worker(rank: int, port: int, args: argparse.Namespace, out: Any) -> None:
                 optims[v].zero_grad()
                 if step >= args.warmup:
                     times[v].append(time.perf_counter() - start)
-                losses[v].append(float(loss.full_tensor() if hasattr(loss, "full_tensor") else loss))
+                done = loss.detach()
+                losses[v].append(float(done.full_tensor() if hasattr(done, "full_tensor") else done))
         results[vocab] = {v: {**memory[v], "step_s": statistics.median(times[v]), "last_loss": losses[v][-1]}
                           for v in models}
         results[vocab]["max_loss_diff"] = max(abs(a - b) for a, b in
