@@ -408,6 +408,15 @@ CASES = [
          ("parallelism=ddp", "parallelism.nproc_per_node=2", "trainer.grad_accum=2", "parallelism.global_batch=30"),
          "Error: parallelism.global_batch: 30 does not divide into 2 ranks x 2 accumulation steps; use a multiple "
          "of 4, e.g. 28 or 32"),
+    Case("auto-with-tp", "scale", "a TP degree with parallelism=auto, which chooses it",
+         ("parallelism=auto", "parallelism.tp=2"),
+         "Error: parallelism.tp: is 2, but parallelism=auto chooses the TP degree itself; to fix it, pick "
+         "parallelism=fsdp, ddp or hsdp with parallelism.tp"),
+    Case("auto-global-batch-no-layout", "scale", "parallelism=auto with a global batch no layout's ranks divide",
+         ("model=mlp", "data=synthetic", "parallelism=auto", "parallelism.nproc_per_node=2",
+          "parallelism.global_batch=3"),
+         "Error: parallelism.global_batch: 3 does not split over the data-parallel ranks of any layout of 2 ranks x "
+         "trainer.grad_accum=1 (left out: ddp, fsdp); use a multiple of 2 (rank 0)"),
     Case("watchdog-after-timeout", "scale", "a hang watchdog that would speak after the collective timeout",
          ("parallelism=ddp", "parallelism.nproc_per_node=2", "parallelism.timeout_s=30",
           "parallelism.watchdog.min_s=60"),
