@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from conftest import TINY_GPT, Run, ok, train
 
+from trainflow.distributed.memory_estimate import ModelFacts
 from trainflow.distributed.memory_plan import GB
 
 BASE = [*TINY_GPT, "parallelism=auto", "parallelism.nproc_per_node=2", "trainer.max_steps=2",
@@ -191,7 +192,7 @@ def test_slurm_four_nodes_of_eight_gpus_rendezvous_once_and_auto_picks_hsdp_8_by
 
 
 @pytest.fixture(scope="module")
-def tiny_facts():  # noqa: ANN201 (ModelFacts)
+def tiny_facts() -> ModelFacts:
     import contextlib
 
     import torch
@@ -212,7 +213,7 @@ def tiny_facts():  # noqa: ANN201 (ModelFacts)
 TINY = {"n_head": 4, "n_embd": 64}
 
 
-def test_tp_degrees_stay_inside_a_node_and_divide_the_heads(tiny_facts) -> None:  # noqa: ANN001
+def test_tp_degrees_stay_inside_a_node_and_divide_the_heads(tiny_facts: ModelFacts) -> None:
     from dataclasses import replace
 
     from trainflow.distributed.memory_plan import tp_degrees
@@ -224,7 +225,7 @@ def test_tp_degrees_stay_inside_a_node_and_divide_the_heads(tiny_facts) -> None:
     assert tp_degrees(replace(tiny_facts, tp_dims=None), TINY, 8, 8) == ()  # a model without a TP plan
 
 
-def test_tp_layouts_divide_the_state_and_the_gathered_block(tiny_facts) -> None:  # noqa: ANN001
+def test_tp_layouts_divide_the_state_and_the_gathered_block(tiny_facts: ModelFacts) -> None:
     from trainflow.distributed.memory_estimate import estimate
     from trainflow.distributed.memory_plan import candidates
 
@@ -250,7 +251,7 @@ def test_tp_layouts_divide_the_state_and_the_gathered_block(tiny_facts) -> None:
     assert rows["fsdp x tp 2"]["activations"] == int(expected)
 
 
-def test_tp_when_no_data_parallel_layout_fits(tiny_facts) -> None:  # noqa: ANN001
+def test_tp_when_no_data_parallel_layout_fits(tiny_facts: ModelFacts) -> None:
     from trainflow.distributed.memory_estimate import GB, estimate
     from trainflow.distributed.memory_plan import candidates, decide, why_tensor_parallel
 
@@ -266,7 +267,7 @@ def test_tp_when_no_data_parallel_layout_fits(tiny_facts) -> None:  # noqa: ANN0
                              f"checkpointing, needs {leanest_dp / GB:.3g} GB per rank")
 
 
-def test_refusal_with_tp_on_the_ladder_names_the_leanest(tiny_facts) -> None:  # noqa: ANN001
+def test_refusal_with_tp_on_the_ladder_names_the_leanest(tiny_facts: ModelFacts) -> None:
     from trainflow.distributed.memory_estimate import GB, estimate
     from trainflow.distributed.memory_plan import candidates, decide
     from trainflow.errors import ConfigError

@@ -115,8 +115,9 @@ def assemble(cfg: DictConfig, run_dir: Path, env: DistEnv, stage_types: Sequence
     if auto:  # the layout, and with tensor parallel a TP group's batch (the global batch stays)
         env, auto_plan = memory_plan.apply_auto(cfg, env, model, example, task)
         cfg = decided(cfg, {"parallelism": auto_plan.parallelism, "trainer": {"batch_size": auto_plan.batch_size}})
-        if auto_plan.batch_size != trainer.batch_size:
+        if auto_plan.batch_size != trainer.batch_size:  # a TP group's batch: checked as the first one was
             trainer = typed(cfg.trainer, TrainerConfig)
+            check_batch(cfg, trainer.batch_size, model, data.train, task, env.device)
             example = data.train[torch.arange(trainer.batch_size)]
     flops_per_step, flops_absent = count_train_flops(model, example, task)
     if flops_per_step is not None:  # per device: a TP group shares its batch's work
