@@ -1,13 +1,14 @@
-"""Loss parallel for trainflow's GPT under TP 2: the logits left split by vocabulary for the loss, against the plan's
-default (the output projection's logits gathered whole on every TP rank), side by side in one pair of gloo ranks.
+"""Loss parallel for trainflow's GPT under TP 2: the logits left split by vocabulary for the loss (GPT's plan), against
+the output projection's logits gathered whole on every TP rank (the plan before), side by side in one pair of gloo
+ranks.
 
 Each variant builds the same GPT (same seed), splits it with trainflow's `tp_plan` over 2 CPU ranks (one thread
 each), and times forward + cross-entropy + backward + an SGD step on the same batches, the variants alternating
 step by step so that a busy machine slows them alike. Memory: the bytes of the logits each rank holds, and
 all the bytes autograd saves for backward in one forward (saved-tensor hooks, each storage once), rank 0's.
-The loss-parallel variant changes the plan's `head` to `ColwiseParallel(output_layouts=Shard(-1),
-use_local_output=False)` and runs the loss and backward inside `torch.distributed.tensor.parallel.loss_parallel()`
-(what torchtitan does); the losses of the two are compared too.
+The loss-parallel variant is GPT's plan (`head`: `ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)`)
+with the loss and backward inside `torch.distributed.tensor.parallel.loss_parallel()` (what torchtitan does); the
+gathered one sets `head` to `output_layouts=Replicate()`; the losses of the two are compared too.
 
     flock /tmp/trainflow-bench.lock .venv/bin/python benchmarks/loss_parallel.py [--steps 20] [--vocab 256 8192]
 """
@@ -53,14 +54,14 @@ def saved_bytes(fn: Any) -> int:
 
 
 def build(variant: str, vocab: int, mesh: Any) -> GPT:
-    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel
 
     torch.manual_seed(0)
     model = GPT(vocab_size=vocab, block_size=128, n_layer=4, n_head=4, n_embd=256)
     plan = model.tp_plan()
-    if variant == "loss_parallel":
-        plan["head"] = ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False)
+    if variant == "gathered":
+        plan["head"] = ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())
     model.tp_plan = lambda: plan  # type: ignore[method-assign]  # trainflow's apply function, this plan
     apply_tensor_parallel(model, mesh)
     return model

@@ -39,6 +39,7 @@ from trainflow.config import CompileConfig, TrainerConfig
 from trainflow.data.loaders import to_device
 from trainflow.distributed import DistEnv
 from trainflow.distributed.parallelism import unwrap
+from trainflow.distributed.tensor import local_loss, loss_context
 from trainflow.errors import ConfigError, home_note, unwritable_reason
 from trainflow.files import cannot_write, write_atomic
 from trainflow.models import model_blocks
@@ -207,10 +208,12 @@ class Compiler(Stage):
 
         def loss_and_grads() -> tuple[float, dict[str, torch.Tensor]]:
             # the same random numbers both times, and the training's random stream untouched
-            with torch.random.fork_rng(devices=rng_devices, device_type=device.type), autocast:
-                torch.manual_seed(0)
-                loss, _ = task(model, batch)
-            loss.backward()
+            with loss_context(model):
+                with torch.random.fork_rng(devices=rng_devices, device_type=device.type), autocast:
+                    torch.manual_seed(0)
+                    loss, _ = task(model, batch)
+                loss = local_loss(loss)
+                loss.backward()
             grads = {n: _local(p.grad).detach().float().clone() for n, p in params if p.grad is not None}
             model.zero_grad(set_to_none=True)
             return float(loss.detach()), grads

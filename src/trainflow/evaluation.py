@@ -14,6 +14,7 @@ from trainflow.config import TrainerConfig
 from trainflow.data import DataBundle, StreamSampler, to_device
 from trainflow.distributed import DistEnv
 from trainflow.distributed.process_group import all_reduce_mean
+from trainflow.distributed.tensor import local_loss, loss_context
 from trainflow.loggers.writer import MetricsWriter
 from trainflow.stages import LoopState, Stage, StageContext
 from trainflow.tasks import Task, add_metrics
@@ -69,9 +70,9 @@ def evaluate(model: nn.Module, dataset: Dataset, task: Task, trainer: TrainerCon
     totals: dict[str, torch.Tensor] = {}
     for _, indices in zip(range(trainer.eval_steps), sampler, strict=False):
         batch = to_device(dataset[indices], env.device)
-        with autocast:
+        with autocast, loss_context(model):
             loss, metrics = task(model, batch)
-        add_metrics(totals, {"loss": loss, **metrics})
+        add_metrics(totals, {"loss": local_loss(loss), **metrics})
     names = list(totals)
     means = all_reduce_mean(torch.stack([totals[n] for n in names]) / trainer.eval_steps, env).tolist()
     return task.finish(dict(zip(names, means, strict=True)))

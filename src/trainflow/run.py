@@ -8,6 +8,7 @@ list of stages (stages.py) after it, and `summarize` writes summary.json.
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import logging
 from collections.abc import Sequence
@@ -30,6 +31,7 @@ from trainflow.distributed.parallelism import parallelize, unwrap
 from trainflow.distributed.parity import ParityCheck, parallelism_summary
 from trainflow.distributed.process_group import per_rank_batch, process_group
 from trainflow.distributed.stragglers import Stragglers
+from trainflow.distributed.tensor import loss_context
 from trainflow.distributed.watchdog import Watchdog
 from trainflow.evaluation import Evaluation
 from trainflow.files import write_json_atomic
@@ -171,7 +173,8 @@ def assemble(cfg: DictConfig, run_dir: Path, env: DistEnv, stage_types: Sequence
         name_part=record_function if profiled else unnamed,
         guard=next(stage for stage in stages if isinstance(stage, NonFiniteGuard)),
         batch_device=env.device if env.device.type != "cpu" else None, pin=pin, schedule_moves=schedule_moves(optim),
-        metrics_every_step=cfg.task.get("train_metrics") == "every_step", global_batch=global_batch)
+        metrics_every_step=cfg.task.get("train_metrics") == "every_step", global_batch=global_batch,
+        loss_context=functools.partial(loss_context, model))
     return Run(ctx, training, stages, metric_names, parameters, flops_absent, auto_plan, resumed_from)
 
 

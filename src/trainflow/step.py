@@ -14,6 +14,7 @@ from torch import nn
 from trainflow.config import TrainerConfig
 from trainflow.data import to_device
 from trainflow.distributed.parallelism import no_grad_sync
+from trainflow.distributed.tensor import local_loss
 from trainflow.loop_state import LoopState
 from trainflow.nonfinite import NonFiniteGuard
 from trainflow.optim import gradient_norm
@@ -37,6 +38,7 @@ class Training:
     schedule_moves: bool  # False: a constant schedule without warm-up is not stepped
     metrics_every_step: bool  # task.train_metrics=every_step; else the task's metrics at log steps only
     global_batch: int
+    loss_context: Callable[[], Any] = contextlib.nullcontext  # loss parallel under TP (distributed.tensor)
 
 
 def train_step(training: Training) -> None:
@@ -57,9 +59,11 @@ def train_step(training: Training) -> None:
                 batch = to_device(batch, training.batch_device, non_blocking=training.pin)
             counted = task.count(batch)  # shapes only (data.seq_lens varies the tokens)
             samples, tokens = samples + counted[0], tokens + counted[1]
-        with name_part("trainflow/forward_backward"), no_grad_sync(model, micro == trainer.grad_accum - 1):
+        with name_part("trainflow/forward_backward"), no_grad_sync(model, micro == trainer.grad_accum - 1), \
+                training.loss_context():
             with training.autocast:
                 loss, metrics = task(model, batch, with_metrics)
+            loss = local_loss(loss)
             loss_share = loss / trainer.grad_accum if trainer.grad_accum > 1 else loss
             loss_share.backward()
         step_loss = loss_share.detach() if step_loss is None else step_loss + loss_share.detach()

@@ -18,7 +18,8 @@ Items, per rank, in bytes:
   dimension is divided by tp (rows of rank 0's chunk: ceil), then FSDP2 shards that local tensor along dim 0 over
   the data-parallel shard ranks. Activations are modelled from the measured ones: under sequence parallel a
   block keeps 1/tp of what it saved, except the inputs of its column-wise layers (all-gathered whole on every
-  TP rank; measured); outside the blocks nothing is divided (the logits are gathered whole for the loss).
+  TP rank; measured); outside the blocks nothing is divided (an over-estimate where the model's logits stay
+  split by vocabulary for the loss, as trainflow's GPT's do: loss parallel).
 """
 
 from __future__ import annotations

@@ -61,7 +61,8 @@ def parallelize(model: nn.Module, cfg: ParallelismConfig | DictConfig, env: Dist
         apply_tensor_parallel(model, mesh["tp"], cfg.tp_plan)
         if env.is_main:
             local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in model.parameters())
-            log.info("tensor parallel over %d ranks: rank 0 holds %d of the %d parameters", found.tp, local, total)
+            log.info("tensor parallel over %d ranks: rank 0 holds %d of the %d parameters%s", found.tp, local, total,
+                     "; loss parallel: the logits stay split by vocabulary" * model.vocab_parallel_output)
     if cfg.activation_checkpointing == "full":
         checkpoint_blocks(model)
     if found.data_parallel == 1:

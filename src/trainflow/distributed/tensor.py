@@ -11,13 +11,16 @@ and output layer) are tied again afterwards: each module's style distributes its
 
 from __future__ import annotations
 
+import contextlib
 from fnmatch import fnmatch
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
 
 from trainflow.errors import ConfigError
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 # Hugging Face's plan entries (transformers' tensor-parallel style names) as torch styles
 _HF_STYLES = {
@@ -84,6 +87,7 @@ def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh, target: Any = None
     for name, param in model.named_parameters(remove_duplicate=False):
         tied.setdefault(id(param), []).append(name)
     parallelize_module(model, mesh, plan)
+    model.vocab_parallel_output = any(_leaves_output_split(style) for style in plan.values())
     for names in tied.values():
         first = model.get_parameter(names[0])
         for name in names[1:]:
@@ -134,3 +138,31 @@ def gathered_inputs(model: nn.Module, plan: dict[str, Any]) -> list[nn.Module]:
 
     return [m for m, style in styled_modules(model, as_styles(model, plan))
             if isinstance(style, ColwiseParallel) and isinstance(m, nn.Linear)]
+
+
+def _leaves_output_split(style: Any) -> bool:
+    """A column-wise style that keeps its output a DTensor split over the last dimension (the logits by vocabulary)."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
+    return isinstance(style, ColwiseParallel) and not style.use_local_output and \
+        tuple(style.output_layouts) in ((Shard(-1),), (Shard(2),))
+
+
+def loss_context(model: nn.Module) -> contextlib.AbstractContextManager:
+    """torch's `loss_parallel()` for a model whose output stays split by vocabulary (trainflow's GPT under TP): the
+    task's cross-entropy runs on the shards, no rank gathers the whole logits; the loss's backward must run inside
+    it too. Nothing for any other model."""
+    from trainflow.distributed.parallelism import unwrap
+
+    if not getattr(unwrap(model), "vocab_parallel_output", False):
+        return contextlib.nullcontext()
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    return loss_parallel()
+
+
+def local_loss(loss: Any) -> Any:
+    """The loss as a plain tensor (under loss parallel it is a replicated DTensor), for the collectives and logs
+    after it; gradients flow through."""
+    return loss.to_local() if hasattr(loss, "to_local") else loss

@@ -96,8 +96,8 @@ class GPT(nn.Module):
         the sequence (layer norms, dropout and the residual stream run on 1/tp of the tokens); attention and the
         MLP all-gather them, split qkv and the first MLP layer by columns (whole heads, a share of the hidden
         units) and the output projections by rows, whose reduce-scatter splits the sequence again. The
-        embeddings are split by rows (vocabulary, positions); the tied output layer by vocabulary, its logits
-        gathered whole for the task's loss."""
+        embeddings are split by rows (vocabulary, positions); the tied output layer by vocabulary, its logits left
+        split for the loss (loss parallel: trainflow.distributed.tensor.loss_context; docs/performance.md, Scale)."""
         from torch.distributed.tensor import Replicate, Shard
         from torch.distributed.tensor.parallel import (
             ColwiseParallel,
@@ -112,7 +112,7 @@ class GPT(nn.Module):
             "tok_emb": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
             "pos_emb": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(0)),
             "ln_f": SequenceParallel(),
-            "head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+            "head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False),
         }
         for i in range(len(self.blocks)):
             plan.update({
