@@ -38,8 +38,7 @@ from trainflow.compile_diagnostics import (
 from trainflow.config import CompileConfig, TrainerConfig
 from trainflow.data.loaders import to_device
 from trainflow.distributed import DistEnv
-from trainflow.distributed.parallelism import unwrap
-from trainflow.distributed.tensor import local_loss, loss_context
+from trainflow.distributed.parallelism import local_loss, loss_context, unwrap
 from trainflow.errors import ConfigError, home_note, unwritable_reason
 from trainflow.files import cannot_write, write_atomic
 from trainflow.models import model_blocks

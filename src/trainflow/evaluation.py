@@ -13,8 +13,8 @@ from torch.utils.data import Dataset
 from trainflow.config import TrainerConfig
 from trainflow.data import DataBundle, StreamSampler, to_device
 from trainflow.distributed import DistEnv
+from trainflow.distributed.parallelism import local_loss, loss_context
 from trainflow.distributed.process_group import all_reduce_mean
-from trainflow.distributed.tensor import local_loss, loss_context
 from trainflow.loggers.writer import MetricsWriter
 from trainflow.stages import LoopState, Stage, StageContext
 from trainflow.tasks import Task, add_metrics

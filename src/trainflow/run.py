@@ -27,11 +27,10 @@ from trainflow.data import IterableBatches, StreamSampler, build_datasets, make_
 from trainflow.data.stream import STREAM_VERSION
 from trainflow.distributed import DistEnv, memory_plan
 from trainflow.distributed.failures import note_step
-from trainflow.distributed.parallelism import parallelize, unwrap
+from trainflow.distributed.parallelism import loss_context, parallelize, unwrap
 from trainflow.distributed.parity import ParityCheck, parallelism_summary
 from trainflow.distributed.process_group import per_rank_batch, process_group
 from trainflow.distributed.stragglers import Stragglers
-from trainflow.distributed.tensor import loss_context
 from trainflow.distributed.watchdog import Watchdog
 from trainflow.evaluation import Evaluation
 from trainflow.files import write_json_atomic

@@ -13,8 +13,7 @@ from torch import nn
 
 from trainflow.config import TrainerConfig
 from trainflow.data import to_device
-from trainflow.distributed.parallelism import no_grad_sync
-from trainflow.distributed.tensor import local_loss
+from trainflow.distributed.parallelism import local_loss, no_grad_sync
 from trainflow.loop_state import LoopState
 from trainflow.nonfinite import NonFiniteGuard
 from trainflow.optim import gradient_norm

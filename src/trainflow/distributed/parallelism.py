@@ -17,6 +17,10 @@ into the sharded blocks (the compile stage warns and compiles the blocks instead
 
 Gradient accumulation: `no_grad_sync(model, sync=False)` skips the all-reduce (DDP `no_sync`) or the
 reduce-scatter (FSDP2 `set_requires_gradient_sync(False)`) on all but the last micro-step.
+
+Loss parallel: where the model's output stays split by vocabulary (GPT's TP plan), `loss_context(model)` is the
+context the train step, evaluation and the compile check compute the loss (and its backward) in, and
+`local_loss` the plain tensor made of the replicated DTensor loss for what follows.
 """
 
 from __future__ import annotations
@@ -202,3 +206,20 @@ def full_parameters(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     for name, param in unwrap(model).named_parameters():
         full = param.full_tensor() if hasattr(param, "full_tensor") else param
         yield name, full.detach()
+
+
+def loss_context(model: nn.Module) -> contextlib.AbstractContextManager:
+    """torch's `loss_parallel()` for a model whose output stays split by vocabulary (trainflow's GPT under TP): the
+    task's cross-entropy runs on the shards, no rank gathers the whole logits; the loss's backward must run inside
+    it too. Nothing for any other model."""
+    if not getattr(unwrap(model), "vocab_parallel_output", False):
+        return contextlib.nullcontext()
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    return loss_parallel()
+
+
+def local_loss(loss: Any) -> Any:
+    """The loss as a plain tensor (under loss parallel it is a replicated DTensor), for the collectives and logs
+    after it; gradients flow through."""
+    return loss.to_local() if hasattr(loss, "to_local") else loss

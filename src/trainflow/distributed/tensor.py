@@ -11,7 +11,6 @@ and output layer) are tied again afterwards: each module's style distributes its
 
 from __future__ import annotations
 
-import contextlib
 from fnmatch import fnmatch
 from typing import TYPE_CHECKING, Any
 
@@ -148,21 +147,3 @@ def _leaves_output_split(style: Any) -> bool:
     return isinstance(style, ColwiseParallel) and not style.use_local_output and \
         tuple(style.output_layouts) in ((Shard(-1),), (Shard(2),))
 
-
-def loss_context(model: nn.Module) -> contextlib.AbstractContextManager:
-    """torch's `loss_parallel()` for a model whose output stays split by vocabulary (trainflow's GPT under TP): the
-    task's cross-entropy runs on the shards, no rank gathers the whole logits; the loss's backward must run inside
-    it too. Nothing for any other model."""
-    from trainflow.distributed.parallelism import unwrap
-
-    if not getattr(unwrap(model), "vocab_parallel_output", False):
-        return contextlib.nullcontext()
-    from torch.distributed.tensor.parallel import loss_parallel
-
-    return loss_parallel()
-
-
-def local_loss(loss: Any) -> Any:
-    """The loss as a plain tensor (under loss parallel it is a replicated DTensor), for the collectives and logs
-    after it; gradients flow through."""
-    return loss.to_local() if hasattr(loss, "to_local") else loss

@@ -97,7 +97,7 @@ class GPT(nn.Module):
         MLP all-gather them, split qkv and the first MLP layer by columns (whole heads, a share of the hidden
         units) and the output projections by rows, whose reduce-scatter splits the sequence again. The
         embeddings are split by rows (vocabulary, positions); the tied output layer by vocabulary, its logits left
-        split for the loss (loss parallel: trainflow.distributed.tensor.loss_context; docs/performance.md, Scale)."""
+        split for the loss (loss parallel: distributed.parallelism.loss_context; docs/performance.md, Scale)."""
         from torch.distributed.tensor import Replicate, Shard
         from torch.distributed.tensor.parallel import (
             ColwiseParallel,
