@@ -258,8 +258,15 @@ def test_a_resume_continues_the_tracked_run_that_its_checkpoint_names(tmp_path: 
 
 def test_a_server_killed_mid_run_is_said_once_and_the_run_goes_on(server: Server, resumed: Path, tmp_path: Path,
                                                                  caplog: pytest.LogCaptureFixture) -> None:
-    """Last: it stops the module's server (after the resumed run, which it waits for)."""
-    run = writer(tmp_path / "run", mlflow=MLflowLogger(server.uri))
+    """Last: it stops the module's server (after the resumed run, which it waits for). The logger is built as a
+    run builds it, in a process of its own: its failure comes back to the writer as it would in-process."""
+    from trainflow.loggers import build_loggers
+    from trainflow.loggers.process import ProcessLogger
+
+    loggers = build_loggers({"mlflow": {"_target_": "trainflow.loggers.mlflow.MLflowLogger",
+                                        "tracking_uri": server.uri}})
+    assert isinstance(loggers["mlflow"], ProcessLogger)
+    run = writer(tmp_path / "run", **loggers)
     run.start(CONFIG, 1, None)
     run.write(1, {"train/loss": 1.0})
     server.stop()

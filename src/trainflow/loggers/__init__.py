@@ -18,8 +18,7 @@ from typing import Any, Protocol
 from omegaconf import DictConfig, OmegaConf
 
 from trainflow.config import OptimConfig, TrainerConfig
-from trainflow.profile_verdict import format_verdict
-from trainflow.targets import call_target
+from trainflow.targets import call, import_target
 
 IDS_FILE = "loggers.json"  # {logger name: its tracked run's id}, in the run directory
 NAME_BYTES = 200  # a sweep job's folder name: one level, within the usual 255-byte limit of a file name
@@ -74,8 +73,19 @@ def build_loggers(section: DictConfig | dict) -> dict[str, Logger]:
 
             raise ConfigError(f"logger.{name}: no _target_; give logger.{name}._target_ the import path of a "
                               "logger class (see docs/loggers.md), or leave it out of logger=[...]")
-        loggers[name] = call_target(f"logger.{name}", target, kwargs, "a logger class (see docs/loggers.md)")
+        loggers[name] = build_logger(name, target, kwargs)
     return loggers
+
+
+def build_logger(name: str, target: str, kwargs: dict[str, Any], here: bool = False) -> Logger:
+    """`target(**kwargs)`; in a process of its own when its class says `in_own_process = True` (its client's cost
+    stays out of the loop's process), unless `here` (that process builds it)."""
+    logger_class = import_target(f"logger.{name}._target_", target, "a logger class (see docs/loggers.md)")
+    if getattr(logger_class, "in_own_process", False) and not here:
+        from trainflow.loggers.process import ProcessLogger
+
+        return ProcessLogger(name, target, kwargs)
+    return call(f"logger.{name}", target, logger_class, kwargs)
 
 
 def run_info(cfg: DictConfig, run_dir: Path, world_size: int, resumed_step: int | None,
@@ -189,6 +199,8 @@ def finite(values: Mapping[str, Any]) -> dict[str, float]:
 
 def profiler_text(profiler: dict[str, Any] | None) -> str | None:
     """The verdict as printed at the end of a run, and the top operators as a Markdown table."""
+    from trainflow.profile_verdict import format_verdict  # it imports torch, which a logger's process needs not
+
     verdict = (profiler or {}).get("verdict")
     if not verdict:
         return None
