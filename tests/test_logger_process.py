@@ -81,7 +81,8 @@ def test_a_failed_call_is_raised_by_the_next_and_the_child_goes(tmp_path: Path) 
 def test_a_logger_that_cannot_be_built_stops_the_start_in_one_line(tmp_path: Path) -> None:
     logger = build_loggers({"recording": {"_target_": TARGET, "path": str(tmp_path), "colour": "red"}})["recording"]
     with pytest.raises(Exception, match=r"^logger.recording: helpers.recording_logger.RecordingLogger\(path=.*, "
-                                        r"colour=red\) failed: TypeError: .*colour.*; fix the logger.recording.\* values$"):
+                                        r"colour=red\) failed: TypeError: .*colour.*; "
+                                        r"fix the logger.recording.\* values$"):
         logger.start(run_info(tmp_path))
 
 

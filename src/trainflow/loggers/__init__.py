@@ -8,6 +8,7 @@ after a stop, a crash or a requeue continues the same tracked run on one step ax
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 from collections.abc import Mapping
@@ -100,6 +101,20 @@ def run_info(cfg: DictConfig, run_dir: Path, world_size: int, resumed_step: int 
                               overrides)
     return RunInfo(run_dir, OmegaConf.to_container(cfg, resolve=True), (run_dir / "config.yaml").read_text(),
                    hparams, job or run_dir.name, sweep, resumed_step, tracked_id, world_size)
+
+
+def history(run_dir: Path, after: int, up_to: int) -> list[tuple[int, dict[str, float]]]:
+    """(step, finite scalars) of each metrics.jsonl line of a step in (after, up_to]: what a tracker that lost the
+    end of a crashed process's figures logs again when the run resumes at `up_to` (the metrics writer has kept
+    metrics.jsonl up to there)."""
+    lines = []
+    with contextlib.suppress(OSError):
+        for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+            values = json.loads(line)
+            step = values.pop("step", 0)
+            if after < step <= up_to:
+                lines.append((step, finite(values)))
+    return lines
 
 
 def kept_ids(run_dir: Path) -> dict[str, str]:
