@@ -34,10 +34,15 @@ from __future__ import annotations
 
 import argparse
 import logging
+import shutil
 import statistics
+import sys
 import tempfile
 import time
+import types
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from hydra import compose, initialize_config_dir
@@ -118,8 +123,31 @@ def prepare_throughput(rounds: int) -> None:
           f"{', '.join(f'{r:.3f}' for r in ratios)})")
 
 
-def loader_throughput(rounds: int, batches: int = 300) -> None:
-    """Tokens/s of data=shards' windows against Hugging Face datasets streaming over the same windows."""
+def _timed(read: Callable[[], int]) -> tuple[float, float]:
+    """(tokens per second of wall time, tokens per CPU-second of this process, all its threads) of one read."""
+    wall, cpu = time.perf_counter(), time.process_time()
+    tokens = read()
+    return tokens / (time.perf_counter() - wall), tokens / (time.process_time() - cpu)
+
+
+def _import_mosaic() -> Any | None:
+    """Mosaic's `streaming`, or None when it is not installed. Its package imports its vision datasets, hence
+    torchvision, at import; PyPI's torchvision is a CUDA build that does not load beside torch's CPU wheel, so
+    when torchvision is absent that one subpackage (unused here) is left out."""
+    import importlib.util
+
+    if importlib.util.find_spec("streaming") is None:
+        return None
+    if importlib.util.find_spec("torchvision") is None:
+        sys.modules.setdefault("streaming.vision", types.ModuleType("streaming.vision"))
+    import streaming
+
+    return streaming
+
+
+def loader_throughput(rounds: int, batches: int = 1200, copies: int = 8) -> None:
+    """Tokens/s (wall and per CPU-second) of data=shards' windows against Hugging Face datasets streaming and Mosaic
+    streaming over the same windows, alternating within each round."""
     import datasets
     import numpy as np
     import pyarrow as pa
@@ -131,48 +159,98 @@ def loader_throughput(rounds: int, batches: int = 300) -> None:
     from trainflow.data.text import Corpus
 
     seq_len, b = 128, 32
-    corpus = Corpus.of(OmegaConf.create({"paths": [str(ROOT / "src")], "suffixes": [".py"]}))
+    tokens_a_batch = b * (seq_len + 1)
+    streaming = _import_mosaic()
     with tempfile.TemporaryDirectory() as tmp:
+        for copy in range(copies):  # a corpus of several epochs' worth of micro-batches: epoch starts stay rare
+            shutil.copytree(ROOT / "src", f"{tmp}/corpus/{copy}", ignore=shutil.ignore_patterns("__pycache__"))
+        corpus = Corpus.of(OmegaConf.create({"paths": [f"{tmp}/corpus"], "suffixes": [".py"]}))
         tok = corpus.tokenizer(OmegaConf.create({"kind": "bpe", "vocab_size": 4096, "cache_dir": f"{tmp}/tok"}))
         out = Path(tmp) / "shards"
-        prepare(corpus, tok, out, workers=1, shard_bytes=256 << 10, progress=False)
+        prepare(corpus, tok, out, workers=1, shard_bytes=1 << 20, progress=False)
         manifest = read_manifest(out)
-        files = []
-        for i, shard in enumerate(manifest["shards"]):  # the same windows, a parquet file a shard
-            tokens = np.fromfile(out / shard["name"], dtype=manifest["dtype"]).astype(np.int64)
-            rows = [tokens[k * seq_len:k * seq_len + seq_len + 1].tolist() for k in range((len(tokens) - 1) // seq_len)]
+        files, windows_of = [], []
+        for i, shard in enumerate(manifest["shards"]):  # the same windows, a parquet file (and an MDS shard) a shard
+            tokens = np.fromfile(out / shard["name"], dtype=manifest["dtype"])
+            rows = [tokens[k * seq_len:k * seq_len + seq_len + 1] for k in range((len(tokens) - 1) // seq_len)]
+            windows_of.append(rows)
             if rows:
                 files.append(f"{tmp}/p{i}.parquet")
-                pq.write_table(pa.table({"ids": rows}), files[-1])
-        ours, hf = [], []
-        for _ in range(rounds):
-            windows = ShardWindows(out, manifest, seq_len)
-            stream, started = iter(StreamSampler(len(windows), b, 0, 1, seed=0)), time.perf_counter()
+                pq.write_table(pa.table({"ids": [r.astype(np.int64).tolist() for r in rows]}), files[-1])
+        windows = ShardWindows(out, manifest, seq_len)
+
+        def ours() -> int:
+            stream = iter(StreamSampler(len(windows), b, 0, 1, seed=0))
             for _ in range(batches):
-                inputs, _ = windows[next(stream)]
-            ours.append(batches * b * (seq_len + 1) / (time.perf_counter() - started))
-            rows = datasets.load_dataset("parquet", data_files=files, split="train", streaming=True)
-            started, taken = time.perf_counter(), 0
+                windows[next(stream)]
+            return batches * tokens_a_batch
+
+        rows = datasets.load_dataset("parquet", data_files=files, split="train", streaming=True)
+
+        def hf() -> int:
+            taken = 0
             while taken < batches:  # pass after pass over the windows (a streaming dataset restarts when iterated)
                 batch = []
                 for row in rows:
                     batch.append(row["ids"])
                     if len(batch) == b:
-                        torch.tensor(batch)
+                        _split(torch.tensor(batch))
                         batch, taken = [], taken + 1
                         if taken == batches:
                             break
-            hf.append(batches * b * (seq_len + 1) / (time.perf_counter() - started))
-    print(f"{len(manifest['shards'])} shards, {manifest['tokens']} tokens; micro-batches of {b} x {seq_len + 1}")
-    print(f"data=shards (shuffled, memory-mapped): median {statistics.median(ours) / 1e6:7.2f}M tokens/s")
-    print(f"datasets streaming (in order, parquet): median {statistics.median(hf) / 1e6:7.2f}M tokens/s")
-    ratios = [a / c for a, c in zip(ours, hf, strict=True)]
-    print(f"data=shards / datasets streaming: median {statistics.median(ratios):.2f} (rounds: "
-          f"{', '.join(f'{r:.2f}' for r in ratios)})")
-    try:
-        import streaming  # noqa: F401
-    except ImportError:
-        print("Mosaic streaming: not installed (pip install mosaicml-streaming to measure it): skipped")
+            return batches * tokens_a_batch
+
+        mosaic = None
+        if streaming is not None:
+            mds = f"{tmp}/mds"
+            shard_limit = max(s["bytes"] for s in manifest["shards"]) + 1024  # about one MDS shard per shard
+            with streaming.MDSWriter(out=mds, columns={"tokens": f"ndarray:{manifest['dtype']}"},
+                                     size_limit=shard_limit) as writer:
+                for rows_of_shard in windows_of:
+                    for row in rows_of_shard:
+                        writer.write({"tokens": row})
+            # as its users read it: shuffled (its default py1e algorithm), its loader collating dicts of arrays
+            dataset = streaming.StreamingDataset(local=mds, shuffle=True, shuffle_seed=0, batch_size=b)
+            loader = streaming.StreamingDataLoader(dataset, batch_size=b, num_workers=0, collate_fn=_stack_tokens)
+
+            def mosaic() -> int:
+                tokens = 0
+                while tokens < batches * tokens_a_batch:  # whole epochs (its reader threads end with an epoch)
+                    for batch in loader:
+                        tokens += _split(batch)[0].numel() // seq_len * (seq_len + 1)
+                return tokens
+
+        readers = {"data=shards (shuffled, memory-mapped)": ours, "datasets streaming (in order, parquet)": hf}
+        if mosaic is not None:
+            readers["Mosaic StreamingDataset (shuffled py1e, MDS)"] = mosaic
+        results: dict[str, list[tuple[float, float]]] = {name: [] for name in readers}
+        for _ in range(rounds):
+            for name, read in readers.items():
+                results[name].append(_timed(read))
+    print(f"{len(manifest['shards'])} shards, {manifest['tokens']} tokens, {len(windows)} windows; "
+          f"{batches} micro-batches of {b} x {seq_len + 1} a round, {rounds} rounds; one process, no workers")
+    for name, figures in results.items():
+        print(f"{name:46s}: median {statistics.median(w for w, _ in figures) / 1e6:6.2f}M tokens/s, "
+              f"{statistics.median(c for _, c in figures) / 1e6:6.2f}M tokens per CPU-second")
+    baseline = results.pop("data=shards (shuffled, memory-mapped)")
+    for name, figures in results.items():
+        ratios = [a[1] / c[1] for a, c in zip(baseline, figures, strict=True)]
+        print(f"data=shards / {name.split(' (')[0]}, per CPU-second: median {statistics.median(ratios):.2f} (rounds: "
+              f"{', '.join(f'{r:.2f}' for r in ratios)})")
+    if streaming is None:
+        print("Mosaic streaming: not installed (see this script's docstring to install it): skipped")
+
+
+def _split(window: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(inputs, targets) of a batch of windows, as ShardWindows returns them."""
+    return window[:, :-1].contiguous(), window[:, 1:].contiguous()
+
+
+def _stack_tokens(samples: list[dict[str, Any]]) -> torch.Tensor:
+    """A Mosaic loader's collate: the samples' token arrays as one int64 tensor."""
+    import numpy as np
+
+    return torch.from_numpy(np.stack([s["tokens"] for s in samples]).astype(np.int64))
 
 
 def main() -> None:

@@ -228,25 +228,29 @@ class ShardWindows(Dataset):
         self.first = first
         self.count = int(self.ends[-1]) - first if count is None else count
         self.maps: dict[int, np.ndarray] = {}  # the shards this process opened, by number
+        self.span = np.arange(seq_len + 1)
 
     def __len__(self) -> int:
         return self.count
 
     def _shard(self, i: int) -> np.ndarray:
-        if i not in self.maps:
-            self.maps[i] = np.memmap(self.folder / self.names[i], dtype=self.dtype, mode="r")
+        if i not in self.maps:  # the map seen as a plain array: indexing it makes no memmap objects
+            self.maps[i] = np.memmap(self.folder / self.names[i], dtype=self.dtype, mode="r").view(np.ndarray)
         return self.maps[i]
 
     def __getitem__(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         windows = np.asarray(indices, dtype=np.int64).reshape(-1) + self.first
         shards = np.searchsorted(self.ends, windows, side="right")
-        starts = (windows - self.begins[shards]) * self.seq_len
-        out = np.empty((len(windows), self.seq_len + 1), dtype=np.int64)
-        for shard in np.unique(shards):
-            rows = np.flatnonzero(shards == shard)
-            tokens = self._shard(int(shard))
-            out[rows] = tokens[starts[rows, None] + np.arange(self.seq_len + 1)]
-        window = torch.from_numpy(out)
+        starts = (windows - self.begins[shards])[:, None] * self.seq_len + self.span  # each window's token offsets
+        if (shards == shards[0]).all():  # a micro-batch of one shard: one gather (the cost between two steps is
+            # mostly cold caches, so fewer numpy calls is what shortens the data wait)
+            window = torch.from_numpy(self._shard(int(shards[0]))[starts]).to(torch.int64)
+        else:
+            out = np.empty((len(windows), self.seq_len + 1), dtype=np.int64)
+            for shard in np.unique(shards):
+                rows = np.flatnonzero(shards == shard)
+                out[rows] = self._shard(int(shard))[starts[rows]]
+            window = torch.from_numpy(out)
         return window[:, :-1].contiguous(), window[:, 1:].contiguous()
 
 
