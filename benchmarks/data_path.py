@@ -9,17 +9,29 @@ with 2, worker processes prepare the next batches while the step runs.
     python benchmarks/data_path.py [--experiment digits] [--rounds 3] [--steps 150] [--threads N] [override ...]
     python benchmarks/data_path.py --what sampler     # the stream's order: per-index permutation vs randperm
     python benchmarks/data_path.py --what prepare     # trainflow prepare vs a plain tokenizers batch-encode loop
-    python benchmarks/data_path.py --what loader      # data=shards' windows vs Hugging Face datasets streaming
+    python benchmarks/data_path.py --what loader      # data=shards' windows vs datasets and Mosaic streaming
+    python benchmarks/data_path.py --what gather      # a data=shards micro-batch's CPU time, alone and after a step
 
 --what sampler: the memory (RSS growth) and time per micro-batch of the sample stream at n = 1e6, 1e9, 1e12
 samples, the per-index permutation (stream version 2) beside the stored torch.randperm (version 1) where it fits
 in memory (n = 1e6: 8 bytes a sample, so 1e9 would take 8 GB a rank). --what prepare: tokens/s of `trainflow
 prepare` with one worker (encode, write the shard, checksum it) against a loop that only encodes the same pieces
-with the same BPE, on the same corpus, alternating round by round. --what loader: tokens/s of micro-batches of 32
-windows of 129 tokens, from the prepared shards of trainflow's src/ (ShardWindows gathering the shuffled stream's
-indices from the memory maps) against `datasets.load_dataset("parquet", streaming=True)` over one parquet file
-per shard holding the same windows, read in order and stacked into the same batch tensor; Mosaic `streaming` is
-measured too when it is installed.
+with the same BPE, on the same corpus, alternating round by round. --what loader: tokens/s, of wall time and per
+CPU-second of the process (all its threads), of micro-batches of 32 windows of 129 tokens from 8 copies of
+trainflow's src/ prepared into shards: ShardWindows gathering the shuffled stream's indices from the memory maps;
+`datasets.load_dataset("parquet", streaming=True)` over one parquet file per shard holding the same windows, read
+in order and stacked into the same batch tensor; Mosaic `streaming.StreamingDataset` over the same windows written
+by its `MDSWriter` (local, no remote), shuffled as its users do (`shuffle=True`, its py1e default) and batched by
+its `StreamingDataLoader`; the three in turn within each round, no loader workers. Mosaic is measured only when it
+is installed (it is no dependency of trainflow's). Its requirements pull another torch (a CUDA build), so install
+it without them, with the few its import needs:
+
+    pip install --no-deps mosaicml-streaming==0.13.0 brotli python-snappy cramjam zstd catalogue
+
+(its package imports torchvision for its vision datasets; PyPI's torchvision is a CUDA build that does not load
+beside torch's CPU wheel, so without torchvision this script leaves that subpackage out). --what gather: the CPU
+time of one micro-batch of 8 windows of 33 tokens, alone and right after a backward pass: what the training
+process pays between two steps with data.num_workers=0.
 
 --threads sets torch's intra-op threads: on a machine whose cores other processes also use, two threads of a
 small model's step wait on each other (measured here: 7 ms a step with one thread, 40-80 ms with two), which
@@ -241,6 +253,39 @@ def loader_throughput(rounds: int, batches: int = 1200, copies: int = 8) -> None
         print("Mosaic streaming: not installed (see this script's docstring to install it): skipped")
 
 
+def gather_costs(batches: int = 400, b: int = 8, seq_len: int = 32) -> None:
+    """CPU time of one data=shards micro-batch alone and right after a backward pass (what the training process
+    pays between two steps with data.num_workers=0), in one process, alternating."""
+    from omegaconf import OmegaConf
+
+    from trainflow.data.shards import prepare, shard_datasets
+    from trainflow.data.stream import StreamSampler
+    from trainflow.data.text import Corpus
+
+    torch.set_num_threads(1)
+    corpus = Corpus.of(OmegaConf.create({"paths": [str(ROOT / "src")], "suffixes": [".py"]}))
+    with tempfile.TemporaryDirectory() as tmp:
+        tok = corpus.tokenizer(OmegaConf.create({"kind": "bpe", "vocab_size": 512, "cache_dir": f"{tmp}/tok"}))
+        prepare(corpus, tok, Path(tmp) / "shards", workers=1, progress=False)
+        train, _, _ = shard_datasets(Path(tmp) / "shards", seq_len, 0.05)
+        stream = iter(StreamSampler(len(train), b, 0, 1, seed=0))
+        weights = torch.randn(256, 256, requires_grad=True)
+        alone, after = [], []
+        for _ in range(batches):
+            indices = next(stream)
+            started = time.thread_time()
+            train[indices]
+            alone.append(time.thread_time() - started)
+            for _ in range(20):
+                (weights @ weights).sum().backward()
+            started = time.thread_time()
+            train[indices]
+            after.append(time.thread_time() - started)
+    print(f"data=shards micro-batch of {b} x {seq_len + 1}, {batches} of them: median "
+          f"{statistics.median(alone) * 1e6:.0f} us of CPU alone, {statistics.median(after) * 1e6:.0f} us right after "
+          "a backward pass (20 of a 256 x 256 matmul)")
+
+
 def _split(window: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(inputs, targets) of a batch of windows, as ShardWindows returns them."""
     return window[:, :-1].contiguous(), window[:, 1:].contiguous()
@@ -260,7 +305,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads; default: torch's")
-    parser.add_argument("--what", choices=("workers", "sampler", "prepare", "loader"), default="workers")
+    parser.add_argument("--what", choices=("workers", "sampler", "prepare", "loader", "gather"),
+                        default="workers")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
     if args.what == "sampler":
@@ -269,6 +315,8 @@ def main() -> None:
         return prepare_throughput(args.rounds)
     if args.what == "loader":
         return loader_throughput(args.rounds)
+    if args.what == "gather":
+        return gather_costs()
     if args.threads:
         torch.set_num_threads(args.threads)
     logging.getLogger("trainflow").setLevel(logging.WARNING)
