@@ -163,7 +163,7 @@ def test_two_ranks_map_only_the_shards_of_their_own_windows(prepared: Path, tmp_
     assert run.returncode == 0, run.stderr[-3000:]
     opened: dict[int, set[str]] = {0: set(), 1: set()}
     for line in maps.read_text().splitlines():
-        rank, path = line.split(" ", 1)
+        rank, _, path = line.split(" ", 2)
         opened[int(rank)].add(Path(path).name)
     manifest = read_manifest(prepared)
     every = ShardWindows(prepared, manifest, 32)
@@ -181,3 +181,26 @@ def test_two_ranks_map_only_the_shards_of_their_own_windows(prepared: Path, tmp_
         assert opened[rank] == shards, f"rank {rank} mapped {sorted(opened[rank])}, its windows lie in {sorted(shards)}"
     assert len(windows[0]) == len(windows[1]) == 4 and not windows[0] & windows[1]
     assert all(len(o) < len(manifest["shards"]) for o in opened.values())
+
+
+def test_two_ranks_read_disjoint_whole_shards_as_a_sharded_stream(prepared: Path, tmp_path: Path) -> None:
+    """`data._target_=trainflow.data.shards.shard_stream` on 2 DDP ranks, 1 loader worker each: the shard files
+    each rank's worker maps (counted by tests/count_maps) are its own whole shards, r, r + 2, ..., disjoint from the
+    other's, and the saved position counts what each rank took of them. (The rank's main process maps the first
+    shard, for the batch's shapes, and the validation windows' shard: not training reads.)"""
+    maps = tmp_path / "maps.txt"
+    run = train(tmp_path / "run", *TINY_GPT, "data=custom", "data._target_=trainflow.data.shards.shard_stream",
+                f"+data.path={prepared}", "data.seq_len=32", "data.num_workers=1", "model.vocab_size=512",
+                "trainer.batch_size=2", "trainer.max_steps=3", "trainer.eval_every=0", "trainer.eval_steps=1",
+                "parallelism=ddp", "parallelism.nproc_per_node=2", "checkpoint=dcp", "checkpoint.every_steps=3",
+                f"checkpoint.dir={tmp_path / 'ck'}",
+                env={"PYTHONPATH": str(ROOT / "tests" / "count_maps"), "TRAINFLOW_TEST_MAPS": str(maps)})
+    assert run.returncode == 0, run.stderr[-3000:]
+    read: dict[int, set[str]] = {0: set(), 1: set()}
+    for line in maps.read_text().splitlines():
+        rank, process, path = line.split(" ", 2)
+        if process == "worker":
+            read[int(rank)].add(Path(path).name)
+    assert read == {0: {shard_name(0)}, 1: {shard_name(1)}}  # 3 micro-batches of 2 windows: each its first shard
+    taken = [json.loads((tmp_path / "ck" / "step_00000003" / f"data_rank{r:05d}.json").read_text()) for r in (0, 1)]
+    assert [t["taken"] for t in taken] == [{"0": 6}, {"1": 6}] and all(t["sharded"] for t in taken)

@@ -10,6 +10,8 @@ Training cuts each shard into windows of `seq_len + 1` tokens (a window never sp
 windows of all shards in order: the global sample stream (data/stream.py) serves them as it serves any map-style
 dataset, so the stream, its resume on any world size and its per-epoch shuffle are the same. A shard is mapped
 the first time a rank reads a window of it, so each rank opens only the shards its positions fall in.
+`shard_stream` (a `data._target_`) serves the same windows as a sharded stream instead: whole shards per rank and
+worker, disjoint, in order within each shard.
 """
 
 from __future__ import annotations
@@ -19,13 +21,14 @@ import logging
 import multiprocessing
 import os
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 import xxhash
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, IterableDataset
 
 from trainflow.data.text import PIECES_AT_ONCE, Corpus, _pieces
 from trainflow.data.tokenizers import Tokenizer
@@ -266,3 +269,46 @@ def shard_datasets(folder: Path, seq_len: int, val_fraction: float) -> tuple[Sha
     return (ShardWindows(folder, manifest, seq_len, 0, split),
             ShardWindows(folder, manifest, seq_len, split, len(every) - split), manifest)
 
+
+
+class ShardStream(IterableDataset):
+    """The prepared training windows as a sharded stream (data/sharded.py): `shard(i)` yields shard i's windows in
+    order, each `(inputs, targets)`, so every rank and worker reads whole shards of its own, disjoint from the
+    others' (the trade: no shuffle across shards, where data=shards shuffles every window of the corpus)."""
+
+    def __init__(self, windows: ShardWindows) -> None:
+        self.windows = windows
+        self.num_shards = len(windows.names)
+
+    def shard(self, index: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        w = self.windows
+        first, end = max(int(w.begins[index]), w.first), min(int(w.ends[index]), w.first + w.count)
+        for i in range(first - w.first, end - w.first):  # the windows of the shard that lie in this split
+            inputs, targets = w[torch.tensor([i])]
+            yield inputs[0], targets[0]
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        for index in range(self.num_shards):
+            yield from self.shard(index)
+
+
+class WindowItems(Dataset):
+    """ShardWindows one window at a time, as a `data._target_`'s map-style dataset is read (and then collated)."""
+
+    def __init__(self, windows: ShardWindows) -> None:
+        self.windows = windows
+
+    def __len__(self) -> int:
+        return len(self.windows)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        inputs, targets = self.windows[torch.tensor([i])]
+        return inputs[0], targets[0]
+
+
+def shard_stream(path: str, seq_len: int, val_fraction: float = 0.05) -> dict[str, Dataset]:
+    """A `data._target_`: the prepared folder's training windows as a sharded stream (whole shards per rank and
+    worker), its validation windows map-style. `data=custom data._target_=trainflow.data.shards.shard_stream
+    +data.path=DIR data.seq_len=N`."""
+    train, val, _ = shard_datasets(Path(path).expanduser(), seq_len, val_fraction)
+    return {"train": ShardStream(train), "val": WindowItems(val)}
