@@ -190,7 +190,8 @@ def test_two_ranks_read_disjoint_whole_shards_as_a_sharded_stream(prepared: Path
     shard, for the batch's shapes, and the validation windows' shard: not training reads.)"""
     maps = tmp_path / "maps.txt"
     run = train(tmp_path / "run", *TINY_GPT, "data=custom", "data._target_=trainflow.data.shards.shard_stream",
-                f"+data.path={prepared}", "data.seq_len=32", "data.num_workers=1", "model.vocab_size=512",
+                f"+data.path={prepared}", "data.seq_len=32", "+data.vocab_size=${model.vocab_size}",
+                "data.num_workers=1", "model.vocab_size=512",
                 "trainer.batch_size=2", "trainer.max_steps=3", "trainer.eval_every=0", "trainer.eval_steps=1",
                 "parallelism=ddp", "parallelism.nproc_per_node=2", "checkpoint=dcp", "checkpoint.every_steps=3",
                 f"checkpoint.dir={tmp_path / 'ck'}",
@@ -204,3 +205,22 @@ def test_two_ranks_read_disjoint_whole_shards_as_a_sharded_stream(prepared: Path
     assert read == {0: {shard_name(0)}, 1: {shard_name(1)}}  # 3 micro-batches of 2 windows: each its first shard
     taken = [json.loads((tmp_path / "ck" / "step_00000003" / f"data_rank{r:05d}.json").read_text()) for r in (0, 1)]
     assert [t["taken"] for t in taken] == [{"0": 6}, {"1": 6}] and all(t["sharded"] for t in taken)
+
+
+def test_shards_of_a_larger_vocabulary_than_the_model_are_refused_in_one_line(prepared: Path) -> None:
+    """data=shards and shard_stream alike: the line names model.vocab_size and the number to set."""
+    from omegaconf import OmegaConf
+
+    from trainflow.data import build_datasets
+    from trainflow.data.shards import shard_stream
+    from trainflow.errors import ConfigError
+
+    said = (f"model.vocab_size: is 256, but the shards in {prepared} were prepared with a tokenizer of 512 tokens; "
+            "set model.vocab_size=512 (or tokenizer.vocab_size, which it follows)")
+    data = OmegaConf.create({"kind": "shards", "path": str(prepared), "seq_len": 32, "val_fraction": 0.05})
+    with pytest.raises(ConfigError, match="^" + re.escape(said) + "$"):
+        build_datasets(data, OmegaConf.create({"vocab_size": 256}))
+    with pytest.raises(ConfigError, match="^" + re.escape(said) + "$"):
+        shard_stream(str(prepared), 32, vocab_size=256)
+    assert len(shard_stream(str(prepared), 32, vocab_size=512)["val"]) == len(build_datasets(
+        data, OmegaConf.create({"vocab_size": 512})).val)

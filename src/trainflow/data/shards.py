@@ -32,7 +32,7 @@ from torch.utils.data import Dataset, IterableDataset
 
 from trainflow.data.text import PIECES_AT_ONCE, Corpus, _pieces
 from trainflow.data.tokenizers import Tokenizer
-from trainflow.errors import DataError
+from trainflow.errors import ConfigError, DataError
 from trainflow.files import atomic_path, write_atomic
 
 log = logging.getLogger(__name__)
@@ -257,6 +257,14 @@ class ShardWindows(Dataset):
         return window[:, :-1].contiguous(), window[:, 1:].contiguous()
 
 
+def check_vocab(manifest: dict, vocab_size: int | None, folder: str) -> None:
+    """Shards of more tokens than the model's vocabulary stop the run in one line (not an embedding's IndexError)."""
+    if vocab_size is not None and manifest["vocab_size"] > vocab_size:
+        raise ConfigError(f"model.vocab_size: is {vocab_size}, but the shards in {folder} were prepared with a "
+                          f"tokenizer of {manifest['vocab_size']} tokens; set model.vocab_size={manifest['vocab_size']}"
+                          f" (or tokenizer.vocab_size, which it follows)")
+
+
 def shard_datasets(folder: Path, seq_len: int, val_fraction: float) -> tuple[ShardWindows, ShardWindows, dict]:
     """The train windows (the first 1 - val_fraction of them) and the validation ones, and the manifest."""
     manifest = read_manifest(folder)
@@ -306,9 +314,11 @@ class WindowItems(Dataset):
         return inputs[0], targets[0]
 
 
-def shard_stream(path: str, seq_len: int, val_fraction: float = 0.05) -> dict[str, Dataset]:
+def shard_stream(path: str, seq_len: int, val_fraction: float = 0.05,
+                 vocab_size: int | None = None) -> dict[str, Dataset]:
     """A `data._target_`: the prepared folder's training windows as a sharded stream (whole shards per rank and
     worker), its validation windows map-style. `data=custom data._target_=trainflow.data.shards.shard_stream
-    +data.path=DIR data.seq_len=N`."""
-    train, val, _ = shard_datasets(Path(path).expanduser(), seq_len, val_fraction)
+    +data.path=DIR data.seq_len=N +data.vocab_size=${model.vocab_size}` (checked against the shards)."""
+    train, val, manifest = shard_datasets(Path(path).expanduser(), seq_len, val_fraction)
+    check_vocab(manifest, vocab_size, path)
     return {"train": ShardStream(train), "val": WindowItems(val)}
