@@ -11,7 +11,7 @@ Gates:
 - baseline.learns: the baseline ran and its loss went down.
 - compile.numerics: compile.check (compiled vs eager loss and gradients, one batch, same weights) passed.
 - compile.loss_parity: the compiled run's loss at every step is within ladder.loss_rtol of the baseline's.
-- compile.graph_breaks: 0 breaks passes; breaks only warn (each is a compiled region that ends early).
+- compile.graph_breaks: 0 breaks passes; breaks only warn (at each, a compiled graph ends early).
 - compile.recompiles: the recompile limit was not hit (beyond it dynamo silently runs eager).
 - profile.next_step: the profiler recorded a verdict; its recommended action is the next step.
 - scale.ddp / scale.fsdp: the parity check against a one-process reference passed, and the loss curve
