@@ -39,7 +39,7 @@ from trainflow.loggers.writer import MetricsWriter
 from trainflow.metrics import PeakMemory, Throughput, count_train_flops, host_load, mfu, peak_flops
 from trainflow.models import build_model
 from trainflow.nonfinite import NonFiniteGuard
-from trainflow.optim import build_optimizer, schedule_moves
+from trainflow.optim import build_optimizer, schedule_changes_lr
 from trainflow.precision import autocast_for, configure_matmul, matmul_math
 from trainflow.profiler import Profiler
 from trainflow.seeding import SEED_STRIDE, seed_everything
@@ -164,8 +164,9 @@ def assemble(cfg: DictConfig, run_dir: Path, env: DistEnv, stage_types: Sequence
         trainer, state, task, iter(loader), trainable=list(model.parameters()), autocast=autocast,
         name_part=record_function if profiled else unnamed,
         guard=next(stage for stage in stages if isinstance(stage, NonFiniteGuard)),
-        batch_device=env.device if env.device.type != "cpu" else None, pin=pin, schedule_moves=schedule_moves(optim),
-        metrics_every_step=cfg.task.get("train_metrics") == "every_step", global_batch=global_batch)
+        batch_device=env.device if env.device.type != "cpu" else None, pin=pin,
+        steps_schedule=schedule_changes_lr(optim), metrics_every_step=cfg.task.get("train_metrics") == "every_step",
+        global_batch=global_batch)
     return Run(ctx, training, stages, metric_names, parameters, flops_absent, auto_plan, resumed_from)
 
 

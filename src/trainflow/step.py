@@ -34,7 +34,7 @@ class Training:
     guard: NonFiniteGuard  # trainer.nonfinite=skip_step decides inside the step
     batch_device: torch.device | None  # where batches are moved (None: the loader's tensors are already there)
     pin: bool  # batches are pinned and copied asynchronously
-    schedule_moves: bool  # False: a constant schedule without warm-up is not stepped
+    steps_schedule: bool  # False: a constant schedule without warm-up is not stepped
     metrics_every_step: bool  # task.train_metrics=every_step; else the task's metrics at log steps only
     global_batch: int
 
@@ -74,7 +74,7 @@ def train_step(training: Training) -> None:
             guard.drop_update(state.optimizer, state.scheduler)
         else:
             state.optimizer.step()
-            if training.schedule_moves:
+            if training.steps_schedule:
                 state.scheduler.step()
             state.optimizer.zero_grad(set_to_none=True)
     state.step += 1
