@@ -19,6 +19,7 @@ from typing import Any, Protocol
 from omegaconf import DictConfig, OmegaConf
 
 from trainflow.config import OptimConfig, TrainerConfig
+from trainflow.loggers.process import LOGGER_CLASS, ProcessLogger
 from trainflow.targets import call, import_target
 
 IDS_FILE = "loggers.json"  # {logger name: its tracked run's id}, in the run directory
@@ -78,13 +79,11 @@ def build_loggers(section: DictConfig | dict) -> dict[str, Logger]:
     return loggers
 
 
-def build_logger(name: str, target: str, kwargs: dict[str, Any], here: bool = False) -> Logger:
+def build_logger(name: str, target: str, kwargs: dict[str, Any]) -> Logger:
     """`target(**kwargs)`; in a process of its own when its class says `in_own_process = True` (its client's cost
-    stays out of the loop's process), unless `here` (that process builds it)."""
-    logger_class = import_target(f"logger.{name}._target_", target, "a logger class (see docs/loggers.md)")
-    if getattr(logger_class, "in_own_process", False) and not here:
-        from trainflow.loggers.process import ProcessLogger
-
+    stays out of the loop's process)."""
+    logger_class = import_target(f"logger.{name}._target_", target, LOGGER_CLASS)
+    if getattr(logger_class, "in_own_process", False):
         return ProcessLogger(name, target, kwargs)
     return call(f"logger.{name}", target, logger_class, kwargs)
 

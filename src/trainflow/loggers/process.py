@@ -28,6 +28,7 @@ from typing import Any, BinaryIO
 
 log = logging.getLogger(__name__)
 
+LOGGER_CLASS = "a logger class (see docs/loggers.md)"  # what a logger's _target_ must name, as errors say it
 MAX_UNANSWERED = 64  # calls in flight before the loop waits for the child: the pipe's backlog stays bounded
 FINISH_TIMEOUT_S = 120  # for `finish` (the last metrics, artifacts, the status) before the child is given up
 
@@ -37,8 +38,8 @@ class ProcessLogger:
 
     def __init__(self, name: str, target: str, kwargs: dict[str, Any]) -> None:
         self.name = name
-        self._child = subprocess.Popen([sys.executable, "-m", "trainflow.loggers.process"], stdin=subprocess.PIPE,
-                                       stdout=subprocess.PIPE)
+        self._child = subprocess.Popen([sys.executable, "-c", "from trainflow.loggers.process import main; main()"],
+                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         self._lock = threading.Condition()
         self._sent = self._answered = 0
         self._answers: dict[int, Any] = {}  # a waited-for call's answer, by its number
@@ -174,7 +175,7 @@ def _portable(exc: BaseException) -> BaseException:
 
 def serve(requests: BinaryIO, answers: BinaryIO) -> None:
     """The child's loop: build the logger, then answer each call in order, until the trainer closes the pipe."""
-    from trainflow.loggers import build_logger
+    from trainflow.targets import call_target
 
     lock = threading.Lock()
 
@@ -196,7 +197,7 @@ def serve(requests: BinaryIO, answers: BinaryIO) -> None:
         try:
             if method == "build":
                 name, target, kwargs = args
-                logger = build_logger(name, target, kwargs, here=True)
+                logger = call_target(f"logger.{name}", target, kwargs, LOGGER_CLASS)
                 value = None
             else:
                 value = getattr(logger, method)(*args)
@@ -212,6 +213,3 @@ def main() -> None:
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # what a library prints cannot corrupt the answers
     serve(sys.stdin.buffer, answers)
 
-
-if __name__ == "__main__":
-    main()
