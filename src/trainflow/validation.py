@@ -171,6 +171,32 @@ def validate_parallelism(cfg: DictConfig) -> None:
              f"must be > 0, or null for the device's free memory; got {p.memory_budget_gb}")
     _require(0 < p.memory_headroom <= 1, "parallelism.memory_headroom",
              f"must be in (0, 1]; got {p.memory_headroom}")
+    validate_fault_tolerance(cfg)
+
+
+def validate_fault_tolerance(cfg: DictConfig) -> None:
+    """parallelism.fault_tolerance=torchft: the extra installed, one-rank replica groups, a place in the groups."""
+    p = cfg.parallelism
+    _one_of(cfg, "parallelism.fault_tolerance", ("off", "torchft"))
+    if p.fault_tolerance == "off":
+        return
+    from trainflow.distributed.fault_tolerance import torchft_installed
+
+    _require(torchft_installed(), "parallelism.fault_tolerance",
+             "torchft needs torchft, which is not installed: pip install 'trainflow[ft]', or set it to off")
+    _require(p.strategy == "single", "parallelism.fault_tolerance",
+             f"torchft trains replica groups of one rank each (parallelism=single, one job per group); got "
+             f"parallelism={p.strategy}: run each group as parallelism=single, or set it to off")
+    ft = p.ft
+    _require(ft.replica_groups >= 2, "parallelism.ft.replica_groups",
+             f"must be >= 2 (one group has no peer to train on without); got {ft.replica_groups}")
+    _require(0 <= ft.replica_id < ft.replica_groups, "parallelism.ft.replica_id",
+             f"must be in [0, {ft.replica_groups - 1}] (parallelism.ft.replica_groups={ft.replica_groups}); "
+             f"got {ft.replica_id}")
+    _require(1 <= ft.min_replicas <= ft.replica_groups, "parallelism.ft.min_replicas",
+             f"must be in [1, {ft.replica_groups}]; got {ft.min_replicas}")
+    for key in ("timeout_s", "heartbeat_timeout_s", "join_timeout_s"):
+        _require(ft[key] > 0, f"parallelism.ft.{key}", f"must be > 0; got {ft[key]}")
 
 
 def validate_tp_sizes(cfg: DictConfig) -> None:
