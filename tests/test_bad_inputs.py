@@ -98,6 +98,12 @@ def empty_corpus(ctx: Ctx) -> None:
     (ctx.tmp / "empty.txt").write_text("")
 
 
+def torchft_hidden(ctx: Ctx) -> None:
+    """A Python that cannot import torchft (a sitecustomize on PYTHONPATH blocks it): as if it were not installed."""
+    (ctx.tmp / "no_torchft").mkdir()
+    (ctx.tmp / "no_torchft" / "sitecustomize.py").write_text("import sys\nsys.modules['torchft'] = None\n")
+
+
 def file_in_the_way(ctx: Ctx) -> None:
     (ctx.tmp / "notes").write_text("not a folder")
 
@@ -420,6 +426,17 @@ CASES = [
     Case("straggler-intervals-zero", "scale", "a straggler named after no log interval at all",
          ("parallelism=ddp", "parallelism.nproc_per_node=2", "parallelism.straggler.intervals=0"),
          "Error: parallelism.straggler.intervals: must be a positive integer (log intervals in a row); got 0"),
+    Case("torchft-missing", "scale", "fault tolerance asked for without torchft installed",
+         ("parallelism.fault_tolerance=torchft",),
+         "Error: parallelism.fault_tolerance: torchft needs torchft, which is not installed: pip install "
+         "'trainflow[ft]', or set it to off", setup=torchft_hidden, env=(("PYTHONPATH", "{tmp}/no_torchft"),)),
+    Case("torchft-with-fsdp", "scale", "fault tolerance with a strategy it does not run (FSDP over 2 ranks)",
+         ("parallelism=fsdp", "parallelism.nproc_per_node=2", "parallelism.fault_tolerance=torchft"),
+         "Error: parallelism.fault_tolerance: torchft trains replica groups of one rank each (parallelism=single, "
+         "one job per group); got parallelism=fsdp: run each group as parallelism=single, or set it to off"),
+    Case("torchft-replica-id-outside", "scale", "a replica group id outside the groups",
+         ("parallelism.fault_tolerance=torchft", "parallelism.ft.replica_id=2"),
+         "Error: parallelism.ft.replica_id: must be in [0, 1] (parallelism.ft.replica_groups=2); got 2"),
     Case("fsdp-blocks-without-blocks", "scale", "FSDP per-block wrapping of a model without blocks",
          ("model=mlp", "data=synthetic", "parallelism=fsdp", "parallelism.nproc_per_node=2",
           "parallelism.fsdp.wrap=blocks"),
