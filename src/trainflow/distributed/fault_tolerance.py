@@ -102,8 +102,10 @@ class FaultTolerance(Stage):
         return stage
 
     def _create_manager(self) -> None:
+        # trainflow says each quorum change and each dropped update in one line; torchft logs them again, with a
+        # traceback for a lost peer's collective (a user debugging torchft lowers these levels, and sets RUST_LOG)
         for name in ("torchft", "torchft_quorums", "torchft_commits", "torchft_errors"):
-            logging.getLogger(name).setLevel(logging.WARNING)
+            logging.getLogger(name).setLevel(logging.CRITICAL)
         from torch.distributed import TCPStore
         from torchft import Manager, ProcessGroupGloo
 
