@@ -432,8 +432,9 @@ CASES = [
          "'trainflow[ft]', or set it to off", setup=torchft_hidden, env=(("PYTHONPATH", "{tmp}/no_torchft"),)),
     Case("torchft-with-fsdp", "scale", "fault tolerance with a strategy it does not run (FSDP over 2 ranks)",
          ("parallelism=fsdp", "parallelism.nproc_per_node=2", "parallelism.fault_tolerance=torchft"),
-         "Error: parallelism.fault_tolerance: torchft trains replica groups of one rank each (parallelism=single, "
-         "one job per group); got parallelism=fsdp: run each group as parallelism=single, or set it to off"),
+         "Error: parallelism.fault_tolerance: torchft trains replica groups of DDP ranks or of one rank "
+         "(parallelism=ddp or single, one job per group); got parallelism=fsdp: run each group as parallelism=ddp, "
+         "or set it to off"),
     Case("torchft-replica-id-outside", "scale", "a replica group id outside the groups",
          ("parallelism.fault_tolerance=torchft", "parallelism.ft.replica_id=2"),
          "Error: parallelism.ft.replica_id: must be in [0, 1] (parallelism.ft.replica_groups=2); got 2"),

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 from conftest import ROOT, wait_for, wait_for_log
 
@@ -68,16 +69,19 @@ def test_each_group_reads_its_own_share_of_the_stream() -> None:
     assert data_share(ParallelismConfig(), env) == (1, 2)
 
 
-def start_group(run_dir: Path, replica: int, port: int, pace: Path | None = None):
-    """One replica group: a trainflow run of its own, one thread (two groups share this machine's cores)."""
+def start_group(run_dir: Path, replica: int, port: int, ranks: int, pace: Path | None = None):
+    """One replica group: a trainflow run of its own (of `ranks` DDP ranks, which it starts itself), one thread a
+    rank (two groups share this machine's cores); a process group of its own, to be killed whole."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT / "tests"), os.environ.get("PYTHONPATH")) if p),
            **({"TEST_FT_PACE": str(pace)} if pace else {})}
     env.pop("HYDRA_FULL_ERROR", None)
     out = open(run_dir.parent / f"{run_dir.name}.out", "a")  # noqa: SIM115 (the child owns it)
-    return subprocess.Popen([sys.executable, str(ROOT / "train.py"), *GROUP, f"trainer.max_steps={MAX_STEPS}",
+    ddp = ["parallelism=ddp", f"parallelism.nproc_per_node={ranks}"] if ranks > 1 else []
+    return subprocess.Popen([sys.executable, str(ROOT / "train.py"), *GROUP, *ddp, f"trainer.max_steps={MAX_STEPS}",
                              f"parallelism.ft.replica_id={replica}", f"parallelism.ft.lighthouse_port={port}",
-                             f"hydra.run.dir={run_dir}"], cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+                             f"hydra.run.dir={run_dir}"], cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
+                            start_new_session=True)
 
 
 def console_steps(run_dir: Path) -> list[int]:
@@ -91,24 +95,26 @@ def logged_steps(run_dir: Path) -> list[int]:
             if "train/loss" in json.loads(line)]
 
 
-def test_a_killed_group_rejoins_from_its_peer_while_the_other_trains_on(tmp_path: Path) -> None:
-    """Group 1 is SIGKILLed after its step 5 and started again (a fresh run directory: nothing on disk to resume
-    from); group 0 never stops: it trains alone, with half the global batch, until group 1 is back; group 1
-    takes group 0's live state and both end at the same step with the same weights. Every step is accounted."""
+@pytest.mark.parametrize("ranks", [1, 2], ids=["groups-of-1", "groups-of-2"])
+def test_a_killed_group_rejoins_from_its_peer_while_the_other_trains_on(tmp_path: Path, ranks: int) -> None:
+    """Group 1 (every rank of it) is SIGKILLed after its step 5 and started again (a fresh run directory: nothing
+    on disk to resume from); group 0 never stops: it trains alone, with half the global batch, until group 1 is
+    back; group 1 takes group 0's live state and both end at the same step with the same weights. Every step is
+    accounted."""
     port, pace = free_port(), tmp_path / "pace"
     pace.touch()
     survivor_dir, killed_dir, rejoined_dir = tmp_path / "g0", tmp_path / "g1", tmp_path / "g1-again"
-    survivor = start_group(survivor_dir, 0, port, pace)
-    killed = start_group(killed_dir, 1, port)
+    survivor = start_group(survivor_dir, 0, port, ranks, pace)
+    killed = start_group(killed_dir, 1, port, ranks)
     rejoined = None
     try:
         wait_for(lambda: max(console_steps(killed_dir), default=0) >= KILL_AFTER, killed,
                  f"group 1 logged step {KILL_AFTER}", timeout=120)
-        killed.send_signal(signal.SIGKILL)
+        os.killpg(killed.pid, signal.SIGKILL)
         killed_at = time.time()
         assert killed.wait() == -signal.SIGKILL
         last_killed = max(console_steps(killed_dir))
-        rejoined = start_group(rejoined_dir, 1, port)
+        rejoined = start_group(rejoined_dir, 1, port, ranks)
         wait_for_log(rejoined_dir, "took the live state", rejoined, timeout=120)
         assert survivor.poll() is None  # it trained on all along
         pace.unlink()
@@ -116,7 +122,7 @@ def test_a_killed_group_rejoins_from_its_peer_while_the_other_trains_on(tmp_path
     finally:
         for proc in (survivor, killed, rejoined):
             if proc is not None and proc.poll() is None:
-                proc.kill()
+                os.killpg(proc.pid, signal.SIGKILL)
     ours = json.loads((survivor_dir / "summary.json").read_text())
     theirs = json.loads((rejoined_dir / "summary.json").read_text())
     ft, back = ours["fault_tolerance"], theirs["fault_tolerance"]
@@ -130,7 +136,7 @@ def test_a_killed_group_rejoins_from_its_peer_while_the_other_trains_on(tmp_path
     assert last_killed <= alone_from <= last_killed + 2 and back_at > alone_from, (last_killed, ft)
     # the steps trained alone: half the global batch each, counted and said
     shrunk = back_at - alone_from
-    assert ft["shrunk_steps"] >= shrunk and ft["missed_samples"] == ft["shrunk_steps"] * 16, ft
+    assert ft["shrunk_steps"] >= shrunk and ft["missed_samples"] == ft["shrunk_steps"] * 16 * ranks, ft
     assert set(ft["uncommitted_steps"]) <= {alone_from}, ft  # at most the step group 1 died in
     assert "1 of 2 replica groups train from step" in (survivor_dir / "train.log").read_text()
     # group 1 fetched the live state of the step group 0 had reached, and took the rest of the steps
@@ -148,5 +154,5 @@ def test_a_killed_group_rejoins_from_its_peer_while_the_other_trains_on(tmp_path
                "kill_to_rejoin_s": round(changes[1]["time"] - killed_at, 2), "heal_s": back["healed"]["seconds"],
                "steps_lost_by_group_1": lost, "steps_trained_alone": shrunk,
                "uncommitted_steps": len(ft["uncommitted_steps"])}
-    print("fault tolerance:", json.dumps(figures), file=sys.stderr)
+    print(f"fault tolerance, groups of {ranks}:", json.dumps(figures), file=sys.stderr)
 

@@ -184,9 +184,10 @@ def validate_fault_tolerance(cfg: DictConfig) -> None:
 
     _require(torchft_installed(), "parallelism.fault_tolerance",
              "torchft needs torchft, which is not installed: pip install 'trainflow[ft]', or set it to off")
-    _require(p.strategy == "single", "parallelism.fault_tolerance",
-             f"torchft trains replica groups of one rank each (parallelism=single, one job per group); got "
-             f"parallelism={p.strategy}: run each group as parallelism=single, or set it to off")
+    _require(p.strategy in ("single", "ddp") and p.tp == 1, "parallelism.fault_tolerance",
+             f"torchft trains replica groups of DDP ranks or of one rank (parallelism=ddp or single, one job per "
+             f"group); got parallelism={p.strategy}{f' with tp={p.tp}' if p.tp > 1 else ''}: run each group as "
+             "parallelism=ddp, or set it to off")
     ft = p.ft
     _require(ft.replica_groups >= 2, "parallelism.ft.replica_groups",
              f"must be >= 2 (one group has no peer to train on without); got {ft.replica_groups}")

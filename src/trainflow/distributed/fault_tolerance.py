@@ -109,20 +109,24 @@ class FaultTolerance(Stage):
         from torch.distributed import TCPStore
         from torchft import Manager, ProcessGroupGloo
 
-        ft = self.ft
-        if ft.lighthouse == "auto" and ft.replica_id == 0:
+        ft, env = self.ft, self.env
+        if ft.lighthouse == "auto" and ft.replica_id == 0 and env.rank == 0:
             self._lighthouse = start_lighthouse(ft)
         timeout = timedelta(seconds=ft.timeout_s)
-        # the group's own store, where the Manager's ranks find each other (one rank: this process hosts it)
-        self._store = TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
+        if env.distributed:  # the group's ranks find each other's Manager in the store of their own process group
+            store_addr, store_port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+        else:  # one rank: a store of its own, in this process
+            self._store = TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
+            store_addr, store_port = "localhost", self._store.port
         self.manager = Manager(
             pg=ProcessGroupGloo(timeout=timeout), load_state_dict=self._load, state_dict=self._live_state,
             min_replica_size=ft.min_replicas, use_async_quorum=False, timeout=timeout, quorum_timeout=timeout,
-            connect_timeout=timeout, rank=0, world_size=1, store_addr="localhost", store_port=self._store.port,
-            lighthouse_addr=lighthouse_address(ft), replica_id=f"trainflow_{ft.replica_id}")
+            connect_timeout=timeout, rank=env.rank, world_size=env.world_size, store_addr=store_addr,
+            store_port=store_port, lighthouse_addr=lighthouse_address(ft), replica_id=f"trainflow_{ft.replica_id}")
 
     def prepare(self, model: nn.Module) -> nn.Module:
-        """torchft's DDP: the gradient buckets are averaged through the Manager, across the groups present."""
+        """torchft's DDP in place of the group's own: each gradient bucket is averaged over the group's ranks, then
+        through the Manager over the groups present (its buckets never rebuilt: a restarted group's match)."""
         if not self.enabled:
             return model
         from torchft.ddp import DistributedDataParallel
@@ -130,7 +134,8 @@ class FaultTolerance(Stage):
         class Averaged(DistributedDataParallel):
             _comm_hook = staticmethod(_average)
 
-        return Averaged(self.manager, model)
+        inner = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+        return Averaged(self.manager, inner)
 
     def start(self, state: LoopState) -> None:
         """The first quorum: a group behind the others (restarted) takes their state here, before its data
@@ -202,10 +207,14 @@ class FaultTolerance(Stage):
 
 
 def _average(manager: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """DDP's communication hook: the bucket averaged over the groups present. A collective that fails (a group
-    lost inside it) leaves the bucket as it is: the Manager noted the error, and the step will not commit.
+    """DDP's communication hook: the bucket averaged over the group's ranks and the groups present. A collective
+    that fails (a group lost inside it) leaves the bucket as it is: the Manager noted the error, and the step will
+    not commit.
     (torchft 0.2's own hook asserts there instead: its work's future is never set when the wait fails.)"""
     buffer = bucket.buffer()
+    if dist.is_initialized() and dist.get_world_size() > 1:  # a group of several ranks: its own average first
+        dist.all_reduce(buffer)
+        buffer /= dist.get_world_size()
     manager.allreduce(buffer).wait()
     done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     done.set_result(buffer)
