@@ -1,13 +1,14 @@
 """Training through a lost replica group (parallelism.fault_tolerance=torchft).
 
-Replica groups are separate jobs (each its own trainflow run, today of one rank) that average their gradients
-through torchft's Manager, coordinated by torchft's lighthouse. Each step begins with a quorum: the groups alive
-now. A group that dies makes the others' all-reduce of that step fail; their update is dropped (the step counts,
-as a skipped step does) and from the next quorum on they train without it: the global batch shrinks to the groups
-present, said in the log and counted in summary.json. A group started again joins the next quorum and, being
-behind, fetches the live state (model, optimizer, schedule, step, position in the sample stream) from a peer over
-HTTP, not from disk; from then on every group applies the same averaged gradient to the same weights. (An iterable
-dataset's position is its own share's, not the peer's: a restarted group reads its share from where it started.)
+Replica groups are separate jobs (each its own trainflow run, of one rank or of DDP ranks) that average their
+gradients through torchft's Manager, coordinated by torchft's lighthouse; inside a group its ranks average first.
+Each step begins with a quorum: the groups alive now. A group that dies makes the others' all-reduce of that step
+fail; their update is dropped (the step counts, as a skipped step does) and from the next quorum on they train
+without it: the global batch shrinks to the groups present, said in the log and counted in summary.json. A group
+started again joins the next quorum and, being behind, fetches the live state (model, optimizer, schedule, step,
+position in the sample stream) from a peer over HTTP, not from disk; from then on every group applies the same
+averaged gradient to the same weights. (An iterable dataset's position is its own share's, not the peer's: a
+restarted group reads its share from where it started.)
 
 Each group reads its own share of the data stream: group g of G, rank r of its n data-parallel ranks, reads as
 rank g * n + r of G * n. Why the quorum is taken between steps (in `after_step`) and not in the optimizer's
@@ -62,11 +63,11 @@ def lighthouse_address(ft: FaultToleranceConfig) -> str:
     return f"http://localhost:{ft.lighthouse_port}" if ft.lighthouse == "auto" else ft.lighthouse
 
 
-def start_lighthouse(ft: FaultToleranceConfig, port: int | None = None) -> Any:
+def start_lighthouse(ft: FaultToleranceConfig) -> Any:
     """torchft's lighthouse in this process (it lives as long as the process does)."""
     from torchft.coordination import LighthouseServer
 
-    return LighthouseServer(bind=f"[::]:{ft.lighthouse_port if port is None else port}", min_replicas=ft.min_replicas,
+    return LighthouseServer(bind=f"[::]:{ft.lighthouse_port}", min_replicas=ft.min_replicas,
                             join_timeout_ms=int(ft.join_timeout_s * 1000), quorum_tick_ms=10,
                             heartbeat_timeout_ms=int(ft.heartbeat_timeout_s * 1000))
 
