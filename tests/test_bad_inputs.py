@@ -101,6 +101,12 @@ def empty_corpus(ctx: Ctx) -> None:
     (ctx.tmp / "empty.txt").write_text("")
 
 
+def torchft_hidden(ctx: Ctx) -> None:
+    """A Python that cannot import torchft (a sitecustomize on PYTHONPATH blocks it): as if it were not installed."""
+    (ctx.tmp / "no_torchft").mkdir()
+    (ctx.tmp / "no_torchft" / "sitecustomize.py").write_text("import sys\nsys.modules['torchft'] = None\n")
+
+
 def file_in_the_way(ctx: Ctx) -> None:
     (ctx.tmp / "notes").write_text("not a folder")
 
@@ -409,6 +415,17 @@ CASES = [
     Case("straggler-intervals-zero", "scale", "a straggler named after no log interval at all",
          ("parallelism=ddp", "parallelism.nproc_per_node=2", "parallelism.straggler.intervals=0"),
          "parallelism.straggler.intervals", ("positive integer", "got 0")),
+    Case("torchft-missing", "scale", "fault tolerance asked for without torchft installed",
+         ("parallelism.fault_tolerance=torchft",),
+         "parallelism.fault_tolerance", ("torchft is not installed", "pip install 'trainflow[ft]'", "set it to off"),
+         setup=torchft_hidden, env=(("PYTHONPATH", "{tmp}/no_torchft"),)),
+    Case("torchft-with-fsdp", "scale", "fault tolerance with a strategy it does not run (FSDP over 2 ranks)",
+         ("parallelism=fsdp", "parallelism.nproc_per_node=2", "parallelism.fault_tolerance=torchft"),
+         "parallelism.fault_tolerance", ("replica groups of DDP ranks or of one rank", "got parallelism=fsdp",
+                                         "run each group as parallelism=ddp")),
+    Case("torchft-replica-id-outside", "scale", "a replica group id outside the groups",
+         ("parallelism.fault_tolerance=torchft", "parallelism.ft.replica_id=2"),
+         "parallelism.ft.replica_id", ("must be in [0, 1]", "got 2")),
     Case("fsdp-blocks-without-blocks", "scale", "FSDP per-block wrapping of a model without blocks",
          ("model=mlp", "data=synthetic", "parallelism=fsdp", "parallelism.nproc_per_node=2",
           "parallelism.fsdp.wrap=blocks"),

@@ -37,6 +37,7 @@ class Training:
     steps_schedule: bool  # False: a constant schedule without warm-up is not stepped
     metrics_every_step: bool  # task.train_metrics=every_step; else the task's metrics at log steps only
     global_batch: int
+    commit: Callable[[], bool] | None = None  # torchft: False drops the update (a replica group lost in the step)
 
 
 def train_step(training: Training) -> None:
@@ -70,6 +71,8 @@ def train_step(training: Training) -> None:
         norm_due = trainer.grad_clip or state.log_due or guard.skips  # the norm is a pass over all gradients
         state.grad_norm = gradient_norm(training.trainable, trainer.grad_clip) if norm_due else None
         state.skipped = guard.skips and guard.skip_update(state.step + 1, state.grad_norm)
+        if training.commit is not None and not training.commit():  # asked every step: the Manager counts them
+            state.skipped = True
         if state.skipped:
             guard.drop_update(state.optimizer, state.scheduler)
         else:
