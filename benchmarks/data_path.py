@@ -9,17 +9,29 @@ with 2, worker processes prepare the next batches while the step runs.
     python benchmarks/data_path.py [--experiment digits] [--rounds 3] [--steps 150] [--threads N] [override ...]
     python benchmarks/data_path.py --what sampler     # the stream's order: per-index permutation vs randperm
     python benchmarks/data_path.py --what prepare     # trainflow prepare vs a plain tokenizers batch-encode loop
-    python benchmarks/data_path.py --what loader      # data=shards' windows vs Hugging Face datasets streaming
+    python benchmarks/data_path.py --what loader      # data=shards' windows vs datasets and Mosaic streaming
+    python benchmarks/data_path.py --what gather      # a data=shards micro-batch's CPU time, alone and after a step
 
 --what sampler: the memory (RSS growth) and time per micro-batch of the sample stream at n = 1e6, 1e9, 1e12
 samples, the per-index permutation (stream version 2) beside the stored torch.randperm (version 1) where it fits
 in memory (n = 1e6: 8 bytes a sample, so 1e9 would take 8 GB a rank). --what prepare: tokens/s of `trainflow
 prepare` with one worker (encode, write the shard, checksum it) against a loop that only encodes the same pieces
-with the same BPE, on the same corpus, alternating round by round. --what loader: tokens/s of micro-batches of 32
-windows of 129 tokens, from the prepared shards of trainflow's src/ (ShardWindows gathering the shuffled stream's
-indices from the memory maps) against `datasets.load_dataset("parquet", streaming=True)` over one parquet file
-per shard holding the same windows, read in order and stacked into the same batch tensor; Mosaic `streaming` is
-measured too when it is installed.
+with the same BPE, on the same corpus, alternating round by round. --what loader: tokens/s, of wall time and per
+CPU-second of the process (all its threads), of micro-batches of 32 windows of 129 tokens from 8 copies of
+trainflow's src/ prepared into shards: ShardWindows gathering the shuffled stream's indices from the memory maps;
+`datasets.load_dataset("parquet", streaming=True)` over one parquet file per shard holding the same windows, read
+in order and stacked into the same batch tensor; Mosaic `streaming.StreamingDataset` over the same windows written
+by its `MDSWriter` (local, no remote), shuffled as its users do (`shuffle=True`, its py1e default) and batched by
+its `StreamingDataLoader`; the three in turn within each round, no loader workers. Mosaic is measured only when it
+is installed (it is no dependency of trainflow's). Its requirements pull another torch (a CUDA build), so install
+it without them, with the few its import needs:
+
+    pip install --no-deps mosaicml-streaming==0.13.0 brotli python-snappy cramjam zstd catalogue
+
+(its package imports torchvision for its vision datasets; PyPI's torchvision is a CUDA build that does not load
+beside torch's CPU wheel, so without torchvision this script leaves that subpackage out). --what gather: the CPU
+time of one micro-batch of 8 windows of 33 tokens, alone and right after a backward pass: what the training
+process pays between two steps with data.num_workers=0.
 
 --threads sets torch's intra-op threads: on a machine whose cores other processes also use, two threads of a
 small model's step wait on each other (measured here: 7 ms a step with one thread, 40-80 ms with two), which
@@ -34,10 +46,15 @@ from __future__ import annotations
 
 import argparse
 import logging
+import shutil
 import statistics
+import sys
 import tempfile
 import time
+import types
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from hydra import compose, initialize_config_dir
@@ -118,8 +135,31 @@ def prepare_throughput(rounds: int) -> None:
           f"{', '.join(f'{r:.3f}' for r in ratios)})")
 
 
-def loader_throughput(rounds: int, batches: int = 300) -> None:
-    """Tokens/s of data=shards' windows against Hugging Face datasets streaming over the same windows."""
+def _timed(read: Callable[[], int]) -> tuple[float, float]:
+    """(tokens per second of wall time, tokens per CPU-second of this process, all its threads) of one read."""
+    wall, cpu = time.perf_counter(), time.process_time()
+    tokens = read()
+    return tokens / (time.perf_counter() - wall), tokens / (time.process_time() - cpu)
+
+
+def _import_mosaic() -> Any | None:
+    """Mosaic's `streaming`, or None when it is not installed. Its package imports its vision datasets, hence
+    torchvision, at import; PyPI's torchvision is a CUDA build that does not load beside torch's CPU wheel, so
+    when torchvision is absent that one subpackage (unused here) is left out."""
+    import importlib.util
+
+    if importlib.util.find_spec("streaming") is None:
+        return None
+    if importlib.util.find_spec("torchvision") is None:
+        sys.modules.setdefault("streaming.vision", types.ModuleType("streaming.vision"))
+    import streaming
+
+    return streaming
+
+
+def loader_throughput(rounds: int, batches: int = 1200, copies: int = 8) -> None:
+    """Tokens/s (wall and per CPU-second) of data=shards' windows against Hugging Face datasets streaming and Mosaic
+    streaming over the same windows, alternating within each round."""
     import datasets
     import numpy as np
     import pyarrow as pa
@@ -131,48 +171,131 @@ def loader_throughput(rounds: int, batches: int = 300) -> None:
     from trainflow.data.text import Corpus
 
     seq_len, b = 128, 32
-    corpus = Corpus.of(OmegaConf.create({"paths": [str(ROOT / "src")], "suffixes": [".py"]}))
+    tokens_a_batch = b * (seq_len + 1)
+    streaming = _import_mosaic()
     with tempfile.TemporaryDirectory() as tmp:
+        for copy in range(copies):  # a corpus of several epochs' worth of micro-batches: epoch starts stay rare
+            shutil.copytree(ROOT / "src", f"{tmp}/corpus/{copy}", ignore=shutil.ignore_patterns("__pycache__"))
+        corpus = Corpus.of(OmegaConf.create({"paths": [f"{tmp}/corpus"], "suffixes": [".py"]}))
         tok = corpus.tokenizer(OmegaConf.create({"kind": "bpe", "vocab_size": 4096, "cache_dir": f"{tmp}/tok"}))
         out = Path(tmp) / "shards"
-        prepare(corpus, tok, out, workers=1, shard_bytes=256 << 10, progress=False)
+        prepare(corpus, tok, out, workers=1, shard_bytes=1 << 20, progress=False)
         manifest = read_manifest(out)
-        files = []
-        for i, shard in enumerate(manifest["shards"]):  # the same windows, a parquet file a shard
-            tokens = np.fromfile(out / shard["name"], dtype=manifest["dtype"]).astype(np.int64)
-            rows = [tokens[k * seq_len:k * seq_len + seq_len + 1].tolist() for k in range((len(tokens) - 1) // seq_len)]
+        files, windows_of = [], []
+        for i, shard in enumerate(manifest["shards"]):  # the same windows, a parquet file (and an MDS shard) a shard
+            tokens = np.fromfile(out / shard["name"], dtype=manifest["dtype"])
+            rows = [tokens[k * seq_len:k * seq_len + seq_len + 1] for k in range((len(tokens) - 1) // seq_len)]
+            windows_of.append(rows)
             if rows:
                 files.append(f"{tmp}/p{i}.parquet")
-                pq.write_table(pa.table({"ids": rows}), files[-1])
-        ours, hf = [], []
-        for _ in range(rounds):
-            windows = ShardWindows(out, manifest, seq_len)
-            stream, started = iter(StreamSampler(len(windows), b, 0, 1, seed=0)), time.perf_counter()
+                pq.write_table(pa.table({"ids": [r.astype(np.int64).tolist() for r in rows]}), files[-1])
+        windows = ShardWindows(out, manifest, seq_len)
+
+        def ours() -> int:
+            stream = iter(StreamSampler(len(windows), b, 0, 1, seed=0))
             for _ in range(batches):
-                inputs, _ = windows[next(stream)]
-            ours.append(batches * b * (seq_len + 1) / (time.perf_counter() - started))
-            rows = datasets.load_dataset("parquet", data_files=files, split="train", streaming=True)
-            started, taken = time.perf_counter(), 0
+                windows[next(stream)]
+            return batches * tokens_a_batch
+
+        rows = datasets.load_dataset("parquet", data_files=files, split="train", streaming=True)
+
+        def hf() -> int:
+            taken = 0
             while taken < batches:  # pass after pass over the windows (a streaming dataset restarts when iterated)
                 batch = []
                 for row in rows:
                     batch.append(row["ids"])
                     if len(batch) == b:
-                        torch.tensor(batch)
+                        _split(torch.tensor(batch))
                         batch, taken = [], taken + 1
                         if taken == batches:
                             break
-            hf.append(batches * b * (seq_len + 1) / (time.perf_counter() - started))
-    print(f"{len(manifest['shards'])} shards, {manifest['tokens']} tokens; micro-batches of {b} x {seq_len + 1}")
-    print(f"data=shards (shuffled, memory-mapped): median {statistics.median(ours) / 1e6:7.2f}M tokens/s")
-    print(f"datasets streaming (in order, parquet): median {statistics.median(hf) / 1e6:7.2f}M tokens/s")
-    ratios = [a / c for a, c in zip(ours, hf, strict=True)]
-    print(f"data=shards / datasets streaming: median {statistics.median(ratios):.2f} (rounds: "
-          f"{', '.join(f'{r:.2f}' for r in ratios)})")
-    try:
-        import streaming  # noqa: F401
-    except ImportError:
-        print("Mosaic streaming: not installed (pip install mosaicml-streaming to measure it): skipped")
+            return batches * tokens_a_batch
+
+        mosaic = None
+        if streaming is not None:
+            mds = f"{tmp}/mds"
+            shard_limit = max(s["bytes"] for s in manifest["shards"]) + 1024  # about one MDS shard per shard
+            with streaming.MDSWriter(out=mds, columns={"tokens": f"ndarray:{manifest['dtype']}"},
+                                     size_limit=shard_limit) as writer:
+                for rows_of_shard in windows_of:
+                    for row in rows_of_shard:
+                        writer.write({"tokens": row})
+            # as its users read it: shuffled (its default py1e algorithm), its loader collating dicts of arrays
+            dataset = streaming.StreamingDataset(local=mds, shuffle=True, shuffle_seed=0, batch_size=b)
+            loader = streaming.StreamingDataLoader(dataset, batch_size=b, num_workers=0, collate_fn=_stack_tokens)
+
+            def mosaic() -> int:
+                tokens = 0
+                while tokens < batches * tokens_a_batch:  # whole epochs (its reader threads end with an epoch)
+                    for batch in loader:
+                        tokens += _split(batch)[0].numel() // seq_len * (seq_len + 1)
+                return tokens
+
+        readers = {"data=shards (shuffled, memory-mapped)": ours, "datasets streaming (in order, parquet)": hf}
+        if mosaic is not None:
+            readers["Mosaic StreamingDataset (shuffled py1e, MDS)"] = mosaic
+        results: dict[str, list[tuple[float, float]]] = {name: [] for name in readers}
+        for _ in range(rounds):
+            for name, read in readers.items():
+                results[name].append(_timed(read))
+    print(f"{len(manifest['shards'])} shards, {manifest['tokens']} tokens, {len(windows)} windows; "
+          f"{batches} micro-batches of {b} x {seq_len + 1} a round, {rounds} rounds; one process, no workers")
+    for name, figures in results.items():
+        print(f"{name:46s}: median {statistics.median(w for w, _ in figures) / 1e6:6.2f}M tokens/s, "
+              f"{statistics.median(c for _, c in figures) / 1e6:6.2f}M tokens per CPU-second")
+    baseline = results.pop("data=shards (shuffled, memory-mapped)")
+    for name, figures in results.items():
+        ratios = [a[1] / c[1] for a, c in zip(baseline, figures, strict=True)]
+        print(f"data=shards / {name.split(' (')[0]}, per CPU-second: median {statistics.median(ratios):.2f} (rounds: "
+              f"{', '.join(f'{r:.2f}' for r in ratios)})")
+    if streaming is None:
+        print("Mosaic streaming: not installed (see this script's docstring to install it): skipped")
+
+
+def gather_costs(batches: int = 400, b: int = 8, seq_len: int = 32) -> None:
+    """CPU time of one data=shards micro-batch alone and right after a backward pass (what the training process
+    pays between two steps with data.num_workers=0), in one process, alternating."""
+    from omegaconf import OmegaConf
+
+    from trainflow.data.shards import prepare, shard_datasets
+    from trainflow.data.stream import StreamSampler
+    from trainflow.data.text import Corpus
+
+    torch.set_num_threads(1)
+    corpus = Corpus.of(OmegaConf.create({"paths": [str(ROOT / "src")], "suffixes": [".py"]}))
+    with tempfile.TemporaryDirectory() as tmp:
+        tok = corpus.tokenizer(OmegaConf.create({"kind": "bpe", "vocab_size": 512, "cache_dir": f"{tmp}/tok"}))
+        prepare(corpus, tok, Path(tmp) / "shards", workers=1, progress=False)
+        train, _, _ = shard_datasets(Path(tmp) / "shards", seq_len, 0.05)
+        stream = iter(StreamSampler(len(train), b, 0, 1, seed=0))
+        weights = torch.randn(256, 256, requires_grad=True)
+        alone, after = [], []
+        for _ in range(batches):
+            indices = next(stream)
+            started = time.thread_time()
+            train[indices]
+            alone.append(time.thread_time() - started)
+            for _ in range(20):
+                (weights @ weights).sum().backward()
+            started = time.thread_time()
+            train[indices]
+            after.append(time.thread_time() - started)
+    print(f"data=shards micro-batch of {b} x {seq_len + 1}, {batches} of them: median "
+          f"{statistics.median(alone) * 1e6:.0f} us of CPU alone, {statistics.median(after) * 1e6:.0f} us right after "
+          "a backward pass (20 of a 256 x 256 matmul)")
+
+
+def _split(window: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(inputs, targets) of a batch of windows, as ShardWindows returns them."""
+    return window[:, :-1].contiguous(), window[:, 1:].contiguous()
+
+
+def _stack_tokens(samples: list[dict[str, Any]]) -> torch.Tensor:
+    """A Mosaic loader's collate: the samples' token arrays as one int64 tensor."""
+    import numpy as np
+
+    return torch.from_numpy(np.stack([s["tokens"] for s in samples]).astype(np.int64))
 
 
 def main() -> None:
@@ -182,7 +305,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads; default: torch's")
-    parser.add_argument("--what", choices=("workers", "sampler", "prepare", "loader"), default="workers")
+    parser.add_argument("--what", choices=("workers", "sampler", "prepare", "loader", "gather"),
+                        default="workers")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
     if args.what == "sampler":
@@ -191,6 +315,8 @@ def main() -> None:
         return prepare_throughput(args.rounds)
     if args.what == "loader":
         return loader_throughput(args.rounds)
+    if args.what == "gather":
+        return gather_costs()
     if args.threads:
         torch.set_num_threads(args.threads)
     logging.getLogger("trainflow").setLevel(logging.WARNING)

@@ -40,7 +40,7 @@ from torch import nn
 from trainflow.cli import register_with_hydra
 from trainflow.data import StreamSampler, build_datasets, make_loader
 from trainflow.distributed.process_group import process_group
-from trainflow.optim import build_optimizer, schedule_moves
+from trainflow.optim import build_optimizer, schedule_changes_lr
 from trainflow.run import assemble, run, train_loop, train_step
 from trainflow.tasks import build_task, cross_entropy
 
@@ -191,7 +191,7 @@ def part_by_part(cfg_of: Callable[[int], Any], steps: int, warmup: int) -> dict[
         model = instantiate(cfg.model)
         if optimizer_and_schedule:
             optimizer, scheduler = build_optimizer(model, cfg.optim, steps, torch.device("cpu"))
-            scheduler = scheduler if schedule_moves(cfg.optim) else None  # as train_step: a constant LR is not stepped
+            scheduler = scheduler if schedule_changes_lr(cfg.optim) else None  # as train_step does
         else:
             optimizer, scheduler = torch.optim.SGD(model.parameters(), lr=cfg.optim.lr,
                                                    momentum=cfg.optim.momentum), None

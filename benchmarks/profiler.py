@@ -1,6 +1,6 @@
 """What `profiler=schedule` costs on the steps it does not record, against `profiler=off`.
 
-One process trains one model with the training loop's shape (the same `record_function` regions as
+One process trains one model with the training loop's shape (the same `record_function` annotations as
 `run.py`, one `Profiler.step()` per step) in alternating blocks: a block with the profiler off, then a
 block with it on a schedule whose window closes early in the block, and so on. Only the steps the profiler
 does not record are timed: its idle wait steps and every step after its window closed (the window itself,

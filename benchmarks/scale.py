@@ -12,8 +12,8 @@ and exchanges activations in every layer, over gloo here: what NVLink does for T
 On a CPU, one process already uses every core through intra-op threads; two ranks split the cores (one thread
 each, as torchrun does) and add gradient communication, so the honest expectation there is a ratio below 1.
 Data parallelism pays when each rank brings its own device. On a machine that other work keeps busy the
-comparison tilts the other way: a process whose threads meet at every parallel region waits for its slowest,
-preempted thread, single-threaded ranks do not. The load average is printed with the figures for that reason.
+comparison tilts the other way: a process whose threads meet at the end of every parallel operator waits for its
+slowest, preempted thread, single-threaded ranks do not. The load average is printed with the figures for that reason.
 
     flock /tmp/trainflow-bench.lock .venv/bin/python benchmarks/scale.py [--rounds 3] [--steps 20] [--batch 8]
         [--no-profile]

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from conftest import ROOT, TINY_GPT, losses_by_step, train
 
 from trainflow.data.shards import MANIFEST, ShardWindows, prepare, read_manifest, shard_name
@@ -62,6 +63,25 @@ def test_a_rank_opens_only_the_shards_its_positions_fall_in(prepared: Path) -> N
         offset = (i - int(windows.begins[shard])) * 32
         expected = np.fromfile(prepared / shard_name(shard), dtype=np.uint16)[offset:offset + 33].astype(np.int64)
         assert inputs[1].tolist() == expected[:-1].tolist() and targets[1].tolist() == expected[1:].tolist()
+
+
+def test_a_batch_of_one_shard_and_one_across_shards_gather_the_same_tokens(prepared: Path) -> None:
+    """The one-gather path (every window in one shard) and the per-shard path return the shards' own tokens."""
+    manifest = read_manifest(prepared)
+    windows = ShardWindows(prepared, manifest, 32)
+    tokens = [np.fromfile(prepared / s["name"], dtype=np.uint16).astype(np.int64) for s in manifest["shards"]]
+
+    def expected(i: int) -> list[int]:
+        shard = int(np.searchsorted(windows.ends, i, side="right"))
+        offset = (i - int(windows.begins[shard])) * 32
+        return tokens[shard][offset:offset + 33].tolist()
+
+    last_of_first = int(windows.ends[0]) - 1
+    for batch in ([3, 0, last_of_first], [last_of_first, last_of_first + 1, int(windows.ends[-1]) - 1]):
+        inputs, targets = windows[torch.tensor(batch)]
+        assert inputs.dtype == targets.dtype == torch.int64 and inputs.is_contiguous() and targets.is_contiguous()
+        joined = [a + [b[-1]] for a, b in zip(inputs.tolist(), targets.tolist(), strict=True)]
+        assert joined == [expected(i) for i in batch] and torch.equal(inputs[:, 1:], targets[:, :-1])
 
 
 def test_an_interrupted_prepare_does_only_what_is_left(prepared: Path, tmp_path: Path) -> None:
@@ -127,3 +147,80 @@ def test_training_from_shards_learns_and_resumes_exactly(prepared: Path, tmp_pat
     assert again.returncode == 0, again.stderr
     resumed = losses_by_step(tmp_path / "again")
     assert min(resumed) == 7 and [resumed[s] for s in range(7, 13)] == [straight[s] for s in range(7, 13)]
+
+
+def test_two_ranks_map_only_the_shards_of_their_own_windows(prepared: Path, tmp_path: Path) -> None:
+    """A real run on 2 DDP ranks (gloo), counted from outside: every shard file each rank memory-maps
+    (tests/count_maps, an audit hook) is one its own stream positions fall in, training's and the final
+    evaluation's, or the first one, whose first windows every rank reads at start to check the batch's shapes;
+    no other. The ranks' windows are disjoint. (The shuffle is over the windows of the whole
+    corpus, so the ranks' shard sets may overlap: they read disjoint windows, not disjoint shards.)"""
+    maps = tmp_path / "maps.txt"
+    run = train(tmp_path / "run", *TINY_GPT, "data=shards", f"data.path={prepared}", "model.vocab_size=512",
+                "trainer.batch_size=2", "trainer.max_steps=2", "trainer.eval_every=0", "trainer.eval_steps=1",
+                "parallelism=ddp", "parallelism.nproc_per_node=2",
+                env={"PYTHONPATH": str(ROOT / "tests" / "count_maps"), "TRAINFLOW_TEST_MAPS": str(maps)})
+    assert run.returncode == 0, run.stderr[-3000:]
+    opened: dict[int, set[str]] = {0: set(), 1: set()}
+    for line in maps.read_text().splitlines():
+        rank, _, path = line.split(" ", 2)
+        opened[int(rank)].add(Path(path).name)
+    manifest = read_manifest(prepared)
+    every = ShardWindows(prepared, manifest, 32)
+    split = int(len(every) * 0.95)  # data.val_fraction's default: the validation windows follow the training ones
+    seed = run.summary["config"]["trainer"]["seed"]
+    windows = {}
+    for rank in range(2):
+        trained = iter(StreamSampler(split, 2, rank, 2, seed=seed))
+        read = [int(i) for _ in range(2) for i in next(trained)]
+        held_out = StreamSampler(len(every) - split, 2, rank, 2, 0, shuffle=False)
+        evaluated = [split + int(i) for i in next(iter(held_out))]
+        windows[rank] = set(read)
+        shapes = [0, 1]  # run.py's example batch: windows [0, trainer.batch_size)
+        shards = {shard_name(int(np.searchsorted(every.ends, i, side="right"))) for i in read + evaluated + shapes}
+        assert opened[rank] == shards, f"rank {rank} mapped {sorted(opened[rank])}, its windows lie in {sorted(shards)}"
+    assert len(windows[0]) == len(windows[1]) == 4 and not windows[0] & windows[1]
+    assert all(len(o) < len(manifest["shards"]) for o in opened.values())
+
+
+def test_two_ranks_read_disjoint_whole_shards_as_a_sharded_stream(prepared: Path, tmp_path: Path) -> None:
+    """`data._target_=trainflow.data.shards.shard_stream` on 2 DDP ranks, 1 loader worker each: the shard files
+    each rank's worker maps (counted by tests/count_maps) are its own whole shards, r, r + 2, ..., disjoint from the
+    other's, and the saved position counts what each rank took of them. (The rank's main process maps the first
+    shard, for the batch's shapes, and the validation windows' shard: not training reads.)"""
+    maps = tmp_path / "maps.txt"
+    run = train(tmp_path / "run", *TINY_GPT, "data=custom", "data._target_=trainflow.data.shards.shard_stream",
+                f"+data.path={prepared}", "data.seq_len=32", "+data.vocab_size=${model.vocab_size}",
+                "data.num_workers=1", "model.vocab_size=512",
+                "trainer.batch_size=2", "trainer.max_steps=3", "trainer.eval_every=0", "trainer.eval_steps=1",
+                "parallelism=ddp", "parallelism.nproc_per_node=2", "checkpoint=dcp", "checkpoint.every_steps=3",
+                f"checkpoint.dir={tmp_path / 'ck'}",
+                env={"PYTHONPATH": str(ROOT / "tests" / "count_maps"), "TRAINFLOW_TEST_MAPS": str(maps)})
+    assert run.returncode == 0, run.stderr[-3000:]
+    read: dict[int, set[str]] = {0: set(), 1: set()}
+    for line in maps.read_text().splitlines():
+        rank, process, path = line.split(" ", 2)
+        if process == "worker":
+            read[int(rank)].add(Path(path).name)
+    assert read == {0: {shard_name(0)}, 1: {shard_name(1)}}  # 3 micro-batches of 2 windows: each its first shard
+    taken = [json.loads((tmp_path / "ck" / "step_00000003" / f"data_rank{r:05d}.json").read_text()) for r in (0, 1)]
+    assert [t["taken"] for t in taken] == [{"0": 6}, {"1": 6}] and all(t["sharded"] for t in taken)
+
+
+def test_shards_of_a_larger_vocabulary_than_the_model_are_refused_in_one_line(prepared: Path) -> None:
+    """data=shards and shard_stream alike: the line names model.vocab_size and the number to set."""
+    from omegaconf import OmegaConf
+
+    from trainflow.data import build_datasets
+    from trainflow.data.shards import shard_stream
+    from trainflow.errors import ConfigError
+
+    said = (f"model.vocab_size: is 256, but the shards in {prepared} were prepared with a tokenizer of 512 tokens; "
+            "set model.vocab_size=512 (or tokenizer.vocab_size, which it follows)")
+    data = OmegaConf.create({"kind": "shards", "path": str(prepared), "seq_len": 32, "val_fraction": 0.05})
+    with pytest.raises(ConfigError, match="^" + re.escape(said) + "$"):
+        build_datasets(data, OmegaConf.create({"vocab_size": 256}))
+    with pytest.raises(ConfigError, match="^" + re.escape(said) + "$"):
+        shard_stream(str(prepared), 32, vocab_size=256)
+    assert len(shard_stream(str(prepared), 32, vocab_size=512)["val"]) == len(build_datasets(
+        data, OmegaConf.create({"vocab_size": 512})).val)

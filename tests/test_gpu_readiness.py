@@ -83,7 +83,7 @@ def test_reduce_overhead_under_ddp_or_fsdp_is_refused_in_one_line(strategy: str)
 
 def test_the_verdict_recommends_cuda_graphs_only_to_one_process() -> None:
     overhead_bound = {"steps": 3, "step_s": 0.3, "step_ms": [100.0] * 3,
-                      "seconds": {"overhead": 0.25, "forward_backward_compute": 0.05}, "regions": {}}
+                      "seconds": {"overhead": 0.25, "forward_backward_compute": 0.05}, "covered": {}}
     single = verdict(overhead_bound, "cuda")
     several = verdict(overhead_bound, "cuda", distributed=True)
     assert single["bound"] == several["bound"] == "cpu-overhead-bound"

@@ -187,6 +187,34 @@ def test_steps_replayed_after_a_crash_appear_once_in_every_logger(tmp_path: Path
         (s, 100.0 + s) for s in range(8, 11)]
 
 
+def test_steps_a_crash_kept_from_the_store_are_logged_again_from_metrics_jsonl(tmp_path: Path) -> None:
+    """The crashed process's last batches (steps 4..7) never reached the store (its logger's process died with
+    it): the resume at 5 logs 4 and 5 again from metrics.jsonl, then its own 6..10: each step once."""
+    from mlflow.tracking import MlflowClient
+
+    uri, run_dir = f"sqlite:///{tmp_path / 'mlflow.db'}", tmp_path / "run"
+    crashed = writer(run_dir, mlflow=MLflowLogger(uri))
+    crashed.start(CONFIG, 1, None)
+    for step in range(1, 4):
+        crashed.write(step, {"train/loss": 10.0 - step})
+    crashed.loggers["mlflow"].settle()
+    crashed.loggers = {}  # what it wrote from here on reached metrics.jsonl only
+    for step in range(4, 8):
+        crashed.write(step, {"train/loss": 10.0 - step})
+    crashed.close()
+    resumed = writer(run_dir, mlflow=MLflowLogger(uri))
+    resumed.start(CONFIG, 1, 5)
+    for step in range(6, 11):
+        resumed.write(step, {"train/loss": 100.0 + step})
+    resumed.finish("FINISHED")
+    resumed.close()
+    client = MlflowClient(uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("trainflow").experiment_id])
+    history = sorted(client.get_metric_history(run.info.run_id, "train/loss"), key=lambda m: m.step)
+    assert [(m.step, m.value) for m in history] == [(s, 10.0 - s) for s in range(1, 6)] + [
+        (s, 100.0 + s) for s in range(6, 11)]
+
+
 def test_a_sweep_is_a_parent_run_with_its_jobs_as_children_in_the_sqlite_default(tmp_path: Path) -> None:
     """`-m` with logger=[mlflow] and no tracking_uri: outputs/mlflow.db below the working directory, no server."""
     from mlflow.tracking import MlflowClient
@@ -258,8 +286,15 @@ def test_a_resume_continues_the_tracked_run_that_its_checkpoint_names(tmp_path: 
 
 def test_a_server_killed_mid_run_is_said_once_and_the_run_goes_on(server: Server, resumed: Path, tmp_path: Path,
                                                                  caplog: pytest.LogCaptureFixture) -> None:
-    """Last: it stops the module's server (after the resumed run, which it waits for)."""
-    run = writer(tmp_path / "run", mlflow=MLflowLogger(server.uri))
+    """Last: it stops the module's server (after the resumed run, which it waits for). The logger is built as a
+    run builds it, in a process of its own: its failure comes back to the writer as it would in-process."""
+    from trainflow.loggers import build_loggers
+    from trainflow.loggers.process import ProcessLogger
+
+    loggers = build_loggers({"mlflow": {"_target_": "trainflow.loggers.mlflow.MLflowLogger",
+                                        "tracking_uri": server.uri}})
+    assert isinstance(loggers["mlflow"], ProcessLogger)
+    run = writer(tmp_path / "run", **loggers)
     run.start(CONFIG, 1, None)
     run.write(1, {"train/loss": 1.0})
     server.stop()

@@ -16,7 +16,7 @@ from omegaconf import OmegaConf
 from torch import nn
 from torch.profiler import record_function
 
-from trainflow.checkpoint.checkpointer import CHECKPOINT_REGION
+from trainflow.checkpoint.checkpointer import CHECKPOINT_ANNOTATION
 from trainflow.config import ProfilerConfig
 from trainflow.distributed import DistEnv
 from trainflow.errors import ConfigError
@@ -48,7 +48,7 @@ def mlp(*widths: int) -> nn.Module:
 
 def drive(profiler: Profiler, model: nn.Module, batch: Callable[[], tuple[torch.Tensor, torch.Tensor]],
           steps: int, optimizer: torch.optim.Optimizer | None = None) -> dict | None:
-    """The training loop's shape (regions, one profiler.step() per step) around any model and batch source."""
+    """The training loop's shape (its annotations, one profiler.step() per step) around any model and batch source."""
     optimizer = optimizer or torch.optim.SGD(model.parameters(), lr=1e-3)
     with profiler:
         for _ in range(steps):
@@ -122,7 +122,7 @@ def test_ddp_on_gloo_shows_the_communication_share_on_every_rank(run_dir: Path) 
         assert len(allreduces) >= 3 and sum(e["dur"] for e in allreduces) > 0  # at least one bucket per step
         assert prof["per_rank"][str(rank)]["shares"]["communication"] > 0.15, prof["per_rank"]
     v = prof["verdict"]
-    assert v["regions"]["communication_in_flight"] >= v["shares"]["communication"] > 0.15
+    assert v["covered"]["communication_in_flight"] >= v["shares"]["communication"] > 0.15
     assert run.stdout.count("profiler verdict (rank 0") == 1 and "rank 1: " in run.stdout
 
 
@@ -146,7 +146,7 @@ def test_compiled_run_profiles_compiled_regions_after_the_compile_steps(run_dir:
 
 def test_checkpoint_traffic_is_not_counted_as_communication(tmp_path: Path) -> None:
     """Real gloo groups of 2 ranks, rank 1 played by a thread: the training all-reduces inside forward/backward
-    (rank 1 joins after 5 ms); the checkpoint stage, in its region and on a gloo group of its own, all-reduces
+    (rank 1 joins after 5 ms); the checkpoint stage, in its annotation and on a gloo group of its own, all-reduces
     too (rank 1 joins after 30 ms: a save's planning, its stop-flag poll). Only the training's collective is
     communication; counting the stage's would make the step look communication-bound."""
     import queue
@@ -190,7 +190,7 @@ def test_checkpoint_traffic_is_not_counted_as_communication(tmp_path: Path) -> N
                     all_reduce("train", 0.005)  # the training's communication
                 with record_function(OPTIMIZER):
                     pass
-                with record_function(CHECKPOINT_REGION):
+                with record_function(CHECKPOINT_ANNOTATION):
                     all_reduce("save", 0.03)  # the checkpoint stage's own
                 p.step()
         v = p.summary()["verdict"]
@@ -198,8 +198,8 @@ def test_checkpoint_traffic_is_not_counted_as_communication(tmp_path: Path) -> N
         calls.put(None)
         peer.join()
         groups.clear()
-    regions, shares = v["regions"], v["shares"]  # fractions of the step time
-    assert 0 < shares["communication"] <= regions["communication_in_flight"] <= regions["forward_backward"], v
+    covered, shares = v["covered"], v["shares"]  # fractions of the step time
+    assert 0 < shares["communication"] <= covered["communication_in_flight"] <= covered["forward_backward"], v
     assert shares["communication"] < 0.4 and shares["other"] > 0.5, v  # the stage's turn is the loop's "other"
 
 
@@ -212,7 +212,7 @@ def test_sleeping_loader_is_data_bound(tmp_path: Path) -> None:
     v = drive(p, mlp(32, 64, 4), slow_batch, steps=5)["verdict"]
     assert v["bound"] == "data-bound", v
     assert v["shares"]["data_wait"] > 0.6
-    assert v["regions"]["data"] == pytest.approx(v["shares"]["data_wait"], abs=1e-3)
+    assert v["covered"]["data"] == pytest.approx(v["shares"]["data_wait"], abs=1e-3)
     assert "data.num_workers" in v["action"] and "pin_memory" in v["action"] and "prefetch" in v["action"]
 
 
@@ -233,7 +233,7 @@ def test_tiny_ops_at_batch_one_are_overhead_bound_with_adamw(tmp_path: Path) -> 
     v = drive(p, model, lambda: (x, y), steps=6, optimizer=torch.optim.AdamW(model.parameters()))["verdict"]
     assert v["bound"] == "cpu-overhead-bound", v
     assert v["groups"]["cpu-overhead-bound"] > 3 * v["groups"]["compute-bound"]
-    assert v["regions"]["optimizer"] > 0.1  # AdamW's per-parameter loop of tiny ops is visible as its own region
+    assert v["covered"]["optimizer"] > 0.1  # AdamW's per-parameter loop of tiny ops is visible in its own annotation
     assert "compile" in v["action"] and "CUDA graphs" in v["action"]
 
 

@@ -62,7 +62,9 @@ def rendered() -> str:
     return "\n".join([
         BEGIN,
         f"{len(CASES)} bad inputs, each run as a real process by `tests/test_bad_inputs.py` (`<dir>` is a test "
-        "folder, `<ckpts>` a checkpoint folder holding two committed checkpoints that must stay byte-identical):",
+        "folder, `<ckpts>` a checkpoint folder holding two committed checkpoints that must stay byte-identical). "
+        "The test asserts the exit code and one line that names the key or path shown and then says the words "
+        "shown, in their order (… stands for the rest of the sentence):",
         "", *markdown_rows(), "",
         f"{len(FAULTS)} faults injected into real runs:", "", *faults, END,
     ])

@@ -110,7 +110,7 @@ def test_healthy_ranks_name_nobody_and_one_process_measures_nothing(run_dir) -> 
 
 
 def test_the_verdict_blames_a_straggler_only_for_the_ranks_that_wait_for_it() -> None:
-    waiting = {"steps": 3, "step_s": 0.3, "step_ms": [100.0] * 3, "regions": {},
+    waiting = {"steps": 3, "step_s": 0.3, "step_ms": [100.0] * 3, "covered": {},
                "seconds": {"communication": 0.2, "forward_backward_compute": 0.1}}
     straggler = {"rank": 1, "host": "node7", "ratio": 3.2}
     assert verdict(waiting, "cpu", True, straggler, rank=0)["cause"] == "a straggler rank"

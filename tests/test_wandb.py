@@ -1,13 +1,17 @@
 """The W&B logger, offline: its run files read back record by record with wandb's own protobufs (the scalars by
-step, the config, the summary, the exit code); a run stopped after a save and resumed is one W&B run id with each
-step once; a `python train.py` run without an API key or WANDB_MODE is offline, below its run directory.
+step, the config, the summary, the exit code; trainflow.loggers.wandb_files, as wandb 0.31 reads them only in its
+Go core); a run stopped after a save and resumed is one W&B run id with each step once, and so is one killed
+outright; a `python train.py` run without an API key or WANDB_MODE is offline, below its run directory.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import socket
-import struct
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -16,35 +20,12 @@ from omegaconf import OmegaConf
 
 from trainflow.loggers import RunInfo
 from trainflow.loggers.wandb import WandbLogger
+from trainflow.loggers.wandb_files import offline_runs, records
 from trainflow.loggers.writer import MetricsWriter
 
 wandb = pytest.importorskip("wandb")  # the dev extra has it; a bare install of trainflow does not
 
 CONFIG = OmegaConf.create({"trainer": {"max_steps": 10}, "optim": {"lr": 0.1}, "parallelism": {"strategy": "single"}})
-BLOCK, HEADER = 32768, 7  # the .wandb file: a 7-byte header, then LevelDB-log blocks of 7-byte-headed chunks
-FULL, FIRST, MIDDLE, LAST = 1, 2, 3, 4
-
-
-def records(path: Path) -> list:
-    """The protobuf records of a .wandb transaction log (wandb 0.31 reads it only in its Go core)."""
-    from wandb.proto.wandb_internal_pb2 import Record
-
-    data, pos, pending, out = path.read_bytes(), HEADER, b"", []
-    assert data[:4] == b":W&B"
-    while pos + HEADER <= len(data):
-        if BLOCK - pos % BLOCK < HEADER:  # a block's tail too short for a chunk header is padding
-            pos += BLOCK - pos % BLOCK
-            continue
-        _, length, kind = struct.unpack("<IHB", data[pos:pos + HEADER])
-        chunk, pos = data[pos + HEADER:pos + HEADER + length], pos + HEADER + length
-        if kind in (FULL, LAST):
-            record = Record()
-            record.ParseFromString(pending + chunk)
-            out.append(record)
-            pending = b""
-        elif kind in (FIRST, MIDDLE):
-            pending += chunk
-    return out
 
 
 def of_kind(recs: list, kind: str) -> list:
@@ -53,13 +34,6 @@ def of_kind(recs: list, kind: str) -> list:
 
 def items(update) -> dict:
     return {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in update}
-
-
-def offline_runs(wandb_dir: Path, run_id: str) -> list[Path]:
-    """The offline run folders of `run_id`, oldest first: `offline-run-<start time>-<id>`, with `-1`, `-2`, ...
-    for a resume started within the same second."""
-    stamp = len("offline-run-YYYYmmdd_HHMMSS")
-    return sorted(wandb_dir.glob(f"offline-run-*-{run_id}*"), key=lambda d: (d.name[:stamp], len(d.name), d.name))
 
 
 def run_records(folder: Path) -> list:
@@ -94,6 +68,7 @@ def test_a_stopped_and_resumed_run_is_one_offline_wandb_run_with_each_step_once(
         stopped.write(step, {"train/loss": 10.0 - step})
     stopped.finish("KILLED")  # a stop on a signal after the save of step 5
     stopped.close()
+    wandb.teardown()  # the W&B service writes the run files out when it stops, as at the stopped process's exit
     run_id = json.loads((run_dir / "loggers.json").read_text())["wandb"]
     resumed = writer(run_dir, WandbLogger(**keys))
     resumed.start(CONFIG, 1, 5)
@@ -175,3 +150,41 @@ def test_a_sweep_job_is_grouped_by_its_sweep_and_named_by_its_swept_values(
     assert (info.run_group, info.display_name, info.project) == ("day/time", "optim.lr=0.001", "trainflow")
     assert [e.exit_code for e in of_kind(recs, "exit")] == [1]
     assert (folder / "files" / "profiler.md").read_text() == "| operator | self ms/step |"
+
+
+CRASH = """
+import os, signal, sys
+from pathlib import Path
+from omegaconf import OmegaConf
+from trainflow.loggers.wandb import WandbLogger
+from trainflow.loggers.writer import MetricsWriter
+run_dir = Path(sys.argv[1])
+writer = MetricsWriter(run_dir, True, {"wandb": WandbLogger()})
+writer.start(OmegaConf.load(run_dir / "config.yaml"), 1, None)
+for step in range(1, 8):
+    writer.write(step, {"train/loss": 10.0 - step})
+os.kill(os.getpid(), signal.SIGKILL)  # a crash after the checkpoint of step 5: W&B gets no chance to write out
+"""
+
+
+def test_a_run_killed_outright_and_resumed_holds_each_step_once(tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the killed process's W&B run holds (its service dies with it: often nothing) is read back; the resumed
+    process logs again the steps up to the resumed one from metrics.jsonl, then its own."""
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path / "wb"))
+    run_dir = tmp_path / "run"
+    writer(run_dir, WandbLogger())  # the run directory's files
+    crashed = subprocess.run([sys.executable, "-c", CRASH, str(run_dir)], capture_output=True, text=True,
+                             timeout=120, env=os.environ)
+    assert crashed.returncode == -signal.SIGKILL, crashed.stderr[-2000:]
+    run_id = json.loads((run_dir / "loggers.json").read_text())["wandb"]
+    resumed = writer(run_dir, WandbLogger())
+    resumed.start(CONFIG, 1, 5)  # the checkpoint of step 5; metrics.jsonl keeps the crashed process's 1..5
+    for step in range(6, 11):
+        resumed.write(step, {"train/loss": 100.0 + step})
+    resumed.finish("FINISHED")
+    resumed.close()
+    wandb.teardown()
+    logged = [row for folder in offline_runs(tmp_path / "wb" / "wandb", run_id) for row in history(run_records(folder))]
+    assert sorted(logged) == [(s, 10.0 - s) for s in range(1, 6)] + [(s, 100.0 + s) for s in range(6, 11)]

@@ -15,7 +15,7 @@ from omegaconf import DictConfig
 from trainflow import sweeps
 from trainflow.config import register_configs
 from trainflow.env import env_rank
-from trainflow.errors import EXIT_INTERRUPTED, TrainflowError, traceback_wanted
+from trainflow.errors import EXIT_INTERRUPTED, TrainflowError, print_error, traceback_wanted
 from trainflow.ladder import register_resolvers as register_ladder_resolvers
 from trainflow.rundir import RUN_DIR_ENV
 from trainflow.rundir import register_resolvers as register_run_dir_resolvers
@@ -56,7 +56,7 @@ def run_from_hydra(cfg: DictConfig) -> float | None:
     except TrainflowError as exc:
         if traceback_wanted():
             raise
-        print(f"Error: {exc}", file=sys.stderr)
+        print_error(str(exc))
         if sweep_job and not os.environ.get(RUN_DIR_ENV):
             # Hydra's own launcher runs every job in this process: fail this job, not the sweep (Hydra runs the
             # rest, then exits non-zero naming the first failure)
@@ -191,6 +191,6 @@ def main(argv: list[str] | None = None) -> None:
     except TrainflowError as exc:
         if traceback_wanted():
             raise
-        print(f"Error: {exc}", file=sys.stderr)
+        print_error(str(exc))
         code = exc.exit_code
     sys.exit(code)

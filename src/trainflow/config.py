@@ -270,6 +270,20 @@ class StragglerConfig:
 
 
 @dataclass
+class FaultToleranceConfig:
+    """parallelism.fault_tolerance=torchft: replica groups that train on when one is lost (docs/scale.md)."""
+
+    replica_groups: int = 2  # jobs, each a trainflow run of its own, that average their gradients
+    replica_id: int = 0  # this job's group, 0 .. replica_groups - 1 (and its share of the sample stream)
+    lighthouse: str = "auto"  # a running torchft lighthouse (http://host:29510); auto: group 0 starts one, on its host
+    lighthouse_port: int = 29510  # where lighthouse=auto listens (the other groups look for it on localhost)
+    min_replicas: int = 1  # the fewest groups a step trains with
+    timeout_s: float = 30.0  # a quorum, a collective with a lost group, the fetch of a peer's state
+    heartbeat_timeout_s: float = 5.0  # lighthouse=auto: a group silent this long is left out of the next quorum
+    join_timeout_s: float = 10.0  # lighthouse=auto: how long a quorum waits for a live group that has not asked
+
+
+@dataclass
 class ParallelismConfig:
     strategy: str = "single"  # single | ddp | fsdp | hsdp (shard within a node, replicate across) | auto
     # degrees of the mesh (trainflow.distributed.mesh), their product the world size; -1: the rest of the world;
@@ -296,6 +310,8 @@ class ParallelismConfig:
     straggler: StragglerConfig = field(default_factory=StragglerConfig)  # runs of 2+ ranks, at log steps
     memory_budget_gb: float | None = None  # auto: memory one rank may use; null: free memory x memory_headroom
     memory_headroom: float = 0.8  # auto: the share of the free memory a plan may fill
+    fault_tolerance: str = "off"  # off | torchft (pip install 'trainflow[ft]'): train on through a lost replica group
+    ft: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
 
 
 @dataclass

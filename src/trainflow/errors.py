@@ -54,9 +54,16 @@ def traceback_wanted() -> bool:
     return os.environ.get("HYDRA_FULL_ERROR") == "1"
 
 
+def print_error(message: str) -> None:
+    """Write `Error: message` in one write: ranks that fail alike share one stderr, and print's two writes (text,
+    then newline) let their lines run into each other."""
+    sys.stderr.write(f"Error: {message}\n")
+    sys.stderr.flush()
+
+
 def user_error(message: str) -> NoReturn:
     """Stop with one line and exit code 2, as trainflow does for every input a user can fix."""
     if traceback_wanted():
         raise ConfigError(message)
-    print(f"Error: {message}", file=sys.stderr)
+    print_error(message)
     sys.exit(EXIT_USER_ERROR)

@@ -11,7 +11,7 @@ Gates:
 - baseline.learns: the baseline ran and its loss went down.
 - compile.numerics: compile.check (compiled vs eager loss and gradients, one batch, same weights) passed.
 - compile.loss_parity: the compiled run's loss at every step is within ladder.loss_rtol of the baseline's.
-- compile.graph_breaks: 0 breaks passes; breaks only warn (each is a compiled region that ends early).
+- compile.graph_breaks: 0 breaks passes; breaks only warn (at each, a compiled graph ends early).
 - compile.recompiles: the recompile limit was not hit (beyond it dynamo silently runs eager).
 - profile.next_step: the profiler recorded a verdict; its recommended action is the next step.
 - scale.ddp / scale.fsdp: the parity check against a one-process reference passed, and the loss curve
@@ -22,12 +22,14 @@ Gates:
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
 from trainflow.config import LADDER_RUNGS, LadderConfig
+from trainflow.errors import TrainflowError, user_error
 from trainflow.tolerance import TOLERANCE
 
 PASS, FAIL, WARN, NOT_EVALUATED = "PASS", "FAIL", "WARN", "NOT EVALUATED"
@@ -64,6 +66,23 @@ def register_resolvers() -> None:
                      ("trainflow_ladder_log_every", log_interval)):
         if not OmegaConf.has_resolver(name):
             OmegaConf.register_new_resolver(name, fn)
+
+
+def check_rungs(jobs: Iterable[tuple[int, DictConfig]]) -> None:
+    """Validate every rung of a ladder sweep before the first starts: a rung that cannot run as composed (a
+    profiler window past trainer.max_steps, say) fails the sweep at once, in one line naming the rung, rather
+    than after the rungs before it trained. `jobs`: each job's number and task config; jobs that are no rung
+    are left to themselves."""
+    from trainflow.validation import validate
+
+    for num, task in jobs:
+        rung = OmegaConf.select(task, "ladder.rung")
+        if not rung:
+            continue
+        try:
+            validate(task)
+        except TrainflowError as exc:
+            user_error(f"ladder={rung} (job #{num}): {exc}")
 
 
 @dataclass

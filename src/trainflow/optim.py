@@ -41,7 +41,7 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig | DictConfig, max_steps: 
     return optimizer, scheduler
 
 
-def schedule_moves(cfg: OptimConfig | DictConfig) -> bool:
+def schedule_changes_lr(cfg: OptimConfig | DictConfig) -> bool:
     """Whether the schedule ever changes the LR: a constant one without warm-up need not be stepped. The resume
     puts the schedule at the checkpoint's step whatever its saved position (checkpoint.state.restore_schedule)."""
     return cfg.schedule != "constant" or cfg.warmup_steps > 0

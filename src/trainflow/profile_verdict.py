@@ -24,7 +24,7 @@ import statistics
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from trainflow.checkpoint.checkpointer import CHECKPOINT_REGION
+from trainflow.checkpoint.checkpointer import CHECKPOINT_ANNOTATION
 
 SMALL_OP_US = 20.0  # on CPU, an operator whose self time is shorter than this is dispatch overhead
 # A call this many times slower than the same call in the other recorded steps was descheduled (a busy
@@ -119,9 +119,9 @@ def _training_collectives(collectives: list[tuple[Any, Interval]], main_thread: 
     """The collectives that are the training's communication, not the checkpoint stage's.
 
     The checkpoint stage has gloo groups of its own (the stop-flag poll, the async upload): their ops run on
-    those groups' worker threads, in the stage's region or later, in the background. A thread whose collectives
-    started in that region and never in forward/backward or the optimizer is such a group's; its ops are left
-    out, and so are the collectives started in the region itself.
+    those groups' worker threads, during the stage's turn (its `trainflow/checkpoint` annotation) or later, in the
+    background. A thread whose collectives started in that turn and never in forward/backward or the optimizer is
+    such a group's; its ops are left out, and so are the collectives started in the turn itself.
     """
     def started_in(spans: list[Interval]) -> set[Any]:
         return {thread for thread, (start, _) in collectives if _starts_in(spans, start)}
@@ -208,11 +208,11 @@ def analyze_window(events: list[Any], on_gpu: bool, last_step: int) -> dict[str,
     numbers = [n for n, _ in numbered if n <= last_step]
     steps = [e for n, e in numbered if n <= last_step]
     if not steps:
-        return {"steps": 0, "first": None, "last": None, "step_s": 0.0, "step_ms": [], "seconds": {}, "regions": {}}
+        return {"steps": 0, "first": None, "last": None, "step_s": 0.0, "step_ms": [], "seconds": {}, "covered": {}}
     main_thread = steps[0].thread
     sets: dict[str, list[Interval]] = {"data": [], "fwd_bwd": [], "optimizer": [], "comm": [], "compute": [],
                                        "compile": [], "stall": []}
-    regions = {"data": DATA, "fwd_bwd": FWD_BWD, "optimizer": OPTIMIZER}
+    annotations = {"data": DATA, "fwd_bwd": FWD_BWD, "optimizer": OPTIMIZER}  # the loop's, by set
     optimizer_device_us = 0.0
     ops: list[Any] = []  # the training thread's operators (CPU runs)
     collectives: list[tuple[Any, Interval]] = []  # (thread, span): sorted into the training's and the saves'
@@ -220,7 +220,7 @@ def analyze_window(events: list[Any], on_gpu: bool, last_step: int) -> dict[str,
     for e in events:
         span = (e.time_range.start, e.time_range.end)
         if e.device_type != DeviceType.CPU:
-            if e.is_user_annotation or e.name.startswith("ProfilerStep") or e.name in regions.values():
+            if e.is_user_annotation or e.name.startswith("ProfilerStep") or e.name in annotations.values():
                 continue  # an annotation mirrored on the GPU timeline spans idle gaps too
             if "nccl" in e.name.lower():
                 sets["comm"].append(span)
@@ -229,12 +229,12 @@ def analyze_window(events: list[Any], on_gpu: bool, last_step: int) -> dict[str,
             else:
                 sets["compute"].append(span)
             continue
-        for key, name in regions.items():
+        for key, name in annotations.items():
             if e.name == name and e.thread == main_thread:
                 sets[key].append(span)
                 if key == "optimizer" and on_gpu:
                     optimizer_device_us += e.device_time_total
-        if e.name == CHECKPOINT_REGION and e.thread == main_thread:
+        if e.name == CHECKPOINT_ANNOTATION and e.thread == main_thread:
             saving.append(span)
         if _is_collective(e.name):
             if not on_gpu or e.name.lower().startswith("gloo:"):
@@ -257,11 +257,11 @@ def analyze_window(events: list[Any], on_gpu: bool, last_step: int) -> dict[str,
         seconds["optimizer_compute"] = min(compute, optimizer_device_us / 1e6)
         seconds["forward_backward_compute"] = compute - seconds["optimizer_compute"]
     step_ms = [(b - a) / 1e3 for a, b in step_spans]
-    regions = {"data": "data", "forward_backward": "fwd_bwd", "optimizer": "optimizer",
-               "communication_in_flight": "comm"}
-    region_s = {name: _covered(step_spans, sets[key]) / 1e6 for name, key in regions.items()}
+    covered_sets = {"data": "data", "forward_backward": "fwd_bwd", "optimizer": "optimizer",
+                    "communication_in_flight": "comm"}
+    covered_s = {name: _covered(step_spans, sets[key]) / 1e6 for name, key in covered_sets.items()}
     return {"steps": len(steps), "first": min(numbers), "last": max(numbers), "step_s": sum(step_ms) / 1e3,
-            "step_ms": step_ms, "seconds": seconds, "regions": region_s}
+            "step_ms": step_ms, "seconds": seconds, "covered": covered_s}
 
 
 def verdict(totals: dict[str, Any], device: str, distributed: bool = False,
@@ -302,7 +302,7 @@ def verdict(totals: dict[str, Any], device: str, distributed: bool = False,
         "shares": shares,
         "stalled": round(seconds.get("stalled", 0.0) / step_s, 4),  # part of "other": descheduled operators
         "groups": {k: round(v, 4) for k, v in groups.items()},
-        "regions": {k: round(v / step_s, 4) for k, v in totals["regions"].items()},
+        "covered": {k: round(v / step_s, 4) for k, v in totals["covered"].items()},  # overlaps included
         "timeline": "gpu" if device == "cuda" else "cpu",
     }
     if cause:

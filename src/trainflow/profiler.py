@@ -66,7 +66,7 @@ class Profiler(Stage):
         self._prof: Any = None
         self._steps = 0  # steps of this run so far
         self._windows_done = 0
-        self._totals: dict[str, Any] = {"steps": 0, "step_s": 0.0, "step_ms": [], "seconds": {}, "regions": {}}
+        self._totals: dict[str, Any] = {"steps": 0, "step_s": 0.0, "step_ms": [], "seconds": {}, "covered": {}}
         self._ops: dict[str, list[float]] = {}  # name -> [calls, self time us]
         self._memory_history = False
         self._snapshot: dict[str, Any] | None = None  # the CUDA allocator history, written after the loop
@@ -206,8 +206,8 @@ class Profiler(Stage):
         totals["step_ms"] += window["step_ms"]
         for key, seconds in window["seconds"].items():
             totals["seconds"][key] = totals["seconds"].get(key, 0.0) + seconds
-        for key, seconds in window["regions"].items():
-            totals["regions"][key] = totals["regions"].get(key, 0.0) + seconds
+        for key, seconds in window["covered"].items():
+            totals["covered"][key] = totals["covered"].get(key, 0.0) + seconds
         if hasattr(os, "getloadavg"):
             self._load = max(self._load, os.getloadavg()[0])
         if self._memory_history:

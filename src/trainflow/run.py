@@ -27,6 +27,7 @@ from trainflow.data import IterableBatches, StreamSampler, build_datasets, make_
 from trainflow.data.stream import STREAM_VERSION
 from trainflow.distributed import DistEnv, memory_plan
 from trainflow.distributed.failures import note_step
+from trainflow.distributed.fault_tolerance import FaultTolerance, committer, data_share, replica_groups
 from trainflow.distributed.parallelism import loss_context, parallelize, unwrap
 from trainflow.distributed.parity import ParityCheck, parallelism_summary
 from trainflow.distributed.process_group import per_rank_batch, process_group
@@ -40,7 +41,7 @@ from trainflow.loggers.writer import MetricsWriter
 from trainflow.metrics import PeakMemory, Throughput, count_train_flops, host_load, mfu, peak_flops
 from trainflow.models import build_model
 from trainflow.nonfinite import NonFiniteGuard
-from trainflow.optim import build_optimizer, schedule_moves
+from trainflow.optim import build_optimizer, schedule_changes_lr
 from trainflow.precision import autocast_for, configure_matmul, matmul_math
 from trainflow.profiler import Profiler
 from trainflow.seeding import SEED_STRIDE, seed_everything
@@ -77,9 +78,10 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv) -> dict[str, Any] | Non
 
 # The stages in the order they act after each step: the watchdog times each step first; the guard checks before
 # anything is logged or saved; the ranks' step times are gathered just before the train metrics log them; the
-# checkpointer comes last, as it may stop the run. A new stage is a class with build(ctx) added here.
+# checkpointer comes last of those that may stop the run; fault tolerance's quorum for the next step after them.
+# A new stage is a class with build(ctx) added here.
 STAGES: tuple[type[Stage], ...] = (Watchdog, Compiler, ParityCheck, Profiler, NonFiniteGuard, Stragglers,
-                                   TrainMetrics, Evaluation, Checkpointer)
+                                   TrainMetrics, Evaluation, Checkpointer, FaultTolerance)
 
 
 @dataclass
@@ -99,9 +101,10 @@ class Run:
 def assemble(cfg: DictConfig, run_dir: Path, env: DistEnv, stage_types: Sequence[type[Stage]] = STAGES) -> Run:
     """Build everything, in the order the parts depend on each other. What the run decides (the per-rank batch,
     parallelism=auto's layout) goes into a new, read-only config: nothing writes into a config after validation."""
+    replicas = replica_groups(cfg.parallelism)  # torchft's replica groups share the data stream (1: none)
     auto = cfg.parallelism.strategy == "auto"  # measures memory and decides (below): its batch spans what it may pick
     ranks = memory_plan.probe_ranks(cfg, env.world_size) if auto else env.dp_size
-    cfg = decided(cfg, {"trainer": {"batch_size": per_rank_batch(cfg, ranks)}})
+    cfg = decided(cfg, {"trainer": {"batch_size": per_rank_batch(cfg, ranks * replicas)}})
     trainer = _prepare(cfg, run_dir, env)
     loggers = build_loggers(cfg.logger) if env.is_main else {}  # a missing extra stops the run here, in one line
     data = build_datasets(cfg.data, cfg.model)
@@ -148,7 +151,7 @@ def assemble(cfg: DictConfig, run_dir: Path, env: DistEnv, stage_types: Sequence
     if resumed_from and resumed_from >= trainer.max_steps and env.is_main:  # a finished run started again
         log.warning("the checkpoint is at step %d, trainer.max_steps is %d: nothing left to train; raise "
                     "trainer.max_steps to continue this run", resumed_from, trainer.max_steps)
-    global_batch = trainer.batch_size * env.dp_size * trainer.grad_accum  # a TP group reads one batch
+    global_batch = trainer.batch_size * env.dp_size * replicas * trainer.grad_accum  # a TP group reads one batch
     if env.is_main:
         log.info("model %s: %.2fM parameters; world size %d; global batch %d; task %s (monitor: val %s, %s); %s",
                  type(unwrap(model)).__name__, parameters / 1e6, env.world_size, global_batch, type(task).__name__,
@@ -156,7 +159,7 @@ def assemble(cfg: DictConfig, run_dir: Path, env: DistEnv, stage_types: Sequence
         if data.val is None:
             log.info("%s gives no validation set: no evaluation", data.name)
     pin = cfg.data.pin_memory is not False and env.device.type == "cuda"  # null: pinned on CUDA
-    sampler = StreamSampler(len(data.train), trainer.batch_size, env.dp_rank, env.dp_size, trainer.seed,
+    sampler = StreamSampler(len(data.train), trainer.batch_size, *data_share(parallelism, env), trainer.seed,
                             state.samples_seen, version=state.stream_version)
     if state.stream_version != STREAM_VERSION and env.is_main:
         log.info("data: the checkpoint's stream is of version %d (an epoch's order held in memory, 8 bytes a "
@@ -171,9 +174,9 @@ def assemble(cfg: DictConfig, run_dir: Path, env: DistEnv, stage_types: Sequence
         trainer, state, task, iter(loader), trainable=list(model.parameters()), autocast=autocast,
         name_part=record_function if profiled else unnamed,
         guard=next(stage for stage in stages if isinstance(stage, NonFiniteGuard)),
-        batch_device=env.device if env.device.type != "cpu" else None, pin=pin, schedule_moves=schedule_moves(optim),
-        metrics_every_step=cfg.task.get("train_metrics") == "every_step", global_batch=global_batch,
-        loss_context=functools.partial(loss_context, model))
+        batch_device=env.device if env.device.type != "cpu" else None, pin=pin,
+        steps_schedule=schedule_changes_lr(optim), metrics_every_step=cfg.task.get("train_metrics") == "every_step",
+        global_batch=global_batch, commit=committer(stages), loss_context=functools.partial(loss_context, model))
     return Run(ctx, training, stages, metric_names, parameters, flops_absent, auto_plan, resumed_from)
 
 

@@ -34,10 +34,11 @@ class Training:
     guard: NonFiniteGuard  # trainer.nonfinite=skip_step decides inside the step
     batch_device: torch.device | None  # where batches are moved (None: the loader's tensors are already there)
     pin: bool  # batches are pinned and copied asynchronously
-    schedule_moves: bool  # False: a constant schedule without warm-up is not stepped
+    steps_schedule: bool  # False: a constant schedule without warm-up is not stepped
     metrics_every_step: bool  # task.train_metrics=every_step; else the task's metrics at log steps only
     global_batch: int
-    loss_context: Callable[[], Any] = contextlib.nullcontext  # loss parallel under TP (distributed.tensor)
+    commit: Callable[[], bool] | None = None  # torchft: False drops the update (a replica group lost in the step)
+    loss_context: Callable[[], Any] = contextlib.nullcontext  # loss parallel under TP (distributed.parallelism)
 
 
 def train_step(training: Training) -> None:
@@ -73,11 +74,13 @@ def train_step(training: Training) -> None:
         norm_due = trainer.grad_clip or state.log_due or guard.skips  # the norm is a pass over all gradients
         state.grad_norm = gradient_norm(training.trainable, trainer.grad_clip) if norm_due else None
         state.skipped = guard.skips and guard.skip_update(state.step + 1, state.grad_norm)
+        if training.commit is not None and not training.commit():  # asked every step: the Manager counts them
+            state.skipped = True
         if state.skipped:
             guard.drop_update(state.optimizer, state.scheduler)
         else:
             state.optimizer.step()
-            if training.schedule_moves:
+            if training.steps_schedule:
                 state.scheduler.step()
             state.optimizer.zero_grad(set_to_none=True)
     state.step += 1

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import json
+from collections.abc import Iterable
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -101,6 +102,14 @@ def check_same_sweep(folder: Path, hydra_cfg: Any) -> None:
         user_error(f"hydra.sweep.dir: {folder} holds another sweep ({theirs or 'an unreadable multirun.yaml'}; "
                    f"this one is {ours}); nothing was changed: give this sweep its own folder "
                    "(trainer.sweep_name=<new name> or hydra.sweep.dir=<new folder>)")
+
+
+def check_before_start(jobs: Iterable[tuple[int, DictConfig]]) -> None:
+    """What refuses a whole sweep before its first job starts, given each job's number and task config as it will
+    run: a ladder rung that cannot run (trainflow.ladder). Other sweeps run their good jobs and report the bad."""
+    from trainflow.ladder import check_rungs
+
+    check_rungs(jobs)
 
 
 def is_sweep_job(hydra_cfg: Any) -> bool:

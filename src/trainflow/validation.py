@@ -38,9 +38,9 @@ def validate_task(cfg: DictConfig) -> None:
 
 def with_worker_defaults(cfg: DictConfig) -> DictConfig:
     """A user's data section (data._target_, no schema) gets trainflow's loader keys it does not set."""
-    d = cfg.data
-    missing = {k: v for k, v in asdict(WorkerConfig()).items() if k not in d}
-    return decided(cfg, {"data": missing}) if d.get("_target_") and missing else cfg
+    data = cfg.data
+    missing = {k: v for k, v in asdict(WorkerConfig()).items() if k not in data}
+    return decided(cfg, {"data": missing}) if data.get("_target_") and missing else cfg
 
 
 COMPILE_MODES = ("default", "max-autotune", "max-autotune-no-cudagraphs", "reduce-overhead")
@@ -48,30 +48,31 @@ COMPILE_MODES = ("default", "max-autotune", "max-autotune-no-cudagraphs", "reduc
 
 def validate_compile(cfg: DictConfig) -> None:
     """Compile values a type cannot check (the backend name is checked where dynamo is imported)."""
-    d = cfg.data
-    if d.get("seq_lens") is not None:
-        lens = list(d.seq_lens)
+    data = cfg.data
+    if data.get("seq_lens") is not None:
+        lens = list(data.seq_lens)
         _require(len(lens) > 0, "data.seq_lens", "is empty: give lengths, e.g. data.seq_lens=[32,64,128], or null")
         _require("vocab_size" in cfg.model, "data.seq_lens",
                  "varies sequence lengths, which needs a language model (model=gpt_*); set it to null")
-        _require(all(0 < n <= d.seq_len for n in lens), "data.seq_lens",
-                 f"each length must be in [1, data.seq_len={d.seq_len}]; got {lens}")
-    c = cfg.compile
-    if not c.enabled:
+        _require(all(0 < n <= data.seq_len for n in lens), "data.seq_lens",
+                 f"each length must be in [1, data.seq_len={data.seq_len}]; got {lens}")
+    compile_ = cfg.compile
+    if not compile_.enabled:
         return
-    _require(c.mode is None or c.mode in COMPILE_MODES, "compile.mode",
-             f"must be null or one of {', '.join(COMPILE_MODES)}; got {c.mode!r}")
-    if c.scope is not None:
+    _require(compile_.mode is None or compile_.mode in COMPILE_MODES, "compile.mode",
+             f"must be null or one of {', '.join(COMPILE_MODES)}; got {compile_.mode!r}")
+    if compile_.scope is not None:
         _one_of(cfg, "compile.scope", ("model", "blocks"))
-    _require(bool(c.backend), "compile.backend", "is empty: use inductor, aot_eager or eager")
-    _require(c.mode is None or c.backend == "inductor", "compile.mode",
-             f"only the inductor backend takes a mode; got compile.backend={c.backend}: "
+    _require(bool(compile_.backend), "compile.backend", "is empty: use inductor, aot_eager or eager")
+    _require(compile_.mode is None or compile_.backend == "inductor", "compile.mode",
+             f"only the inductor backend takes a mode; got compile.backend={compile_.backend}: "
              "set compile.mode=null or compile.backend=inductor")
-    if c.mode == "reduce-overhead" or c.backend == "cudagraphs":
+    if compile_.mode == "reduce-overhead" or compile_.backend == "cudagraphs":
         import torch
 
 
-        key, value = ("compile.mode", c.mode) if c.mode == "reduce-overhead" else ("compile.backend", c.backend)
+        key, value = (("compile.mode", compile_.mode) if compile_.mode == "reduce-overhead"
+                      else ("compile.backend", compile_.backend))
         strategy = cfg.parallelism.strategy
         _require(strategy == "single", key,
                  f"{value} captures CUDA graphs, which break under parallelism={strategy} (open PyTorch issues: "
@@ -84,93 +85,129 @@ def validate_compile(cfg: DictConfig) -> None:
 
 def validate_profiler(cfg: DictConfig) -> None:
     """Window and option checks; `ranks` against the world size happens in the Profiler, where it is known."""
-    p = cfg.profiler
-    if not p.enabled:
+    profiler = cfg.profiler
+    if not profiler.enabled:
         return
-    _require(p.active > 0, "profiler.active", f"must be a positive number of recorded steps; got {p.active}")
+    _require(profiler.active > 0, "profiler.active",
+             f"must be a positive number of recorded steps; got {profiler.active}")
     for key in ("wait", "warmup", "repeat"):
-        _require(p[key] >= 0, f"profiler.{key}", f"must be >= 0; got {p[key]}")
-    if p.skip_first is not None:
-        _require(p.skip_first >= 0, "profiler.skip_first",
-                 f"must be >= 0, or null for the run's warm-up steps; got {p.skip_first}")
-    ranks = p.ranks
+        _require(profiler[key] >= 0, f"profiler.{key}", f"must be >= 0; got {profiler[key]}")
+    if profiler.skip_first is not None:
+        _require(profiler.skip_first >= 0, "profiler.skip_first",
+                 f"must be >= 0, or null for the run's warm-up steps; got {profiler.skip_first}")
+    ranks = profiler.ranks
     valid = ranks == "all" or (OmegaConf.is_list(ranks) and len(ranks) > 0
                                and all(isinstance(r, int) and not isinstance(r, bool) for r in ranks))
     _require(valid, "profiler.ranks", f"must be all or a non-empty list of ranks such as [0,1]; got {ranks!r}")
     if ranks != "all":
         _require(min(ranks) >= 0, "profiler.ranks", f"rank {min(ranks)} does not exist: ranks count from 0")
-    _require(p.row_limit > 0, "profiler.row_limit", f"must be > 0; got {p.row_limit}")
-    _require(p.memory_history_entries > 0, "profiler.memory_history_entries",
-             f"must be > 0; got {p.memory_history_entries}")
+    _require(profiler.row_limit > 0, "profiler.row_limit", f"must be > 0; got {profiler.row_limit}")
+    _require(profiler.memory_history_entries > 0, "profiler.memory_history_entries",
+             f"must be > 0; got {profiler.memory_history_entries}")
     # A window past the end would profile nothing: refuse (compile steps are added at run time, in the Profiler).
-    skip, end = typed(p, ProfilerConfig).window(cfg.trainer.warmup_steps)
+    skip, end = typed(profiler, ProfilerConfig).window(cfg.trainer.warmup_steps)
     _require(end <= cfg.trainer.max_steps, "trainer.max_steps",
              f"is {cfg.trainer.max_steps} but the profiler window ends at step {end} (skip_first {skip} + "
-             f"{max(p.repeat, 1)} x (wait {p.wait} + warmup {p.warmup} + active {p.active})); raise "
+             f"{max(profiler.repeat, 1)} x (wait {profiler.wait} + warmup {profiler.warmup} + "
+             f"active {profiler.active})); raise "
              f"trainer.max_steps to >= {end} or shorten the window (profiler.skip_first/wait/warmup/active)")
 
 
 def validate_parallelism(cfg: DictConfig) -> None:
     """Checks that need no process group; world-size-dependent ones happen where the world size is known."""
-    p = cfg.parallelism
+    parallelism = cfg.parallelism
     _one_of(cfg, "parallelism.strategy", (*STRATEGIES, "auto"))
     for key in ("dp_replicate", "dp_shard", "tp"):
-        value = p[key]
+        value = parallelism[key]
         _require(value is None or value == -1 or value >= 1, f"parallelism.{key}",
                  f"must be a positive integer, -1 (the rest of the world){' or null' * (key != 'tp')}; got {value}")
-    _require(p.tp == 1 or p.strategy != "auto", "parallelism.tp",
-             f"is {p.tp}, but parallelism=auto chooses the TP degree itself; to fix it, pick parallelism=fsdp, ddp "
-             "or hsdp with parallelism.tp")
+    _require(parallelism.tp == 1 or parallelism.strategy != "auto", "parallelism.tp",
+             f"is {parallelism.tp}, but parallelism=auto chooses the TP degree itself; to fix it, pick "
+             "parallelism=fsdp, ddp or hsdp with parallelism.tp")
     validate_tp_sizes(cfg)
-    _require(p.tp == 1 or p.activation_checkpointing == "off" or not cfg.compile.enabled,
+    _require(parallelism.tp == 1 or parallelism.activation_checkpointing == "off" or not cfg.compile.enabled,
              "parallelism.activation_checkpointing",
-             f"full with compile under parallelism.tp={p.tp} fails inside torch (its compiled backward cannot save a "
-             "checkpointed block's tensor-parallel mesh); set compile=off or parallelism.activation_checkpointing=off")
+             f"full with compile under parallelism.tp={parallelism.tp} fails inside torch (its compiled backward "
+             "cannot save a checkpointed block's tensor-parallel mesh); set compile=off or "
+             "parallelism.activation_checkpointing=off")
     _one_of(cfg, "parallelism.backend", ("auto", "gloo", "nccl"))
     _one_of(cfg, "parallelism.activation_checkpointing", ("off", "full"))
-    n = p.nproc_per_node
-    _require(n == "auto" or (isinstance(n, int) and not isinstance(n, bool) and n >= 1), "parallelism.nproc_per_node",
-             f"must be a positive integer or auto; got {n!r}")
-    _require(p.strategy != "single" or n in (1, "auto"), "parallelism.nproc_per_node",
-             f"parallelism=single runs one process; got {n}: use parallelism=ddp or parallelism=fsdp for {n} processes")
-    if p.global_batch is not None:
-        _require(p.global_batch > 0, "parallelism.global_batch",
-                 f"must be a positive integer or null; got {p.global_batch}")
-    _require(p.max_restarts >= 0, "parallelism.max_restarts", f"must be >= 0; got {p.max_restarts}")
-    _require(p.timeout_s > 0, "parallelism.timeout_s", f"must be > 0; got {p.timeout_s}")
-    dog = p.watchdog
-    _require(dog.enabled in ("auto", True, False), "parallelism.watchdog.enabled",
-             f"must be auto, true or false; got {dog.enabled!r}")
-    _require(dog.factor > 0, "parallelism.watchdog.factor", f"must be > 0; got {dog.factor}")
-    _require(dog.enabled is False or 0 < dog.min_s < p.timeout_s, "parallelism.watchdog.min_s",
-             f"must be > 0 and below parallelism.timeout_s ({p.timeout_s:g}), which ends a hung run before the "
-             f"watchdog could say where it hangs; got {dog.min_s}; lower it or raise parallelism.timeout_s")
-    _require(p.straggler.factor > 1, "parallelism.straggler.factor",
-             f"must be > 1 (a rank this many times slower than the others is named); got {p.straggler.factor}")
-    _require(p.straggler.intervals >= 1, "parallelism.straggler.intervals",
-             f"must be a positive integer (log intervals in a row); got {p.straggler.intervals}")
-    _require(p.check_steps > 0, "parallelism.check_steps", f"must be a positive integer; got {p.check_steps}")
-    _require(p.check_tolerance is None or p.check_tolerance > 0, "parallelism.check_tolerance",
-             f"must be > 0, or null for the precision's default; got {p.check_tolerance}")
-    _require(not p.check or p.strategy != "single", "parallelism.check",
+    nproc = parallelism.nproc_per_node
+    _require(nproc == "auto" or (isinstance(nproc, int) and not isinstance(nproc, bool) and nproc >= 1),
+             "parallelism.nproc_per_node", f"must be a positive integer or auto; got {nproc!r}")
+    _require(parallelism.strategy != "single" or nproc in (1, "auto"), "parallelism.nproc_per_node",
+             f"parallelism=single runs one process; got {nproc}: use parallelism=ddp or parallelism=fsdp for {nproc} "
+             "processes")
+    if parallelism.global_batch is not None:
+        _require(parallelism.global_batch > 0, "parallelism.global_batch",
+                 f"must be a positive integer or null; got {parallelism.global_batch}")
+    _require(parallelism.max_restarts >= 0, "parallelism.max_restarts", f"must be >= 0; got {parallelism.max_restarts}")
+    _require(parallelism.timeout_s > 0, "parallelism.timeout_s", f"must be > 0; got {parallelism.timeout_s}")
+    watchdog = parallelism.watchdog
+    _require(watchdog.enabled in ("auto", True, False), "parallelism.watchdog.enabled",
+             f"must be auto, true or false; got {watchdog.enabled!r}")
+    _require(watchdog.factor > 0, "parallelism.watchdog.factor", f"must be > 0; got {watchdog.factor}")
+    _require(watchdog.enabled is False or 0 < watchdog.min_s < parallelism.timeout_s, "parallelism.watchdog.min_s",
+             f"must be > 0 and below parallelism.timeout_s ({parallelism.timeout_s:g}), which ends a hung run before "
+             f"the watchdog could say where it hangs; got {watchdog.min_s}; lower it or raise parallelism.timeout_s")
+    _require(parallelism.straggler.factor > 1, "parallelism.straggler.factor",
+             "must be > 1 (a rank this many times slower than the others is named); "
+             f"got {parallelism.straggler.factor}")
+    _require(parallelism.straggler.intervals >= 1, "parallelism.straggler.intervals",
+             f"must be a positive integer (log intervals in a row); got {parallelism.straggler.intervals}")
+    _require(parallelism.check_steps > 0, "parallelism.check_steps",
+             f"must be a positive integer; got {parallelism.check_steps}")
+    _require(parallelism.check_tolerance is None or parallelism.check_tolerance > 0, "parallelism.check_tolerance",
+             f"must be > 0, or null for the precision's default; got {parallelism.check_tolerance}")
+    _require(not parallelism.check or parallelism.strategy != "single", "parallelism.check",
              "compares ddp/fsdp with one process, so parallelism=single has nothing to compare; set it to false")
-    _require(p.ddp.bucket_cap_mb > 0, "parallelism.ddp.bucket_cap_mb", f"must be > 0; got {p.ddp.bucket_cap_mb}")
+    _require(parallelism.ddp.bucket_cap_mb > 0, "parallelism.ddp.bucket_cap_mb",
+             f"must be > 0; got {parallelism.ddp.bucket_cap_mb}")
     for key in ("param_dtype", "reduce_dtype"):
-        _require(p.fsdp[key] in (None, "fp32", "bf16", "fp16"), f"parallelism.fsdp.{key}",
-                 f"must be null, fp32, bf16 or fp16; got {p.fsdp[key]!r}")
-        _require(p.fsdp[key] != "fp16", f"parallelism.fsdp.{key}",
+        _require(parallelism.fsdp[key] in (None, "fp32", "bf16", "fp16"), f"parallelism.fsdp.{key}",
+                 f"must be null, fp32, bf16 or fp16; got {parallelism.fsdp[key]!r}")
+        _require(parallelism.fsdp[key] != "fp16", f"parallelism.fsdp.{key}",
                  "fp16 gradients overflow without a loss scaler, and trainflow runs none; use bf16 (the same "
                  "memory, fp32's range)")
     _one_of(cfg, "parallelism.fsdp.wrap", ("auto", "blocks", "size"))
-    _require(p.fsdp.min_params > 0, "parallelism.fsdp.min_params", f"must be > 0; got {p.fsdp.min_params}")
+    _require(parallelism.fsdp.min_params > 0, "parallelism.fsdp.min_params",
+             f"must be > 0; got {parallelism.fsdp.min_params}")
     for key in ("shard_size", "replicate_size"):
-        value = p.hsdp[key]
+        value = parallelism.hsdp[key]
         _require(value is None or value >= 1, f"parallelism.hsdp.{key}", f"must be a positive integer or null; got "
                  f"{value}")
-    _require(p.memory_budget_gb is None or p.memory_budget_gb > 0, "parallelism.memory_budget_gb",
-             f"must be > 0, or null for the device's free memory; got {p.memory_budget_gb}")
-    _require(0 < p.memory_headroom <= 1, "parallelism.memory_headroom",
-             f"must be in (0, 1]; got {p.memory_headroom}")
+    _require(parallelism.memory_budget_gb is None or parallelism.memory_budget_gb > 0, "parallelism.memory_budget_gb",
+             f"must be > 0, or null for the device's free memory; got {parallelism.memory_budget_gb}")
+    _require(0 < parallelism.memory_headroom <= 1, "parallelism.memory_headroom",
+             f"must be in (0, 1]; got {parallelism.memory_headroom}")
+    validate_fault_tolerance(cfg)
+
+
+def validate_fault_tolerance(cfg: DictConfig) -> None:
+    """parallelism.fault_tolerance=torchft: the extra installed, one-rank replica groups, a place in the groups."""
+    parallelism = cfg.parallelism
+    _one_of(cfg, "parallelism.fault_tolerance", ("off", "torchft"))
+    if parallelism.fault_tolerance == "off":
+        return
+    from trainflow.distributed.fault_tolerance import torchft_installed
+
+    _require(torchft_installed(), "parallelism.fault_tolerance",
+             "torchft is not installed: pip install 'trainflow[ft]', or set it to off")
+    with_tp = f" with tp={parallelism.tp}" if parallelism.tp > 1 else ""
+    _require(parallelism.strategy in ("single", "ddp") and parallelism.tp == 1, "parallelism.fault_tolerance",
+             f"torchft trains replica groups of DDP ranks or of one rank (parallelism=ddp or single, one job per "
+             f"group); got parallelism={parallelism.strategy}{with_tp}: run each group as parallelism=ddp, or set it "
+             "to off")
+    ft = parallelism.ft
+    _require(ft.replica_groups >= 2, "parallelism.ft.replica_groups",
+             f"must be >= 2 (one group has no peer to train on without); got {ft.replica_groups}")
+    _require(0 <= ft.replica_id < ft.replica_groups, "parallelism.ft.replica_id",
+             f"must be in [0, {ft.replica_groups - 1}] (parallelism.ft.replica_groups={ft.replica_groups}); "
+             f"got {ft.replica_id}")
+    _require(1 <= ft.min_replicas <= ft.replica_groups, "parallelism.ft.min_replicas",
+             f"must be in [1, {ft.replica_groups}]; got {ft.min_replicas}")
+    for key in ("timeout_s", "heartbeat_timeout_s", "join_timeout_s"):
+        _require(ft[key] > 0, f"parallelism.ft.{key}", f"must be > 0; got {ft[key]}")
 
 
 def validate_tp_sizes(cfg: DictConfig) -> None:
@@ -185,36 +222,39 @@ def validate_tp_sizes(cfg: DictConfig) -> None:
 
 def validate_checkpoint(cfg: DictConfig) -> None:
     """Checkpoint values a type cannot check (paths are checked where they are used)."""
-    c = cfg.checkpoint
-    if not c.enabled:
+    checkpoint = cfg.checkpoint
+    if not checkpoint.enabled:
         return
     _one_of(cfg, "checkpoint.mode", ("sync", "async"))
-    _require(c.every_steps > 0, "checkpoint.every_steps", f"must be a positive number of steps; got {c.every_steps}")
-    _require(c.keep_last >= 1, "checkpoint.keep_last",
-             f"must be >= 1 (the newest committed checkpoint is always kept); got {c.keep_last}")
-    _require(bool(c.resume), "checkpoint.resume", "is empty: use auto, never or a checkpoint path")
-    _require(c.save_final or not c.export, "checkpoint.export",
+    _require(checkpoint.every_steps > 0, "checkpoint.every_steps",
+             f"must be a positive number of steps; got {checkpoint.every_steps}")
+    _require(checkpoint.keep_last >= 1, "checkpoint.keep_last",
+             f"must be >= 1 (the newest committed checkpoint is always kept); got {checkpoint.keep_last}")
+    _require(bool(checkpoint.resume), "checkpoint.resume", "is empty: use auto, never or a checkpoint path")
+    _require(checkpoint.save_final or not checkpoint.export, "checkpoint.export",
              "exports the final weights, which needs checkpoint.save_final=true")
     _one_of(cfg, "checkpoint.load", ("all", "model"))
-    _require(c.load == "all" or c.resume not in ("auto", "never"), "checkpoint.load",
-             f"model loads the weights of the checkpoint named by checkpoint.resume, which is {c.resume}; "
+    _require(checkpoint.load == "all" or checkpoint.resume not in ("auto", "never"), "checkpoint.load",
+             f"model loads the weights of the checkpoint named by checkpoint.resume, which is {checkpoint.resume}; "
              "set checkpoint.resume=<a step_N folder or run dir>")
 
 
 def validate_ladder(cfg: DictConfig) -> None:
     """Ladder knobs a type cannot check; they matter only in ladder jobs."""
-    lad = cfg.ladder
-    if lad.rung is None:
+    ladder = cfg.ladder
+    if ladder.rung is None:
         return
     _one_of(cfg, "ladder.rung", LADDER_RUNGS)
-    n = lad.nproc_per_node
-    _require(n == "auto" or (isinstance(n, int) and not isinstance(n, bool) and n >= 2), "ladder.nproc_per_node",
-             f"the scale stages need 2 or more processes (or auto: one per GPU); got {n!r}")
-    _require(lad.loss_rtol is None or lad.loss_rtol > 0, "ladder.loss_rtol",
-             f"must be > 0 or null; got {lad.loss_rtol}")
-    _require(lad.log_every is None or lad.log_every > 0, "ladder.log_every",
-             f"must be a positive number of steps, or null for about 10 logs a rung; got {lad.log_every}")
-    _require(lad.resume_atol >= 0, "ladder.resume_atol", f"must be >= 0 (0: bit-identical); got {lad.resume_atol}")
+    nproc = ladder.nproc_per_node
+    _require(nproc == "auto" or (isinstance(nproc, int) and not isinstance(nproc, bool) and nproc >= 2),
+             "ladder.nproc_per_node",
+             f"the scale stages need 2 or more processes (or auto: one per GPU); got {nproc!r}")
+    _require(ladder.loss_rtol is None or ladder.loss_rtol > 0, "ladder.loss_rtol",
+             f"must be > 0 or null; got {ladder.loss_rtol}")
+    _require(ladder.log_every is None or ladder.log_every > 0, "ladder.log_every",
+             f"must be a positive number of steps, or null for about 10 logs a rung; got {ladder.log_every}")
+    _require(ladder.resume_atol >= 0, "ladder.resume_atol",
+             f"must be >= 0 (0: bit-identical); got {ladder.resume_atol}")
 
 
 def _require(ok: bool, key: str, message: str) -> None:
@@ -261,20 +301,20 @@ def _non_finite(node: Any, key: str = "") -> tuple[str, Any] | None:
 
 def validate_model(cfg: DictConfig) -> None:
     """Sizes of the built-in models, and what the data asks of them, checked before anything is built."""
-    m, d = cfg.model, cfg.data
-    if str(m._target_).startswith("trainflow.models."):
-        for key, value in m.items():
+    model, data = cfg.model, cfg.data
+    if str(model._target_).startswith("trainflow.models."):
+        for key, value in model.items():
             if isinstance(value, int) and not isinstance(value, bool):
                 _require(value > 0, f"model.{key}", f"must be a positive integer; got {value}")
-        if "dropout" in m:
-            _require(0 <= m.dropout < 1, "model.dropout", f"must be in [0, 1); got {m.dropout}")
-    if "block_size" in m and "seq_len" in d:
-        _require(d.seq_len <= m.block_size, "data.seq_len",
-                 f"{d.seq_len} is longer than the model's context, model.block_size={m.block_size}; lower "
-                 f"data.seq_len to <= {m.block_size} or raise model.block_size")
-    if d.get("kind") == "text" and "vocab_size" in m and cfg.tokenizer.kind == "bytes":  # others: checked once built
-        _require(m.vocab_size >= BYTE_VOCAB, "model.vocab_size",
-                 f"is {m.vocab_size}, but data=text is byte-level: its tokens go up to {BYTE_VOCAB - 1}; set "
+        if "dropout" in model:
+            _require(0 <= model.dropout < 1, "model.dropout", f"must be in [0, 1); got {model.dropout}")
+    if "block_size" in model and "seq_len" in data:
+        _require(data.seq_len <= model.block_size, "data.seq_len",
+                 f"{data.seq_len} is longer than the model's context, model.block_size={model.block_size}; lower "
+                 f"data.seq_len to <= {model.block_size} or raise model.block_size")
+    if data.get("kind") == "text" and "vocab_size" in model and cfg.tokenizer.kind == "bytes":  # others: once built
+        _require(model.vocab_size >= BYTE_VOCAB, "model.vocab_size",
+                 f"is {model.vocab_size}, but data=text is byte-level: its tokens go up to {BYTE_VOCAB - 1}; set "
                  f"model.vocab_size={BYTE_VOCAB} or more")
 
 
@@ -293,58 +333,60 @@ def validate(cfg: DictConfig) -> DictConfig:
         key, value = found
         what = "finite numbers" if isinstance(value, list) else "a finite number"
         raise ConfigError(f"{key}: must be {what}; got {value}")
-    t = cfg.trainer
+    trainer = cfg.trainer
     for key in ("max_steps", "batch_size", "grad_accum", "log_every", "eval_steps"):
-        _require(t[key] > 0, f"trainer.{key}", f"must be a positive integer; got {t[key]}")
-    _require(t.warmup_steps >= 0, "trainer.warmup_steps", f"must be >= 0; got {t.warmup_steps}")
-    e = t.eval_every
-    _require(e == "auto" or (isinstance(e, int) and not isinstance(e, bool) and e >= 0), "trainer.eval_every",
-             f"must be auto or a number of steps >= 0 (0: only at the end); got {e!r}")
-    _require(t.grad_clip >= 0, "trainer.grad_clip", f"must be >= 0 (0 disables clipping); got {t.grad_clip}")
-    _require(0 <= t.seed < SEED_RANGE, "trainer.seed", f"must be an integer in [0, {SEED_RANGE - 1}]; got {t.seed}")
+        _require(trainer[key] > 0, f"trainer.{key}", f"must be a positive integer; got {trainer[key]}")
+    _require(trainer.warmup_steps >= 0, "trainer.warmup_steps", f"must be >= 0; got {trainer.warmup_steps}")
+    every = trainer.eval_every
+    _require(every == "auto" or (isinstance(every, int) and not isinstance(every, bool) and every >= 0),
+             "trainer.eval_every", f"must be auto or a number of steps >= 0 (0: only at the end); got {every!r}")
+    _require(trainer.grad_clip >= 0, "trainer.grad_clip",
+             f"must be >= 0 (0 disables clipping); got {trainer.grad_clip}")
+    _require(0 <= trainer.seed < SEED_RANGE, "trainer.seed",
+             f"must be an integer in [0, {SEED_RANGE - 1}]; got {trainer.seed}")
     _one_of(cfg, "trainer.device", ("auto", "cpu", "cuda"))
     _one_of(cfg, "trainer.precision", ("fp32", "bf16"))
     _one_of(cfg, "trainer.progress", ("auto", "bar", "log"))
     _one_of(cfg, "trainer.nonfinite", ("stop", "skip_step"))
-    if t.run_name is not None and (problem := run_name_problem(t.run_name)):
+    if trainer.run_name is not None and (problem := run_name_problem(trainer.run_name)):
         raise ConfigError(f"trainer.run_name: {problem}")
 
 
-    o = cfg.optim
+    optim = cfg.optim
     _one_of(cfg, "optim.name", ("adamw", "sgd"))
     _one_of(cfg, "optim.schedule", ("cosine", "constant"))
-    _require(o.lr > 0, "optim.lr", f"must be > 0; got {o.lr}")
-    _require(o.weight_decay >= 0, "optim.weight_decay", f"must be >= 0; got {o.weight_decay}")
-    _require(o.warmup_steps >= 0, "optim.warmup_steps", f"must be >= 0; got {o.warmup_steps}")
-    _require(0 <= o.min_lr_ratio <= 1, "optim.min_lr_ratio", f"must be in [0, 1]; got {o.min_lr_ratio}")
-    _require(len(o.betas) == 2, "optim.betas", f"must be two numbers, e.g. [0.9,0.95]; got {list(o.betas)}")
-    _require(all(0 <= b < 1 for b in o.betas), "optim.betas",
-             f"each must be in [0, 1), e.g. [0.9,0.95]; got {list(o.betas)}")
-    _require(o.momentum >= 0, "optim.momentum", f"must be >= 0; got {o.momentum}")
+    _require(optim.lr > 0, "optim.lr", f"must be > 0; got {optim.lr}")
+    _require(optim.weight_decay >= 0, "optim.weight_decay", f"must be >= 0; got {optim.weight_decay}")
+    _require(optim.warmup_steps >= 0, "optim.warmup_steps", f"must be >= 0; got {optim.warmup_steps}")
+    _require(0 <= optim.min_lr_ratio <= 1, "optim.min_lr_ratio", f"must be in [0, 1]; got {optim.min_lr_ratio}")
+    _require(len(optim.betas) == 2, "optim.betas", f"must be two numbers, e.g. [0.9,0.95]; got {list(optim.betas)}")
+    _require(all(0 <= b < 1 for b in optim.betas), "optim.betas",
+             f"each must be in [0, 1), e.g. [0.9,0.95]; got {list(optim.betas)}")
+    _require(optim.momentum >= 0, "optim.momentum", f"must be >= 0; got {optim.momentum}")
 
 
     _require("_target_" in cfg.model, "model._target_",
              "missing: pick model=gpt_tiny|gpt_small|gpt_medium|mlp or set model._target_ to an nn.Module class")
     cfg = with_worker_defaults(cfg)
-    d = cfg.data
-    _require(bool(d.get("_target_")) or d.get("kind") in ("text", "synthetic", "shards"), "data.kind",
+    data = cfg.data
+    _require(bool(data.get("_target_")) or data.get("kind") in ("text", "synthetic", "shards"), "data.kind",
              "unknown data source: pick data=text, data=synthetic or data=digits, or set data._target_ to a function "
              "returning (train, val) datasets")
-    if "seq_len" in d:
-        _require(d.seq_len > 0, "data.seq_len", f"must be a positive number of tokens; got {d.seq_len}")
-    _require(d.num_workers >= 0, "data.num_workers", f"must be >= 0; got {d.num_workers}")
-    if d.prefetch_factor is not None:
-        _require(d.num_workers > 0, "data.prefetch_factor", "needs data.num_workers > 0 (or set it to null)")
-        _require(d.prefetch_factor > 0, "data.prefetch_factor", f"must be > 0; got {d.prefetch_factor}")
-    _require(not d.persistent_workers or d.num_workers > 0, "data.persistent_workers",
+    if "seq_len" in data:
+        _require(data.seq_len > 0, "data.seq_len", f"must be a positive number of tokens; got {data.seq_len}")
+    _require(data.num_workers >= 0, "data.num_workers", f"must be >= 0; got {data.num_workers}")
+    if data.prefetch_factor is not None:
+        _require(data.num_workers > 0, "data.prefetch_factor", "needs data.num_workers > 0 (or set it to null)")
+        _require(data.prefetch_factor > 0, "data.prefetch_factor", f"must be > 0; got {data.prefetch_factor}")
+    _require(not data.persistent_workers or data.num_workers > 0, "data.persistent_workers",
              "needs data.num_workers > 0 (or set it to false)")
-    if d.get("kind") == "text":
-        _require(0 < d.val_fraction < 1, "data.val_fraction", f"must be in (0, 1); got {d.val_fraction}")
-        if d.paths is not None:
-            _require(len(d.paths) > 0, "data.paths",
+    if data.get("kind") == "text":
+        _require(0 < data.val_fraction < 1, "data.val_fraction", f"must be in (0, 1); got {data.val_fraction}")
+        if data.paths is not None:
+            _require(len(data.paths) > 0, "data.paths",
                      "is empty: give files or folders, e.g. data.paths=[/path/to/corpus], or null for the default")
-    elif d.get("kind") == "synthetic":
-        _require(d.num_samples > 0, "data.num_samples", f"must be > 0; got {d.num_samples}")
+    elif data.get("kind") == "synthetic":
+        _require(data.num_samples > 0, "data.num_samples", f"must be > 0; got {data.num_samples}")
 
 
     if cfg.metrics.peak_flops is not None:

@@ -82,20 +82,11 @@ def as_job(job: SweepJob) -> Iterator[DictConfig]:
         hydra_config.cfg = sweep_config
 
 
-def check_ladder_rungs(jobs: list[SweepJob]) -> None:
-    """Validate every rung of a ladder sweep before the first starts: a rung that cannot run as composed (a
-    profiler window past trainer.max_steps, say) fails the sweep at once, in one line naming the rung, rather
-    than after the rungs before it trained. (Other sweeps run their good jobs and report the bad ones.)"""
-    if not any(OmegaConf.select(job.config, "ladder.rung") for job in jobs):
-        return
-    from trainflow.validation import validate
-
+def job_tasks(jobs: list[SweepJob]) -> Iterator[tuple[int, DictConfig]]:
+    """Each job's number and task config, with Hydra's config set to the job's while the caller looks at it."""
     for job in jobs:
         with as_job(job) as task:
-            try:
-                validate(task)
-            except TrainflowError as exc:
-                user_error(f"ladder={task.ladder.rung} (job #{job.num}): {exc}")
+            yield job.num, task
 
 
 def finished_already(job: SweepJob) -> JobReturn | None:
@@ -162,7 +153,8 @@ class SweepLauncher(Launcher):
         configure_log(self.config.hydra.hydra_logging, self.config.hydra.verbose)
         Path(str(self.config.hydra.sweep.dir)).mkdir(parents=True, exist_ok=True)
         jobs = compose_jobs(self.hydra_context, self.config, job_overrides, initial_job_idx)
-        check_ladder_rungs(jobs)
+        with contextlib.closing(job_tasks(jobs)) as tasks:  # Hydra's config is the sweep's again, even on a refusal
+            sweeps.check_before_start(tasks)
         return jobs
 
     def run_in_turn(self, jobs: list[SweepJob], run_one: Callable[[SweepJob, Any], JobReturn]) -> list[JobReturn]:

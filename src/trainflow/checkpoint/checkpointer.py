@@ -69,7 +69,7 @@ from trainflow.locks import DirLock
 
 log = logging.getLogger(__package__)  # one name for the package: lines read [trainflow.checkpoint]
 
-CHECKPOINT_REGION = "trainflow/checkpoint"  # the profiler region of its turn in the loop: its polls and saves
+CHECKPOINT_ANNOTATION = "trainflow/checkpoint"  # the profiler's record_function label of its turn: polls and saves
 
 
 @dataclass
@@ -111,15 +111,15 @@ class Checkpointer:
         self._every_steps = cfg.every_steps
         self._sync = cfg.mode == "sync"
         self.dir = store.resolve_dir(cfg.dir, run_dir)
-        self._ctl = None  # gloo group for the main thread's collectives (flags, barriers, sync saves)
+        self._main_group = None  # gloo group for the main thread's collectives (flags, barriers, sync saves)
         self._async_group = None  # gloo group owned by the async upload thread (the default group hangs)
         if env.distributed:
-            self._ctl = dist.new_group(backend="gloo")
+            self._main_group = dist.new_group(backend="gloo")
             if cfg.mode == "async":
                 self._async_group = dist.new_group(backend="gloo")
-        self._ranks = RankAgreement(env, self._ctl)
+        self._ranks = RankAgreement(env, self._main_group)
         self._pending: _Pending | None = None
-        self._poll = LatePoll(self._ctl)  # each step: (stop signal, uploading) of every rank
+        self._poll = LatePoll(self._main_group)  # each step: (stop signal, uploading) of every rank
         self._stager = None  # async: CPU buffers the state is copied into, reused save after save
         self._saves: list[dict[str, Any]] = []
         self._blocked_unreported = 0.0
@@ -170,9 +170,9 @@ class Checkpointer:
         check_intact(target, list_committed(target.path.parent))
         resuming.check_fits(target, state.model, self._fingerprint, self._layout)
         if weights_only:
-            resuming.load_weights(target, state, self.env, self._ctl)
+            resuming.load_weights(target, state, self.env, self._main_group)
         else:
-            self._changes = resuming.load_all(target, state, self.env, self._ctl)
+            self._changes = resuming.load_all(target, state, self.env, self._main_group)
         self._resumed_from = target
         self._last_saved_step = state.step if not weights_only else None
         self._need_bytes = int(target.manifest.get("bytes", 0))
@@ -181,7 +181,7 @@ class Checkpointer:
         """Save when due; return True when the run must stop now (a stop signal was handled)."""
         if not self.enabled:
             return False
-        with record_function(CHECKPOINT_REGION):  # its collectives are the saves', not the training's communication
+        with record_function(CHECKPOINT_ANNOTATION):  # its collectives are the saves', not the training's communication
             return self._after_step(state)
 
     def _after_step(self, state: TrainState) -> bool:
@@ -301,7 +301,7 @@ class Checkpointer:
         with ThreadPoolExecutor(max_workers=1) as pool:
             plain_files = pool.submit(self._write_plain, tmp, plain, self._rank_files(state))
             try:
-                dcp.save({"app": tensors}, storage_writer=writer, process_group=self._ctl)
+                dcp.save({"app": tensors}, storage_writer=writer, process_group=self._main_group)
             except BaseException as exc:
                 reraise_interrupt(exc)
                 error = exc
@@ -408,7 +408,7 @@ class Checkpointer:
         path = self.dir / f"step_{state.step:08d}"
         live, _ = split_state(state)
         fresh = blank_like(live)
-        dcp.load({"app": fresh}, storage_reader=SafeReader(path), process_group=self._ctl)
+        dcp.load({"app": fresh}, storage_reader=SafeReader(path), process_group=self._main_group)
         bad = differences(live, fresh)
         if self._ranks.any(bool(bad)):
             raise CheckpointError(f"checkpoint.verify: {path} does not read back what was saved "

@@ -88,14 +88,10 @@ def build_datasets(cfg: DictConfig, model_cfg: DictConfig) -> DataBundle:
 
 def _shards(cfg: DictConfig, model_cfg: DictConfig) -> DataBundle:
     """data=shards: the prepared folder's windows, its tokens checked against the model's vocabulary."""
-    from trainflow.data.shards import shard_datasets
+    from trainflow.data.shards import check_vocab, shard_datasets
 
     if not cfg.path:
         raise ConfigError("data.path: data=shards needs the folder `trainflow prepare --out` wrote; set data.path")
     train, val, manifest = shard_datasets(Path(cfg.path).expanduser(), int(cfg.seq_len), float(cfg.val_fraction))
-    vocab = model_cfg.get("vocab_size")
-    if vocab is not None and manifest["vocab_size"] > vocab:
-        raise ConfigError(f"model.vocab_size: is {vocab}, but the shards in {cfg.path} were prepared with a "
-                          f"tokenizer of {manifest['vocab_size']} tokens; set model.vocab_size={manifest['vocab_size']}"
-                          f" (or tokenizer.vocab_size, which it follows)")
+    check_vocab(manifest, model_cfg.get("vocab_size"), cfg.path)
     return DataBundle(train, val, True, int(cfg.seq_len), "data=shards")

@@ -71,8 +71,9 @@ class InProcessBatches:
         self.sampler = sampler
 
     def __iter__(self) -> Iterator[Batch]:
-        for indices in self.sampler:
-            yield self.dataset[indices]
+        for chunk in self.sampler.chunks():
+            for indices in chunk:  # a view of the chunk: the gather copies, so no copy of the indices is needed
+                yield self.dataset[indices]
 
 
 def make_loader(

@@ -10,6 +10,8 @@ Training cuts each shard into windows of `seq_len + 1` tokens (a window never sp
 windows of all shards in order: the global sample stream (data/stream.py) serves them as it serves any map-style
 dataset, so the stream, its resume on any world size and its per-epoch shuffle are the same. A shard is mapped
 the first time a rank reads a window of it, so each rank opens only the shards its positions fall in.
+`shard_stream` (a `data._target_`) serves the same windows as a sharded stream instead: whole shards per rank and
+worker, disjoint, in order within each shard.
 """
 
 from __future__ import annotations
@@ -19,17 +21,18 @@ import logging
 import multiprocessing
 import os
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 import xxhash
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, IterableDataset
 
 from trainflow.data.text import PIECES_AT_ONCE, Corpus, _pieces
 from trainflow.data.tokenizers import Tokenizer
-from trainflow.errors import DataError
+from trainflow.errors import ConfigError, DataError
 from trainflow.files import atomic_path, write_atomic
 
 log = logging.getLogger(__name__)
@@ -228,26 +231,38 @@ class ShardWindows(Dataset):
         self.first = first
         self.count = int(self.ends[-1]) - first if count is None else count
         self.maps: dict[int, np.ndarray] = {}  # the shards this process opened, by number
+        self.span = np.arange(seq_len + 1)
 
     def __len__(self) -> int:
         return self.count
 
     def _shard(self, i: int) -> np.ndarray:
-        if i not in self.maps:
-            self.maps[i] = np.memmap(self.folder / self.names[i], dtype=self.dtype, mode="r")
+        if i not in self.maps:  # the map seen as a plain array: indexing it makes no memmap objects
+            self.maps[i] = np.memmap(self.folder / self.names[i], dtype=self.dtype, mode="r").view(np.ndarray)
         return self.maps[i]
 
     def __getitem__(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         windows = np.asarray(indices, dtype=np.int64).reshape(-1) + self.first
         shards = np.searchsorted(self.ends, windows, side="right")
-        starts = (windows - self.begins[shards]) * self.seq_len
-        out = np.empty((len(windows), self.seq_len + 1), dtype=np.int64)
-        for shard in np.unique(shards):
-            rows = np.flatnonzero(shards == shard)
-            tokens = self._shard(int(shard))
-            out[rows] = tokens[starts[rows, None] + np.arange(self.seq_len + 1)]
-        window = torch.from_numpy(out)
+        starts = (windows - self.begins[shards])[:, None] * self.seq_len + self.span  # each window's token offsets
+        if (shards == shards[0]).all():  # a micro-batch of one shard: one gather (the cost between two steps is
+            # mostly cold caches, so fewer numpy calls is what shortens the data wait)
+            window = torch.from_numpy(self._shard(int(shards[0]))[starts]).to(torch.int64)
+        else:
+            out = np.empty((len(windows), self.seq_len + 1), dtype=np.int64)
+            for shard in np.unique(shards):
+                rows = np.flatnonzero(shards == shard)
+                out[rows] = self._shard(int(shard))[starts[rows]]
+            window = torch.from_numpy(out)
         return window[:, :-1].contiguous(), window[:, 1:].contiguous()
+
+
+def check_vocab(manifest: dict, vocab_size: int | None, folder: str) -> None:
+    """Shards of more tokens than the model's vocabulary stop the run in one line (not an embedding's IndexError)."""
+    if vocab_size is not None and manifest["vocab_size"] > vocab_size:
+        raise ConfigError(f"model.vocab_size: is {vocab_size}, but the shards in {folder} were prepared with a "
+                          f"tokenizer of {manifest['vocab_size']} tokens; set model.vocab_size={manifest['vocab_size']}"
+                          f" (or tokenizer.vocab_size, which it follows)")
 
 
 def shard_datasets(folder: Path, seq_len: int, val_fraction: float) -> tuple[ShardWindows, ShardWindows, dict]:
@@ -262,3 +277,48 @@ def shard_datasets(folder: Path, seq_len: int, val_fraction: float) -> tuple[Sha
     return (ShardWindows(folder, manifest, seq_len, 0, split),
             ShardWindows(folder, manifest, seq_len, split, len(every) - split), manifest)
 
+
+
+class ShardStream(IterableDataset):
+    """The prepared training windows as a sharded stream (data/sharded.py): `shard(i)` yields shard i's windows in
+    order, each `(inputs, targets)`, so every rank and worker reads whole shards of its own, disjoint from the
+    others' (the trade: no shuffle across shards, where data=shards shuffles every window of the corpus)."""
+
+    def __init__(self, windows: ShardWindows) -> None:
+        self.windows = windows
+        self.num_shards = len(windows.names)
+
+    def shard(self, index: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        w = self.windows
+        first, end = max(int(w.begins[index]), w.first), min(int(w.ends[index]), w.first + w.count)
+        for i in range(first - w.first, end - w.first):  # the windows of the shard that lie in this split
+            inputs, targets = w[torch.tensor([i])]
+            yield inputs[0], targets[0]
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        for index in range(self.num_shards):
+            yield from self.shard(index)
+
+
+class WindowItems(Dataset):
+    """ShardWindows one window at a time, as a `data._target_`'s map-style dataset is read (and then collated)."""
+
+    def __init__(self, windows: ShardWindows) -> None:
+        self.windows = windows
+
+    def __len__(self) -> int:
+        return len(self.windows)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        inputs, targets = self.windows[torch.tensor([i])]
+        return inputs[0], targets[0]
+
+
+def shard_stream(path: str, seq_len: int, val_fraction: float = 0.05,
+                 vocab_size: int | None = None) -> dict[str, Dataset]:
+    """A `data._target_`: the prepared folder's training windows as a sharded stream (whole shards per rank and
+    worker), its validation windows map-style. `data=custom data._target_=trainflow.data.shards.shard_stream
+    +data.path=DIR data.seq_len=N +data.vocab_size=${model.vocab_size}` (checked against the shards)."""
+    train, val, manifest = shard_datasets(Path(path).expanduser(), seq_len, val_fraction)
+    check_vocab(manifest, vocab_size, path)
+    return {"train": ShardStream(train), "val": WindowItems(val)}

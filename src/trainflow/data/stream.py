@@ -158,14 +158,20 @@ class StreamSampler:
         return self.indices_of(torch.arange(first, first + count))
 
     def __iter__(self) -> Iterator[torch.Tensor]:
-        """Micro-batches computed CHUNK_BATCHES at a time (the permutation's cost is a few hundred tensor ops,
-        whatever their length), each chunk spanning at most one epoch's positions, so it meets at most 2 epochs."""
+        """This rank's micro-batches of indices, each its own storage: a DataLoader worker receives one batch,
+        not the chunk it is a row of."""
+        for chunk in self.chunks():
+            yield from (row.clone() for row in chunk)
+
+    def chunks(self) -> Iterator[torch.Tensor]:
+        """[micro-batches, batch size] index tensors, CHUNK_BATCHES micro-batches at a time (the permutation's cost
+        is a few hundred tensor ops, whatever their length), each chunk spanning at most one epoch's positions, so
+        it meets at most 2 epochs. Read in this process, the rows need no copy of their own."""
         b, span = self.batch_size, self.batch_size * self.world_size
         per_chunk = max(1, min(CHUNK_BATCHES, self.num_samples // span))
         within = torch.arange(b)
         k = 0
         while True:
             firsts = self.start + (k + torch.arange(per_chunk)) * span + self.rank * b
-            chunk = self.indices_of(firsts[:, None] + within)
-            yield from (row.clone() for row in chunk)  # each its own storage: workers receive one batch, not all
+            yield self.indices_of(firsts[:, None] + within)
             k += per_chunk

@@ -67,7 +67,7 @@ class ParityCheck(Stage):
             t, LoopState(self.reference, optimizer, scheduler), task, iter(make_loader(dataset, sampler, data, False)),
             trainable=list(self.reference.parameters()), autocast=autocast_for(env.device, t.precision),
             name_part=unnamed, guard=NonFiniteGuard("stop", env),
-            batch_device=env.device if env.device.type != "cpu" else None, pin=False, schedule_moves=True,
+            batch_device=env.device if env.device.type != "cpu" else None, pin=False, steps_schedule=True,
             metrics_every_step=False, global_batch=t.batch_size * env.dp_size * t.grad_accum)
 
     @classmethod

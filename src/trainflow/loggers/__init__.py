@@ -8,6 +8,7 @@ after a stop, a crash or a requeue continues the same tracked run on one step ax
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 from collections.abc import Mapping
@@ -18,8 +19,8 @@ from typing import Any, Protocol
 from omegaconf import DictConfig, OmegaConf
 
 from trainflow.config import OptimConfig, TrainerConfig
-from trainflow.profile_verdict import format_verdict
-from trainflow.targets import call_target
+from trainflow.loggers.process import LOGGER_CLASS, ProcessLogger
+from trainflow.targets import call, import_target
 
 IDS_FILE = "loggers.json"  # {logger name: its tracked run's id}, in the run directory
 NAME_BYTES = 200  # a sweep job's folder name: one level, within the usual 255-byte limit of a file name
@@ -74,8 +75,17 @@ def build_loggers(section: DictConfig | dict) -> dict[str, Logger]:
 
             raise ConfigError(f"logger.{name}: no _target_; give logger.{name}._target_ the import path of a "
                               "logger class (see docs/loggers.md), or leave it out of logger=[...]")
-        loggers[name] = call_target(f"logger.{name}", target, kwargs, "a logger class (see docs/loggers.md)")
+        loggers[name] = build_logger(name, target, kwargs)
     return loggers
+
+
+def build_logger(name: str, target: str, kwargs: dict[str, Any]) -> Logger:
+    """`target(**kwargs)`; in a process of its own when its class says `in_own_process = True` (its client's cost
+    stays out of the loop's process)."""
+    logger_class = import_target(f"logger.{name}._target_", target, LOGGER_CLASS)
+    if getattr(logger_class, "in_own_process", False):
+        return ProcessLogger(name, target, kwargs)
+    return call(f"logger.{name}", target, logger_class, kwargs)
 
 
 def run_info(cfg: DictConfig, run_dir: Path, world_size: int, resumed_step: int | None,
@@ -90,6 +100,20 @@ def run_info(cfg: DictConfig, run_dir: Path, world_size: int, resumed_step: int 
                               overrides)
     return RunInfo(run_dir, OmegaConf.to_container(cfg, resolve=True), (run_dir / "config.yaml").read_text(),
                    hparams, job or run_dir.name, sweep, resumed_step, tracked_id, world_size)
+
+
+def history(run_dir: Path, after: int, up_to: int) -> list[tuple[int, dict[str, float]]]:
+    """(step, finite scalars) of each metrics.jsonl line of a step in (after, up_to]: what a tracker that lost the
+    end of a crashed process's figures logs again when the run resumes at `up_to` (the metrics writer has kept
+    metrics.jsonl up to there)."""
+    lines = []
+    with contextlib.suppress(OSError):
+        for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+            values = json.loads(line)
+            step = values.pop("step", 0)
+            if after < step <= up_to:
+                lines.append((step, finite(values)))
+    return lines
 
 
 def kept_ids(run_dir: Path) -> dict[str, str]:
@@ -189,6 +213,8 @@ def finite(values: Mapping[str, Any]) -> dict[str, float]:
 
 def profiler_text(profiler: dict[str, Any] | None) -> str | None:
     """The verdict as printed at the end of a run, and the top operators as a Markdown table."""
+    from trainflow.profile_verdict import format_verdict  # it imports torch, which a logger's process needs not
+
     verdict = (profiler or {}).get("verdict")
     if not verdict:
         return None

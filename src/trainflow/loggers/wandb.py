@@ -6,7 +6,8 @@
 - config: the resolved config; project / entity / group / tags / notes from `logger.wandb.*`; a sweep job's group
   is its sweep's name unless `logger.wandb.group` says otherwise;
 - history: every scalar of metrics.jsonl at its step; at the end the final figures (`summary/*`), which W&B's
-  summary then holds; a resumed run logs only the steps past the resumed one;
+  summary then holds; a resumed run logs only the steps past the resumed one, and again those of metrics.jsonl
+  up to it that a crashed process did not get into its W&B run;
 - at the end: config.yaml, summary.json, compile_report.json and the profiler's verdict (profiler.md) as the run's
   files, and its exit code: 0 for FINISHED, 1 for FAILED, 75 (not finished: resumed later) for KILLED.
 """
@@ -19,8 +20,9 @@ from pathlib import Path
 from typing import Any
 
 from trainflow.errors import ConfigError
-from trainflow.loggers import FAILED, FINISHED, RunInfo
+from trainflow.loggers import FAILED, FINISHED, RunInfo, history
 from trainflow.loggers.mlflow import sweep_name
+from trainflow.loggers.wandb_files import last_step, offline_runs
 
 EXIT_CODES = {FINISHED: 0, FAILED: 1}  # KILLED (and any other): 75, trainflow's exit code of a stop after a save
 KILLED_EXIT = 75
@@ -55,9 +57,22 @@ class WandbLogger:
             dir=self.dir or (None if os.environ.get("WANDB_DIR") else str(run.run_dir)),
             # the console stays trainflow's (train.log has it all); the run is its own, not wandb.run's
             settings=wandb.Settings(console="off", reinit="create_new"))
-        # an online run continued from the server starts past its last step; offline starts at 0
-        self._logged_to = max(run.resumed_step or 0, self.run.starting_step - 1)
+        if run.resumed_step is not None:
+            self._catch_up(run)
         return self.run.id
+
+    def _catch_up(self, run: RunInfo) -> None:
+        """A resumed run holds the steps its earlier processes got to W&B: online, up to the server's last step;
+        offline, what their run folders hold (a crash loses the end of what W&B had not written). The steps
+        between that and the resumed step are logged again from metrics.jsonl, the later ones skipped."""
+        held = self.run.starting_step - 1
+        if self.run.offline:
+            wandb_dir = Path(self.run.dir).parent.parent  # <dir>/wandb/offline-run-<time>-<id>/files
+            held = max((last_step(f) for f in offline_runs(wandb_dir, self.run.id)
+                        if f != Path(self.run.dir).parent), default=0)
+        for step, values in history(run.run_dir, held, run.resumed_step):
+            self.run.log(values, step=step)
+        self._logged_to = max(run.resumed_step, held)
 
     def _mode(self) -> str | None:
         """The configured mode, else W&B's own choice (WANDB_MODE) when set, else online only with a key."""

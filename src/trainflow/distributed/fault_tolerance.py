@@ -1,0 +1,232 @@
+"""Training through a lost replica group (parallelism.fault_tolerance=torchft).
+
+Replica groups are separate jobs (each its own trainflow run, of one rank or of DDP ranks) that average their
+gradients through torchft's Manager, coordinated by torchft's lighthouse; inside a group its ranks average first.
+Each step begins with a quorum: the groups alive now. A group that dies makes the others' all-reduce of that step
+fail; their update is dropped (the step counts, as a skipped step does) and from the next quorum on they train
+without it: the global batch shrinks to the groups present, said in the log and counted in summary.json. A group
+started again joins the next quorum and, being behind, fetches the live state (model, optimizer, schedule, step,
+position in the sample stream) from a peer over HTTP, not from disk; from then on every group applies the same
+averaged gradient to the same weights. (An iterable dataset's position is its own share's, not the peer's: a
+restarted group reads its share from where it started.)
+
+Each group reads its own share of the data stream: group g of G, rank r of its n data-parallel ranks, reads as
+rank g * n + r of G * n. Why the quorum is taken between steps (in `after_step`) and not in the optimizer's
+zero_grad as torchft's wrapper does: trainflow zeroes gradients before it counts the step, and a state fetched
+there would be counted twice.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from trainflow.config import FaultToleranceConfig, ParallelismConfig
+from trainflow.distributed import DistEnv
+from trainflow.stages import LoopState, Stage, StageContext
+
+log = logging.getLogger("trainflow")
+
+TORCHFT = "torchft"
+
+
+def torchft_installed() -> bool:
+    """Whether torchft imports (its servers read RUST_LOG once, at import: quiet unless the user asks)."""
+    os.environ.setdefault("RUST_LOG", "warn")  # they log every quorum and commit at info
+    try:
+        import torchft  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def replica_groups(parallelism: Any) -> int:
+    """Replica groups whose ranks share the data stream and the gradients (1 without fault tolerance)."""
+    return int(parallelism.ft.replica_groups) if parallelism.fault_tolerance == TORCHFT else 1
+
+
+def data_share(parallelism: Any, env: DistEnv) -> tuple[int, int]:
+    """(this rank's place, the places) in the sample stream across every replica group."""
+    groups = replica_groups(parallelism)
+    replica = int(parallelism.ft.replica_id) if groups > 1 else 0
+    return replica * env.dp_size + env.dp_rank, groups * env.dp_size
+
+
+def lighthouse_address(ft: FaultToleranceConfig) -> str:
+    return f"http://localhost:{ft.lighthouse_port}" if ft.lighthouse == "auto" else ft.lighthouse
+
+
+def start_lighthouse(ft: FaultToleranceConfig) -> Any:
+    """torchft's lighthouse in this process (it lives as long as the process does)."""
+    from torchft.coordination import LighthouseServer
+
+    return LighthouseServer(bind=f"[::]:{ft.lighthouse_port}", min_replicas=ft.min_replicas,
+                            join_timeout_ms=int(ft.join_timeout_s * 1000), quorum_tick_ms=10,
+                            heartbeat_timeout_ms=int(ft.heartbeat_timeout_s * 1000))
+
+
+class FaultTolerance(Stage):
+    """The torchft Manager of this replica group: the model's gradients go through it, each step's update is
+    committed only if every collective of the step succeeded, and the quorum before each step heals a late group."""
+
+    summary_key = "fault_tolerance"
+
+    def __init__(self, parallelism: ParallelismConfig, env: DistEnv, global_batch: int) -> None:
+        self.enabled = parallelism.fault_tolerance == TORCHFT
+        self.ft = parallelism.ft
+        self.env = env
+        self.group_batch = global_batch // max(self.ft.replica_groups, 1)  # one group's share of a step
+        self.manager: Any = None
+        self._state: LoopState | None = None
+        self._lighthouse: Any = None
+        self._present = self.ft.replica_groups  # groups in the current quorum
+        self.shrunk_steps = 0  # steps trained with fewer groups than replica_groups
+        self.missed_samples = 0  # the absent groups' shares of those steps
+        self.uncommitted: list[int] = []  # steps whose update was dropped (a group lost inside the step)
+        self.events: list[dict[str, Any]] = []  # each change of the quorum: step, groups, time
+        self.healed: dict[str, Any] | None = None  # this group's fetch of the live state from a peer
+
+    @classmethod
+    def build(cls, ctx: StageContext) -> FaultTolerance:
+        t = ctx.trainer
+        stage = cls(ctx.parallelism, ctx.env, t.batch_size * ctx.env.dp_size * replica_groups(ctx.parallelism)
+                    * t.grad_accum)
+        if stage.enabled:
+            stage._create_manager()
+        return stage
+
+    def _create_manager(self) -> None:
+        # trainflow says each quorum change and each dropped update in one line; torchft logs them again, with a
+        # traceback for a lost peer's collective (a user debugging torchft lowers these levels, and sets RUST_LOG)
+        for name in ("torchft", "torchft_quorums", "torchft_commits", "torchft_errors"):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
+        from torch.distributed import TCPStore
+        from torchft import Manager, ProcessGroupGloo
+
+        ft, env = self.ft, self.env
+        if ft.lighthouse == "auto" and ft.replica_id == 0 and env.rank == 0:
+            self._lighthouse = start_lighthouse(ft)
+        timeout = timedelta(seconds=ft.timeout_s)
+        if env.distributed:  # the group's ranks find each other's Manager in the store of their own process group
+            store_addr, store_port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+        else:  # one rank: a store of its own, in this process
+            self._store = TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
+            store_addr, store_port = "localhost", self._store.port
+        self.manager = Manager(
+            pg=ProcessGroupGloo(timeout=timeout), load_state_dict=self._load, state_dict=self._live_state,
+            min_replica_size=ft.min_replicas, use_async_quorum=False, timeout=timeout, quorum_timeout=timeout,
+            connect_timeout=timeout, rank=env.rank, world_size=env.world_size, store_addr=store_addr,
+            store_port=store_port, lighthouse_addr=lighthouse_address(ft), replica_id=f"trainflow_{ft.replica_id}")
+
+    def prepare(self, model: nn.Module) -> nn.Module:
+        """torchft's DDP in place of the group's own: each gradient bucket is averaged over the group's ranks, then
+        through the Manager over the groups present (its buckets never rebuilt: a restarted group's match)."""
+        if not self.enabled:
+            return model
+        from torchft.ddp import DistributedDataParallel
+
+        class Averaged(DistributedDataParallel):
+            _comm_hook = staticmethod(_average)
+
+        inner = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+        return Averaged(self.manager, inner)
+
+    def start(self, state: LoopState) -> None:
+        """The first quorum: a group behind the others (restarted) takes their state here, before its data
+        position is read."""
+        if self.enabled:
+            self._state = state
+            self._quorum(state)
+
+    def should_commit(self) -> bool:
+        """Whether this step's update may be applied (False: a group was lost inside the step)."""
+        committed = bool(self.manager.should_commit())
+        if not committed:
+            self.uncommitted.append(self._state.step + 1)
+            log.warning("fault tolerance: step %d's gradients were not averaged across the replica groups (one was "
+                        "lost inside the step): its update is dropped", self._state.step + 1)
+        return committed
+
+    def after_step(self, state: LoopState) -> bool:
+        if self._present < self.ft.replica_groups:
+            self.shrunk_steps += 1
+            self.missed_samples += (self.ft.replica_groups - self._present) * self.group_batch
+        if not state.done:
+            self._quorum(state)
+        return False
+
+    def _quorum(self, state: LoopState) -> None:
+        step, start = state.step, time.monotonic()
+        self.manager.start_quorum()  # waits for the quorum; a group behind applies a peer's state before returning
+        present = self.manager.num_participants()
+        if state.step != step:
+            self.healed = {"from_step": step, "to_step": state.step, "seconds": round(time.monotonic() - start, 3)}
+            log.info("fault tolerance: replica group %d took the live state of step %d from a peer in %.2f s",
+                     self.ft.replica_id, state.step, self.healed["seconds"])
+        if present != self._present:
+            self.events.append({"step": state.step, "groups": present, "time": time.time()})
+            if present < self.ft.replica_groups:
+                log.warning("fault tolerance: %d of %d replica groups train from step %d: the global batch is %d of "
+                            "%d until the others return", present, self.ft.replica_groups, state.step + 1,
+                            present * self.group_batch, self.ft.replica_groups * self.group_batch)
+            else:
+                log.info("fault tolerance: all %d replica groups train again from step %d", present, state.step + 1)
+            self._present = present
+
+    def _live_state(self) -> dict[str, Any]:
+        """What a late group needs to continue as this one does: sent to it over HTTP by the Manager."""
+        state = self._state
+        assert state is not None, "the quorum runs after start()"
+        return {"model": state.model.state_dict(), "optimizer": state.optimizer.state_dict(),
+                "scheduler": state.scheduler.state_dict(), "step": state.step, "samples_seen": state.samples_seen}
+
+    def _load(self, live: dict[str, Any]) -> None:
+        state = self._state
+        assert state is not None, "the quorum runs after start()"
+        state.model.load_state_dict(live["model"])
+        state.optimizer.load_state_dict(live["optimizer"])
+        state.scheduler.load_state_dict(live["scheduler"])
+        state.step, state.samples_seen = live["step"], live["samples_seen"]
+
+    def close(self, state: Any) -> None:
+        if self.enabled:
+            self.manager.shutdown(wait=False)
+
+    def summary(self, steady: dict[str, Any] | None) -> dict[str, Any] | None:
+        if not self.enabled:
+            return None
+        return {"replica_groups": self.ft.replica_groups, "replica_id": self.ft.replica_id,
+                "shrunk_steps": self.shrunk_steps, "missed_samples": self.missed_samples,
+                "uncommitted_steps": self.uncommitted, "quorum_changes": self.events, "healed": self.healed}
+
+
+def _average(manager: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP's communication hook: the bucket averaged over the group's ranks and the groups present. A collective
+    that fails (a group lost inside it) leaves the bucket as it is: the Manager noted the error, and the step will
+    not commit.
+    (torchft 0.2's own hook asserts there instead: its work's future is never set when the wait fails.)"""
+    buffer = bucket.buffer()
+    if dist.is_initialized() and dist.get_world_size() > 1:  # a group of several ranks: its own average first
+        dist.all_reduce(buffer)
+        buffer /= dist.get_world_size()
+    manager.allreduce(buffer).wait()
+    done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    done.set_result(buffer)
+    return done
+
+
+# DDP compares the hook's annotations with the objects themselves; this module's are strings (postponed)
+_average.__annotations__.update(bucket=dist.GradBucket, **{"return": torch.futures.Future[torch.Tensor]})
+
+
+def committer(stages: list[Stage]) -> Any:
+    """The step's commit decision (FaultTolerance.should_commit), or None without fault tolerance."""
+    return next((s.should_commit for s in stages if isinstance(s, FaultTolerance) and s.enabled), None)
+

@@ -1,0 +1,158 @@
+"""Training through a lost replica group (parallelism.fault_tolerance=torchft): two groups of one rank, real
+processes on gloo; one is SIGKILLed at a known step and started again while the other trains on."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from conftest import ROOT, wait_for, wait_for_log
+
+from trainflow.config import ParallelismConfig
+from trainflow.distributed import DistEnv
+from trainflow.distributed.fault_tolerance import data_share
+
+MAX_STEPS = 200
+KILL_AFTER = 5  # replica group 1 is killed once it logged this step (or a later one)
+GROUP = ["experiment=digits", "data._target_=test_fault_tolerance.paced_digits", "trainer.batch_size=16",
+         "trainer.log_every=1", "trainer.warmup_steps=2", "logger=none", "trainer.eval_every=0", "checkpoint=dcp",
+         "checkpoint.every_steps=1000", "checkpoint.verify=false", "checkpoint.export=true",
+         "parallelism.fault_tolerance=torchft", "parallelism.ft.timeout_s=20", "parallelism.ft.heartbeat_timeout_s=2"]
+PACE_S = 0.01  # a read (16 a step): the survivor's pace while the other group is away, so it cannot finish first
+
+
+class PacedSet(torch.utils.data.Dataset):
+    """Every read sleeps PACE_S while the file TEST_FT_PACE exists (the test removes it once the group is back)."""
+
+    def __init__(self, inner: torch.utils.data.Dataset) -> None:
+        self.inner = inner
+        self.pace_file = os.environ.get("TEST_FT_PACE")
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __getitem__(self, index):
+        if self.pace_file and os.path.exists(self.pace_file):
+            time.sleep(PACE_S)
+        return self.inner[index]
+
+
+def paced_digits(val_fraction: float = 0.2, split_seed: int = 0) -> tuple[PacedSet, Any]:
+    from trainflow.data.digits import digits
+
+    train_set, val_set = digits(val_fraction, split_seed)
+    return PacedSet(train_set), val_set
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_each_group_reads_its_own_share_of_the_stream() -> None:
+    """Group g of G, rank r of n: place g * n + r of G * n; without fault tolerance the ranks' own places."""
+    p = ParallelismConfig(fault_tolerance="torchft")
+    p.ft.replica_groups, p.ft.replica_id = 3, 2
+    env = DistEnv(rank=1, world_size=2, local_rank=1, device=torch.device("cpu"))
+    assert data_share(p, env) == (5, 6)
+    assert data_share(ParallelismConfig(), env) == (1, 2)
+
+
+def start_group(run_dir: Path, replica: int, port: int, ranks: int, pace: Path | None = None):
+    """One replica group: a trainflow run of its own (of `ranks` DDP ranks, which it starts itself), one thread a
+    rank (two groups share this machine's cores); a process group of its own, to be killed whole."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT / "tests"), os.environ.get("PYTHONPATH")) if p),
+           **({"TEST_FT_PACE": str(pace)} if pace else {})}
+    env.pop("HYDRA_FULL_ERROR", None)
+    out = open(run_dir.parent / f"{run_dir.name}.out", "a")  # noqa: SIM115 (the child owns it)
+    ddp = ["parallelism=ddp", f"parallelism.nproc_per_node={ranks}"] if ranks > 1 else []
+    return subprocess.Popen([sys.executable, str(ROOT / "train.py"), *GROUP, *ddp, f"trainer.max_steps={MAX_STEPS}",
+                             f"parallelism.ft.replica_id={replica}", f"parallelism.ft.lighthouse_port={port}",
+                             f"hydra.run.dir={run_dir}"], cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+
+
+def console_steps(run_dir: Path) -> list[int]:
+    """The steps train.log reports done (it may start past 1: a group that joined late took a peer's state)."""
+    log = run_dir / "train.log"
+    return [int(m) for m in re.findall(rf"step (\d+)/{MAX_STEPS}:", log.read_text())] if log.exists() else []
+
+
+def logged_steps(run_dir: Path) -> list[int]:
+    return [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+            if "train/loss" in json.loads(line)]
+
+
+@pytest.mark.parametrize("ranks", [1, 2], ids=["groups-of-1", "groups-of-2"])
+def test_a_killed_group_rejoins_from_its_peer_while_the_other_trains_on(tmp_path: Path, ranks: int) -> None:
+    """Group 1 (every rank of it) is SIGKILLed after its step 5 and started again (a fresh run directory: nothing
+    on disk to resume from); group 0 never stops: it trains alone, with half the global batch, until group 1 is
+    back; group 1 takes group 0's live state and both end at the same step with the same weights. Every step is
+    accounted."""
+    port, pace = free_port(), tmp_path / "pace"
+    pace.touch()
+    survivor_dir, killed_dir, rejoined_dir = tmp_path / "g0", tmp_path / "g1", tmp_path / "g1-again"
+    survivor = start_group(survivor_dir, 0, port, ranks, pace)
+    killed = start_group(killed_dir, 1, port, ranks)
+    rejoined = None
+    try:
+        wait_for(lambda: max(console_steps(killed_dir), default=0) >= KILL_AFTER, killed,
+                 f"group 1 logged step {KILL_AFTER}", timeout=120)
+        os.killpg(killed.pid, signal.SIGKILL)
+        killed_at = time.time()
+        assert killed.wait() == -signal.SIGKILL
+        last_killed = max(console_steps(killed_dir))
+        rejoined = start_group(rejoined_dir, 1, port, ranks)
+        wait_for_log(rejoined_dir, "took the live state", rejoined, timeout=120)
+        assert survivor.poll() is None  # it trained on all along
+        pace.unlink()
+        assert rejoined.wait(timeout=120) == 0 and survivor.wait(timeout=120) == 0
+    finally:
+        for proc in (survivor, killed, rejoined):
+            if proc is not None and proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+    ours = json.loads((survivor_dir / "summary.json").read_text())
+    theirs = json.loads((rejoined_dir / "summary.json").read_text())
+    ft, back = ours["fault_tolerance"], theirs["fault_tolerance"]
+    # the survivor took every step once, none lost to a restart
+    assert ours["steps"] == ours["steps_this_run"] == MAX_STEPS and logged_steps(survivor_dir) == list(
+        range(1, MAX_STEPS + 1))
+    # its quorum shrank to itself after the kill and grew again when group 1 came back
+    changes = [c for c in ft["quorum_changes"] if c["time"] > killed_at]
+    assert [c["groups"] for c in changes] == [1, 2], ft
+    alone_from, back_at = changes[0]["step"], changes[1]["step"]
+    assert last_killed <= alone_from <= last_killed + 2 and back_at > alone_from, (last_killed, ft)
+    # the steps trained alone: half the global batch each, counted and said
+    shrunk = back_at - alone_from
+    assert ft["shrunk_steps"] >= shrunk and ft["missed_samples"] == ft["shrunk_steps"] * 16 * ranks, ft
+    assert set(ft["uncommitted_steps"]) <= {alone_from}, ft  # at most the step group 1 died in
+    assert "1 of 2 replica groups train from step" in (survivor_dir / "train.log").read_text()
+    # group 1 fetched the live state of the step group 0 had reached, and took the rest of the steps
+    assert back["healed"]["from_step"] == 0 and back["healed"]["to_step"] == back_at, back
+    assert theirs["steps"] == MAX_STEPS and theirs["steps_this_run"] == MAX_STEPS - back_at
+    assert logged_steps(rejoined_dir) == list(range(back_at + 1, MAX_STEPS + 1))
+    # group 1's steps: those before the kill, those after its return; lost: the ones between
+    lost = back_at - last_killed
+    assert last_killed + theirs["steps_this_run"] + lost == MAX_STEPS
+    # the same weights, bit for bit
+    a = torch.load(survivor_dir / "model.pt", weights_only=True)
+    b = torch.load(rejoined_dir / "model.pt", weights_only=True)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    figures = {"kill_to_alone_s": round(changes[0]["time"] - killed_at, 2),
+               "kill_to_rejoin_s": round(changes[1]["time"] - killed_at, 2), "heal_s": back["healed"]["seconds"],
+               "steps_lost_by_group_1": lost, "steps_trained_alone": shrunk,
+               "uncommitted_steps": len(ft["uncommitted_steps"])}
+    print(f"fault tolerance, groups of {ranks}:", json.dumps(figures), file=sys.stderr)
+
