@@ -1,5 +1,5 @@
 """What autograd keeps for backward during one forward, split by block: the one meter behind the batch check
-(limits.py, on the meta device, before anything of the batch's size exists) and parallelism=auto's memory plan
+(batch_fit.py, on the meta device, before anything of the batch's size exists) and parallelism=auto's memory plan
 (distributed/memory_estimate.py, on a real example).
 
 With activation checkpointing each block keeps only its input, and one block's activations exist at a time

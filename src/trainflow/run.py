@@ -20,6 +20,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch.profiler import record_function
 
+from trainflow.batch_fit import check_batch
 from trainflow.checkpoint import Checkpointer
 from trainflow.compiler import Compiler
 from trainflow.config import OptimConfig, ParallelismConfig, TrainerConfig, decided, typed
@@ -35,7 +36,6 @@ from trainflow.distributed.stragglers import Stragglers
 from trainflow.distributed.watchdog import Watchdog
 from trainflow.evaluation import Evaluation
 from trainflow.files import write_json_atomic
-from trainflow.limits import check_batch
 from trainflow.loggers import FAILED, FINISHED, KILLED, build_loggers
 from trainflow.loggers.writer import MetricsWriter
 from trainflow.metrics import PeakMemory, Throughput, count_train_flops, host_load, mfu, peak_flops

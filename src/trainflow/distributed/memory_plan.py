@@ -27,11 +27,11 @@ import torch.distributed as dist
 from omegaconf import DictConfig
 from torch import nn
 
+from trainflow.batch_fit import available_bytes
 from trainflow.distributed.memory_estimate import GB, ITEMS, Layout, ModelFacts, estimate, local_bytes, model_facts
 from trainflow.distributed.parallelism import fsdp_dtypes
 from trainflow.distributed.process_group import node_count
 from trainflow.errors import ConfigError
-from trainflow.limits import available_bytes
 from trainflow.precision import autocast_for
 
 log = logging.getLogger(__name__)

@@ -12,10 +12,10 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from trainflow.batch_fit import micro_batch_bytes
 from trainflow.data import load_tokens
 from trainflow.data import text as data_module
 from trainflow.errors import ConfigError
-from trainflow.limits import micro_batch_bytes
 from trainflow.models.gpt import GPT
 from trainflow.models.mlp import MLP
 from trainflow.tasks import LanguageModel, cross_entropy
