@@ -8,7 +8,6 @@ list of stages (stages.py) after it, and `summarize` writes summary.json.
 from __future__ import annotations
 
 import contextlib
-import functools
 import gc
 import logging
 from collections.abc import Sequence
@@ -29,7 +28,7 @@ from trainflow.data.stream import STREAM_VERSION
 from trainflow.distributed import DistEnv, memory_plan
 from trainflow.distributed.failures import note_step
 from trainflow.distributed.fault_tolerance import FaultTolerance, committer, data_share, replica_groups
-from trainflow.distributed.parallelism import loss_context, parallelize, unwrap
+from trainflow.distributed.parallelism import loss_context_of, parallelize, unwrap
 from trainflow.distributed.parity import ParityCheck, parallelism_summary
 from trainflow.distributed.process_group import per_rank_batch, process_group
 from trainflow.distributed.stragglers import Stragglers
@@ -176,7 +175,7 @@ def assemble(cfg: DictConfig, run_dir: Path, env: DistEnv, stage_types: Sequence
         guard=next(stage for stage in stages if isinstance(stage, NonFiniteGuard)),
         batch_device=env.device if env.device.type != "cpu" else None, pin=pin,
         steps_schedule=schedule_changes_lr(optim), metrics_every_step=cfg.task.get("train_metrics") == "every_step",
-        global_batch=global_batch, commit=committer(stages), loss_context=functools.partial(loss_context, model))
+        global_batch=global_batch, commit=committer(stages), loss_context=loss_context_of(model))
     return Run(ctx, training, stages, metric_names, parameters, flops_absent, auto_plan, resumed_from)
 
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -212,11 +212,17 @@ def loss_context(model: nn.Module) -> contextlib.AbstractContextManager:
     """torch's `loss_parallel()` for a model whose output stays split by vocabulary (trainflow's GPT under TP): the
     task's cross-entropy runs on the shards, no rank gathers the whole logits; the loss's backward must run inside
     it too. Nothing for any other model."""
+    return loss_context_of(model)()
+
+
+def loss_context_of(model: nn.Module) -> Callable[[], contextlib.AbstractContextManager]:
+    """What makes `loss_context(model)`, decided once: the training step enters it every micro-step, and asking
+    the model each time costs a few microseconds."""
     if not getattr(unwrap(model), "vocab_parallel_output", False):
-        return contextlib.nullcontext()
+        return contextlib.nullcontext
     from torch.distributed.tensor.parallel import loss_parallel
 
-    return loss_parallel()
+    return loss_parallel
 
 
 def local_loss(loss: Any) -> Any:
