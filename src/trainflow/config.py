@@ -344,6 +344,7 @@ class MLflowLoggerConfig:
     tracking_uri: str | None = None  # null: sqlite:///<working dir>/outputs/mlflow.db (no server); or http://host:port
     experiment: str = "trainflow"
     tags: dict[str, str] = field(default_factory=dict)  # added to the run's own (run name, run dir, host, ...)
+    flush_s: float = 5.0  # metrics are sent at most this often (a store's cost is per call): the UI lags by as much
 
 
 @dataclass

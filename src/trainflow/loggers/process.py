@@ -192,7 +192,9 @@ def serve(requests: BinaryIO, answers: BinaryIO) -> None:
     while True:
         try:
             number, method, args = pickle.load(requests)
-        except EOFError:
+        except EOFError:  # the trainer closed the pipe or died: what a logger buffers still goes out
+            with contextlib.suppress(Exception):
+                getattr(logger, "settle", lambda: None)()
             return
         try:
             if method == "build":
