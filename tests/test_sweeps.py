@@ -69,8 +69,10 @@ def resumed(tmp_path_factory: pytest.TempPathFactory) -> Resumed:
     try:
         metrics = sweep / "1" / "metrics.jsonl"
         wait_for(lambda: metrics.exists() and max(losses_by_step(sweep / "1"), default=0) >= 2, proc, "job 1 step 2")
+        proc.send_signal(signal.SIGSTOP)  # job 1 cannot finish its 8 steps while the report is built
         while_running = report.build(sweep)
-        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(signal.SIGTERM)  # delivered when it continues
+        proc.send_signal(signal.SIGCONT)
         first_rc = proc.wait(timeout=120)
     finally:
         proc.kill()

@@ -80,6 +80,7 @@ def as_job(job: SweepJob) -> Iterator[DictConfig]:
         yield task
     finally:
         hydra_config.cfg = sweep_config
+        OmegaConf.set_readonly(job.config.hydra, None)  # set_config made it read-only: the launch still writes it
 
 
 def job_tasks(jobs: list[SweepJob]) -> Iterator[tuple[int, DictConfig]]:
