@@ -26,8 +26,6 @@ import sys
 import threading
 from typing import Any, BinaryIO
 
-log = logging.getLogger(__name__)
-
 LOGGER_CLASS = "a logger class (see docs/loggers.md)"  # what a logger's _target_ must name, as errors say it
 MAX_UNANSWERED = 64  # calls in flight before the loop waits for the child: the pipe's backlog stays bounded
 FINISH_TIMEOUT_S = 120  # for `finish` (the last metrics, artifacts, the status) before the child is given up
