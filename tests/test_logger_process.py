@@ -87,7 +87,8 @@ def test_a_logger_that_cannot_be_built_stops_the_start_in_one_line(tmp_path: Pat
 
 
 def test_the_child_ends_when_the_trainer_dies(tmp_path: Path) -> None:
-    """A trainer killed outright (SIGKILL: no finish) closes the pipe by dying: its logger's process exits too."""
+    """A trainer killed outright (SIGKILL: no finish) closes the pipe by dying: its logger's process sends what it
+    holds (`settle`) and exits too."""
     script = (f"import sys; sys.path.insert(0, {str(ROOT / 'tests')!r})\n"
               "from trainflow.loggers import build_loggers, RunInfo\n"
               f"logger = build_loggers({{'recording': {{'_target_': {TARGET!r}, 'path': {str(tmp_path / 'c')!r}}}}})"
@@ -102,3 +103,4 @@ def test_the_child_ends_when_the_trainer_dies(tmp_path: Path) -> None:
     while Path(f"/proc/{child}").exists() and Path(f"/proc/{child}/stat").read_text().split()[2] != "Z":
         assert time.monotonic() < deadline, f"the logger's process {child} outlived its trainer"
         time.sleep(0.05)
+    assert [call[1:] for call in calls(tmp_path / "c")] == [["start", "r"], ["settle"]]

@@ -40,3 +40,7 @@ class RecordingLogger:
 
     def finish(self, status: str) -> None:
         self._record("finish", status)
+
+    def settle(self) -> None:
+        """What a buffering logger does to send what it holds: recorded, so a test sees when it was asked."""
+        self._record("settle")

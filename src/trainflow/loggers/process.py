@@ -172,7 +172,8 @@ def _portable(exc: BaseException) -> BaseException:
 
 
 def serve(requests: BinaryIO, answers: BinaryIO) -> None:
-    """The child's loop: build the logger, then answer each call in order, until the trainer closes the pipe."""
+    """The child's loop: build the logger, then answer each call in order, until `finish` or until the trainer
+    closes the pipe (then a buffering logger's `settle` sends what it holds)."""
     from trainflow.targets import call_target
 
     lock = threading.Lock()
@@ -204,6 +205,8 @@ def serve(requests: BinaryIO, answers: BinaryIO) -> None:
             send(("answer", number, None, value))
         except BaseException as exc:  # noqa: BLE001 (every failure goes back to the trainer, which decides)
             send(("answer", number, _portable(exc), None))
+        if method == "finish":  # the run has ended: nothing is left to send when the pipe closes
+            return
 
 
 def main() -> None:
