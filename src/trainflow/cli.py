@@ -4,10 +4,12 @@ starts local workers that do, and user errors as one line and a non-zero exit.""
 from __future__ import annotations
 
 import argparse
+import inspect
 import os
 import shlex
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from omegaconf import DictConfig
@@ -98,6 +100,8 @@ def resume_command() -> str:
 
 
 def _export(args: argparse.Namespace) -> int:
+    """Consolidate the model weights of a committed checkpoint (saved on any number of ranks, by any strategy) into
+    one file or folder. Never writes inside a checkpoint folder; an existing output needs --force."""
     from trainflow.checkpoint import export_weights
 
     info = export_weights(args.checkpoint, args.out, args.format, force=args.force,
@@ -107,13 +111,9 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_export(commands: argparse._SubParsersAction) -> None:
+def _export_arguments(p: argparse.ArgumentParser) -> None:
     from trainflow.checkpoint.export import FORMATS
 
-    p = commands.add_parser("export", help="write a committed checkpoint's model weights for other tools",
-                            description="Consolidate the model weights of a committed checkpoint (saved on any "
-                                        "number of ranks, by any strategy) into one file or folder. Never writes "
-                                        "inside a checkpoint folder; an existing output needs --force.")
     p.add_argument("checkpoint", type=Path, help="a step_N folder, or a checkpoint dir / run dir (its newest)")
     p.add_argument("out", help="the file (torch: model.pt) or folder to write")
     p.add_argument("--format", choices=FORMATS, default="torch",
@@ -124,16 +124,11 @@ def _add_export(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--with-optimizer", action="store_true", help="dcp: the optimizer state too")
     p.add_argument("--config", type=Path, help="the run's config.yaml (default: <run dir>/config.yaml beside the "
                                                 "checkpoint dir); hf needs it")
-    p.set_defaults(handler=_export)
-
-
-def _add_report(commands: argparse._SubParsersAction) -> None:
-    from trainflow.report import add_command
-
-    add_command(commands)
 
 
 def _prepare(args: argparse.Namespace) -> int:
+    """Tokenize the corpus of data=text (the same config keys as training) into memory-mapped token shards with a
+    manifest of checksums; run again to finish an interrupted prepare."""
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
@@ -161,30 +156,45 @@ def _prepare(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_prepare(commands: argparse._SubParsersAction) -> None:
-    p = commands.add_parser("prepare", help="tokenize a corpus once into token shards for data=shards",
-                            description="Tokenize the corpus of data=text (the same config keys as training) into "
-                                        "memory-mapped token shards with a manifest of checksums; run again to "
-                                        "finish an interrupted prepare.")
+def _prepare_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", type=Path, required=True, help="the folder to write the shards and manifest.json to")
     p.add_argument("--workers", type=int, default=1, help="processes that tokenize shards in parallel")
     p.add_argument("--shard-mb", type=float, default=64, help="text a shard holds, about (MB)")
     p.add_argument("--config-dir", type=Path, default=Path("conf"), help="the conf folder (default: ./conf)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("overrides", nargs="*", help="config overrides, e.g. data.paths=[corpus/] tokenizer=bpe")
-    p.set_defaults(handler=_prepare)
 
 
-# One function per `trainflow <command>`: it adds its parser and sets `handler` (args -> exit code).
-SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_export, _add_report, _add_prepare]
+@dataclass(frozen=True)
+class Subcommand:
+    """`trainflow <name>`: a one-line help, what adds its arguments, and the handler (args -> exit code), whose
+    docstring is the command's description."""
+
+    name: str
+    help: str
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    handler: Callable[[argparse.Namespace], int]
+
+
+def subcommands() -> list[Subcommand]:
+    from trainflow import report
+
+    return [Subcommand("export", "write a committed checkpoint's model weights for other tools", _export_arguments,
+                       _export),
+            Subcommand("report", "compare the runs under a folder: report.md, report.json, report.png",
+                       report.add_arguments, report.command),
+            Subcommand("prepare", "tokenize a corpus once into token shards for data=shards", _prepare_arguments,
+                       _prepare)]
 
 
 def main(argv: list[str] | None = None) -> None:
     """The `trainflow` console command (training itself is `python train.py`)."""
     parser = argparse.ArgumentParser(prog="trainflow", description="trainflow tools for runs and checkpoints.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="command")
-    for add in SUBCOMMANDS:
-        add(commands)
+    for command in subcommands():
+        p = commands.add_parser(command.name, help=command.help, description=inspect.getdoc(command.handler))
+        command.add_arguments(p)
+        p.set_defaults(handler=command.handler)
     args = parser.parse_args(argv)
     try:
         code = args.handler(args)

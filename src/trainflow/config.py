@@ -11,11 +11,16 @@ trainflow.sections settles those keys. Value checks that a type cannot express
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, field
-from typing import Any, TypeVar
+import inspect
+from dataclasses import dataclass, field, make_dataclass
+from typing import Any, TypeVar, get_type_hints
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf, open_dict
+
+from trainflow.models.cnn import CNN
+from trainflow.models.gpt import GPT
+from trainflow.models.mlp import MLP
 
 Schema = TypeVar("Schema")
 
@@ -54,33 +59,17 @@ class MetricsConfig:
     peak_flops: float | None = None  # FLOP/s per device; overrides the measured/known peak
 
 
-@dataclass
-class GPTConfig:
-    _target_: str = "trainflow.models.gpt.GPT"
-    vocab_size: int = 256
-    block_size: int = 128
-    n_layer: int = 4
-    n_head: int = 4
-    n_embd: int = 256
-    dropout: float = 0.0
-    bias: bool = True
+def model_schema(model: type) -> type:
+    """A built-in model option's schema, made from the model's constructor: its defaults are written once, there."""
+    hints = get_type_hints(model.__init__)
+    own = [(name, hints[name], field(default=p.default)) for name, p in inspect.signature(model).parameters.items()]
+    target = ("_target_", str, field(default=f"{model.__module__}.{model.__qualname__}"))
+    return make_dataclass(f"{model.__name__}Config", [target, *own])
 
 
-@dataclass
-class CNNConfig:
-    _target_: str = "trainflow.models.cnn.CNN"
-    in_channels: int = 1
-    image_size: int = 8
-    width: int = 16
-    num_classes: int = 10
-
-
-@dataclass
-class MLPConfig:
-    _target_: str = "trainflow.models.mlp.MLP"
-    in_features: int = 100
-    hidden: int = 256
-    out_features: int = 10
+GPTConfig = model_schema(GPT)
+CNNConfig = model_schema(CNN)
+MLPConfig = model_schema(MLP)
 
 
 @dataclass

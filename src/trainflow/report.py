@@ -363,7 +363,8 @@ class ReportCallback(Callback):
 
 
 def command(args: argparse.Namespace) -> int:
-    """`trainflow report DIR`: write the report; exit 1 when a ladder gate failed."""
+    """Write report.md, report.json and report.png comparing every run under FOLDER (a sweep, a folder of single
+    runs, or one run). A workflow-ladder sweep also gets its gates; the exit code is 1 when one failed."""
     report = write(args.folder, args.out, args.baseline)
     out = args.out or args.folder
     gates = report["gates"] or []
@@ -379,13 +380,8 @@ def command(args: argparse.Namespace) -> int:
     return EXIT_GATE_FAILED if failed_gates(report) else 0
 
 
-def add_command(commands: argparse._SubParsersAction) -> None:
-    p = commands.add_parser("report", help="compare the runs under a folder: report.md, report.json, report.png",
-                            description="Write report.md, report.json and report.png comparing every run under "
-                                        "FOLDER (a sweep, a folder of single runs, or one run). A workflow-ladder "
-                                        "sweep also gets its gates; the exit code is 1 when one failed.")
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("folder", type=Path, help="a sweep folder (multirun/<sweep name>), outputs/, or one run")
     p.add_argument("--out", type=Path, default=None, help="where to write the report (default: FOLDER)")
     p.add_argument("--baseline", default=None,
                    help="the run the speedups are against, as listed (default: the ladder's baseline, else the first)")
-    p.set_defaults(handler=command)
