@@ -5,7 +5,9 @@ with the same threads, alternating in one process; each round's steady state (af
 and the median ratio trainflow / hand-written is reported.
 
 Seed MLP against the article's literal loop (a fresh random batch, zero_grad, forward, loss, backward, step:
-no data path, no schedule): the ratio of the median rates, alternating rounds in one process, and where
+no data path, no schedule): the ratio of the median rates, alternating rounds in one process; the same ratio
+from blocks of 100 steps of each loop alternating inside one run (`LiteralBlocks`, the figure least moved by a
+noisy machine: neighbouring blocks share its regime); and where
 trainflow's extra microseconds per step go (cProfile of one run: the time of each call the loop makes, per step;
 cProfile's own cost inflates every figure alike, so read them as shares); with --cpu-time also part by part:
 the literal loop with trainflow's parts added one at a time, then trainflow's own step and loop.
@@ -42,6 +44,7 @@ from trainflow.data import StreamSampler, build_datasets, make_loader
 from trainflow.distributed.process_group import process_group
 from trainflow.optim import build_optimizer, schedule_changes_lr
 from trainflow.run import assemble, run, train_loop, train_step
+from trainflow.stages import Stage
 from trainflow.tasks import build_task, cross_entropy
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -163,6 +166,7 @@ def literal_comparison(rounds: int, steps: int, warmup: int, cpu_time: bool) -> 
           f"(ratio of medians; per round {', '.join(f'{a / b:.3f}' for a, b in zip(ours, theirs, strict=True))}); "
           f"step: trainflow {statistics.median(step_us):.0f} us ({min(step_us):.0f}-{max(step_us):.0f}), "
           f"literal {statistics.median(literal_us):.0f} us ({min(literal_us):.0f}-{max(literal_us):.0f})")
+    interleaved(cfg_of, pairs=10 * rounds, block=100, warmup=warmup, cpu_time=cpu_time)
     print("seed_mlp  trainflow's step under cProfile, microseconds per step by cause:")
     for cause, micros in step_breakdown(cfg, steps, clock):
         print(f"  {micros:8.1f}  {cause}")
@@ -172,6 +176,66 @@ def literal_comparison(rounds: int, steps: int, warmup: int, cpu_time: bool) -> 
         for name in rounds_of_parts[0]:
             values = [r[name] for r in rounds_of_parts]
             print(f"  {statistics.median(values):7.1f}  ({min(values):.0f}-{max(values):.0f})  {name}")
+
+
+class LiteralBlocks(Stage):
+    """A stage that, after every `block` steps of trainflow's loop, runs `block` steps of the article's literal loop
+    (its own model, optimizer and fresh random batches) and times both blocks by `clock`. The two loops then meet
+    the machine in the same seconds, so a change of regime (another process's load, the cores' clocks, how torch's
+    threads land) hits both alike, and each pair of neighbouring blocks gives one ratio."""
+
+    def __init__(self, cfg, block: int, warmup: int, clock: Callable[[], float]) -> None:
+        torch.manual_seed(cfg.trainer.seed + 1)
+        self.model = instantiate(cfg.model)
+        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=cfg.optim.lr, momentum=cfg.optim.momentum)
+        self.criterion = nn.CrossEntropyLoss()
+        self.shape = (cfg.trainer.batch_size, cfg.model.in_features, cfg.model.out_features)
+        self.block, self.warmup, self.clock = block, warmup, clock
+        self.trainflow_s: list[float] = []  # per step, of each trainflow block (stages, log steps and all)
+        self.literal_s: list[float] = []  # per step, of the literal block that follows it
+        self._mark: float | None = None
+        self._literal_steps(warmup)
+
+    def _literal_steps(self, steps: int) -> None:
+        batch, features, classes = self.shape
+        for _ in range(steps):
+            inputs, targets = torch.randn(batch, features), torch.randint(classes, (batch,))
+            self.optimizer.zero_grad()
+            loss = self.criterion(self.model(inputs), targets)
+            loss.backward()
+            self.optimizer.step()
+
+    def after_step(self, state) -> bool:
+        if state.steps_this_run < self.warmup or state.steps_this_run % self.block:
+            return False
+        if self._mark is not None:
+            self.trainflow_s.append((self.clock() - self._mark) / self.block)
+        start = self.clock()
+        self._literal_steps(self.block)
+        self._mark = self.clock()
+        self.literal_s.append((self._mark - start) / self.block)  # pairs with the trainflow block after it
+        return False
+
+
+def interleaved(cfg_of: Callable[[int], Any], pairs: int, block: int, warmup: int, cpu_time: bool) -> None:
+    """Seed MLP: trainflow's loop and the literal loop in alternating blocks of one run (`LiteralBlocks`); the
+    median over the pairs of blocks of literal step time / trainflow step time (trainflow's relative throughput)."""
+    cfg = cfg_of(warmup + block * (pairs + 1))
+    clock = time.thread_time if cpu_time else time.perf_counter
+    with tempfile.TemporaryDirectory() as tmp, process_group(cfg) as env:
+        assembled = assemble(cfg, Path(tmp), env)
+        blocks = LiteralBlocks(cfg, block, warmup, clock)
+        assembled.stages.append(blocks)
+        train_loop(assembled)
+        assembled.ctx.writer.close()
+    pairs_of = list(zip(blocks.literal_s, blocks.trainflow_s, strict=False))
+    ratios = sorted(literal / ours for literal, ours in pairs_of)
+    quartiles = statistics.quantiles(ratios, n=4)
+    print(f"seed_mlp  interleaved, {'CPU time' if cpu_time else 'wall time'}, {torch.get_num_threads()} thread(s), "
+          f"{len(ratios)} pairs of {block}-step blocks: trainflow / literal {statistics.median(ratios):.3f} "
+          f"(median of the pairs; quartiles {quartiles[0]:.3f}-{quartiles[2]:.3f}); step: trainflow "
+          f"{1e6 * statistics.median(blocks.trainflow_s):.0f} us, "
+          f"literal {1e6 * statistics.median(blocks.literal_s):.0f} us")
 
 
 def part_by_part(cfg_of: Callable[[int], Any], steps: int, warmup: int) -> dict[str, float]:
