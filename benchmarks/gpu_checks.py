@@ -83,7 +83,7 @@ def check_cuda_graphs_with_eval(out: Path, base: list[str]) -> dict[str, Any]:
     if "error" in run:
         return {"ok": False, "error": run["error"]}
     compiled = run.get("compile") or {}
-    val = (run.get("val") or {}).get("loss")
+    val = (run.get("validation") or {}).get("loss")
     return {"ok": val is not None and val == val, "expect": "trains, evaluates, val loss finite",
             "val_loss": val, "step_time_s": steady(run, "step_time_s"), "graphs": compiled.get("graphs"),
             "recompiles": len(compiled.get("recompiles") or [])}

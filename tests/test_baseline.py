@@ -22,8 +22,8 @@ def test_loss_and_validation_loss_fall_on_text(run_dir: Path) -> None:
     vals = [m["val/loss"] for m in run.metrics() if "val/loss" in m]
     assert len(vals) == 2 and vals[1] < vals[0]
     summary = run.summary
-    assert summary["val"]["loss"] == pytest.approx(vals[1])
-    assert summary["val"]["perplexity"] == pytest.approx(math.exp(vals[1]), rel=1e-6)
+    assert summary["validation"]["loss"] == pytest.approx(vals[1])
+    assert summary["validation"]["perplexity"] == pytest.approx(math.exp(vals[1]), rel=1e-6)
 
 
 def test_same_seed_gives_bit_identical_losses(tmp_path: Path) -> None:
@@ -41,9 +41,9 @@ def test_seed_mlp_experiment_trains(run_dir: Path) -> None:
     assert run.returncode == 0, run.stderr
     summary = run.summary
     assert summary["config"]["model"]["_target_"] == "trainflow.models.mlp.MLP"
-    assert summary["loss"]["last"] < 0.5 * summary["loss"]["first"]
-    assert summary["val"]["loss"] < 0.6  # a learnable teacher; chance level is ln(10) = 2.3
-    assert "perplexity" not in summary["val"] and summary["steady_state"]["tokens_per_sec"] == 0
+    assert summary["train_loss"]["last"] < 0.5 * summary["train_loss"]["first"]
+    assert summary["validation"]["loss"] < 0.6  # a learnable teacher; chance level is ln(10) = 2.3
+    assert "perplexity" not in summary["validation"] and summary["steady_state"]["tokens_per_sec"] == 0
 
 
 def test_flop_counter_matches_the_analytic_count_for_the_mlp() -> None:
@@ -119,7 +119,7 @@ def test_summary_has_sane_figures(run_dir: Path) -> None:
     assert s["flops_per_step"] > 0 and s["world_size"] == 1 and s["device"] == "cpu"
     assert s["flops_per_step"] == gpt_train_flops(s["config"]["model"], batch=8, seq_len=32)
     assert s["mfu"] == pytest.approx(s["flops_per_step"] / steady["step_time_s"] / s["peak_flops"], rel=1e-12)
-    assert s["loss"]["first"] > s["loss"]["last"] > 0
+    assert s["train_loss"]["first"] > s["train_loss"]["last"] > 0
     assert s["config"]["trainer"]["max_steps"] == 10
     assert (run_dir / "config.yaml").exists() and (run_dir / ".hydra" / "config.yaml").exists()
     assert "step 10/10" in (run_dir / "train.log").read_text()

@@ -42,7 +42,7 @@ def test_hf_gpt2_learns_on_local_text_with_its_own_loss(tmp_path: Path, caches: 
     assert sum(losses[-5:]) / 5 < losses[0] - 0.5, losses  # it learns
     vals = [m["val/loss"] for m in run.metrics() if "val/loss" in m]
     assert len(vals) == 2 and vals[1] < vals[0] < losses[0]
-    assert run.summary["val"]["loss"] == vals[-1]
+    assert run.summary["validation"]["loss"] == vals[-1]
 
 
 def test_hf_gpt2_through_fsdp_profiler_checkpoint_resume_and_compiled_ddp(tmp_path: Path, caches: list[str]) -> None:

@@ -38,8 +38,9 @@ def test_a_resume_continues_the_stream_exactly(tmp_path: Path, stateful: bool, w
     assert sorted(expected) == list(range(1, 9))
     assert len(set(expected.values())) == 8  # every step a different batch: a repeated or skipped one shows
     assert losses_by_step(resumed.run_dir) == {step: expected[step] for step in range(4, 9)}
-    assert resumed.summary["val"] == whole.summary["val"]  # the iterable val set, read once, evaluated alike
-    assert 0 <= whole.summary["val"]["accuracy"] <= 1
+    # the iterable validation set, read once, evaluated alike
+    assert resumed.summary["validation"] == whole.summary["validation"]
+    assert 0 <= whole.summary["validation"]["accuracy"] <= 1
     position = json.loads((step3 / "data_rank00000.json").read_text())
     assert (position["world_size"], position["num_workers"], position["batch_size"]) == (1, workers, 4)
     if stateful and workers == 0:  # the dataset's own position, and trainflow's count of the items it read

@@ -205,7 +205,7 @@ def test_preemption_signal_checkpoints_requeues_and_resumes_to_the_same_losses(s
     assert summary["steps"] == 120 and 3 <= summary["resumed_from_step"] < 50  # the step after the signal, not 0
     assert summary["steps_this_run"] == 120 - summary["resumed_from_step"]
     assert losses_by_step(preempted) == losses_by_step(reference)
-    assert summary["val"]["loss"] == json.loads((reference / "summary.json").read_text())["val"]["loss"]
+    assert summary["validation"]["loss"] == json.loads((reference / "summary.json").read_text())["validation"]["loss"]
     rank_logs = "".join(p.read_text() for p in (sweep.dir / ".submitit" / sweep.preempted).glob("*_log.*"))
     assert "this job is preempted" in rank_logs and "Requeued job" in rank_logs  # submitit's path, not a timeout
 

@@ -97,7 +97,7 @@ def test_restart_after_a_rank_crash_resumes_from_the_last_checkpoint(sweep: Swee
     assert summary["steps"] == STEPS and summary["resumed_from_step"] in range(10, STEPS, 10)  # not from 0
     assert summary["steps_this_run"] == STEPS - summary["resumed_from_step"]
     assert losses_by_step(job) == losses_by_step(reference)
-    assert summary["val"]["loss"] == json.loads((reference / "summary.json").read_text())["val"]["loss"]
+    assert summary["validation"]["loss"] == json.loads((reference / "summary.json").read_text())["validation"]["loss"]
 
 
 def test_failed_job_is_reported_and_the_others_still_run(tmp_path: Path) -> None:

@@ -118,7 +118,7 @@ def test_a_stopped_and_resumed_run_is_one_mlflow_run_with_each_step_once(server:
     assert history == pytest.approx(jsonl, rel=1e-12)
     summary = json.loads((resumed / "summary.json").read_text())
     assert summary["resumed_from_step"] is not None and 5 <= summary["resumed_from_step"] < 20
-    assert run.data.metrics["summary/val_loss"] == pytest.approx(summary["val"]["loss"])
+    assert run.data.metrics["summary/val_loss"] == pytest.approx(summary["validation"]["loss"])
     assert run.data.params["trainer.max_steps"] == "20" and run.data.params["checkpoint.every_steps"] == "5"
     assert run.data.params["optim.betas"] == "[0.9, 0.95]"  # lists as their JSON text
     tags = run.data.tags

@@ -79,7 +79,7 @@ def test_fsdp_with_activation_checkpointing_when_fsdp_does_not_fit(roomy: Run, t
     assert run.summary["parallelism"]["plan"]["choice"] == "fsdp + activation checkpointing"
     assert run.summary["parallelism"]["strategy"] == "fsdp"
     assert run.summary["config"]["parallelism"]["activation_checkpointing"] == "full"
-    assert run.summary["loss"]["last"] < run.summary["loss"]["first"] * 1.1  # it trains
+    assert run.summary["train_loss"]["last"] < run.summary["train_loss"]["first"] * 1.1  # it trains
 
 
 def test_refusal_names_what_is_needed_and_what_would_fit(roomy: Run, tmp_path: Path) -> None:
@@ -305,7 +305,7 @@ def test_tp_when_the_global_batch_is_smaller_than_the_world(batch_forced: Run, t
     # exact: rank 0's TP shards of the parameters and of AdamW's state, as the estimate has them
     assert check["params_bytes"] == row["params"] < batch_forced.summary["parameters"] * 4 * 0.75
     assert check["optimizer_bytes"] == row["optimizer"]
-    assert batch_forced.summary["loss"]["last"] < batch_forced.summary["loss"]["first"] * 1.1
+    assert batch_forced.summary["train_loss"]["last"] < batch_forced.summary["train_loss"]["first"] * 1.1
     report.write(batch_forced.run_dir, tmp_path)
     page = (tmp_path / "report.md").read_text()
     assert f"**tp 2 {row['total'] / 2**20:.1f}**" in page and f"; {plan['reason']}" in page

@@ -149,7 +149,7 @@ def test_an_experiment_overriding_to_the_open_sections(tmp_path: Path, user: dic
     run = learned(train(tmp_path / "run", *args, *QUICK, env=user))
     assert saved_section(run, "task") == {"_target_": "shapes.smoothed_loss", "smoothing": 0.05,
                                           "monitor": "accuracy", "mode": "max"}
-    assert run.summary["val"]["accuracy"] > 0.3 and notices(run) == []  # chance: 0.1
+    assert run.summary["validation"]["accuracy"] > 0.3 and notices(run) == []  # chance: 0.1
 
 
 def test_an_experiment_setting_targets_on_the_default_options(tmp_path: Path, user: dict[str, str]) -> None:

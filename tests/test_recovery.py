@@ -95,7 +95,7 @@ def test_skip_step_skips_the_one_nonfinite_update_and_the_run_recovers(run_dir: 
     assert math.isnan(losses[3])  # the only step of its interval was skipped: no applied loss to average
     # Had the NaN gradients reached the weights (applied, or left to accumulate), every later loss would be NaN.
     assert all(math.isfinite(losses[s]) for s in (1, 2, 4, 5, 6))
-    assert run.summary["steps"] == 6 and math.isfinite(run.summary["val"]["loss"])
+    assert run.summary["steps"] == 6 and math.isfinite(run.summary["validation"]["loss"])
 
 
 def test_skip_step_stops_a_run_that_keeps_diverging(run_dir: Path) -> None:

@@ -72,7 +72,7 @@ def test_report_on_a_folder_of_single_runs(single_runs: tuple[Path, list[Run]], 
         s = run.summary
         assert row["status"] == "finished" and row["steps"] == 6
         assert row["samples_per_sec"] == s["steady_state"]["samples_per_sec"] > 0
-        assert row["loss_first"] == s["loss"]["first"] and row["loss_last"] == s["loss"]["last"]
+        assert row["loss_first"] == s["train_loss"]["first"] and row["loss_last"] == s["train_loss"]["last"]
         assert row["mfu"] == s["mfu"] and row["peak_memory_bytes"] == s["peak_memory_bytes"]
         assert row["compile"] is None and row["profiler"] is None and row["checkpoint"] is None
     assert first["speedup"] == 1.0
@@ -158,7 +158,7 @@ def test_a_multirun_sweep_gets_its_report_from_the_callback(tmp_path: Path) -> N
     assert [r["overrides"] for r in rows] == [["trainer.max_steps=4"], ["trainer.max_steps=6"]]
     assert report["baseline"] == "0" and rows[0]["speedup"] == 1.0 and rows[1]["speedup"] > 0
     summaries = [json.loads((sweep / n / "summary.json").read_text()) for n in ("0", "1")]
-    assert [r["loss_last"] for r in rows] == [s["loss"]["last"] for s in summaries]
+    assert [r["loss_last"] for r in rows] == [s["train_loss"]["last"] for s in summaries]
     png_size(sweep / "report.png")
     assert "| 1 | `trainer.max_steps=6` | finished |" in (sweep / "report.md").read_text()
 

@@ -123,8 +123,8 @@ def test_the_loop_calls_only_enabled_stages_and_any_stage_can_stop_it_and_pause_
     # idle machine, under 1 s on this shared one at its busiest)
     assert steady["step_time_s"] * steady["steps"] < 1.5
     assert (tmp_path / "metrics.jsonl").read_text().count("\n") == 2  # the log steps 5 and 10
-    assert summary["loss"]["first"] > summary["loss"]["last"] > 0
-    assert summary["val"] is None  # stopped before the end: as after a stop signal, no final evaluation
+    assert summary["train_loss"]["first"] > summary["train_loss"]["last"] > 0
+    assert summary["validation"] is None  # stopped before the end: as after a stop signal, no final evaluation
 
 
 def test_meter_times_only_the_excluded_steps_and_leaves_pauses_out_of_every_clock() -> None:

@@ -162,8 +162,9 @@ def test_digits_learns_and_reports_the_monitored_accuracy(tmp_path: Path) -> Non
     assert vals[-1]["val/loss"] < vals[0]["val/loss"] < 2.3
     train_acc = [m["train/accuracy"] for m in run.metrics() if "train/accuracy" in m]
     assert len(train_acc) == 60 and sum(train_acc[-10:]) > sum(train_acc[:10])
-    assert s["val"]["accuracy"] == vals[-1]["val/accuracy"] and s["flops_per_step"] > 0 and s["mfu_absent"] is None
-    assert f"step 60: val loss {s['val']['loss']:.4g}, accuracy {s['val']['accuracy']:.4g}" in run.stdout
+    validation = s["validation"]
+    assert validation["accuracy"] == vals[-1]["val/accuracy"] and s["flops_per_step"] > 0 and s["mfu_absent"] is None
+    assert f"step 60: val loss {validation['loss']:.4g}, accuracy {validation['accuracy']:.4g}" in run.stdout
 
 
 def test_the_built_in_synthetic_data_gathers_the_streams_samples_across_an_epoch() -> None:
@@ -207,7 +208,7 @@ def test_a_log_interval_reports_the_mean_of_its_steps_metrics(tmp_path: Path) ->
 def test_data_without_a_validation_set_trains_without_evaluation(tmp_path: Path) -> None:
     run = ok(train(tmp_path / "run", "experiment=digits", *QUICK, "trainer.max_steps=3",
                    "data._target_=test_tasks.digits_without_val", env={"PYTHONPATH": str(ROOT / "tests")}))
-    assert run.summary["val"] is None and run.summary["steps"] == 3 and len(run.losses()) == 3
+    assert run.summary["validation"] is None and run.summary["steps"] == 3 and len(run.losses()) == 3
     assert run.stdout.count("test_tasks.digits_without_val gives no validation set: no evaluation") == 1
     assert not [m for m in run.metrics() if any(k.startswith("val/") for k in m)]
 
@@ -242,7 +243,7 @@ def test_example_through_fsdp_profiler_checkpoint_resume_and_compiled_ddp(exampl
     assert compiled.keys() == eager.keys() == set(range(1, 9))
     assert all(abs(compiled[k] - eager[k]) <= 1e-4 * eager[k] for k in eager), (compiled, eager)  # fp32 parity
     monitor = s["task"]["monitor"]
-    assert monitor == ("accuracy" if example == "digits" else "mae") and s["val"][monitor] >= 0
+    assert monitor == ("accuracy" if example == "digits" else "mae") and s["validation"][monitor] >= 0
 
 
 def test_my_project_learns_with_its_own_task_and_monitor(tmp_path: Path) -> None:
@@ -252,7 +253,7 @@ def test_my_project_learns_with_its_own_task_and_monitor(tmp_path: Path) -> None
     assert s["task"] == {"name": "UserTask", "monitor": "mae", "mode": "min", "metrics": ["loss", "mae", "within_0.25"]}
     vals = [m for m in run.metrics() if "val/mae" in m]
     assert vals[-1]["val/mae"] < vals[0]["val/mae"] and vals[-1]["val/loss"] < vals[0]["val/loss"]
-    assert s["val"]["within_0.25"] == vals[-1]["val/within_0.25"] > 0
+    assert s["validation"]["within_0.25"] == vals[-1]["val/within_0.25"] > 0
     config = json.loads(json.dumps(s["config"]))
     assert config["data"]["collate_fn"] == {"_target_": "my_project.data.PadSets", "pad_to": 12}
 
@@ -266,8 +267,8 @@ def test_a_sweep_reports_each_jobs_monitored_metric(tmp_path: Path) -> None:
     rows = json.loads((sweep / "report.json").read_text())["runs"]
     summaries = [json.loads((sweep / n / "summary.json").read_text()) for n in ("0", "1")]
     assert [(r["monitor"], r["mode"]) for r in rows] == [("accuracy", "max")] * 2
-    assert [r["val"] for r in rows] == [s["val"] for s in summaries]
+    assert [r["validation"] for r in rows] == [s["validation"] for s in summaries]
     table = (sweep / "report.md").read_text()
     for name, s in zip(("0", "1"), summaries, strict=True):
         assert f"| {name} | `trainer.max_steps={s['steps']}` |" in table
-        assert f"| accuracy {s['val']['accuracy']:.4f} (max) |" in table
+        assert f"| accuracy {s['validation']['accuracy']:.4f} (max) |" in table

@@ -107,12 +107,12 @@ def test_two_runs_compare_in_the_hparams_tab(outputs: Path) -> None:
         s = summary(outputs / name.split("/")[0])
         m = session["metrics"]
         assert session["status"] == ["STATUS_SUCCESS"]
-        assert m["summary/val_loss"] == pytest.approx(s["val"]["loss"], rel=1e-6)  # TensorBoard stores fp32
-        assert m["summary/val_perplexity"] == pytest.approx(s["val"]["perplexity"], rel=1e-6)
+        assert m["summary/val_loss"] == pytest.approx(s["validation"]["loss"], rel=1e-6)  # TensorBoard stores fp32
+        assert m["summary/val_perplexity"] == pytest.approx(s["validation"]["perplexity"], rel=1e-6)
         assert m["summary/samples_per_sec"] == pytest.approx(s["steady_state"]["samples_per_sec"], rel=1e-6)
         assert m["summary/mfu"] == pytest.approx(s["mfu"], rel=1e-6)
         assert m["summary/peak_memory_mib"] == pytest.approx(s["peak_memory_bytes"] / MIB, rel=1e-6)
-        assert m["loss/val"] == pytest.approx(s["val"]["loss"], rel=1e-6)  # the last evaluation is the final one
+        assert m["loss/val"] == pytest.approx(s["validation"]["loss"], rel=1e-6)  # the last evaluation is the final one
 
 
 def test_sweep_jobs_are_named_by_their_swept_values(sweep: Path) -> None:
@@ -123,7 +123,7 @@ def test_sweep_jobs_are_named_by_their_swept_values(sweep: Path) -> None:
     assert [k for k, differs in experiment["hparams"].items() if differs] == ["optim.lr"]
     for name, session in sessions.items():
         assert session["metrics"]["summary/val_loss"] == pytest.approx(
-            summary(sweep / name.split("/")[0])["val"]["loss"], rel=1e-6)
+            summary(sweep / name.split("/")[0])["validation"]["loss"], rel=1e-6)
     report = json.loads((sweep / "report.json").read_text())  # the event folders are not taken for runs
     assert [row["name"] for row in report["runs"]] == ["0", "1"]
 

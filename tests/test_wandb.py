@@ -128,7 +128,7 @@ def test_train_py_without_a_key_logs_offline_below_the_run_directory(tmp_path: P
     summary: dict = {}
     for update in of_kind(recs, "summary"):
         summary.update(items(update.update))
-    assert summary["summary/val_loss"] == pytest.approx(run.summary["val"]["loss"])
+    assert summary["summary/val_loss"] == pytest.approx(run.summary["validation"]["loss"])
     assert [e.exit_code for e in of_kind(recs, "exit")] == [0]
     assert (run.run_dir / "tensorboard").is_dir()
 

@@ -78,7 +78,8 @@ def run_from_hydra(cfg: DictConfig) -> float | None:
             print(f"Stopped after a committed checkpoint; to resume, run the same command: {resume_command()}",
                   file=sys.stderr)
         sys.exit(code)
-    return summary["val"].get(summary["task"]["monitor"]) if summary and summary.get("val") else None
+    validation = summary.get("validation") if summary else None
+    return validation.get(summary["task"]["monitor"]) if validation else None
 
 
 def _single_run() -> bool:

@@ -26,7 +26,7 @@ class Evaluation(Stage):
     """Evaluates every trainer.eval_interval() steps (0: only at the end) and at the last step; its time is not
     training time."""
 
-    summary_key = "val"
+    summary_key = "validation"
 
     def __init__(self, trainer: TrainerConfig, env: DistEnv, data: DataBundle, autocast: Any, task: Task,
                  writer: MetricsWriter) -> None:

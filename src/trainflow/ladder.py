@@ -166,7 +166,7 @@ class _LadderGates:
         if missing:
             return missing
         s = self.by_rung["baseline"].summary
-        first, last = s["loss"]["first"], s["loss"]["last"]
+        first, last = s["train_loss"]["first"], s["train_loss"]["last"]
         steady = s.get("steady_state") or {}
         speed = (f"{steady['samples_per_sec']:.1f} samples/s ({steady['step_time_s'] * 1e3:.1f} ms/step)"
                  if steady else "steady state not reached")

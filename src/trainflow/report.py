@@ -261,10 +261,10 @@ def _row(r: RunRecord, common: list[str], base_sps: float | None) -> dict[str, A
         "speedup": sps / base_sps if sps and base_sps else None,
         "mfu": r.figure("mfu"),
         "peak_memory_bytes": r.figure("peak_memory_bytes"),
-        "loss_first": r.figure("loss", "first"),
-        "loss_last": r.figure("loss", "last"),
-        "val_loss": r.figure("val", "loss"),
-        "val": r.figure("val"),  # every metric of the task, at the last evaluation
+        "loss_first": r.figure("train_loss", "first"),
+        "loss_last": r.figure("train_loss", "last"),
+        "val_loss": r.figure("validation", "loss"),
+        "validation": r.figure("validation"),  # every metric of the task, at the last evaluation
         "monitor": r.figure("task", "monitor"),  # the one train.py returns to sweepers, improving in direction `mode`
         "mode": r.figure("task", "mode"),
         "compile": {"graphs": comp.get("graphs"), "graph_breaks": comp["graph_breaks"]["count"],

@@ -20,7 +20,7 @@ def _gib(n: int | None) -> str:
 
 def _monitored(row: dict[str, Any]) -> str:
     """The task's monitored validation metric and its direction, e.g. `accuracy 0.9312 (max)`."""
-    val, monitor = row.get("val"), row.get("monitor") or "loss"
+    val, monitor = row.get("validation"), row.get("monitor") or "loss"
     if not val or monitor not in val:
         return "-"
     return f"{monitor} {val[monitor]:.4f}" + (f" ({row['mode']})" if row.get("mode") else "")

@@ -180,7 +180,7 @@ def skip_line(num: Any, job_dir: Path, summary: dict[str, Any]) -> str:
 
 def monitor_value(summary: dict[str, Any]) -> Any:
     """What train.py returns to sweepers for a finished job: the final value of task.monitor."""
-    val, task = summary.get("val") or {}, summary.get("task") or {}
+    val, task = summary.get("validation") or {}, summary.get("task") or {}
     return val.get(task.get("monitor")) if val else None
 
 

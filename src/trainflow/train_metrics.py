@@ -24,7 +24,7 @@ class TrainMetrics(Stage):
     """Sums each step into the log interval; at log steps syncs once, writes the interval's figures and starts
     the next interval."""
 
-    summary_key = "loss"
+    summary_key = "train_loss"
 
     def __init__(self, env: DistEnv, meter: Throughput, writer: MetricsWriter, task: Task, grad_accum: int,
                  flops_per_step: int | None, peak_flops: float | None, max_steps: int, progress_mode: str) -> None:

@@ -194,7 +194,7 @@ def saved_hydra(run_dir: Path) -> tuple[str | None, dict[str, Any], list[str]]:
 def final_figures(summary: dict[str, Any]) -> dict[str, float]:
     """The figures a run is judged by, as `summary/*` scalars: validation, steady throughput, MFU, peak memory."""
     steady = summary.get("steady_state") or {}
-    figures = {f"summary/val_{k}": v for k, v in (summary.get("val") or {}).items()}
+    figures = {f"summary/val_{k}": v for k, v in (summary.get("validation") or {}).items()}
     figures.update({
         "summary/samples_per_sec": steady.get("samples_per_sec"),
         "summary/tokens_per_sec": steady.get("tokens_per_sec") or None,  # 0 for non-language models
