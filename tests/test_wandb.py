@@ -45,7 +45,7 @@ def history(recs: list, key: str = "train/loss") -> list[tuple[int, float]]:
     return [(row["_step"], row[key]) for row in rows if key in row]
 
 
-SUMMARY = {"steps": 10, "val": {"loss": 1.25}, "steady_state": {"samples_per_sec": 80.0, "step_time_s": 0.1},
+SUMMARY = {"steps": 10, "validation": {"loss": 1.25}, "steady_state": {"samples_per_sec": 80.0, "step_time_s": 0.1},
            "mfu": 0.02, "peak_memory_bytes": 3 * 2**20}
 
 
