@@ -88,22 +88,33 @@ def handwritten_rate(cfg, steps: int, warmup: int) -> float:
     return (steps - warmup) * b / (time.perf_counter() - start)
 
 
-def literal_rate(cfg, steps: int, warmup: int, clock: Callable[[], float] = time.perf_counter) -> float:
+class LiteralLoop:
     """The seed article's literal loop: a fresh random batch each step, zero_grad, forward, loss, backward, step."""
-    torch.manual_seed(cfg.trainer.seed)
-    model = instantiate(cfg.model)
-    optimizer = torch.optim.SGD(model.parameters(), lr=cfg.optim.lr, momentum=cfg.optim.momentum)
-    criterion = nn.CrossEntropyLoss()
-    batch, features, classes = cfg.trainer.batch_size, cfg.model.in_features, cfg.model.out_features
-    for step in range(steps):
-        if step == warmup:
-            start = clock()
-        inputs, targets = torch.randn(batch, features), torch.randint(classes, (batch,))
-        optimizer.zero_grad()
-        loss = criterion(model(inputs), targets)
-        loss.backward()
-        optimizer.step()
-    return (steps - warmup) * batch / (clock() - start)
+
+    def __init__(self, cfg, seed: int) -> None:
+        torch.manual_seed(seed)
+        self.model = instantiate(cfg.model)
+        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=cfg.optim.lr, momentum=cfg.optim.momentum)
+        self.criterion = nn.CrossEntropyLoss()
+        self.shape = (cfg.trainer.batch_size, cfg.model.in_features, cfg.model.out_features)
+
+    def steps(self, count: int) -> None:
+        batch, features, classes = self.shape
+        for _ in range(count):
+            inputs, targets = torch.randn(batch, features), torch.randint(classes, (batch,))
+            self.optimizer.zero_grad()
+            loss = self.criterion(self.model(inputs), targets)
+            loss.backward()
+            self.optimizer.step()
+
+
+def literal_rate(cfg, steps: int, warmup: int, clock: Callable[[], float] = time.perf_counter) -> float:
+    """Samples per second of the literal loop after `warmup` of its `steps`."""
+    loop = LiteralLoop(cfg, cfg.trainer.seed)
+    loop.steps(warmup)
+    start = clock()
+    loop.steps(steps - warmup)
+    return (steps - warmup) * cfg.trainer.batch_size / (clock() - start)
 
 
 def trainflow_cpu_rate(cfg_of: Callable[[int], Any], steps: int, warmup: int) -> float:
@@ -185,25 +196,12 @@ class LiteralBlocks(Stage):
     threads land) hits both alike, and each pair of neighbouring blocks gives one ratio."""
 
     def __init__(self, cfg, block: int, warmup: int, clock: Callable[[], float]) -> None:
-        torch.manual_seed(cfg.trainer.seed + 1)
-        self.model = instantiate(cfg.model)
-        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=cfg.optim.lr, momentum=cfg.optim.momentum)
-        self.criterion = nn.CrossEntropyLoss()
-        self.shape = (cfg.trainer.batch_size, cfg.model.in_features, cfg.model.out_features)
+        self.literal = LiteralLoop(cfg, cfg.trainer.seed + 1)
         self.block, self.warmup, self.clock = block, warmup, clock
         self.trainflow_s: list[float] = []  # per step, of each trainflow block (stages, log steps and all)
         self.literal_s: list[float] = []  # per step, of the literal block that follows it
         self._mark: float | None = None
-        self._literal_steps(warmup)
-
-    def _literal_steps(self, steps: int) -> None:
-        batch, features, classes = self.shape
-        for _ in range(steps):
-            inputs, targets = torch.randn(batch, features), torch.randint(classes, (batch,))
-            self.optimizer.zero_grad()
-            loss = self.criterion(self.model(inputs), targets)
-            loss.backward()
-            self.optimizer.step()
+        self.literal.steps(warmup)
 
     def after_step(self, state) -> bool:
         if state.steps_this_run < self.warmup or state.steps_this_run % self.block:
@@ -211,7 +209,7 @@ class LiteralBlocks(Stage):
         if self._mark is not None:
             self.trainflow_s.append((self.clock() - self._mark) / self.block)
         start = self.clock()
-        self._literal_steps(self.block)
+        self.literal.steps(self.block)
         self._mark = self.clock()
         self.literal_s.append((self._mark - start) / self.block)  # pairs with the trainflow block after it
         return False
@@ -228,8 +226,8 @@ def interleaved(cfg_of: Callable[[int], Any], pairs: int, block: int, warmup: in
         assembled.stages.append(blocks)
         train_loop(assembled)
         assembled.ctx.writer.close()
-    pairs_of = list(zip(blocks.literal_s, blocks.trainflow_s, strict=False))
-    ratios = sorted(literal / ours for literal, ours in pairs_of)
+    # the literal blocks are one more than trainflow's (the last has no trainflow block after it)
+    ratios = [literal / ours for literal, ours in zip(blocks.literal_s, blocks.trainflow_s, strict=False)]
     quartiles = statistics.quantiles(ratios, n=4)
     print(f"seed_mlp  interleaved, {'CPU time' if cpu_time else 'wall time'}, {torch.get_num_threads()} thread(s), "
           f"{len(ratios)} pairs of {block}-step blocks: trainflow / literal {statistics.median(ratios):.3f} "
