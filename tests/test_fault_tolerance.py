@@ -1,8 +1,10 @@
-"""Training through a lost replica group (parallelism.fault_tolerance=torchft): two groups of one rank, real
-processes on gloo; one is SIGKILLed at a known step and started again while the other trains on."""
+"""Training through a lost replica group (parallelism.fault_tolerance=torchft): two groups of one rank, of 2 DDP
+ranks or of 2 FSDP ranks (HSDP across the groups), real processes on gloo; one is SIGKILLed at a known step and
+started again while the other trains on; the lighthouse (lighthouse=auto) outlives whichever group started it."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -23,11 +25,13 @@ from trainflow.distributed import DistEnv
 from trainflow.distributed.fault_tolerance import data_share
 
 MAX_STEPS = 200
-KILL_AFTER = 5  # replica group 1 is killed once it logged this step (or a later one)
+KILL_AFTER = 5  # the killed replica group is killed once it logged this step (or a later one)
+IDLE_S = 3  # the lighthouse ends once no group has talked to it this long
 GROUP = ["experiment=digits", "data._target_=test_fault_tolerance.paced_digits", "trainer.batch_size=16",
          "trainer.log_every=1", "trainer.warmup_steps=2", "logger=none", "trainer.eval_every=0", "checkpoint=dcp",
          "checkpoint.every_steps=1000", "checkpoint.verify=false", "checkpoint.export=true",
-         "parallelism.fault_tolerance=torchft", "parallelism.ft.timeout_s=20", "parallelism.ft.heartbeat_timeout_s=2"]
+         "parallelism.fault_tolerance=torchft", "parallelism.ft.timeout_s=20", "parallelism.ft.heartbeat_timeout_s=2",
+         f"parallelism.ft.lighthouse_idle_s={IDLE_S}"]
 PACE_S = 0.01  # a read (16 a step): the survivor's pace while the other group is away, so it cannot finish first
 
 
@@ -69,15 +73,15 @@ def test_each_group_reads_its_own_share_of_the_stream() -> None:
     assert data_share(ParallelismConfig(), env) == (1, 2)
 
 
-def start_group(run_dir: Path, replica: int, port: int, ranks: int, pace: Path | None = None):
-    """One replica group: a trainflow run of its own (of `ranks` DDP ranks, which it starts itself), one thread a
-    rank (two groups share this machine's cores); a process group of its own, to be killed whole."""
+def start_group(run_dir: Path, replica: int, port: int, ranks: int, strategy: str, pace: Path | None = None):
+    """One replica group: a trainflow run of its own (of `ranks` ranks of `strategy`, which it starts itself), one
+    thread a rank (two groups share this machine's cores); a process group of its own, to be killed whole."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT / "tests"), os.environ.get("PYTHONPATH")) if p),
            **({"TEST_FT_PACE": str(pace)} if pace else {})}
     env.pop("HYDRA_FULL_ERROR", None)
     out = open(run_dir.parent / f"{run_dir.name}.out", "a")  # noqa: SIM115 (the child owns it)
-    ddp = ["parallelism=ddp", f"parallelism.nproc_per_node={ranks}"] if ranks > 1 else []
+    ddp = [f"parallelism={strategy}", f"parallelism.nproc_per_node={ranks}"] if ranks > 1 else []
     return subprocess.Popen([sys.executable, str(ROOT / "train.py"), *GROUP, *ddp, f"trainer.max_steps={MAX_STEPS}",
                              f"parallelism.ft.replica_id={replica}", f"parallelism.ft.lighthouse_port={port}",
                              f"hydra.run.dir={run_dir}"], cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
@@ -95,41 +99,60 @@ def logged_steps(run_dir: Path) -> list[int]:
             if "train/loss" in json.loads(line)]
 
 
-@pytest.mark.parametrize("ranks", [1, 2], ids=["groups-of-1", "groups-of-2"])
-def test_a_killed_group_rejoins_from_its_peer_while_the_other_trains_on(tmp_path: Path, ranks: int) -> None:
-    """Group 1 (every rank of it) is SIGKILLed after its step 5 and started again (a fresh run directory: nothing
-    on disk to resume from); group 0 never stops: it trains alone, with half the global batch, until group 1 is
-    back; group 1 takes group 0's live state and both end at the same step with the same weights. Every step is
-    accounted."""
+def lighthouse_lines(*run_dirs: Path) -> str:
+    """What the lighthouse wrote (to lighthouse.log in the run directory of the group that started it)."""
+    return "".join((d / "lighthouse.log").read_text() for d in run_dirs if (d / "lighthouse.log").exists())
+
+
+@pytest.mark.parametrize(("ranks", "strategy", "killed_id"), [(1, "single", 0), (2, "ddp", 1), (2, "fsdp", 0)],
+                         ids=["groups-of-1-kill-0", "groups-of-2-ddp-kill-1", "groups-of-2-fsdp-kill-0"])
+def test_a_killed_group_rejoins_from_its_peer_while_the_other_trains_on(tmp_path: Path, ranks: int, strategy: str,
+                                                                        killed_id: int) -> None:
+    """One group (every rank of it) is SIGKILLed after its step 5 and started again (a fresh run directory: nothing
+    on disk to resume from); the other never stops: it trains alone, with half the global batch, until the killed
+    group is back; that group takes the survivor's live state and both end at the same step with the same weights.
+    Every step is accounted. Killing group 0 shows the lighthouse outlives the group that may have started it; it
+    ends on its own once both groups are done."""
     port, pace = free_port(), tmp_path / "pace"
     pace.touch()
-    survivor_dir, killed_dir, rejoined_dir = tmp_path / "g0", tmp_path / "g1", tmp_path / "g1-again"
-    survivor = start_group(survivor_dir, 0, port, ranks, pace)
-    killed = start_group(killed_dir, 1, port, ranks)
+    survivor_dir, killed_dir, rejoined_dir = tmp_path / "survivor", tmp_path / "killed", tmp_path / "rejoined"
+    survivor = start_group(survivor_dir, 1 - killed_id, port, ranks, strategy, pace)
+    killed = start_group(killed_dir, killed_id, port, ranks, strategy)
     rejoined = None
     try:
         wait_for(lambda: max(console_steps(killed_dir), default=0) >= KILL_AFTER, killed,
-                 f"group 1 logged step {KILL_AFTER}", timeout=120)
+                 f"group {killed_id} logged step {KILL_AFTER}", timeout=120)
         os.killpg(killed.pid, signal.SIGKILL)
         killed_at = time.time()
         assert killed.wait() == -signal.SIGKILL
         last_killed = max(console_steps(killed_dir))
-        rejoined = start_group(rejoined_dir, 1, port, ranks)
+        rejoined = start_group(rejoined_dir, killed_id, port, ranks, strategy)
         wait_for_log(rejoined_dir, "took the live state", rejoined, timeout=120)
         assert survivor.poll() is None  # it trained on all along
         pace.unlink()
         assert rejoined.wait(timeout=120) == 0 and survivor.wait(timeout=120) == 0
+        # the lighthouse ends on its own once no group talks to it
+        deadline = time.monotonic() + IDLE_S + 30
+        while "stopped" not in lighthouse_lines(survivor_dir, killed_dir):
+            assert time.monotonic() < deadline, "the lighthouse did not stop on its own"
+            time.sleep(0.05)
     finally:
         for proc in (survivor, killed, rejoined):
             if proc is not None and proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
+        for pid in re.findall(r"\(pid (\d+)\)", lighthouse_lines(survivor_dir, killed_dir, rejoined_dir)):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(pid), signal.SIGKILL)
+    # one lighthouse served both groups, started by one of them; no other
+    assert lighthouse_lines(survivor_dir, killed_dir, rejoined_dir).count("listening on port") == 1
     ours = json.loads((survivor_dir / "summary.json").read_text())
     theirs = json.loads((rejoined_dir / "summary.json").read_text())
     ft, back = ours["fault_tolerance"], theirs["fault_tolerance"]
+    assert ft["replica_id"] == 1 - killed_id and back["replica_id"] == killed_id
     # the survivor took every step once, none lost to a restart
     assert ours["steps"] == ours["steps_this_run"] == MAX_STEPS and logged_steps(survivor_dir) == list(
         range(1, MAX_STEPS + 1))
-    # its quorum shrank to itself after the kill and grew again when group 1 came back
+    # its quorum shrank to itself after the kill and grew again when the killed group came back
     changes = [c for c in ft["quorum_changes"] if c["time"] > killed_at]
     assert [c["groups"] for c in changes] == [1, 2], ft
     alone_from, back_at = changes[0]["step"], changes[1]["step"]
@@ -137,13 +160,13 @@ def test_a_killed_group_rejoins_from_its_peer_while_the_other_trains_on(tmp_path
     # the steps trained alone: half the global batch each, counted and said
     shrunk = back_at - alone_from
     assert ft["shrunk_steps"] >= shrunk and ft["missed_samples"] == ft["shrunk_steps"] * 16 * ranks, ft
-    assert set(ft["uncommitted_steps"]) <= {alone_from}, ft  # at most the step group 1 died in
+    assert set(ft["uncommitted_steps"]) <= {alone_from}, ft  # at most the step the other group died in
     assert "1 of 2 replica groups train from step" in (survivor_dir / "train.log").read_text()
-    # group 1 fetched the live state of the step group 0 had reached, and took the rest of the steps
+    # the killed group fetched the live state of the step the survivor had reached, and took the rest of the steps
     assert back["healed"]["from_step"] == 0 and back["healed"]["to_step"] == back_at, back
     assert theirs["steps"] == MAX_STEPS and theirs["steps_this_run"] == MAX_STEPS - back_at
     assert logged_steps(rejoined_dir) == list(range(back_at + 1, MAX_STEPS + 1))
-    # group 1's steps: those before the kill, those after its return; lost: the ones between
+    # the killed group's steps: those before the kill, those after its return; lost: the ones between
     lost = back_at - last_killed
     assert last_killed + theirs["steps_this_run"] + lost == MAX_STEPS
     # the same weights, bit for bit
@@ -152,7 +175,7 @@ def test_a_killed_group_rejoins_from_its_peer_while_the_other_trains_on(tmp_path
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     figures = {"kill_to_alone_s": round(changes[0]["time"] - killed_at, 2),
                "kill_to_rejoin_s": round(changes[1]["time"] - killed_at, 2), "heal_s": back["healed"]["seconds"],
-               "steps_lost_by_group_1": lost, "steps_trained_alone": shrunk,
+               "steps_lost_by_killed_group": lost, "steps_trained_alone": shrunk,
                "uncommitted_steps": len(ft["uncommitted_steps"])}
-    print(f"fault tolerance, groups of {ranks}:", json.dumps(figures), file=sys.stderr)
-
+    print(f"fault tolerance, {strategy} groups of {ranks}, group {killed_id} killed:", json.dumps(figures),
+          file=sys.stderr)

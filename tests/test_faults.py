@@ -88,11 +88,12 @@ FAULTS = [
           "one line names the lost rank, its signal and the step the others noticed it in, not the rank that lost "
           "its connection to it; no traceback; committed checkpoints whole",
           "test_distributed.py::test_a_rank_killed_by_a_signal_is_named_not_the_rank_that_lost_it"),
-    Fault("SIGKILL of one replica group of a parallelism.fault_tolerance=torchft run (2 groups of one rank), "
-          "started again",
+    Fault("SIGKILL of one replica group of a parallelism.fault_tolerance=torchft run (2 groups of one rank, of 2 "
+          "DDP ranks, of 2 FSDP ranks), started again; group 0 among them",
           "the other group trains on without a restart, with half the global batch (said in the log, counted in "
-          "summary.json); the restarted group takes its live state from that peer, not from disk, and both end "
-          "with the same weights, bit for bit",
+          "summary.json); the lighthouse, in a process of its own, outlives the group that started it; the "
+          "restarted group takes its live state (FSDP: each rank's shards) from that peer, not from disk, and both "
+          "end with the same weights, bit for bit",
           "test_fault_tolerance.py::test_a_killed_group_rejoins_from_its_peer_while_the_other_trains_on"),
     Fault("one rank of a DDP run stops answering (SIGSTOP)",
           "the watchdog names it (its beat stopped); the collective ends at parallelism.timeout_s: one line with "

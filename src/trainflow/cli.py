@@ -166,6 +166,51 @@ def _prepare_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("overrides", nargs="*", help="config overrides, e.g. data.paths=[corpus/] tokenizer=bpe")
 
 
+def _lighthouse(args: argparse.Namespace) -> int:
+    """Run torchft's lighthouse here, in the foreground, for replica groups of parallelism.fault_tolerance=torchft on
+    any hosts: give every job parallelism.ft.lighthouse=http://THIS_HOST:PORT. Ctrl-C stops it; with --idle-s it
+    stops once no group has talked to it that long."""
+    from trainflow.distributed.fault_tolerance import serve_lighthouse, torchft_installed
+    from trainflow.errors import ConfigError
+
+    if not torchft_installed():
+        raise ConfigError("trainflow lighthouse: torchft is not installed: pip install 'trainflow[ft]'")
+    try:
+        serve_lighthouse(args.port, args.min_replicas, args.join_timeout_s, args.heartbeat_timeout_s, args.idle_s)
+    except KeyboardInterrupt:
+        print("trainflow lighthouse: stopped", file=sys.stderr)
+    return 0
+
+
+def _positive(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0; got {text}")
+    return value
+
+
+def _at_least_one(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1; got {text}")
+    return value
+
+
+def _lighthouse_arguments(p: argparse.ArgumentParser) -> None:
+    from trainflow.config import FaultToleranceConfig
+
+    ft = FaultToleranceConfig()  # the defaults lighthouse=auto starts one with
+    p.add_argument("--port", type=int, default=ft.lighthouse_port, help="where to listen (default %(default)s)")
+    p.add_argument("--min-replicas", type=_at_least_one, default=ft.min_replicas,
+                   help="the fewest replica groups a step trains with (parallelism.ft.min_replicas)")
+    p.add_argument("--heartbeat-timeout-s", type=_positive, default=ft.heartbeat_timeout_s,
+                   help="a group silent this long is left out of the next quorum")
+    p.add_argument("--join-timeout-s", type=_positive, default=ft.join_timeout_s,
+                   help="how long a quorum waits for a live group that has not asked")
+    p.add_argument("--idle-s", type=_positive, default=None,
+                   help="stop once no group has talked to it this long (default: run until stopped)")
+
+
 @dataclass(frozen=True)
 class Subcommand:
     """`trainflow <name>`: a one-line help, what adds its arguments, and the handler (args -> exit code), whose
@@ -185,7 +230,9 @@ def subcommands() -> list[Subcommand]:
             Subcommand("report", "compare the runs under a folder: report.md, report.json, report.png",
                        report.add_arguments, report.command),
             Subcommand("prepare", "tokenize a corpus once into token shards for data=shards", _prepare_arguments,
-                       _prepare)]
+                       _prepare),
+            Subcommand("lighthouse", "run torchft's lighthouse for parallelism.fault_tolerance=torchft replica groups",
+                       _lighthouse_arguments, _lighthouse)]
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -264,8 +264,11 @@ class FaultToleranceConfig:
 
     replica_groups: int = 2  # jobs, each a trainflow run of its own, that average their gradients
     replica_id: int = 0  # this job's group, 0 .. replica_groups - 1 (and its share of the sample stream)
-    lighthouse: str = "auto"  # a running torchft lighthouse (http://host:29510); auto: group 0 starts one, on its host
-    lighthouse_port: int = 29510  # where lighthouse=auto listens (the other groups look for it on localhost)
+    # a running lighthouse (http://host:29510: `trainflow lighthouse` or torchft_lighthouse); auto: on the groups' host,
+    # in a process of its own that the first group to find none starts and that outlives any one group
+    lighthouse: str = "auto"
+    lighthouse_port: int = 29510  # where lighthouse=auto listens (every group looks for it on localhost)
+    lighthouse_idle_s: float = 60.0  # lighthouse=auto: it ends once no group has talked to it this long
     min_replicas: int = 1  # the fewest groups a step trains with
     timeout_s: float = 30.0  # a quorum, a collective with a lost group, the fetch of a peer's state
     heartbeat_timeout_s: float = 5.0  # lighthouse=auto: a group silent this long is left out of the next quorum

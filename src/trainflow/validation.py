@@ -184,7 +184,8 @@ def validate_parallelism(cfg: DictConfig) -> None:
 
 
 def validate_fault_tolerance(cfg: DictConfig) -> None:
-    """parallelism.fault_tolerance=torchft: the extra installed, one-rank replica groups, a place in the groups."""
+    """parallelism.fault_tolerance=torchft: the extra installed, replica groups of one rank, DDP or FSDP ranks, a
+    place in the groups."""
     parallelism = cfg.parallelism
     _one_of(cfg, "parallelism.fault_tolerance", ("off", "torchft"))
     if parallelism.fault_tolerance == "off":
@@ -194,10 +195,10 @@ def validate_fault_tolerance(cfg: DictConfig) -> None:
     _require(torchft_installed(), "parallelism.fault_tolerance",
              "torchft is not installed: pip install 'trainflow[ft]', or set it to off")
     with_tp = f" with tp={parallelism.tp}" if parallelism.tp > 1 else ""
-    _require(parallelism.strategy in ("single", "ddp") and parallelism.tp == 1, "parallelism.fault_tolerance",
-             f"torchft trains replica groups of DDP ranks or of one rank (parallelism=ddp or single, one job per "
-             f"group); got parallelism={parallelism.strategy}{with_tp}: run each group as parallelism=ddp, or set it "
-             "to off")
+    _require(parallelism.strategy in ("single", "ddp", "fsdp") and parallelism.tp == 1, "parallelism.fault_tolerance",
+             f"torchft trains replica groups of one rank, of DDP ranks or of FSDP ranks (parallelism=single, ddp or "
+             f"fsdp, one job per group; FSDP groups replicated by torchft are HSDP); got parallelism="
+             f"{parallelism.strategy}{with_tp}: run each group as parallelism=fsdp, or set it to off")
     ft = parallelism.ft
     _require(ft.replica_groups >= 2, "parallelism.ft.replica_groups",
              f"must be >= 2 (one group has no peer to train on without); got {ft.replica_groups}")
@@ -206,7 +207,7 @@ def validate_fault_tolerance(cfg: DictConfig) -> None:
              f"got {ft.replica_id}")
     _require(1 <= ft.min_replicas <= ft.replica_groups, "parallelism.ft.min_replicas",
              f"must be in [1, {ft.replica_groups}]; got {ft.min_replicas}")
-    for key in ("timeout_s", "heartbeat_timeout_s", "join_timeout_s"):
+    for key in ("timeout_s", "heartbeat_timeout_s", "join_timeout_s", "lighthouse_idle_s"):
         _require(ft[key] > 0, f"parallelism.ft.{key}", f"must be > 0; got {ft[key]}")
 
 

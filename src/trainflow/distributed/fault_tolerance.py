@@ -1,14 +1,22 @@
 """Training through a lost replica group (parallelism.fault_tolerance=torchft).
 
-Replica groups are separate jobs (each its own trainflow run, of one rank or of DDP ranks) that average their
-gradients through torchft's Manager, coordinated by torchft's lighthouse; inside a group its ranks average first.
+Replica groups are separate jobs (each its own trainflow run, of one rank, of DDP ranks or of FSDP ranks) that
+average their gradients through torchft's Manager, coordinated by torchft's lighthouse; inside a group its ranks
+average first. FSDP groups are HSDP whose replicate dimension is the groups: after each shard unit's reduce-scatter
+(FSDP2's all-reduce hook) rank r averages its gradient shards with rank r of the other groups, which hold the same
+shards (the Manager joins rank r of every group; groups must be of one size); a healing group's rank r takes rank
+r's local shards of the peer.
 Each step begins with a quorum: the groups alive now. A group that dies makes the others' all-reduce of that step
 fail; their update is dropped (the step counts, as a skipped step does) and from the next quorum on they train
 without it: the global batch shrinks to the groups present, said in the log and counted in summary.json. A group
 started again joins the next quorum and, being behind, fetches the live state (model, optimizer, schedule, step,
 position in the sample stream) from a peer over HTTP, not from disk; from then on every group applies the same
 averaged gradient to the same weights. (An iterable dataset's position is its own share's, not the peer's: a
-restarted group reads its share from where it started.)
+restarted group reads its share from where its own run started.)
+
+The lighthouse (lighthouse=auto) runs in a process of its own on the groups' host, started by whichever group's rank
+0 finds none answering; it outlives the group that started it (its own session) and ends once no group has talked
+to it for ft.lighthouse_idle_s, so that losing any one group never loses the lighthouse.
 
 Each group reads its own share of the data stream: group g of G, rank r of its n data-parallel ranks, reads as
 rank g * n + r of G * n. Why the quorum is taken between steps (in `after_step`) and not in the optimizer's
@@ -20,8 +28,13 @@ from __future__ import annotations
 
 import logging
 import os
+import re
+import subprocess
+import sys
 import time
+import urllib.request
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -30,6 +43,7 @@ from torch import nn
 
 from trainflow.config import FaultToleranceConfig, ParallelismConfig
 from trainflow.distributed import DistEnv
+from trainflow.errors import ConfigError
 from trainflow.stages import LoopState, Stage, StageContext
 
 log = logging.getLogger("trainflow")
@@ -63,13 +77,68 @@ def lighthouse_address(ft: FaultToleranceConfig) -> str:
     return f"http://localhost:{ft.lighthouse_port}" if ft.lighthouse == "auto" else ft.lighthouse
 
 
-def start_lighthouse(ft: FaultToleranceConfig) -> Any:
-    """torchft's lighthouse in this process (it lives as long as the process does)."""
+def lighthouse_ages(address: str) -> list[float] | None:
+    """Seconds since the lighthouse at `address` last heard from each group it knows (its status page: torchft
+    gives no other view of them); None when no lighthouse answers there."""
+    try:
+        with urllib.request.urlopen(f"{address}/status", timeout=2) as response:
+            page = response.read().decode()
+    except OSError:
+        return None
+    return [float(age) for age in re.findall(r"seen ([0-9.]+)s ago", page)]
+
+
+def serve_lighthouse(port: int, min_replicas: int, join_timeout_s: float, heartbeat_timeout_s: float,
+                     idle_s: float | None) -> None:
+    """torchft's lighthouse in this process until no group has talked to it for `idle_s` (None: until stopped):
+    the process a lighthouse=auto group starts, and `trainflow lighthouse`."""
     from torchft.coordination import LighthouseServer
 
-    return LighthouseServer(bind=f"[::]:{ft.lighthouse_port}", min_replicas=ft.min_replicas,
-                            join_timeout_ms=int(ft.join_timeout_s * 1000), quorum_tick_ms=10,
-                            heartbeat_timeout_ms=int(ft.heartbeat_timeout_s * 1000))
+    try:
+        server = LighthouseServer(bind=f"[::]:{port}", min_replicas=min_replicas,
+                                  join_timeout_ms=int(join_timeout_s * 1000), quorum_tick_ms=10,
+                                  heartbeat_timeout_ms=int(heartbeat_timeout_s * 1000))
+    except RuntimeError as exc:
+        raise ConfigError(f"--port: the lighthouse cannot listen on port {port} ({exc}); another lighthouse or "
+                          "program holds it: give another port") from None
+    print(f"trainflow lighthouse: listening on port {port} (pid {os.getpid()})", flush=True)
+    started = time.monotonic()
+    try:
+        while True:
+            time.sleep(1)
+            if idle_s is None:
+                continue
+            ages = lighthouse_ages(f"http://localhost:{port}")
+            quiet = min(ages) if ages else time.monotonic() - started
+            if quiet > idle_s:
+                print(f"trainflow lighthouse: no replica group for {quiet:.0f} s: stopped", flush=True)
+                return
+    finally:
+        server.shutdown()
+
+
+def ensure_lighthouse(ft: FaultToleranceConfig, log_file: Path) -> None:
+    """lighthouse=auto: wait until a lighthouse answers on this host, starting one unless another group's does.
+    Two groups starting at once both start one: the second cannot listen on the port and ends."""
+    address = lighthouse_address(ft)
+    if lighthouse_ages(address) is not None:
+        return
+    with open(log_file, "a") as out:
+        child = subprocess.Popen(
+            [sys.executable, "-c", "from trainflow.cli import main; main()", "lighthouse",
+             f"--port={ft.lighthouse_port}", f"--min-replicas={ft.min_replicas}",
+             f"--join-timeout-s={ft.join_timeout_s}", f"--heartbeat-timeout-s={ft.heartbeat_timeout_s}",
+             f"--idle-s={ft.lighthouse_idle_s}"],
+            stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.monotonic() + ft.timeout_s
+    while lighthouse_ages(address) is None:
+        if child.poll() not in (None, 0):  # the port is taken: by another group's lighthouse, which answers soon
+            deadline = min(deadline, time.monotonic() + 2)
+        if time.monotonic() > deadline:
+            raise ConfigError(f"parallelism.ft.lighthouse: no lighthouse answers at {address} (the one started here "
+                              f"logged to {log_file}); free port {ft.lighthouse_port} or set "
+                              "parallelism.ft.lighthouse_port")
+        time.sleep(0.05)
 
 
 class FaultTolerance(Stage):
@@ -78,14 +147,14 @@ class FaultTolerance(Stage):
 
     summary_key = "fault_tolerance"
 
-    def __init__(self, parallelism: ParallelismConfig, env: DistEnv, global_batch: int) -> None:
+    def __init__(self, parallelism: ParallelismConfig, env: DistEnv, global_batch: int, run_dir: Path) -> None:
         self.enabled = parallelism.fault_tolerance == TORCHFT
         self.ft = parallelism.ft
         self.env = env
+        self.run_dir = run_dir
         self.group_batch = global_batch // max(self.ft.replica_groups, 1)  # one group's share of a step
         self.manager: Any = None
         self._state: LoopState | None = None
-        self._lighthouse: Any = None
         self._present = self.ft.replica_groups  # groups in the current quorum
         self.shrunk_steps = 0  # steps trained with fewer groups than replica_groups
         self.missed_samples = 0  # the absent groups' shares of those steps
@@ -97,7 +166,7 @@ class FaultTolerance(Stage):
     def build(cls, ctx: StageContext) -> FaultTolerance:
         t = ctx.trainer
         stage = cls(ctx.parallelism, ctx.env, t.batch_size * ctx.env.dp_size * replica_groups(ctx.parallelism)
-                    * t.grad_accum)
+                    * t.grad_accum, ctx.run_dir)
         if stage.enabled:
             stage._create_manager()
         return stage
@@ -111,8 +180,8 @@ class FaultTolerance(Stage):
         from torchft import Manager, ProcessGroupGloo
 
         ft, env = self.ft, self.env
-        if ft.lighthouse == "auto" and ft.replica_id == 0 and env.rank == 0:
-            self._lighthouse = start_lighthouse(ft)
+        if ft.lighthouse == "auto" and env.rank == 0:  # the rank whose Manager talks to the lighthouse
+            ensure_lighthouse(ft, self.run_dir / "lighthouse.log")
         timeout = timedelta(seconds=ft.timeout_s)
         if env.distributed:  # the group's ranks find each other's Manager in the store of their own process group
             store_addr, store_port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
@@ -126,9 +195,17 @@ class FaultTolerance(Stage):
             store_port=store_port, lighthouse_addr=lighthouse_address(ft), replica_id=f"trainflow_{ft.replica_id}")
 
     def prepare(self, model: nn.Module) -> nn.Module:
-        """torchft's DDP in place of the group's own: each gradient bucket is averaged over the group's ranks, then
-        through the Manager over the groups present (its buckets never rebuilt: a restarted group's match)."""
+        """FSDP groups: each shard unit's reduce-scattered gradient is averaged through the Manager with rank r of
+        the groups present. Otherwise torchft's DDP in place of the group's own: each gradient bucket is averaged
+        over the group's ranks, then through the Manager (its buckets never rebuilt: a restarted group's match)."""
         if not self.enabled:
+            return model
+        from torch.distributed.fsdp import FSDPModule
+
+        units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+        if units:
+            for unit in units:
+                unit.set_all_reduce_hook(self._average_shard)
             return model
         from torchft.ddp import DistributedDataParallel
 
@@ -137,6 +214,11 @@ class FaultTolerance(Stage):
 
         inner = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
         return Averaged(self.manager, inner)
+
+    def _average_shard(self, shard: torch.Tensor) -> None:
+        """FSDP2's all-reduce hook: the unit's gradient shard (averaged over the group's ranks) averaged in place
+        over the groups present; a failed collective leaves it as it is, and the step will not commit."""
+        self.manager.allreduce(shard).wait()
 
     def start(self, state: LoopState) -> None:
         """The first quorum: a group behind the others (restarted) takes their state here, before its data
@@ -181,17 +263,20 @@ class FaultTolerance(Stage):
             self._present = present
 
     def _live_state(self) -> dict[str, Any]:
-        """What a late group needs to continue as this one does: sent to it over HTTP by the Manager."""
+        """What a late group needs to continue as this one does: sent to it over HTTP by the Manager. Sharded
+        tensors go as this rank's local shards, which the late group's rank of the same place holds."""
         state = self._state
         assert state is not None, "the quorum runs after start()"
-        return {"model": state.model.state_dict(), "optimizer": state.optimizer.state_dict(),
+        return {"model": _local(state.model.state_dict()), "optimizer": _local(state.optimizer.state_dict()),
                 "scheduler": state.scheduler.state_dict(), "step": state.step, "samples_seen": state.samples_seen}
 
     def _load(self, live: dict[str, Any]) -> None:
         state = self._state
         assert state is not None, "the quorum runs after start()"
-        state.model.load_state_dict(live["model"])
-        state.optimizer.load_state_dict(live["optimizer"])
+        with torch.no_grad():  # into the tensors themselves (a sharded one's local shard): the optimizer holds them
+            for name, tensor in state.model.state_dict().items():
+                _local(tensor).copy_(live["model"][name])
+        state.optimizer.load_state_dict(_sharded_like(live["optimizer"], state.optimizer))
         state.scheduler.load_state_dict(live["scheduler"])
         state.step, state.samples_seen = live["step"], live["samples_seen"]
 
@@ -230,3 +315,34 @@ def committer(stages: list[Stage]) -> Any:
     """The step's commit decision (FaultTolerance.should_commit), or None without fault tolerance."""
     return next((s.should_commit for s in stages if isinstance(s, FaultTolerance) and s.enabled), None)
 
+
+
+def _local(obj: Any) -> Any:
+    """`obj` with every DTensor in it replaced by this rank's local shard (plain tensors go over HTTP)."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(obj, DTensor):
+        return obj.to_local()
+    if isinstance(obj, dict):
+        return {key: _local(value) for key, value in obj.items()}
+    if isinstance(obj, list):
+        return [_local(value) for value in obj]
+    return obj
+
+
+def _sharded_like(optimizer_state: dict[str, Any], optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """A peer's optimizer state (local shards) as DTensors sharded as their parameters are: a late group's
+    optimizer may hold no state yet to copy into. A state tensor shaped as its parameter's shard is that shard."""
+    from torch.distributed.tensor import DTensor
+
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    state = {}
+    for index, values in optimizer_state["state"].items():
+        param = params[index]
+        if isinstance(param, DTensor):
+            values = {key: DTensor.from_local(value, param.device_mesh, param.placements, run_check=False,
+                                              shape=param.shape, stride=param.stride())
+                      if torch.is_tensor(value) and value.shape == param.to_local().shape and value.dim() else value
+                      for key, value in values.items()}
+        state[index] = values
+    return {**optimizer_state, "state": state}
