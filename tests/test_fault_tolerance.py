@@ -27,9 +27,14 @@ from trainflow.distributed.fault_tolerance import data_share
 MAX_STEPS = 200
 KILL_AFTER = 5  # the killed replica group is killed once it logged this step (or a later one)
 IDLE_S = 3  # the lighthouse ends once no group has talked to it this long
-GROUP = ["experiment=digits", "data._target_=test_fault_tolerance.paced_digits", "trainer.batch_size=16",
-         "trainer.log_every=1", "trainer.warmup_steps=2", "logger=none", "trainer.eval_every=0", "checkpoint=dcp",
-         "checkpoint.every_steps=1000", "checkpoint.verify=false", "checkpoint.export=true",
+# digits: a map-style set (its position comes with the peer's state); a stream: an iterable dataset of one pass longer
+# than the run (8192 items, 256 micro-batches a group), whose share a healed group skips to the step it took
+DATA = {"digits": ["experiment=digits", "data._target_=test_fault_tolerance.paced_digits"],
+        "stream": [f"hydra.searchpath=[file://{ROOT}/tests/conf]", "model=mlp", "data=vector_stream",
+                   "data._target_=test_fault_tolerance.paced_stream", "data.size=8192", "task=classify"]}
+GROUP = ["trainer.batch_size=16", "trainer.log_every=1", "trainer.warmup_steps=2", "logger=none",
+         "trainer.eval_every=0", "checkpoint=dcp", "checkpoint.every_steps=1000", "checkpoint.verify=false",
+         "checkpoint.export=true",
          "parallelism.fault_tolerance=torchft", "parallelism.ft.timeout_s=20", "parallelism.ft.heartbeat_timeout_s=2",
          f"parallelism.ft.lighthouse_idle_s={IDLE_S}"]
 PACE_S = 0.01  # a read (16 a step): the survivor's pace while the other group is away, so it cannot finish first
@@ -49,6 +54,28 @@ class PacedSet(torch.utils.data.Dataset):
         if self.pace_file and os.path.exists(self.pace_file):
             time.sleep(PACE_S)
         return self.inner[index]
+
+
+class PacedStream(torch.utils.data.IterableDataset):
+    """Every item read sleeps PACE_S / 2 while the file TEST_FT_PACE exists (each group reads the whole stream and
+    keeps half)."""
+
+    def __init__(self, inner: torch.utils.data.IterableDataset) -> None:
+        self.inner = inner
+        self.pace_file = os.environ.get("TEST_FT_PACE")
+
+    def __iter__(self):
+        for item in self.inner:
+            if self.pace_file and os.path.exists(self.pace_file):
+                time.sleep(PACE_S / 2)
+            yield item
+
+
+def paced_stream(size: int, seed: int = 0, stateful: bool = False) -> dict[str, Any]:
+    from streams import vector_stream
+
+    data = vector_stream(size, seed=seed, stateful=stateful)
+    return {"train": PacedStream(data["train"]), "val": data["val"]}
 
 
 def paced_digits(val_fraction: float = 0.2, split_seed: int = 0) -> tuple[PacedSet, Any]:
@@ -73,7 +100,8 @@ def test_each_group_reads_its_own_share_of_the_stream() -> None:
     assert data_share(ParallelismConfig(), env) == (1, 2)
 
 
-def start_group(run_dir: Path, replica: int, port: int, ranks: int, strategy: str, pace: Path | None = None):
+def start_group(run_dir: Path, replica: int, port: int, ranks: int, strategy: str, data: str,
+                pace: Path | None = None):
     """One replica group: a trainflow run of its own (of `ranks` ranks of `strategy`, which it starts itself), one
     thread a rank (two groups share this machine's cores); a process group of its own, to be killed whole."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
@@ -82,10 +110,10 @@ def start_group(run_dir: Path, replica: int, port: int, ranks: int, strategy: st
     env.pop("HYDRA_FULL_ERROR", None)
     out = open(run_dir.parent / f"{run_dir.name}.out", "a")  # noqa: SIM115 (the child owns it)
     ddp = [f"parallelism={strategy}", f"parallelism.nproc_per_node={ranks}"] if ranks > 1 else []
-    return subprocess.Popen([sys.executable, str(ROOT / "train.py"), *GROUP, *ddp, f"trainer.max_steps={MAX_STEPS}",
-                             f"parallelism.ft.replica_id={replica}", f"parallelism.ft.lighthouse_port={port}",
-                             f"hydra.run.dir={run_dir}"], cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
-                            start_new_session=True)
+    return subprocess.Popen([sys.executable, str(ROOT / "train.py"), *DATA[data], *GROUP, *ddp,
+                             f"trainer.max_steps={MAX_STEPS}", f"parallelism.ft.replica_id={replica}",
+                             f"parallelism.ft.lighthouse_port={port}", f"hydra.run.dir={run_dir}"],
+                            cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
 
 
 def console_steps(run_dir: Path) -> list[int]:
@@ -104,20 +132,22 @@ def lighthouse_lines(*run_dirs: Path) -> str:
     return "".join((d / "lighthouse.log").read_text() for d in run_dirs if (d / "lighthouse.log").exists())
 
 
-@pytest.mark.parametrize(("ranks", "strategy", "killed_id"), [(1, "single", 0), (2, "ddp", 1), (2, "fsdp", 0)],
-                         ids=["groups-of-1-kill-0", "groups-of-2-ddp-kill-1", "groups-of-2-fsdp-kill-0"])
+@pytest.mark.parametrize(("ranks", "strategy", "killed_id", "data"),
+                         [(1, "single", 0, "stream"), (2, "ddp", 1, "digits"), (2, "fsdp", 0, "digits")],
+                         ids=["groups-of-1-stream-kill-0", "groups-of-2-ddp-kill-1", "groups-of-2-fsdp-kill-0"])
 def test_a_killed_group_rejoins_from_its_peer_while_the_other_trains_on(tmp_path: Path, ranks: int, strategy: str,
-                                                                        killed_id: int) -> None:
+                                                                        killed_id: int, data: str) -> None:
     """One group (every rank of it) is SIGKILLed after its step 5 and started again (a fresh run directory: nothing
     on disk to resume from); the other never stops: it trains alone, with half the global batch, until the killed
     group is back; that group takes the survivor's live state and both end at the same step with the same weights.
     Every step is accounted. Killing group 0 shows the lighthouse outlives the group that may have started it; it
-    ends on its own once both groups are done."""
+    ends on its own once both groups are done. An iterable stream's share continues where it would be had the group
+    trained the steps it took."""
     port, pace = free_port(), tmp_path / "pace"
     pace.touch()
     survivor_dir, killed_dir, rejoined_dir = tmp_path / "survivor", tmp_path / "killed", tmp_path / "rejoined"
-    survivor = start_group(survivor_dir, 1 - killed_id, port, ranks, strategy, pace)
-    killed = start_group(killed_dir, killed_id, port, ranks, strategy)
+    survivor = start_group(survivor_dir, 1 - killed_id, port, ranks, strategy, data, pace)
+    killed = start_group(killed_dir, killed_id, port, ranks, strategy, data)
     rejoined = None
     try:
         wait_for(lambda: max(console_steps(killed_dir), default=0) >= KILL_AFTER, killed,
@@ -126,7 +156,7 @@ def test_a_killed_group_rejoins_from_its_peer_while_the_other_trains_on(tmp_path
         killed_at = time.time()
         assert killed.wait() == -signal.SIGKILL
         last_killed = max(console_steps(killed_dir))
-        rejoined = start_group(rejoined_dir, killed_id, port, ranks, strategy)
+        rejoined = start_group(rejoined_dir, killed_id, port, ranks, strategy, data)
         wait_for_log(rejoined_dir, "took the live state", rejoined, timeout=120)
         assert survivor.poll() is None  # it trained on all along
         pace.unlink()
@@ -169,6 +199,12 @@ def test_a_killed_group_rejoins_from_its_peer_while_the_other_trains_on(tmp_path
     # the killed group's steps: those before the kill, those after its return; lost: the ones between
     lost = back_at - last_killed
     assert last_killed + theirs["steps_this_run"] + lost == MAX_STEPS
+    if data == "stream":  # it read (and dropped) its share's micro-batches of the steps taken: both end at step 200
+        assert back["healed"]["skipped_micro_batches"] == back_at, back
+        for run_dir in (survivor_dir, rejoined_dir):
+            position = json.loads((run_dir / "checkpoints" / f"step_{MAX_STEPS:08d}" / "data_rank00000.json")
+                                  .read_text())
+            assert position["loader"]["_num_yielded"] == MAX_STEPS, (run_dir.name, position)
     # the same weights, bit for bit
     a = torch.load(survivor_dir / "model.pt", weights_only=True)
     b = torch.load(rejoined_dir / "model.pt", weights_only=True)

@@ -92,8 +92,8 @@ FAULTS = [
           "DDP ranks, of 2 FSDP ranks), started again; group 0 among them",
           "the other group trains on without a restart, with half the global batch (said in the log, counted in "
           "summary.json); the lighthouse, in a process of its own, outlives the group that started it; the "
-          "restarted group takes its live state (FSDP: each rank's shards) from that peer, not from disk, and both "
-          "end with the same weights, bit for bit",
+          "restarted group takes its live state (FSDP: each rank's shards) from that peer, not from disk (its "
+          "iterable stream skips to that step), and both end with the same weights, bit for bit",
           "test_fault_tolerance.py::test_a_killed_group_rejoins_from_its_peer_while_the_other_trains_on"),
     Fault("one rank of a DDP run stops answering (SIGSTOP)",
           "the watchdog names it (its beat stopped); the collective ends at parallelism.timeout_s: one line with "

@@ -148,6 +148,12 @@ class IterableBatches:
                 pin_memory=pin_memory, persistent_workers=workers and cfg.persistent_workers,
                 prefetch_factor=cfg.prefetch_factor if workers else None)
         self._resumed = False
+        self._skip = 0  # micro-batches to read and drop before the next one is yielded (skip)
+
+    def skip(self, micro_batches: int) -> None:
+        """Read and drop the next `micro_batches` micro-batches: a replica group that took a peer's step (fault
+        tolerance) continues its own share where it would be had it trained those steps."""
+        self._skip += micro_batches
 
     def check(self, global_batch: int | None, grad_accum: int) -> None:
         """Refuse, before training, a stream that ends before every rank has one micro-batch (saying what it can
@@ -185,6 +191,9 @@ class IterableBatches:
                     tags, batch = batch
                     for shard, offset in tags:
                         self.taken[shard] = max(self.taken.get(shard, 0), offset + 1)
+                if self._skip:
+                    self._skip -= 1
+                    continue
                 yield batch
             if self.sharded:  # the next pass reads every shard from its start
                 self.pass_number, self.taken, self.share.taken = self.pass_number + 1, {}, {}

@@ -11,8 +11,9 @@ fail; their update is dropped (the step counts, as a skipped step does) and from
 without it: the global batch shrinks to the groups present, said in the log and counted in summary.json. A group
 started again joins the next quorum and, being behind, fetches the live state (model, optimizer, schedule, step,
 position in the sample stream) from a peer over HTTP, not from disk; from then on every group applies the same
-averaged gradient to the same weights. (An iterable dataset's position is its own share's, not the peer's: a
-restarted group reads its share from where its own run started.)
+averaged gradient to the same weights. An iterable dataset's position is its own share's, not the peer's: the
+healed group's stream reads and drops the micro-batches of the steps it took from the peer, so that its share
+continues where it would be had the group trained them.
 
 The lighthouse (lighthouse=auto) runs in a process of its own on the groups' host, started by whichever group's rank
 0 finds none answering; it outlives the group that started it (its own session) and ends once no group has talked
@@ -147,11 +148,14 @@ class FaultTolerance(Stage):
 
     summary_key = "fault_tolerance"
 
-    def __init__(self, parallelism: ParallelismConfig, env: DistEnv, global_batch: int, run_dir: Path) -> None:
+    def __init__(self, parallelism: ParallelismConfig, env: DistEnv, global_batch: int, run_dir: Path,
+                 grad_accum: int) -> None:
         self.enabled = parallelism.fault_tolerance == TORCHFT
         self.ft = parallelism.ft
         self.env = env
         self.run_dir = run_dir
+        self.grad_accum = grad_accum
+        self._behind = 0  # micro-batches of steps taken from a peer that an iterable stream has yet to skip
         self.group_batch = global_batch // max(self.ft.replica_groups, 1)  # one group's share of a step
         self.manager: Any = None
         self._state: LoopState | None = None
@@ -166,7 +170,7 @@ class FaultTolerance(Stage):
     def build(cls, ctx: StageContext) -> FaultTolerance:
         t = ctx.trainer
         stage = cls(ctx.parallelism, ctx.env, t.batch_size * ctx.env.dp_size * replica_groups(ctx.parallelism)
-                    * t.grad_accum, ctx.run_dir)
+                    * t.grad_accum, ctx.run_dir, t.grad_accum)
         if stage.enabled:
             stage._create_manager()
         return stage
@@ -227,6 +231,23 @@ class FaultTolerance(Stage):
             self._state = state
             self._quorum(state)
 
+    def __enter__(self) -> FaultTolerance:
+        """A heal at the first quorum came before the data loader was built: its stream catches up now."""
+        if self._state is not None:
+            self._fast_forward(self._state)
+        return self
+
+    def _fast_forward(self, state: LoopState) -> None:
+        """An iterable stream (the map-style stream's position came with the state) skips the micro-batches of the
+        steps taken from the peer: read, not trained."""
+        if self._behind and state.data_loader is not None:
+            state.data_loader.skip(self._behind)
+            log.info("fault tolerance: the iterable stream of replica group %d skips its %d micro-batches of the "
+                     "steps taken from the peer", self.ft.replica_id, self._behind)
+            assert self.healed is not None, "a heal set the micro-batches to skip"
+            self.healed["skipped_micro_batches"] = self._behind
+            self._behind = 0
+
     def should_commit(self) -> bool:
         """Whether this step's update may be applied (False: a group was lost inside the step)."""
         committed = bool(self.manager.should_commit())
@@ -252,6 +273,8 @@ class FaultTolerance(Stage):
             self.healed = {"from_step": step, "to_step": state.step, "seconds": round(time.monotonic() - start, 3)}
             log.info("fault tolerance: replica group %d took the live state of step %d from a peer in %.2f s",
                      self.ft.replica_id, state.step, self.healed["seconds"])
+            self._behind += (state.step - step) * self.grad_accum
+            self._fast_forward(state)
         if present != self._present:
             self.events.append({"step": state.step, "groups": present, "time": time.time()})
             if present < self.ft.replica_groups:
