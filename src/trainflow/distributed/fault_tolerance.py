@@ -81,8 +81,9 @@ def lighthouse_address(ft: FaultToleranceConfig) -> str:
 def lighthouse_ages(address: str) -> list[float] | None:
     """Seconds since the lighthouse at `address` last heard from each group it knows (its status page: torchft
     gives no other view of them); None when no lighthouse answers there."""
+    direct = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # a cluster's http_proxy is not for us
     try:
-        with urllib.request.urlopen(f"{address}/status", timeout=2) as response:
+        with direct.open(f"{address}/status", timeout=2) as response:
             page = response.read().decode()
     except OSError:
         return None
