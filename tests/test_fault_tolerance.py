@@ -215,3 +215,31 @@ def test_a_killed_group_rejoins_from_its_peer_while_the_other_trains_on(tmp_path
                "uncommitted_steps": len(ft["uncommitted_steps"])}
     print(f"fault tolerance, {strategy} groups of {ranks}, group {killed_id} killed:", json.dumps(figures),
           file=sys.stderr)
+
+
+def test_trainflow_lighthouse_serves_groups_and_ends_once_idle(tmp_path: Path) -> None:
+    """`trainflow lighthouse` (a lighthouse on a host of the user's choosing) answers on its port, counts a group
+    that heartbeats, and with --idle-s ends by itself, exit 0, once no group has talked to it that long."""
+    from datetime import timedelta
+
+    from torchft.coordination import LighthouseClient
+
+    from trainflow.distributed.fault_tolerance import lighthouse_ages
+
+    port, out = free_port(), tmp_path / "lighthouse.out"
+    with open(out, "w") as sink:
+        proc = subprocess.Popen([str(Path(sys.executable).parent / "trainflow"), "lighthouse", f"--port={port}",
+                                 "--idle-s=1"], stdout=sink, stderr=subprocess.STDOUT)
+    try:
+        wait_for(lambda: "listening on port" in out.read_text(), proc, "the lighthouse listened", timeout=60)
+        assert lighthouse_ages(f"http://localhost:{port}") == []  # no group yet
+        LighthouseClient(f"http://localhost:{port}", timedelta(seconds=5)).heartbeat("trainflow_0")
+        ages = lighthouse_ages(f"http://localhost:{port}")
+        assert ages is not None and len(ages) == 1 and ages[0] < 1, ages
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    quiet = re.search(r"no replica group talked to it for ([0-9.]+) s \(--idle-s 1\): stopped", out.read_text())
+    assert quiet and 1 < float(quiet[1]) < 5, out.read_text()
+    assert lighthouse_ages(f"http://localhost:{port}") is None

@@ -113,7 +113,8 @@ def serve_lighthouse(port: int, min_replicas: int, join_timeout_s: float, heartb
             ages = lighthouse_ages(f"http://localhost:{port}")
             quiet = min(ages) if ages else time.monotonic() - started
             if quiet > idle_s:
-                print(f"trainflow lighthouse: no replica group for {quiet:.0f} s: stopped", flush=True)
+                print(f"trainflow lighthouse: no replica group talked to it for {quiet:.1f} s (--idle-s {idle_s:g}): "
+                      "stopped", flush=True)
                 return
     finally:
         server.shutdown()
