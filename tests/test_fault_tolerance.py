@@ -132,26 +132,36 @@ def lighthouse_lines(*run_dirs: Path) -> str:
     return "".join((d / "lighthouse.log").read_text() for d in run_dirs if (d / "lighthouse.log").exists())
 
 
-@pytest.mark.parametrize(("ranks", "strategy", "killed_id", "data"),
-                         [(1, "single", 0, "stream"), (2, "ddp", 1, "digits"), (2, "fsdp", 0, "digits")],
+@pytest.mark.parametrize(("ranks", "strategy", "killed_id", "data", "killed_first"),
+                         [(1, "single", 0, "stream", True), (2, "ddp", 1, "digits", False),
+                          (2, "fsdp", 0, "digits", False)],
                          ids=["groups-of-1-stream-kill-0", "groups-of-2-ddp-kill-1", "groups-of-2-fsdp-kill-0"])
 def test_a_killed_group_rejoins_from_its_peer_while_the_other_trains_on(tmp_path: Path, ranks: int, strategy: str,
-                                                                        killed_id: int, data: str) -> None:
+                                                                        killed_id: int, data: str,
+                                                                        killed_first: bool) -> None:
     """One group (every rank of it) is SIGKILLed after its step 5 and started again (a fresh run directory: nothing
     on disk to resume from); the other never stops: it trains alone, with half the global batch, until the killed
     group is back; that group takes the survivor's live state and both end at the same step with the same weights.
-    Every step is accounted. Killing group 0 shows the lighthouse outlives the group that may have started it; it
-    ends on its own once both groups are done. An iterable stream's share continues where it would be had the group
-    trained the steps it took."""
+    Every step is accounted. With `killed_first` the group to be killed starts first, alone: it starts the lighthouse
+    and trains until the other joins (taking its state); its loss shows the lighthouse outlives the group that
+    started it. The lighthouse ends on its own once both groups are done. An iterable stream's share continues where
+    it would be had the group trained the steps it took."""
     port, pace = free_port(), tmp_path / "pace"
     pace.touch()
     survivor_dir, killed_dir, rejoined_dir = tmp_path / "survivor", tmp_path / "killed", tmp_path / "rejoined"
-    survivor = start_group(survivor_dir, 1 - killed_id, port, ranks, strategy, data, pace)
-    killed = start_group(killed_dir, killed_id, port, ranks, strategy, data)
+    survivor = None if killed_first else start_group(survivor_dir, 1 - killed_id, port, ranks, strategy, data, pace)
+    killed = start_group(killed_dir, killed_id, port, ranks, strategy, data, pace)
     rejoined = None
     try:
-        wait_for(lambda: max(console_steps(killed_dir), default=0) >= KILL_AFTER, killed,
-                 f"group {killed_id} logged step {KILL_AFTER}", timeout=120)
+        if killed_first:
+            wait_for(lambda: "listening on port" in lighthouse_lines(killed_dir), killed, "its lighthouse listened",
+                     timeout=120)
+            survivor = start_group(survivor_dir, 1 - killed_id, port, ranks, strategy, data, pace)
+            wait_for(lambda: console_steps(survivor_dir), survivor, "the survivor logged a step", timeout=120)
+        assert survivor is not None
+        kill_after = max([KILL_AFTER, *console_steps(survivor_dir)])  # a step both groups took
+        wait_for(lambda: max(console_steps(killed_dir), default=0) >= kill_after, killed,
+                 f"group {killed_id} logged step {kill_after}", timeout=120)
         os.killpg(killed.pid, signal.SIGKILL)
         killed_at = time.time()
         assert killed.wait() == -signal.SIGKILL
@@ -173,15 +183,18 @@ def test_a_killed_group_rejoins_from_its_peer_while_the_other_trains_on(tmp_path
         for pid in re.findall(r"\(pid (\d+)\)", lighthouse_lines(survivor_dir, killed_dir, rejoined_dir)):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(int(pid), signal.SIGKILL)
-    # one lighthouse served both groups, started by one of them; no other
+    # one lighthouse served both groups, started by one of them (by the killed one, when it came first); no other
     assert lighthouse_lines(survivor_dir, killed_dir, rejoined_dir).count("listening on port") == 1
+    assert not killed_first or "listening on port" in lighthouse_lines(killed_dir)
     ours = json.loads((survivor_dir / "summary.json").read_text())
     theirs = json.loads((rejoined_dir / "summary.json").read_text())
     ft, back = ours["fault_tolerance"], theirs["fault_tolerance"]
     assert ft["replica_id"] == 1 - killed_id and back["replica_id"] == killed_id
-    # the survivor took every step once, none lost to a restart
-    assert ours["steps"] == ours["steps_this_run"] == MAX_STEPS and logged_steps(survivor_dir) == list(
-        range(1, MAX_STEPS + 1))
+    # the survivor took every step once from its start (killed_first: the step it joined at), none lost to a restart
+    joined = ft["healed"]["to_step"] if killed_first else 0
+    assert ft["healed"] is None or (killed_first and ft["healed"]["from_step"] == 0), ft["healed"]
+    assert ours["steps"] == MAX_STEPS and ours["steps_this_run"] == MAX_STEPS - joined
+    assert logged_steps(survivor_dir) == list(range(joined + 1, MAX_STEPS + 1))
     # its quorum shrank to itself after the kill and grew again when the killed group came back
     changes = [c for c in ft["quorum_changes"] if c["time"] > killed_at]
     assert [c["groups"] for c in changes] == [1, 2], ft

@@ -89,7 +89,7 @@ FAULTS = [
           "its connection to it; no traceback; committed checkpoints whole",
           "test_distributed.py::test_a_rank_killed_by_a_signal_is_named_not_the_rank_that_lost_it"),
     Fault("SIGKILL of one replica group of a parallelism.fault_tolerance=torchft run (2 groups of one rank, of 2 "
-          "DDP ranks, of 2 FSDP ranks), started again; group 0 among them",
+          "DDP ranks, of 2 FSDP ranks), started again; among them group 0 after it started the lighthouse",
           "the other group trains on without a restart, with half the global batch (said in the log, counted in "
           "summary.json); the lighthouse, in a process of its own, outlives the group that started it; the "
           "restarted group takes its live state (FSDP: each rank's shards) from that peer, not from disk (its "
