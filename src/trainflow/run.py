@@ -142,9 +142,9 @@ def assemble(cfg: DictConfig, run_dir: Path, env: DistEnv, stage_types: Sequence
     seed_everything(trainer.seed + SEED_STRIDE * env.rank)
     for stage in stages:
         stage.resume(state)
+    resumed_from = state.step if state.step > 0 else None  # from a checkpoint (a heal from a peer says its own)
     for stage in stages:
         stage.start(state)
-    resumed_from = state.step if state.step > 0 else None
     # a tracker that cannot be reached stops the run here; the tracked runs' ids go into the next checkpoints
     state.tracked_runs = ctx.writer.start(cfg, env.world_size, resumed_from, state.tracked_runs)
     if resumed_from and resumed_from >= trainer.max_steps and env.is_main:  # a finished run started again
