@@ -15,6 +15,7 @@ Who starts the ranks:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -24,6 +25,7 @@ import tempfile
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +66,7 @@ def should_launch(cfg: DictConfig) -> bool:
 
 
 _PASSED_ON = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR2")  # signals the agent passes on to the workers
+_STOPPED_EVERY_S = 0.5  # how often the launching process looks for a stopped worker the agent asked to end
 
 
 def launch(cfg: DictConfig, run_dir: Path) -> dict[str, Any] | None:
@@ -83,7 +86,7 @@ def launch(cfg: DictConfig, run_dir: Path) -> dict[str, Any] | None:
     logging.getLogger("torch.distributed.elastic").setLevel(logging.WARNING)
     for name in ("torch.distributed.elastic.multiprocessing.api", "torch.multiprocessing.spawn"):
         logging.getLogger(name).setLevel(logging.CRITICAL)  # the failure explained below says it all
-    with tempfile.TemporaryDirectory(prefix="trainflow-elastic-") as logs:
+    with tempfile.TemporaryDirectory(prefix="trainflow-elastic-") as logs, _stopped_workers_killed(Path(logs)) as pids:
         config = LaunchConfig(
             min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"trainflow-{uuid.uuid4().hex[:12]}",
             rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=p.max_restarts, monitor_interval=0.1,
@@ -94,7 +97,7 @@ def launch(cfg: DictConfig, run_dir: Path) -> dict[str, Any] | None:
         handlers = {name: signal.getsignal(getattr(signal, name)) for name in _PASSED_ON}
         stop = None
         try:
-            elastic_launch(config, _worker)(container, str(run_dir))
+            elastic_launch(config, _worker)(container, str(run_dir), str(pids))
         except ChildFailedError as exc:
             raise explain_worker_failure(exc, Path(logs), hang_report(run_dir, started)) from None
         except SignalException as exc:
@@ -105,6 +108,47 @@ def launch(cfg: DictConfig, run_dir: Path) -> dict[str, Any] | None:
             for name, handler in handlers.items():
                 signal.signal(getattr(signal, name), signal.SIG_IGN if stop else handler)
     return _rank0_summary(run_dir / "summary.json", started, stop)
+
+
+@contextlib.contextmanager
+def _stopped_workers_killed(logs: Path) -> Iterator[Path]:
+    """While the agent runs, SIGKILL a worker that is stopped (SIGSTOP: a frozen rank) once a SIGTERM waits for it;
+    yields the folder where each worker leaves its pid.
+
+    A stopped process acts on no signal but SIGKILL: the agent's SIGTERM that ends the run stays pending, and after
+    a failure the agent waits a fixed 30 s for it (LaunchConfig.shutdown_timeout is not used there) before its own
+    SIGKILL. This sends that SIGKILL at once. The run's outcome is already decided by then: the agent read its
+    workers' exits before it asked the others to end.
+    """
+    pids, done = logs / "workers", threading.Event()
+    pids.mkdir()
+    thread = threading.Thread(target=_kill_stopped, args=(pids, done), name="trainflow-stopped-workers", daemon=True)
+    thread.start()
+    try:
+        yield pids
+    finally:
+        done.set()
+        thread.join()
+
+
+def _kill_stopped(pids: Path, done: threading.Event) -> None:
+    while not done.wait(_STOPPED_EVERY_S):
+        for worker in pids.iterdir():
+            if _stopped_with_sigterm_pending(int(worker.name)):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(int(worker.name), signal.SIGKILL)
+
+
+def _stopped_with_sigterm_pending(pid: int) -> bool:
+    """From Linux's /proc: `pid` is still a child of this process (not another process that took an ended worker's
+    pid), it is stopped (not traced) and a SIGTERM waits for it. Never without /proc."""
+    try:
+        status = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines())
+    except (OSError, ValueError):  # gone already, or no /proc
+        return False
+    pending = int(status.get("ShdPnd", "0"), 16) | int(status.get("SigPnd", "0"), 16)
+    return (int(status.get("PPid", "0")) == os.getpid() and status.get("State", "").strip().startswith("T")
+            and bool(pending & 1 << (signal.SIGTERM - 1)))
 
 
 class StoppedBySignal(TrainflowError):
@@ -136,8 +180,9 @@ def _interrupt_once(_signum: int, _frame: Any) -> None:
     raise KeyboardInterrupt
 
 
-def _worker(container: dict, run_dir: str) -> None:
+def _worker(container: dict, run_dir: str, pids: str) -> None:
     """One self-launched rank: the parent's config and run directory, no Hydra."""
+    Path(pids, str(os.getpid())).touch()  # for _stopped_workers_killed
     mark_self_launched()
     # A forked worker inherits the agent's handlers (they raise in Python, which a rank blocked in a collective
     # never reaches): a signal must act on it as on any process.

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig
 
+from trainflow.config import WatchdogConfig
 from trainflow.distributed.failures import linger_if_peer_lost, record_failure
 from trainflow.distributed.health import check_ranks_agree, composed_config
 from trainflow.distributed.mesh import CPU_GROUP_RANKS, GROUP_STRATEGIES, SHARDED, layout, local_ranks, ranks_per_node
@@ -29,6 +30,11 @@ from trainflow.precision import emulated_bf16_warning
 log = logging.getLogger(__name__)
 
 _self_launched = False  # set in workers started by `launch`: the launching process already spoke for them
+
+# The collectives torch's flight recorder keeps per process for the watchdog's hang report (the newest, ~0.5 kB each
+# in its dump): the last steps of every group, even FSDP's two per block and step. torch 2.13 records 2000 by
+# default: each rank's dump would be ~1 MB, written to the run directory by every rank of a hung run at once.
+FLIGHT_RECORDER_ENTRIES = 200
 
 
 def mark_self_launched() -> None:
@@ -206,6 +212,11 @@ def oversubscription_warning(device: torch.device, local_world_size: int, cores:
             "or fewer")
 
 
+def watchdog_on(watchdog: WatchdogConfig, world_size: int) -> bool:
+    """parallelism.watchdog.enabled resolved (auto: runs of 2+ ranks); the group records its collectives for it."""
+    return watchdog.enabled is True or (watchdog.enabled == "auto" and world_size > 1)
+
+
 def _store(rank: int, world_size: int, timeout: timedelta) -> dist.Store:
     """The rendezvous store, under a prefix per restart attempt (a restarted group must not read stale keys)."""
     try:
@@ -241,6 +252,8 @@ def setup(cfg: DictConfig) -> DistEnv:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if world_size > 1 and not dist.is_initialized():
+        if watchdog_on(p.watchdog, world_size):  # torch's flight recorder (gloo, NCCL) reads it as the group is
+            os.environ.setdefault("TORCH_FR_BUFFER_SIZE", str(FLIGHT_RECORDER_ENTRIES))  # made; a size you set wins
         timeout = timedelta(seconds=p.timeout_s)
         dist.init_process_group(backend, store=_store(rank, world_size, timeout), rank=rank, world_size=world_size,
                                 timeout=timeout, device_id=device if device.type == "cuda" else None)

@@ -8,11 +8,14 @@ until there is a median), writes where its main thread is (the innermost
 frame of the user's code, else trainflow's) and every thread's stack (`faulthandler`). Rank 0 then says in one
 line which rank is stuck where, from those files: a rank whose beat went stale stopped answering (SIGSTOP, a
 frozen node), a rank stuck in the user's code is named with its file and line. A save, an evaluation or a
-recompile in progress is not a hang. The report is also what the launcher adds to a collective timeout's line.
+recompile in progress is not a hang. Each rank also dumps the last collectives it entered (torch's flight recorder,
+on gloo and NCCL alike; the process group sizes it for the watchdog), and rank 0's line says which ranks did not
+arrive at a collective the others entered. The report is also what the launcher adds to a collective timeout's line.
 """
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import json
 import logging
@@ -34,6 +37,7 @@ import trainflow
 from trainflow.config import WatchdogConfig
 from trainflow.distributed import DistEnv
 from trainflow.distributed.failures import rank_list
+from trainflow.distributed.process_group import watchdog_on
 from trainflow.metrics import Throughput
 from trainflow.stages import LoopState, Stage, StageContext
 
@@ -41,6 +45,8 @@ log = logging.getLogger("trainflow")
 
 HANG_DIR = "hang"  # under the run directory
 REPORT = "report.txt"  # rank 0's one line, which the launcher repeats when the run ends on a timeout
+# torch's flight recorders: NCCL's own (in CUDA builds only) and the one gloo writes to (in CPU builds too)
+_RECORDERS = ("_dump_nccl_trace_json", "_dump_fr_trace_json")
 _MEDIAN_OF = 50  # recent step intervals the median is taken over
 # A live rank beats every beat_s; a beat older than _STALE_BEATS of them (+1 s for a loaded machine) is a rank that
 # stopped answering. Rank 0 speaks _SETTLE_BEATS after the bound (at least 4 beats: min_s / 4 each), when a rank
@@ -60,7 +66,7 @@ class Watchdog(Stage):
     def __init__(self, cfg: WatchdogConfig, env: DistEnv, run_dir: Path, meter: Throughput) -> None:
         self.cfg = cfg
         self.env = env
-        self.enabled = cfg.enabled is True or (cfg.enabled == "auto" and env.world_size > 1)
+        self.enabled = watchdog_on(cfg, env.world_size)
         self.dir = run_dir / HANG_DIR
         self.beat_s = cfg.min_s / 4  # a stopped rank's beat is stale well before anyone calls it stuck
         self.meter = meter  # its excluded steps (warm-up, compile) are known once every stage is built
@@ -130,8 +136,11 @@ class Watchdog(Stage):
         rank = self.env.rank
         with open(self.dir / f"rank_{rank}.stacks.txt", "w") as stacks:
             faulthandler.dump_traceback(stacks, all_threads=True)
+        record = flight_record()
+        _write(self.dir / f"rank_{rank}.collectives.json", record)
         _write(self.dir / f"rank_{rank}.json", {"rank": rank, "step": self._step + 1, "where": where(frame),
-                                                "users": _users_frame(frame) is not None, "time": time.time()})
+                                                "users": _users_frame(frame) is not None, "time": time.time(),
+                                                "collectives": last_collectives(record["entries"])})
         self.reports += 1
         if rank != 0:
             return
@@ -148,10 +157,12 @@ class Watchdog(Stage):
         median = self.median_s()
         basis = (f"{self.cfg.factor:g} x the median step {median:.3f} s, at least parallelism.watchdog.min_s" if median
                  else "parallelism.watchdog.min_s, until the steady state gives a median step")
-        stuck, waiting = [], []
+        stuck, waiting, entered = [], [], {}
         for rank in range(self.env.world_size):
             beat, report = _read(self.dir / f"rank_{rank}.beat"), _read(self.dir / f"rank_{rank}.json")
             fresh_report = report if report and now - report["time"] < 4 * self.beat_s + bound else None
+            if fresh_report and fresh_report.get("collectives"):
+                entered[rank] = fresh_report["collectives"]
             if beat is None or now - beat["time"] > _STALE_BEATS * self.beat_s + 1:
                 seen = f"last beat {now - beat['time']:.0f} s ago, after step {beat['step']}, " \
                        f"{beat['host']} pid {beat['pid']}" if beat else "no beat at all"
@@ -164,8 +175,67 @@ class Watchdog(Stage):
                 stuck.append(f"rank {rank} is busy (compiling, saving, evaluating) or slow")
         waits = "; ".join(f"{rank_list(group)} waiting at {at}" for at, group in _group(waiting).items())
         who = "; ".join(stuck) or "no rank is stuck in the user's code"
+        last = arrivals(entered, self.env.world_size)
         return (f"hang: no step for {stalled:.0f} s (the bound is {bound:.0f} s: {basis}): {who}"
-                f"{'; ' + waits if waits else ''}; every rank's stacks: {self.dir}")
+                f"{'; ' + waits if waits else ''}{'; last collective: ' + last if last else ''}; "
+                f"every rank's stacks: {self.dir}")
+
+
+def flight_record() -> dict[str, Any]:
+    """The collectives this process entered last, as torch's flight recorders keep them: one record in torch's
+    format (the first recorder's), the entries of both (NCCL's, and gloo's of a side group) in the order entered."""
+    dumps = []
+    for name in _RECORDERS:
+        if (dump := getattr(torch._C._distributed_c10d, name, None)) is not None:
+            with contextlib.suppress(RuntimeError, ValueError):  # a recorder that cannot say: the others still can
+                dumps.append(json.loads(dump(True, False)))
+    record = dumps[0] if dumps else {}
+    record["entries"] = sorted((entry for dump in dumps for entry in dump.get("entries", [])),
+                               key=lambda entry: entry["time_created_ns"])
+    return record
+
+
+def last_collectives(entries: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """The newest collective this rank entered in each process group, by the group's name (the same on every rank):
+    its operation, its number in the group (collective_seq_id) and when it was entered."""
+    last: dict[str, dict[str, Any]] = {}
+    for entry in entries:
+        name, description = entry["process_group"]
+        seq = entry["collective_seq_id"]
+        if not entry["is_p2p"] and seq > last.get(name, {}).get("seq", -1):
+            last[name] = {"op": entry["profiling_name"].split(":")[-1], "seq": seq, "group": description,
+                          "ns": entry["time_created_ns"]}
+    return last
+
+
+def arrivals(entered: dict[int, dict[str, dict[str, Any]]], world_size: int) -> str:
+    """Which ranks did not arrive at a collective that others entered, from each rank's newest collective per group;
+    when all arrived, the newest collective they share. A rank without a record (a stopped process) is said apart."""
+    groups: dict[str, dict[int, dict[str, Any]]] = {}
+    for rank, last in entered.items():
+        for name, collective in last.items():
+            groups.setdefault(name, {})[rank] = collective
+    said = []
+    for name, at in groups.items():
+        top = max(at.values(), key=lambda collective: collective["seq"])
+        behind = sorted(rank for rank, collective in at.items() if collective["seq"] < top["seq"])
+        if behind:
+            ahead = sorted(rank for rank in at if rank not in behind)
+            seqs = ", ".join(f"#{seq}" for seq in sorted({at[rank]["seq"] for rank in behind}))
+            said.append(f"{rank_list(ahead)} entered {top['op']} #{top['seq']} of {_group_name(name, top)}, "
+                        f"{rank_list(behind)} did not ({'its' if len(behind) == 1 else 'their'} last: {seqs})")
+    if not said and groups:
+        name, at = max(groups.items(), key=lambda group: max(c["ns"] for c in group[1].values()))
+        top = next(iter(at.values()))
+        said.append(f"{rank_list(sorted(at))} entered {top['op']} #{top['seq']} of {_group_name(name, top)}")
+    silent = [rank for rank in range(world_size) if rank not in entered]
+    return "; ".join(said) + (f" ({rank_list(silent)} left no record)" if said and silent else "")
+
+
+def _group_name(name: str, collective: dict[str, Any]) -> str:
+    if collective["group"] == "default_pg":
+        return "the default group"
+    return f"group {name}" + (f" ({collective['group']})" if collective["group"] != "undefined" else "")
 
 
 def where(frame: FrameType) -> str:
