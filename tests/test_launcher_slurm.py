@@ -6,8 +6,10 @@ Without SLURM's commands (a developer machine) the cluster tests skip; the sbatc
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -15,9 +17,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, TINY_GPT, losses_by_step
+from conftest import ROOT, TINY_GPT, losses_by_step, wait_for_log
+from helpers.checkpoints import read_tensors
 from helpers.processes import run_process
 from helpers.slurm import SLURM, multirun, sweep_env
+
+from trainflow.checkpoint import check_intact, list_committed
 
 # one job = 2 ranks on gloo, as SLURM tasks; timeout_min > 10 so that submitit takes USR2 for a preemption
 TWO_RANKS = ["hydra.launcher.tasks_per_node=2", "hydra.launcher.cpus_per_task=1", "hydra.launcher.timeout_min=15",
@@ -274,6 +279,74 @@ def test_failed_job_comes_back_with_its_reason_and_alone_is_submitted_again(tmp_
     assert len(new_ids) == 1 and new_ids[0].isdigit()  # one job, not an array: job 0 alone went to SLURM again
     assert sacct(new_ids[0])[0] == "FAILED"
     assert (tmp_path / "1" / "metrics.jsonl").read_bytes() == metrics
+
+
+@needs_cluster
+def test_a_rank_killed_by_a_signal_fails_its_job_in_one_line_and_the_same_sweep_resumes_it(tmp_path: Path) -> None:
+    """SIGKILL of rank 1 of job 0 (as an OOM kill does) once step 4 is committed: rank 0 ends within seconds (its
+    collective loses the connection), the sweep names rank 1, SIGKILL and the step rank 0 noticed it in, in one line
+    (not rank 0's connection error, no traceback), committed checkpoints are whole; the same sweep again resumes
+    job 0 from its last commit to the losses of job 1, which ran through."""
+    # 16 steps: half a second of training after the kill even on an idle machine, so that the kill lands mid-run
+    cmd = [sys.executable, str(ROOT / "train.py"), "-m", *TINY_GPT, *SLURM, *TWO_RANKS, "checkpoint=dcp",
+           "checkpoint.every_steps=2", "checkpoint.verify=false", "trainer.max_steps=16", "trainer.eval_every=0",
+           "trainer.eval_steps=2", "trainer.seed=5,5", f"hydra.sweep.dir={tmp_path}"]
+    job, reference = tmp_path / "0", tmp_path / "1"
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=sweep_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for_log(job, "checkpoint step 2 committed", proc, timeout=240)
+        array_id = slurm_ids(tmp_path)[0].split("_")[0]
+        ranks = _rank_pids(array_id, 0)
+        assert sorted(ranks) == [0, 1], ranks
+        wait_for_log(job, "checkpoint step 4 committed", proc, timeout=60)
+        os.kill(ranks[1], signal.SIGKILL)
+        killed_at = time.monotonic()
+        while Path(f"/proc/{ranks[0]}").exists():  # rank 0, the healthy one, ends by itself
+            assert time.monotonic() - killed_at < 60, "rank 0 still runs 60 s after rank 1 was killed"
+            time.sleep(0.05)
+        out, err = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    assert proc.returncode == 1, out[-3000:] + err[-3000:]
+    assert "Traceback" not in out + err and "gloo" not in err, err[-3000:]  # not rank 0's connection error
+    failure = (rf"job #0 failed on SLURM \(job {array_id}_0, state FAILED, exit code \d+\): rank 1 was lost: killed by "
+               r"signal SIGKILL \(rank 0 lost its connection to it in step (\d+)\); the other ranks were stopped; "
+               r"committed checkpoints are intact: the same command resumes from the newest \[log: \S+\]")
+    said = [match for line in err.splitlines() if (match := re.fullmatch(failure, line))]  # Hydra's frame around it
+    assert len(said) == 1, err[-3000:]
+    noticed = int(said[0].group(1))
+    assert re.fullmatch(failure, (job / "failure.txt").read_text().strip())  # the sweep's report blames rank 1 too
+    listed = list_committed(job / "checkpoints")
+    assert listed and all(c.step % 2 == 0 for c in listed) and 4 <= listed[-1].step < noticed
+    for c in listed:  # whole: every file as its manifest says, every tensor readable
+        check_intact(c, listed)
+        assert read_tensors(c.path)
+    assert json.loads((reference / "summary.json").read_text())["steps"] == 16  # job 1 ran despite job 0
+
+    again = subprocess.run(cmd, cwd=ROOT, env=sweep_env(), capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert re.findall(r"sweep: job #(\d) finished already", again.stdout + again.stderr) == ["1"]
+    summary = json.loads((job / "summary.json").read_text())
+    assert summary["steps"] == 16 and summary["resumed_from_step"] == listed[-1].step
+    assert losses_by_step(job) == losses_by_step(reference)
+    assert summary["validation"]["loss"] == json.loads((reference / "summary.json").read_text())["validation"]["loss"]
+
+
+def _rank_pids(array_id: str, element: int) -> dict[int, int]:
+    """{rank: pid} of the ranks (SLURM tasks) of one job array element, read from the processes' environments."""
+    want = {f"SLURM_ARRAY_JOB_ID={array_id}", f"SLURM_ARRAY_TASK_ID={element}"}
+    tasks = {}
+    for proc in Path("/proc").iterdir():
+        try:
+            env = set((proc / "environ").read_bytes().decode(errors="replace").split("\0"))
+            command = (proc / "cmdline").read_bytes().decode(errors="replace")
+            parent = (proc / "stat").read_text().rsplit(")", 1)[1].split()[1]
+        except (OSError, ValueError, IndexError):
+            continue
+        if proc.name.isdigit() and want <= env and "submitit.core._submit" in command:
+            rank = next(int(v.removeprefix("SLURM_PROCID=")) for v in env if v.startswith("SLURM_PROCID="))
+            tasks[int(proc.name)] = (rank, int(parent))
+    return {rank: pid for pid, (rank, parent) in tasks.items() if parent not in tasks}  # not a rank's own child
 
 
 @needs_cluster

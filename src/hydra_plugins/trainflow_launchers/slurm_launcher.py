@@ -50,10 +50,12 @@ from hydra_plugins.trainflow_launchers.common import (
     finished_already,
     job_ranks_per_node,
     log_outcome,
+    one_line,
     run_job_here,
     user_error,
 )
 from hydra_plugins.trainflow_launchers.config import SlurmLauncherConf
+from trainflow.distributed.failures import WorkerError, lost_rank_error, noted_step, says_peer_lost
 
 log = logging.getLogger(__name__)
 
@@ -335,25 +337,85 @@ def wait(c: SlurmLauncherConf, params: dict[str, Any], submitted: list) -> None:
                 key, why = oversized_request(c, params) or never
                 user_error(f"hydra.launcher.{key}: {why}, so SLURM would keep job {job_id} pending forever "
                            f"(reason {reason}); cancelled it: change hydra.launcher.{key} or the partition")
+        over = [sj for sj in submitted if out is not None and queue.get(sj.job_id, ("",))[0] not in _HELD]
+        if any(not sj.done() for sj in over):
+            # a rank killed before it left its result: submitit asks SLURM's accounting about it only every
+            # minute or so, but SLURM let the job go already; ask now (one sacct for all jobs)
+            over[0].get_info(mode="force")
         if all(sj.done() and queue.get(sj.job_id, ("",))[0] not in _HELD for sj in submitted):
             return
         time.sleep(c.poll_interval_s)
 
 
 def collect(hydra_context: HydraContext, job: SweepJob, sj: Any) -> JobReturn:
-    """Rank 0's JobReturn, or a failed one whose message says why, from the job's own stderr."""
+    """Rank 0's JobReturn; a failed job's as one line that says why: a rank SLURM lost to a signal (rank 0's own
+    error then only says that it lost a peer), else rank 0's error, else the last error in the job's stderr."""
+    rank0 = sj.task(0)
     try:
-        return sj.task(0).result()
+        ret, error = rank0.result(), None
     except Exception as exc:  # the job died without a result: read why from its log
-        rank0 = sj.task(0)
-        reason = failure_reason(rank0.stderr(), str(exc)) or "no error message; see the logs"
-        failed = JobReturn(overrides=job.overrides, working_dir=str(job.dir), status=JobStatus.FAILED)
-        state = sj.get_info(mode="force").get("State", "UNKNOWN")
-        failed.return_value = JobFailed(f"job #{job.num} failed on SLURM (job {sj.job_id}, state {state}, exit code "
-                                        f"{_exit_code(sj.job_id)}): {reason} [log: {rank0.paths.stderr}]")
-        # the ranks died before Hydra's on_job_end ran there: run the callbacks here
-        hydra_context.callbacks.on_job_end(config=job.config, job_return=failed)
-        return failed
+        ret, error = None, exc
+    if ret is not None and ret.status != JobStatus.FAILED:
+        return ret
+    lost = lost_rank(sj, rank0.stderr() or "")
+    if lost is not None:
+        reason = str(lost)
+    elif ret is not None:
+        reason = one_line(ret._return_value)
+    else:
+        reason = failure_reason(rank0.stderr(), str(error)) or "no error message; see the logs"
+    failed = JobReturn(overrides=job.overrides, working_dir=str(job.dir), status=JobStatus.FAILED)
+    state = sj.get_info(mode="force").get("State", "UNKNOWN")
+    failed.return_value = JobFailed(f"job #{job.num} failed on SLURM (job {sj.job_id}, state {state}, exit code "
+                                    f"{_exit_code(sj.job_id)}): {reason} [log: {rank0.paths.stderr}]")
+    # the ranks died before Hydra's on_job_end ran there, or ran it with rank 0's view: run the callbacks here
+    hydra_context.callbacks.on_job_end(config=job.config, job_return=failed)
+    return failed
+
+
+# srun's line for tasks that ended abnormally: "srun: error: <node>: task 1: Killed", "... tasks 0-1,3: Terminated"
+_SRUN_TASK_END = re.compile(r"^srun: error: \S+: tasks? ([\d,-]+): (.+)$")
+_SIGNAL_NAMES = {text: sig.name for sig in signal.Signals if (text := signal.strsignal(sig))}
+
+
+def lost_rank(sj: Any, batch_stderr: str) -> WorkerError | None:
+    """The rank srun saw killed by a signal first, when it left no result (it died mid-run, not after its run
+    failed) and no rank failed by itself, named with the step the others noticed it in, from their results;
+    None otherwise.
+
+    srun writes its lines into the batch log (rank 0's stderr), appended over a requeued job's attempts: each
+    task's last line is the one of the attempt that failed."""
+    ends: dict[int, tuple[int, str]] = {}  # task -> (line number, how it ended)
+    for number, line in enumerate(batch_stderr.splitlines()):
+        if match := _SRUN_TASK_END.match(line.strip()):
+            ends.update({task: (number, match.group(2)) for task in _task_ids(match.group(1))})
+    lost = sorted((number, task) for task, (number, how) in ends.items()
+                  if how in _SIGNAL_NAMES and task < sj.num_tasks and not sj.task(task).paths.result_pickle.exists())
+    if not lost:
+        return None
+    others = {task: (str(ret._return_value), noted_step(ret._return_value)) for task in range(sj.num_tasks)
+              if (ret := _result(sj.task(task))) is not None and ret.status == JobStatus.FAILED}
+    if any(not says_peer_lost(said) for said, _ in others.values()):
+        return None  # a rank failed by itself: its error says why, the rank SLURM stopped after it does not
+    rank = lost[0][1]
+    return lost_rank_error(rank, _SIGNAL_NAMES[ends[rank][1]], others)
+
+
+def _task_ids(spec: str) -> list[int]:
+    """srun's task list ("1", "0-1,3") as task ids."""
+    ids = []
+    for part in spec.split(","):
+        first, _, last = part.partition("-")
+        ids.extend(range(int(first), int(last or first) + 1))
+    return ids
+
+
+def _result(task: Any) -> JobReturn | None:
+    """A task's JobReturn, if it left one."""
+    try:
+        return task.result() if task.paths.result_pickle.exists() else None
+    except Exception:  # a torn or foreign result: the task says nothing
+        return None
 
 
 def _exit_code(job_id: str) -> str:

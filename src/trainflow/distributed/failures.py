@@ -40,7 +40,7 @@ _LINGER_S = 2.0
 
 def linger_if_peer_lost(exc: BaseException) -> None:
     """Let the rank that caused this error be found first: wait a moment when `exc` only says a peer went away."""
-    if _says_peer_lost(str(exc)):
+    if says_peer_lost(str(exc)):
         time.sleep(_LINGER_S)
 
 
@@ -48,6 +48,11 @@ def note_step(exc: BaseException, step: int) -> None:
     """Remember on the exception the step the loop was in, so that the rank's record can say where it failed."""
     with contextlib.suppress(AttributeError, TypeError):
         exc._trainflow_step = step
+
+
+def noted_step(exc: BaseException) -> int | None:
+    """The step note_step remembered on `exc` (it travels with the exception when a launcher unpickles it)."""
+    return getattr(exc, "_trainflow_step", None)
 
 
 def record_failure(exc: BaseException) -> None:
@@ -89,12 +94,16 @@ def _records(logs: Path) -> dict[int, dict[str, Any]]:
 
 
 def _peer_lost(data: dict[str, Any]) -> bool:
+    return says_peer_lost(_message(data))
+
+
+def _message(data: dict[str, Any]) -> str:
     message = data.get("message")
-    text = message.get("message", "") if isinstance(message, dict) else str(message or "")
-    return _says_peer_lost(text)
+    return message.get("message", "") if isinstance(message, dict) else str(message or "")
 
 
-def _says_peer_lost(text: str) -> bool:
+def says_peer_lost(text: str) -> bool:
+    """Whether an error only says that a peer went away (the rank saying it is not the cause)."""
     return any(words in text.lower() for words in _PEER_LOST)
 
 
@@ -124,9 +133,8 @@ def explain_worker_failure(exc: Any, logs: Path | None = None, hang: str | None 
     if "trainflow_user_error" in data:
         return TrainflowError(f"{data['trainflow_user_error']} (rank {rank})")
     if killed(rank):
-        return WorkerError(f"rank {rank} (pid {failure.pid}) was lost: killed by signal {failure.signal_name()}"
-                           f"{_where_lost(records, rank)}; the other ranks were stopped; committed checkpoints are "
-                           "intact: the same command resumes from the newest")
+        others = {other: (_message(records[other]), records[other].get("trainflow_step")) for other in records}
+        return lost_rank_error(rank, failure.signal_name(), others, pid=failure.pid)
     message = data.get("message")
     if isinstance(message, dict) and _peer_lost(data):
         said = _first_line(message.get("message"))
@@ -149,15 +157,18 @@ def _at(data: dict[str, Any]) -> str:
     return f" in step {data['trainflow_step']}" if "trainflow_step" in data else ""
 
 
-def _where_lost(records: dict[int, dict[str, Any]], lost: int) -> str:
-    """When the others noticed the lost rank: the step their collectives failed in, by their records."""
-    steps = sorted({data["trainflow_step"] for rank, data in records.items()
-                    if rank != lost and "trainflow_step" in data and _peer_lost(data)})
-    noticed = sorted(rank for rank, data in records.items() if rank != lost and _peer_lost(data))
-    if not noticed:
-        return ""
-    return f" ({rank_list(noticed)} lost {'their' if len(noticed) > 1 else 'its'} " \
-           f"connection to it{' in step ' + str(steps[0]) if steps else ''})"
+def lost_rank_error(rank: int, signal_name: str, others: dict[int, tuple[str, int | None]],
+                    pid: int | None = None) -> WorkerError:
+    """A rank lost to a signal (an OOM kill), named without a traceback, with the step the others noticed it in:
+    `others` holds each other rank's error and step, and their errors only say that they lost it. Every launcher
+    says it in these words."""
+    noticed = {other: step for other, (said, step) in others.items() if other != rank and says_peer_lost(said)}
+    steps = sorted(step for step in noticed.values() if step is not None)
+    where = f" ({rank_list(sorted(noticed))} lost {'their' if len(noticed) > 1 else 'its'} connection to it" \
+            f"{' in step ' + str(steps[0]) if steps else ''})" if noticed else ""
+    return WorkerError(f"rank {rank}{f' (pid {pid})' if pid is not None else ''} was lost: killed by signal "
+                       f"{signal_name}{where}; the other ranks were stopped; committed checkpoints are intact: the "
+                       "same command resumes from the newest")
 
 
 def rank_list(ranks: list[int], limit: int = 8) -> str:
