@@ -190,9 +190,10 @@ def test_a_killed_group_rejoins_from_its_peer_while_the_other_trains_on(tmp_path
     theirs = json.loads((rejoined_dir / "summary.json").read_text())
     ft, back = ours["fault_tolerance"], theirs["fault_tolerance"]
     assert ft["replica_id"] == 1 - killed_id and back["replica_id"] == killed_id
-    # the survivor took every step once from its start (killed_first: the step it joined at), none lost to a restart
-    joined = ft["healed"]["to_step"] if killed_first else 0
-    assert ft["healed"] is None or (killed_first and ft["healed"]["from_step"] == 0), ft["healed"]
+    # the survivor took every step once from the step it joined at, none lost to a restart: step 0, or, when the other
+    # group reached the first quorum before it (killed_first, or a slower start), the step it healed to from step 0
+    joined = ft["healed"]["to_step"] if ft["healed"] else 0
+    assert ft["healed"] is None or ft["healed"]["from_step"] == 0, ft["healed"]
     assert ours["steps"] == MAX_STEPS and ours["steps_this_run"] == MAX_STEPS - joined
     assert logged_steps(survivor_dir) == list(range(joined + 1, MAX_STEPS + 1))
     # its quorum shrank to itself after the kill and grew again when the killed group came back
@@ -254,5 +255,5 @@ def test_trainflow_lighthouse_serves_groups_and_ends_once_idle(tmp_path: Path) -
         if proc.poll() is None:
             proc.kill()
     quiet = re.search(r"no replica group talked to it for ([0-9.]+) s \(--idle-s 1\): stopped", out.read_text())
-    assert quiet and 1 < float(quiet[1]) < 5, out.read_text()
+    assert quiet and 1 <= float(quiet[1]) < 5, out.read_text()
     assert lighthouse_ages(f"http://localhost:{port}") is None
