@@ -170,6 +170,7 @@ def test_sighup_saves_at_the_step_boundary_and_exits_75(tmp_path: Path) -> None:
     stop_with(signal.SIGHUP, tmp_path / "run")
 
 
+@pytest.mark.serial
 def test_ctrl_c_inside_a_save_exits_130_in_one_line(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     ckpts = run_dir / "checkpoints"

@@ -292,6 +292,7 @@ def _one_error(stderr: str) -> str:
     return errors[0]
 
 
+@pytest.mark.serial
 def test_a_rank_that_stops_answering_is_named_when_the_collective_times_out(run_dir: Path) -> None:
     """SIGSTOP of rank 1: its watchdog beat stops, rank 0's watchdog names it after watchdog.min_s, and rank 0's
     collective ends the run at parallelism.timeout_s in one line with exit 124 (a hang, not a crash)."""
@@ -343,6 +344,7 @@ def blocking_digits(val_fraction: float = 0.2, split_seed: int = 0) -> tuple[Blo
     return BlockingSet(train_set), val_set
 
 
+@pytest.mark.serial
 def test_a_rank_blocked_in_the_users_dataset_is_named_with_its_file_and_line(run_dir: Path, tmp_path: Path) -> None:
     block = tmp_path / "block"
 

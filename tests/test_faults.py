@@ -323,6 +323,7 @@ def test_no_environment_reaches_what_a_run_writes(tmp_path: Path) -> None:
     assert secret not in run.stdout + run.stderr
 
 
+@pytest.mark.serial
 def test_ctrl_c_stops_in_one_line_and_keeps_the_committed_checkpoints(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     proc = start(run_dir, *TINY_GPT, "trainer.max_steps=100000", "trainer.eval_every=0", "checkpoint=dcp",
@@ -340,6 +341,7 @@ def test_ctrl_c_stops_in_one_line_and_keeps_the_committed_checkpoints(tmp_path: 
     assert len(listed) >= 2
 
 
+@pytest.mark.serial
 @pytest.mark.parametrize("again_after_s", [None, 0.05, 0.2], ids=["once", "twice-50ms", "twice-200ms"])
 def test_ctrl_c_on_a_self_launched_run_stops_every_rank_in_one_line(tmp_path: Path, again_after_s: float | None
                                                                     ) -> None:
