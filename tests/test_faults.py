@@ -60,6 +60,10 @@ FAULTS = [
           "test_faults.py::test_ctrl_c_on_a_self_launched_run_stops_every_rank_in_one_line"),
     Fault("SLURM preemption and time limit", "checkpoint, requeue, resume to the same losses",
           "test_launcher_slurm.py::test_preemption_signal_checkpoints_requeues_and_resumes_to_the_same_losses"),
+    Fault("SIGKILL of one rank of a SLURM DDP job (an OOM kill)",
+          "one line names the lost rank, its signal and the step the others noticed it in, no traceback; committed "
+          "checkpoints whole; the same sweep resumes the job from its last commit to the same losses",
+          "test_launcher_slurm.py::test_a_rank_killed_by_a_signal_fails_its_job_in_one_line_and_the_same_sweep_resumes_it"),
     Fault("a stale partial checkpoint from an earlier crash, beside other programs' `.tmp-*` files and folders",
           "never listed or resumed from; removed at the next start (trainflow's naming and marker file only), which "
           "resumes from the last committed one; the others are left alone, byte-identical, and named in the log",
