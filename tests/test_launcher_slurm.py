@@ -281,6 +281,19 @@ def test_failed_job_comes_back_with_its_reason_and_alone_is_submitted_again(tmp_
     assert (tmp_path / "1" / "metrics.jsonl").read_bytes() == metrics
 
 
+def test_srun_task_ends_are_read_as_signals_the_last_attempt_of_each_task_counting() -> None:
+    """srun's account of tasks that ended by a signal, as it writes it into the batch log: a task list, a signal's
+    description, and "Out Of Memory" for a task the job's memory limit killed (here no cgroup enforces one, so the
+    line is srun's own wording); a requeued job's later attempt overrides the earlier one of the same task."""
+    from hydra_plugins.trainflow_launchers.slurm_launcher import srun_signal_ends
+
+    log = "\n".join(["step 3 loss 2.1", "srun: error: node1: task 1: Killed", "requeued",
+                     "srun: error: node1: tasks 0,2-3: Terminated", "srun: error: node1: task 1: Out Of Memory",
+                     "srun: error: node1: task 4: Exited with exit code 2"])
+    assert srun_signal_ends(log) == {0: (3, "SIGTERM"), 2: (3, "SIGTERM"), 3: (3, "SIGTERM"),
+                                     1: (4, "SIGKILL (out of memory: the job's memory limit)")}
+
+
 @needs_cluster
 def test_a_rank_killed_by_a_signal_fails_its_job_in_one_line_and_the_same_sweep_resumes_it(tmp_path: Path) -> None:
     """SIGKILL of rank 1 of job 0 (as an OOM kill does) once step 4 is committed: rank 0 ends within seconds (its

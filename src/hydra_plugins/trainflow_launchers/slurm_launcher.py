@@ -373,9 +373,21 @@ def collect(hydra_context: HydraContext, job: SweepJob, sj: Any) -> JobReturn:
     return failed
 
 
-# srun's line for tasks that ended abnormally: "srun: error: <node>: task 1: Killed", "... tasks 0-1,3: Terminated"
+# srun's line for tasks that ended abnormally: "srun: error: <node>: task 1: Killed", "... tasks 0-1,3: Terminated";
+# a task the step's cgroup killed over its memory limit ends "Out Of Memory" (SIGKILL from the kernel's OOM killer)
 _SRUN_TASK_END = re.compile(r"^srun: error: \S+: tasks? ([\d,-]+): (.+)$")
-_SIGNAL_NAMES = {text: sig.name for sig in signal.Signals if (text := signal.strsignal(sig))}
+_SIGNAL_NAMES = {text: sig.name for sig in signal.Signals if (text := signal.strsignal(sig))} | {
+    "Out Of Memory": "SIGKILL (out of memory: the job's memory limit)"}
+
+
+def srun_signal_ends(batch_stderr: str) -> dict[int, tuple[int, str]]:
+    """Each task srun saw end by a signal, as task -> (line number, signal name); a task's last such line counts
+    (srun appends a requeued job's attempts to one log)."""
+    ends: dict[int, tuple[int, str]] = {}
+    for number, line in enumerate(batch_stderr.splitlines()):
+        if match := _SRUN_TASK_END.match(line.strip()):
+            ends.update({task: (number, match.group(2)) for task in _task_ids(match.group(1))})
+    return {task: (number, _SIGNAL_NAMES[how]) for task, (number, how) in ends.items() if how in _SIGNAL_NAMES}
 
 
 def lost_rank(sj: Any, batch_stderr: str) -> WorkerError | None:
@@ -383,14 +395,10 @@ def lost_rank(sj: Any, batch_stderr: str) -> WorkerError | None:
     failed) and no rank failed by itself, named with the step the others noticed it in, from their results;
     None otherwise.
 
-    srun writes its lines into the batch log (rank 0's stderr), appended over a requeued job's attempts: each
-    task's last line is the one of the attempt that failed."""
-    ends: dict[int, tuple[int, str]] = {}  # task -> (line number, how it ended)
-    for number, line in enumerate(batch_stderr.splitlines()):
-        if match := _SRUN_TASK_END.match(line.strip()):
-            ends.update({task: (number, match.group(2)) for task in _task_ids(match.group(1))})
-    lost = sorted((number, task) for task, (number, how) in ends.items()
-                  if how in _SIGNAL_NAMES and task < sj.num_tasks and not sj.task(task).paths.result_pickle.exists())
+    srun writes its lines into the batch log (rank 0's stderr)."""
+    ends = srun_signal_ends(batch_stderr)
+    lost = sorted((number, task) for task, (number, _) in ends.items()
+                  if task < sj.num_tasks and not sj.task(task).paths.result_pickle.exists())
     if not lost:
         return None
     others = {task: (str(ret._return_value), noted_step(ret._return_value)) for task in range(sj.num_tasks)
@@ -398,7 +406,7 @@ def lost_rank(sj: Any, batch_stderr: str) -> WorkerError | None:
     if any(not says_peer_lost(said) for said, _ in others.values()):
         return None  # a rank failed by itself: its error says why, the rank SLURM stopped after it does not
     rank = lost[0][1]
-    return lost_rank_error(rank, _SIGNAL_NAMES[ends[rank][1]], others)
+    return lost_rank_error(rank, ends[rank][1], others)
 
 
 def _task_ids(spec: str) -> list[int]:
