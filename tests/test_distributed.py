@@ -233,10 +233,11 @@ def _children(pid: int) -> list[int]:
             for child in (task / "children").read_text().split()]
 
 
-def test_a_rank_killed_by_a_signal_is_named_not_the_rank_that_lost_it(run_dir: Path) -> None:
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_a_rank_killed_by_a_signal_is_named_not_the_rank_that_lost_it(run_dir: Path, strategy: str) -> None:
     """SIGKILL of rank 1 (as an OOM kill does): rank 0's collective fails with a connection error, yet the line
     names rank 1 and its signal, the step rank 0 noticed it in, no traceback; committed checkpoints stay whole."""
-    cmd = [sys.executable, str(ROOT / "train.py"), *SMALL, "trainer.max_steps=100000", "parallelism=ddp",
+    cmd = [sys.executable, str(ROOT / "train.py"), *SMALL, "trainer.max_steps=100000", f"parallelism={strategy}",
            "parallelism.nproc_per_node=2", "checkpoint=dcp", "checkpoint.every_steps=2", f"hydra.run.dir={run_dir}"]
     env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

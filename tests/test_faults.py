@@ -88,10 +88,15 @@ FAULTS = [
           "test_distributed.py::test_parity_check_fails_on_a_skewed_rank"),
     Fault("a rank raises mid-run", "the run fails naming the rank and its traceback; the other ranks stop",
           "test_distributed.py::test_a_failing_rank_is_named_with_its_traceback"),
-    Fault("SIGKILL of one rank of a self-launched DDP run (an OOM kill)",
+    Fault("SIGKILL of one rank of a self-launched DDP or FSDP run (an OOM kill)",
           "one line names the lost rank, its signal and the step the others noticed it in, not the rank that lost "
           "its connection to it; no traceback; committed checkpoints whole",
           "test_distributed.py::test_a_rank_killed_by_a_signal_is_named_not_the_rank_that_lost_it"),
+    Fault("SIGKILL of one rank of a job on 2 nodes (hydra/launcher=torchrun, two launchers on the loopback)",
+          "every node's launcher names the lost rank, its signal and the step the others noticed it in, in the job's "
+          "one line (a node that only lost a connection reads the other node's agent report in the shared job dir); "
+          "no traceback on either console; committed checkpoints whole",
+          "test_launcher_torchrun.py::test_a_rank_killed_on_one_node_is_named_by_every_node"),
     Fault("SIGKILL of one replica group of a parallelism.fault_tolerance=torchft run (2 groups of one rank, of 2 "
           "DDP ranks, of 2 FSDP ranks), started again; among them group 0 after it started the lighthouse",
           "the other group trains on without a restart, with half the global batch (said in the log, counted in "

@@ -14,8 +14,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, TINY_GPT, losses_by_step
+from conftest import ROOT, TINY_GPT, losses_by_step, wait_for_log
 from helpers.processes import run_process
+
+from trainflow.checkpoint import check_intact, list_committed
 
 TORCHRUN = ["hydra/launcher=torchrun", "hydra.launcher.monitor_interval=0.2"]
 DDP2 = ["parallelism=ddp", "hydra.launcher.nproc_per_node=2", "data=synthetic"]
@@ -176,6 +178,63 @@ def test_two_nodes_meet_at_the_rendezvous_endpoint(tmp_path: Path) -> None:
         assert summary["world_size"] == 2 and summary["steps"] == 3
         assert summary["config"]["trainer"]["seed"] == num + 1
         assert len(list((tmp_path / str(num) / "torchrun").glob("*/agent.log"))) == 2  # one folder per node
+
+
+def _rank_pid(rank: int, marker: str) -> int | None:
+    """The pid of the worker of global rank `rank` whose command line holds `marker` (its job's pickle path)."""
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and marker.encode() in (proc / "cmdline").read_bytes() \
+                    and f"\0RANK={rank}\0".encode() in b"\0" + (proc / "environ").read_bytes():
+                return int(proc.name)
+        except OSError:
+            continue
+    return None
+
+
+def test_a_rank_killed_on_one_node_is_named_by_every_node(tmp_path: Path) -> None:
+    """Two "nodes" (two launchers on the loopback, one rank each) train one job; rank 1 is SIGKILLed (as an OOM kill
+    does) once step 4 is committed. Both launchers end within seconds and each names rank 1, its signal and the step
+    rank 0 noticed it in, in the job's one line: the node that only lost a connection reads the other node's agent
+    report in the shared job dir. No traceback on either console (torch's agent report stays in agent.log);
+    committed checkpoints are whole."""
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        port = s.getsockname()[1]
+    sweep = tmp_path / "sweep"
+    cmd = [sys.executable, str(ROOT / "train.py"), "-m", *TINY_GPT, *TORCHRUN, "parallelism=ddp",
+           "parallelism.nproc_per_node=1", "data=synthetic", "hydra.launcher.nnodes=2",
+           f"hydra.launcher.rdzv_endpoint=localhost:{port}", "hydra.launcher.rdzv_id=lost", "trainer.max_steps=100000",
+           "trainer.eval_every=0", "checkpoint=dcp", "checkpoint.every_steps=2", f"hydra.sweep.dir={sweep}"]
+    env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
+    nodes = [subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for _ in range(2)]
+    try:
+        wait_for_log(sweep / "0", "checkpoint step 4 committed", nodes[0], timeout=180)
+        killed = _rank_pid(1, str(sweep))
+        assert killed is not None
+        os.kill(killed, signal.SIGKILL)
+        killed_at = time.monotonic()
+        outs = [node.communicate(timeout=120)[0] for node in nodes]
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                node.kill()
+    assert time.monotonic() - killed_at < 60  # connections reset, not a collective timeout
+    steps = set()
+    for node, out in zip(nodes, outs, strict=True):
+        assert node.returncode == 1 and "Traceback" not in out, out[-3000:]
+        line = next(line for line in out.splitlines() if line.startswith("job #0 failed under torchrun"))
+        said = re.search(rf": rank 1 \(pid {killed}\) was lost: killed by signal SIGKILL \(rank 0 lost its "
+                         r"connection to it in step (\d+)\); the other ranks were stopped; committed checkpoints are "
+                         r"intact: the same command resumes from the newest \[logs: ", line)
+        assert said, line
+        steps.add(int(said[1]))
+    assert len(steps) == 1  # both nodes tell the same story
+    committed = list_committed(sweep / "0" / "checkpoints")
+    for checkpoint in committed:
+        check_intact(checkpoint, committed)
+    assert committed and max(c.step for c in committed) < steps.pop()
 
 
 def _job_processes(sweep_dir: Path) -> list[int]:

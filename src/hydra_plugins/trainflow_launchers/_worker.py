@@ -19,6 +19,7 @@ from hydra.core.singleton import Singleton
 from hydra.core.utils import JobStatus, setup_globals
 
 from hydra_plugins.trainflow_launchers.common import RESULT_NAME, JobFailed, run_job_here
+from trainflow.distributed.failures import recorded
 
 
 def main(spec_path: str) -> None:
@@ -38,6 +39,8 @@ def main(spec_path: str) -> None:
         tmp.write_bytes(data)
         os.replace(tmp, spec.with_name(RESULT_NAME))
     if ret.status == JobStatus.FAILED:
+        if recorded(ret._return_value):
+            raise SystemExit(1)  # its record (time, step) is in the error file already: torch's would overwrite it
         raise ret._return_value
 
 

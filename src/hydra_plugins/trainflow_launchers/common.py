@@ -171,9 +171,10 @@ class SweepLauncher(Launcher):
         return results
 
     def run_child(self, job: SweepJob, state: Any, cmd: Callable[[Path], list[str]], console: Path,
-                  **popen: Any) -> tuple[int, JobReturn | None]:
-        """Pickle the job beside `console`, run `cmd(spec)`, tee its output to this console and to `console`;
-        return its exit code and the JobReturn it left (None: it died first, or left a torn file)."""
+                  quiet_from: str | None = None, **popen: Any) -> tuple[int, JobReturn | None]:
+        """Pickle the job beside `console`, run `cmd(spec)`, tee its output to this console and to `console`
+        (from a line equal to `quiet_from` on, to `console` only); return its exit code and the JobReturn it left
+        (None: it died first, or left a torn file)."""
         spec, result = console.with_name("job.pkl"), console.with_name(RESULT_NAME)
         result.unlink(missing_ok=True)
         spec.write_bytes(cloudpickle.dumps((self.hydra_context, self.task_function, job, state)))
@@ -184,8 +185,11 @@ class SweepLauncher(Launcher):
             proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
                                     **popen)
             assert proc.stdout is not None
+            echo = True
             for line in proc.stdout:
-                sys.stdout.write(line)
+                echo = echo and line.rstrip("\n") != quiet_from
+                if echo:
+                    sys.stdout.write(line)
                 out.write(line)
             rc = proc.wait()
         try:

@@ -18,6 +18,7 @@ under "<rdzv_id>-<k>".
 from __future__ import annotations
 
 import ctypes
+import json
 import logging
 import os
 import re
@@ -41,6 +42,7 @@ from hydra_plugins.trainflow_launchers.common import (
     user_error,
 )
 from hydra_plugins.trainflow_launchers.config import TorchrunLauncherConf
+from trainflow.distributed.failures import WorkerError, lost_rank_error, says_peer_lost
 from trainflow.rundir import RUN_DIR_ENV
 
 log = logging.getLogger(__name__)
@@ -80,6 +82,7 @@ class TorchrunLauncher(SweepLauncher):
         ]
 
     def _run(self, job: SweepJob, state: Any) -> JobReturn:
+        started = time.time()
         if self.conf.rdzv_endpoint:
             wait_for_endpoint(self.conf.rdzv_endpoint, self.conf.rdzv_wait_s)
         job_log_dir = job.dir / self.conf.log_dir
@@ -88,7 +91,9 @@ class TorchrunLauncher(SweepLauncher):
         job_log_dir.mkdir(parents=True, exist_ok=True)
         env = {**os.environ, RUN_DIR_ENV: str(job.dir)}  # the job's directory, for every rank
         agent_log = job_log_dir / "agent.log"
-        rc, ret = self.run_child(job, state, lambda spec: self.command(job, spec), agent_log, env=env,
+        # the agent's own traceback when it gives up restates a failure the job's one line names: agent.log keeps it
+        rc, ret = self.run_child(job, state, lambda spec: self.command(job, spec), agent_log,
+                                 quiet_from="Traceback (most recent call last):", env=env,
                                  preexec_fn=_die_with_parent if sys.platform == "linux" else None)
         restarts = _restarts(job_log_dir / "ranks")
         if restarts:
@@ -96,10 +101,67 @@ class TorchrunLauncher(SweepLauncher):
         if rc == 0 and ret is not None:
             return ret
         error = ret._return_value if ret is not None and ret.status == JobStatus.FAILED else None
-        reason = one_line(error) if error is not None else \
-            failure_reason(read_text(agent_log)) or "see the logs"
+        # a rank lost to a signal (an OOM kill) leaves the others only a lost connection to say: name it instead,
+        # from the report of whichever node's agent saw it die (another node's, in its folder of the job dir)
+        wait_s = _SIBLING_REPORT_WAIT_S if _max_nodes(self.conf.nnodes) > 1 else 0.0
+        lost = lost_rank(job.dir / self.conf.log_dir, started, wait_s) \
+            if error is None or says_peer_lost(str(error)) else None
+        if lost is not None:
+            reason = str(lost)
+        else:
+            reason = one_line(error) if error is not None else \
+                failure_reason(read_text(agent_log)) or "see the logs"
         return self.failed(job, ret, f"job #{job.num} failed under torchrun (exit code {rc}, {restarts} "
                                      f"restart(s)): {reason} [logs: {job_log_dir}]")
+
+
+# torch's agent reports each failed rank when it gives up: "rank : 1 (local_rank: 1)", "exitcode : -9 (pid: 4242)
+# (SIGKILL)", "error_file: <path of the rank's record, or <N/A>>"
+_REPORTED_RANK = re.compile(r"^\s*rank\s*: (\d+) \(local_rank: \d+\)\n\s*exitcode\s*: (-?\d+) \(pid: (\d+)\).*\n"
+                            r"\s*error_file\s*: (.*)$", re.MULTILINE)
+# How long a node whose ranks only lost a connection waits for another node's agent to report the rank it lost: that
+# agent notices its rank's death within its monitor interval, while a rank that lost a peer lingers 2 s first.
+_SIBLING_REPORT_WAIT_S = 10.0
+
+
+def reported_ranks(agent_log: str) -> dict[int, tuple[int, int, str]]:
+    """Each rank torch's agent reported failed in `agent_log`: rank -> (exit code, pid, error file)."""
+    return {int(m[1]): (int(m[2]), int(m[3]), m[4].strip()) for m in _REPORTED_RANK.finditer(agent_log)}
+
+
+def lost_rank(log_root: Path, since: float, wait_s: float) -> WorkerError | None:
+    """The rank an agent of this job (any node's agent.log under `log_root` written since `since`) reported
+    killed by a signal, when every rank that failed by itself only lost its connection: named as every launcher
+    names it, with the step the others noticed it in. Waits up to `wait_s` for another node's report (of the
+    lost rank, or of a rank that noticed it)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        reports: dict[int, tuple[int, int, str]] = {}
+        for agent_log in sorted(log_root.glob("**/agent.log")):
+            if agent_log.stat().st_mtime >= since:  # not a former launch of the same sweep
+                reports.update(reported_ranks(read_text(agent_log)))
+        killed = sorted(rank for rank, (code, _, _) in reports.items() if code < 0)
+        if killed and len(killed) < len(reports) or time.monotonic() >= deadline:  # the lost rank and a witness
+            break
+        time.sleep(0.2)
+    if not killed:
+        return None
+    others = {rank: _record(error_file) for rank, (code, _, error_file) in reports.items() if code >= 0}
+    if any(not says_peer_lost(said) for said, _ in others.values()):
+        return None  # a rank failed by itself: its own error says why
+    code, pid, _ = reports[killed[0]]
+    return lost_rank_error(killed[0], signal.Signals(-code).name, others, pid=pid)
+
+
+def _record(error_file: str) -> tuple[str, int | None]:
+    """A rank's error record as (its message, the step it failed in); empty when it left none."""
+    try:
+        data = json.loads(Path(error_file).read_text())
+    except (OSError, ValueError):
+        return "", None
+    message = data.get("message")
+    return (message.get("message", "") if isinstance(message, dict) else str(message or "")), \
+        data.get("trainflow_step")
 
 
 def _gpu_count() -> int:

@@ -58,7 +58,7 @@ def noted_step(exc: BaseException) -> int | None:
 def record_failure(exc: BaseException) -> None:
     """Write the exception where the elastic agent looks (TORCHELASTIC_ERROR_FILE), so the launcher can name it."""
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if not path or getattr(exc, "_trainflow_recorded", False):  # keep the first record: its time counts
+    if not path or recorded(exc):  # keep the first record: its time counts
         return
     with contextlib.suppress(AttributeError, TypeError):
         exc._trainflow_recorded = True
@@ -75,6 +75,11 @@ def record_failure(exc: BaseException) -> None:
         data["trainflow_step"] = step
     with contextlib.suppress(OSError), open(path, "w") as f:
         json.dump(data, f)
+
+
+def recorded(exc: BaseException) -> bool:
+    """Whether record_failure wrote `exc` into the rank's error file (whoever raises it on must not overwrite it)."""
+    return getattr(exc, "_trainflow_recorded", False)
 
 
 def _records(logs: Path) -> dict[int, dict[str, Any]]:
