@@ -42,7 +42,7 @@ from hydra_plugins.trainflow_launchers.common import (
     user_error,
 )
 from hydra_plugins.trainflow_launchers.config import TorchrunLauncherConf
-from trainflow.distributed.failures import WorkerError, lost_rank_error, says_peer_lost
+from trainflow.distributed.failures import WorkerError, lost_rank_error, record_message, says_peer_lost
 from trainflow.rundir import RUN_DIR_ENV
 
 log = logging.getLogger(__name__)
@@ -159,9 +159,7 @@ def _record(error_file: str) -> tuple[str, int | None]:
         data = json.loads(Path(error_file).read_text())
     except (OSError, ValueError):
         return "", None
-    message = data.get("message")
-    return (message.get("message", "") if isinstance(message, dict) else str(message or "")), \
-        data.get("trainflow_step")
+    return record_message(data), data.get("trainflow_step")
 
 
 def _gpu_count() -> int:

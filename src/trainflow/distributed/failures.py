@@ -99,10 +99,11 @@ def _records(logs: Path) -> dict[int, dict[str, Any]]:
 
 
 def _peer_lost(data: dict[str, Any]) -> bool:
-    return says_peer_lost(_message(data))
+    return says_peer_lost(record_message(data))
 
 
-def _message(data: dict[str, Any]) -> str:
+def record_message(data: dict[str, Any]) -> str:
+    """The message of a rank's error record (torch's or record_failure's)."""
     message = data.get("message")
     return message.get("message", "") if isinstance(message, dict) else str(message or "")
 
@@ -138,7 +139,7 @@ def explain_worker_failure(exc: Any, logs: Path | None = None, hang: str | None 
     if "trainflow_user_error" in data:
         return TrainflowError(f"{data['trainflow_user_error']} (rank {rank})")
     if killed(rank):
-        others = {other: (_message(records[other]), records[other].get("trainflow_step")) for other in records}
+        others = {other: (record_message(records[other]), records[other].get("trainflow_step")) for other in records}
         return lost_rank_error(rank, failure.signal_name(), others, pid=failure.pid)
     message = data.get("message")
     if isinstance(message, dict) and _peer_lost(data):
