@@ -7,6 +7,7 @@ import functools
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -22,6 +23,10 @@ from trainflow.cli import register_with_hydra
 
 ROOT = Path(__file__).resolve().parents[1]
 register_with_hydra()  # tests that compose configs in this process need what train.py registers
+# A suite started in the background (`make test &`, a job without a terminal) inherits an ignored SIGINT, and so would
+# every run it starts: the Ctrl-C tests press it as a terminal does, on processes that take it.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 # Small, fast settings for tests: a 2-layer byte-level GPT on a slice of the standard library.
 TINY_GPT = [

@@ -24,9 +24,6 @@ from trainflow.config import ParallelismConfig
 from trainflow.distributed import DistEnv
 from trainflow.distributed.fault_tolerance import data_share
 
-# groups that pace each other and wait 120 s for a step: alone, not beside another test's ranks
-pytestmark = pytest.mark.serial
-
 MAX_STEPS = 200
 KILL_AFTER = 5  # the killed replica group is killed once it logged this step (or a later one)
 IDLE_S = 3  # the lighthouse ends once no group has talked to it this long

@@ -220,7 +220,8 @@ def check_resume_equals(reference: Run, resumed: Run, example: str) -> None:
     assert len(set(straight.values())) == 8  # the batches differ: equal losses are not a coincidence
 
 
-@pytest.mark.parametrize("example", ["digits", "my_project"])
+# digits takes the same path as the user's own project (my_project), which make test runs
+@pytest.mark.parametrize("example", [pytest.param("digits", marks=pytest.mark.slow), "my_project"])
 def test_example_through_fsdp_profiler_checkpoint_resume_and_compiled_ddp(example: str, tmp_path: Path) -> None:
     args, env = (["experiment=digits"], None) if example == "digits" else (MY_PROJECT_ARGS, MY_PROJECT_ENV)
     fsdp = ok(train(tmp_path / "fsdp", *args, *QUICK, "parallelism=fsdp", *TWO_RANKS, *PROFILED, *SAVED, env=env))
