@@ -125,7 +125,7 @@ def test_sigkill_during_a_save_resumes_from_the_last_committed_bit_identically(
     ckpts = run_dir / "checkpoints"
     tmp = ckpts / ".tmp-step_00000008"
     proc = start(run_dir, *BASE, f"checkpoint={mode}", "checkpoint.keep_last=2")
-    wait_for(lambda: tmp.is_dir(), proc, "the save of step 8 began")
+    wait_for(lambda: tmp.is_dir(), proc, "the save of step 8 began", interval=0.001)
     proc.send_signal(signal.SIGKILL)
     assert proc.wait() == -signal.SIGKILL
     assert committed(ckpts) == ["step_00000004"]  # the interrupted save is not a checkpoint
@@ -176,7 +176,7 @@ def test_ctrl_c_inside_a_save_exits_130_in_one_line(tmp_path: Path) -> None:
     ckpts = run_dir / "checkpoints"
     tmp = ckpts / ".tmp-step_00000008"
     proc = start(run_dir, *KILL, "checkpoint=dcp")
-    wait_for(lambda: (tmp / "__0_0.distcp").is_file(), proc, "the shard of step 8 began")
+    wait_for(lambda: (tmp / "__0_0.distcp").is_file(), proc, "the shard of step 8 began", interval=0.001)
     proc.send_signal(signal.SIGINT)
     assert proc.wait(timeout=120) == 130
     assert tmp.is_dir() and committed(ckpts) == ["step_00000004"]  # the interrupt landed inside the save
@@ -231,7 +231,8 @@ def test_sigkill_at_every_stage_of_a_save_resumes_from_a_committed_checkpoint(
     tmp = ckpts / ".tmp-step_00000008"
     proc = start(run_dir, *KILL, f"checkpoint={mode}")
     # a stage too short to see (the manifest lives for microseconds) lets the kill land just after the commit
-    wait_for(lambda: STAGES[stage](tmp) or (ckpts / "step_00000008").is_dir(), proc, stage, timeout=600)
+    wait_for(lambda: STAGES[stage](tmp) or (ckpts / "step_00000008").is_dir(), proc, stage, timeout=600,
+             interval=0.001)
     proc.send_signal(signal.SIGKILL)
     assert proc.wait() == -signal.SIGKILL
     listed = list_committed(ckpts)

@@ -134,7 +134,7 @@ def lighthouse_lines(*run_dirs: Path) -> str:
 
 @pytest.mark.parametrize(("ranks", "strategy", "killed_id", "data", "killed_first"),
                          [(1, "single", 0, "stream", True), (2, "ddp", 1, "digits", False),
-                          (2, "fsdp", 0, "digits", False)],
+                          pytest.param(2, "fsdp", 0, "digits", False, marks=pytest.mark.slow)],  # as ddp, sharded
                          ids=["groups-of-1-stream-kill-0", "groups-of-2-ddp-kill-1", "groups-of-2-fsdp-kill-0"])
 def test_a_killed_group_rejoins_from_its_peer_while_the_other_trains_on(tmp_path: Path, ranks: int, strategy: str,
                                                                         killed_id: int, data: str,

@@ -98,7 +98,7 @@ FAULTS = [
           "no traceback on either console; committed checkpoints whole",
           "test_launcher_torchrun.py::test_a_rank_killed_on_one_node_is_named_by_every_node"),
     Fault("SIGKILL of one replica group of a parallelism.fault_tolerance=torchft run (2 groups of one rank, of 2 "
-          "DDP ranks, of 2 FSDP ranks), started again; among them group 0 after it started the lighthouse",
+          "DDP ranks; of 2 FSDP ranks with -m slow), started again; among them group 0 after it started the lighthouse",
           "the other group trains on without a restart, with half the global batch (said in the log, counted in "
           "summary.json); the lighthouse, in a process of its own, outlives the group that started it; the "
           "restarted group takes its live state (FSDP: each rank's shards) from that peer, not from disk (its "

@@ -45,6 +45,7 @@ def test_hf_gpt2_learns_on_local_text_with_its_own_loss(tmp_path: Path, caches: 
     assert run.summary["validation"]["loss"] == vals[-1]
 
 
+@pytest.mark.slow  # the path of test_tasks' my_project; the model stays in make test (the test above)
 def test_hf_gpt2_through_fsdp_profiler_checkpoint_resume_and_compiled_ddp(tmp_path: Path, caches: list[str]) -> None:
     args = ["experiment=hf_gpt2", *QUICK, *SMALL, *caches]
     fsdp = ok(train(tmp_path / "fsdp", *args, "parallelism=fsdp", *TWO_RANKS, *PROFILED, *SAVED))

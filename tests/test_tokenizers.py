@@ -263,6 +263,7 @@ print(len(tokens), before, peak())
 """
 
 
+@pytest.mark.slow
 def test_a_large_corpus_is_encoded_in_bounded_memory(tmp_path: Path) -> None:
     """32 MB of source through a BPE: held whole (text, encodings, ids) it would take far more than the bound."""
     big = tmp_path / "big.py"
