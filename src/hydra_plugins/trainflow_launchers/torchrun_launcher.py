@@ -42,7 +42,7 @@ from hydra_plugins.trainflow_launchers.common import (
     user_error,
 )
 from hydra_plugins.trainflow_launchers.config import TorchrunLauncherConf
-from trainflow.distributed.failures import WorkerError, lost_rank_error, record_message, says_peer_lost
+from trainflow.distributed.failures import WorkerError, lost_rank_error, says_peer_lost, what_it_said
 from trainflow.rundir import RUN_DIR_ENV
 
 log = logging.getLogger(__name__)
@@ -159,7 +159,7 @@ def _record(error_file: str) -> tuple[str, int | None]:
         data = json.loads(Path(error_file).read_text())
     except (OSError, ValueError):
         return "", None
-    return record_message(data), data.get("trainflow_step")
+    return what_it_said(data)
 
 
 def _gpu_count() -> int:

@@ -108,6 +108,11 @@ def record_message(data: dict[str, Any]) -> str:
     return message.get("message", "") if isinstance(message, dict) else str(message or "")
 
 
+def what_it_said(data: dict[str, Any]) -> tuple[str, int | None]:
+    """A rank's error record as lost_rank_error takes it: its message and the step it failed in."""
+    return record_message(data), data.get("trainflow_step")
+
+
 def says_peer_lost(text: str) -> bool:
     """Whether an error only says that a peer went away (the rank saying it is not the cause)."""
     return any(words in text.lower() for words in _PEER_LOST)
@@ -139,7 +144,7 @@ def explain_worker_failure(exc: Any, logs: Path | None = None, hang: str | None 
     if "trainflow_user_error" in data:
         return TrainflowError(f"{data['trainflow_user_error']} (rank {rank})")
     if killed(rank):
-        others = {other: (record_message(records[other]), records[other].get("trainflow_step")) for other in records}
+        others = {other: what_it_said(data) for other, data in records.items()}
         return lost_rank_error(rank, failure.signal_name(), others, pid=failure.pid)
     message = data.get("message")
     if isinstance(message, dict) and _peer_lost(data):
