@@ -6,12 +6,14 @@ working directory, environment, stdout, stderr and exit code, running `train.py`
 same `__main__`, `sys.argv`, `sys.path[0]` and interpreter shutdown (threads joined, atexit handlers, flushed
 streams). trainflow's own local launcher forks its CPU workers the same way.
 
-What cannot be forked is run the ordinary way (`runs.run_process` decides): another command than a script of this
-interpreter, or an environment that differs from the server's in a variable read at import time (OMP_NUM_THREADS,
-HOME, PYTHONPATH, ...).
+What cannot be forked is run the ordinary way (`processes.run_process` decides): another command than a script of
+this interpreter (`python x.py` or a console script such as `trainflow`), an environment that differs from the
+server's in a variable read at import time (OMP_NUM_THREADS, HOME, ...), or a PYTHONPATH folder that would act at
+start-up (a sitecustomize) or hide a module the server imported.
 
-Protocol (one line of JSON each way, one run at a time): the client sends {argv, cwd, env, out, err}; the server
-answers {"pid": N} once the child exists and {"code": N} once it has ended.
+Protocol (one line of JSON each way, one run at a time): the server says {"ready": true, "modules": [the top-level
+modules it imported]}; the client sends {argv, path (the PYTHONPATH folders the run adds), cwd, env, out, err}; the
+server answers {"pid": N} once the child exists and {"code": N} once it has ended.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ def _child(request: dict) -> None:
     sys.argv = [script, *args]
     sys.orig_argv = [sys.executable, script, *args]
     sys.path[0] = os.path.dirname(os.path.abspath(script))
+    sys.path[1:1] = request["path"]  # where PYTHONPATH's folders stand in a fresh interpreter: after the script's
     code: object = 0
     try:
         runpy.run_path(script, run_name="__main__")
@@ -77,13 +80,19 @@ def _child(request: dict) -> None:
 def serve() -> None:
     """Import what every run imports, then fork a child per request until stdin closes."""
     import hydra  # noqa: F401
-    import torch  # noqa: F401
+    import torch
+    import torch._dynamo  # noqa: F401  (torch imports it at a run's first optimizer step: 1.2 s of a 3 s run)
+    from hydra.core.plugins import Plugins
 
     import trainflow.cli  # noqa: F401
     import trainflow.distributed.launch  # noqa: F401  (imports trainflow.run and the loop's modules)
+    import trainflow.report  # noqa: F401  (the summary of every run)
+
+    Plugins.instance()  # Hydra's scan of its plugins (our launchers, the Optuna sweeper), done at every start
 
     answers = sys.stdout
-    print(json.dumps({"ready": True}), file=answers, flush=True)
+    imported = sorted({name.split(".")[0] for name in sys.modules})
+    print(json.dumps({"ready": True, "modules": imported}), file=answers, flush=True)
     for line in sys.stdin:
         request = json.loads(line)
         pid = os.fork()

@@ -24,14 +24,21 @@ class ForkServer:
     def __init__(self) -> None:
         self._proc: subprocess.Popen | None = None
         self._env: dict[str, str] = {}
+        self._imported: set[str] = set()  # the server's top-level modules: a folder put on the path must not hide one
         self._lock = threading.Lock()
         atexit.register(self.stop)
+
+    def _ensure_started(self) -> None:
+        if self._proc is None or self._proc.poll() is not None:
+            self._start()
 
     def _start(self) -> None:
         self._env = dict(os.environ)
         self._proc = subprocess.Popen([sys.executable, str(SERVER)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                       text=True, env=self._env)
-        assert json.loads(self._proc.stdout.readline()) == {"ready": True}
+        ready = json.loads(self._proc.stdout.readline())
+        assert ready["ready"] is True
+        self._imported = set(ready["modules"])
 
     def stop(self) -> None:
         if self._proc is not None and self._proc.poll() is None:
@@ -42,18 +49,32 @@ class ForkServer:
     def can_fork(self, cmd: list[str], env: dict[str, str]) -> bool:
         """A script run by this interpreter, in an environment that differs from the server's only in variables
         read at run time (pytest's own PYTEST_* change with every test)."""
-        if len(cmd) < 2 or cmd[0] != sys.executable or not cmd[1].endswith(".py") or cmd[1].startswith("-"):
+        if _script_argv(cmd) is None:
             return False
-        base = self._env if self._proc is not None else dict(os.environ)
-        changed = {k for k in env.keys() | base.keys() if env.get(k) != base.get(k) and not k.startswith("PYTEST_")}
-        return changed <= RUNTIME_VARIABLES
+        self._ensure_started()
+        changed = {k for k in env.keys() | self._env.keys()
+                   if env.get(k) != self._env.get(k) and not k.startswith("PYTEST_")}
+        return changed - {"PYTHONPATH"} <= RUNTIME_VARIABLES and all(
+            self._can_import_from(folder) for folder in self._added_path(env))
+
+    def _added_path(self, env: dict[str, str]) -> list[str]:
+        """The PYTHONPATH folders `env` adds to the server's, in their order."""
+        known = set(self._env.get("PYTHONPATH", "").split(os.pathsep))
+        return [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p not in known]
+
+    def _can_import_from(self, folder: str) -> bool:
+        """A folder the child may put on its path as PYTHONPATH would have at start-up: it runs no code at start-up
+        (sitecustomize) and holds no module the server imported already (which the fresh process would import from
+        the folder instead)."""
+        names = {entry.split(".")[0] for entry in os.listdir(folder)} if os.path.isdir(folder) else set()
+        return not names & ({"sitecustomize", "usercustomize"} | self._imported)
 
     def run(self, cmd: list[str], cwd: Path, env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
         with self._lock, tempfile.TemporaryDirectory(prefix="trainflow-fork-") as tmp:
-            if self._proc is None or self._proc.poll() is not None:
-                self._start()
+            self._ensure_started()
             out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
-            request = {"argv": cmd[1:], "cwd": str(cwd), "env": env, "out": str(out), "err": str(err)}
+            request = {"argv": _script_argv(cmd), "path": self._added_path(env), "cwd": str(cwd), "env": env,
+                       "out": str(out), "err": str(err)}
             self._proc.stdin.write(json.dumps(request) + "\n")
             self._proc.stdin.flush()
             pid = json.loads(self._proc.stdout.readline())["pid"]
@@ -68,6 +89,19 @@ class ForkServer:
             if timed_out:
                 raise subprocess.TimeoutExpired(cmd, timeout, stdout, stderr)
             return subprocess.CompletedProcess(cmd, code, stdout, stderr)
+
+
+def _script_argv(cmd: list[str]) -> list[str] | None:
+    """The script and its arguments, where `cmd` runs a script on this interpreter: `python script.py ...`, or a
+    console script installed beside it (`trainflow ...`, whose first line names this interpreter); else None."""
+    if len(cmd) >= 2 and cmd[0] == sys.executable and cmd[1].endswith(".py") and not cmd[1].startswith("-"):
+        return cmd[1:]
+    if cmd and Path(cmd[0]).parent == Path(sys.executable).parent:
+        with contextlib.suppress(OSError, UnicodeDecodeError), open(cmd[0]) as script:
+            first = script.readline()
+            if first.startswith("#!") and os.path.realpath(first[2:].strip()) == os.path.realpath(sys.executable):
+                return cmd
+    return None
 
 
 def _kill_group(pid: int) -> None:
