@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import shutil
 import signal
-import subprocess
 import sys
 from pathlib import Path
 
@@ -18,6 +17,7 @@ import pytest
 import torch
 from conftest import ROOT, TINY_GPT, Run, losses_by_step, start, train, wait_for
 from helpers.checkpoints import assert_same_tensors, committed, logged_steps, read_tensors, tree_hash
+from helpers.processes import run_process
 from omegaconf import OmegaConf
 
 from trainflow.checkpoint.store import TMP_MARKER
@@ -90,9 +90,8 @@ def test_sync_run_commits_retains_verifies_and_exports(straight: Run) -> None:
 
 def test_export_command_on_any_committed_checkpoint(straight: Run, tmp_path: Path) -> None:
     out = tmp_path / "weights" / "step8.pt"
-    proc = subprocess.run([str(Path(sys.executable).parent / "trainflow"), "export",
-                           str(straight.run_dir / "checkpoints" / "step_00000008"), str(out)],
-                          capture_output=True, text=True)
+    proc = run_process([str(Path(sys.executable).parent / "trainflow"), "export",
+                        str(straight.run_dir / "checkpoints" / "step_00000008"), str(out)], ROOT)
     assert proc.returncode == 0, proc.stderr
     assert "step 8" in proc.stdout
     weights = torch.load(out, weights_only=True)

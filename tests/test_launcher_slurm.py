@@ -221,7 +221,7 @@ def test_the_same_sweep_again_submits_nothing_when_every_job_finished(sweep: Swe
     assert sweep.returncode == 0, sweep.output[-5000:]
     before = {n: (sweep.dir / n / "metrics.jsonl").read_bytes() for n in ("0", "1")}
     entries = _submitit_entries(sweep.dir)
-    again = subprocess.run(sweep.command, cwd=ROOT, env=sweep_env(), capture_output=True, text=True, timeout=300)
+    again = run_process(sweep.command, ROOT, sweep_env(), timeout=300)
     assert again.returncode == 0, again.stderr[-3000:]
     assert re.findall(r"sweep: job #(\d) finished already", again.stdout + again.stderr) == ["0", "1"]
     assert "Submitted" not in again.stdout + again.stderr and _submitit_entries(sweep.dir) == entries
@@ -336,7 +336,7 @@ def test_a_rank_killed_by_a_signal_fails_its_job_in_one_line_and_the_same_sweep_
         assert read_tensors(c.path)
     assert json.loads((reference / "summary.json").read_text())["steps"] == 16  # job 1 ran despite job 0
 
-    again = subprocess.run(cmd, cwd=ROOT, env=sweep_env(), capture_output=True, text=True, timeout=300)
+    again = run_process(cmd, ROOT, sweep_env(), timeout=300)
     assert again.returncode == 0, again.stderr[-3000:]
     assert re.findall(r"sweep: job #(\d) finished already", again.stdout + again.stderr) == ["1"]
     summary = json.loads((job / "summary.json").read_text())

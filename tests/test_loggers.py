@@ -220,9 +220,8 @@ def test_a_sweep_is_a_parent_run_with_its_jobs_as_children_in_the_sqlite_default
     from mlflow.tracking import MlflowClient
 
     sweep = tmp_path / "multirun" / "day" / "time"
-    proc = subprocess.run([sys.executable, str(ROOT / "train.py"), "-m", *LOGGED, "logger=[mlflow]",
-                           "trainer.max_steps=2", "optim.lr=1e-3,3e-4", f"hydra.sweep.dir={sweep}"],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    proc = run_process([sys.executable, str(ROOT / "train.py"), "-m", *LOGGED, "logger=[mlflow]",
+                        "trainer.max_steps=2", "optim.lr=1e-3,3e-4", f"hydra.sweep.dir={sweep}"], tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     client = MlflowClient(f"sqlite:///{tmp_path / 'outputs' / 'mlflow.db'}")
     runs = client.search_runs([client.get_experiment_by_name("trainflow").experiment_id])

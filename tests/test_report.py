@@ -16,15 +16,15 @@ from pathlib import Path
 
 import pytest
 from conftest import ROOT, TINY_GPT, Run, train
+from helpers.processes import run_process
 
 STEPS = ["trainer.max_steps=6", "trainer.eval_steps=2"]
-TRAINFLOW = [sys.executable, "-c", "from trainflow.cli import main; main()"]  # the console script's entry point
+TRAINFLOW = [str(Path(sys.executable).parent / "trainflow")]
 
 
 def report_cmd(*args: str | Path) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
-    return subprocess.run([*TRAINFLOW, "report", *map(str, args)], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=300)
+    return run_process([*TRAINFLOW, "report", *map(str, args)], ROOT, env, timeout=300)
 
 
 def png_size(path: Path) -> tuple[int, int]:
@@ -148,9 +148,8 @@ def test_one_run_folder_reports_itself(single_runs: tuple[Path, list[Run]], tmp_
 def test_a_multirun_sweep_gets_its_report_from_the_callback(tmp_path: Path) -> None:
     """Hydra's own launcher, two jobs in one process: the callback writes the report into the sweep folder."""
     sweep = tmp_path / "sweep"
-    proc = subprocess.run([sys.executable, str(ROOT / "train.py"), "-m", *TINY_GPT, "trainer.eval_steps=2",
-                           "trainer.max_steps=4,6", f"hydra.sweep.dir={sweep}"], cwd=ROOT, capture_output=True,
-                          text=True, timeout=600)
+    proc = run_process([sys.executable, str(ROOT / "train.py"), "-m", *TINY_GPT, "trainer.eval_steps=2",
+                        "trainer.max_steps=4,6", f"hydra.sweep.dir={sweep}"], ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads((sweep / "report.json").read_text())
     rows = report["runs"]

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 from conftest import ROOT, TINY_GPT, losses_by_step, wait_for
+from helpers.processes import run_process
 
 from trainflow import report
 from trainflow.errors import ConfigError
@@ -36,7 +37,7 @@ def command(*overrides: str) -> list[str]:
 
 
 def multirun(cwd: Path, *overrides: str) -> subprocess.CompletedProcess:
-    return subprocess.run(command(*overrides), cwd=cwd, env=_env(), capture_output=True, text=True, timeout=600)
+    return run_process(command(*overrides), cwd, _env())
 
 
 def skipped(output: str) -> list[str]:

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 from conftest import ROOT, Run, losses_by_step, train
+from helpers.processes import run_process
 from torch import nn
 
 from trainflow.data import Collated, StreamSampler, SyntheticClassification, SyntheticTokens, to_device
@@ -261,9 +261,8 @@ def test_my_project_learns_with_its_own_task_and_monitor(tmp_path: Path) -> None
 
 def test_a_sweep_reports_each_jobs_monitored_metric(tmp_path: Path) -> None:
     sweep = tmp_path / "sweep"
-    proc = subprocess.run([sys.executable, str(ROOT / "train.py"), "-m", "experiment=digits", *QUICK,
-                           "trainer.max_steps=4,8", "trainer.eval_every=0", f"hydra.sweep.dir={sweep}"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=600)
+    proc = run_process([sys.executable, str(ROOT / "train.py"), "-m", "experiment=digits", *QUICK,
+                        "trainer.max_steps=4,8", "trainer.eval_every=0", f"hydra.sweep.dir={sweep}"], ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads((sweep / "report.json").read_text())["runs"]
     summaries = [json.loads((sweep / n / "summary.json").read_text()) for n in ("0", "1")]

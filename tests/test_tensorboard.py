@@ -7,12 +7,12 @@ hyperparameters and metrics, and the session groups with their values), over eve
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 from conftest import ROOT, TINY_GPT, train
+from helpers.processes import run_process
 
 from trainflow.config import TrainerConfig
 
@@ -37,9 +37,8 @@ def outputs(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def sweep(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """`python train.py -m optim.lr=1e-3,3e-4 ...`: two jobs in one sweep folder."""
     folder = tmp_path_factory.mktemp("multirun") / "sweep"
-    proc = subprocess.run([sys.executable, str(ROOT / "train.py"), "-m", *TB_GPT, "trainer.max_steps=4",
-                           "optim.lr=1e-3,3e-4", f"hydra.sweep.dir={folder}"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    proc = run_process([sys.executable, str(ROOT / "train.py"), "-m", *TB_GPT, "trainer.max_steps=4",
+                        "optim.lr=1e-3,3e-4", f"hydra.sweep.dir={folder}"], ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return folder
 
@@ -214,9 +213,8 @@ def test_a_sweep_of_long_non_ascii_values_names_its_jobs_within_a_file_names_byt
     the first 200 bytes of it, and the jobs run."""
     values = ["1" + "α" * 150, "2" + "α" * 150]
     folder = tmp_path / "sweep"
-    proc = subprocess.run([sys.executable, str(ROOT / "train.py"), "-m", *TB_GPT, "trainer.max_steps=2",
-                           "trainer.run_name=" + ",".join(f"'{v}'" for v in values), f"hydra.sweep.dir={folder}"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    proc = run_process([sys.executable, str(ROOT / "train.py"), "-m", *TB_GPT, "trainer.max_steps=2",
+                        "trainer.run_name=" + ",".join(f"'{v}'" for v in values), f"hydra.sweep.dir={folder}"], ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
     for job, value in enumerate(values):
