@@ -106,6 +106,9 @@ def test_a_hugging_face_iterable_dataset_is_read_by_its_shards() -> None:
     hf = datasets.IterableDataset.from_generator(numbers, gen_kwargs={"shards": list(range(8))})
     source = IterableSource(hf, default_collate, "hf")
     ranks = [IterableBatches(source, r, 2, BATCH, LOADER, pin_memory=False) for r in range(2)]
+    # read, not copied: deepcopy of a HF dataset failed once the hub's filesystem cache held an entry (a process
+    # that had talked to the hub: this test after test_hf_data's, in one process)
+    assert all(rank.share.dataset is hf for rank in ranks)
     items = [[n for _, batch in rank.loader for n in batch["x"].tolist()] for rank in ranks]
     assert sorted(items[0] + items[1]) == EVERY_ITEM
     assert {n // 1000 for n in items[0]} == {0, 1, 4, 5} and {n // 1000 for n in items[1]} == {2, 3, 6, 7}

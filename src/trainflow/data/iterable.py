@@ -122,8 +122,9 @@ class IterableBatches:
         readers = world_size * max(1, self.num_workers)
         self.sharded = shard_count(source.dataset) is not None
         self.stateful = is_stateful(source.dataset) and not self.sharded
-        # a copy of its own: a stateful dataset's position belongs to one loader (the parity check reads another)
-        dataset = copy.deepcopy(source.dataset)
+        # a stateful dataset's position belongs to one loader (the parity check reads another): a copy of its own.
+        # Others are only read; a Hugging Face dataset is not copied, as deepcopy fails on its filesystem cache.
+        dataset = copy.deepcopy(source.dataset) if self.stateful else source.dataset
         share: IterableDataset
         if self.sharded:
             share, collate = ShardedShare(dataset, rank, world_size), tagged_collate(source.collate)
