@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from helpers.processes import run_process
+from helpers.processes import ForkedRun, run_process, start_process
 
 from trainflow.cli import register_with_hydra
 
@@ -86,7 +86,7 @@ def train(run_dir: Path, *overrides: str, env: dict | None = None, timeout: floa
     return Run(proc.returncode, proc.stdout, proc.stderr, Path(run_dir))
 
 
-def start(run_dir: Path, *overrides: str, new_session: bool = False) -> subprocess.Popen:
+def start(run_dir: Path, *overrides: str, new_session: bool = False) -> subprocess.Popen | ForkedRun:
     """Start `python train.py` without waiting; its output goes to a file beside the run directory.
 
     `new_session`: the run and every worker it starts form one process group, to be killed together.
@@ -94,14 +94,13 @@ def start(run_dir: Path, *overrides: str, new_session: bool = False) -> subproce
     run_dir.parent.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env.pop("HYDRA_FULL_ERROR", None)
-    out = open(run_dir.parent / f"{run_dir.name}.out", "a")  # noqa: SIM115 (the child owns it)
-    proc = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *overrides, f"hydra.run.dir={run_dir}"],
-                            cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=new_session)
+    proc = start_process([sys.executable, str(ROOT / "train.py"), *overrides, f"hydra.run.dir={run_dir}"], ROOT, env,
+                         run_dir.parent / f"{run_dir.name}.out", new_session)
     _STARTED.append((proc, new_session))
     return proc
 
 
-_STARTED: list[tuple[subprocess.Popen, bool]] = []
+_STARTED: list[tuple[subprocess.Popen | ForkedRun, bool]] = []
 
 
 @pytest.fixture(autouse=True)
@@ -122,7 +121,7 @@ def ok(run: Run) -> Run:
     return run
 
 
-def wait_for(condition: Callable[[], bool], proc: subprocess.Popen, what: str, timeout: float = 300,
+def wait_for(condition: Callable[[], bool], proc: subprocess.Popen | ForkedRun, what: str, timeout: float = 300,
              interval: float = 0.01) -> None:
     """Poll every `interval` until `condition` holds; fail if the process ends first (or kill it at the timeout).
     A millisecond where a test must act inside a short window (a save's stage): reading a 100 KB log a thousand
@@ -137,7 +136,7 @@ def wait_for(condition: Callable[[], bool], proc: subprocess.Popen, what: str, t
         time.sleep(interval)
 
 
-def wait_for_log(run_dir: Path, line: str, proc: subprocess.Popen, timeout: float = 300) -> None:
+def wait_for_log(run_dir: Path, line: str, proc: subprocess.Popen | ForkedRun, timeout: float = 300) -> None:
     """Wait until the run's own train.log holds `line`: a marker of its progress, not a guess at its timing."""
     log = run_dir / "train.log"
     wait_for(lambda: log.exists() and line in log.read_text(), proc, f"it logged {line!r}", timeout)

@@ -11,13 +11,16 @@ this interpreter (`python x.py` or a console script such as `trainflow`), an env
 server's in a variable read at import time (OMP_NUM_THREADS, HOME, ...), or a PYTHONPATH folder that would act at
 start-up (a sitecustomize) or hide a module the server imported.
 
-Protocol (one line of JSON each way, one run at a time): the server says {"ready": true, "modules": [the top-level
-modules it imported]}; the client sends {argv, path (the PYTHONPATH folders the run adds), cwd, env, out, err}; the
-server answers {"pid": N} once the child exists and {"code": N} once it has ended.
+Protocol (one line of JSON each way, one request at a time): the server says {"ready": true, "modules": [the
+top-level modules it imported]}; the client sends {argv, path (the PYTHONPATH folders the run adds), cwd, env, out,
+err, append}; the server answers {"pid": N} once the child exists and {"code": N} once it has ended. A request with
+a `status` path is a run started in the background (`subprocess.Popen`): the server answers {"pid": N} only, and
+the run's exit code is written to that file when it ends.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -40,8 +43,9 @@ def _child(request: dict) -> None:
     os.environ.clear()
     os.environ.update(request["env"])
     stdin = os.open(os.devnull, os.O_RDONLY)
-    out = os.open(request["out"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    err = os.open(request["err"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    mode = os.O_WRONLY | os.O_CREAT | (os.O_APPEND if request.get("append") else os.O_TRUNC)
+    out = os.open(request["out"], mode, 0o644)
+    err = os.dup(out) if request["err"] == request["out"] else os.open(request["err"], mode, 0o644)
     for fd, target in ((stdin, 0), (out, 1), (err, 2)):
         os.dup2(fd, target)
         os.close(fd)
@@ -95,12 +99,50 @@ def serve() -> None:
     print(json.dumps({"ready": True, "modules": imported}), file=answers, flush=True)
     for line in sys.stdin:
         request = json.loads(line)
+        _reap_keepers()
+        if "status" in request:
+            print(json.dumps({"pid": _start_kept(request)}), file=answers, flush=True)
+            continue
         pid = os.fork()
         if pid == 0:
             _child(request)
         print(json.dumps({"pid": pid}), file=answers, flush=True)
         _, status = os.waitpid(pid, 0)
         print(json.dumps({"code": os.waitstatus_to_exitcode(status)}), file=answers, flush=True)
+
+
+def _start_kept(request: dict) -> int:
+    """A run the client does not wait for: a keeper process forks it, waits for it and writes its exit code to the
+    request's status file, so that the server takes the next request at once. Returns the run's pid."""
+    read, write = os.pipe()
+    keeper = os.fork()
+    if keeper == 0:
+        os.close(read)
+        quiet = os.open(os.devnull, os.O_RDWR)
+        for target in (0, 1):  # off the server's pipes: the client reads the server's answers only
+            os.dup2(quiet, target)
+        pid = os.fork()
+        if pid == 0:
+            os.close(write)
+            _child(request)
+        os.write(write, f"{pid}\n".encode())
+        os.close(write)
+        _, status = os.waitpid(pid, 0)
+        written = request["status"] + ".part"
+        with open(written, "w") as out:
+            out.write(str(os.waitstatus_to_exitcode(status)))
+        os.replace(written, request["status"])  # whole or absent: the client polls for it
+        os._exit(0)
+    os.close(write)
+    with os.fdopen(read) as answer:
+        return int(answer.readline())
+
+
+def _reap_keepers() -> None:
+    """Collect the keepers that ended (no run is waited on while a request is read)."""
+    with contextlib.suppress(ChildProcessError):
+        while os.waitpid(-1, os.WNOHANG)[0] > 0:
+            pass
 
 
 if __name__ == "__main__":

@@ -6,11 +6,13 @@ import atexit
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 from helpers.forkserver import RUNTIME_VARIABLES
@@ -91,6 +93,54 @@ class ForkServer:
             return subprocess.CompletedProcess(cmd, code, stdout, stderr)
 
 
+    def start(self, cmd: list[str], cwd: Path, env: dict[str, str], output: Path) -> ForkedRun:
+        """Start `cmd` in a forked child without waiting; its stdout and stderr are appended to `output`."""
+        status = Path(tempfile.mkdtemp(prefix="trainflow-fork-")) / "exit_code"
+        with self._lock:
+            self._ensure_started()
+            request = {"argv": _script_argv(cmd), "path": self._added_path(env), "cwd": str(cwd), "env": env,
+                       "out": str(output), "err": str(output), "append": True, "status": str(status)}
+            self._proc.stdin.write(json.dumps(request) + "\n")
+            self._proc.stdin.flush()
+            pid = json.loads(self._proc.stdout.readline())["pid"]
+        return ForkedRun(cmd, pid, status)
+
+
+class ForkedRun:
+    """A run started in the background by the warm interpreter: what the suite uses of `subprocess.Popen` (pid,
+    returncode, poll, wait, send_signal, terminate, kill). The run is the server's grandchild: its exit code comes
+    from the status file its keeper writes. Like every forked run, it leads a process group of its own."""
+
+    def __init__(self, args: list[str], pid: int, status: Path) -> None:
+        self.args, self.pid, self._status = args, pid, status
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None and self._status.exists():
+            self.returncode = int(self._status.read_text())
+            shutil.rmtree(self._status.parent, ignore_errors=True)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            time.sleep(0.01)
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
 def _script_argv(cmd: list[str]) -> list[str] | None:
     """The script and its arguments, where `cmd` runs a script on this interpreter: `python script.py ...`, or a
     console script installed beside it (`trainflow ...`, whose first line names this interpreter); else None."""
@@ -122,3 +172,15 @@ def run_process(cmd: list[str], cwd: Path | str, env: dict[str, str] | None = No
     if os.environ.get("TRAINFLOW_TEST_FORK", "1") != "0" and _SERVER.can_fork(cmd, env):
         return _SERVER.run(cmd, Path(cwd), env, timeout)
     return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def start_process(cmd: list[str], cwd: Path | str, env: dict[str, str], output: Path,
+                  new_session: bool = False) -> subprocess.Popen | ForkedRun:
+    """`subprocess.Popen(cmd, cwd=cwd, env=env, stdout=<output, appended>, stderr=subprocess.STDOUT,
+    start_new_session=new_session)`, forked from the warm interpreter where that gives the same process (see
+    run_process; a forked run always leads a process group of its own)."""
+    if os.environ.get("TRAINFLOW_TEST_FORK", "1") != "0" and _SERVER.can_fork(cmd, env):
+        return _SERVER.start(cmd, Path(cwd), env, output)
+    with open(output, "a") as out:  # the child keeps its own copy of the descriptor
+        return subprocess.Popen(cmd, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=new_session)
