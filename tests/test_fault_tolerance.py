@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 import torch
 from conftest import ROOT, wait_for, wait_for_log
+from helpers.processes import start_process
 
 from trainflow.config import ParallelismConfig
 from trainflow.distributed import DistEnv
@@ -108,12 +109,11 @@ def start_group(run_dir: Path, replica: int, port: int, ranks: int, strategy: st
            "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT / "tests"), os.environ.get("PYTHONPATH")) if p),
            **({"TEST_FT_PACE": str(pace)} if pace else {})}
     env.pop("HYDRA_FULL_ERROR", None)
-    out = open(run_dir.parent / f"{run_dir.name}.out", "a")  # noqa: SIM115 (the child owns it)
     ddp = [f"parallelism={strategy}", f"parallelism.nproc_per_node={ranks}"] if ranks > 1 else []
-    return subprocess.Popen([sys.executable, str(ROOT / "train.py"), *DATA[data], *GROUP, *ddp,
-                             f"trainer.max_steps={MAX_STEPS}", f"parallelism.ft.replica_id={replica}",
-                             f"parallelism.ft.lighthouse_port={port}", f"hydra.run.dir={run_dir}"],
-                            cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    return start_process([sys.executable, str(ROOT / "train.py"), *DATA[data], *GROUP, *ddp,
+                          f"trainer.max_steps={MAX_STEPS}", f"parallelism.ft.replica_id={replica}",
+                          f"parallelism.ft.lighthouse_port={port}", f"hydra.run.dir={run_dir}"],
+                         ROOT, env, run_dir.parent / f"{run_dir.name}.out", new_session=True)
 
 
 def console_steps(run_dir: Path) -> list[int]:

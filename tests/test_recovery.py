@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 from conftest import ROOT, TINY_GPT, train, wait_for
-from helpers.processes import run_process
+from helpers.processes import run_process, start_process
 
 SHORT = [*TINY_GPT, "trainer.eval_every=0", "trainer.eval_steps=2"]
 DIVERGES = ["optim.lr=1e30", "optim.warmup_steps=0"]  # the first update throws the weights to ~1e30: NaN at step 2
@@ -187,10 +187,8 @@ def test_a_run_name_that_is_not_a_folder_name_is_one_line(tmp_path: Path, pinned
 
 
 def test_a_second_run_in_a_live_runs_directory_is_refused_before_it_writes_anything(run_dir: Path) -> None:
-    with open(run_dir.parent / "live.out", "w") as out:
-        live = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *SHORT, "trainer.max_steps=100000",
-                                 f"hydra.run.dir={run_dir}"], cwd=ROOT, env=clean_env(), stdout=out,
-                                stderr=subprocess.STDOUT)
+    live = start_process([sys.executable, str(ROOT / "train.py"), *SHORT, "trainer.max_steps=100000",
+                          f"hydra.run.dir={run_dir}"], ROOT, clean_env(), run_dir.parent / "live.out")
     try:
         wait_for(lambda: (run_dir / "metrics.jsonl").is_file() and (run_dir / "metrics.jsonl").stat().st_size > 0,
                    live, "the live run's first metrics")

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 from conftest import ROOT, TINY_GPT, losses_by_step, wait_for
-from helpers.processes import run_process
+from helpers.processes import run_process, start_process
 
 from trainflow import report
 from trainflow.errors import ConfigError
@@ -65,8 +65,7 @@ def resumed(tmp_path_factory: pytest.TempPathFactory) -> Resumed:
     overrides = [*SWEEP, f"checkpoint.dir={ckpt_root}"]  # one explicit folder for the whole sweep
     sweep = cwd / "multirun" / run_name(overrides)  # named by the sweep's overrides: the same command, the same one
     out = cwd / "first.out"
-    with out.open("w") as sink:
-        proc = subprocess.Popen(command(*overrides), cwd=cwd, env=_env(), stdout=sink, stderr=subprocess.STDOUT)
+    proc = start_process(command(*overrides), cwd, _env(), out)
     try:
         metrics = sweep / "1" / "metrics.jsonl"
         wait_for(lambda: metrics.exists() and max(losses_by_step(sweep / "1"), default=0) >= 2, proc, "job 1 step 2")

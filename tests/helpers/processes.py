@@ -50,12 +50,13 @@ class ForkServer:
 
     def can_fork(self, cmd: list[str], env: dict[str, str]) -> bool:
         """A script run by this interpreter, in an environment that differs from the server's only in variables
-        read at run time (pytest's own PYTEST_* change with every test)."""
+        read at run time (pytest's own PYTEST_* change with every test; TEST_* are read by the tests' own modules
+        that a run imports, never by the server)."""
         if _script_argv(cmd) is None:
             return False
         self._ensure_started()
         changed = {k for k in env.keys() | self._env.keys()
-                   if env.get(k) != self._env.get(k) and not k.startswith("PYTEST_")}
+                   if env.get(k) != self._env.get(k) and not k.startswith(("PYTEST_", "TEST_"))}
         return changed - {"PYTHONPATH"} <= RUNTIME_VARIABLES and all(
             self._can_import_from(folder) for folder in self._added_path(env))
 
