@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, TINY_GPT, wait_for
+from conftest import ROOT, TINY_GPT, start, wait_for
 from helpers.processes import run_process
 from omegaconf import OmegaConf
 
@@ -71,14 +71,6 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     started = Server(tmp_path_factory.mktemp("mlflow"))
     yield started
     started.stop()
-
-
-def start(run_dir: Path, *overrides: str) -> subprocess.Popen:
-    out = open(run_dir.parent / f"{run_dir.name}.out", "a")  # noqa: SIM115 (the child owns it)
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    env.pop("HYDRA_FULL_ERROR", None)
-    return subprocess.Popen([sys.executable, str(ROOT / "train.py"), *overrides, f"hydra.run.dir={run_dir}"],
-                            cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
 
 
 def steps_of(history: list) -> list[int]:
