@@ -147,8 +147,9 @@ def test_compiled_run_profiles_compiled_regions_after_the_compile_steps(run_dir:
 def test_checkpoint_traffic_is_not_counted_as_communication(tmp_path: Path) -> None:
     """Real gloo groups of 2 ranks, rank 1 played by a thread: the training all-reduces inside forward/backward
     (rank 1 joins after 5 ms); the checkpoint stage, in its annotation and on a gloo group of its own, all-reduces
-    too (rank 1 joins after 30 ms: a save's planning, its stop-flag poll). Only the training's collective is
-    communication; counting the stage's would make the step look communication-bound."""
+    too (rank 1 joins after 250 ms: a save's planning, its stop-flag poll). Only the training's collective is
+    communication; counting the stage's would make the step look communication-bound. (The save's wait is long
+    beside the training's: on a loaded machine the 5 ms wait stretched to 85 ms, and 30 ms no longer outweighed it.)"""
     import queue
     import threading
     from datetime import timedelta
@@ -191,7 +192,7 @@ def test_checkpoint_traffic_is_not_counted_as_communication(tmp_path: Path) -> N
                 with record_function(OPTIMIZER):
                     pass
                 with record_function(CHECKPOINT_ANNOTATION):
-                    all_reduce("save", 0.03)  # the checkpoint stage's own
+                    all_reduce("save", 0.25)  # the checkpoint stage's own
                 p.step()
         v = p.summary()["verdict"]
     finally:

@@ -1,7 +1,8 @@
 """A warm interpreter that forks one fresh process per `python train.py ...` a test runs.
 
-Most of a short run's wall time is imports (torch, Hydra, trainflow: ~3 s of a bad-input row's ~4 s on 2 cores).
-The server imports them once; each run is then a real child process of its own (`os.fork`), with its own argv,
+Most of a short run's CPU time is imports: torch, Hydra and trainflow at start, torch._dynamo at the first optimizer
+step, Hydra's plugin scan (a tiny run: 9-10 CPU-seconds as a fresh process, 1.8 forked from this server). The
+server imports them once; each run is then a real child process of its own (`os.fork`), with its own argv,
 working directory, environment, stdout, stderr and exit code, running `train.py` as `python train.py` would: the
 same `__main__`, `sys.argv`, `sys.path[0]` and interpreter shutdown (threads joined, atexit handlers, flushed
 streams). trainflow's own local launcher forks its CPU workers the same way.

@@ -31,6 +31,11 @@ class ForkServer:
         atexit.register(self.stop)
 
     def _ensure_started(self) -> None:
+        """A server that runs, in this process's present environment: one started before the suite's process changed
+        its own (an in-process test reaching code that sets HF_HUB_OFFLINE or TORCHINDUCTOR_CACHE_DIR, as a run
+        does) is replaced, or no later run would fork."""
+        if self._proc is not None and self._proc.poll() is None and _import_time_changes(os.environ, self._env):
+            self.stop()
         if self._proc is None or self._proc.poll() is not None:
             self._start()
 
@@ -50,20 +55,18 @@ class ForkServer:
 
     def can_fork(self, cmd: list[str], env: dict[str, str]) -> bool:
         """A script run by this interpreter, in an environment that differs from the server's only in variables
-        read at run time (pytest's own PYTEST_* change with every test; TEST_* are read by the tests' own modules
-        that a run imports, never by the server)."""
+        read at run time, and in PYTHONPATH folders it may add (see _can_import_from)."""
         if _script_argv(cmd) is None:
             return False
         self._ensure_started()
-        changed = {k for k in env.keys() | self._env.keys()
-                   if env.get(k) != self._env.get(k) and not k.startswith(("PYTEST_", "TEST_"))}
-        return changed - {"PYTHONPATH"} <= RUNTIME_VARIABLES and all(
+        kept = set(_path_folders(self._env)) <= set(_path_folders(env))
+        return _import_time_changes(env, self._env) <= {"PYTHONPATH"} and kept and all(
             self._can_import_from(folder) for folder in self._added_path(env))
 
     def _added_path(self, env: dict[str, str]) -> list[str]:
         """The PYTHONPATH folders `env` adds to the server's, in their order."""
-        known = set(self._env.get("PYTHONPATH", "").split(os.pathsep))
-        return [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p not in known]
+        known = set(_path_folders(self._env))
+        return [p for p in _path_folders(env) if p not in known]
 
     def _can_import_from(self, folder: str) -> bool:
         """A folder the child may put on its path as PYTHONPATH would have at start-up: it runs no code at start-up
@@ -140,6 +143,18 @@ class ForkedRun:
 
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
+
+
+def _import_time_changes(env: dict[str, str], base: dict[str, str]) -> set[str]:
+    """The variables `env` sets otherwise than `base` that a process may read before it runs: all but those read at
+    run time (RUNTIME_VARIABLES), pytest's own PYTEST_* (they change with every test) and TEST_* (read by the tests'
+    own modules that a run imports, never by the server)."""
+    return {k for k in env.keys() | base.keys() if env.get(k) != base.get(k)
+            and k not in RUNTIME_VARIABLES and not k.startswith(("PYTEST_", "TEST_"))}
+
+
+def _path_folders(env: dict[str, str]) -> list[str]:
+    return [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
 
 
 def _script_argv(cmd: list[str]) -> list[str] | None:
