@@ -205,9 +205,11 @@ def _worker(container: dict, run_dir: str, pids: str) -> None:
         record_failure(exc)
         raise SystemExit(1) from None
     # A worker may exit only once the agent has read its return value. An agent shutting down on a stop signal
-    # reads none and would wait its whole shutdown timeout (30 s), so leave by ourselves a little later. The
+    # reads none and would wait its whole shutdown timeout (30 s), so leave by ourselves before that. Not sooner:
+    # a worker that leaves while it waits for the agent's word hangs the agent forever (its multiprocessing event
+    # waits for every waiter to wake), and on a loaded machine the agent took 8 s to read a finished run. The
     # summary travels as the file rank 0 wrote: the small return value never fills the pipe.
-    timer = threading.Timer(5.0, os._exit, args=(0,))
+    timer = threading.Timer(25.0, os._exit, args=(0,))
     timer.daemon = True
     timer.start()
     return None
