@@ -79,11 +79,7 @@ class ForkServer:
         with self._lock, tempfile.TemporaryDirectory(prefix="trainflow-fork-") as tmp:
             self._ensure_started()
             out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
-            request = {"argv": _script_argv(cmd), "path": self._added_path(env), "cwd": str(cwd), "env": env,
-                       "out": str(out), "err": str(err)}
-            self._proc.stdin.write(json.dumps(request) + "\n")
-            self._proc.stdin.flush()
-            pid = json.loads(self._proc.stdout.readline())["pid"]
+            pid = self._send(cmd, cwd, env, out=str(out), err=str(err))
             timer = threading.Timer(timeout, _kill_group, (pid,))
             timer.start()
             try:
@@ -96,18 +92,20 @@ class ForkServer:
                 raise subprocess.TimeoutExpired(cmd, timeout, stdout, stderr)
             return subprocess.CompletedProcess(cmd, code, stdout, stderr)
 
-
     def start(self, cmd: list[str], cwd: Path, env: dict[str, str], output: Path) -> ForkedRun:
         """Start `cmd` in a forked child without waiting; its stdout and stderr are appended to `output`."""
         status = Path(tempfile.mkdtemp(prefix="trainflow-fork-")) / "exit_code"
         with self._lock:
             self._ensure_started()
-            request = {"argv": _script_argv(cmd), "path": self._added_path(env), "cwd": str(cwd), "env": env,
-                       "out": str(output), "err": str(output), "append": True, "status": str(status)}
-            self._proc.stdin.write(json.dumps(request) + "\n")
-            self._proc.stdin.flush()
-            pid = json.loads(self._proc.stdout.readline())["pid"]
+            pid = self._send(cmd, cwd, env, out=str(output), err=str(output), append=True, status=str(status))
         return ForkedRun(cmd, pid, status)
+
+    def _send(self, cmd: list[str], cwd: Path, env: dict[str, str], **streams: object) -> int:
+        """Ask the server for a child running `cmd`; its pid."""
+        request = {"argv": _script_argv(cmd), "path": self._added_path(env), "cwd": str(cwd), "env": env, **streams}
+        self._proc.stdin.write(json.dumps(request) + "\n")
+        self._proc.stdin.flush()
+        return json.loads(self._proc.stdout.readline())["pid"]
 
 
 class ForkedRun:
