@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import ROOT, TINY_GPT, Run, train, wait_for_log
+from conftest import ROOT, TINY_GPT, Run, start, train, wait_for, wait_for_log
 from helpers.processes import run_process
 from omegaconf import OmegaConf
 
@@ -416,11 +416,43 @@ def test_stop_signal_to_a_self_launched_run_reaches_the_workers(run_dir: Path) -
     sent = time.monotonic()
     _, stderr = proc.communicate(timeout=grace + 60)
     assert proc.returncode == 75, stderr  # saved and stopped: run the same command to resume
-    assert time.monotonic() - sent < grace  # the workers left by themselves, nobody had to kill them
+    # The workers left as soon as they had saved, on the agent's mark: not by a timer of their own, nor killed at
+    # the end of the agent's grace (it takes 1.3 s here; 20 leaves room for a loaded machine).
+    assert time.monotonic() - sent < 20
     summary = json.loads((run_dir / "summary.json").read_text())
     step = summary["steps"]
     assert summary["checkpoint"]["stopped_by"] == "SIGTERM" and 0 < step < 100000
     assert (run_dir / "checkpoints" / f"step_{step:08d}" / "manifest.json").exists()
+
+
+def _live_children(pid: int) -> list[int]:
+    """The processes whose parent is `pid` and that have not exited (a zombie awaits only its parent's wait)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()  # after the command name, which may hold spaces
+            if int(fields[1]) == pid and fields[0] != "Z":
+                found.append(int(stat.parent.name))
+    return found
+
+
+def test_finished_workers_wait_for_an_agent_that_reads_them_late(run_dir: Path) -> None:
+    """The agent (`python train.py` itself) is frozen while its two ranks finish: they wait for it however long it
+    takes, and the run ends when it wakes. A worker that left by itself while registered as a waiter of the agent's
+    multiprocessing event hung the agent forever in the event's `set` (seen under load, agent 8 s late)."""
+    proc = start(run_dir, *SMALL, "trainer.max_steps=6", "parallelism=ddp", "parallelism.nproc_per_node=2")
+    wait_for_log(run_dir, "step 1/6: loss ", proc, timeout=120)
+    os.kill(proc.pid, signal.SIGSTOP)
+    try:
+        workers = _live_children(proc.pid)
+        assert len(workers) == 2
+        wait_for(lambda: (run_dir / "summary.json").exists(), proc, "rank 0 wrote its summary", timeout=120)
+        time.sleep(6)  # longer than a worker ever waited before leaving by itself (5 s, the hang CI met)
+        assert sorted(_live_children(proc.pid)) == sorted(workers)
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+    assert proc.wait(timeout=120) == 0
+    assert json.loads((run_dir / "summary.json").read_text())["steps"] == 6
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="auto is one rank per GPU here")

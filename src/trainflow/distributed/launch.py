@@ -19,6 +19,7 @@ import contextlib
 import json
 import logging
 import os
+import select
 import signal
 import sys
 import tempfile
@@ -67,6 +68,8 @@ def should_launch(cfg: DictConfig) -> bool:
 
 _PASSED_ON = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR2")  # signals the agent passes on to the workers
 _STOPPED_EVERY_S = 0.5  # how often the launching process looks for a stopped worker the agent asked to end
+_AGENT_STOPPING = "agent-stopping"  # left next to the workers' pids when the agent got a signal it passes on
+_AGENT_STOPPING_EVERY_S = 0.1  # how often a finished worker looks for that mark
 
 
 def launch(cfg: DictConfig, run_dir: Path) -> dict[str, Any] | None:
@@ -86,7 +89,7 @@ def launch(cfg: DictConfig, run_dir: Path) -> dict[str, Any] | None:
     logging.getLogger("torch.distributed.elastic").setLevel(logging.WARNING)
     for name in ("torch.distributed.elastic.multiprocessing.api", "torch.multiprocessing.spawn"):
         logging.getLogger(name).setLevel(logging.CRITICAL)  # the failure explained below says it all
-    with tempfile.TemporaryDirectory(prefix="trainflow-elastic-") as logs, _stopped_workers_killed(Path(logs)) as pids:
+    with tempfile.TemporaryDirectory(prefix="trainflow-elastic-") as logs, _workers_watched(Path(logs)) as pids:
         config = LaunchConfig(
             min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"trainflow-{uuid.uuid4().hex[:12]}",
             rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=p.max_restarts, monitor_interval=0.1,
@@ -111,28 +114,45 @@ def launch(cfg: DictConfig, run_dir: Path) -> dict[str, Any] | None:
 
 
 @contextlib.contextmanager
-def _stopped_workers_killed(logs: Path) -> Iterator[Path]:
-    """While the agent runs, SIGKILL a worker that is stopped (SIGSTOP: a frozen rank) once a SIGTERM waits for it;
-    yields the folder where each worker leaves its pid.
+def _workers_watched(logs: Path) -> Iterator[Path]:
+    """While the agent runs, watch over its workers from a thread; yields the folder where each worker leaves its
+    pid. The thread does two things the agent does not:
 
-    A stopped process acts on no signal but SIGKILL: the agent's SIGTERM that ends the run stays pending, and after
-    a failure the agent waits a fixed 30 s for it (LaunchConfig.shutdown_timeout is not used there) before its own
-    SIGKILL. This sends that SIGKILL at once. The run's outcome is already decided by then: the agent read its
-    workers' exits before it asked the others to end.
+    - It SIGKILLs a worker that is stopped (SIGSTOP: a frozen rank) once a SIGTERM waits for it. A stopped process
+      acts on no signal but SIGKILL: the agent's SIGTERM that ends the run stays pending, and after a failure the
+      agent waits a fixed 30 s for it (LaunchConfig.shutdown_timeout is not used there) before its own SIGKILL. The
+      run's outcome is already decided by then: the agent read its workers' exits before it asked the others to end.
+    - When a signal the agent passes on reaches this process, it leaves a mark the workers read (_AGENT_STOPPING):
+      the agent is stopping and will not read their return values, so a worker that finished may leave at once.
     """
     pids, done = logs / "workers", threading.Event()
     pids.mkdir()
-    thread = threading.Thread(target=_kill_stopped, args=(pids, done), name="trainflow-stopped-workers", daemon=True)
+    read_signals, write_signals = os.pipe()
+    os.set_blocking(write_signals, False)
+    try:  # the signals this process gets are written here too, whoever handles them (only the main thread may ask)
+        previous = signal.set_wakeup_fd(write_signals, warn_on_full_buffer=False)
+    except ValueError:
+        previous = None
+    thread = threading.Thread(target=_watch, args=(pids, read_signals, done), name="trainflow-workers-watch",
+                              daemon=True)
     thread.start()
     try:
         yield pids
     finally:
         done.set()
+        os.write(write_signals, b"\0")  # wakes the thread at once (0 is no signal)
         thread.join()
+        if previous is not None:
+            signal.set_wakeup_fd(previous)
+        os.close(read_signals)
+        os.close(write_signals)
 
 
-def _kill_stopped(pids: Path, done: threading.Event) -> None:
-    while not done.wait(_STOPPED_EVERY_S):
+def _watch(pids: Path, signals: int, done: threading.Event) -> None:
+    passed_on = {int(getattr(signal, name)) for name in _PASSED_ON}
+    while not done.is_set():
+        if select.select([signals], [], [], _STOPPED_EVERY_S)[0] and passed_on & set(os.read(signals, 64)):
+            (pids.parent / _AGENT_STOPPING).touch()
         for worker in pids.iterdir():
             if _stopped_with_sigterm_pending(int(worker.name)):
                 with contextlib.suppress(ProcessLookupError):
@@ -182,7 +202,8 @@ def _interrupt_once(_signum: int, _frame: Any) -> None:
 
 def _worker(container: dict, run_dir: str, pids: str) -> None:
     """One self-launched rank: the parent's config and run directory, no Hydra."""
-    Path(pids, str(os.getpid())).touch()  # for _stopped_workers_killed
+    Path(pids, str(os.getpid())).touch()  # for _workers_watched
+    signal.set_wakeup_fd(-1)  # a forked worker's own signals are not the agent's (see _workers_watched)
     mark_self_launched()
     # A forked worker inherits the agent's handlers (they raise in Python, which a rank blocked in a collective
     # never reaches): a signal must act on it as on any process.
@@ -204,15 +225,23 @@ def _worker(container: dict, run_dir: str, pids: str) -> None:
         # whether this was a user error and when exactly it happened (which rank failed first).
         record_failure(exc)
         raise SystemExit(1) from None
-    # A worker may exit only once the agent has read its return value. An agent shutting down on a stop signal
-    # reads none and would wait its whole shutdown timeout (30 s), so leave by ourselves before that. Not sooner:
-    # a worker that leaves while it waits for the agent's word hangs the agent forever (its multiprocessing event
-    # waits for every waiter to wake), and on a loaded machine the agent took 8 s to read a finished run. The
-    # summary travels as the file rank 0 wrote: the small return value never fills the pipe.
-    timer = threading.Timer(25.0, os._exit, args=(0,))
-    timer.daemon = True
-    timer.start()
+    _leave_once_the_agent_stops(Path(pids).parent / _AGENT_STOPPING)
     return None
+
+
+def _leave_once_the_agent_stops(mark: Path) -> None:
+    """Exit this finished worker when the agent will not read its return value: it is stopping on a signal (it
+    then waits for the workers to exit, 30 s by default), or it is gone. Otherwise the worker waits for the
+    agent's word in torch's wrapper, as it must: one that leaves while it waits hangs the agent forever (the
+    multiprocessing event it sets waits for every waiter to wake), however late the agent reads the run."""
+    agent = os.getppid()
+
+    def watch() -> None:
+        while not mark.exists() and os.getppid() == agent:
+            time.sleep(_AGENT_STOPPING_EVERY_S)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="trainflow-leave-on-stop", daemon=True).start()
 
 
 def _configure_worker_logging(run_dir: Path, rank: int) -> None:
