@@ -121,6 +121,10 @@ FAULTS = [
           "test_stragglers.py::test_a_rank_slowed_in_its_data_path_is_named_once_with_its_host"),
     Fault("the torchrun launcher is killed", "no rank is left behind",
           "test_launcher_torchrun.py::test_killing_the_launcher_leaves_no_ranks_behind"),
+    Fault("the process that launched its own ranks freezes (SIGSTOP) while they finish, then wakes",
+          "the finished ranks wait for it however long it takes (none leaves while the agent's event counts on it), "
+          "and the run ends with exit 0 when it wakes",
+          "test_distributed.py::test_finished_workers_wait_for_an_agent_that_reads_them_late"),
     Fault("SIGTERM to a checkpointed 4-job sweep while its second job trains",
           "the job saves and the sweep stops; the same command skips the finished job (metrics.jsonl "
           "byte-identical), resumes the stopped one to its uninterrupted twin's losses, runs the other two; one "
