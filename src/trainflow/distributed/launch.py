@@ -140,7 +140,8 @@ def _workers_watched(logs: Path) -> Iterator[Path]:
         yield pids
     finally:
         done.set()
-        os.write(write_signals, b"\0")  # wakes the thread at once (0 is no signal)
+        with contextlib.suppress(BlockingIOError):  # a full pipe wakes it too
+            os.write(write_signals, b"\0")  # wakes the thread at once (0 is no signal)
         thread.join()
         if previous is not None:
             signal.set_wakeup_fd(previous)
