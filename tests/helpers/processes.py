@@ -176,14 +176,18 @@ def _kill_group(pid: int) -> None:
 _SERVER = ForkServer()
 
 
+def _forks(cmd: list[str], env: dict[str, str]) -> bool:
+    """Whether `cmd` runs forked from the warm interpreter (TRAINFLOW_TEST_FORK=0: never)."""
+    return os.environ.get("TRAINFLOW_TEST_FORK", "1") != "0" and _SERVER.can_fork(cmd, env)
+
+
 def run_process(cmd: list[str], cwd: Path | str, env: dict[str, str] | None = None, timeout: float = 600,
                 capture_output: bool = True, text: bool = True) -> subprocess.CompletedProcess:
     """`subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)` (the only form the
-    suite uses), in a child forked from the warm interpreter where that gives the same process
-    (TRAINFLOW_TEST_FORK=0: never)."""
+    suite uses), in a child forked from the warm interpreter where that gives the same process (see _forks)."""
     assert capture_output and text, "run_process captures stdout and stderr as text"
     env = dict(os.environ) if env is None else env
-    if os.environ.get("TRAINFLOW_TEST_FORK", "1") != "0" and _SERVER.can_fork(cmd, env):
+    if _forks(cmd, env):
         return _SERVER.run(cmd, Path(cwd), env, timeout)
     return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
@@ -193,7 +197,7 @@ def start_process(cmd: list[str], cwd: Path | str, env: dict[str, str], output: 
     """`subprocess.Popen(cmd, cwd=cwd, env=env, stdout=<output, appended>, stderr=subprocess.STDOUT,
     start_new_session=new_session)`, forked from the warm interpreter where that gives the same process (see
     run_process; a forked run always leads a process group of its own)."""
-    if os.environ.get("TRAINFLOW_TEST_FORK", "1") != "0" and _SERVER.can_fork(cmd, env):
+    if _forks(cmd, env):
         return _SERVER.start(cmd, Path(cwd), env, output)
     with open(output, "a") as out:  # the child keeps its own copy of the descriptor
         return subprocess.Popen(cmd, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT,
