@@ -58,7 +58,8 @@ class ForkServer:
         read at run time, and in PYTHONPATH folders it may add (see _can_import_from)."""
         if _script_argv(cmd) is None:
             return False
-        self._ensure_started()
+        with self._lock:  # not while another thread's run is under way: a replaced server would end it
+            self._ensure_started()
         kept = set(_path_folders(self._env)) <= set(_path_folders(env))
         return _import_time_changes(env, self._env) <= {"PYTHONPATH"} and kept and all(
             self._can_import_from(folder) for folder in self._added_path(env))
