@@ -94,6 +94,18 @@ def test_the_verdict_recommends_cuda_graphs_only_to_one_process() -> None:
 # -- FSDP2 --------------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("applied", [frozenset(), frozenset({"bf16"}), frozenset({"bf16", "compile"})])
+def test_a_compute_bound_verdict_advises_only_what_the_run_does_not_do_yet(applied: frozenset[str]) -> None:
+    # the first GPU ladder (bf16, compiled) was told to use bf16 and compile
+    totals = {"steps": 3, "step_s": 0.3, "step_ms": [100.0] * 3, "covered": {},
+              "seconds": {"forward_backward_compute": 0.25, "overhead": 0.05}}
+    v = verdict(totals, "cuda", applied=applied)
+    assert v is not None and v["bound"] == "compute-bound", v
+    assert ("trainer.precision=bf16" in v["action"]) == ("bf16" not in applied), v["action"]
+    assert ("compile.enabled=true" in v["action"]) == ("compile" not in applied), v["action"]
+    assert "parallelism=ddp or fsdp" in v["action"]
+
+
 def test_fsdp_dtypes_follow_torchtitan_under_bf16() -> None:
     assert fsdp_dtypes(None, None, "bf16") == ("bf16", "fp32")  # bf16 all-gathers, fp32 reduce-scatter
     assert fsdp_dtypes(None, None, "fp32") == (None, None)
@@ -274,3 +286,18 @@ def test_a_dead_holder_on_this_host_is_stale_and_one_on_another_host_is_named(tm
         DirLock(tmp_path, use_flock=False)
     assert "(pid 4242 on another-node, since earlier; this filesystem has no flock" in str(err.value)
     assert str(err.value).endswith(f"if that run is gone (its host crashed), delete {owner}")
+
+
+def test_a_checkout_that_is_not_installed_still_imports(tmp_path: Path) -> None:
+    """gpu_ladder.sh runs trainflow from a checkout on PYTHONPATH on a bare GPU host (no package metadata): the
+    first GPU run stopped at `import trainflow` with PackageNotFoundError."""
+    import shutil
+    import subprocess
+    import sys
+
+    checkout = tmp_path / "src"  # the package alone: no trainflow.egg-info beside it, no site-packages (-S)
+    shutil.copytree(Path(__file__).resolve().parents[1] / "src" / "trainflow", checkout / "trainflow")
+    proc = subprocess.run([sys.executable, "-S", "-c", f"import sys; sys.path.insert(0, {str(checkout)!r}); "
+                           "import trainflow; print(trainflow.__version__)"], capture_output=True, text=True,
+                          cwd=tmp_path, timeout=60)
+    assert proc.returncode == 0 and proc.stdout.strip() == "0.1.0+checkout", proc.stderr

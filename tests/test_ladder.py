@@ -85,7 +85,8 @@ def test_smoke_ladder_runs_every_rung_and_passes_every_gate(smoke) -> None:
     assert gates["scale.ddp"]["numbers"]["world_size"] == gates["scale.fsdp"]["numbers"]["world_size"] == 2
     assert gates["profile.next_step"]["numbers"]["action"] in gates["profile.next_step"]["detail"]
     restore = gates["checkpoint.restore"]["numbers"]
-    assert restore == {"verified": True, "resumed_from_step": 6, "expected_step": 6, "first_step_equal": True}
+    assert restore == {"verified": True, "resumed_from_step": 6, "expected_step": 6, "first_step_equal": True,
+                       "first_step_abs_diff": 0.0}
     assert gates["checkpoint.resume_losses"]["numbers"] == {"steps_compared": 6, "max_abs_diff": 0.0,
                                                            "tolerance": 0.0, "missing_steps": 0}
     assert report == json.loads((sweep / "report.json").read_text())
@@ -279,7 +280,52 @@ def test_rungs_that_log_rarely_still_pass_the_resume_gates(tmp_path: Path) -> No
     gates = gates_of(json.loads((sweep / "report.json").read_text()))
     assert gates["baseline.learns"]["status"] == "PASS"
     assert gates["checkpoint.restore"]["numbers"] == {"verified": True, "resumed_from_step": 20, "expected_step": 20,
-                                                      "first_step_equal": True}
+                                                      "first_step_equal": True, "first_step_abs_diff": 0.0}
     assert "its first logged loss (step 24) equals" in gates["checkpoint.restore"]["detail"]
     assert gates["checkpoint.resume_losses"]["numbers"] == {"steps_compared": 5, "max_abs_diff": 0.0,
                                                            "tolerance": 0.0, "missing_steps": 0}
+
+
+def _gpu_like_rungs(compiled_drift: float, first_resumed_drift: float) -> list:
+    """Rungs as a bf16 CUDA ladder gives them: the compiled curve drifts from the baseline's, and the resumed run's
+    losses from the uninterrupted one's (non-deterministic backward kernels), by the given amounts."""
+    from trainflow.ladder import Rung
+
+    base = {s: 5.0 - s / 100 for s in range(20, 201, 20)}
+    checkpoint = {"steps": 200, "checkpoint": {"verified": True, "saves": 2, "steps_saved": [100, 200]}}
+    return [Rung("baseline", "0", {"steps": 200, "train_loss": {"first": 5.55, "last": 2.48}}, base),
+            Rung("compile", "1", {"steps": 200, "compile": {
+                "graphs": 2, "graph_breaks": {"count": 0, "breaks": []}, "recompiles": {"count": 1},
+                "recompile_limit": 8, "recompile_limit_hit": False, "compile_time_s": 27.7}},
+                 {s: v * (1 + (compiled_drift if s == 40 else 0)) for s, v in base.items()}),
+            Rung("checkpoint", "3", checkpoint, base),
+            Rung("resume", "4", {"steps": 200, "resumed_from_step": 100},
+                 {s: v + (first_resumed_drift if s == 120 else 0) for s, v in base.items() if s > 100})]
+
+
+@pytest.mark.parametrize(("drift", "atol", "status", "words"), [
+    (2e-4, 0.0, "FAIL", "DIFFERS from"), (2e-4, 0.02, "PASS", "is within 0.02 of"), (0.0, 0.0, "PASS", "equals"),
+    (0.05, 0.02, "FAIL", "DIFFERS from")])
+def test_the_restore_gate_allows_the_resume_tolerance(drift: float, atol: float, status: str, words: str) -> None:
+    """The first GPU ladder resumed exactly (step 101 from the restored weights) but its step-120 loss differed by
+    2e-4 after 20 steps of CUDA's atomics-based backward: ladder.resume_atol applies to that first loss too."""
+    from trainflow.config import LadderConfig
+    from trainflow.ladder import evaluate
+
+    gates = {g.name: g for g in evaluate(_gpu_like_rungs(0.0, drift), LadderConfig(resume_atol=atol), "bf16")}
+    restore = gates["checkpoint.restore"]
+    assert restore.status == status and f"(step 120) {words} the uninterrupted one" in restore.detail, restore
+    assert restore.numbers["first_step_abs_diff"] == pytest.approx(drift)
+
+
+@pytest.mark.parametrize(("drift", "precision", "status"), [
+    (0.034, "bf16", "PASS"), (0.08, "bf16", "FAIL"), (0.034, "fp32", "FAIL"), (5e-4, "fp32", "PASS")])
+def test_loss_parity_follows_the_arithmetic(drift: float, precision: str, status: str) -> None:
+    """bf16 compiled vs eager gpt_small on an H200 drifted 3.4e-2 at step 40: inside bf16's tolerance, not fp32's."""
+    from trainflow.config import LadderConfig
+    from trainflow.ladder import evaluate
+
+    gates = {g.name: g for g in evaluate(_gpu_like_rungs(drift, 0.0), LadderConfig(), precision)}
+    parity = gates["compile.loss_parity"]
+    assert parity.status == status and parity.numbers["at_step"] == 40, parity
+    assert parity.numbers["max_rel_diff"] == pytest.approx(drift)

@@ -48,9 +48,11 @@ ACTIONS = {
                            "per-rank trainer.batch_size or trainer.grad_accum), tune parallelism.ddp.bucket_cap_mb, "
                            "keep FSDP parameters gathered (parallelism.fsdp.reshard_after_forward=false), or use "
                            "fewer ranks",
-    "compute-bound": "the step is arithmetic: use trainer.precision=bf16 on hardware with bf16 units, compile to "
-                     "fuse kernels, or add devices (parallelism=ddp or fsdp); MFU shows the headroom left",
 }
+# compute-bound: the remedies the run does not already use (a bf16, compiled run is told about devices alone)
+_COMPUTE_REMEDIES = (("bf16", "use trainer.precision=bf16 on hardware with bf16 units"),
+                     ("compile", "compile to fuse kernels (compile.enabled=true)"),
+                     (None, "add devices (parallelism=ddp or fsdp)"))
 # CUDA graphs under DDP/FSDP hit open upstream bugs (cudagraph trees with DDP's hooks and FSDP's all-gathers):
 # across ranks the verdict recommends only what works there.
 _MULTI_RANK_OVERHEAD = ("the step is many small operations paying per-op dispatch cost: compile the model "
@@ -264,11 +266,18 @@ def analyze_window(events: list[Any], on_gpu: bool, last_step: int) -> dict[str,
             "step_ms": step_ms, "seconds": seconds, "covered": covered_s}
 
 
+def _compute_bound_action(applied: frozenset[str]) -> str:
+    remedies = [text for needs, text in _COMPUTE_REMEDIES if needs not in applied]
+    return f"the step is arithmetic: {', or '.join(remedies)}; MFU shows the headroom left"
+
+
 def verdict(totals: dict[str, Any], device: str, distributed: bool = False,
-            straggler: dict[str, Any] | None = None, rank: int = 0) -> dict[str, Any] | None:
+            straggler: dict[str, Any] | None = None, rank: int = 0,
+            applied: frozenset[str] = frozenset()) -> dict[str, Any] | None:
     """Name the bottleneck from accumulated window seconds; None when nothing was recorded.
 
     `distributed`: the run has several ranks, so the action never recommends CUDA graphs (see above).
+    `applied`: what the run already does ("bf16", "compile"), left out of a compute-bound action.
     `straggler`: the rank the stragglers stage named in this run: when this rank (another one) is
     communication-bound, its collectives wait for that rank, and the cause is the straggler, not the collectives.
     """
@@ -282,7 +291,7 @@ def verdict(totals: dict[str, Any], device: str, distributed: bool = False,
     bound = max(groups, key=groups.__getitem__)
     retracing = shares["compile"] > 0
     cause = "retracing" if bound == "cpu-overhead-bound" and shares["compile"] > shares["overhead"] else None
-    action = ACTIONS[cause or bound]
+    action = _compute_bound_action(applied) if (cause or bound) == "compute-bound" else ACTIONS[cause or bound]
     if distributed and (cause or bound) == "cpu-overhead-bound":
         action = _MULTI_RANK_OVERHEAD
     if straggler and bound == "communication-bound" and straggler["rank"] != rank:

@@ -57,8 +57,9 @@ class Profiler(Stage):
     summary_key = "profiler"
 
     def __init__(self, cfg: ProfilerConfig, env: DistEnv, run_dir: Path, max_steps: int, skip_first: int = 0,
-                 start_step: int = 0, meter: Throughput | None = None) -> None:
+                 start_step: int = 0, meter: Throughput | None = None, applied: frozenset[str] = frozenset()) -> None:
         self.cfg = cfg
+        self.applied = applied  # what the run already does ("bf16", "compile"): the verdict does not advise it
         self.env = env
         self.run_dir = run_dir
         self.max_steps = max_steps
@@ -81,8 +82,10 @@ class Profiler(Stage):
 
     @classmethod
     def build(cls, ctx: StageContext) -> Profiler:
+        applied = frozenset(name for name, used in (("bf16", ctx.trainer.precision == "bf16"),
+                                                    ("compile", ctx.cfg.compile.enabled)) if used)
         return cls(ctx.section("profiler", ProfilerConfig), ctx.env, ctx.run_dir, ctx.trainer.max_steps,
-                   meter=ctx.meter)
+                   meter=ctx.meter, applied=applied)
 
     def start(self, state: LoopState) -> None:
         if self.cfg.enabled and self._meter is not None:  # every rank checks the window, recording or not
@@ -244,7 +247,8 @@ class Profiler(Stage):
         if not self.enabled:
             return None
         r = self.result
-        r.verdict = verdict(self._totals, self.device, self.env.distributed, self._straggler, self.env.rank)
+        r.verdict = verdict(self._totals, self.device, self.env.distributed, self._straggler, self.env.rank,
+                            self.applied)
         cores = os.cpu_count() or 1
         if r.verdict and self.device == "cpu" and self._load > cores:
             r.verdict["note"] = (f"the machine was oversubscribed (load average {self._load:.1f} on {cores} cores): "

@@ -7,11 +7,12 @@ import torch
 # TF32 and bf16 keep 10 and 7 mantissa bits, so fused and unfused kernels, and differently ordered reductions, round
 # visibly differently. compile.check: one batch, compiled against eager. parallelism.check: the ranks against one
 # process (bf16 gradients of 2-sample shards round differently from the one-process batch). ladder: every logged
-# loss of a rung against the baseline's.
+# loss of a rung against the baseline's; in bf16 two runs drift apart most where the loss falls fastest, just after
+# the learning-rate warm-up (docs/gpu.md: 3.4e-2 for compiled vs eager gpt_small on an H200).
 TOLERANCE = {
     "compile.check": {"fp32": 1e-4, "tf32": 1e-2, "bf16": 1e-2},
     "parallelism.check": {"fp32": 1e-4, "tf32": 1e-2, "bf16": 2e-2},
-    "ladder.loss_rtol": {"fp32": 1e-3, "tf32": 1e-2, "bf16": 3e-2},
+    "ladder.loss_rtol": {"fp32": 1e-3, "tf32": 1e-2, "bf16": 5e-2},
 }
 
 
