@@ -119,9 +119,11 @@ class TorchrunLauncher(SweepLauncher):
 # (SIGKILL)", "error_file: <path of the rank's record, or <N/A>>"
 _REPORTED_RANK = re.compile(r"^\s*rank\s*: (\d+) \(local_rank: \d+\)\n\s*exitcode\s*: (-?\d+) \(pid: (\d+)\).*\n"
                             r"\s*error_file\s*: (.*)$", re.MULTILINE)
-# How long a node whose ranks only lost a connection waits for another node's agent to report the rank it lost: that
-# agent notices its rank's death within its monitor interval, while a rank that lost a peer lingers 2 s first.
-_SIBLING_REPORT_WAIT_S = 10.0
+# How long a node waits for another node's agent to report the rank it lost (or, on the lost rank's node, the rank
+# that noticed): the dead rank is reported within a monitor interval, but the witness lingers 2 s and then tears
+# down: its report came 5 s after the other on two busy cores, and past 10 s on a loaded 2-core machine. The
+# wait ends as soon as both reports are there; only a node lost whole (no report ever) waits it out.
+_SIBLING_REPORT_WAIT_S = 30.0
 
 
 def reported_ranks(agent_log: str) -> dict[int, tuple[int, int, str]]:
