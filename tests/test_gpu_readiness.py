@@ -95,8 +95,8 @@ def test_the_verdict_recommends_cuda_graphs_only_to_one_process() -> None:
 
 
 @pytest.mark.parametrize("applied", [frozenset(), frozenset({"bf16"}), frozenset({"bf16", "compile"})])
-def test_a_compute_bound_verdict_advises_only_what_the_run_does_not_do_yet(applied: frozenset[str]) -> None:
-    # the first GPU ladder (bf16, compiled) was told to use bf16 and compile
+def test_the_verdict_advises_only_what_the_run_does_not_do_yet(applied: frozenset[str]) -> None:
+    # the first GPU ladder (bf16, compiled, compute-bound) was told to use bf16 and compile
     totals = {"steps": 3, "step_s": 0.3, "step_ms": [100.0] * 3, "covered": {},
               "seconds": {"forward_backward_compute": 0.25, "overhead": 0.05}}
     v = verdict(totals, "cuda", applied=applied)
@@ -104,6 +104,13 @@ def test_a_compute_bound_verdict_advises_only_what_the_run_does_not_do_yet(appli
     assert ("trainer.precision=bf16" in v["action"]) == ("bf16" not in applied), v["action"]
     assert ("compile.enabled=true" in v["action"]) == ("compile" not in applied), v["action"]
     assert "parallelism=ddp or fsdp" in v["action"]
+    overhead_bound = {**totals, "seconds": {"forward_backward_compute": 0.05, "overhead": 0.25}}
+    for distributed in (False, True):
+        v = verdict(overhead_bound, "cuda", distributed=distributed, applied=applied)
+        assert v is not None and v["bound"] == "cpu-overhead-bound", v
+        assert ("compile.enabled=true" in v["action"]) == ("compile" not in applied), v["action"]
+        assert "trainer.batch_size" in v["action"]
+        assert ("compile.mode=reduce-overhead" in v["action"]) == (not distributed), v["action"]
 
 
 def test_fsdp_dtypes_follow_torchtitan_under_bf16() -> None:

@@ -39,9 +39,6 @@ SHARES = ("data_wait", "forward_backward_compute", "optimizer_compute", "communi
 ACTIONS = {
     "data-bound": "the step waits for its batch: raise data.num_workers (with data.persistent_workers=true and "
                   "data.prefetch_factor to load ahead), set data.pin_memory=true on GPU, or make loading cheaper",
-    "cpu-overhead-bound": "the step is many small operations paying per-op dispatch cost: compile the model "
-                          "(compile.enabled=true), raise trainer.batch_size so each operation does more work, and "
-                          "on one GPU capture CUDA graphs (compile.mode=reduce-overhead)",
     "retracing": "compilation ran inside the profiled steps (recompiles on changing shapes): set "
                  "compile.dynamic=true or bucket input shapes to a few fixed sizes",
     "communication-bound": "collectives are exposed: give each all-reduce more compute to hide behind (a larger "
@@ -49,15 +46,25 @@ ACTIONS = {
                            "keep FSDP parameters gathered (parallelism.fsdp.reshard_after_forward=false), or use "
                            "fewer ranks",
 }
-# compute-bound: the remedies the run does not already use (a bf16, compiled run is told about devices alone)
-_COMPUTE_REMEDIES = (("bf16", "use trainer.precision=bf16 on hardware with bf16 units"),
-                     ("compile", "compile to fuse kernels (compile.enabled=true)"),
-                     (None, "add devices (parallelism=ddp or fsdp)"))
-# CUDA graphs under DDP/FSDP hit open upstream bugs (cudagraph trees with DDP's hooks and FSDP's all-gathers):
-# across ranks the verdict recommends only what works there.
-_MULTI_RANK_OVERHEAD = ("the step is many small operations paying per-op dispatch cost: compile the model "
-                        "(compile.enabled=true, compile.mode=max-autotune-no-cudagraphs on GPU) and raise "
-                        "trainer.batch_size so each operation does more work (CUDA graphs are not used with ddp/fsdp)")
+# The remedies of the bounds whose cure depends on the run, each left out where the run already uses it (a
+# requirement of None: always said). A bf16, compiled, compute-bound run is told about devices alone.
+_REMEDIES = {
+    "compute-bound": ("the step is arithmetic", (
+        ("bf16", "use trainer.precision=bf16 on hardware with bf16 units"),
+        ("compile", "compile to fuse kernels (compile.enabled=true)"),
+        (None, "add devices (parallelism=ddp or fsdp); MFU shows the headroom left"))),
+    "cpu-overhead-bound": ("the step is many small operations paying per-op dispatch cost", (
+        ("compile", "compile the model (compile.enabled=true)"),
+        (None, "raise trainer.batch_size so each operation does more work"),
+        (None, "on one GPU capture CUDA graphs (compile.mode=reduce-overhead)"))),
+    # CUDA graphs under DDP/FSDP hit open upstream bugs (cudagraph trees with DDP's hooks and FSDP's all-gathers):
+    # across ranks the verdict recommends only what works there.
+    "cpu-overhead-bound, several ranks": ("the step is many small operations paying per-op dispatch cost", (
+        ("compile", "compile the model (compile.enabled=true)"),
+        (None, "on GPU compile with compile.mode=max-autotune-no-cudagraphs"),
+        (None, "raise trainer.batch_size so each operation does more work (CUDA graphs are not used with "
+               "ddp/fsdp)"))),
+}
 VERDICT_GROUPS = {
     "data-bound": ("data_wait",),
     "communication-bound": ("communication",),
@@ -266,9 +273,9 @@ def analyze_window(events: list[Any], on_gpu: bool, last_step: int) -> dict[str,
             "step_ms": step_ms, "seconds": seconds, "covered": covered_s}
 
 
-def _compute_bound_action(applied: frozenset[str]) -> str:
-    remedies = [text for needs, text in _COMPUTE_REMEDIES if needs not in applied]
-    return f"the step is arithmetic: {', or '.join(remedies)}; MFU shows the headroom left"
+def _remedy_action(bound: str, applied: frozenset[str]) -> str:
+    intro, remedies = _REMEDIES[bound]
+    return f"{intro}: " + "; ".join(text for needs, text in remedies if needs not in applied)
 
 
 def verdict(totals: dict[str, Any], device: str, distributed: bool = False,
@@ -277,7 +284,7 @@ def verdict(totals: dict[str, Any], device: str, distributed: bool = False,
     """Name the bottleneck from accumulated window seconds; None when nothing was recorded.
 
     `distributed`: the run has several ranks, so the action never recommends CUDA graphs (see above).
-    `applied`: what the run already does ("bf16", "compile"), left out of a compute-bound action.
+    `applied`: what the run already does ("bf16", "compile"), left out of the action.
     `straggler`: the rank the stragglers stage named in this run: when this rank (another one) is
     communication-bound, its collectives wait for that rank, and the cause is the straggler, not the collectives.
     """
@@ -291,9 +298,11 @@ def verdict(totals: dict[str, Any], device: str, distributed: bool = False,
     bound = max(groups, key=groups.__getitem__)
     retracing = shares["compile"] > 0
     cause = "retracing" if bound == "cpu-overhead-bound" and shares["compile"] > shares["overhead"] else None
-    action = _compute_bound_action(applied) if (cause or bound) == "compute-bound" else ACTIONS[cause or bound]
-    if distributed and (cause or bound) == "cpu-overhead-bound":
-        action = _MULTI_RANK_OVERHEAD
+    if cause or bound not in _REMEDIES:
+        action = ACTIONS[cause or bound]
+    else:
+        action = _remedy_action(bound + (", several ranks" if distributed and bound == "cpu-overhead-bound" else ""),
+                                applied)
     if straggler and bound == "communication-bound" and straggler["rank"] != rank:
         cause = "a straggler rank"
         action = (f"the collectives wait for rank {straggler['rank']} on {straggler['host']}, a straggler "
