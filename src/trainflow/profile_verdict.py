@@ -298,11 +298,12 @@ def verdict(totals: dict[str, Any], device: str, distributed: bool = False,
     bound = max(groups, key=groups.__getitem__)
     retracing = shares["compile"] > 0
     cause = "retracing" if bound == "cpu-overhead-bound" and shares["compile"] > shares["overhead"] else None
-    if cause or bound not in _REMEDIES:
-        action = ACTIONS[cause or bound]
+    key = cause or bound
+    if key in _REMEDIES:
+        several = distributed and key == "cpu-overhead-bound"
+        action = _remedy_action(key + (", several ranks" if several else ""), applied)
     else:
-        action = _remedy_action(bound + (", several ranks" if distributed and bound == "cpu-overhead-bound" else ""),
-                                applied)
+        action = ACTIONS[key]
     if straggler and bound == "communication-bound" and straggler["rank"] != rank:
         cause = "a straggler rank"
         action = (f"the collectives wait for rank {straggler['rank']} on {straggler['host']}, a straggler "
