@@ -9,7 +9,10 @@ hand-written gain (median of the rounds) is what trainflow keeps of torch.compil
 Cold vs warm: `python train.py compile=default` twice as separate processes on a fresh cache directory: the
 first compiles from scratch (cold), the second finds inductor's and AOTAutograd's artifacts (warm).
 
-    python benchmarks/compile.py [--rounds 3] [--steps 20] [--skip-cold]
+    python benchmarks/compile.py [--rounds 3] [--steps 20] [--skip-cold] [--gpu]
+
+`--gpu`: gpt_small in bf16 on CUDA, both loops with fused AdamW and bf16 autocast, timed between device syncs;
+trainflow eager / hand-written eager is then the loop's cost on a GPU.
 """
 
 from __future__ import annotations
@@ -36,14 +39,16 @@ from trainflow.tasks import cross_entropy
 ROOT = Path(__file__).resolve().parents[1]
 register_with_hydra()  # before composing configs, as train.py does
 MODEL = ["model=gpt_tiny", "data=text", "trainer.batch_size=16", "optim=adamw"]
+GPU_MODEL = ["model=gpt_small", "data=text", "trainer.batch_size=16", "optim=adamw", "trainer.device=cuda",
+             "trainer.precision=bf16"]
 COMMON = ["logger=none", "trainer.eval_every=0", "trainer.eval_steps=1", "trainer.progress=log"]
 WARMUP = 3  # steps left out before timing, in both loops (plus trainflow's own compile steps)
 
 
-def trainflow_step_time(overrides: list[str], steps: int, cache_dir: str) -> float:
+def trainflow_step_time(model: list[str], overrides: list[str], steps: int, cache_dir: str) -> float:
     """trainflow's steady-state step time, as its summary reports it."""
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        cfg = compose("train", overrides=[*MODEL, *COMMON, *overrides, f"compile.cache_dir={cache_dir}",
+        cfg = compose("train", overrides=[*model, *COMMON, *overrides, f"compile.cache_dir={cache_dir}",
                                           f"trainer.warmup_steps={WARMUP}", f"trainer.max_steps={steps + WARMUP + 1}",
                                           f"trainer.log_every={steps + WARMUP + 1}"])
     with tempfile.TemporaryDirectory() as tmp:
@@ -53,26 +58,35 @@ def trainflow_step_time(overrides: list[str], steps: int, cache_dir: str) -> flo
     return summary["steady_state"]["step_time_s"]
 
 
-def handwritten_step_time(compiled: bool, steps: int) -> float:
-    """The plain loop: the same model, loss, clipping and AdamW; `torch.compile(model)` when compiled."""
+def handwritten_step_time(model_overrides: list[str], compiled: bool, steps: int) -> float:
+    """The plain loop: the same model, loss, clipping and AdamW; `torch.compile(model)` when compiled. On CUDA:
+    bf16 autocast and fused AdamW, as a user who reads the docs writes them (trainflow uses both there)."""
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        cfg = compose("train", overrides=[*MODEL, *COMMON])
+        cfg = compose("train", overrides=[*model_overrides, *COMMON])
+    device = torch.device(cfg.trainer.device if cfg.trainer.device != "auto" else "cpu")
+    on_gpu = device.type == "cuda"
     torch.manual_seed(cfg.trainer.seed)
-    model = instantiate(cfg.model)
+    model = instantiate(cfg.model).to(device)
     if compiled:
         model = torch.compile(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, betas=tuple(cfg.optim.betas),
-                                  weight_decay=cfg.optim.weight_decay)
+                                  weight_decay=cfg.optim.weight_decay, fused=on_gpu)
     b, t = cfg.trainer.batch_size, cfg.data.seq_len
-    tokens = torch.randint(cfg.model.vocab_size, (steps + WARMUP + 1, b, t + 1))
+    tokens = torch.randint(cfg.model.vocab_size, (steps + WARMUP + 1, b, t + 1), device=device)
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.trainer.precision == "bf16")
     for step in range(steps + WARMUP + 1):
         if step == WARMUP + 1:  # the first step compiles; WARMUP more settle
+            if on_gpu:
+                torch.cuda.synchronize(device)
             start = time.perf_counter()
-        loss = cross_entropy(model(tokens[step, :, :-1]), tokens[step, :, 1:])
+        with autocast:
+            loss = cross_entropy(model(tokens[step, :, :-1]), tokens[step, :, 1:])
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.trainer.grad_clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+    if on_gpu:
+        torch.cuda.synchronize(device)
     return (time.perf_counter() - start) / steps
 
 
@@ -86,12 +100,12 @@ def fresh_dynamo() -> None:
     clear_compilation_metrics()
 
 
-def steady_state(rounds: int, steps: int, cache_dir: str) -> dict[str, object]:
+def steady_state(model: list[str], rounds: int, steps: int, cache_dir: str) -> dict[str, object]:
     variants = {
-        "trainflow_eager": lambda: trainflow_step_time(["compile=off"], steps, cache_dir),
-        "trainflow_compiled": lambda: trainflow_step_time(["compile=default"], steps, cache_dir),
-        "hand_eager": lambda: handwritten_step_time(False, steps),
-        "hand_compiled": lambda: handwritten_step_time(True, steps),
+        "trainflow_eager": lambda: trainflow_step_time(model, ["compile=off"], steps, cache_dir),
+        "trainflow_compiled": lambda: trainflow_step_time(model, ["compile=default"], steps, cache_dir),
+        "hand_eager": lambda: handwritten_step_time(model, False, steps),
+        "hand_compiled": lambda: handwritten_step_time(model, True, steps),
     }
     times: dict[str, list[float]] = {name: [] for name in variants}
     names = list(variants)
@@ -107,15 +121,20 @@ def steady_state(rounds: int, steps: int, cache_dir: str) -> dict[str, object]:
         "gain_trainflow": statistics.median(tf_gain),
         "gain_handwritten": statistics.median(hand_gain),
         "kept_of_torch_compile_gain": statistics.median([a / b for a, b in zip(tf_gain, hand_gain, strict=True)]),
+        # > 1: trainflow's loop is faster than the hand-written one; its cost over it is 1 - this
+        "eager_speed_vs_handwritten": statistics.median(
+            [h / t for h, t in zip(times["hand_eager"], times["trainflow_eager"], strict=True)]),
+        "compiled_speed_vs_handwritten": statistics.median(
+            [h / t for h, t in zip(times["hand_compiled"], times["trainflow_compiled"], strict=True)]),
     }
 
 
-def cold_vs_warm(cache_dir: str) -> dict[str, object]:
+def cold_vs_warm(model: list[str], cache_dir: str) -> dict[str, object]:
     """First-step and compile time of two `python train.py compile=default` processes on one fresh cache."""
     result = {}
     for name in ("cold", "warm"):
         with tempfile.TemporaryDirectory() as tmp:
-            cmd = [sys.executable, str(ROOT / "train.py"), *MODEL, *COMMON, "compile=default",
+            cmd = [sys.executable, str(ROOT / "train.py"), *model, *COMMON, "compile=default",
                    f"compile.cache_dir={cache_dir}", "trainer.max_steps=3", "trainer.warmup_steps=0",
                    f"hydra.run.dir={tmp}"]
             proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
@@ -134,14 +153,18 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=20, help="timed steps per variant and round")
     parser.add_argument("--skip-cold", action="store_true", help="only the steady-state comparison")
+    parser.add_argument("--gpu", action="store_true", help="gpt_small in bf16 on CUDA (see above)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
-    results: dict[str, object] = {"torch": torch.__version__, "threads": torch.get_num_threads(), "model": MODEL}
+    model = GPU_MODEL if args.gpu else MODEL
+    results: dict[str, object] = {"torch": torch.__version__, "threads": torch.get_num_threads(), "model": model}
+    if args.gpu:
+        results["device"] = torch.cuda.get_device_name()
     with tempfile.TemporaryDirectory() as cache:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache  # the hand-written loop's inductor uses it too
         if not args.skip_cold:
-            results["cold_vs_warm"] = cold_vs_warm(cache)
-        results["steady_state"] = steady_state(args.rounds, args.steps, cache)
+            results["cold_vs_warm"] = cold_vs_warm(model, cache)
+        results["steady_state"] = steady_state(model, args.rounds, args.steps, cache)
     print(json.dumps(results, indent=2))
 
 

@@ -217,3 +217,46 @@ def test_stages_hold_their_typed_sections_in_a_launched_worker(tmp_path: Path) -
     start = events.SummaryMetadata("_hparams_/session_start_info")
     hparams = metadata.parse_session_start_info_plugin_data(start.plugin_data.content).hparams
     assert hparams["optim.lr"].number_value == 0.03 and hparams["trainer.max_steps"].number_value == 6
+
+
+def test_device_work_still_queued_counts_as_training_not_as_the_stages_pauses(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On CUDA the host runs steps ahead of the device. Evaluation and a save wait for the device before they
+    start their pause clocks, and the meter waits before it stops: a device sync that drains 0.25 s of queued
+    steps here (each stage's sync, faked: no GPU on this machine) must land in the steady state's time, not in
+    a pause that the steady state leaves out (the first GPU run's throughput was measured this way)."""
+    import trainflow.checkpoint.checkpointer as checkpointer
+    import trainflow.evaluation as evaluation
+    import trainflow.metrics as metrics
+    from trainflow.cli import register_with_hydra
+    from trainflow.distributed.process_group import process_group
+    from trainflow.run import assemble, summarize, train_loop
+
+    drains: list[str] = []
+
+    def drain_queue(module: str):
+        def sync(device: torch.device) -> None:
+            drains.append(module)
+            time.sleep(0.25)
+        return sync
+
+    monkeypatch.setattr(evaluation, "device_sync", drain_queue("evaluation"))
+    monkeypatch.setattr(checkpointer, "device_sync", drain_queue("checkpoint"))
+    register_with_hydra()
+    cfg = seed_mlp_cfg("trainer.max_steps=12", "trainer.warmup_steps=0", "trainer.log_every=100",
+                       "trainer.eval_every=4", "checkpoint=dcp", "checkpoint.every_steps=4",
+                       "checkpoint.save_final=false", f"checkpoint.dir={tmp_path / 'checkpoints'}")
+    with process_group(cfg) as env:
+        run = assemble(cfg, tmp_path, env)
+        monkeypatch.setattr(metrics, "device_sync", drain_queue("meter"))  # after the set-up's own syncs
+        train_loop(run)
+        summary = summarize(run)
+        run.ctx.writer.close()
+    # the meter's start; steps 4 and 8: each stage before its clock; step 12: the last log's interval, the
+    # evaluation, the save; the meter's stop
+    assert drains == ["meter", *["evaluation", "checkpoint"] * 2, "meter", "evaluation", "checkpoint", "meter"]
+    steady = summary["steady_state"]
+    assert steady["steps"] == 12
+    # every drain after the clock started is training time: 8 x 0.25 s (12 MLP steps take ~10 ms)
+    assert steady["step_time_s"] * 12 >= 8 * 0.25
+    assert summary["checkpoint"]["saves"] == 3

@@ -16,6 +16,7 @@ from trainflow.distributed import DistEnv
 from trainflow.distributed.parallelism import local_loss, loss_context
 from trainflow.distributed.process_group import all_reduce_mean
 from trainflow.loggers.writer import MetricsWriter
+from trainflow.metrics import device_sync
 from trainflow.stages import LoopState, Stage, StageContext
 from trainflow.tasks import Task, add_metrics
 
@@ -44,6 +45,7 @@ class Evaluation(Stage):
     def after_step(self, state: LoopState) -> bool:
         if not (state.done or (self.every and state.step % self.every == 0)):
             return False
+        device_sync(self.env.device)  # the steps still queued on the device are training, not the pause
         start = time.perf_counter()
         self.result = evaluate(state.model, self.data.val, self.task, self.trainer, self.env, self.autocast)
         self.writer.write(state.step, {f"val/{k}": v for k, v in self.result.items()})

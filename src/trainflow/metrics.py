@@ -268,7 +268,8 @@ class Throughput:
                 self.memory.reset()  # the steady state's peak leaves out compilation's
 
     def pause(self, seconds: float) -> None:
-        """Leave `seconds` of non-training work (evaluation, a checkpoint save) out of every clock."""
+        """Leave `seconds` of non-training work (evaluation, a checkpoint save) out of every clock. A stage that
+        pauses starts its own clock after `device_sync`: the training steps still queued on the device are training."""
         if self.start is not None:
             self.start += seconds
         self._step_start += seconds
@@ -283,7 +284,9 @@ class Throughput:
         self._interval_start = time.perf_counter()
 
     def stop(self) -> None:
-        """After the last step."""
+        """After the last step, once the device has run it (on CUDA the host is steps ahead of the device until
+        something syncs: without this wait the steady state would end before its last steps did)."""
+        device_sync(self.device)
         self.stopped_at = time.perf_counter()
 
     def steady_state(self) -> dict[str, float] | None:

@@ -66,6 +66,7 @@ from trainflow.config import CheckpointConfig
 from trainflow.distributed import DistEnv
 from trainflow.errors import CheckpointError
 from trainflow.locks import DirLock
+from trainflow.metrics import device_sync
 
 log = logging.getLogger(__package__)  # one name for the package: lines read [trainflow.checkpoint]
 
@@ -186,6 +187,8 @@ class Checkpointer:
 
     def _after_step(self, state: TrainState) -> bool:
         stop_signal, uploaded = self._agreed_flags()
+        if stop_signal or state.step % self._every_steps == 0:  # a save: the queued steps are training, not the pause
+            device_sync(self.env.device)
         start = time.perf_counter()
         if uploaded:
             self._finish_pending()
