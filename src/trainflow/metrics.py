@@ -24,6 +24,7 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from trainflow.data.loaders import to_device
+from trainflow.device import device_sync
 from trainflow.files import write_atomic
 from trainflow.precision import matmul_math
 
@@ -190,12 +191,6 @@ class PeakMemory:
             return {"peak_memory_bytes": peak_memory_bytes(self.device), "peak_memory_reserved_bytes": None}
         self.take()
         return {"peak_memory_bytes": self.allocated, "peak_memory_reserved_bytes": self.reserved}
-
-
-def device_sync(device: torch.device) -> None:
-    """Wait for the device's queued work (CUDA), so that a clock read after it measures that work."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 @dataclass

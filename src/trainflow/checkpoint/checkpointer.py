@@ -63,10 +63,10 @@ from trainflow.checkpoint.state import (
 from trainflow.checkpoint.stopping import EXIT_STOPPED, LatePoll, StopSignals, mark_stopped
 from trainflow.checkpoint.store import TMP_PREFIX, Committed, check_intact, list_committed
 from trainflow.config import CheckpointConfig
+from trainflow.device import device_sync
 from trainflow.distributed import DistEnv
 from trainflow.errors import CheckpointError
 from trainflow.locks import DirLock
-from trainflow.metrics import device_sync
 
 log = logging.getLogger(__package__)  # one name for the package: lines read [trainflow.checkpoint]
 
