@@ -237,6 +237,38 @@ def test_a_rank_killed_on_one_node_is_named_by_every_node(tmp_path: Path) -> Non
     assert committed and max(c.step for c in committed) < steps.pop()
 
 
+def test_a_witness_whose_agent_never_reported_is_read_from_its_own_record(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What CI once left: the lost rank's node hosted the rendezvous store, so when it ended, the other node's
+    agent failed on the store with a traceback and never reported its rank 0. Rank 0's own record (written when
+    it noticed) still names the step: both launchers read it, without waiting out the 30 s for a report."""
+    from hydra_plugins.trainflow_launchers.torchrun_launcher import lost_rank
+    from trainflow.distributed.failures import note_step, record_failure
+
+    logs = tmp_path / "torchrun"
+    (logs / "vm-2").mkdir(parents=True)
+    (logs / "vm-2" / "agent.log").write_text(
+        "  rank      : 1 (local_rank: 0)\n  exitcode  : -9 (pid: 4242)  (SIGKILL)\n  error_file: <N/A>\n")
+    (logs / "vm-1").mkdir()
+    (logs / "vm-1" / "agent.log").write_text("torch.distributed.elastic.rendezvous.api.RendezvousConnectionError: "
+                                             "The connection to the C10d store has failed.\n")
+    record = logs / "vm-1" / "ranks" / "lost-0_ab" / "attempt_0" / "0" / "error.json"
+    record.parent.mkdir(parents=True)
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(record))
+    monkeypatch.setenv("RANK", "0")
+    try:
+        raise RuntimeError("[../gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:5288: Connection reset by peer")
+    except RuntimeError as exc:
+        note_step(exc, 5)
+        record_failure(exc)
+    start = time.monotonic()
+    error = lost_rank(logs, since=0.0, wait_s=30.0)
+    assert time.monotonic() - start < 5  # a witness is there: no wait for a report that never comes
+    assert str(error).startswith("rank 1 (pid 4242) was lost: killed by signal SIGKILL (rank 0 lost its connection "
+                                 "to it in step 5); the other ranks were stopped"), error
+    assert json.loads(record.read_text())["trainflow_rank"] == 0
+
+
 def _job_processes(sweep_dir: Path) -> list[int]:
     """Pids of the agents and ranks working on a job of sweep_dir (their command line names the job's pickle)."""
     pids = []

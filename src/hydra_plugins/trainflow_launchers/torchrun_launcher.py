@@ -42,7 +42,13 @@ from hydra_plugins.trainflow_launchers.common import (
     user_error,
 )
 from hydra_plugins.trainflow_launchers.config import TorchrunLauncherConf
-from trainflow.distributed.failures import WorkerError, lost_rank_error, says_peer_lost, what_it_said
+from trainflow.distributed.failures import (
+    WorkerError,
+    lost_rank_error,
+    ranks_records,
+    says_peer_lost,
+    what_it_said,
+)
 from trainflow.rundir import RUN_DIR_ENV
 
 log = logging.getLogger(__name__)
@@ -119,10 +125,9 @@ class TorchrunLauncher(SweepLauncher):
 # (SIGKILL)", "error_file: <path of the rank's record, or <N/A>>"
 _REPORTED_RANK = re.compile(r"^\s*rank\s*: (\d+) \(local_rank: \d+\)\n\s*exitcode\s*: (-?\d+) \(pid: (\d+)\).*\n"
                             r"\s*error_file\s*: (.*)$", re.MULTILINE)
-# How long a node waits for another node's agent to report the rank it lost (or, on the lost rank's node, the rank
-# that noticed): the dead rank is reported within a monitor interval, but the witness lingers 2 s and then tears
-# down: its report came 5 s after the other on two busy cores, and past 10 s on a loaded 2-core machine. The
-# wait ends as soon as both reports are there; only a node lost whole (no report ever) waits it out.
+# How long a node waits for the lost rank's report and a witness (a rank that noticed: its own record, written at
+# once, or its agent's report, 5 s later on two busy cores since the rank lingers 2 s and then tears down). The
+# wait ends as soon as both are there; only a node lost whole (no report, no record) waits it out.
 _SIBLING_REPORT_WAIT_S = 30.0
 
 
@@ -134,21 +139,24 @@ def reported_ranks(agent_log: str) -> dict[int, tuple[int, int, str]]:
 def lost_rank(log_root: Path, since: float, wait_s: float) -> WorkerError | None:
     """The rank an agent of this job (any node's agent.log under `log_root` written since `since`) reported
     killed by a signal, when every rank that failed by itself only lost its connection: named as every launcher
-    names it, with the step the others noticed it in. Waits up to `wait_s` for another node's report (of the
-    lost rank, or of a rank that noticed it)."""
+    names it, with the step the others noticed it in. Waits up to `wait_s` for a witness: another node's report
+    of a rank that noticed, or that rank's own record (its agent may fail before it reports: the rendezvous
+    store it talks to can live in the lost rank's node)."""
     deadline = time.monotonic() + wait_s
     while True:
         reports: dict[int, tuple[int, int, str]] = {}
         for agent_log in sorted(log_root.glob("**/agent.log")):
             if agent_log.stat().st_mtime >= since:  # not a former launch of the same sweep
                 reports.update(reported_ranks(read_text(agent_log)))
+        records = ranks_records(log_root, since)
         killed = sorted(rank for rank, (code, _, _) in reports.items() if code < 0)
-        if killed and len(killed) < len(reports) or time.monotonic() >= deadline:  # the lost rank and a witness
+        if killed and (set(reports) | set(records)) - set(killed) or time.monotonic() >= deadline:
             break
         time.sleep(0.2)
     if not killed:
         return None
-    others = {rank: _record(error_file) for rank, (code, _, error_file) in reports.items() if code >= 0}
+    others = {rank: what_it_said(data) for rank, data in records.items() if rank not in killed}
+    others.update({rank: _record(error_file) for rank, (code, _, error_file) in reports.items() if code >= 0})
     if any(not says_peer_lost(said) for said, _ in others.values()):
         return None  # a rank failed by itself: its own error says why
     code, pid, _ = reports[killed[0]]

@@ -69,6 +69,8 @@ def record_failure(exc: BaseException) -> None:
         },
         "trainflow_time": time.time(),  # finer than the agent's seconds: which rank failed first
     }
+    if "RANK" in os.environ:  # the global rank: another node's launcher may read this record without its agent
+        data["trainflow_rank"] = int(os.environ["RANK"])
     if isinstance(exc, TrainflowError):
         data["trainflow_user_error"] = str(exc)
     if (step := getattr(exc, "_trainflow_step", None)) is not None:
@@ -106,6 +108,18 @@ def record_message(data: dict[str, Any]) -> str:
     """The message of a rank's error record (torch's or record_failure's)."""
     message = data.get("message")
     return message.get("message", "") if isinstance(message, dict) else str(message or "")
+
+
+def ranks_records(log_root: Path, since: float) -> dict[int, dict[str, Any]]:
+    """The error records trainflow's ranks wrote (record_failure) under `log_root` since `since`, by global rank,
+    whatever their agent did with them: an agent whose rendezvous store went down with another node's never
+    reports its ranks, but their records are on disk."""
+    records = {}
+    for path in log_root.glob("**/attempt_*/*/error.json"):
+        with contextlib.suppress(OSError, ValueError):
+            if path.stat().st_mtime >= since and "trainflow_rank" in (data := json.loads(path.read_text())):
+                records[int(data["trainflow_rank"])] = data
+    return records
 
 
 def what_it_said(data: dict[str, Any]) -> tuple[str, int | None]:
