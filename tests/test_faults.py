@@ -94,7 +94,9 @@ FAULTS = [
           "test_distributed.py::test_a_rank_killed_by_a_signal_is_named_not_the_rank_that_lost_it"),
     Fault("SIGKILL of one rank of a job on 2 nodes (hydra/launcher=torchrun, two launchers on the loopback)",
           "every node's launcher names the lost rank, its signal and the step the others noticed it in, in the job's "
-          "one line (a node that only lost a connection reads the other node's agent report in the shared job dir); "
+          "one line (a node that only lost a connection reads the other node's agent report in the shared job dir, "
+          "and the noticing rank's own record where its agent failed on a rendezvous store that went with the lost "
+          "node: test_a_witness_whose_agent_never_reported_is_read_from_its_own_record); "
           "no traceback on either console; committed checkpoints whole",
           "test_launcher_torchrun.py::test_a_rank_killed_on_one_node_is_named_by_every_node"),
     Fault("SIGKILL of one replica group of a parallelism.fault_tolerance=torchft run (2 groups of one rank, of 2 "
