@@ -100,7 +100,8 @@ def launch(cfg: DictConfig, run_dir: Path) -> dict[str, Any] | None:
         handlers = {name: signal.getsignal(getattr(signal, name)) for name in _PASSED_ON}
         stop = None
         try:
-            elastic_launch(config, _worker)(container, str(run_dir), str(pids))
+            with _repeated_stops_quiet(SignalException):
+                elastic_launch(config, _worker)(container, str(run_dir), str(pids))
         except ChildFailedError as exc:
             raise explain_worker_failure(exc, Path(logs), hang_report(run_dir, started)) from None
         except SignalException as exc:
@@ -111,6 +112,24 @@ def launch(cfg: DictConfig, run_dir: Path) -> dict[str, Any] | None:
             for name, handler in handlers.items():
                 signal.signal(getattr(signal, name), signal.SIG_IGN if stop else handler)
     return _rank0_summary(run_dir / "summary.json", started, stop)
+
+
+@contextlib.contextmanager
+def _repeated_stops_quiet(signal_exception: type[BaseException]) -> Iterator[None]:
+    """The agent's signal handlers raise in this process; a stop signal repeated while the agent shuts down can
+    land in a finalizer (its rendezvous keep-alive timer's), which cannot raise: Python prints "Exception ignored
+    in" and a traceback. The stop is under way and said in one line: say nothing of the repeat."""
+    previous = sys.unraisablehook
+
+    def hook(unraisable: Any) -> None:
+        if not isinstance(unraisable.exc_value, signal_exception):
+            previous(unraisable)
+
+    sys.unraisablehook = hook
+    try:
+        yield
+    finally:
+        sys.unraisablehook = previous
 
 
 @contextlib.contextmanager
