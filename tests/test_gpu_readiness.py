@@ -91,9 +91,6 @@ def test_the_verdict_recommends_cuda_graphs_only_to_one_process() -> None:
     assert "reduce-overhead" not in several["action"] and "max-autotune-no-cudagraphs" in several["action"]
 
 
-# -- FSDP2 --------------------------------------------------------------------------------------------------------
-
-
 @pytest.mark.parametrize("applied", [frozenset(), frozenset({"bf16"}), frozenset({"bf16", "compile"})])
 def test_the_verdict_advises_only_what_the_run_does_not_do_yet(applied: frozenset[str]) -> None:
     # the first GPU ladder (bf16, compiled, compute-bound) was told to use bf16 and compile
@@ -111,6 +108,9 @@ def test_the_verdict_advises_only_what_the_run_does_not_do_yet(applied: frozense
         assert ("compile.enabled=true" in v["action"]) == ("compile" not in applied), v["action"]
         assert "trainer.batch_size" in v["action"]
         assert ("compile.mode=reduce-overhead" in v["action"]) == (not distributed), v["action"]
+
+
+# -- FSDP2 --------------------------------------------------------------------------------------------------------
 
 
 def test_fsdp_dtypes_follow_torchtitan_under_bf16() -> None:
