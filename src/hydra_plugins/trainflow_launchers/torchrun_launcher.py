@@ -156,7 +156,8 @@ def lost_rank(log_root: Path, since: float, wait_s: float) -> WorkerError | None
     if not killed:
         return None
     others = {rank: what_it_said(data) for rank, data in records.items() if rank not in killed}
-    others.update({rank: _record(error_file) for rank, (code, _, error_file) in reports.items() if code >= 0})
+    others.update({rank: _record(error_file) for rank, (code, _, error_file) in reports.items()  # not read yet
+                   if code >= 0 and rank not in others})
     if any(not says_peer_lost(said) for said, _ in others.values()):
         return None  # a rank failed by itself: its own error says why
     code, pid, _ = reports[killed[0]]

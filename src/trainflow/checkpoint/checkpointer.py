@@ -187,14 +187,15 @@ class Checkpointer:
 
     def _after_step(self, state: TrainState) -> bool:
         stop_signal, uploaded = self._agreed_flags()
-        if stop_signal or state.step % self._every_steps == 0:  # a save: the queued steps are training, not the pause
+        due = state.step % self._every_steps == 0
+        if stop_signal or due:  # a save: the steps still queued on the device are training, not the pause
             device_sync(self.env.device)
         start = time.perf_counter()
         if uploaded:
             self._finish_pending()
         if stop_signal:
             self._stop(state, stop_signal)
-        elif state.step % self._every_steps == 0:
+        elif due:
             self._save(state, blocking=self._sync)
         self._blocked_unreported += time.perf_counter() - start
         return stop_signal is not None
