@@ -138,6 +138,9 @@ def main() -> int:
     parser.add_argument("--only", default=",".join(CHECKS), help="comma-separated checks to run")
     parser.add_argument("--budget-s", type=float, default=240.0, help="skip the remaining checks past this time")
     args = parser.parse_args()
+    unknown = [name for name in args.only.split(",") if name not in CHECKS]
+    if unknown:  # CHECKS_ONLY of gpu_ladder.sh arrives here
+        parser.error(f"--only: no check named {', '.join(unknown)}; the checks are {', '.join(CHECKS)}")
     base = SMOKE if args.smoke else GPU
     args.out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()

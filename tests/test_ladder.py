@@ -241,6 +241,18 @@ def test_gpu_script_without_a_gpu_says_to_use_smoke(tmp_path: Path) -> None:
                                   "CPU check"
 
 
+def test_an_unknown_gpu_check_is_one_line(tmp_path: Path) -> None:
+    """gpu_ladder.sh's CHECKS_ONLY reaches gpu_checks.py --only: a misspelt check ends before any run, naming
+    the known ones (it was a KeyError traceback after the ladder's minutes)."""
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_checks.py"), "--out", str(tmp_path / "out"),
+                           "--only", "tf32,pining"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "gpu_checks.py: error: --only: no check named pining; the checks are pinning, tf32, cuda_graphs_with_eval, "
+        "async_checkpoint, memory_snapshot")
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_rung_that_cannot_run_stops_the_ladder_before_its_first_rung(tmp_path: Path) -> None:
     """`python train.py -m experiment=ladder trainer.max_steps=8`, as typed: the profile rung's window does not fit
     8 steps, so the sweep fails at once, naming the rung and the key, instead of training two rungs first."""
