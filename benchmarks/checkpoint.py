@@ -37,7 +37,7 @@ from omegaconf import OmegaConf
 
 from trainflow.checkpoint import Checkpointer, TrainState, split_state
 from trainflow.checkpoint.safe_io import ChecksummingWriter
-from trainflow.config import CheckpointConfig
+from trainflow.config.schema import CheckpointConfig
 from trainflow.distributed import DistEnv
 from trainflow.models.gpt import GPT
 from trainflow.optim import build_optimizer

@@ -33,7 +33,7 @@ from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 
 from trainflow.cli import register_with_hydra
-from trainflow.run import run
+from trainflow.loop.run import run
 from trainflow.tasks import cross_entropy
 
 ROOT = Path(__file__).resolve().parents[1]

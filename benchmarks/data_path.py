@@ -60,8 +60,8 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from trainflow.cli import register_with_hydra
-from trainflow.run import run
-from trainflow.validation import validate
+from trainflow.config.checks import validate
+from trainflow.loop.run import run
 
 ROOT = Path(__file__).resolve().parents[1]
 register_with_hydra()  # before composing configs, as train.py does

@@ -42,9 +42,9 @@ from torch import nn
 from trainflow.cli import register_with_hydra
 from trainflow.data import StreamSampler, build_datasets, make_loader
 from trainflow.distributed.process_group import process_group
+from trainflow.loop.run import assemble, run, train_loop, train_step
+from trainflow.loop.stages import Stage
 from trainflow.optim import build_optimizer, schedule_changes_lr
-from trainflow.run import assemble, run, train_loop, train_step
-from trainflow.stages import Stage
 from trainflow.tasks import build_task, cross_entropy
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -28,11 +28,11 @@ from pathlib import Path
 import torch
 from torch.profiler import record_function
 
-from trainflow.config import ProfilerConfig
+from trainflow.config.schema import ProfilerConfig
 from trainflow.distributed import DistEnv
 from trainflow.models.gpt import GPT
-from trainflow.profile_verdict import DATA, FWD_BWD, OPTIMIZER
-from trainflow.profiler import Profiler
+from trainflow.profile.profiler import Profiler
+from trainflow.profile.verdict import DATA, FWD_BWD, OPTIMIZER
 from trainflow.tasks import cross_entropy
 
 CASES = {  # model keyword arguments, batch size

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from trainflow.config import FSDPConfig, OptimConfig
+from trainflow.config.schema import FSDPConfig, OptimConfig
 from trainflow.distributed import DistEnv
 from trainflow.distributed.memory_estimate import Layout, estimate, local_bytes, model_facts
 from trainflow.distributed.mesh import MeshLayout, data_parallel_mesh, mesh_for

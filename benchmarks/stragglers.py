@@ -21,11 +21,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel
 
-from trainflow.config import StragglerConfig
+from trainflow.config.schema import StragglerConfig
 from trainflow.distributed import DistEnv
 from trainflow.distributed.stragglers import Stragglers
-from trainflow.loop_state import LoopState
-from trainflow.metrics import PeakMemory, Throughput
+from trainflow.loop.state import LoopState
+from trainflow.metrics.meter import PeakMemory, Throughput
 from trainflow.models.gpt import GPT
 
 CPU = torch.device("cpu")

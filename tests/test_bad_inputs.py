@@ -250,13 +250,13 @@ def fifo_corpus(ctx: Ctx) -> None:
 
 
 def lock_checkpoint_dir(ctx: Ctx) -> None:
-    from trainflow.locks import DirLock
+    from trainflow.util.locks import DirLock
 
     ctx.hold.callback(DirLock(ctx.ckpts).release)  # this test process plays the other run
 
 
 def lock_run_dir(ctx: Ctx) -> None:
-    from trainflow.locks import DirLock
+    from trainflow.util.locks import DirLock
 
     (ctx.tmp / "run").mkdir()
     ctx.hold.callback(DirLock(ctx.tmp / "run").release)  # this test process plays the live run

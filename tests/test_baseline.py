@@ -47,7 +47,7 @@ def test_seed_mlp_experiment_trains(run_dir: Path) -> None:
 
 
 def test_flop_counter_matches_the_analytic_count_for_the_mlp() -> None:
-    from trainflow.metrics import count_train_flops
+    from trainflow.metrics.flops import count_train_flops
     from trainflow.models.mlp import MLP
     from trainflow.tasks import Classification
 
@@ -95,7 +95,7 @@ def gpt_train_flops(model: dict, batch: int, seq_len: int) -> int:
 
 
 def test_gpt_flop_count_equals_the_analytic_count_at_other_sizes() -> None:
-    from trainflow.metrics import count_train_flops
+    from trainflow.metrics.flops import count_train_flops
     from trainflow.models.gpt import GPT
     from trainflow.tasks import LanguageModel
 
@@ -139,7 +139,7 @@ def test_a_cached_cpu_peak_below_what_a_run_achieved_is_measured_again(tmp_path:
     """A peak cached while the machine was loaded would put MFU above 1: it is re-measured and the max kept."""
     import json
 
-    from trainflow import metrics
+    from trainflow.metrics import flops as metrics
 
     cache = tmp_path / "peak_flops.json"
     monkeypatch.setattr(metrics, "_PEAK_CACHE", cache)

@@ -12,10 +12,10 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from trainflow.batch_fit import micro_batch_bytes
 from trainflow.data import load_tokens
 from trainflow.data import text as data_module
 from trainflow.errors import ConfigError
+from trainflow.metrics.batch_fit import micro_batch_bytes
 from trainflow.models.gpt import GPT
 from trainflow.models.mlp import MLP
 from trainflow.tasks import LanguageModel, cross_entropy
@@ -106,7 +106,7 @@ def test_a_compile_failure_in_the_inductor_cache_names_the_cache(tmp_path: Path,
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     from torch._dynamo.exc import BackendCompilerFailed
 
-    from trainflow.compiler import CACHE_ENV, _explain_compile_failure
+    from trainflow.compile.compiler import CACHE_ENV, _explain_compile_failure
 
     monkeypatch.setenv(CACHE_ENV, str(tmp_path))
     inner = OSError(errno.EROFS, "Read-only file system", str(tmp_path / "73"))

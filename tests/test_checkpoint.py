@@ -21,7 +21,7 @@ from helpers.processes import run_process
 from omegaconf import OmegaConf
 
 from trainflow.checkpoint.store import TMP_MARKER
-from trainflow.locks import LOCK_FILE
+from trainflow.util.locks import LOCK_FILE
 
 # 12 steps, a checkpoint every 4; evaluation only at the end, on 2 batches.
 BASE = [*TINY_GPT, "trainer.max_steps=12", "trainer.eval_every=0", "trainer.eval_steps=2",
@@ -268,8 +268,8 @@ def test_bad_values_are_refused_before_training(run_dir: Path) -> None:
 def test_each_bad_value_names_its_key(key: str, value, message: str) -> None:
     from hydra import compose, initialize_config_dir
 
+    from trainflow.config.checks import validate
     from trainflow.errors import ConfigError
-    from trainflow.validation import validate
 
     overrides = ["checkpoint=dcp", f"checkpoint.{key}={value}"] + (["checkpoint.save_final=false"] if key == "export"
                                                                     else [])
@@ -365,7 +365,7 @@ def _step(state) -> None:
 
 def _checkpointer(tmp_path: Path, **overrides):
     from trainflow.checkpoint import Checkpointer
-    from trainflow.config import CheckpointConfig
+    from trainflow.config.schema import CheckpointConfig
     from trainflow.distributed import DistEnv
 
     cfg = CheckpointConfig(**{"enabled": True, "mode": "sync", "dir": str(tmp_path / "ckpts"), "every_steps": 1,

@@ -29,7 +29,7 @@ from helpers.checkpoints import (
 
 from trainflow.checkpoint import TrainState, list_committed
 from trainflow.errors import CheckpointError
-from trainflow.locks import LOCK_FILE
+from trainflow.util.locks import LOCK_FILE
 
 
 def flip_a_byte_of(tensor: torch.Tensor, file: Path) -> None:

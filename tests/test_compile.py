@@ -17,7 +17,7 @@ from conftest import ROOT, TINY_GPT, Run, train
 from omegaconf import OmegaConf
 from torch import nn
 
-from trainflow.config import CompileConfig, TrainerConfig
+from trainflow.config.schema import CompileConfig, TrainerConfig
 from trainflow.data import StreamSampler, SyntheticTokens, make_loader
 from trainflow.distributed import DistEnv
 from trainflow.errors import ConfigError
@@ -165,7 +165,7 @@ def test_recompiles_with_varying_lengths(tmp_path: Path, run_dir: Path, dynamic:
 def test_validation_names_the_key(overrides: list[str], fragment: str) -> None:
     from hydra import compose, initialize_config_dir
 
-    from trainflow.validation import validate
+    from trainflow.config.checks import validate
 
     base = [] if "model=mlp" in overrides else GPT
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
@@ -226,7 +226,7 @@ def fresh_dynamo(monkeypatch: pytest.MonkeyPatch):
 
 
 def make_compiler(tmp_path: Path, **compile_cfg: object):
-    from trainflow.compiler import Compiler
+    from trainflow.compile.compiler import Compiler
 
     compile_section = CompileConfig(**{"enabled": True, "backend": "eager", "cache_dir": str(tmp_path), **compile_cfg})
     return Compiler(compile_section, TrainerConfig(precision="fp32", grad_accum=1, warmup_steps=0), None, CPU_ENV,

@@ -1,4 +1,4 @@
-"""One source of truth for defaults: the schemas in trainflow.config hold them, a conf/ option lists only what it
+"""One source of truth for defaults: the schemas in trainflow.config.schema hold them, a conf/ option lists only what it
 changes (a value repeated in YAML could drift from the schema's unnoticed, and hides what the option is about)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 from conftest import ROOT
 from omegaconf import OmegaConf
 
-from trainflow import config
+from trainflow.config import schema as config
 
 CONF = ROOT / "conf"
 # The group options typed by their own schema (model and data kinds); the others by RunConfig's section.

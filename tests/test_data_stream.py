@@ -11,7 +11,7 @@ import torch
 from trainflow.checkpoint.state import saved_stream_version
 from trainflow.data.stream import FeistelPermutation, StreamSampler
 from trainflow.errors import CheckpointError
-from trainflow.seeding import SEED_STRIDE
+from trainflow.util.seeding import SEED_STRIDE
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 7, 8, 15, 16, 17, 97, 127, 128, 1000, 1024, 4096, 4099, 65537])

@@ -360,7 +360,7 @@ def test_a_rank_blocked_in_the_users_dataset_is_named_with_its_file_and_line(run
     line = next(n for n, text in enumerate(Path(__file__).read_text().splitlines(), 1) if "# BLOCKED HERE" in text)
     error = _one_error(stderr)
     assert "rank 1 is stuck in step " in error and f"at {Path(__file__)}:{line} in __getitem__" in error, error
-    assert "rank 0 waiting at " in error and "/trainflow/step.py:" in error, error
+    assert "rank 0 waiting at " in error and "/trainflow/loop/step.py:" in error, error
     # rank 0 entered the step's gradient all_reduce, the blocked rank 1 did not: both flight records say so
     found = re.search(r"; last collective: rank 0 entered all_reduce #(\d+) of the default group, rank 1 did not "
                       r"\(its last: #(\d+)\); every rank's stacks: ", error)
@@ -514,9 +514,9 @@ def test_bad_parallel_values_are_refused_before_any_worker_starts(overrides: lis
     """The same checks the launching process runs before it starts workers, on a composed config, in process."""
     from hydra import compose, initialize_config_dir
 
+    from trainflow.config.checks import validate
     from trainflow.distributed.process_group import _preflight, resolve_nproc
     from trainflow.errors import ConfigError
-    from trainflow.validation import validate
 
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         cfg = compose("train", overrides=[*SMALL, *overrides])
@@ -551,7 +551,7 @@ def test_more_processes_than_gpus_is_refused() -> None:
 
 
 def _cfg(**parallelism) -> OmegaConf:
-    from trainflow.config import RunConfig
+    from trainflow.config.schema import RunConfig
 
     cfg = OmegaConf.structured(RunConfig)
     cfg.model = {"_target_": "trainflow.models.gpt.GPT"}
@@ -574,7 +574,7 @@ def test_bf16_on_a_cpu_without_native_bf16_warns_with_the_measured_slowdown() ->
 
 
 def test_bf16_warning_matches_this_cpu(run_dir: Path) -> None:
-    from trainflow.precision import cpu_flags
+    from trainflow.util.device import cpu_flags
 
     run = train(run_dir, *SMALL, "trainer.precision=bf16", "trainer.max_steps=1", "trainer.warmup_steps=0")
     assert run.returncode == 0, run.stderr

@@ -21,7 +21,7 @@ import torch
 from conftest import ROOT, wait_for, wait_for_log
 from helpers.processes import start_process
 
-from trainflow.config import ParallelismConfig
+from trainflow.config.schema import ParallelismConfig
 from trainflow.distributed import DistEnv
 from trainflow.distributed.fault_tolerance import data_share
 

@@ -13,19 +13,19 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from trainflow.compiler import effective_mode
-from trainflow.config import OptimConfig, ParallelismConfig, RunConfig, TrainerConfig, typed
+from trainflow.compile.compiler import effective_mode
+from trainflow.config.checks import validate_compile, validate_parallelism
+from trainflow.config.schema import OptimConfig, ParallelismConfig, RunConfig, TrainerConfig, typed
 from trainflow.data import Pinned, StreamSampler, SyntheticTokens, TokenWindows, VariableLengths, make_loader
 from trainflow.distributed import DistEnv
 from trainflow.distributed.parallelism import fsdp_dtypes
 from trainflow.distributed.parity import ParityCheck
 from trainflow.distributed.process_group import cuda_index, node_count
 from trainflow.errors import ConfigError
-from trainflow.metrics import gpu_peak_flops
-from trainflow.precision import configure_matmul, matmul_math
-from trainflow.profile_verdict import verdict
-from trainflow.tolerance import TOLERANCE
-from trainflow.validation import validate_compile, validate_parallelism
+from trainflow.metrics.flops import gpu_peak_flops
+from trainflow.profile.verdict import verdict
+from trainflow.util.device import configure_matmul, matmul_math
+from trainflow.util.tolerance import TOLERANCE
 
 
 def cfg(**overrides) -> OmegaConf:
@@ -141,7 +141,7 @@ def test_fsdp_reshards_blocks_but_leaves_the_root_gathered_and_uses_bf16_params_
     """On a real one-rank gloo group: FSDP2's own state says what each unit does after forward."""
     import torch.distributed as dist
 
-    from trainflow.config import FSDPConfig
+    from trainflow.config.schema import FSDPConfig
     from trainflow.distributed.parallelism import shard
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
@@ -235,7 +235,7 @@ def test_batches_are_contiguous_and_pinning_comes_after_cutting() -> None:
 def test_peak_memory_on_cpu_is_the_process_peak_and_has_no_reserved_figure() -> None:
     import resource
 
-    from trainflow.metrics import PeakMemory
+    from trainflow.metrics.meter import PeakMemory
 
     memory = PeakMemory(torch.device("cpu"))
     memory.reset()  # the resident-set peak cannot be reset: it stays the process's
@@ -250,7 +250,7 @@ def test_peak_memory_on_cpu_is_the_process_peak_and_has_no_reserved_figure() -> 
 def test_only_a_missing_flock_falls_back_to_a_lock_file() -> None:
     import errno
 
-    from trainflow.locks import flock_unsupported
+    from trainflow.util.locks import flock_unsupported
 
     assert flock_unsupported(OSError(errno.ENOLCK, "no locks")) and flock_unsupported(OSError(errno.EOPNOTSUPP, ""))
     assert not flock_unsupported(OSError(errno.EACCES, "denied")) and not flock_unsupported(OSError(errno.EROFS, ""))
@@ -261,12 +261,12 @@ def test_the_lock_file_refuses_a_second_run_and_is_removed_at_the_end(tmp_path: 
     import subprocess
     import sys
 
-    from trainflow.locks import OWNER_FILE, DirLock
+    from trainflow.util.locks import OWNER_FILE, DirLock
 
     lock = DirLock(tmp_path, use_flock=False)
     owner = tmp_path / OWNER_FILE
     assert owner.read_text().startswith(f"pid {os.getpid()} on ")
-    other = subprocess.run([sys.executable, "-c", "import sys; from pathlib import Path; from trainflow.locks "
+    other = subprocess.run([sys.executable, "-c", "import sys; from pathlib import Path; from trainflow.util.locks "
                             "import DirLock; DirLock(Path(sys.argv[1]), use_flock=False)", str(tmp_path)],
                            capture_output=True, text=True, timeout=120)
     assert other.returncode != 0
@@ -280,7 +280,7 @@ def test_a_dead_holder_on_this_host_is_stale_and_one_on_another_host_is_named(tm
     import subprocess
     import sys
 
-    from trainflow.locks import OWNER_FILE, DirLock
+    from trainflow.util.locks import OWNER_FILE, DirLock
 
     finished = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     owner = tmp_path / OWNER_FILE

@@ -270,7 +270,7 @@ def test_a_rung_that_cannot_run_stops_the_ladder_before_its_first_rung(tmp_path:
 
 @pytest.mark.parametrize(("steps", "every"), [(12, 1), (40, 4), (60, 6), (200, 20), (7, 1)])
 def test_rungs_log_about_ten_times_at_a_divisor_of_the_half_way_step(steps: int, every: int) -> None:
-    from trainflow.ladder import half, log_interval
+    from trainflow.report.ladder import half, log_interval
 
     assert log_interval(None, steps) == every and half(steps) % every == 0
     assert log_interval(3, steps) == 3  # ladder.log_every, when set, is taken as given
@@ -301,7 +301,7 @@ def test_rungs_that_log_rarely_still_pass_the_resume_gates(tmp_path: Path) -> No
 def _gpu_like_rungs(compiled_drift: float, first_resumed_drift: float) -> list:
     """Rungs as a bf16 CUDA ladder gives them: the compiled curve drifts from the baseline's, and the resumed run's
     losses from the uninterrupted one's (non-deterministic backward kernels), by the given amounts."""
-    from trainflow.ladder import Rung
+    from trainflow.report.ladder import Rung
 
     base = {s: 5.0 - s / 100 for s in range(20, 201, 20)}
     checkpoint = {"steps": 200, "checkpoint": {"verified": True, "saves": 2, "steps_saved": [100, 200]}}
@@ -321,8 +321,8 @@ def _gpu_like_rungs(compiled_drift: float, first_resumed_drift: float) -> list:
 def test_the_restore_gate_allows_the_resume_tolerance(drift: float, atol: float, status: str, words: str) -> None:
     """The first GPU ladder resumed exactly (step 101 from the restored weights) but its step-120 loss differed by
     2e-4 after 20 steps of CUDA's atomics-based backward: ladder.resume_atol applies to that first loss too."""
-    from trainflow.config import LadderConfig
-    from trainflow.ladder import evaluate
+    from trainflow.config.schema import LadderConfig
+    from trainflow.report.ladder import evaluate
 
     gates = {g.name: g for g in evaluate(_gpu_like_rungs(0.0, drift), LadderConfig(resume_atol=atol), "bf16")}
     restore = gates["checkpoint.restore"]
@@ -334,8 +334,8 @@ def test_the_restore_gate_allows_the_resume_tolerance(drift: float, atol: float,
     (0.034, "bf16", "PASS"), (0.08, "bf16", "FAIL"), (0.034, "fp32", "FAIL"), (5e-4, "fp32", "PASS")])
 def test_loss_parity_follows_the_arithmetic(drift: float, precision: str, status: str) -> None:
     """bf16 compiled vs eager gpt_small on an H200 drifted 3.4e-2 at step 40: inside bf16's tolerance, not fp32's."""
-    from trainflow.config import LadderConfig
-    from trainflow.ladder import evaluate
+    from trainflow.config.schema import LadderConfig
+    from trainflow.report.ladder import evaluate
 
     gates = {g.name: g for g in evaluate(_gpu_like_rungs(drift, 0.0), LadderConfig(), precision)}
     parity = gates["compile.loss_parity"]

@@ -52,7 +52,7 @@ def test_ddp_when_it_fits(roomy: Run) -> None:
 
 
 def test_the_sweep_report_shows_the_decision(roomy: Run, tmp_path: Path) -> None:
-    from trainflow import report
+    from trainflow.report import runs as report
 
     plan = roomy.summary["parallelism"]["plan"]
     written = report.write(roomy.run_dir, tmp_path)
@@ -161,7 +161,7 @@ def test_slurm_four_nodes_of_eight_gpus_rendezvous_once_and_auto_picks_hsdp_8_by
     assert next(iter(seen))[3] == 8  # ranks per node: what HSDP shards over by default
 
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
-    from trainflow.config import decided, register_configs
+    from trainflow.config.schema import decided, register_configs
 
     register_configs()
     with initialize_config_dir(str(Path(__file__).resolve().parents[1] / "conf"), version_base=None):
@@ -198,7 +198,7 @@ def tiny_facts() -> ModelFacts:
     import torch
     from omegaconf import OmegaConf
 
-    from trainflow.config import FSDPConfig, OptimConfig
+    from trainflow.config.schema import FSDPConfig, OptimConfig
     from trainflow.distributed.memory_estimate import model_facts
     from trainflow.models.gpt import GPT
     from trainflow.tasks import LanguageModel
@@ -291,7 +291,7 @@ def batch_forced(tmp_path_factory: pytest.TempPathFactory) -> Run:
 
 
 def test_tp_when_the_global_batch_is_smaller_than_the_world(batch_forced: Run, tmp_path: Path) -> None:
-    from trainflow import report
+    from trainflow.report import runs as report
 
     parallelism = batch_forced.summary["parallelism"]
     plan = parallelism["plan"]

@@ -22,8 +22,8 @@ from hydra import compose, initialize_config_dir
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
+from trainflow.config.sections import settle_sections
 from trainflow.errors import ConfigError
-from trainflow.sections import settle_sections
 
 QUICK = ["logger=none", "compile=off", "trainer.max_steps=30", "trainer.batch_size=16", "trainer.log_every=5",
          "trainer.warmup_steps=1", "trainer.eval_every=0", "trainer.eval_steps=2", "optim.lr=3e-3"]
@@ -94,7 +94,8 @@ def saved_section(run: Run, group: str) -> dict:
 
 
 def notices(run: Run) -> list[str]:
-    return [line.split(" - ", 1)[1] for line in (run.stdout + run.stderr).splitlines() if "trainflow.sections" in line]
+    return [line.split(" - ", 1)[1] for line in (run.stdout + run.stderr).splitlines()
+            if "trainflow.config.sections" in line]
 
 
 def test_one_command_trains_your_model_on_your_data(tmp_path: Path, user: dict[str, str]) -> None:

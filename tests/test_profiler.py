@@ -17,11 +17,11 @@ from torch import nn
 from torch.profiler import record_function
 
 from trainflow.checkpoint.checkpointer import CHECKPOINT_ANNOTATION
-from trainflow.config import ProfilerConfig
+from trainflow.config.schema import ProfilerConfig
 from trainflow.distributed import DistEnv
 from trainflow.errors import ConfigError
-from trainflow.profile_verdict import DATA, FWD_BWD, OPTIMIZER, SHARES
-from trainflow.profiler import Profiler
+from trainflow.profile.profiler import Profiler
+from trainflow.profile.verdict import DATA, FWD_BWD, OPTIMIZER, SHARES
 
 CPU_ENV = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}  # on a busy 2-core machine, waits at intra-op barriers would swell tiny ops
@@ -331,7 +331,7 @@ def test_window_not_reached_after_resume_warns_instead_of_refusing(tmp_path: Pat
 def test_bad_profiler_values_are_refused_naming_the_key(overrides: list[str], expected: str) -> None:
     from hydra import compose, initialize_config_dir
 
-    from trainflow.validation import validate
+    from trainflow.config.checks import validate
 
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         cfg = compose("train", overrides=["profiler=schedule", *overrides])
@@ -344,7 +344,7 @@ def test_bad_profiler_values_are_refused_naming_the_key(overrides: list[str], ex
 def test_every_profiler_option_composes_and_validates(option: str) -> None:
     from hydra import compose, initialize_config_dir
 
-    from trainflow.validation import validate
+    from trainflow.config.checks import validate
 
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         cfg = compose("train", overrides=[f"profiler={option}"])

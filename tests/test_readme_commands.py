@@ -2,7 +2,7 @@
 
 The commands are taken from the pages' code blocks and inline code (`python train.py ...` and `torchrun ...
 train.py ...`), split as a shell splits them, parsed by Hydra's override parser, expanded into the jobs of a
-sweep, composed against conf/ and checked by trainflow.validation.validate: the checks a run does before any work.
+sweep, composed against conf/ and checked by trainflow.config.checks.validate: the checks a run does before any work.
 Training each would need GPUs, a SLURM cluster or a user's corpus; the commands that train here on CPU are run
 for real by the other tests. A command that fails names itself and the reason.
 """
@@ -19,7 +19,7 @@ from hydra import compose, initialize_config_dir
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException
 
-from trainflow.validation import validate
+from trainflow.config.checks import validate
 
 COMMAND = re.compile(r"^(?:python\s+(?:\S*/)?train\.py|torchrun\s.*?(?:\S*/)?train\.py)(?=\s|$)")
 

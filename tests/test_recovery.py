@@ -159,7 +159,7 @@ def test_runs_without_checkpoints_keep_their_timestamped_folders(tmp_path: Path)
 
 
 def test_the_run_name_leaves_out_what_does_not_change_the_training() -> None:
-    from trainflow.rundir import run_name
+    from trainflow.util.rundir import run_name
 
     base = run_name(["model=gpt_small", "optim.lr=0.01"])
     assert base == run_name(["optim.lr=0.01", "model=gpt_small"])  # order does not matter
@@ -223,7 +223,7 @@ def test_a_checkpoint_dir_inside_the_locked_run_dir_itself_is_allowed(run_dir: P
 def test_a_run_directory_holding_another_run_is_refused_and_the_same_run_continues(run_dir: Path) -> None:
     """hydra.run.dir of an earlier run: another model there would overwrite its config.yaml and summary.json;
     the same run (more steps) resumes in it, and so does another config under that run's trainer.run_name."""
-    from trainflow.rundir import run_identity
+    from trainflow.util.rundir import run_identity
 
     args = [*SHORT, "checkpoint=dcp", "checkpoint.every_steps=2"]
     first = train(run_dir, *args, "trainer.max_steps=2")

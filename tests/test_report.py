@@ -111,7 +111,7 @@ def test_report_warns_of_runs_that_ended_on_an_overloaded_machine(single_runs: t
     assert f"WARNING {warning}" in proc.stdout.splitlines()
     assert f"## Warnings\n\n- {warning}\n" in (copy / "report.md").read_text()
     # the bound: a load of OVERLOAD x the cores is the run's own and then some; just below it no warning, just above
-    from trainflow.report import OVERLOAD
+    from trainflow.report.runs import OVERLOAD
 
     bound = OVERLOAD * cores
     for name, load in (("10-00-00", bound - 0.1), ("11-00-00", bound + 0.1)):

@@ -13,13 +13,13 @@ from hydra import compose, initialize_config_dir
 from torch import nn
 
 from trainflow.checkpoint import Checkpointer
-from trainflow.compiler import Compiler
+from trainflow.compile.compiler import Compiler
 from trainflow.distributed.parity import ParityCheck
-from trainflow.evaluation import Evaluation
-from trainflow.metrics import PeakMemory, Throughput
-from trainflow.profiler import Profiler
-from trainflow.run import STAGES
-from trainflow.stages import LoopState, Stage, StageContext
+from trainflow.loop.evaluation import Evaluation
+from trainflow.loop.run import STAGES
+from trainflow.loop.stages import LoopState, Stage, StageContext
+from trainflow.metrics.meter import PeakMemory, Throughput
+from trainflow.profile.profiler import Profiler
 
 CPU = torch.device("cpu")
 
@@ -99,7 +99,7 @@ class Off(Stage):
 def test_the_loop_calls_only_enabled_stages_and_any_stage_can_stop_it_and_pause_the_clock(tmp_path: Path) -> None:
     from trainflow.cli import register_with_hydra
     from trainflow.distributed.process_group import process_group
-    from trainflow.run import assemble, summarize, train_loop
+    from trainflow.loop.run import assemble, summarize, train_loop
 
     register_with_hydra()
     cfg = seed_mlp_cfg("trainer.max_steps=40", "trainer.warmup_steps=2", "trainer.log_every=5")
@@ -155,7 +155,7 @@ def test_the_parity_check_refuses_a_model_parallelize_already_wrapped() -> None:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    from trainflow.config import OptimConfig, ParallelismConfig, TrainerConfig, typed
+    from trainflow.config.schema import OptimConfig, ParallelismConfig, TrainerConfig, typed
     from trainflow.distributed.process_group import DistEnv
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
@@ -175,9 +175,9 @@ def test_stages_hold_their_typed_sections_in_a_launched_worker(tmp_path: Path) -
     from omegaconf import OmegaConf
 
     from trainflow.cli import register_with_hydra
-    from trainflow.config import CheckpointConfig, CompileConfig, ProfilerConfig, TrainerConfig
+    from trainflow.config.schema import CheckpointConfig, CompileConfig, ProfilerConfig, TrainerConfig
     from trainflow.distributed.process_group import process_group
-    from trainflow.run import assemble, summarize, train_loop
+    from trainflow.loop.run import assemble, summarize, train_loop
 
     register_with_hydra()
     composed = seed_mlp_cfg("trainer.max_steps=6", "trainer.eval_every=3", "trainer.warmup_steps=1",
@@ -226,11 +226,11 @@ def test_device_work_still_queued_counts_as_training_not_as_the_stages_pauses(
     steps here (each stage's sync, faked: no GPU on this machine) must land in the steady state's time, not in
     a pause that the steady state leaves out (the first GPU run's throughput was measured this way)."""
     import trainflow.checkpoint.checkpointer as checkpointer
-    import trainflow.evaluation as evaluation
-    import trainflow.metrics as metrics
+    import trainflow.loop.evaluation as evaluation
+    import trainflow.metrics.meter as metrics
     from trainflow.cli import register_with_hydra
     from trainflow.distributed.process_group import process_group
-    from trainflow.run import assemble, summarize, train_loop
+    from trainflow.loop.run import assemble, summarize, train_loop
 
     drains: list[str] = []
 

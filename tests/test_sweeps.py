@@ -16,10 +16,10 @@ import pytest
 from conftest import ROOT, TINY_GPT, losses_by_step, wait_for
 from helpers.processes import run_process, start_process
 
-from trainflow import report
 from trainflow.errors import ConfigError
-from trainflow.rundir import run_name
-from trainflow.sweeps import IDENTITY_FILE, claim_checkpoint_dir
+from trainflow.report import runs as report
+from trainflow.report.sweeps import IDENTITY_FILE, claim_checkpoint_dir
+from trainflow.util.rundir import run_name
 
 STEPS = 8
 # 4 jobs: seeds 1,1,2,2; keep_last changes no loss, so job 0 is an uninterrupted twin of job 1

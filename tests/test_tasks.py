@@ -107,7 +107,7 @@ def test_probe_names_the_data_model_and_shapes_and_refuses_a_missing_monitor() -
 
 
 def test_a_model_the_flop_counter_cannot_count_gets_the_reason_instead_of_mfu() -> None:
-    from trainflow.metrics import count_train_flops
+    from trainflow.metrics.flops import count_train_flops
 
     class PositiveOnly(nn.Module):  # boolean indexing: an output size the meta device cannot know
         def __init__(self) -> None:

@@ -109,7 +109,7 @@ def test_export_gathers_the_tp_shards(fsdp_tp: Run, single_from_fsdp_tp: Run, tm
     from omegaconf import OmegaConf
 
     from trainflow.checkpoint import export_weights
-    from trainflow.tolerance import relative_error
+    from trainflow.util.tolerance import relative_error
 
     export_weights(step_dir(fsdp_tp, 4), tmp_path / "tp.pt")
     export_weights(step_dir(single_from_fsdp_tp, 4), tmp_path / "single.pt")
@@ -172,7 +172,7 @@ def test_degrees_on_one_mesh(overrides: list[str], world: int, per_node: int,
     """The presets and the degrees give the mesh each layout needs; TP is the last dimension, within a node."""
     from hydra import compose, initialize_config_dir
 
-    from trainflow.config import register_configs
+    from trainflow.config.schema import register_configs
     from trainflow.distributed.mesh import layout
 
     register_configs()
@@ -203,7 +203,7 @@ def test_slurm_dry_run_of_4_nodes_x_8_gpus_with_tp8_keeps_tp_in_a_node(tmp_path:
     from hydra import compose, initialize_config_dir
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from trainflow.config import register_configs
+    from trainflow.config.schema import register_configs
     from trainflow.distributed.mesh import layout, mesh_for
 
     overrides = ["parallelism=fsdp", "parallelism.tp=8", "model.n_head=8"]

@@ -14,7 +14,7 @@ import pytest
 from conftest import ROOT, TINY_GPT, train
 from helpers.processes import run_process
 
-from trainflow.config import TrainerConfig
+from trainflow.config.schema import TrainerConfig
 
 TB_GPT = [o for o in TINY_GPT if o != "logger=none"] + ["logger=tensorboard", "trainer.eval_steps=1"]
 MIB = 2**20
@@ -177,7 +177,7 @@ def test_eval_interval(max_steps: int, eval_every: int | str, interval: int) -> 
 
 def test_hyperparameters_keep_their_types() -> None:
     """Numbers stay numbers and bools bools (TensorBoard filters and charts them so); the rest is its text."""
-    from trainflow.config import OptimConfig
+    from trainflow.config.schema import OptimConfig
     from trainflow.loggers import headline, hyperparameters
 
     trainer, optim = TrainerConfig(batch_size=8, max_steps=20, precision="fp32"), OptimConfig(lr=3e-4)

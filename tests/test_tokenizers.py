@@ -232,7 +232,7 @@ def test_gpt_on_text_with_bpe_trains_end_to_end_and_reuses_its_caches(tmp_path: 
 def test_every_gpt_follows_the_tokenizers_vocabulary() -> None:
     from hydra import compose, initialize_config_dir
 
-    from trainflow.validation import validate
+    from trainflow.config.checks import validate
 
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         for model in ("gpt_tiny", "gpt_small", "gpt_medium"):

@@ -14,14 +14,14 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from trainflow import sweeps
-from trainflow.config import register_configs
-from trainflow.env import env_rank
+from trainflow.config.checks import validate
+from trainflow.config.schema import register_configs
+from trainflow.distributed.mesh import env_rank
 from trainflow.errors import EXIT_INTERRUPTED, TrainflowError, print_error, traceback_wanted
-from trainflow.ladder import register_resolvers as register_ladder_resolvers
-from trainflow.rundir import RUN_DIR_ENV
-from trainflow.rundir import register_resolvers as register_run_dir_resolvers
-from trainflow.validation import validate
+from trainflow.report import sweeps
+from trainflow.report.ladder import register_resolvers as register_ladder_resolvers
+from trainflow.util.rundir import RUN_DIR_ENV
+from trainflow.util.rundir import register_resolvers as register_run_dir_resolvers
 
 
 def register_with_hydra() -> None:
@@ -39,7 +39,7 @@ def run_from_hydra(cfg: DictConfig) -> float | None:
     from hydra.core.hydra_config import HydraConfig
 
     from trainflow.distributed.launch import launch, should_launch
-    from trainflow.run import run
+    from trainflow.loop.run import run
 
     hydra_cfg = HydraConfig.get()
     sweep_job = sweeps.is_sweep_job(hydra_cfg)
@@ -197,7 +197,7 @@ def _at_least_one(text: str) -> int:
 
 
 def _lighthouse_arguments(p: argparse.ArgumentParser) -> None:
-    from trainflow.config import FaultToleranceConfig
+    from trainflow.config.schema import FaultToleranceConfig
 
     ft = FaultToleranceConfig()  # the defaults lighthouse=auto starts one with
     p.add_argument("--port", type=int, default=ft.lighthouse_port, help="where to listen (default %(default)s)")
@@ -223,7 +223,7 @@ class Subcommand:
 
 
 def subcommands() -> list[Subcommand]:
-    from trainflow import report
+    from trainflow.report import runs as report
 
     return [Subcommand("export", "write a committed checkpoint's model weights for other tools", _export_arguments,
                        _export),

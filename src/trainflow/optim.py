@@ -9,7 +9,7 @@ import torch
 from omegaconf import DictConfig
 from torch import nn
 
-from trainflow.config import OptimConfig
+from trainflow.config.schema import OptimConfig
 
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig | DictConfig, max_steps: int, device: torch.device):

@@ -23,9 +23,9 @@ import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from trainflow.config import TaskConfig, typed
+from trainflow.config.schema import TaskConfig, typed
+from trainflow.config.targets import WHAT, bound_callable
 from trainflow.errors import ConfigError, DataError
-from trainflow.targets import WHAT, bound_callable
 
 Metrics = dict[str, torch.Tensor]
 TASK_KEYS = tuple(TaskConfig.__dataclass_fields__)  # trainflow's keys of a task section; a _target_ gets the others

@@ -11,11 +11,11 @@ from omegaconf import OmegaConf
 
 from trainflow.checkpoint import Checkpointer, TrainState
 from trainflow.checkpoint.safe_io import read_metadata
-from trainflow.config import CheckpointConfig
+from trainflow.config.schema import CheckpointConfig
 from trainflow.distributed import DistEnv
-from trainflow.locks import LOCK_FILE
 from trainflow.models.mlp import MLP
 from trainflow.optim import build_optimizer
+from trainflow.util.locks import LOCK_FILE
 
 
 def logged_steps(run_dir: Path) -> int:

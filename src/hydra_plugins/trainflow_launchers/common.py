@@ -26,11 +26,11 @@ from hydra.plugins.launcher import Launcher
 from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
-from trainflow import sweeps
 from trainflow.cli import register_with_hydra
 from trainflow.errors import TrainflowError, user_error
-from trainflow.rundir import RUN_DIR_ENV, claim_run_dir
-from trainflow.sweeps import JobFailed
+from trainflow.report import sweeps
+from trainflow.report.sweeps import JobFailed
+from trainflow.util.rundir import RUN_DIR_ENV, claim_run_dir
 
 log = logging.getLogger(__name__)
 
@@ -92,8 +92,8 @@ def job_tasks(jobs: list[SweepJob]) -> Iterator[tuple[int, DictConfig]]:
 
 def finished_already(job: SweepJob) -> JobReturn | None:
     """A completed JobReturn for a job that finished in its directory with its config (the same -m command run
-    again), said in one line; None for a job to run (trainflow.sweeps.finished says which)."""
-    from trainflow.validation import validate
+    again), said in one line; None for a job to run (trainflow.report.sweeps.finished says which)."""
+    from trainflow.config.checks import validate
 
     if not (job.dir / "summary.json").exists():
         return None
@@ -213,8 +213,8 @@ def job_ranks_per_node(job: SweepJob, launcher_key: str, launcher_value: Any, gp
     decided by `local_ranks` with `gpus()` GPUs per node), unless the launcher's own key overrides it. The two
     set to different numbers is refused in one line naming both: the job would run with one, its checks with the
     other."""
+    from trainflow.config.checks import validate_parallelism
     from trainflow.distributed.mesh import local_ranks
-    from trainflow.validation import validate_parallelism
 
     try:
         validate_parallelism(job.config)

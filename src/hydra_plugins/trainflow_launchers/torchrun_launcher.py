@@ -49,7 +49,7 @@ from trainflow.distributed.failures import (
     says_peer_lost,
     what_it_said,
 )
-from trainflow.rundir import RUN_DIR_ENV
+from trainflow.util.rundir import RUN_DIR_ENV
 
 log = logging.getLogger(__name__)
 

@@ -62,11 +62,11 @@ from trainflow.checkpoint.state import (
 )
 from trainflow.checkpoint.stopping import EXIT_STOPPED, LatePoll, StopSignals, mark_stopped
 from trainflow.checkpoint.store import TMP_PREFIX, Committed, check_intact, list_committed
-from trainflow.config import CheckpointConfig
-from trainflow.device import device_sync
+from trainflow.config.schema import CheckpointConfig
 from trainflow.distributed import DistEnv
 from trainflow.errors import CheckpointError
-from trainflow.locks import DirLock
+from trainflow.util.device import device_sync
+from trainflow.util.locks import DirLock
 
 log = logging.getLogger(__package__)  # one name for the package: lines read [trainflow.checkpoint]
 
@@ -97,7 +97,7 @@ class Checkpointer:
     All ranks call every method at the same step; rank 0 alone touches the folder structure (create, commit,
     delete) and shares the outcome, so a failure raises the same error on every rank instead of a hang.
 
-    A stage (trainflow.stages.Stage) without subclassing it: stages.py imports this package for TrainState.
+    A stage (trainflow.loop.stages.Stage) without subclassing it: stages.py imports this package for TrainState.
     """
 
     summary_key = "checkpoint"
@@ -142,7 +142,7 @@ class Checkpointer:
 
     @classmethod
     def build(cls, ctx: Any) -> Checkpointer:
-        """From the run's StageContext (trainflow.stages)."""
+        """From the run's StageContext (trainflow.loop.stages)."""
         return cls(ctx.section("checkpoint", CheckpointConfig), ctx.env, ctx.run_dir)
 
     def prepare(self, model: Any) -> Any:

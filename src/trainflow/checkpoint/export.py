@@ -274,7 +274,7 @@ def write_hf(source: Source, folder: Path, run_cfg: dict[str, Any] | None) -> No
 def tokenizer_file(run_cfg: dict[str, Any]) -> Path | None:
     """The tokenizer.json of a run of tokenizer=bpe|file (None for bytes), found where the data code keeps it;
     a BPE is never trained here: one no longer cached is refused in one line."""
-    from trainflow.config import TokenizerConfig, typed
+    from trainflow.config.schema import TokenizerConfig, typed
     from trainflow.data.tokenizers import _trained_bpe, import_hf
 
     settings = run_cfg.get("tokenizer") or {}

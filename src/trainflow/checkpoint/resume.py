@@ -54,7 +54,7 @@ from trainflow.checkpoint.store import (
     resolve_checkpoint,
     uncommitted_newer,
 )
-from trainflow.config import CheckpointConfig
+from trainflow.config.schema import CheckpointConfig
 from trainflow.distributed import DistEnv
 from trainflow.errors import CheckpointError, ConfigError
 from trainflow.models.gpt import CausalSelfAttention

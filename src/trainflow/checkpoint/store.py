@@ -43,8 +43,8 @@ from trainflow.checkpoint.safe_io import (
 )
 from trainflow.checkpoint.state import FORMAT, STATE_FILE
 from trainflow.errors import CheckpointError, ConfigError
-from trainflow.files import kind_of
-from trainflow.locks import DirLock
+from trainflow.util.files import kind_of
+from trainflow.util.locks import DirLock
 
 log = logging.getLogger(__package__)  # one name for the package: lines read [trainflow.checkpoint]
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from omegaconf import DictConfig
 from torch.utils.data import Dataset
 
-from trainflow.config import MLPConfig
+from trainflow.config.schema import MLPConfig
 from trainflow.data.iterable import IterableBatches, IterableSource
 from trainflow.data.loaders import (
     Batch,

@@ -33,7 +33,7 @@ from torch.utils.data import Dataset, IterableDataset
 from trainflow.data.text import PIECES_AT_ONCE, Corpus, _pieces
 from trainflow.data.tokenizers import Tokenizer
 from trainflow.errors import ConfigError, DataError
-from trainflow.files import atomic_path, write_atomic
+from trainflow.util.files import atomic_path, write_atomic
 
 log = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 
 import torch
 
-from trainflow.seeding import SEED_STRIDE
+from trainflow.util.seeding import SEED_STRIDE
 
 STREAM_VERSION = 2  # 1: an epoch's order was torch.randperm(n) (8 bytes a sample); 2: FeistelPermutation
 STREAM_VERSIONS = (1, 2)

@@ -20,7 +20,7 @@ from torch.utils.data import Dataset
 
 from trainflow.data.tokenizers import Tokenizer, build_once, build_tokenizer
 from trainflow.errors import DataError, home_note, unwritable_reason
-from trainflow.files import atomic_path, kind_of
+from trainflow.util.files import atomic_path, kind_of
 
 log = logging.getLogger(__name__)
 

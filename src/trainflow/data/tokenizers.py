@@ -21,10 +21,10 @@ from typing import Any
 
 import numpy as np
 
-from trainflow.config import TokenizerConfig, typed
+from trainflow.config.schema import TokenizerConfig, typed
 from trainflow.errors import ConfigError, DataError, home_note, unwritable_reason
-from trainflow.files import atomic_path
-from trainflow.locks import flock_unsupported
+from trainflow.util.files import atomic_path
+from trainflow.util.locks import flock_unsupported
 
 log = logging.getLogger(__name__)
 

@@ -18,10 +18,10 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch.utils.data import Dataset, IterableDataset, default_collate
 
-from trainflow.config import LOADER_KEYS
+from trainflow.config.schema import LOADER_KEYS
+from trainflow.config.targets import WHAT, bound_callable, call_target
 from trainflow.data.iterable import IterableSource
 from trainflow.errors import ConfigError, DataError
-from trainflow.targets import WHAT, bound_callable, call_target
 
 
 class Collated(Dataset):

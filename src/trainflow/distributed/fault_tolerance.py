@@ -42,10 +42,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from trainflow.config import FaultToleranceConfig, ParallelismConfig
+from trainflow.config.schema import FaultToleranceConfig, ParallelismConfig
 from trainflow.distributed import DistEnv
 from trainflow.errors import ConfigError
-from trainflow.stages import LoopState, Stage, StageContext
+from trainflow.loop.stages import LoopState, Stage, StageContext
 
 log = logging.getLogger("trainflow")
 

@@ -18,9 +18,9 @@ import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
 import trainflow
-from trainflow.batch_fit import available_bytes
 from trainflow.distributed.failures import rank_list
 from trainflow.errors import ConfigError
+from trainflow.metrics.batch_fit import available_bytes
 
 log = logging.getLogger("trainflow")
 

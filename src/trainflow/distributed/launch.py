@@ -10,7 +10,7 @@ Who starts the ranks:
   forked (torch is already imported: each start costs milliseconds, not seconds of imports); with CUDA they
   are spawned, because a forked child cannot use CUDA that its parent touched.
 - `torchrun ... train.py ...` (one or many nodes) or any launcher that exports RANK, WORLD_SIZE, LOCAL_RANK,
-  MASTER_ADDR and MASTER_PORT: every rank runs `train.py`; `trainflow.rundir` agrees one run directory.
+  MASTER_ADDR and MASTER_PORT: every rank runs `train.py`; `trainflow.util.rundir` agrees one run directory.
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from trainflow.console import RunLogHandler
 from trainflow.distributed.failures import WorkerError, explain_worker_failure, record_failure
+from trainflow.distributed.mesh import env_rank
 from trainflow.distributed.process_group import (
     _preflight,
     cpu_group_note,
@@ -44,9 +44,9 @@ from trainflow.distributed.process_group import (
     resolve_nproc,
 )
 from trainflow.distributed.watchdog import hang_report
-from trainflow.env import env_rank
 from trainflow.errors import TrainflowError
-from trainflow.run import run
+from trainflow.loop.run import run
+from trainflow.util.console import RunLogHandler
 
 log = logging.getLogger(__name__)
 

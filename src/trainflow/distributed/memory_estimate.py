@@ -34,11 +34,11 @@ import torch
 from omegaconf import DictConfig
 from torch import nn
 
-from trainflow.activations import Saved, saved_for_backward
 from trainflow.distributed.mesh import SHARDED
 from trainflow.distributed.parallelism import shard_units
 from trainflow.distributed.tensor import gathered_inputs, shard_dims, tp_plan
 from trainflow.errors import ConfigError
+from trainflow.metrics.activations import Saved, saved_for_backward
 from trainflow.models import model_blocks
 
 GB = 1024**3

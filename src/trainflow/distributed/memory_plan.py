@@ -27,12 +27,12 @@ import torch.distributed as dist
 from omegaconf import DictConfig
 from torch import nn
 
-from trainflow.batch_fit import available_bytes
 from trainflow.distributed.memory_estimate import GB, ITEMS, Layout, ModelFacts, estimate, local_bytes, model_facts
 from trainflow.distributed.parallelism import fsdp_dtypes
 from trainflow.distributed.process_group import node_count
 from trainflow.errors import ConfigError
-from trainflow.precision import autocast_for
+from trainflow.metrics.batch_fit import available_bytes
+from trainflow.util.device import autocast_for
 
 log = logging.getLogger(__name__)
 
@@ -183,7 +183,7 @@ def reset_peak(device: torch.device) -> int:
 
 def measured_peak(device: torch.device, training_peak: int | None = None) -> int:
     """CUDA: the training loop's own peak when given (it resets the allocator's peak per log interval, see
-    trainflow.metrics.PeakMemory), else the allocator's. CPU: the peak resident set since the plan."""
+    trainflow.metrics.meter.PeakMemory), else the allocator's. CPU: the peak resident set since the plan."""
     if device.type == "cuda":
         return training_peak if training_peak is not None else int(torch.cuda.max_memory_allocated(device))
     for line in Path("/proc/self/status").read_text().splitlines():

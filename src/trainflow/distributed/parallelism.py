@@ -36,7 +36,7 @@ from omegaconf import DictConfig
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from trainflow.config import FSDPConfig, ParallelismConfig
+from trainflow.config.schema import FSDPConfig, ParallelismConfig
 from trainflow.distributed.mesh import build_mesh, data_parallel_mesh, layout, mesh_for
 from trainflow.distributed.process_group import DistEnv
 from trainflow.errors import ConfigError

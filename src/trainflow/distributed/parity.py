@@ -13,13 +13,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from trainflow.config import OptimConfig, ParallelismConfig, TrainerConfig
+from trainflow.config.schema import OptimConfig, ParallelismConfig, TrainerConfig
 from trainflow.distributed.mesh import layout
 from trainflow.distributed.parallelism import full_parameters, is_parallelized
 from trainflow.distributed.process_group import DistEnv, all_reduce_mean, node_count
-from trainflow.precision import autocast_for, matmul_math
-from trainflow.stages import LoopState, Stage, StageContext
-from trainflow.tolerance import TOLERANCE, relative_error
+from trainflow.loop.stages import LoopState, Stage, StageContext
+from trainflow.util.device import autocast_for, matmul_math
+from trainflow.util.tolerance import TOLERANCE, relative_error
 
 log = logging.getLogger(__name__)
 
@@ -54,10 +54,10 @@ class ParityCheck(Stage):
         if not (self.enabled and env.is_main):
             return
         from trainflow.data import StreamSampler, make_loader
-        from trainflow.nonfinite import NonFiniteGuard
+        from trainflow.loop.nonfinite import NonFiniteGuard
+        from trainflow.loop.stages import LoopState
+        from trainflow.loop.step import Training, unnamed
         from trainflow.optim import build_optimizer
-        from trainflow.stages import LoopState
-        from trainflow.step import Training, unnamed
 
         self.reference = copy.deepcopy(model)
         optimizer, scheduler = build_optimizer(self.reference, optim, t.max_steps, env.device)
@@ -77,7 +77,7 @@ class ParityCheck(Stage):
 
     def _reference_step(self) -> float:
         """One step of the reference, by `train_step`; its last micro-step's loss."""
-        from trainflow.step import train_step
+        from trainflow.loop.step import train_step
 
         train_step(self._reference_training)
         return self._reference_training.state.loss.item()

@@ -19,13 +19,20 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig
 
-from trainflow.config import WatchdogConfig
+from trainflow.config.schema import WatchdogConfig
 from trainflow.distributed.failures import linger_if_peer_lost, record_failure
 from trainflow.distributed.health import check_ranks_agree, composed_config
-from trainflow.distributed.mesh import CPU_GROUP_RANKS, GROUP_STRATEGIES, SHARDED, layout, local_ranks, ranks_per_node
-from trainflow.env import env_rank
+from trainflow.distributed.mesh import (
+    CPU_GROUP_RANKS,
+    GROUP_STRATEGIES,
+    SHARDED,
+    env_rank,
+    layout,
+    local_ranks,
+    ranks_per_node,
+)
 from trainflow.errors import ConfigError, TrainflowError
-from trainflow.precision import emulated_bf16_warning
+from trainflow.util.device import emulated_bf16_warning
 
 log = logging.getLogger(__name__)
 

@@ -31,11 +31,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from trainflow.config import StragglerConfig
+from trainflow.config.schema import StragglerConfig
 from trainflow.distributed import DistEnv
 from trainflow.distributed.failures import rank_list
-from trainflow.metrics import Throughput
-from trainflow.stages import LoopState, Stage, StageContext
+from trainflow.loop.stages import LoopState, Stage, StageContext
+from trainflow.metrics.meter import Throughput
 
 log = logging.getLogger("trainflow")
 

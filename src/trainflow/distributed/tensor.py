@@ -63,7 +63,7 @@ def hf_base_plan(model: nn.Module) -> dict[str, Any] | None:
 def tp_plan(model: nn.Module, target: Any, tp: int) -> dict[str, Any]:
     """The model's plan, from the first of: parallelism.tp_plan._target_, a `tp_plan`, a Hugging Face plan."""
     if target is not None and target.get("_target_"):
-        from trainflow.targets import call_target
+        from trainflow.config.targets import call_target
 
         kwargs = {k: v for k, v in target.items() if k != "_target_"}
         return call_target("parallelism.tp_plan", target["_target_"], {"model": model, **kwargs}, "a TP plan")

@@ -34,12 +34,12 @@ from typing import Any
 import torch
 
 import trainflow
-from trainflow.config import WatchdogConfig
+from trainflow.config.schema import WatchdogConfig
 from trainflow.distributed import DistEnv
 from trainflow.distributed.failures import rank_list
 from trainflow.distributed.process_group import watchdog_on
-from trainflow.metrics import Throughput
-from trainflow.stages import LoopState, Stage, StageContext
+from trainflow.loop.stages import LoopState, Stage, StageContext
+from trainflow.metrics.meter import Throughput
 
 log = logging.getLogger("trainflow")
 

@@ -18,9 +18,9 @@ from typing import Any, Protocol
 
 from omegaconf import DictConfig, OmegaConf
 
-from trainflow.config import OptimConfig, TrainerConfig
+from trainflow.config.schema import OptimConfig, TrainerConfig
+from trainflow.config.targets import call, import_target
 from trainflow.loggers.process import LOGGER_CLASS, ProcessLogger
-from trainflow.targets import call, import_target
 
 IDS_FILE = "loggers.json"  # {logger name: its tracked run's id}, in the run directory
 NAME_BYTES = 200  # a sweep job's folder name: one level, within the usual 255-byte limit of a file name
@@ -91,7 +91,7 @@ def build_logger(name: str, target: str, kwargs: dict[str, Any]) -> Logger:
 def run_info(cfg: DictConfig, run_dir: Path, world_size: int, resumed_step: int | None,
              tracked_id: str | None) -> RunInfo:
     """What every logger is told at the start, from the config and what Hydra saved in the run directory."""
-    from trainflow.config import typed
+    from trainflow.config.schema import typed
 
     mode, choices, overrides = saved_hydra(run_dir)
     job = job_name(overrides, run_dir) if mode == "MULTIRUN" else None
@@ -213,7 +213,7 @@ def finite(values: Mapping[str, Any]) -> dict[str, float]:
 
 def profiler_text(profiler: dict[str, Any] | None) -> str | None:
     """The verdict as printed at the end of a run, and the top operators as a Markdown table."""
-    from trainflow.profile_verdict import format_verdict  # it imports torch, which a logger's process needs not
+    from trainflow.profile.verdict import format_verdict  # it imports torch, which a logger's process needs not
 
     verdict = (profiler or {}).get("verdict")
     if not verdict:

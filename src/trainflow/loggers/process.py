@@ -174,7 +174,7 @@ def _portable(exc: BaseException) -> BaseException:
 def serve(requests: BinaryIO, answers: BinaryIO) -> None:
     """The child's loop: build the logger, then answer each call in order, until `finish` or until the trainer
     closes the pipe (then a buffering logger's `settle` sends what it holds)."""
-    from trainflow.targets import call_target
+    from trainflow.config.targets import call_target
 
     lock = threading.Lock()
 

@@ -22,8 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from trainflow.errors import ConfigError, unwritable_reason
-from trainflow.files import cannot_write
 from trainflow.loggers import FINISHED, MIB, HparamValue, RunInfo
+from trainflow.util.files import cannot_write
 
 EVENTS_DIR = "tensorboard"
 # metrics.jsonl name -> TensorBoard tag, where the dashboard needs another group or unit than the log.

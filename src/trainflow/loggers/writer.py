@@ -9,9 +9,9 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from trainflow.config.targets import first_line
 from trainflow.errors import ConfigError, TrainflowError
-from trainflow.files import run_dir_error, write_atomic, write_json_atomic
-from trainflow.targets import first_line
+from trainflow.util.files import run_dir_error, write_atomic, write_json_atomic
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig

@@ -8,8 +8,8 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
+from trainflow.config.targets import WHAT, call_target
 from trainflow.errors import ConfigError
-from trainflow.targets import WHAT, call_target
 
 
 def build_model(cfg: DictConfig) -> nn.Module:

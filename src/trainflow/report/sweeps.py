@@ -28,10 +28,10 @@ from hydra.errors import CompactHydraException
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
-from trainflow.env import env_rank
+from trainflow.distributed.mesh import env_rank
 from trainflow.errors import ConfigError, TrainflowError, user_error
-from trainflow.files import write_atomic
-from trainflow.rundir import override_key, run_identity, run_name
+from trainflow.util.files import write_atomic
+from trainflow.util.rundir import override_key, run_identity, run_name
 
 SWEEPS_DIR = "multirun"  # where sweeps without hydra.sweep.dir live, one folder per sweep name
 IDENTITY_FILE = "run_identity"  # in a sweep job's checkpoint folder: the identity of the run it belongs to
@@ -69,7 +69,7 @@ def sweep_dir(name: str | None) -> str:
     Resolved first in the launching process, at the sweep's start (begin); Hydra copies that value into every
     job's config, as it does for `${now:}` (the resolver is cached). Outside a sweep (--cfg hydra) the time names it.
     """
-    from trainflow.validation import run_name_problem
+    from trainflow.config.checks import run_name_problem
 
     if name is not None and (problem := run_name_problem(name)):
         user_error(f"trainer.sweep_name: {problem.replace('trainer.run_name', 'trainer.sweep_name')}")
@@ -106,8 +106,9 @@ def check_same_sweep(folder: Path, hydra_cfg: Any) -> None:
 
 def check_before_start(jobs: Iterable[tuple[int, DictConfig]]) -> None:
     """What refuses a whole sweep before its first job starts, given each job's number and task config as it will
-    run: a ladder rung that cannot run (trainflow.ladder). Other sweeps run their good jobs and report the bad."""
-    from trainflow.ladder import check_rungs
+    run: a ladder rung that cannot run (trainflow.report.ladder). Other sweeps run their good jobs and report the
+    bad."""
+    from trainflow.report.ladder import check_rungs
 
     check_rungs(jobs)
 

@@ -1,4 +1,4 @@
-"""One optimizer step, and what it reads: the loop's (trainflow.run) and the parity check's reference."""
+"""One optimizer step, and what it reads: the loop's (trainflow.loop.run) and the parity check's reference."""
 
 from __future__ import annotations
 
@@ -11,11 +11,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from trainflow.config import TrainerConfig
+from trainflow.config.schema import TrainerConfig
 from trainflow.data import to_device
 from trainflow.distributed.parallelism import local_loss, no_grad_sync
-from trainflow.loop_state import LoopState
-from trainflow.nonfinite import NonFiniteGuard
+from trainflow.loop.nonfinite import NonFiniteGuard
+from trainflow.loop.state import LoopState
 from trainflow.optim import gradient_norm
 from trainflow.tasks import Task, add_metrics
 

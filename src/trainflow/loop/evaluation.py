@@ -10,15 +10,15 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from trainflow.config import TrainerConfig
+from trainflow.config.schema import TrainerConfig
 from trainflow.data import DataBundle, StreamSampler, to_device
-from trainflow.device import device_sync
 from trainflow.distributed import DistEnv
 from trainflow.distributed.parallelism import local_loss, loss_context
 from trainflow.distributed.process_group import all_reduce_mean
 from trainflow.loggers.writer import MetricsWriter
-from trainflow.stages import LoopState, Stage, StageContext
+from trainflow.loop.stages import LoopState, Stage, StageContext
 from trainflow.tasks import Task, add_metrics
+from trainflow.util.device import device_sync
 
 log = logging.getLogger("trainflow")
 

@@ -7,7 +7,7 @@ splits the recorded step time into shares: waiting for data, forward/backward
 compute, optimizer compute, exposed communication, per-op overhead and
 compilation. The largest share names the bottleneck and the action to take.
 
-The analysis of a recorded window (what bounds the step) is trainflow.profile_verdict.
+The analysis of a recorded window (what bounds the step) is trainflow.profile.verdict.
 """
 
 from __future__ import annotations
@@ -21,12 +21,12 @@ from typing import Any
 
 import torch
 
-from trainflow.config import ProfilerConfig
+from trainflow.config.schema import ProfilerConfig
 from trainflow.distributed import DistEnv
 from trainflow.errors import ConfigError
-from trainflow.metrics import Throughput
-from trainflow.profile_verdict import analyze_window, format_verdict, verdict
-from trainflow.stages import LoopState, Stage, StageContext
+from trainflow.loop.stages import LoopState, Stage, StageContext
+from trainflow.metrics.meter import Throughput
+from trainflow.profile.verdict import analyze_window, format_verdict, verdict
 
 log = logging.getLogger("trainflow")
 

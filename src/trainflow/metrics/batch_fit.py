@@ -19,9 +19,9 @@ from torch import nn
 from torch.func import functional_call
 from torch.utils.data import Dataset
 
-from trainflow.activations import saved_for_backward
 from trainflow.data import apply_to_tensors
 from trainflow.errors import ConfigError
+from trainflow.metrics.activations import saved_for_backward
 from trainflow.models import model_blocks
 from trainflow.tasks import Task, tensors
 

@@ -4,8 +4,8 @@ Each config group option's YAML starts from one of these dataclasses (registered
 in Hydra's ConfigStore), so an unknown key or a wrong type is rejected by Hydra
 with the key's full name before any work starts. The model, data and task schemas
 are open to keys they lack (a user's `_target_` takes its own), and
-trainflow.sections settles those keys. Value checks that a type cannot express
-(positive steps, known choices) live in trainflow.validation.
+trainflow.config.sections settles those keys. Value checks that a type cannot express
+(positive steps, known choices) live in trainflow.config.checks.
 """
 
 from __future__ import annotations
@@ -363,7 +363,7 @@ LADDER_RUNGS = ("baseline", "compile", "profile", "ddp", "fsdp", "checkpoint", "
 
 @dataclass
 class LadderConfig:
-    """experiment=ladder: which rung a job is, and what its gates accept (trainflow.ladder evaluates them)."""
+    """experiment=ladder: which rung a job is, and what its gates accept (trainflow.report.ladder evaluates them)."""
 
     rung: str | None = None  # set by the ladder/ options; null: not a ladder job
     nproc_per_node: Any = 2  # processes of the ddp and fsdp rungs: N >= 2, or auto (one per GPU)
@@ -421,7 +421,7 @@ def register_configs() -> None:
     cs.store(name="train_schema", node=RunConfig)
     # Options whose keys differ (model and data kinds) extend these; the other groups are typed by RunConfig.
     # Open: a key the schema lacks composes, so that a user's _target_ and its keys on a built-in option reach
-    # trainflow.sections (which drops the option's keys the target does not take, or names a misspelt key).
+    # trainflow.config.sections (which drops the option's keys the target does not take, or names a misspelt key).
     for group, name, schema in (("model", "gpt", GPTConfig), ("model", "mlp", MLPConfig), ("model", "cnn", CNNConfig),
                                 ("data", "text", TextDataConfig), ("data", "synthetic", SyntheticDataConfig),
                                 ("data", "digits", DigitsDataConfig), ("data", "hf", HFDataConfig),

@@ -1,7 +1,7 @@
 """Value checks a type cannot express (positive steps, known choices, combinations of groups), run once on the
 composed config before any work starts: each failure is one line naming the key and the fix.
 
-The schemas (trainflow.config) say what keys exist and their types; this module says which values make sense.
+The schemas (trainflow.config.schema) say what keys exist and their types; this module says which values make sense.
 """
 
 from __future__ import annotations
@@ -13,11 +13,11 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import InterpolationResolutionError, MissingMandatoryValue
 
-from trainflow.config import LADDER_RUNGS, ProfilerConfig, TaskConfig, WorkerConfig, decided, typed
+from trainflow.config.schema import LADDER_RUNGS, ProfilerConfig, TaskConfig, WorkerConfig, decided, typed
+from trainflow.config.sections import settle_sections
 from trainflow.data.tokenizers import BYTE_VOCAB
 from trainflow.distributed.mesh import STRATEGIES
 from trainflow.errors import ConfigError
-from trainflow.sections import settle_sections
 
 
 def validate_task(cfg: DictConfig) -> None:

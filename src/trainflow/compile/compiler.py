@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from trainflow.compile_diagnostics import (
+from trainflow.compile.diagnostics import (
     eager_frames,
     first_line,
     function_name,
@@ -35,17 +35,17 @@ from trainflow.compile_diagnostics import (
     source_location,
     user_frame,
 )
-from trainflow.config import CompileConfig, TrainerConfig
+from trainflow.config.schema import CompileConfig, TrainerConfig
 from trainflow.data.loaders import to_device
 from trainflow.distributed import DistEnv
 from trainflow.distributed.parallelism import local_loss, loss_context, unwrap
 from trainflow.errors import ConfigError, home_note, unwritable_reason
-from trainflow.files import cannot_write, write_atomic
+from trainflow.loop.stages import LoopState, Stage, StageContext
 from trainflow.models import model_blocks
-from trainflow.precision import autocast_for, matmul_math
-from trainflow.stages import LoopState, Stage, StageContext
 from trainflow.tasks import Task
-from trainflow.tolerance import TOLERANCE, relative_error
+from trainflow.util.device import autocast_for, matmul_math
+from trainflow.util.files import cannot_write, write_atomic
+from trainflow.util.tolerance import TOLERANCE, relative_error
 
 log = logging.getLogger(__name__)
 

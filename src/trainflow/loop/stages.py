@@ -18,17 +18,17 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from trainflow.checkpoint import TrainState
-from trainflow.loop_state import LoopState
+from trainflow.loop.state import LoopState
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
     from torch import nn
 
-    from trainflow.config import OptimConfig, ParallelismConfig, TrainerConfig
+    from trainflow.config.schema import OptimConfig, ParallelismConfig, TrainerConfig
     from trainflow.data import DataBundle
     from trainflow.distributed import DistEnv
     from trainflow.loggers.writer import MetricsWriter
-    from trainflow.metrics import Throughput
+    from trainflow.metrics.meter import Throughput
     from trainflow.tasks import Task
 
 __all__ = ["LoopState", "Stage", "StageContext"]
@@ -58,7 +58,7 @@ class StageContext:
 
     def section(self, name: str, schema: type[Schema]) -> Schema:
         """The config section `name` as its schema's dataclass (plain attributes: no DictConfig cost per read)."""
-        from trainflow.config import typed
+        from trainflow.config.schema import typed
 
         return typed(self.cfg[name], schema)
 

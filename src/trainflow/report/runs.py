@@ -9,10 +9,10 @@ profiler verdict and the checkpoint times. The picture: throughput per run as
 bars, and every run's loss curve from its metrics.jsonl.
 
 A sweep of the workflow ladder (`experiment=ladder`) also gets the gates of
-trainflow.ladder; a FAIL makes `trainflow report` and the sweep exit non-zero.
+trainflow.report.ladder; a FAIL makes `trainflow report` and the sweep exit non-zero.
 `ReportCallback` writes the report into every multirun sweep directory: after
 each job (so a sweep that stops early still has one) and once more at the end.
-This module gathers the runs and builds the report; trainflow.report_render
+This module gathers the runs and builds the report; trainflow.report.render
 draws its pages.
 """
 
@@ -33,13 +33,13 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from trainflow import ladder
-from trainflow.config import LadderConfig, TrainerConfig, typed
-from trainflow.env import env_rank
+from trainflow.config.schema import LadderConfig, TrainerConfig, typed
+from trainflow.distributed.mesh import env_rank
 from trainflow.errors import TrainflowError
-from trainflow.files import write_atomic
-from trainflow.locks import LOCK_FILE
-from trainflow.report_render import markdown, write_png
+from trainflow.report import ladder
+from trainflow.report.render import markdown, write_png
+from trainflow.util.files import write_atomic
+from trainflow.util.locks import LOCK_FILE
 
 log = logging.getLogger(__name__)
 
@@ -146,7 +146,7 @@ def run_status(path: Path, summary: dict[str, Any] | None) -> tuple[str, str | N
 
 
 def _lock_holder_alive(path: Path) -> bool:
-    """Whether the process named in the run's lock file (trainflow.locks: "pid N on HOST, ...") is alive here."""
+    """Whether the process named in the run's lock file (trainflow.util.locks: "pid N on HOST, ...") is alive here."""
     try:
         match = re.match(r"pid (\d+) on (\S+?),", (path / LOCK_FILE).read_text())
     except OSError:

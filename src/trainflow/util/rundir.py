@@ -32,10 +32,10 @@ import yaml
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from trainflow.env import env_rank
+from trainflow.distributed.mesh import env_rank
 from trainflow.errors import ConfigError, user_error
-from trainflow.files import cannot_write
-from trainflow.locks import DirLock
+from trainflow.util.files import cannot_write
+from trainflow.util.locks import DirLock
 
 RUN_DIR_ENV = "TRAINFLOW_RUN_DIR"  # set by our launchers for the processes they start
 RUNS_DIR = "outputs/runs"  # where runs with a stable identity live, one folder per run name
@@ -106,7 +106,7 @@ def run_dir(checkpointed: bool = False, name: str | None = None, overrides: Any 
     if os.environ.get(RUN_DIR_ENV):
         return os.environ[RUN_DIR_ENV]
     if name is not None:
-        from trainflow.validation import run_name_problem
+        from trainflow.config.checks import run_name_problem
 
         if problem := run_name_problem(name):
             user_error(f"trainer.run_name: {problem}")

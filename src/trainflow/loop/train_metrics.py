@@ -11,13 +11,13 @@ from typing import Any
 
 import torch
 
-from trainflow.console import progress_reporter
 from trainflow.distributed import DistEnv
 from trainflow.distributed.process_group import all_reduce_mean
 from trainflow.loggers.writer import MetricsWriter
-from trainflow.metrics import Counts, Throughput
-from trainflow.stages import LoopState, Stage, StageContext
+from trainflow.loop.stages import LoopState, Stage, StageContext
+from trainflow.metrics.meter import Counts, Throughput
 from trainflow.tasks import Task
+from trainflow.util.console import progress_reporter
 
 
 class TrainMetrics(Stage):

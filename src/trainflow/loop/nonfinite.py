@@ -24,7 +24,7 @@ from trainflow.checkpoint.store import list_committed
 from trainflow.distributed import DistEnv
 from trainflow.distributed.process_group import all_reduce_mean
 from trainflow.errors import NonFiniteError
-from trainflow.stages import LoopState, Stage, StageContext
+from trainflow.loop.stages import LoopState, Stage, StageContext
 
 log = logging.getLogger("trainflow")
 

@@ -2,7 +2,7 @@
 
 `python train.py -m experiment=ladder` runs one job per rung (conf/ladder/), each
 in a fresh process, on the same model, data and global batch. After the sweep
-the report callback (trainflow.report) reads every job's summary.json and
+the report callback (trainflow.report.runs) reads every job's summary.json and
 metrics.jsonl and evaluates the gates here. A gate compares numbers and says
 PASS, FAIL or WARN with them; a gate whose rung did not run or did not finish
 says "not evaluated" and why. Any FAIL makes the sweep's exit code non-zero.
@@ -30,9 +30,9 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from trainflow.config import LADDER_RUNGS, LadderConfig
+from trainflow.config.schema import LADDER_RUNGS, LadderConfig
 from trainflow.errors import TrainflowError, user_error
-from trainflow.tolerance import TOLERANCE
+from trainflow.util.tolerance import TOLERANCE
 
 PASS, FAIL, WARN, NOT_EVALUATED = "PASS", "FAIL", "WARN", "NOT EVALUATED"
 
@@ -75,7 +75,7 @@ def check_rungs(jobs: Iterable[tuple[int, DictConfig]]) -> None:
     profiler window past trainer.max_steps, say) fails the sweep at once, in one line naming the rung, rather
     than after the rungs before it trained. `jobs`: each job's number and task config; jobs that are no rung
     are left to themselves."""
-    from trainflow.validation import validate
+    from trainflow.config.checks import validate
 
     for num, task in jobs:
         rung = OmegaConf.select(task, "ladder.rung")

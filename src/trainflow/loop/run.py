@@ -19,10 +19,9 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch.profiler import record_function
 
-from trainflow.batch_fit import check_batch
 from trainflow.checkpoint import Checkpointer
-from trainflow.compiler import Compiler
-from trainflow.config import OptimConfig, ParallelismConfig, TrainerConfig, decided, typed
+from trainflow.compile.compiler import Compiler
+from trainflow.config.schema import OptimConfig, ParallelismConfig, TrainerConfig, decided, typed
 from trainflow.data import IterableBatches, StreamSampler, build_datasets, make_loader, to_device
 from trainflow.data.stream import STREAM_VERSION
 from trainflow.distributed import DistEnv, memory_plan
@@ -33,21 +32,23 @@ from trainflow.distributed.parity import ParityCheck, parallelism_summary
 from trainflow.distributed.process_group import per_rank_batch, process_group
 from trainflow.distributed.stragglers import Stragglers
 from trainflow.distributed.watchdog import Watchdog
-from trainflow.evaluation import Evaluation
-from trainflow.files import write_json_atomic
 from trainflow.loggers import FAILED, FINISHED, KILLED, build_loggers
 from trainflow.loggers.writer import MetricsWriter
-from trainflow.metrics import PeakMemory, Throughput, count_train_flops, host_load, mfu, peak_flops
+from trainflow.loop.evaluation import Evaluation
+from trainflow.loop.nonfinite import NonFiniteGuard
+from trainflow.loop.stages import LoopState, Stage, StageContext
+from trainflow.loop.step import Training, train_step, unnamed
+from trainflow.loop.train_metrics import TrainMetrics
+from trainflow.metrics.batch_fit import check_batch
+from trainflow.metrics.flops import count_train_flops, mfu, peak_flops
+from trainflow.metrics.meter import PeakMemory, Throughput, host_load
 from trainflow.models import build_model
-from trainflow.nonfinite import NonFiniteGuard
 from trainflow.optim import build_optimizer, schedule_changes_lr
-from trainflow.precision import autocast_for, configure_matmul, matmul_math
-from trainflow.profiler import Profiler
-from trainflow.seeding import SEED_STRIDE, seed_everything
-from trainflow.stages import LoopState, Stage, StageContext
-from trainflow.step import Training, train_step, unnamed
+from trainflow.profile.profiler import Profiler
 from trainflow.tasks import build_task, probe
-from trainflow.train_metrics import TrainMetrics
+from trainflow.util.device import autocast_for, configure_matmul, matmul_math
+from trainflow.util.files import write_json_atomic
+from trainflow.util.seeding import SEED_STRIDE, seed_everything
 
 log = logging.getLogger("trainflow")
 

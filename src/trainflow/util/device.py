@@ -1,5 +1,7 @@
-"""The run's arithmetic: TF32 for fp32 matmuls on CUDA, which arithmetic the matmuls use, bf16 autocast, and
-whether this CPU computes bf16 natively (emulated, it is slower than fp32: measured, then said)."""
+"""The device and its arithmetic: TF32 for fp32 matmuls on CUDA, which arithmetic the matmuls use, bf16 autocast,
+whether this CPU computes bf16 natively (emulated, it is slower than fp32: measured, then said), and waiting for the
+device's queued work (on CUDA the host runs ahead of its kernels, so a clock read on the host measures the device's
+work only after a sync: the meter and the stages that pause its clocks use `device_sync`)."""
 
 from __future__ import annotations
 
@@ -9,6 +11,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+
+def device_sync(device: torch.device) -> None:
+    """Wait for the device's queued work (CUDA), so that a clock read after it measures that work."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def autocast_for(device: torch.device, precision: str) -> Any:

@@ -3,7 +3,7 @@ the baseline), and how much of one each accepts."""
 
 import torch
 
-# The relative error each check accepts by default, by the matmuls' arithmetic (trainflow.precision.matmul_math):
+# The relative error each check accepts by default, by the matmuls' arithmetic (trainflow.util.device.matmul_math):
 # TF32 and bf16 keep 10 and 7 mantissa bits, so fused and unfused kernels, and differently ordered reductions, round
 # visibly differently. compile.check: one batch, compiled against eager. parallelism.check: the ranks against one
 # process (bf16 gradients of 2-sample shards round differently from the one-process batch). ladder: every logged

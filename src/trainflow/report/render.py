@@ -1,13 +1,13 @@
 """The sweep report's pages: report.md (the table, the gates, the profiler's advice) and report.png (throughput bars
-and loss curves), drawn from the report that trainflow.report builds."""
+and loss curves), drawn from the report that trainflow.report.runs builds."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
-from trainflow import ladder
-from trainflow.files import atomic_path
+from trainflow.report import ladder
+from trainflow.util.files import atomic_path
 
 
 def _num(value: float | None, fmt: str, suffix: str = "") -> str:

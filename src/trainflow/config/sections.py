@@ -1,7 +1,7 @@
 """The model, data and task sections of a composed run: a built-in option's keys, or the user's callable's.
 
 Options such as model=gpt_tiny or data=text bring their schema's keys; model=custom, data=custom and task=custom
-bring only `_target_` and the keys the user adds. The built-in options' schemas are open (trainflow.config), so a
+bring only `_target_` and the keys the user adds. The built-in options' schemas are open (trainflow.config.schema), so a
 user's `_target_` or key set on one composes instead of stopping in Hydra's composer, and is settled here, once,
 before the values are checked:
 
@@ -21,9 +21,9 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from trainflow.config import LOADER_KEYS, TaskConfig
+from trainflow.config.schema import LOADER_KEYS, TaskConfig
+from trainflow.config.targets import WHAT, import_target
 from trainflow.errors import ConfigError
-from trainflow.targets import WHAT, import_target
 
 log = logging.getLogger(__name__)
 
