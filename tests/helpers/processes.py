@@ -1,9 +1,11 @@
-"""Running a command to its end, as `subprocess.run` does, through the warm fork server where it can be forked."""
+"""Running a command to its end, as `subprocess.run` does, through the warm fork server where it can be forked; and
+counting the processes a run leaves behind."""
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import ctypes
 import json
 import os
 import shutil
@@ -13,11 +15,13 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from helpers.forkserver import RUNTIME_VARIABLES
 
 SERVER = Path(__file__).with_name("forkserver.py")
+PR_SET_CHILD_SUBREAPER = 36  # prctl: orphans of descendants become this process's children, not init's
 
 
 class ForkServer:
@@ -203,3 +207,46 @@ def start_process(cmd: list[str], cwd: Path | str, env: dict[str, str], output: 
     with open(output, "a") as out:  # the child keeps its own copy of the descriptor
         return subprocess.Popen(cmd, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=new_session)
+
+
+def _live_children() -> dict[int, str]:
+    """This process's children that still run (zombies left out), by pid, with their command lines; the warm
+    interpreter is left out (it outlives every test by design)."""
+    found = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        with contextlib.suppress(OSError):
+            stat = Path(f"/proc/{entry}/stat").read_text()
+            state, ppid = stat.rsplit(")", 1)[1].split()[:2]
+            if int(ppid) == os.getpid() and state != "Z":
+                command = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                if str(SERVER) not in command:
+                    found[int(entry)] = command.strip()
+    return found
+
+
+@contextlib.contextmanager
+def left_behind() -> Iterator[Callable[[float], dict[int, str]]]:
+    """Inside the block, a process that outlives the parent that started it is adopted by this one
+    (PR_SET_CHILD_SUBREAPER) instead of vanishing under init, so a test can count what a run left behind. The block
+    yields `leftovers(grace_s)`: the processes adopted since the block began that still run after waiting up to
+    `grace_s` for them to end (pid -> command line); they are killed once counted, so they outlive no test."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    before = set(_live_children())
+
+    def leftovers(grace_s: float = 10.0) -> dict[int, str]:
+        deadline = time.monotonic() + grace_s
+        while (alive := {p: c for p, c in _live_children().items() if p not in before}) and \
+                time.monotonic() < deadline:
+            time.sleep(0.1)
+        for pid in alive:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        return alive
+
+    try:
+        yield leftovers
+    finally:
+        libc.prctl(PR_SET_CHILD_SUBREAPER, 0, 0, 0, 0)
