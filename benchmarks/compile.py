@@ -33,6 +33,7 @@ from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 
 from trainflow.cli import register_with_hydra
+from trainflow.conf import CONFIG_DIR
 from trainflow.loop.run import run
 from trainflow.tasks import cross_entropy
 
@@ -47,7 +48,7 @@ WARMUP = 3  # steps left out before timing, in both loops (plus trainflow's own 
 
 def trainflow_step_time(model: list[str], overrides: list[str], steps: int, cache_dir: str) -> float:
     """trainflow's steady-state step time, as its summary reports it."""
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
         cfg = compose("train", overrides=[*model, *COMMON, *overrides, f"compile.cache_dir={cache_dir}",
                                           f"trainer.warmup_steps={WARMUP}", f"trainer.max_steps={steps + WARMUP + 1}",
                                           f"trainer.log_every={steps + WARMUP + 1}"])
@@ -61,7 +62,7 @@ def trainflow_step_time(model: list[str], overrides: list[str], steps: int, cach
 def handwritten_step_time(model_overrides: list[str], compiled: bool, steps: int) -> float:
     """The plain loop: the same model, loss, clipping and AdamW; `torch.compile(model)` when compiled. On CUDA:
     bf16 autocast and fused AdamW, as a user who reads the docs writes them (trainflow uses both there)."""
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
         cfg = compose("train", overrides=[*model_overrides, *COMMON])
     device = torch.device(cfg.trainer.device if cfg.trainer.device != "auto" else "cpu")
     on_gpu = device.type == "cuda"

@@ -60,6 +60,7 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from trainflow.cli import register_with_hydra
+from trainflow.conf import CONFIG_DIR
 from trainflow.config.checks import validate
 from trainflow.loop.run import run
 
@@ -327,7 +328,7 @@ def main() -> None:
     results: dict[int, list[dict[str, float]]] = {n: [] for n in WORKERS}
     for _ in range(args.rounds):
         for n, loader in WORKERS.items():
-            results[n].append(steady(ROOT / "conf", extra, [*base, *loader]))
+            results[n].append(steady(CONFIG_DIR, extra, [*base, *loader]))
     for n, rounds in results.items():
         print(f"num_workers={n}: {statistics.median(r['samples_per_sec'] for r in rounds):8.1f} samples/s, "
               f"data wait {statistics.median(r['data_wait_fraction'] for r in rounds) * 100:5.1f}% of the step "

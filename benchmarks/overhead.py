@@ -40,6 +40,7 @@ from hydra.utils import instantiate
 from torch import nn
 
 from trainflow.cli import register_with_hydra
+from trainflow.conf import CONFIG_DIR
 from trainflow.data import StreamSampler, build_datasets, make_loader
 from trainflow.distributed.process_group import process_group
 from trainflow.loop.run import assemble, run, train_loop, train_step
@@ -159,7 +160,7 @@ def literal_comparison(rounds: int, steps: int, warmup: int, cpu_time: bool) -> 
     (its load slows both sides unevenly, in bursts); the same work is measured, less the waits for a core."""
 
     def cfg_of(length: int):
-        with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
+        with initialize_config_dir(str(CONFIG_DIR), version_base="1.3"):
             return compose("train", overrides=["experiment=seed_mlp", *COMMON, f"trainer.max_steps={length}",
                                                f"trainer.warmup_steps={warmup}", "trainer.log_every=50"])
 
@@ -364,7 +365,7 @@ def main() -> None:
         return
     for name, (overrides, multiplier) in CASES.items():
         steps, warmup = args.steps * multiplier, args.warmup * multiplier
-        with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
+        with initialize_config_dir(str(CONFIG_DIR), version_base="1.3"):
             cfg = compose("train", overrides=[*overrides, *COMMON, f"trainer.max_steps={steps}",
                                               f"trainer.warmup_steps={warmup}", f"trainer.log_every={steps}"])
         ratios = []

@@ -21,6 +21,7 @@ from helpers.processes import run_process
 from omegaconf import OmegaConf
 
 from trainflow.checkpoint.store import TMP_MARKER
+from trainflow.conf import CONFIG_DIR
 from trainflow.util.locks import LOCK_FILE
 
 # 12 steps, a checkpoint every 4; evaluation only at the end, on 2 batches.
@@ -273,7 +274,7 @@ def test_each_bad_value_names_its_key(key: str, value, message: str) -> None:
 
     overrides = ["checkpoint=dcp", f"checkpoint.{key}={value}"] + (["checkpoint.save_final=false"] if key == "export"
                                                                     else [])
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
         cfg = compose("train", overrides=overrides)
     with pytest.raises(ConfigError) as exc:
         validate(cfg)

@@ -13,10 +13,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, TINY_GPT, Run, train
+from conftest import TINY_GPT, Run, train
 from omegaconf import OmegaConf
 from torch import nn
 
+from trainflow.conf import CONFIG_DIR
 from trainflow.config.schema import CompileConfig, TrainerConfig
 from trainflow.data import StreamSampler, SyntheticTokens, make_loader
 from trainflow.distributed import DistEnv
@@ -168,7 +169,7 @@ def test_validation_names_the_key(overrides: list[str], fragment: str) -> None:
     from trainflow.config.checks import validate
 
     base = [] if "model=mlp" in overrides else GPT
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
         cfg = compose("train", overrides=[*base, "compile=default", *overrides])
     with pytest.raises(ConfigError) as err:
         validate(cfg)

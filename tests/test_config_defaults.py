@@ -11,9 +11,9 @@ import pytest
 from conftest import ROOT
 from omegaconf import OmegaConf
 
+from trainflow.conf import CONFIG_DIR as CONF
 from trainflow.config import schema as config
 
-CONF = ROOT / "conf"
 # The group options typed by their own schema (model and data kinds); the others by RunConfig's section.
 KIND_SCHEMAS = {"model/mlp": config.MLPConfig, "model/cnn": config.CNNConfig, "data/text": config.TextDataConfig,
                 "data/synthetic": config.SyntheticDataConfig, "data/digits": config.DigitsDataConfig,

@@ -15,6 +15,7 @@ import pytest
 import torch
 from conftest import ROOT, TINY_GPT, losses_by_step, train
 
+from trainflow.conf import CONFIG_DIR
 from trainflow.data.shards import MANIFEST, ShardWindows, prepare, read_manifest, shard_name
 from trainflow.data.stream import StreamSampler
 from trainflow.data.text import Corpus
@@ -29,7 +30,7 @@ def prepared(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp / "prepared"
     done = subprocess.run(
         [str(Path(sys.executable).parent / "trainflow"), "prepare", "--out", str(out), "--workers", "2",
-         "--shard-mb", "0.05", "--quiet", "--config-dir", str(ROOT / "conf"), f"data.paths=[{tmp / 'corpus'}]",
+         "--shard-mb", "0.05", "--quiet", "--config-dir", str(CONFIG_DIR), f"data.paths=[{tmp / 'corpus'}]",
          "tokenizer=bpe", "tokenizer.vocab_size=512", f"tokenizer.cache_dir={tmp / 'tok'}"],
         capture_output=True, text=True, cwd=tmp, timeout=300)
     assert done.returncode == 0, done.stderr

@@ -21,6 +21,7 @@ from conftest import ROOT, TINY_GPT, Run, start, train, wait_for, wait_for_log
 from helpers.processes import run_process
 from omegaconf import OmegaConf
 
+from trainflow.conf import CONFIG_DIR
 from trainflow.models.gpt import GPT
 
 # Random tokens: nothing to learn, but every parity comparison is as strict as on text, and no corpus to read.
@@ -518,7 +519,7 @@ def test_bad_parallel_values_are_refused_before_any_worker_starts(overrides: lis
     from trainflow.distributed.process_group import _preflight, resolve_nproc
     from trainflow.errors import ConfigError
 
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
         cfg = compose("train", overrides=[*SMALL, *overrides])
     with pytest.raises(ConfigError) as error:
         validate(cfg)

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from conftest import TINY_GPT, Run, ok, train
 
+from trainflow.conf import CONFIG_DIR
 from trainflow.distributed.memory_estimate import ModelFacts
 from trainflow.distributed.memory_plan import GB
 
@@ -164,7 +165,7 @@ def test_slurm_four_nodes_of_eight_gpus_rendezvous_once_and_auto_picks_hsdp_8_by
     from trainflow.config.schema import decided, register_configs
 
     register_configs()
-    with initialize_config_dir(str(Path(__file__).resolve().parents[1] / "conf"), version_base=None):
+    with initialize_config_dir(str(CONFIG_DIR), version_base=None):
         cfg = compose("train", overrides=[*TINY_GPT, "parallelism=auto"])
     model = build_model(cfg.model)
     example = (torch.zeros(1, cfg.model.block_size, dtype=torch.long),) * 2

@@ -22,6 +22,7 @@ from hydra import compose, initialize_config_dir
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
+from trainflow.conf import CONFIG_DIR
 from trainflow.config.sections import settle_sections
 from trainflow.errors import ConfigError
 
@@ -171,7 +172,7 @@ def test_an_experiment_setting_targets_on_the_default_options(tmp_path: Path, us
 
 def composed(*overrides: str) -> DictConfig:
     """The run's config as train.py would hand it over, settled; Hydra's record (the options chosen) is set."""
-    with initialize_config_dir(str(ROOT / "conf"), version_base=None):
+    with initialize_config_dir(str(CONFIG_DIR), version_base=None):
         cfg = compose("train", overrides=list(overrides), return_hydra_config=True)
     record = HydraConfig.instance()
     previous = record.cfg

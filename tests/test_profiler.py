@@ -11,12 +11,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, train
+from conftest import train
 from omegaconf import OmegaConf
 from torch import nn
 from torch.profiler import record_function
 
 from trainflow.checkpoint.checkpointer import CHECKPOINT_ANNOTATION
+from trainflow.conf import CONFIG_DIR
 from trainflow.config.schema import ProfilerConfig
 from trainflow.distributed import DistEnv
 from trainflow.errors import ConfigError
@@ -281,7 +282,7 @@ def test_run_ending_inside_the_window_saves_the_steps_it_recorded(tmp_path: Path
 
 
 def test_memory_mode_on_cpu_warns_once_and_still_profiles(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    cfg = OmegaConf.merge(OmegaConf.load(ROOT / "conf" / "profiler" / "memory.yaml"), {"skip_first": 0})
+    cfg = OmegaConf.merge(OmegaConf.load(CONFIG_DIR / "profiler" / "memory.yaml"), {"skip_first": 0})
     x, y = torch.randn(4, 8), torch.randint(2, (4,))
     with caplog.at_level(logging.WARNING, logger="trainflow"):
         s = drive(Profiler(profiler_cfg(**cfg), CPU_ENV, tmp_path, max_steps=10), mlp(8, 8, 2), lambda: (x, y), 10)
@@ -333,7 +334,7 @@ def test_bad_profiler_values_are_refused_naming_the_key(overrides: list[str], ex
 
     from trainflow.config.checks import validate
 
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
         cfg = compose("train", overrides=["profiler=schedule", *overrides])
     with pytest.raises(ConfigError) as err:
         validate(cfg)
@@ -346,7 +347,7 @@ def test_every_profiler_option_composes_and_validates(option: str) -> None:
 
     from trainflow.config.checks import validate
 
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
         cfg = compose("train", overrides=[f"profiler={option}"])
     validate(cfg)
     p = cfg.profiler

@@ -19,6 +19,7 @@ from hydra import compose, initialize_config_dir
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException
 
+from trainflow.conf import CONFIG_DIR
 from trainflow.config.checks import validate
 
 COMMAND = re.compile(r"^(?:python\s+(?:\S*/)?train\.py|torchrun\s.*?(?:\S*/)?train\.py)(?=\s|$)")
@@ -115,7 +116,7 @@ def test_page_command_parses_and_composes(page: str, command: str) -> None:
         OverridesParser.create().parse_overrides(overrides)
     except HydraException as exc:
         pytest.fail(f"{page} command `{command}`: Hydra cannot parse it: {str(exc).splitlines()[0]}")
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
         for job in jobs:
             try:
                 validate(compose("train", overrides=job))
@@ -134,7 +135,7 @@ def test_the_corpus_example_reaches_trainflow_as_a_path_it_expands() -> None:
     """README quotes it as shells and Hydra need: trainflow gets the string `~/corpus`, which data.paths expands."""
     command = next(c for c in COMMANDS if "~/corpus" in c)
     overrides, _ = overrides_of(command)
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
         cfg = compose("train", overrides=[o for o in overrides if not o.startswith(("experiment=", "trainer."))])
     assert list(cfg.data.paths) == ["~/corpus"]
     assert Path(cfg.data.paths[0]).expanduser() == Path.home() / "corpus"

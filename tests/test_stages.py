@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT
 from hydra import compose, initialize_config_dir
 from torch import nn
 
 from trainflow.checkpoint import Checkpointer
 from trainflow.compile.compiler import Compiler
+from trainflow.conf import CONFIG_DIR
 from trainflow.distributed.parity import ParityCheck
 from trainflow.loop.evaluation import Evaluation
 from trainflow.loop.run import STAGES
@@ -25,7 +25,7 @@ CPU = torch.device("cpu")
 
 
 def seed_mlp_cfg(*overrides: str):
-    with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
+    with initialize_config_dir(str(CONFIG_DIR), version_base="1.3"):
         return compose("train", overrides=["experiment=seed_mlp", "logger=none", "trainer.eval_steps=1",
                                            "trainer.progress=log", *overrides])
 

@@ -17,6 +17,8 @@ import pytest
 from conftest import TINY_GPT, Run, logged_by_step, losses_by_step, ok, train
 from helpers.checkpoints import assert_close_losses
 
+from trainflow.conf import CONFIG_DIR
+
 BASE = [*TINY_GPT, "optim=sgd", "trainer.grad_accum=2", "parallelism.global_batch=8", "trainer.max_steps=4",
         "trainer.eval_every=0", "trainer.eval_steps=1", "checkpoint=dcp", "checkpoint.every_steps=2"]
 CHECKED = ["parallelism.check=true", "parallelism.check_steps=3", "parallelism.check_tolerance=1e-5"]
@@ -176,7 +178,7 @@ def test_degrees_on_one_mesh(overrides: list[str], world: int, per_node: int,
     from trainflow.distributed.mesh import layout
 
     register_configs()
-    with initialize_config_dir(str(Path(__file__).resolve().parents[1] / "conf"), version_base=None):
+    with initialize_config_dir(str(CONFIG_DIR), version_base=None):
         cfg = compose("train", overrides=[*TINY_GPT, *overrides])
     found = layout(cfg.parallelism, world, per_node)
     assert (found.name, found.replicate, found.shard, found.tp) == expected
@@ -214,7 +216,7 @@ def test_slurm_dry_run_of_4_nodes_x_8_gpus_with_tp8_keeps_tp_in_a_node(tmp_path:
     assert {"#SBATCH --nodes=4", "#SBATCH --ntasks-per-node=8"} <= set(script)
     assert len([line for line in script if line.startswith("srun ")]) == 1
     register_configs()
-    with initialize_config_dir(str(Path(__file__).resolve().parents[1] / "conf"), version_base=None):
+    with initialize_config_dir(str(CONFIG_DIR), version_base=None):
         cfg = compose("train", overrides=overrides)
     found = layout(cfg.parallelism, 32, 8)
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=32)

@@ -14,9 +14,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import ROOT, TINY_GPT, train
+from conftest import TINY_GPT, train
 from omegaconf import OmegaConf
 
+from trainflow.conf import CONFIG_DIR
 from trainflow.data import text as text_module
 from trainflow.data.text import Corpus, load_tokens
 from trainflow.data.tokenizers import END_OF_TEXT, Tokenizer, build_tokenizer
@@ -234,7 +235,7 @@ def test_every_gpt_follows_the_tokenizers_vocabulary() -> None:
 
     from trainflow.config.checks import validate
 
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
         for model in ("gpt_tiny", "gpt_small", "gpt_medium"):
             default = compose("train", overrides=[f"model={model}"])
             assert default.model.vocab_size == 256 and default.tokenizer.kind == "bytes"

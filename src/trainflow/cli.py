@@ -14,6 +14,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
+from trainflow.conf import CONFIG_PATH
 from trainflow.config.checks import validate
 from trainflow.config.schema import register_configs
 from trainflow.distributed.mesh import env_rank
@@ -93,11 +94,20 @@ def _single_run() -> bool:
 def resume_command() -> str:
     """This process's command line, which resumes the run (its directory follows from it); a checkpoint.resume
     given to it is dropped: the run's own newest checkpoint is where to continue."""
-    args = [a for a in sys.argv[1:] if not a.startswith("checkpoint.resume=")]
     if "TORCHELASTIC_RUN_ID" in os.environ:  # a rank under torchrun: its options are not ours to see
+        args = [a for a in sys.argv[1:] if not a.startswith("checkpoint.resume=")]
         return "torchrun <the same options> " + shlex.join([sys.argv[0], *args])
-    interpreter = sys.orig_argv[:len(sys.orig_argv) - len(sys.argv)]
-    return shlex.join([*interpreter, sys.argv[0], *args])
+    return shlex.join(a for a in sys.orig_argv if not a.startswith("checkpoint.resume="))
+
+
+def train(overrides: list[str]) -> None:
+    """`trainflow train [overrides]` and `python -m trainflow train ...`: what `python train.py` does in a checkout,
+    from any folder (the configs ship inside the package; outputs go under the working directory)."""
+    import hydra
+
+    register_with_hydra()
+    sys.argv = [sys.argv[0], *overrides]  # Hydra reads its own options and the overrides from sys.argv
+    hydra.main(version_base="1.3", config_path=CONFIG_PATH, config_name="train")(run_from_hydra)()
 
 
 def _export(args: argparse.Namespace) -> int:
@@ -130,19 +140,15 @@ def _export_arguments(p: argparse.ArgumentParser) -> None:
 def _prepare(args: argparse.Namespace) -> int:
     """Tokenize the corpus of data=text (the same config keys as training) into memory-mapped token shards with a
     manifest of checksums; run again to finish an interrupted prepare."""
-    from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
+    from trainflow.config.compose import compose_run
     from trainflow.data.shards import prepare
     from trainflow.data.text import Corpus
     from trainflow.errors import ConfigError
 
-    if not (args.config_dir / "train.yaml").is_file():
-        raise ConfigError(f"--config-dir: {args.config_dir.resolve()} holds no train.yaml; run trainflow prepare from "
-                          "the folder holding conf/ (the repository's root), or pass --config-dir")
     register_with_hydra()
-    with initialize_config_dir(str(args.config_dir.resolve()), version_base="1.3"):
-        cfg = compose("train", overrides=args.overrides)
+    cfg = compose_run(args.overrides, args.config_dir)
     data = cfg.data
     if data.get("kind") != "text":
         raise ConfigError("data: trainflow prepare reads a corpus of text files; give data=text data.paths=[...] "
@@ -161,7 +167,8 @@ def _prepare_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", type=Path, required=True, help="the folder to write the shards and manifest.json to")
     p.add_argument("--workers", type=int, default=1, help="processes that tokenize shards in parallel")
     p.add_argument("--shard-mb", type=float, default=64, help="text a shard holds, about (MB)")
-    p.add_argument("--config-dir", type=Path, default=Path("conf"), help="the conf folder (default: ./conf)")
+    p.add_argument("--config-dir", type=Path, help="a folder of your own config groups, searched before trainflow's "
+                                                   "(as trainflow train --config-dir)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("overrides", nargs="*", help="config overrides, e.g. data.paths=[corpus/] tokenizer=bpe")
 
@@ -236,9 +243,16 @@ def subcommands() -> list[Subcommand]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """The `trainflow` console command (training itself is `python train.py`)."""
-    parser = argparse.ArgumentParser(prog="trainflow", description="trainflow tools for runs and checkpoints.")
+    """The `trainflow` console command and `python -m trainflow`."""
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["train"]:  # Hydra owns every argument after `train` (-m, --cfg, --config-dir, overrides)
+        train(argv[1:])
+        return
+    parser = argparse.ArgumentParser(prog="trainflow", description="trainflow: train, and tools for runs and "
+                                                                   "checkpoints.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="command")
+    commands.add_parser("train", help="train: trainflow train [group=option ...] [key=value ...] (Hydra's "
+                                      "options too: -m, --cfg job, --config-dir, --help)", add_help=False)
     for command in subcommands():
         p = commands.add_parser(command.name, help=command.help, description=inspect.getdoc(command.handler))
         command.add_arguments(p)
