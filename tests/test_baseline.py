@@ -125,13 +125,37 @@ def test_summary_has_sane_figures(run_dir: Path) -> None:
     assert "step 10/10" in (run_dir / "train.log").read_text()
 
 
-def test_help_lists_the_groups() -> None:
-    out = subprocess.run([sys.executable, "train.py", "--help"], cwd=ROOT, capture_output=True, text=True).stdout
-    for line in ("model: cnn, custom, gpt_medium, gpt_small, gpt_tiny, mlp",
-                 "data: custom, digits, hf, shards, synthetic, text", "optim: adamw, sgd",
-                 "task: auto, classify, custom, lm",
-                 "tokenizer: bpe, bytes, file"):
-        assert line in out
+def help_rows(out: str) -> dict[str, list[tuple[str, str]]]:
+    """`--help`'s groups table: each group's (option, description) rows; a chosen option keeps its `*`."""
+    rows: dict[str, list[tuple[str, str]]] = {}
+    group = None
+    for line in out.split("Groups: ")[1].split("\n\nKeys:")[0].splitlines()[1:]:
+        group = line[:15].strip() or group
+        option, _, about = line[15:].lstrip(" ").partition(" ")
+        rows.setdefault(group, []).append((option, about.strip()))
+    return rows
+
+
+def test_help_lists_every_option_of_every_group_with_its_line_and_loads_no_torch(tmp_path: Path) -> None:
+    """One line per option, from the option's own YAML; the defaults (or the options given) marked; a project's own
+    option (--config-dir) listed beside trainflow's; answered without importing torch (so at once)."""
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "my_net.yaml").write_text("# My own network, for the help test.\n_target_: x.Net\n")
+    probe = ("import runpy, sys; sys.argv = ['train.py', *sys.argv[1:]]; runpy.run_path('train.py', "
+             "run_name='__main__'); print('torch loaded:', 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", probe, "--help", "model=mlp", "--config-dir", str(tmp_path)],
+                         cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    rows = help_rows(out)
+    assert [o for o, _ in rows["model"]] == ["cnn", "custom", "gpt_medium", "gpt_small", "gpt_tiny", "*mlp", "my_net"]
+    assert dict(rows["model"])["my_net"] == "My own network, for the help test."
+    assert dict(rows["model"])["gpt_tiny"].startswith("~3.3M parameters")
+    assert [o for o, _ in rows["optim"]] == ["*adamw", "sgd"]
+    assert [o for o, _ in rows["task"]] == ["*auto", "classify", "custom", "lm"]
+    assert [o for o, _ in rows["tokenizer"]] == ["bpe", "*bytes", "file"]
+    assert {o for o, _ in rows["hydra/launcher"]} >= {"process", "slurm", "torchrun"}
+    assert all(about for group in rows.values() for _, about in group), "an option without a description"
+    assert not any(group.startswith("schema") for group in rows)
+    assert out.rstrip().endswith("torch loaded: False")
 
 
 def test_a_cached_cpu_peak_below_what_a_run_achieved_is_measured_again(tmp_path: Path,
