@@ -43,6 +43,7 @@ class TrainerConfig:
     warmup_steps: int = 5  # excluded from steady-state figures
     deterministic: bool = False
     progress: str = "auto"  # auto (bar when stdout is a terminal) | bar | log
+    print_config: bool = False  # the full config on the console too (it is always in config.yaml and train.log)
     nonfinite: str = "stop"  # stop (at the next sync point, before any save) | skip_step (one host sync a step)
     run_name: str | None = None  # checkpointed runs live in outputs/runs/<run_name>; null: made from the overrides
     sweep_name: str | None = None  # -m sweeps live in multirun/<sweep_name>; null: made from the overrides

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,6 +47,7 @@ from trainflow.models import build_model
 from trainflow.optim import build_optimizer, schedule_changes_lr
 from trainflow.profile.profiler import Profiler
 from trainflow.tasks import build_task, probe
+from trainflow.util.console import FILE_ONLY, RunFacts, end_lines, start_header
 from trainflow.util.device import autocast_for, configure_matmul, matmul_math
 from trainflow.util.files import write_json_atomic
 from trainflow.util.seeding import SEED_STRIDE, seed_everything
@@ -96,11 +98,13 @@ class Run:
     flops_absent: str | None  # why the FLOPs (and so MFU) are unknown
     auto_plan: Any  # parallelism=auto's plan, checked against the measured peak at the end
     resumed_from: int | None
+    started: float  # time.monotonic() when the assembly began: the run's wall time is counted from there
 
 
 def assemble(cfg: DictConfig, run_dir: Path, env: DistEnv, stage_types: Sequence[type[Stage]] = STAGES) -> Run:
     """Build everything, in the order the parts depend on each other. What the run decides (the per-rank batch,
     parallelism=auto's layout) goes into a new, read-only config: nothing writes into a config after validation."""
+    started = time.monotonic()
     replicas = replica_groups(cfg.parallelism)  # torchft's replica groups share the data stream (1: none)
     auto = cfg.parallelism.strategy == "auto"  # measures memory and decides (below): its batch spans what it may pick
     ranks = memory_plan.probe_ranks(cfg, env.world_size) if auto else env.dp_size
@@ -153,11 +157,11 @@ def assemble(cfg: DictConfig, run_dir: Path, env: DistEnv, stage_types: Sequence
                     "trainer.max_steps to continue this run", resumed_from, trainer.max_steps)
     global_batch = trainer.batch_size * env.dp_size * replicas * trainer.grad_accum  # a TP group reads one batch
     if env.is_main:
-        log.info("model %s: %.2fM parameters; world size %d; global batch %d; task %s (monitor: val %s, %s); %s",
-                 type(unwrap(model)).__name__, parameters / 1e6, env.world_size, global_batch, type(task).__name__,
-                 task.monitor, task.mode, f"resumed at step {resumed_from}" if resumed_from else "fresh start")
-        if data.val is None:
-            log.info("%s gives no validation set: no evaluation", data.name)
+        log.info("%s", start_header(RunFacts(
+            type(unwrap(model)).__name__, parameters, data.name, len(data.train), _length(data.val), data.seq_len,
+            type(task).__name__, task.monitor, task.mode, str(env.device), env.world_size, parallelism.strategy,
+            trainer.precision, _compiled(cfg.compile), global_batch, trainer.max_steps, resumed_from, run_dir,
+            _checkpoint_dir(cfg.checkpoint, run_dir), tuple(cfg.logger))))
     pin = cfg.data.pin_memory is not False and env.device.type == "cuda"  # null: pinned on CUDA
     sampler = StreamSampler(len(data.train), trainer.batch_size, *data_share(parallelism, env), trainer.seed,
                             state.samples_seen, version=state.stream_version)
@@ -177,14 +181,32 @@ def assemble(cfg: DictConfig, run_dir: Path, env: DistEnv, stage_types: Sequence
         batch_device=env.device if env.device.type != "cpu" else None, pin=pin,
         steps_schedule=schedule_changes_lr(optim), metrics_every_step=cfg.task.get("train_metrics") == "every_step",
         global_batch=global_batch, commit=committer(stages), loss_context=loss_context_of(model))
-    return Run(ctx, training, stages, metric_names, parameters, flops_absent, auto_plan, resumed_from)
+    return Run(ctx, training, stages, metric_names, parameters, flops_absent, auto_plan, resumed_from, started)
+
+
+def _length(dataset: Any) -> int | None:
+    return len(dataset) if dataset is not None and hasattr(dataset, "__len__") else None
+
+
+def _compiled(compile_cfg: DictConfig) -> str:
+    if not compile_cfg.enabled:
+        return "eager"
+    shapes = {None: "static shapes until one changes", True: "dynamic shapes", False: "a graph per shape"}
+    mode = f" {compile_cfg.mode}" if compile_cfg.mode else ""
+    return f"compiled ({compile_cfg.backend}{mode}, {shapes[compile_cfg.dynamic]})"
+
+
+def _checkpoint_dir(checkpoint_cfg: DictConfig, run_dir: Path) -> Path | None:
+    if not checkpoint_cfg.enabled:
+        return None
+    return Path(checkpoint_cfg.dir).expanduser() if checkpoint_cfg.dir else run_dir / "checkpoints"
 
 
 def _prepare(cfg: DictConfig, run_dir: Path, env: DistEnv) -> TrainerConfig:
     """The run's config (logged and saved), determinism, matmul precision, and the seed every rank shares."""
     trainer = typed(cfg.trainer, TrainerConfig)
     if env.is_main:
-        log.info("config:\n%s", OmegaConf.to_yaml(cfg, resolve=True))
+        log.info("config:\n%s", OmegaConf.to_yaml(cfg, resolve=True), extra=None if trainer.print_config else FILE_ONLY)
         (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
     if trainer.deterministic != torch.are_deterministic_algorithms_enabled():  # the call imports inductor: 1.5 s
         torch.use_deterministic_algorithms(trainer.deterministic)
@@ -261,7 +283,6 @@ def summarize(run: Run) -> dict[str, Any] | None:
         return None
     write_json_atomic(ctx.run_dir / "summary.json", summary)
     ctx.writer.finish(KILLED if (summary.get("checkpoint") or {}).get("stopped_by") else FINISHED, summary)
-    log.info("done: %d steps; steady state %s", state.step,
-             f"{steady['samples_per_sec']:.1f} samples/s, {steady['step_time_s'] * 1e3:.1f} ms/step"
-             if steady else "not reached (too few steps after warm-up)")
+    committed = bool((summary.get("checkpoint") or {}).get("committed"))
+    log.info("%s", end_lines(summary, ctx.run_dir, time.monotonic() - run.started, tuple(ctx.cfg.logger), committed))
     return summary

@@ -3,10 +3,27 @@
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from trainflow import __version__
 
 log = logging.getLogger(__name__)
+
+
+class FileOnly(logging.Filter):
+    """On the console's handler: leaves out the records logged with `extra=FILE_ONLY` (the full config), which
+    train.log keeps."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not getattr(record, "file_only", False)
+
+
+FILE_ONLY = {"file_only": True}
+NO_CHECKPOINTS = "off (checkpoint=dcp saves them, and the same command then resumes)"
 
 
 class RunLogHandler(logging.FileHandler):
@@ -22,11 +39,11 @@ class RunLogHandler(logging.FileHandler):
 
 def progress_reporter(max_steps: int, mode: str, is_main: bool, start: int) -> Callable[[int | None, dict | None],
                                                                                          None]:
-    """A tqdm bar on rank 0 when stdout is a terminal (or asked for); plain log lines otherwise.
+    """A tqdm bar on rank 0 when stdout is a terminal with room for one (or asked for); plain log lines otherwise.
 
     Call it with (step, values) at each log step, and with (None, None) at the end.
     """
-    use_bar = is_main and (mode == "bar" or (mode == "auto" and sys.stdout.isatty()))
+    use_bar = is_main and (mode == "bar" or (mode == "auto" and _terminal_columns() > 0))
     bar = None
     if use_bar:
         from tqdm import tqdm
@@ -40,7 +57,9 @@ def progress_reporter(max_steps: int, mode: str, is_main: bool, start: int) -> C
             return
         if bar is not None:
             bar.n = step
-            bar.set_postfix(loss=f"{values['train/loss']:.4f}", lr=f"{values['train/lr']:.2e}")
+            bar.set_postfix_str(f"loss {values['train/loss']:.4f}, lr {values['train/lr']:.2e}, "
+                                f"{values['perf/step_time_s'] * 1e3:.1f} ms/step, "
+                                f"{values['perf/samples_per_sec']:.0f} samples/s")
         elif is_main:
             ranks = (f"; ranks' own time median {values['perf/own_time_median_s'] * 1e3:.1f} ms, max "
                      f"{values['perf/own_time_max_s'] * 1e3:.1f} ms (rank {values['perf/slowest_rank']})"
@@ -51,3 +70,89 @@ def progress_reporter(max_steps: int, mode: str, is_main: bool, start: int) -> C
                      values["perf/data_wait_fraction"] * 100, ranks)
 
     return update
+
+
+def _terminal_columns() -> int:
+    """The width of the terminal stdout is, 0 when it is none (a file, a pipe) or reports no width (a bare pty)."""
+    try:
+        return os.get_terminal_size(sys.stdout.fileno()).columns if sys.stdout.isatty() else 0
+    except (OSError, ValueError):
+        return 0
+
+
+@dataclass(frozen=True)
+class RunFacts:
+    """What the start header says of a run: what trains, how, and where its files go."""
+
+    model: str
+    parameters: int
+    data: str
+    train_items: int
+    val_items: int | None
+    seq_len: int
+    task: str
+    monitor: str
+    mode: str
+    device: str
+    world_size: int
+    strategy: str
+    precision: str
+    compiled: str  # "eager" or how torch.compile runs
+    global_batch: int
+    max_steps: int
+    resumed_from: int | None
+    run_dir: Path
+    checkpoint_dir: Path | None  # None: checkpointing is off
+    loggers: tuple[str, ...]
+
+
+def start_header(f: RunFacts) -> str:
+    """The lines a run starts with on the console: enough to know it is the run meant (the whole config is in
+    config.yaml and train.log)."""
+    tokens = f" x {f.seq_len} tokens" if f.seq_len > 1 else ""
+    held_out = f", {f.val_items:,} held out" if f.val_items else ", no validation set"
+    start = f"resumes at step {f.resumed_from}" if f.resumed_from else "from step 0"
+    ranks = f"{f.world_size} process{'es' if f.world_size > 1 else ''} ({f.strategy})"
+    return "\n".join([
+        f"trainflow {__version__}: {f.model} ({f.parameters / 1e6:.2f}M parameters) on {f.data}, task {f.task} "
+        f"(monitor: val {f.monitor}, {f.mode})",
+        f"  data     {f.train_items:,} training items{tokens}{held_out}",
+        f"  how      {f.device}, {ranks}, {f.precision}, {f.compiled}; global batch {f.global_batch}{tokens}; "
+        f"{f.max_steps} steps, {start}",
+        f"  run dir  {shown(f.run_dir)}  (config.yaml, train.log, metrics.jsonl, summary.json"
+        f"{', tensorboard/' if 'tensorboard' in f.loggers else ''})",
+        f"  ckpts    {shown(f.checkpoint_dir) if f.checkpoint_dir else NO_CHECKPOINTS}",
+    ])
+
+
+def shown(path: Path) -> str:
+    """`path` as a user reads it best: relative to the working folder when it is below it."""
+    try:
+        return str(path.resolve().relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
+
+
+def end_lines(summary: dict, run_dir: Path, wall_s: float, loggers: tuple[str, ...], export_ready: bool) -> str:
+    """The lines a run ends with: where its results are, its headline figures, and what to run next."""
+    steady = summary.get("steady_state")
+    figures = [f"{summary['steps']} steps in {wall_s:.1f} s"]
+    if steady:
+        figures.append(f"steady state {steady['samples_per_sec']:,.1f} samples/s, {steady['step_time_s'] * 1e3:.1f} "
+                       "ms/step")
+    else:
+        figures.append("steady state not reached (too few steps after warm-up)")
+    if summary.get("mfu") is not None:
+        figures.append(f"MFU {summary['mfu'] * 100:.1f}%")
+    if summary.get("peak_memory_bytes"):
+        figures.append(f"peak memory {summary['peak_memory_bytes'] / 2**30:.2f} GiB")
+    task, validation = summary["task"], summary.get("validation") or {}
+    if task["monitor"] in validation:
+        figures.append(f"val {task['monitor']} {validation[task['monitor']]:.4g}")
+    nexts = []
+    if "tensorboard" in loggers:
+        nexts.append(f"tensorboard --logdir {shown(run_dir)}")
+    if export_ready:
+        nexts.append(f"trainflow export {shown(run_dir)} model.pt")
+    return "\n".join([f"done: {'; '.join(figures)}", f"  results  {shown(run_dir / 'summary.json')}",
+                      *([f"  next     {' | '.join(nexts)}"] if nexts else [])])
