@@ -97,6 +97,11 @@ def source_corpus(ctx: Ctx) -> None:
     shutil.copy(ROOT / "src" / "trainflow" / "data" / "text.py", ctx.tmp / "source.py")  # ~9 kB of real text
 
 
+def broken_yaml(ctx: Ctx) -> None:
+    (ctx.tmp / "conf" / "experiment").mkdir(parents=True)
+    (ctx.tmp / "conf" / "experiment" / "broken.yaml").write_text("# @package _global_\ntrainer:\n  max_steps: [1, 2\n")
+
+
 def empty_corpus(ctx: Ctx) -> None:
     (ctx.tmp / "empty.txt").write_text("")
 
@@ -362,6 +367,23 @@ CASES = [
          "trainer.foo", ("Could not override",), exit=1),
     Case("wrong-type", "config", "a value of the wrong type", ("trainer.max_steps=abc",),
          "'abc'", ("could not be converted to Integer",), exit=1),
+    Case("misspelt-key", "config", "a misspelt key", ("trainer.max_step=30",),
+         "trainer.max_step", ("Could not override", "did you mean trainer.max_steps=30?"), exit=1),
+    Case("misspelt-key-added", "config", "a misspelt key added with Hydra's `+` (as its own hint suggests)",
+         ("+trainer.max_step=30",), "trainer.max_step", ("has no such key", "did you mean trainer.max_steps?")),
+    Case("misspelt-section", "config", "a misspelt section", ("tranier.max_steps=3",),
+         "tranier.max_steps", ("Could not override", "did you mean trainer.max_steps=3?"), exit=1),
+    Case("misspelt-option", "config", "a misspelt option", ("model=gpt_tiney",),
+         "model/gpt_tiney", ("Could not find", "did you mean model=gpt_tiny?", "gpt_small, gpt_tiny, mlp"), exit=1),
+    Case("misspelt-group", "config", "a misspelt group", ("modle=mlp",),
+         "modle", ("Could not override", "did you mean model=mlp?"), exit=1),
+    Case("misspelt-list-option", "config", "a misspelt option in a list", ("logger=[tensorboard,mlfow]",),
+         "logger/mlfow", ("Could not find", "did you mean logger=mlflow?"), exit=1),
+    Case("unparsable-override", "config", "an override Hydra cannot parse", ("trainer.max_steps=[",),
+         "trainer.max_steps=[", ("cannot parse", "key=value"), exit=1),
+    Case("broken-experiment-yaml", "config", "an experiment of one's own that is not valid YAML",
+         ("--config-dir={tmp}/conf", "experiment=broken"), "{tmp}/conf/experiment/broken.yaml",
+         ("not valid YAML", "fix the file"), exit=1, setup=broken_yaml),
     Case("zero-steps", "config", "no training steps", ("trainer.max_steps=0",),
          "trainer.max_steps", ("positive integer", "got 0")),
     Case("negative-batch", "config", "a negative batch size", ("trainer.batch_size=-2",),
@@ -864,7 +886,9 @@ def command(case: Case, ctx: Ctx) -> list[str]:
     base = [ctx.fill(a) for a in BASE if a.split("=")[0] not in keys and a.split(".")[0] not in keys]
     run_dir = [] if "hydra.run.dir" in keys else [f"hydra.run.dir={ctx.tmp / 'run'}"]
     multirun = ["-m", f"hydra.sweep.dir={ctx.tmp / 'sweep'}"] if case.tool == "multirun" else []
-    return [sys.executable, str(ROOT / "train.py"), *multirun, *base, *args, *run_dir]
+    options = [a for a in args if a.startswith("-")]  # Hydra's own (--config-dir=DIR) come before the overrides
+    overrides = [a for a in args if not a.startswith("-")]
+    return [sys.executable, str(ROOT / "train.py"), *multirun, *options, *base, *overrides, *run_dir]
 
 
 @pytest.fixture(scope="module")
@@ -905,8 +929,9 @@ def test_bad_input(case: Case, reference_checkpoints: Path, tmp_path: Path) -> N
     assert proc.returncode == case.exit, proc.stderr[-3000:]
     expected = pattern(ctx, case)
     assert any(expected.fullmatch(line) for line in lines), f"{expected.pattern}\nnot in\n{proc.stderr[-3000:]}"
-    if case.exit == 2:
-        assert sum(line.startswith("Error:") for line in lines) == 1, proc.stderr[-3000:]
+    assert sum(line.startswith("Error:") for line in lines) == 1, proc.stderr[-3000:]
+    if case.exit == 1:  # a command line that did not compose: that one line and nothing else
+        assert [line for line in lines if line.strip()] == [next(line for line in lines if line.startswith("Error:"))]
     assert "Traceback" not in proc.stderr + proc.stdout
     assert any(name.startswith("ckpts/step_00000002/") for name in before)  # the hashes cover the reference run's
     assert after == before

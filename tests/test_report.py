@@ -47,10 +47,11 @@ def one_line_error(proc: subprocess.CompletedProcess, *fragments: str) -> str:
 
 @pytest.fixture(scope="module")
 def single_runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[Run]]:
-    """Two single runs side by side, as `python train.py` leaves them under outputs/: batch 8 and batch 4."""
+    """Two single runs side by side, as `python train.py` leaves them under outputs/: the same model, data and batch,
+    at two learning rates (their speeds compare)."""
     folder = tmp_path_factory.mktemp("outputs")
     runs = [train(folder / "2026-01-01" / "10-00-00", *TINY_GPT, *STEPS),
-            train(folder / "2026-01-01" / "11-00-00", *TINY_GPT, *STEPS, "trainer.batch_size=4")]
+            train(folder / "2026-01-01" / "11-00-00", *TINY_GPT, *STEPS, "optim.lr=3e-3")]
     for run in runs:
         assert run.returncode == 0, run.stderr[-3000:]
     return folder, runs
@@ -67,7 +68,7 @@ def test_report_on_a_folder_of_single_runs(single_runs: tuple[Path, list[Run]], 
     assert report["baseline"] == "2026-01-01/10-00-00" and report["gates"] is None
     assert report["common_overrides"] == [*TINY_GPT, *STEPS]
     first, second = report["runs"]
-    assert second["overrides"] == ["trainer.batch_size=4"] and first["overrides"] == []
+    assert second["overrides"] == ["optim.lr=3e-3"] and first["overrides"] == []
     for row, run in zip(report["runs"], runs, strict=True):
         s = run.summary
         assert row["status"] == "finished" and row["steps"] == 6
@@ -78,7 +79,7 @@ def test_report_on_a_folder_of_single_runs(single_runs: tuple[Path, list[Run]], 
     assert first["speedup"] == 1.0
     assert second["speedup"] == pytest.approx(second["samples_per_sec"] / first["samples_per_sec"])
     md = (out / "report.md").read_text()
-    assert "| 2026-01-01/11-00-00 | `trainer.batch_size=4` | finished |" in md
+    assert "| 2026-01-01/11-00-00 | `optim.lr=3e-3` | finished |" in md
     assert f"{second['speedup']:.2f}x" in md and "![throughput and loss curves](report.png)" in md
     width, height = png_size(out / "report.png")
     assert (width, height) == (1300, 500)
@@ -123,6 +124,61 @@ def test_report_warns_of_runs_that_ended_on_an_overloaded_machine(single_runs: t
     assert json.loads((copy / "report.json").read_text())["warnings"] == [
         f"2026-01-01/11-00-00: the load average was {bound + 0.1:.1f} on {cores} cores at its end, so its timings "
         "include waiting for a core; rerun it on an idle machine before trusting its speed"]
+
+
+def test_runs_of_another_model_data_or_batch_are_listed_apart_and_any_folder_name_is_a_run(
+        single_runs: tuple[Path, list[Run]], tmp_path: Path) -> None:
+    """A run folder named like a run's own subfolder (`profile`) is found; a run of another model, another data or
+    another global batch gets no speedup against the baseline, and the report says why, per run."""
+    folder, _ = single_runs
+    copy = tmp_path / "outputs"
+    shutil.copytree(folder, copy)
+    source = copy / "2026-01-01" / "11-00-00"
+    changes = {"profile": ("model", "n_layer", 4), "wider": ("data", "seq_len", 16), "bigger": ("global", None, 16)}
+    for name, (section, key, value) in changes.items():
+        shutil.copytree(source, copy / name)
+        summary = json.loads((copy / name / "summary.json").read_text())
+        if section == "global":
+            summary["global_batch"] = value
+        else:
+            summary["config"][section][key] = value
+        (copy / name / "summary.json").write_text(json.dumps(summary))
+    workers = copy / "workers"  # a loader's worker settings are speed knobs: still compared
+    shutil.copytree(source, workers)
+    summary = json.loads((workers / "summary.json").read_text())
+    summary["config"]["data"]["num_workers"] = 2
+    (workers / "summary.json").write_text(json.dumps(summary))
+    proc = report_cmd(copy, "--baseline", "2026-01-01/10-00-00")
+    assert proc.returncode == 0, proc.stderr
+    rows = {r["name"]: r for r in json.loads((copy / "report.json").read_text())["runs"]}
+    assert set(rows) == {"2026-01-01/10-00-00", "2026-01-01/11-00-00", "bigger", "profile", "wider", "workers"}
+    apart = {name: row["not_compared"] for name, row in rows.items() if row["not_compared"]}
+    base = "than the baseline 2026-01-01/10-00-00"
+    assert apart == {"profile": f"another model {base}", "wider": f"another data {base}",
+                     "bigger": f"another global batch {base}"}
+    assert all(rows[name]["speedup"] is None for name in apart)
+    assert rows["workers"]["speedup"] == pytest.approx(rows["workers"]["samples_per_sec"] /
+                                                       rows["2026-01-01/10-00-00"]["samples_per_sec"])
+    assert "6 run(s), 3 not compared with the baseline (bigger: another global batch" in proc.stdout
+    md = (copy / "report.md").read_text()
+    assert "## Not compared with the baseline" in md and f"- `profile`: another model {base}" in md
+
+
+def test_a_busy_machine_is_a_warning_on_the_picture_too(single_runs: tuple[Path, list[Run]]) -> None:
+    from trainflow.report.render import figure
+    from trainflow.report.runs import build
+
+    folder, runs = single_runs
+    report = build(folder)
+    report["busy_runs"] = []  # whatever this machine's load was when the fixture's runs ended
+    calm = figure([(r.label, r.losses) for r in report.pop("_runs")], report)
+    assert "WARNING" not in calm._suptitle.get_text()
+    report["busy_runs"] = ["2026-01-01/11-00-00"]
+    busy = figure([(name, {}) for name in ("2026-01-01/10-00-00", "2026-01-01/11-00-00")], report)
+    assert "WARNING: 1 run(s) measured on a busy machine (2026-01-01/11-00-00)" in busy._suptitle.get_text()
+    assert busy._suptitle.get_color() == "tab:red"
+    labels = [t.get_text() for t in busy.axes[0].texts]
+    assert labels[0] == "1.00x" and labels[1].endswith("busy machine!")
 
 
 def test_baseline_can_be_named(single_runs: tuple[Path, list[Run]], tmp_path: Path) -> None:

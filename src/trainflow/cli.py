@@ -16,6 +16,7 @@ from omegaconf import DictConfig
 
 from trainflow.conf import CONFIG_PATH
 from trainflow.config.checks import validate
+from trainflow.config.command_line import EXIT_COMMAND_LINE, explain, raised_errors
 from trainflow.config.schema import register_configs
 from trainflow.distributed.mesh import env_rank
 from trainflow.errors import EXIT_INTERRUPTED, TrainflowError, print_error, traceback_wanted
@@ -107,7 +108,14 @@ def train(overrides: list[str]) -> None:
 
     register_with_hydra()
     sys.argv = [sys.argv[0], *overrides]  # Hydra reads its own options and the overrides from sys.argv
-    hydra.main(version_base="1.3", config_path=CONFIG_PATH, config_name="train")(run_from_hydra)()
+    try:
+        with raised_errors():
+            hydra.main(version_base="1.3", config_path=CONFIG_PATH, config_name="train")(run_from_hydra)()
+    except Exception as exc:
+        if (line := None if traceback_wanted() else explain(exc, overrides)) is None:
+            raise
+        print_error(line)
+        sys.exit(EXIT_COMMAND_LINE)
 
 
 def _export(args: argparse.Namespace) -> int:

@@ -11,13 +11,16 @@ trainflow.config.sections settles those keys. Value checks that a type cannot ex
 from __future__ import annotations
 
 import copy
+import difflib
 import inspect
 from dataclasses import dataclass, field, make_dataclass
 from typing import Any, TypeVar, get_type_hints
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf, open_dict
+from omegaconf.errors import ConfigKeyError
 
+from trainflow.errors import ConfigError
 from trainflow.models.cnn import CNN
 from trainflow.models.gpt import GPT
 from trainflow.models.mlp import MLP
@@ -401,7 +404,15 @@ def typed(section: Any, schema: type[Schema]) -> Schema:
     merged on its own would lose them); nested sections (parallelism.fsdp) become their dataclasses too. Stages
     read plain attributes, at no DictConfig cost, and the schema's defaults fill what the section leaves out."""
     values = OmegaConf.to_container(section, resolve=True) if isinstance(section, DictConfig) else section
-    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema), values))
+    try:
+        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema), values))
+    except ConfigKeyError as exc:  # a key added with Hydra's `+` that the section does not have
+        where = section._get_full_key(None) if isinstance(section, DictConfig) else schema.__name__
+        key = str(exc.full_key or exc.key)
+        close = difflib.get_close_matches(key.rsplit(".", 1)[-1], list(schema.__dataclass_fields__), n=1)
+        hint = f"did you mean {where}.{key.rsplit('.', 1)[0] + '.' if '.' in key else ''}{close[0]}?" if close \
+            else "python train.py --cfg job lists every key"
+        raise ConfigError(f"{where}.{key}: {where} has no such key; {hint}") from None
 
 
 def decided(cfg: DictConfig, decisions: dict[str, Any]) -> DictConfig:

@@ -4,10 +4,13 @@ and loss curves), drawn from the report that trainflow.report.runs builds."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from trainflow.report import ladder
 from trainflow.util.files import atomic_path
+
+if TYPE_CHECKING:  # matplotlib loads when a picture is drawn, not when a run imports the report
+    from matplotlib.figure import Figure
 
 
 def _num(value: float | None, fmt: str, suffix: str = "") -> str:
@@ -38,6 +41,11 @@ def markdown(report: dict[str, Any]) -> str:
         lines += [f"Overrides common to all runs: `{' '.join(report['common_overrides'])}`", ""]
     if report["warnings"]:
         lines += ["## Warnings", "", *(f"- {_cell(w)}" for w in report["warnings"]), ""]
+    apart = [row for row in report["runs"] if row["not_compared"]]
+    if apart:
+        lines += ["## Not compared with the baseline", "", "Speedups compare runs of the same model, data and "
+                  "global batch only:", "", *(f"- `{row['name']}`: {_cell(row['not_compared'])}" for row in apart),
+                  ""]
     if report["gates"] is not None:
         lines += ["## Gates", "", "| gate | status | numbers |", "| --- | --- | --- |"]
         lines += [f"| {g['name']} | **{g['status']}** | {_cell(g['detail'])} |" for g in report["gates"]]
@@ -59,7 +67,7 @@ def markdown(report: dict[str, Any]) -> str:
             f"`{' '.join(row['overrides'])}`" if row["overrides"] else "",
             status + world,
             _num(row["samples_per_sec"], ".1f"),
-            _num(row["speedup"], ".2f", "x"),
+            _num(row["speedup"], ".2f", "x") if not row["not_compared"] else "not compared",
             _num(row["mfu"] * 100 if row["mfu"] is not None else None, ".2f", "%"),
             _gib(row["peak_memory_bytes"]),
             f"{_num(row['loss_first'], '.4f')} -> {_num(row['loss_last'], '.4f')}",
@@ -90,8 +98,14 @@ def _cell(text: str) -> str:
 
 
 def write_png(curves_of: list[tuple[str, dict[int, float]]], report: dict[str, Any], path: Path) -> None:
+    """report.png: the figure below, written atomically."""
+    with atomic_path(path) as tmp:
+        figure(curves_of, report).savefig(tmp, dpi=100)
+
+
+def figure(curves_of: list[tuple[str, dict[int, float]]], report: dict[str, Any]) -> Figure:
     """Throughput bars (speedup on top) and every run's loss curve, drawn headless with Agg; `curves_of`: each run's
-    label and losses by step, in the order of report["runs"]."""
+    label and losses by step, in the order of report["runs"]. A busy machine's runs are named in red."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -104,7 +118,10 @@ def write_png(curves_of: list[tuple[str, dict[int, float]]], report: dict[str, A
     colors = [{"finished": "tab:blue", "failed": "tab:red"}.get(row["status"], "tab:gray") for row in rows]
     drawn = bars.bar(range(len(labels)), values, color=colors)
     for bar, row in zip(drawn, rows, strict=True):
-        text = row["status"] if row["status"] != "finished" else _num(row["speedup"], ".2f", "x")
+        text = (row["status"] if row["status"] != "finished" else "not compared" if row["not_compared"]
+                else _num(row["speedup"], ".2f", "x"))
+        if row["name"] in report["busy_runs"]:
+            text += "\nbusy machine!"
         bars.annotate(text, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom",
                       fontsize=8, xytext=(0, 2), textcoords="offset points")
     bars.set_xticks(range(len(labels)), labels, rotation=30, ha="right", fontsize=8)
@@ -126,6 +143,8 @@ def write_png(curves_of: list[tuple[str, dict[int, float]]], report: dict[str, A
     if report["gates"] is not None:
         counts = {s: sum(g["status"] == s for g in report["gates"]) for s in (ladder.PASS, ladder.WARN, ladder.FAIL)}
         title += "   gates: " + ", ".join(f"{n} {s}" for s, n in counts.items())
-    fig.suptitle(title, fontsize=10)
-    with atomic_path(path) as tmp:
-        fig.savefig(tmp, dpi=100)
+    if report["busy_runs"]:
+        title += (f"\nWARNING: {len(report['busy_runs'])} run(s) measured on a busy machine "
+                  f"({', '.join(report['busy_runs'])}): do not trust their speed")
+    fig.suptitle(title, fontsize=10, color="tab:red" if report["busy_runs"] else "black")
+    return fig

@@ -33,7 +33,7 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from trainflow.config.schema import LadderConfig, TrainerConfig, typed
+from trainflow.config.schema import LadderConfig, TrainerConfig, WorkerConfig, typed
 from trainflow.distributed.mesh import env_rank
 from trainflow.errors import TrainflowError
 from trainflow.report import ladder
@@ -46,7 +46,6 @@ log = logging.getLogger(__name__)
 FAILURE_FILE = "failure.txt"  # written into a failed job's folder: the line that says why
 EXIT_GATE_FAILED = 1  # `trainflow report` and a sweep whose ladder gate failed (user errors exit 2)
 REPORT_FILES = ("report.md", "report.json", "report.png")
-_SKIP = {"checkpoints", "profile", "tb", "tensorboard", "torchrun"}  # inside a run: never runs themselves
 
 
 class ReportError(TrainflowError):
@@ -94,7 +93,7 @@ def find_runs(root: Path) -> list[Path]:
             found.append(Path(here))
             dirs.clear()  # a run's own subfolders (checkpoints, profile, ...) hold no runs
             continue
-        dirs[:] = sorted(d for d in dirs if not d.startswith(".") and d not in _SKIP)
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))  # any name: a run may be called `profile`
     if not found:
         raise ReportError(f"{root}: no runs found (no summary.json or .hydra folder below it); point trainflow "
                           "report at a run or sweep folder, e.g. outputs or multirun/<sweep name>")
@@ -183,7 +182,7 @@ def build(root: Path, baseline: str | None = None) -> dict[str, Any]:
     base = _pick_baseline(runs, baseline, root)
     common = [o for o in runs[0].overrides if all(o in r.overrides for r in runs)] if len(runs) > 1 else []
     base_sps = base.figure("steady_state", "samples_per_sec") if base else None
-    rows = [_row(r, common, base_sps) for r in runs]
+    rows = [_row(r, common, base_sps, _not_comparable(r, base)) for r in runs]
     report: dict[str, Any] = {
         "folder": str(root.resolve()),
         "written": time.strftime("%Y-%m-%d %H:%M:%S"),
@@ -198,7 +197,9 @@ def build(root: Path, baseline: str | None = None) -> dict[str, Any]:
         gates = [g.as_dict() for g in ladder.evaluate(rungs, *_gate_settings(runs))]
         report["gates"] = gates
         report["passed"] = not any(g["status"] == ladder.FAIL for g in gates)
-    report["warnings"] = [w for r in runs if (w := load_warning(r))]
+    busy = {r.name: w for r in runs if (w := load_warning(r))}
+    report["warnings"] = list(busy.values())
+    report["busy_runs"] = list(busy)  # their speed measured the machine's load too
     report["_runs"] = runs  # for the picture; dropped before writing JSON
     return report
 
@@ -241,7 +242,26 @@ def load_warning(r: RunRecord) -> str | None:
             "before trusting its speed")
 
 
-def _row(r: RunRecord, common: list[str], base_sps: float | None) -> dict[str, Any]:
+def _not_comparable(r: RunRecord, base: RunRecord | None) -> str | None:
+    """Why `r`'s speed does not compare with the baseline's: another model, other data (its loader's worker
+    settings aside: they are speed knobs), or another global batch; None when it compares (or either is unknown)."""
+    if base is None or r is base or r.summary is None or base.summary is None:
+        return None
+    differ = [what for what, keys in (("model", ("config", "model")), ("tokenizer", ("config", "tokenizer")),
+                                      ("global batch", ("global_batch",)))
+              if r.figure(*keys) != base.figure(*keys)]
+    data, base_data = (_data_identity(x.figure("config", "data")) for x in (r, base))
+    if data != base_data:
+        differ.insert(1, "data")
+    return f"another {', '.join(differ)} than the baseline {base.name}" if differ else None
+
+
+def _data_identity(data: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The data section without its loader's worker settings."""
+    return {k: v for k, v in data.items() if k not in WorkerConfig.__dataclass_fields__} if data else data
+
+
+def _row(r: RunRecord, common: list[str], base_sps: float | None, not_compared: str | None) -> dict[str, Any]:
     sps = r.figure("steady_state", "samples_per_sec")
     comp = r.figure("compile") or {}
     verdict = r.figure("profiler", "verdict") or {}
@@ -258,7 +278,8 @@ def _row(r: RunRecord, common: list[str], base_sps: float | None) -> dict[str, A
         "samples_per_sec": sps,
         "tokens_per_sec": r.figure("steady_state", "tokens_per_sec"),
         "step_time_s": r.figure("steady_state", "step_time_s"),
-        "speedup": sps / base_sps if sps and base_sps else None,
+        "speedup": sps / base_sps if sps and base_sps and not not_compared else None,
+        "not_compared": not_compared,  # why no speedup: not the same model, data and global batch as the baseline
         "mfu": r.figure("mfu"),
         "peak_memory_bytes": r.figure("peak_memory_bytes"),
         "loss_first": r.figure("train_loss", "first"),
@@ -371,7 +392,10 @@ def command(args: argparse.Namespace) -> int:
     counts = {s: sum(g["status"] == s for g in gates) for s in (ladder.PASS, ladder.WARN, ladder.FAIL,
                                                                    ladder.NOT_EVALUATED)}
     tally = ", ".join(f"{n} {s}" for s, n in counts.items() if n)
+    apart = [r for r in report["runs"] if r["not_compared"]]
     print(f"wrote {', '.join(str(out / f) for f in REPORT_FILES)}: {len(report['runs'])} run(s)"
+          + (f", {len(apart)} not compared with the baseline ("
+             + "; ".join(f"{r['name']}: {r['not_compared']}" for r in apart) + ")" if apart else "")
           + (f"; gates: {tally}" if gates else ""))
     for warning in report["warnings"]:
         print(f"WARNING {warning}")

@@ -1,0 +1,147 @@
+"""A command line Hydra cannot compose, said in one line: the key, option, override or file at fault and the closest
+valid name ("did you mean trainer.max_steps?"), never Hydra's report (a `+key` hint that leads to a traceback, the
+config search path, a stack).
+
+Hydra reports composition errors itself and exits, unless HYDRA_FULL_ERROR=1 makes it raise them. `raised_errors`
+sets it while Hydra composes; the RunStarts callback takes it back as soon as a run or sweep starts, so that nothing
+after composition (the task, a launcher's workers) sees it unless the user set it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import difflib
+import os
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import yaml
+from hydra import initialize_config_module
+from hydra.core.global_hydra import GlobalHydra
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.errors import ConfigCompositionException, MissingConfigException, OverrideParseException
+from hydra.experimental.callback import Callback
+from hydra.types import RunMode
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
+
+FULL_ERROR = "HYDRA_FULL_ERROR"
+_SET_BY_US = "TRAINFLOW_RAISED_HYDRA_ERRORS"  # marks a FULL_ERROR that raised_errors set, not the user
+EVERY_KEY = "python train.py --cfg job lists every key"
+EXIT_COMMAND_LINE = 1  # as Hydra exits for a command line it rejects
+
+
+@contextlib.contextmanager
+def raised_errors() -> Iterator[None]:
+    """Hydra raises what it cannot compose inside this block (HYDRA_FULL_ERROR=1), unless the run starts first."""
+    if os.environ.get(FULL_ERROR) == "1":  # the user wants Hydra's tracebacks
+        yield
+        return
+    os.environ[FULL_ERROR] = os.environ[_SET_BY_US] = "1"
+    try:
+        yield
+    finally:
+        _take_back()
+
+
+def _take_back() -> None:
+    if os.environ.pop(_SET_BY_US, None):
+        os.environ.pop(FULL_ERROR, None)
+
+
+class RunStarts(Callback):
+    """Composition is over: Hydra reports errors its own way again, and workers inherit no HYDRA_FULL_ERROR."""
+
+    def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        _take_back()
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        _take_back()
+
+
+def explain(exc: BaseException, overrides: list[str]) -> str | None:
+    """One line for a command line that did not compose, or None when `exc` is not such a failure."""
+    if isinstance(exc, MissingConfigException) and exc.missing_cfg_file and "/" in exc.missing_cfg_file:
+        group, option = exc.missing_cfg_file.rsplit("/", 1)
+        options = list(exc.options or _group_options(group))
+        close = difflib.get_close_matches(option, options, n=1)
+        hint = f"did you mean {group}={close[0]}? " if close else ""
+        return (f"{group}={option}: Could not find {group}/{option}; {hint}the options of {group}: "
+                f"{', '.join(options)} (python train.py --help describes them)")
+    if isinstance(exc, ConfigCompositionException) and isinstance(exc.__cause__, ConfigAttributeError | ConfigKeyError):
+        key = _quoted(str(exc)) or ""
+        given = next((o for o in overrides if o.lstrip("+~").split("=")[0] == key), key)
+        close = _closest_key(key, [o for o in overrides if o != given])
+        hint = f"did you mean {close}{given[len(given.split('=')[0]):]}?" if close else EVERY_KEY
+        return f"{key}: Could not override it: the config has no such key; {hint}"
+    if isinstance(exc, ConfigCompositionException) and isinstance(exc.__cause__, ValidationError):
+        override = str(exc).removeprefix("Error merging override ").strip()
+        return f"{override}: {str(exc.__cause__).splitlines()[0]}"
+    if isinstance(exc, OverrideParseException):
+        bad = next((o for o in overrides if not _parses(o)), None)
+        reason = str(exc).splitlines()[0]
+        return (f"{bad or 'the command line'}: Hydra cannot parse it ({reason}); write key=value, group=option or "
+                "key=[a,b], quoting values with spaces or brackets: 'key=[1, 2]'")
+    if isinstance(exc, yaml.MarkedYAMLError) and exc.problem_mark is not None:
+        mark = exc.problem_mark
+        return (f"{mark.name}:{mark.line + 1}:{mark.column + 1}: not valid YAML ({exc.problem}); fix the file, or "
+                "leave out the option that reads it")
+    return None
+
+
+def _quoted(text: str) -> str | None:
+    match = re.search(r"'([^']+)'", text)
+    return match.group(1) if match else None
+
+
+def _parses(override: str) -> bool:
+    try:
+        OverridesParser.create().parse_overrides([override])
+        return True
+    except OverrideParseException:
+        return False
+
+
+def _loader() -> Any:
+    """Hydra's config loader over trainflow's configs (Hydra let go of its own when composition failed)."""
+    if not GlobalHydra.instance().is_initialized():
+        initialize_config_module("trainflow.conf", version_base="1.3").__enter__()  # for this one error's hints
+    return GlobalHydra.instance().config_loader()
+
+
+def _group_options(group: str) -> list[str]:
+    return _loader().get_group_options(group)
+
+
+def _closest_key(key: str, overrides: list[str]) -> str | None:
+    """The key of the config (composed without the one that failed) or the group closest to `key`."""
+    loader = _loader()
+    cfg = None
+    for attempt in (overrides, []):  # another bad override among the rest: the defaults alone still list the keys
+        with contextlib.suppress(Exception):
+            cfg = loader.load_configuration("train", [o for o in attempt if not o.startswith("-")], RunMode.RUN)
+            break
+    keys = [k for k in _dotted_keys(cfg) if not k.startswith("hydra")] if cfg is not None else []
+    keys += [g for g in loader.list_groups("") if g not in ("hydra", "schema")]
+    parent, _, leaf = key.rpartition(".")
+    if parent in keys:  # a misspelt key of a section that exists: only its siblings are candidates
+        siblings = [k.rpartition(".")[2] for k in keys if k.rpartition(".")[0] == parent]
+        close = difflib.get_close_matches(leaf, siblings, n=1, cutoff=0.6)
+        return f"{parent}.{close[0]}" if close else None
+    close = difflib.get_close_matches(key, keys, n=1, cutoff=0.7)
+    return close[0] if close else None
+
+
+def _dotted_keys(cfg: Any, prefix: str = "") -> list[str]:
+    """Every key of `cfg`, sections and leaves, as dotted paths (interpolations left unresolved)."""
+    if not isinstance(cfg, DictConfig):
+        return []
+    keys = []
+    for name in cfg:
+        path = f"{prefix}{name}"
+        keys.append(path)
+        node = cfg._get_node(name)
+        if OmegaConf.is_dict(node):
+            keys += _dotted_keys(node, f"{path}.")
+    return keys
