@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import ROOT, TINY_GPT, Run, start, train, wait_for, wait_for_log
+from conftest import ROOT, TINY_GPT, Run, losses_by_step, start, train, wait_for, wait_for_log
 from helpers.processes import run_process
 from omegaconf import OmegaConf
 
@@ -475,10 +475,43 @@ def test_headline_command_runs_unchanged_on_a_machine_without_gpus(run_dir: Path
     assert "compile.scope" not in log and "WARNING" not in run.stderr
 
 
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory: pytest.TempPathFactory) -> dict[int, float]:
+    run = train(tmp_path_factory.mktemp("single") / "run", *SMALL)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return losses_by_step(run.run_dir)
+
+
+@pytest.mark.parametrize("strategy", ["fsdp", "ddp", "hsdp"])
+def test_one_rank_of_ddp_fsdp_or_hsdp_trains_in_a_group_of_one_as_one_process_does(
+        run_dir: Path, strategy: str, one_process: dict[int, float]) -> None:
+    """What `parallelism=fsdp` does on a one-GPU machine (auto: one rank per GPU), here with one CPU rank: the
+    strategy's code path (a process group of one, FSDP2's mesh of one, DDP's reducer) in this process, said in one
+    line, training as one process does; its checkpoint resumes on two ranks."""
+    extra = ["compile=default", "compile.backend=aot_eager", "compile.dynamic=true"] if strategy == "fsdp" else []
+    run = train(run_dir, *SMALL, f"parallelism={strategy}", "parallelism.nproc_per_node=1", "checkpoint=dcp", *extra)
+    assert run.returncode == 0, run.stderr[-3000:]
+    summary = run.summary
+    assert summary["world_size"] == 1 and summary["parallelism"]["strategy"] == strategy
+    assert summary["parallelism"]["backend"] == "gloo"
+    line = f"parallelism={strategy} on one process (one was asked for): a process group of one rank"
+    assert (run.stdout + run.stderr).count(line) == 1
+    losses = losses_by_step(run_dir)
+    assert losses.keys() == one_process.keys()
+    for step, loss in one_process.items():
+        assert losses[step] == pytest.approx(loss, rel=1e-5), step
+    if strategy == "fsdp":
+        assert summary["compile"]["dynamic"] is True and summary["compile"]["scope"] == "blocks"
+        more = train(run_dir, *SMALL, "parallelism=fsdp", "parallelism.nproc_per_node=2", "trainer.max_steps=6",
+                     "checkpoint=dcp")
+        assert more.returncode == 0, more.stderr[-3000:]
+        assert more.summary["world_size"] == 2 and more.summary["resumed_from_step"] == 4
+
+
 @pytest.mark.parametrize(("strategy", "nproc", "gpus", "ranks"), [
     ("ddp", "auto", 0, 2), ("fsdp", "auto", 0, 2), ("hsdp", "auto", 0, 2),  # a group needs 2: CPU ranks
     ("single", "auto", 0, 1), ("auto", "auto", 0, 1),  # one process unless memory asks for more
-    ("fsdp", "auto", 8, 8), ("ddp", "auto", 1, 1),  # one per GPU (1 GPU: ddp is then refused with the reason)
+    ("fsdp", "auto", 8, 8), ("ddp", "auto", 1, 1),  # one per GPU (1 GPU: a group of one rank)
     ("ddp", 3, 0, 3), ("ddp", 3, 8, 3),  # a number is taken as given
 ])
 def test_ranks_per_node_auto(strategy: str, nproc: object, gpus: int, ranks: int) -> None:
@@ -493,8 +526,6 @@ def test_ranks_per_node_auto(strategy: str, nproc: object, gpus: int, ranks: int
 @pytest.mark.parametrize(
     ("overrides", "expected"),
     [
-        (["parallelism=fsdp", "parallelism.nproc_per_node=1"], "parallelism.nproc_per_node: fsdp needs 2 or more "
-         "processes, got 1 (one was asked for); set parallelism.nproc_per_node=2 or more, or use parallelism=single"),
         (["parallelism.nproc_per_node=2"], "parallelism.nproc_per_node: parallelism=single runs one process; got 2: "
          "use parallelism=ddp or parallelism=fsdp for 2 processes"),
         (["parallelism.check=true"], "parallelism.check: compares ddp/fsdp with one process, so parallelism=single "
@@ -508,7 +539,7 @@ def test_ranks_per_node_auto(strategy: str, nproc: object, gpus: int, ranks: int
         (["parallelism=ddp", "parallelism.nproc_per_node=0"],
          "parallelism.nproc_per_node: must be a positive integer or auto; got 0"),
     ],
-    ids=["fsdp-one-process", "single-two-processes", "check-single", "cpu-offload-on-cpu", "bad-dtype",
+    ids=["single-two-processes", "check-single", "cpu-offload-on-cpu", "bad-dtype",
          "unknown-strategy", "zero-processes"],
 )
 def test_bad_parallel_values_are_refused_before_any_worker_starts(overrides: list[str], expected: str) -> None:

@@ -61,7 +61,7 @@ def launched() -> bool:
 def should_launch(cfg: DictConfig) -> bool:
     """ddp/fsdp/hsdp typed without a launcher (auto: for more than one process): this process starts them."""
     p = cfg.parallelism
-    if p.strategy == "auto" and resolve_nproc(p, resolve_device(cfg.trainer.device, 0)) == 1:
+    if resolve_nproc(p, resolve_device(cfg.trainer.device, 0)) == 1:  # one rank (a group of one): trains here
         return False
     return p.strategy != "single" and not launched()
 

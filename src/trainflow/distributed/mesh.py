@@ -96,8 +96,7 @@ def _divisors(n: int) -> str:
 
 def mesh_shape(world_size: int, ranks_per_node: int, shard_size: int | None,
                replicate_size: int | None) -> tuple[int, int]:
-    """(replicate, shard) of an HSDP run, from what was set and the launcher's ranks per node; one line if wrong
-    (one rank is refused before, with ddp and fsdp: process_group.check_world_size)."""
+    """(replicate, shard) of an HSDP run, from what was set and the launcher's ranks per node; one line if wrong."""
     if shard_size is None:
         shard_size = world_size // replicate_size if replicate_size else min(ranks_per_node, world_size)
     if world_size % shard_size:

@@ -69,7 +69,7 @@ def parallelize(model: nn.Module, cfg: ParallelismConfig | DictConfig, env: Dist
                      "; loss parallel: the logits stay split by vocabulary" * model.vocab_parallel_output)
     if cfg.activation_checkpointing == "full":
         checkpoint_blocks(model)
-    if found.data_parallel == 1:
+    if found.data_parallel == 1 and found.tp > 1:  # tensor parallel over the whole world: nothing to replicate
         return model
     if found.sharded or found.tp > 1:  # DDP under TP: FSDP2 replicating over shard groups of one rank
         return shard(model, cfg.fsdp, env, precision, data_parallel_mesh(mesh))

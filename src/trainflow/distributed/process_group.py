@@ -58,6 +58,7 @@ class DistEnv:
     device: torch.device
     strategy: str = "single"
     tp: int = 1  # ranks of one tensor-parallel group: consecutive ranks, the mesh's last dimension
+    grouped: bool = False  # a process group exists (ddp/fsdp/hsdp: of one rank too, the code path of many)
 
     @property
     def is_main(self) -> bool:
@@ -74,7 +75,8 @@ class DistEnv:
 
     @property
     def distributed(self) -> bool:
-        return self.world_size > 1
+        """Collectives run: 2+ ranks, or one rank of ddp/fsdp/hsdp (a group of one: the same code as many)."""
+        return self.world_size > 1 or self.grouped
 
 
 def resolve_device(requested: str, local_rank: int, local_world_size: int = 1) -> torch.device:
@@ -142,19 +144,15 @@ def cpu_group_note(cfg: DictConfig, device: torch.device) -> str | None:
 
 
 def check_world_size(cfg: DictConfig, world_size: int, started_by: str) -> None:
-    """ddp/fsdp need two or more ranks, single exactly one: anything else is refused with the fix."""
+    """single trains in exactly one process; ddp/fsdp/hsdp on one rank train in a group of one, and say so."""
     if cfg.strategy == "single" and world_size > 1:
         raise ConfigError(f"parallelism.strategy: single trains in one process, but {started_by} started "
                           f"{world_size}; use parallelism=ddp or parallelism=fsdp")
-    if cfg.strategy not in ("single", "auto") and world_size < 2:
-        if started_by != "trainflow":
-            why = f"{started_by} started one"
-        elif cfg.nproc_per_node == "auto":
-            why = "auto is one process per GPU, and at most one GPU is visible"
-        else:
-            why = "one was asked for"
-        raise ConfigError(f"parallelism.nproc_per_node: {cfg.strategy} needs 2 or more processes, got 1 ({why}); "
-                          f"set parallelism.nproc_per_node=2 or more, or use parallelism=single")
+    if cfg.strategy in GROUP_STRATEGIES and world_size == 1 and env_rank() == 0:
+        why = "one GPU is visible" if cfg.nproc_per_node == "auto" else "one was asked for"
+        log.info("parallelism=%s on one process (%s): a process group of one rank, the code path of many (%s); "
+                 "parallelism.nproc_per_node=N trains on N devices", cfg.strategy, why,
+                 "nothing to shard across" if cfg.strategy in SHARDED else "nothing to average with")
 
 
 def per_rank_batch(cfg: DictConfig, world_size: int) -> int:
@@ -258,6 +256,10 @@ def setup(cfg: DictConfig) -> DistEnv:
         logging.getLogger("trainflow").setLevel(logging.WARNING)  # rank 0 speaks; the others only warn
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    grouped = world_size > 1 or p.strategy in GROUP_STRATEGIES
+    if world_size == 1 and grouped and not dist.is_initialized():  # a group of one: its store lives in this process
+        dist.init_process_group(resolve_backend(p, device), store=dist.HashStore(), rank=0, world_size=1,
+                                device_id=device if device.type == "cuda" else None)
     if world_size > 1 and not dist.is_initialized():
         if watchdog_on(p.watchdog, world_size):  # torch's flight recorder (gloo, NCCL) reads it as the group is
             os.environ.setdefault("TORCH_FR_BUFFER_SIZE", str(FLIGHT_RECORDER_ENTRIES))  # made; a size you set wins
@@ -266,7 +268,7 @@ def setup(cfg: DictConfig) -> DistEnv:
                                 timeout=timeout, device_id=device if device.type == "cuda" else None)
         check_ranks_agree(composed, device, rank, world_size)
     tp = layout(p, world_size, int(os.environ.get("LOCAL_WORLD_SIZE", world_size))).tp
-    return DistEnv(rank, world_size, local_rank, device, p.strategy, tp)
+    return DistEnv(rank, world_size, local_rank, device, p.strategy, tp, grouped)
 
 
 def teardown(env: DistEnv) -> None:
