@@ -106,6 +106,13 @@ def empty_corpus(ctx: Ctx) -> None:
     (ctx.tmp / "empty.txt").write_text("")
 
 
+def broken_datasets(ctx: Ctx) -> None:
+    """A `datasets` that raises as it is imported (a broken install), first on PYTHONPATH; and a corpus for data=hf."""
+    (ctx.tmp / "broken" / "datasets").mkdir(parents=True)
+    (ctx.tmp / "broken" / "datasets" / "__init__.py").write_text("raise RuntimeError('half-installed: no arrow')\n")
+    (ctx.tmp / "corpus.jsonl").write_text('{"text": "hello"}\n')
+
+
 def torchft_hidden(ctx: Ctx) -> None:
     """A Python that cannot import torchft (a sitecustomize on PYTHONPATH blocks it): as if it were not installed."""
     (ctx.tmp / "no_torchft").mkdir()
@@ -446,6 +453,11 @@ CASES = [
          ("parallelism.fault_tolerance=torchft",),
          "parallelism.fault_tolerance", ("torchft is not installed", "pip install 'trainflow[ft]'", "set it to off"),
          setup=torchft_hidden, env=(("PYTHONPATH", "{tmp}/no_torchft"),)),
+    Case("broken-optional-library", "data", "an optional library that is installed but raises as it is imported",
+         ("data=hf", "data.paths=[{tmp}/corpus.jsonl]"),
+         "data=hf", ("datasets is installed but fails to import", "RuntimeError: half-installed: no arrow",
+                     "pip install --force-reinstall 'trainflow[hf]'"),
+         setup=broken_datasets, env=(("PYTHONPATH", "{tmp}/broken"),)),
     Case("torchft-with-hsdp", "scale", "fault tolerance with a strategy it does not run (HSDP inside a group)",
          ("parallelism=hsdp", "parallelism.nproc_per_node=4", "parallelism.fault_tolerance=torchft"),
          "parallelism.fault_tolerance", ("replica groups of one rank, of DDP ranks or of FSDP ranks",

@@ -181,6 +181,25 @@ def test_a_busy_machine_is_a_warning_on_the_picture_too(single_runs: tuple[Path,
     assert labels[0] == "1.00x" and labels[1].endswith("busy machine!")
 
 
+def test_without_matplotlib_the_report_is_written_and_says_how_to_get_the_picture(
+        single_runs: tuple[Path, list[Run]], tmp_path: Path) -> None:
+    """matplotlib is an extra (trainflow[plots]): the Markdown and JSON need none of it."""
+    folder, _ = single_runs
+    (tmp_path / "no_matplotlib").mkdir()
+    (tmp_path / "no_matplotlib" / "sitecustomize.py").write_text("import sys\nsys.modules['matplotlib'] = None\n")
+    env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
+    env["PYTHONPATH"] = str(tmp_path / "no_matplotlib")
+    out = tmp_path / "report"
+    proc = run_process([*TRAINFLOW, "report", str(folder), "--out", str(out)], ROOT, env, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(p.name for p in out.iterdir()) == ["report.json", "report.md"]
+    line = ("report.png: needs the matplotlib library, which is not installed; run pip install "
+            "'trainflow[plots]'")
+    wrote = proc.stdout.splitlines()[0]
+    assert f"WARNING {line}" in proc.stdout.splitlines() and "report.png" not in wrote and "report.md" in wrote
+    assert line in json.loads((out / "report.json").read_text())["warnings"]
+
+
 def test_baseline_can_be_named(single_runs: tuple[Path, list[Run]], tmp_path: Path) -> None:
     folder, _ = single_runs
     proc = report_cmd(folder, "--out", tmp_path, "--baseline", "2026-01-01/11-00-00")

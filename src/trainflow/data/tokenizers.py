@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
-import importlib
 import logging
 import os
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -25,6 +24,7 @@ from trainflow.config.schema import TokenizerConfig, typed
 from trainflow.errors import ConfigError, DataError, home_note, unwritable_reason
 from trainflow.util.files import atomic_path
 from trainflow.util.locks import flock_unsupported
+from trainflow.util.optional import require
 
 log = logging.getLogger(__name__)
 
@@ -37,11 +37,7 @@ KINDS = ("bytes", "bpe", "file")
 
 def import_hf(module: str, key: str) -> ModuleType:
     """A library of the `hf` extra, or one line naming the key that needs it and the pip install that brings it."""
-    try:
-        return importlib.import_module(module)
-    except ImportError:
-        raise ConfigError(f"{key}: needs the {module} library, which is not installed; "
-                          "run pip install 'trainflow[hf]'") from None
+    return require(module, "hf", key)
 
 
 @dataclass(frozen=True)

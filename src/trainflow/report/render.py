@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from trainflow.report import ladder
 from trainflow.util.files import atomic_path
+from trainflow.util.optional import require
 
 if TYPE_CHECKING:  # matplotlib loads when a picture is drawn, not when a run imports the report
     from matplotlib.figure import Figure
@@ -106,6 +107,7 @@ def write_png(curves_of: list[tuple[str, dict[int, float]]], report: dict[str, A
 def figure(curves_of: list[tuple[str, dict[int, float]]], report: dict[str, Any]) -> Figure:
     """Throughput bars (speedup on top) and every run's loss curve, drawn headless with Agg; `curves_of`: each run's
     label and losses by step, in the order of report["runs"]. A busy machine's runs are named in red."""
+    require("matplotlib", "plots", "report.png")  # one line where it is missing: the Markdown and JSON need none
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 

@@ -35,7 +35,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from trainflow.config.schema import LadderConfig, TrainerConfig, WorkerConfig, typed
 from trainflow.distributed.mesh import env_rank
-from trainflow.errors import TrainflowError
+from trainflow.errors import ConfigError, TrainflowError
 from trainflow.report import ladder
 from trainflow.report.render import markdown, write_png
 from trainflow.util.files import write_atomic
@@ -310,9 +310,12 @@ def write(root: Path, out: Path | None = None, baseline: str | None = None) -> d
     runs = report.pop("_runs")
     try:
         out.mkdir(parents=True, exist_ok=True)
+        try:
+            write_png([(r.label, r.losses) for r in runs], report, out / "report.png")
+        except ConfigError as exc:  # no matplotlib: the Markdown and JSON say so, and are written all the same
+            report["warnings"].append(str(exc))
         write_atomic(out / "report.json", json.dumps(report, indent=2, default=str))
         write_atomic(out / "report.md", markdown(report))
-        write_png([(r.label, r.losses) for r in runs], report, out / "report.png")
     except OSError as exc:
         raise ReportError(f"{out}: cannot write the report ({exc.strerror or exc}); give a writable folder "
                           "with --out") from None
@@ -393,7 +396,8 @@ def command(args: argparse.Namespace) -> int:
                                                                    ladder.NOT_EVALUATED)}
     tally = ", ".join(f"{n} {s}" for s, n in counts.items() if n)
     apart = [r for r in report["runs"] if r["not_compared"]]
-    print(f"wrote {', '.join(str(out / f) for f in REPORT_FILES)}: {len(report['runs'])} run(s)"
+    written = [str(out / f) for f in REPORT_FILES if (out / f).is_file()]
+    print(f"wrote {', '.join(written)}: {len(report['runs'])} run(s)"
           + (f", {len(apart)} not compared with the baseline ("
              + "; ".join(f"{r['name']}: {r['not_compared']}" for r in apart) + ")" if apart else "")
           + (f"; gates: {tally}" if gates else ""))
