@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers.checkpoints import (
+    SGD,
     checkpointer,
     committed,
     make_state,
@@ -393,15 +394,16 @@ def test_a_resume_fits_the_configs_parameter_groups_and_puts_the_schedule_at_the
 def test_a_changed_optimizer_says_so_and_loads_weights_only_when_asked(tmp_path: Path) -> None:
     saved = train_and_save(tmp_path, 3)
     path = tmp_path / "ckpts" / "step_00000003"
-    sgd = make_state(seed=1, name="sgd")
+    sgd = make_state(seed=1, base=SGD)
     ck = checkpointer(tmp_path)
     with pytest.raises(CheckpointError) as exc:
         ck.resume(sgd)
     ck.close(sgd)
     assert str(exc.value) == (
-        f"{path}: saved with the AdamW optimizer, this run builds SGD (optim.name); its optimizer state does not fit: "
-        "to continue from its weights only (fresh optimizer and LR schedule from step 0), run with "
-        f"checkpoint.load=model checkpoint.resume={path} and checkpoint.dir at a new folder, or set optim.name back")
+        f"{path}: saved with the AdamW optimizer, this run builds SGD (optim._target_); its optimizer state does not "
+        "fit: to continue from its weights only (fresh optimizer and LR schedule from step 0), run with "
+        f"checkpoint.load=model checkpoint.resume={path} and checkpoint.dir at a new folder, or set optim._target_ "
+        "back")
 
     ck = checkpointer(tmp_path, dir=str(tmp_path / "sgd"), resume=str(path), load="model", every_steps=2)
     ck.resume(sgd)
@@ -414,7 +416,7 @@ def test_a_changed_optimizer_says_so_and_loads_weights_only_when_asked(tmp_path:
     ck.close(sgd)
     assert committed(tmp_path / "sgd") == ["step_00000002"]
 
-    again = make_state(seed=2, name="sgd")  # the same command again: this run's own checkpoint, in full
+    again = make_state(seed=2, base=SGD)  # the same command again: this run's own checkpoint, in full
     ck = checkpointer(tmp_path, dir=str(tmp_path / "sgd"), resume=str(path), load="model")
     ck.resume(again)
     ck.close(again)

@@ -17,7 +17,8 @@ from trainflow.config import schema as config
 # The group options typed by their own schema (model and data kinds); the others by RunConfig's section.
 KIND_SCHEMAS = {"model/mlp": config.MLPConfig, "model/cnn": config.CNNConfig, "data/text": config.TextDataConfig,
                 "data/synthetic": config.SyntheticDataConfig, "data/digits": config.DigitsDataConfig,
-                "data/hf": config.HFDataConfig, "data/shards": config.ShardsDataConfig}
+                "data/hf": config.HFDataConfig, "data/shards": config.ShardsDataConfig,
+                "optim/adamw": config.AdamWConfig, "optim/sgd": config.SGDConfig}
 SECTIONS = {f.name: f.default_factory for f in fields(config.RunConfig) if callable(f.default_factory)}
 SECTIONS["task"] = config.TaskConfig  # the built-in tasks' schema (a user's task._target_ has none)
 OPTIONS = sorted(p for group in ("checkpoint", "compile", "data", "logger", "model", "optim", "parallelism",
@@ -27,7 +28,7 @@ OPTIONS = sorted(p for group in ("checkpoint", "compile", "data", "logger", "mod
 def schema_of(option: Path) -> Any:
     name = f"{option.parent.name}/{option.stem}"
     if option.stem == "custom":
-        return {}  # model=custom, data=custom, task=custom: open sections, no defaults but the user's
+        return {}  # model=custom, data=custom, task=custom, optim=custom: open sections, no defaults but the user's
     if option.parent.name == "logger":  # each logger's keys under logger.<name>, typed by its own schema
         return {option.stem: config.LOGGER_SCHEMAS[option.stem]} if option.stem in config.LOGGER_SCHEMAS else {}
     if option.parent.name == "model" and option.stem.startswith("gpt"):

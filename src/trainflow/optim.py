@@ -1,33 +1,54 @@
-"""Optimizer and learning-rate schedule (linear warm-up, then cosine or constant)."""
+"""The optimizer, by `optim._target_` (a torch.optim class or your own), and trainflow's learning-rate schedule
+(linear warm-up, then cosine or constant)."""
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
-from omegaconf import DictConfig
 from torch import nn
 
-from trainflow.config.schema import OptimConfig
+from trainflow.config.schema import SCHEDULE_KEYS
+from trainflow.config.targets import WHAT, call, import_target
+from trainflow.errors import ConfigError
+
+OPTIMIZER = WHAT["optim"]
+FUSED_ON_CUDA = (torch.optim.AdamW, torch.optim.Adam)  # one kernel for the whole update, unless optim.fused says
 
 
-def build_optimizer(model: nn.Module, cfg: OptimConfig | DictConfig, max_steps: int, device: torch.device):
+def optimizer_arguments(optim: Mapping[str, Any]) -> dict[str, Any]:
+    """What the optimizer is called with besides the parameters: the section less `_target_` and the schedule's
+    keys (lists as tuples, as torch's signatures have them: `betas`)."""
+    return {k: tuple(v) if isinstance(v, Sequence) and not isinstance(v, str) else v
+            for k, v in optim.items() if k != "_target_" and k not in SCHEDULE_KEYS}
+
+
+def build_optimizer(model: nn.Module, optim: Mapping[str, Any], max_steps: int, device: torch.device):
     """Build on the final (wrapped, sharded) parameters; no weight decay on biases and norms (one parameter group
     when optim.weight_decay is 0: a second group costs ~8 us a step on a small model)."""
+    arguments = optimizer_arguments(optim)
+    decay = arguments.pop("weight_decay", 0.0)
     params = [p for p in model.parameters() if p.requires_grad]
-    if cfg.weight_decay:
-        groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
+    if decay:
+        groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": decay},
                   {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
     else:
         groups = [{"params": params, "weight_decay": 0.0}]
-    if cfg.name == "adamw":
-        optimizer = torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), fused=device.type == "cuda")
-    else:
-        optimizer = torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum)
+    target = str(optim["_target_"])
+    cls = import_target("optim._target_", target, OPTIMIZER)
+    if cls in FUSED_ON_CUDA and device.type == "cuda":
+        arguments.setdefault("fused", True)
+    optimizer = call("optim", target, functools.partial(cls, groups), arguments)  # the error shows the keys, not groups
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise ConfigError(f"optim._target_: {target} made a {type(optimizer).__name__}, not a torch.optim.Optimizer; "
+                          f"give {OPTIMIZER}")
 
-    # plain values: the schedule runs every step, and each DictConfig read costs ~20 us
-    warmup, constant, floor = int(cfg.warmup_steps), cfg.schedule == "constant", float(cfg.min_lr_ratio)
+    # plain values: the schedule runs every step, and each config read costs ~20 us
+    warmup, constant = int(optim["warmup_steps"]), optim["schedule"] == "constant"
+    floor = float(optim["min_lr_ratio"])
 
     def factor(step: int) -> float:
         if step < warmup:
@@ -41,10 +62,10 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig | DictConfig, max_steps: 
     return optimizer, scheduler
 
 
-def schedule_changes_lr(cfg: OptimConfig | DictConfig) -> bool:
+def schedule_changes_lr(optim: Mapping[str, Any]) -> bool:
     """Whether the schedule ever changes the LR: a constant one without warm-up need not be stepped. The resume
     puts the schedule at the checkpoint's step whatever its saved position (checkpoint.state.restore_schedule)."""
-    return cfg.schedule != "constant" or cfg.warmup_steps > 0
+    return optim["schedule"] != "constant" or optim["warmup_steps"] > 0
 
 
 def gradient_norm(parameters: list[torch.Tensor], clip: float) -> torch.Tensor:

@@ -7,7 +7,6 @@ import json
 from pathlib import Path
 
 import torch
-from omegaconf import OmegaConf
 
 from trainflow.checkpoint import Checkpointer, TrainState
 from trainflow.checkpoint.safe_io import read_metadata
@@ -72,14 +71,15 @@ def records(folder: Path) -> dict[str, object]:
     return {index.fqn: info for index, info in metadata.storage_data.items()}
 
 
-OPTIM = {"name": "adamw", "lr": 1e-2, "weight_decay": 0.1, "betas": [0.9, 0.95], "momentum": 0.9,
+OPTIM = {"_target_": "torch.optim.AdamW", "lr": 1e-2, "weight_decay": 0.1, "betas": [0.9, 0.95],
          "warmup_steps": 2, "min_lr_ratio": 0.1, "schedule": "cosine"}
+SGD = {**{k: v for k, v in OPTIM.items() if k != "betas"}, "_target_": "torch.optim.SGD", "momentum": 0.9}
 
 
-def make_state(seed: int = 0, **optim) -> TrainState:
+def make_state(seed: int = 0, base: dict = OPTIM, **optim) -> TrainState:
     torch.manual_seed(seed)
     model = MLP(in_features=8, hidden=16, out_features=4)
-    return TrainState(model, *build_optimizer(model, OmegaConf.create({**OPTIM, **optim}), 100, torch.device("cpu")))
+    return TrainState(model, *build_optimizer(model, {**base, **optim}, 100, torch.device("cpu")))
 
 
 def step(state: TrainState) -> None:

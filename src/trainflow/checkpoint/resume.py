@@ -165,9 +165,9 @@ def load_all(target: Committed, state: TrainState, env: DistEnv, group: Any) -> 
     if plain.get("optimizer") != here:
         raise CheckpointError(
             f"{target.path}: saved with the {plain.get('optimizer')} optimizer, this run builds {here} "
-            f"(optim.name); its optimizer state does not fit: to continue from its weights only (fresh "
+            f"(optim._target_); its optimizer state does not fit: to continue from its weights only (fresh "
             f"optimizer and LR schedule from step 0), run with checkpoint.load=model "
-            f"checkpoint.resume={target.path} and checkpoint.dir at a new folder, or set optim.name back")
+            f"checkpoint.resume={target.path} and checkpoint.dir at a new folder, or set optim._target_ back")
     tensors, live = split_state(state)
     load_tensors(target, tensors, group)
     loaded = merge_tensors(tensors, plain.get("non_tensor") or {})

@@ -6,18 +6,41 @@ The schemas (trainflow.config.schema) say what keys exist and their types; this 
 
 from __future__ import annotations
 
+import difflib
+import inspect
 import math
 from dataclasses import asdict
 from typing import Any
 
+import torch
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import InterpolationResolutionError, MissingMandatoryValue
 
 from trainflow.config.schema import LADDER_RUNGS, ProfilerConfig, TaskConfig, WorkerConfig, decided, typed
 from trainflow.config.sections import settle_sections
+from trainflow.config.targets import import_target
 from trainflow.data.tokenizers import BYTE_VOCAB
 from trainflow.distributed.mesh import STRATEGIES
 from trainflow.errors import ConfigError
+from trainflow.optim import OPTIMIZER, optimizer_arguments
+
+
+def check_optimizer_arguments(optim: DictConfig) -> None:
+    """optim._target_ imports as an optimizer class that takes every key of the section (a misspelt one is named
+    with the closest it takes), before any work."""
+    target = str(optim._target_)
+    cls = import_target("optim._target_", target, OPTIMIZER)
+    _require(inspect.isclass(cls) and issubclass(cls, torch.optim.Optimizer), "optim._target_",
+             f"{target} is not a torch.optim.Optimizer class; give {OPTIMIZER}")
+    params = inspect.signature(cls).parameters
+    if any(p.kind == inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return
+    for key in optimizer_arguments(optim):
+        if key not in params:
+            close = difflib.get_close_matches(key, [p for p in params if p != "params"], n=1)
+            hint = f"did you mean optim.{close[0]}? " if close else ""
+            raise ConfigError(f"optim.{key}: {target} takes no such argument; {hint}it takes "
+                              f"{', '.join(p for p in params if p != 'params')}")
 
 
 def validate_task(cfg: DictConfig) -> None:
@@ -354,16 +377,19 @@ def validate(cfg: DictConfig) -> DictConfig:
 
 
     optim = cfg.optim
-    _one_of(cfg, "optim.name", ("adamw", "sgd"))
     _one_of(cfg, "optim.schedule", ("cosine", "constant"))
     _require(optim.lr > 0, "optim.lr", f"must be > 0; got {optim.lr}")
     _require(optim.weight_decay >= 0, "optim.weight_decay", f"must be >= 0; got {optim.weight_decay}")
     _require(optim.warmup_steps >= 0, "optim.warmup_steps", f"must be >= 0; got {optim.warmup_steps}")
     _require(0 <= optim.min_lr_ratio <= 1, "optim.min_lr_ratio", f"must be in [0, 1]; got {optim.min_lr_ratio}")
-    _require(len(optim.betas) == 2, "optim.betas", f"must be two numbers, e.g. [0.9,0.95]; got {list(optim.betas)}")
-    _require(all(0 <= b < 1 for b in optim.betas), "optim.betas",
-             f"each must be in [0, 1), e.g. [0.9,0.95]; got {list(optim.betas)}")
-    _require(optim.momentum >= 0, "optim.momentum", f"must be >= 0; got {optim.momentum}")
+    if "betas" in optim:
+        _require(len(optim.betas) == 2, "optim.betas",
+                 f"must be two numbers, e.g. [0.9,0.95]; got {list(optim.betas)}")
+        _require(all(0 <= b < 1 for b in optim.betas), "optim.betas",
+                 f"each must be in [0, 1), e.g. [0.9,0.95]; got {list(optim.betas)}")
+    if "momentum" in optim:
+        _require(optim.momentum >= 0, "optim.momentum", f"must be >= 0; got {optim.momentum}")
+    check_optimizer_arguments(optim)
 
 
     _require("_target_" in cfg.model, "model._target_",

@@ -174,14 +174,33 @@ class TaskConfig:
 
 @dataclass
 class OptimConfig:
-    name: str = "adamw"  # adamw | sgd
+    """The `optim` section: the optimizer by `_target_` (a torch.optim class, or your own), called with the model's
+    parameter groups and the section's keys, less trainflow's own (SCHEDULE_KEYS: the LR schedule it steps)."""
+
+    _target_: str = "torch.optim.AdamW"
     lr: float = 1e-3
-    weight_decay: float = 0.1
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
-    momentum: float = 0.9  # sgd only
+    weight_decay: float = 0.1  # on weights (2-D and up); biases and norms form a group without it (0: one group)
     warmup_steps: int = 20  # linear lr warm-up
     min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio at trainer.max_steps
     schedule: str = "cosine"  # cosine | constant
+
+
+SCHEDULE_KEYS = ("warmup_steps", "min_lr_ratio", "schedule")  # trainflow's; the optimizer is not given them
+
+
+@dataclass
+class AdamWConfig(OptimConfig):
+    """optim=adamw: torch.optim.AdamW (fused on CUDA)."""
+
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+
+
+@dataclass
+class SGDConfig(OptimConfig):
+    """optim=sgd: torch.optim.SGD with momentum."""
+
+    _target_: str = "torch.optim.SGD"
+    momentum: float = 0.9
 
 
 @dataclass
@@ -388,7 +407,7 @@ class RunConfig:
     data: Any = MISSING
     task: Any = MISSING
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
-    optim: OptimConfig = field(default_factory=OptimConfig)
+    optim: Any = MISSING  # an optimizer's section: its own keys (optim=adamw, sgd) or yours (optim=custom)
     compile: CompileConfig = field(default_factory=CompileConfig)
     profiler: ProfilerConfig = field(default_factory=ProfilerConfig)
     parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
@@ -438,8 +457,12 @@ def register_configs() -> None:
                                 ("data", "text", TextDataConfig), ("data", "synthetic", SyntheticDataConfig),
                                 ("data", "digits", DigitsDataConfig), ("data", "hf", HFDataConfig),
                                 ("data", "shards", ShardsDataConfig),
-                                ("task", "builtin", TaskConfig)):
+                                ("task", "builtin", TaskConfig), ("optim", "adamw", AdamWConfig),
+                                ("optim", "sgd", SGDConfig)):
         cs.store(group=f"schema/{group}", name=name, node=opened(OmegaConf.structured(schema)))
+    yours = OmegaConf.structured(OptimConfig)  # optim=custom: the schedule's keys, the optimizer left to the user
+    yours._target_ = MISSING
+    cs.store(group="schema/optim", name="open", node=opened(yours))
     for group in ("model", "data", "task"):  # model=custom, data=custom, task=custom: the user's _target_ and keys
         cs.store(group=f"schema/{group}", name="open", node=opened(OmegaConf.create({"_target_": MISSING})))
     for name, schema in LOGGER_SCHEMAS.items():  # closed: a misspelt logger.mlflow.* key is Hydra's one line

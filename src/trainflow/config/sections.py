@@ -21,20 +21,21 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from trainflow.config.schema import LOADER_KEYS, TaskConfig
+from trainflow.config.schema import LOADER_KEYS, SCHEDULE_KEYS, TaskConfig
 from trainflow.config.targets import WHAT, import_target
 from trainflow.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
 # Keys trainflow reads itself whatever the _target_ (the loaders', the task's): never dropped.
-OWN_KEYS = {"model": frozenset(), "data": frozenset(LOADER_KEYS), "task": frozenset(TaskConfig.__dataclass_fields__)}
+OWN_KEYS = {"model": frozenset(), "data": frozenset(LOADER_KEYS), "task": frozenset(TaskConfig.__dataclass_fields__),
+            "optim": frozenset({*SCHEDULE_KEYS, "lr", "weight_decay"})}  # per parameter group: trainflow sets them
 
 
 def settle_sections(cfg: DictConfig) -> None:
     """Settle model, data and task as the module docstring says (in place: the run saves and uses the result)."""
     given = _command_line_keys()
-    for group in ("model", "data", "task"):
+    for group in ("model", "data", "task", "optim"):
         section = cfg[group]
         if OmegaConf.is_missing(section, "_target_"):
             raise ConfigError(f"{group}._target_: missing: {group}={_option(group, 'custom')} calls your own code; "

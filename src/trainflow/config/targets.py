@@ -11,29 +11,44 @@ them (functools.partial), so both forms of "a callable taking a batch" work from
 from __future__ import annotations
 
 import functools
+import importlib
 import inspect
 from collections.abc import Callable, Mapping
 from typing import Any
-
-from hydra.utils import get_object
 
 from trainflow.errors import ConfigError, TrainflowError
 
 # What the `_target_` of each section must name, as the one-line errors say it.
 WHAT = {"model": "an nn.Module class, e.g. mypackage.models.MyNet",
         "data": "a function or class returning (train, val) datasets",
-        "task": "a callable of (model, batch) returning (loss, metrics)"}
+        "task": "a callable of (model, batch) returning (loss, metrics)",
+        "optim": "a torch.optim.Optimizer class, e.g. torch.optim.AdamW or mypackage.MyOptimizer"}
 
 
 def import_target(key: str, target: str, what: str) -> Any:
     """The object at dotted path `target`; a one-line error naming `key` when it cannot be imported."""
     try:
-        return get_object(target)
-    except Exception as exc:  # ImportError, or Hydra's wrapper of it, or an error inside the user's module
-        cause = exc.__cause__ or exc
-        detail = "" if isinstance(cause, ImportError | AttributeError) else f" ({type(cause).__name__}: {cause})"
+        return _locate(target)
+    except Exception as exc:  # ImportError, AttributeError, or an error inside the user's module
+        detail = "" if isinstance(exc, ImportError | AttributeError) else f" ({type(exc).__name__}: {exc})"
         raise ConfigError(f"{key}: cannot import {target!r}{detail}; give the import path of {what} (its folder on "
                           "PYTHONPATH)") from None
+
+
+def _locate(path: str) -> Any:
+    """`package.module.Name` (or a nested attribute): the longest importable module prefix, then attributes."""
+    parts = path.split(".")
+    for end in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:end]))
+        except ModuleNotFoundError as exc:
+            if exc.name is None or not ".".join(parts[:end]).startswith(exc.name):
+                raise  # a module the target's own module imports is missing: say so, not "cannot find"
+            continue
+        for attribute in parts[end:]:
+            obj = getattr(obj, attribute)
+        return obj
+    raise ImportError(f"no module of {path!r} can be imported")
 
 
 def call_target(section: str, target: str, kwargs: Mapping[str, Any], what: str) -> Any:

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from trainflow.config.schema import OptimConfig, ParallelismConfig, TrainerConfig
+from trainflow.config.schema import ParallelismConfig, TrainerConfig
 from trainflow.distributed.mesh import layout
 from trainflow.distributed.parallelism import full_parameters, is_parallelized
 from trainflow.distributed.process_group import DistEnv, all_reduce_mean, node_count
@@ -36,7 +36,7 @@ class ParityCheck(Stage):
     rounding of a differently ordered all-reduce into a visibly different update (~1e-4 of its small norm).
     """
 
-    def __init__(self, parallelism: ParallelismConfig, trainer: TrainerConfig, optim: OptimConfig, data: Any,
+    def __init__(self, parallelism: ParallelismConfig, trainer: TrainerConfig, optim: dict[str, Any], data: Any,
                  env: DistEnv, model: nn.Module, dataset: Any,
                  task: Callable[[nn.Module, Any], tuple[torch.Tensor, dict]]) -> None:
         """`data`: the run's data section as composed (its loader keys: num_workers, seq_lens, ...)."""

@@ -18,7 +18,7 @@ from typing import Any, Protocol
 
 from omegaconf import DictConfig, OmegaConf
 
-from trainflow.config.schema import OptimConfig, TrainerConfig
+from trainflow.config.schema import TrainerConfig
 from trainflow.config.targets import call, import_target
 from trainflow.loggers.process import LOGGER_CLASS, ProcessLogger
 
@@ -96,7 +96,7 @@ def run_info(cfg: DictConfig, run_dir: Path, world_size: int, resumed_step: int 
     mode, choices, overrides = saved_hydra(run_dir)
     job = job_name(overrides, run_dir) if mode == "MULTIRUN" else None
     sweep = next((d for d in run_dir.parents if (d / "multirun.yaml").exists()), None) if job else None
-    hparams = hyperparameters(headline(typed(cfg.trainer, TrainerConfig), typed(cfg.optim, OptimConfig)), choices,
+    hparams = hyperparameters(headline(typed(cfg.trainer, TrainerConfig), float(cfg.optim.lr)), choices,
                               overrides)
     return RunInfo(run_dir, OmegaConf.to_container(cfg, resolve=True), (run_dir / "config.yaml").read_text(),
                    hparams, job or run_dir.name, sweep, resumed_step, tracked_id, world_size)
@@ -124,9 +124,9 @@ def kept_ids(run_dir: Path) -> dict[str, str]:
         return {}
 
 
-def headline(trainer: TrainerConfig, optim: OptimConfig) -> dict[str, HparamValue]:
+def headline(trainer: TrainerConfig, lr: float) -> dict[str, HparamValue]:
     """The knobs runs are most often compared by, under their config keys."""
-    return {"optim.lr": optim.lr, "trainer.batch_size": trainer.batch_size, "trainer.max_steps": trainer.max_steps,
+    return {"optim.lr": lr, "trainer.batch_size": trainer.batch_size, "trainer.max_steps": trainer.max_steps,
             "trainer.precision": trainer.precision}
 
 

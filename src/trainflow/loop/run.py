@@ -22,7 +22,7 @@ from torch.profiler import record_function
 
 from trainflow.checkpoint import Checkpointer
 from trainflow.compile.compiler import Compiler
-from trainflow.config.schema import OptimConfig, ParallelismConfig, TrainerConfig, decided, typed
+from trainflow.config.schema import ParallelismConfig, TrainerConfig, decided, typed
 from trainflow.data import IterableBatches, StreamSampler, build_datasets, make_loader, to_device
 from trainflow.data.stream import STREAM_VERSION
 from trainflow.distributed import DistEnv, memory_plan
@@ -130,7 +130,8 @@ def assemble(cfg: DictConfig, run_dir: Path, env: DistEnv, stage_types: Sequence
     flops_per_step, flops_absent = count_train_flops(model, example, task)
     if flops_per_step is not None:  # per device: a TP group shares its batch's work
         flops_per_step = flops_per_step * trainer.grad_accum // env.tp
-    parallelism, optim = typed(cfg.parallelism, ParallelismConfig), typed(cfg.optim, OptimConfig)  # after auto
+    parallelism = typed(cfg.parallelism, ParallelismConfig)  # after auto
+    optim = OmegaConf.to_container(cfg.optim, resolve=True)  # the optimizer's own keys: no schema holds them all
     autocast = autocast_for(env.device, trainer.precision)
     meter = Throughput(trainer.warmup_steps, env.device, PeakMemory(env.device))
     ctx = StageContext(cfg, run_dir, env, trainer, parallelism, optim, data, task, model, example, autocast,

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from omegaconf import DictConfig
     from torch import nn
 
-    from trainflow.config.schema import OptimConfig, ParallelismConfig, TrainerConfig
+    from trainflow.config.schema import ParallelismConfig, TrainerConfig
     from trainflow.data import DataBundle
     from trainflow.distributed import DistEnv
     from trainflow.loggers.writer import MetricsWriter
@@ -45,7 +45,7 @@ class StageContext:
     env: DistEnv
     trainer: TrainerConfig
     parallelism: ParallelismConfig  # as parallelism=auto decided it
-    optim: OptimConfig
+    optim: dict[str, Any]  # the optim section: the optimizer's keys and the schedule's (trainflow.optim)
     data: DataBundle
     task: Task
     model: nn.Module  # on the device, not yet parallelized (the parity check copies it)
