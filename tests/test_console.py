@@ -28,7 +28,8 @@ def test_the_default_run_starts_with_a_short_header_and_ends_with_its_figures_an
     first_step = next(i for i, line in enumerate(console) if "step 5/10" in line)
     assert first_step <= 20, "\n".join(console[:first_step])
     header = "\n".join(console[:first_step])
-    assert "GPT (3.26M parameters) on data=text" in header
+    assert "trains model GPT: 3.26M parameters; task LanguageModel (monitor: val loss, min)" in header
+    assert re.search(r"data     data=text: [\d,]+ training items x 128 tokens; [\d,]+ held out", header), header
     assert f"run dir  {run_dir}" in header and "ckpts    off" in header
     assert "cpu, 1 process (single), fp32, eager; global batch 16 x 128 tokens; 10 steps, from step 0" in header
     assert "max_steps: 10" not in "\n".join(console) and "max_steps: 10" in (run_dir / "train.log").read_text()

@@ -110,19 +110,23 @@ def start_header(f: RunFacts) -> str:
     """The lines a run starts with on the console: enough to know it is the run meant (the whole config is in
     config.yaml and train.log)."""
     tokens = f" x {f.seq_len} tokens" if f.seq_len > 1 else ""
-    held_out = f", {f.val_items:,} held out" if f.val_items else ", no validation set"
+    held_out = f"{f.val_items:,} held out" if f.val_items else f"{f.data} gives no validation set: no evaluation"
     start = f"resumes at step {f.resumed_from}" if f.resumed_from else "from step 0"
     ranks = f"{f.world_size} process{'es' if f.world_size > 1 else ''} ({f.strategy})"
     return "\n".join([
-        f"trainflow {__version__}: {f.model} ({f.parameters / 1e6:.2f}M parameters) on {f.data}, task {f.task} "
+        f"trainflow {__version__} trains model {f.model}: {_count(f.parameters)} parameters; task {f.task} "
         f"(monitor: val {f.monitor}, {f.mode})",
-        f"  data     {f.train_items:,} training items{tokens}{held_out}",
+        f"  data     {f.data}: {f.train_items:,} training items{tokens}; {held_out}",
         f"  how      {f.device}, {ranks}, {f.precision}, {f.compiled}; global batch {f.global_batch}{tokens}; "
         f"{f.max_steps} steps, {start}",
         f"  run dir  {shown(f.run_dir)}  (config.yaml, train.log, metrics.jsonl, summary.json"
         f"{', tensorboard/' if 'tensorboard' in f.loggers else ''})",
         f"  ckpts    {shown(f.checkpoint_dir) if f.checkpoint_dir else NO_CHECKPOINTS}",
     ])
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M" if n >= 1e6 else f"{n:,}"
 
 
 def shown(path: Path) -> str:
