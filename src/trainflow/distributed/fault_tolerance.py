@@ -21,8 +21,9 @@ to it for ft.lighthouse_idle_s, so that losing any one group never loses the lig
 (or fewer than ft.min_replicas groups reaching it) leaves a quorum unanswered: after ft.timeout_s each group says so in
 one line and, as ft.no_quorum says, stops with its checkpoint committed (the same command resumes, with a new
 lighthouse) or trains on alone, without the Manager. It is not restarted under the running groups: a new lighthouse
-numbers its quorums from 1 again, and a Manager that held a quorum of that number keeps its process group
-unchanged (measured: a group stuck in a collective with a peer outside the new quorum, then lost).
+numbers its quorums from 1 again, and a Manager that held a quorum of that number keeps its process group as it was
+(measured, docs/scale.md: a group that reached the new lighthouse first got a quorum of itself alone, then waited
+ft.timeout_s in a collective with the other group, which got no quorum at all).
 
 Each group reads its own share of the data stream: group g of G, rank r of its n data-parallel ranks, reads as
 rank g * n + r of G * n. Why the quorum is taken between steps (in `after_step`) and not in the optimizer's
@@ -55,6 +56,7 @@ from trainflow.loop.stages import LoopState, Stage, StageContext
 log = logging.getLogger("trainflow")
 
 TORCHFT = "torchft"
+LIGHTHOUSE_START_S = 60.0  # the longest a started lighthouse may take to answer (an interpreter importing torch)
 
 
 def torchft_installed() -> bool:
@@ -144,7 +146,7 @@ def ensure_lighthouse(ft: FaultToleranceConfig, log_file: Path) -> None:
              f"--join-timeout-s={ft.join_timeout_s}", f"--heartbeat-timeout-s={ft.heartbeat_timeout_s}",
              f"--idle-s={ft.lighthouse_idle_s}"],
             stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    deadline = time.monotonic() + ft.timeout_s
+    deadline = time.monotonic() + max(ft.timeout_s, LIGHTHOUSE_START_S)
     while lighthouse_ages(address) is None:
         if child.poll() not in (None, 0):  # the port is taken: by another group's lighthouse, which answers soon
             deadline = min(deadline, time.monotonic() + 2)
@@ -323,31 +325,35 @@ class FaultTolerance(Stage):
         stop in one line."""
         ft, address = self.ft, lighthouse_address(self.ft)
         answers = lighthouse_ages(address) is not None if self.env.rank == 0 else None
-        cause = (f"the lighthouse at {address} does not answer" if answers is False else
-                 f"the lighthouse at {address} answers but gave this group none (fewer than parallelism.ft."
-                 f"min_replicas={ft.min_replicas} replica groups reach it, or it was restarted under the running "
-                 "groups)" if answers else
-                 f"rank 0's Manager got none from the lighthouse at {address} ({exc})")
-        said = (f"fault tolerance: no quorum for step {state.step + 1} within parallelism.ft.timeout_s "
-                f"({ft.timeout_s:g} s): {cause}; replica group {ft.replica_id}")
+        if answers is None:  # rank 0 alone talks to the lighthouse (and speaks)
+            cause = f"rank 0's Manager got none from the lighthouse at {address} ({exc})"
+        elif answers:
+            cause = (f"the lighthouse at {address} answers but gave this group none (fewer than parallelism.ft."
+                     f"min_replicas={ft.min_replicas} replica groups reach it, or it was restarted under the running "
+                     "groups)")
+        else:
+            cause = f"the lighthouse at {address} does not answer"
+        said = (f"no quorum for step {state.step + 1} within parallelism.ft.timeout_s ({ft.timeout_s:g} s): {cause}; "
+                f"replica group {ft.replica_id}")
         self.no_quorum = {"step": state.step, "lighthouse_answers": answers, "then": ft.no_quorum, "time": time.time()}
         if ft.no_quorum == "alone":
             self.alone = True
             if self.env.is_main:
-                log.warning("%s trains on alone from step %d (parallelism.ft.no_quorum=alone): a plain run on its own "
-                            "share of the data (a global batch of %d, not %d), its weights no longer synchronised "
-                            "with the other groups'", said, state.step + 1, self.group_batch,
+                log.warning("fault tolerance: %s trains on alone from step %d (parallelism.ft.no_quorum=alone): a "
+                            "plain run on its own share of the data (a global batch of %d, not %d), its weights no "
+                            "longer synchronised with the other groups'", said, state.step + 1, self.group_batch,
                             ft.replica_groups * self.group_batch)
             return
         if state.steps_this_run == 0 or state.checkpoint_dir is None:
             nothing = ("before its first step: nothing new to save" if state.checkpoint_dir is not None else
                        "with nothing saved (checkpoints are off: checkpoint=dcp stops with one committed)")
-            raise NoQuorumError(f"{said} stops {nothing}; run the same command once a lighthouse answers, or set "
-                                "parallelism.ft.no_quorum=alone to train on alone")
+            raise NoQuorumError(f"parallelism.ft.no_quorum=stop: {said} stops {nothing}; run the same command again "
+                                "once the lighthouse answers them, or set parallelism.ft.no_quorum=alone to train on "
+                                "alone")
         state.stop_reason = "fault tolerance (no quorum)"
         if self.env.is_main:
-            log.warning("%s stops at step %d with its checkpoint committed (parallelism.ft.no_quorum=stop): run the "
-                        "same command to resume%s", said, state.step,
+            log.warning("fault tolerance: %s stops at step %d with its checkpoint committed "
+                        "(parallelism.ft.no_quorum=stop): run the same command to resume%s", said, state.step,
                         ", with a new lighthouse" if ft.lighthouse == "auto" else " once the lighthouse answers")
 
     def _live_state(self) -> dict[str, Any]:
