@@ -1,6 +1,7 @@
 """Training through a lost replica group (parallelism.fault_tolerance=torchft): two groups of one rank, of 2 DDP
 ranks or of 2 FSDP ranks (HSDP across the groups), real processes on gloo; one is SIGKILLed at a known step and
-started again while the other trains on; the lighthouse (lighthouse=auto) outlives whichever group started it."""
+started again while the other trains on; the lighthouse (lighthouse=auto) outlives whichever group started it; a
+SIGKILLed lighthouse stops one group with its checkpoint committed and leaves the other training alone."""
 
 from __future__ import annotations
 
@@ -19,8 +20,9 @@ from typing import Any
 import pytest
 import torch
 from conftest import ROOT, wait_for, wait_for_log
-from helpers.processes import start_process
+from helpers.processes import left_behind, start_process
 
+from trainflow.checkpoint import EXIT_STOPPED, list_committed
 from trainflow.config.schema import ParallelismConfig
 from trainflow.distributed import DistEnv
 from trainflow.distributed.fault_tolerance import data_share
@@ -102,9 +104,10 @@ def test_each_group_reads_its_own_share_of_the_stream() -> None:
 
 
 def start_group(run_dir: Path, replica: int, port: int, ranks: int, strategy: str, data: str,
-                pace: Path | None = None):
-    """One replica group: a trainflow run of its own (of `ranks` ranks of `strategy`, which it starts itself), one
-    thread a rank (two groups share this machine's cores); a process group of its own, to be killed whole."""
+                pace: Path | None = None, *overrides: str):
+    """One replica group: a trainflow run of its own (of `ranks` ranks of `strategy`, which it starts itself, with
+    `overrides` last), one thread a rank (two groups share this machine's cores); a process group of its own, to be
+    killed whole."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT / "tests"), os.environ.get("PYTHONPATH")) if p),
            **({"TEST_FT_PACE": str(pace)} if pace else {})}
@@ -112,7 +115,7 @@ def start_group(run_dir: Path, replica: int, port: int, ranks: int, strategy: st
     ddp = [f"parallelism={strategy}", f"parallelism.nproc_per_node={ranks}"] if ranks > 1 else []
     return start_process([sys.executable, str(ROOT / "train.py"), *DATA[data], *GROUP, *ddp,
                           f"trainer.max_steps={MAX_STEPS}", f"parallelism.ft.replica_id={replica}",
-                          f"parallelism.ft.lighthouse_port={port}", f"hydra.run.dir={run_dir}"],
+                          f"parallelism.ft.lighthouse_port={port}", *overrides, f"hydra.run.dir={run_dir}"],
                          ROOT, env, run_dir.parent / f"{run_dir.name}.out", new_session=True)
 
 
@@ -235,6 +238,86 @@ def test_a_killed_group_rejoins_from_its_peer_while_the_other_trains_on(tmp_path
                "steps_lost_by_killed_group": lost, "steps_trained_alone": shrunk,
                "uncommitted_steps": len(ft["uncommitted_steps"])}
     print(f"fault tolerance, {strategy} groups of {ranks}, group {killed_id} killed:", json.dumps(figures),
+          file=sys.stderr)
+
+
+NO_QUORUM_S = 8  # the lighthouse test's ft.timeout_s: how long a group's quorum waits for the lost lighthouse
+
+
+def test_a_lost_lighthouse_stops_one_group_with_its_checkpoint_and_leaves_the_other_training_alone(
+        tmp_path: Path) -> None:
+    """The lighthouse (lighthouse=auto, started by group 0) is SIGKILLed while both groups train together. Their
+    next quorum gets no answer: after ft.timeout_s each group says so in one line, without a traceback, at the same
+    step. Group 0 (ft.no_quorum=stop, the default) stops with that step committed, exit 75; the same command resumes
+    it from there to the end (the lost lighthouse is not found again: the group starts one of its own). Group 1
+    (ft.no_quorum=alone) trains on alone to the end, exit 0. Nothing is left running."""
+    port, pace = free_port(), tmp_path / "pace"
+    pace.touch()  # until the kill: group 0 must not finish alone while group 1 starts
+    stop_dir, alone_dir = tmp_path / "stop", tmp_path / "alone"
+    fast = (f"parallelism.ft.timeout_s={NO_QUORUM_S}", "parallelism.ft.join_timeout_s=2")
+    procs = []
+    with left_behind() as leftovers:
+        try:
+            procs.append(stopper := start_group(stop_dir, 0, port, 1, "single", "digits", pace, *fast))
+            wait_for(lambda: "listening on port" in lighthouse_lines(stop_dir), stopper, "its lighthouse listened",
+                     timeout=120)
+            procs.append(loner := start_group(alone_dir, 1, port, 1, "single", "digits", pace, *fast,
+                                              "parallelism.ft.no_quorum=alone"))
+            # both train in one quorum once group 1 logged a step (it took group 0's state at its first quorum)
+            wait_for(lambda: console_steps(alone_dir), loner, "group 1 logged a step", timeout=120)
+            lighthouse = int(re.search(r"\(pid (\d+)\)", lighthouse_lines(stop_dir))[1])
+            os.kill(lighthouse, signal.SIGKILL)
+            killed_at = time.time()
+            assert stopper.wait(timeout=NO_QUORUM_S + 60) == EXIT_STOPPED
+            stopped_s = time.time() - killed_at
+            first = json.loads((stop_dir / "summary.json").read_text())
+            pace.unlink()
+            assert loner.wait(timeout=120) == 0
+            # the same command again: it resumes from the committed step, with a lighthouse of its own
+            procs.append(resumed := start_group(stop_dir, 0, port, 1, "single", "digits", pace, *fast))
+            assert resumed.wait(timeout=120) == 0
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    os.killpg(proc.pid, signal.SIGKILL)
+        left = leftovers(IDLE_S + 15)  # the resumed group's lighthouse ends once idle
+    assert left == {}, left
+    stopped_out, alone_out = (d.parent / f"{d.name}.out" for d in (stop_dir, alone_dir))
+    stopped = json.loads((stop_dir / "summary.json").read_text())  # the resumed run's
+    alone = json.loads((alone_dir / "summary.json").read_text())
+    lost = alone["fault_tolerance"]["no_quorum"]
+    step = lost["step"]  # the last step both groups took together
+    cause = (f"no quorum for step {step + 1} within parallelism.ft.timeout_s ({NO_QUORUM_S} s): the lighthouse at "
+             f"http://localhost:{port} does not answer")
+    # group 0: one line, then the stop at that step (its checkpoint committed), exit 75; resumed from it to the end
+    assert first["checkpoint"]["stopped_by"] == "fault tolerance (no quorum)", first["checkpoint"]
+    assert first["steps"] == step and first["fault_tolerance"]["no_quorum"]["then"] == "stop", first
+    stop_lines = [line for line in stopped_out.read_text().splitlines() if "no quorum for" in line]
+    assert len(stop_lines) == 1 and cause in stop_lines[0], stop_lines
+    assert f"replica group 0 stops at step {step} with its checkpoint committed" in stop_lines[0]
+    assert "run the same command to resume, with a new lighthouse" in stop_lines[0]
+    assert "Traceback" not in stopped_out.read_text()
+    assert stopped["resumed_from_step"] == step and stopped["steps"] == MAX_STEPS
+    assert stopped["steps_this_run"] == MAX_STEPS - step
+    assert step in [c.step for c in list_committed(stop_dir / "checkpoints")]
+    assert stopped["fault_tolerance"]["no_quorum"] is None  # the resumed run had its quorums
+    # group 1: one line at the same step, then alone to the end, every step logged once
+    alone_lines = [line for line in alone_out.read_text().splitlines() if "no quorum for" in line]
+    assert len(alone_lines) == 1 and cause in alone_lines[0], alone_lines
+    assert f"replica group 1 trains on alone from step {step + 1} (parallelism.ft.no_quorum=alone)" in alone_lines[0]
+    assert "a global batch of 16, not 32" in alone_lines[0] and "no longer synchronised" in alone_lines[0]
+    assert "Traceback" not in alone_out.read_text()
+    assert lost["lighthouse_answers"] is False and lost["then"] == "alone", lost
+    assert alone["steps"] == MAX_STEPS and alone["fault_tolerance"]["alone_steps"] == MAX_STEPS - step
+    joined = logged_steps(alone_dir)[0] - 1  # the step group 1 healed to at its first quorum
+    assert logged_steps(alone_dir) == list(range(joined + 1, MAX_STEPS + 1)) and joined < step
+    # each group decided once the quorum's timeout passed, not before; group 0 ended soon after
+    assert NO_QUORUM_S - 1 < lost["time"] - killed_at < NO_QUORUM_S + 30, lost["time"] - killed_at
+    assert stopped_s < NO_QUORUM_S + 30, stopped_s
+    # one lighthouse each: the one killed, the one the resumed group started
+    assert lighthouse_lines(stop_dir, alone_dir).count("listening on port") == 2
+    print("lost lighthouse:", json.dumps({"kill_to_decision_s": round(lost["time"] - killed_at, 2),
+                                          "kill_to_group0_exit_s": round(stopped_s, 2), "step": step}),
           file=sys.stderr)
 
 

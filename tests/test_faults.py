@@ -107,6 +107,14 @@ FAULTS = [
           "restarted group takes its live state (FSDP: each rank's shards) from that peer, not from disk (its "
           "iterable stream skips to that step), and both end with the same weights, bit for bit",
           "test_fault_tolerance.py::test_a_killed_group_rejoins_from_its_peer_while_the_other_trains_on"),
+    Fault("SIGKILL of the lighthouse of a parallelism.fault_tolerance=torchft run (lighthouse=auto, 2 groups of one "
+          "rank) while the groups train together",
+          "each group's next quorum gets no answer: after parallelism.ft.timeout_s each says so in one line, no "
+          "traceback, at the same step; with ft.no_quorum=stop (the default) the group stops with that step "
+          "committed, exit 75, and the same command resumes it with a new lighthouse; with ft.no_quorum=alone it "
+          "trains on alone to the end (said: no longer synchronised); no process left behind",
+          "test_fault_tolerance.py::"
+          "test_a_lost_lighthouse_stops_one_group_with_its_checkpoint_and_leaves_the_other_training_alone"),
     Fault("one rank of a DDP run stops answering (SIGSTOP)",
           "the watchdog names it (its beat stopped); the collective ends at parallelism.timeout_s: one line with "
           "the watchdog's account, exit 124 (a hang, not a crash); every rank's stacks in <run dir>/hang/",

@@ -194,7 +194,7 @@ class Checkpointer:
         if uploaded:
             self._finish_pending()
         if stop_signal:
-            self._stop(state, stop_signal)
+            self._stop(state, signal.Signals(stop_signal).name)
         elif due:
             self._save(state, blocking=self._sync)
         self._blocked_unreported += time.perf_counter() - start
@@ -227,6 +227,9 @@ class Checkpointer:
             self._poll.finish()  # every rank started one at its last step: complete it before the group goes
             if self._pending is not None:
                 self._finish_pending()
+            # a stage after this one stopped the run (the loop state's stop_reason; a bare TrainState has none)
+            if self._stopped_by is None and (reason := getattr(state, "stop_reason", None)):
+                self._stop(state, reason)
             if self._stopped_by is None:
                 if self.cfg.save_final and state.step not in (0, self._last_saved_step):
                     self._save(state, blocking=True)
@@ -422,8 +425,8 @@ class Checkpointer:
         if self.env.is_main:
             log.info("checkpoint step %d verified: reloaded into fresh tensors, all equal", state.step)
 
-    def _stop(self, state: TrainState, signum: int) -> None:
-        name = signal.Signals(signum).name
+    def _stop(self, state: TrainState, name: str) -> None:
+        """Save this step (unless saved) and stop; `name`: the signal, or the reason a stage gave."""
         if self._pending is not None:
             self._finish_pending(wait=True)
         if state.step != self._last_saved_step:

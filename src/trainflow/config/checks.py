@@ -232,6 +232,7 @@ def validate_fault_tolerance(cfg: DictConfig) -> None:
              f"must be in [1, {ft.replica_groups}]; got {ft.min_replicas}")
     for key in ("timeout_s", "heartbeat_timeout_s", "join_timeout_s", "lighthouse_idle_s"):
         _require(ft[key] > 0, f"parallelism.ft.{key}", f"must be > 0; got {ft[key]}")
+    _one_of(cfg, "parallelism.ft.no_quorum", ("stop", "alone"))
 
 
 def validate_tp_sizes(cfg: DictConfig) -> None:

@@ -294,6 +294,10 @@ class FaultToleranceConfig:
     lighthouse_idle_s: float = 60.0  # lighthouse=auto: it ends once no group has talked to it this long
     min_replicas: int = 1  # the fewest groups a step trains with
     timeout_s: float = 30.0  # a quorum, a collective with a lost group, the fetch of a peer's state
+    # what a group does when no quorum comes within timeout_s (the lighthouse is lost, or fewer than min_replicas
+    # groups reach it): stop (with its checkpoint committed, exit 75: the same command resumes) | alone (train on as
+    # a plain run, no longer synchronised with the other groups)
+    no_quorum: str = "stop"
     heartbeat_timeout_s: float = 5.0  # lighthouse=auto: a group silent this long is left out of the next quorum
     join_timeout_s: float = 10.0  # lighthouse=auto: how long a quorum waits for a live group that has not asked
 

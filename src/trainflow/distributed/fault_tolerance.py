@@ -17,7 +17,13 @@ continues where it would be had the group trained them.
 
 The lighthouse (lighthouse=auto) runs in a process of its own on the groups' host, started by whichever group's rank
 0 finds none answering; it outlives the group that started it (its own session) and ends once no group has talked
-to it for ft.lighthouse_idle_s, so that losing any one group never loses the lighthouse.
+to it for ft.lighthouse_idle_s, so that losing any one group never loses the lighthouse. Losing the lighthouse itself
+(or fewer than ft.min_replicas groups reaching it) leaves a quorum unanswered: after ft.timeout_s each group says so in
+one line and, as ft.no_quorum says, stops with its checkpoint committed (the same command resumes, with a new
+lighthouse) or trains on alone, without the Manager. It is not restarted under the running groups: a new lighthouse
+numbers its quorums from 1 again, and a Manager that held a quorum of that number keeps its process group as it was
+(measured, docs/scale.md: a group that reached the new lighthouse first got a quorum of itself alone, then waited
+ft.timeout_s in a collective with the other group, which got no quorum at all).
 
 Each group reads its own share of the data stream: group g of G, rank r of its n data-parallel ranks, reads as
 rank g * n + r of G * n. Why the quorum is taken between steps (in `after_step`) and not in the optimizer's
@@ -44,12 +50,13 @@ from torch import nn
 
 from trainflow.config.schema import FaultToleranceConfig, ParallelismConfig
 from trainflow.distributed import DistEnv
-from trainflow.errors import ConfigError
+from trainflow.errors import ConfigError, TrainflowError
 from trainflow.loop.stages import LoopState, Stage, StageContext
 
 log = logging.getLogger("trainflow")
 
 TORCHFT = "torchft"
+LIGHTHOUSE_START_S = 60.0  # the longest a started lighthouse may take to answer (an interpreter importing torch)
 
 
 def torchft_installed() -> bool:
@@ -72,6 +79,12 @@ def data_share(parallelism: Any, env: DistEnv) -> tuple[int, int]:
     groups = replica_groups(parallelism)
     replica = int(parallelism.ft.replica_id) if groups > 1 else 0
     return replica * env.dp_size + env.dp_rank, groups * env.dp_size
+
+
+class NoQuorumError(TrainflowError):
+    """No quorum came and nothing can be saved (before the first step, or with checkpoints off): the group stops."""
+
+    exit_code = 1
 
 
 def lighthouse_address(ft: FaultToleranceConfig) -> str:
@@ -133,7 +146,7 @@ def ensure_lighthouse(ft: FaultToleranceConfig, log_file: Path) -> None:
              f"--join-timeout-s={ft.join_timeout_s}", f"--heartbeat-timeout-s={ft.heartbeat_timeout_s}",
              f"--idle-s={ft.lighthouse_idle_s}"],
             stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    deadline = time.monotonic() + ft.timeout_s
+    deadline = time.monotonic() + max(ft.timeout_s, LIGHTHOUSE_START_S)
     while lighthouse_ages(address) is None:
         if child.poll() not in (None, 0):  # the port is taken: by another group's lighthouse, which answers soon
             deadline = min(deadline, time.monotonic() + 2)
@@ -167,6 +180,9 @@ class FaultTolerance(Stage):
         self.uncommitted: list[int] = []  # steps whose update was dropped (a group lost inside the step)
         self.events: list[dict[str, Any]] = []  # each change of the quorum: step, groups, time
         self.healed: dict[str, Any] | None = None  # this group's fetch of the live state from a peer
+        self.no_quorum: dict[str, Any] | None = None  # the quorum that never came: step, cause, what the group did
+        self.alone = False  # ft.no_quorum=alone after a quorum that never came: a plain run, the Manager unused
+        self.alone_steps = 0
 
     @classmethod
     def build(cls, ctx: StageContext) -> FaultTolerance:
@@ -186,8 +202,12 @@ class FaultTolerance(Stage):
         from torchft import Manager, ProcessGroupGloo
 
         ft, env = self.ft, self.env
-        if ft.lighthouse == "auto" and env.rank == 0:  # the rank whose Manager talks to the lighthouse
-            ensure_lighthouse(ft, self.run_dir / "lighthouse.log")
+        if env.rank == 0:  # the rank whose Manager talks to the lighthouse
+            if ft.lighthouse == "auto":
+                ensure_lighthouse(ft, self.run_dir / "lighthouse.log")
+            elif lighthouse_ages(ft.lighthouse) is None:
+                raise ConfigError(f"parallelism.ft.lighthouse: no lighthouse answers at {ft.lighthouse}; start one "
+                                  "there (trainflow lighthouse --port PORT) or give its address, or set it to auto")
         timeout = timedelta(seconds=ft.timeout_s)
         if env.distributed:  # the group's ranks find each other's Manager in the store of their own process group
             store_addr, store_port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
@@ -211,7 +231,7 @@ class FaultTolerance(Stage):
         units = [m for m in model.modules() if isinstance(m, FSDPModule)]
         if units:
             for unit in units:
-                unit.set_all_reduce_hook(self._average_shard)
+                unit.set_all_reduce_hook(self.average_across_groups)
             return model
         from torchft.ddp import DistributedDataParallel
 
@@ -219,12 +239,14 @@ class FaultTolerance(Stage):
             _comm_hook = staticmethod(_average)
 
         inner = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
-        return Averaged(self.manager, inner)
+        return Averaged(self, inner)  # the hook's state: this stage, which knows whether the group trains alone
 
-    def _average_shard(self, shard: torch.Tensor) -> None:
-        """FSDP2's all-reduce hook: the unit's gradient shard (averaged over the group's ranks) averaged in place
-        over the groups present; a failed collective leaves it as it is, and the step will not commit."""
-        self.manager.allreduce(shard).wait()
+    def average_across_groups(self, tensor: torch.Tensor) -> None:
+        """`tensor` (a gradient bucket, or FSDP2's gradient shard, averaged over the group's ranks) averaged in place
+        over the groups present; a failed collective leaves it as it is, and the step will not commit. A group
+        training alone keeps its own."""
+        if not self.alone:
+            self.manager.allreduce(tensor).wait()
 
     def start(self, state: LoopState) -> None:
         """The first quorum: a group behind the others (restarted) takes their state here, before its data
@@ -252,6 +274,8 @@ class FaultTolerance(Stage):
 
     def should_commit(self) -> bool:
         """Whether this step's update may be applied (False: a group was lost inside the step)."""
+        if self.alone:
+            return True
         committed = bool(self.manager.should_commit())
         if not committed:
             self.uncommitted.append(self._state.step + 1)
@@ -260,16 +284,23 @@ class FaultTolerance(Stage):
         return committed
 
     def after_step(self, state: LoopState) -> bool:
+        if self.alone:
+            self.alone_steps += 1
+            return False
         if self._present < self.ft.replica_groups:
             self.shrunk_steps += 1
             self.missed_samples += (self.ft.replica_groups - self._present) * self.group_batch
         if not state.done:
             self._quorum(state)
-        return False
+        return state.stop_reason is not None
 
     def _quorum(self, state: LoopState) -> None:
         step, start = state.step, time.monotonic()
-        self.manager.start_quorum()  # waits for the quorum; a group behind applies a peer's state before returning
+        try:  # waits for the quorum; a group behind applies a peer's state before returning
+            self.manager.start_quorum()
+        except (TimeoutError, RuntimeError) as exc:  # torchft's: no answer within ft.timeout_s, or a failed call
+            self._without_quorum(state, exc)
+            return
         present = self.manager.num_participants()
         if state.step != step:
             self.healed = {"from_step": step, "to_step": state.step, "seconds": round(time.monotonic() - start, 3)}
@@ -286,6 +317,44 @@ class FaultTolerance(Stage):
             else:
                 log.info("fault tolerance: all %d replica groups train again from step %d", present, state.step + 1)
             self._present = present
+
+    def _without_quorum(self, state: LoopState, exc: Exception) -> None:
+        """No quorum for the next step: every rank of the group is here (their quorum is one call of rank 0's
+        Manager, which got no answer). As ft.no_quorum says: stop after this step, the checkpointer saving it (the
+        loop state's stop_reason), or train on alone. Nothing to save (before the first step, or checkpoints off):
+        stop in one line."""
+        ft, address = self.ft, lighthouse_address(self.ft)
+        answers = lighthouse_ages(address) is not None if self.env.rank == 0 else None
+        if answers is None:  # rank 0 alone talks to the lighthouse (and speaks)
+            cause = f"rank 0's Manager got none from the lighthouse at {address} ({exc})"
+        elif answers:
+            cause = (f"the lighthouse at {address} answers but gave this group none (fewer than parallelism.ft."
+                     f"min_replicas={ft.min_replicas} replica groups reach it, or it was restarted under the running "
+                     "groups)")
+        else:
+            cause = f"the lighthouse at {address} does not answer"
+        said = (f"no quorum for step {state.step + 1} within parallelism.ft.timeout_s ({ft.timeout_s:g} s): {cause}; "
+                f"replica group {ft.replica_id}")
+        self.no_quorum = {"step": state.step, "lighthouse_answers": answers, "then": ft.no_quorum, "time": time.time()}
+        if ft.no_quorum == "alone":
+            self.alone = True
+            if self.env.is_main:
+                log.warning("fault tolerance: %s trains on alone from step %d (parallelism.ft.no_quorum=alone): a "
+                            "plain run on its own share of the data (a global batch of %d, not %d), its weights no "
+                            "longer synchronised with the other groups'", said, state.step + 1, self.group_batch,
+                            ft.replica_groups * self.group_batch)
+            return
+        if state.steps_this_run == 0 or state.checkpoint_dir is None:
+            nothing = ("before its first step: nothing new to save" if state.checkpoint_dir is not None else
+                       "with nothing saved (checkpoints are off: checkpoint=dcp stops with one committed)")
+            raise NoQuorumError(f"parallelism.ft.no_quorum=stop: {said} stops {nothing}; run the same command again "
+                                "once the lighthouse answers them, or set parallelism.ft.no_quorum=alone to train on "
+                                "alone")
+        state.stop_reason = "fault tolerance (no quorum)"
+        if self.env.is_main:
+            log.warning("fault tolerance: %s stops at step %d with its checkpoint committed "
+                        "(parallelism.ft.no_quorum=stop): run the same command to resume%s", said, state.step,
+                        ", with a new lighthouse" if ft.lighthouse == "auto" else " once the lighthouse answers")
 
     def _live_state(self) -> dict[str, Any]:
         """What a late group needs to continue as this one does: sent to it over HTTP by the Manager. Sharded
@@ -314,10 +383,11 @@ class FaultTolerance(Stage):
             return None
         return {"replica_groups": self.ft.replica_groups, "replica_id": self.ft.replica_id,
                 "shrunk_steps": self.shrunk_steps, "missed_samples": self.missed_samples,
-                "uncommitted_steps": self.uncommitted, "quorum_changes": self.events, "healed": self.healed}
+                "uncommitted_steps": self.uncommitted, "quorum_changes": self.events, "healed": self.healed,
+                "no_quorum": self.no_quorum, "alone_steps": self.alone_steps}
 
 
-def _average(manager: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+def _average(stage: FaultTolerance, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP's communication hook: the bucket averaged over the group's ranks and the groups present. A collective
     that fails (a group lost inside it) leaves the bucket as it is: the Manager noted the error, and the step will
     not commit.
@@ -326,7 +396,7 @@ def _average(manager: Any, bucket: dist.GradBucket) -> torch.futures.Future[torc
     if dist.is_initialized() and dist.get_world_size() > 1:  # a group of several ranks: its own average first
         dist.all_reduce(buffer)
         buffer /= dist.get_world_size()
-    manager.allreduce(buffer).wait()
+    stage.average_across_groups(buffer)
     done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     done.set_result(buffer)
     return done

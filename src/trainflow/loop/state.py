@@ -31,6 +31,8 @@ class LoopState(TrainState):
     checkpoint_dir: Path | None = None  # where the committed checkpoints are (None: checkpoints are off)
     rank_times: dict[str, float] | None = None  # log steps of 2+ ranks: the ranks' own step times (stragglers)
     straggler: dict[str, Any] | None = None  # the first rank named a straggler in this run (rank, host, ratio)
+    # why a stage stopped the run (fault tolerance: no quorum): the checkpointer saves and stops as on a stop signal
+    stop_reason: str | None = None
 
     def save_due(self) -> bool:
         """Whether a periodic checkpoint is saved after this step (the final save comes at a log step too)."""
