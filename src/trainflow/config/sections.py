@@ -33,7 +33,7 @@ OWN_KEYS = {"model": frozenset(), "data": frozenset(LOADER_KEYS), "task": frozen
 
 def settle_sections(cfg: DictConfig) -> None:
     """Settle model, data and task as the module docstring says (in place: the run saves and uses the result)."""
-    given = _command_line_keys()
+    given = command_line_keys()
     for group in ("model", "data", "task"):
         section = cfg[group]
         if OmegaConf.is_missing(section, "_target_"):
@@ -91,7 +91,7 @@ def _taken_keys(obj: Any, own: str | None) -> set[str] | None:
     return {p.name for p in params if p.kind in named}
 
 
-def _command_line_keys() -> set[str]:
+def command_line_keys() -> set[str]:
     """The keys this run's command line sets (model.dropout from `model.dropout=0.1` or `+model.dropout=0.1`)."""
     from hydra.core.hydra_config import HydraConfig
 
