@@ -69,13 +69,14 @@ def cache_checksum(cache: Path) -> str:
     return checksum
 
 
-def parts_record(parts: Sequence[tuple[str, Any]], root: str = "") -> dict[str, Any]:
-    """The parts' count and hash, and their list while it is short enough to keep in every checkpoint."""
+def parts_record(parts: Sequence[tuple[str, Any]], unit: str, root: str = "") -> dict[str, Any]:
+    """The parts' count and hash, and their list while it is short enough to keep in every checkpoint; `unit` is
+    what a part is (file, shard), `root` the folder their names are relative to."""
     digest = xxhash.xxh3_64()
     for name, value in parts:
         digest.update(f"{name}\0{value}\n".encode())
     listed = [[name, value] for name, value in parts] if len(parts) <= MAX_PARTS else None
-    return {"root": root, "count": len(parts), "hash": digest.hexdigest(), "list": listed}
+    return {"unit": unit, "root": root, "count": len(parts), "hash": digest.hexdigest(), "list": listed}
 
 
 def text_identity(files: Sequence[Path], tokens_checksum: str, tokenizer: str, seq_len: int,
@@ -84,14 +85,15 @@ def text_identity(files: Sequence[Path], tokens_checksum: str, tokenizer: str, s
     names = [os.path.abspath(f) for f in files]
     root = os.path.commonpath(names) if len(names) > 1 else os.path.dirname(names[0])
     parts = [(os.path.relpath(n, root), f.stat().st_size) for n, f in zip(names, files, strict=True)]
-    return {"kind": "data=text", "key": "data.paths", "content": tokens_checksum, "parts": parts_record(parts, root),
+    return {"kind": "data=text", "key": "data.paths", "content": tokens_checksum,
+            "parts": parts_record(parts, "file", root),
             "settings": {"tokenizer": tokenizer, "data.seq_len": seq_len, "data.val_fraction": val_fraction}}
 
 
 def shards_identity(manifest: dict[str, Any], seq_len: int, val_fraction: float) -> Identity:
     """data=shards: the manifest's shards and their checksums (where the folder is does not matter)."""
     parts = [(s["name"], s["checksum"]) for s in manifest["shards"]]
-    record = parts_record(parts)
+    record = parts_record(parts, "shard")
     return {"kind": "data=shards", "key": "data.path", "content": record["hash"], "parts": record,
             "settings": {"tokenizer": manifest["tokenizer"], "data.seq_len": seq_len,
                          "data.val_fraction": val_fraction}}
@@ -131,13 +133,12 @@ def _parts_change(saved: dict[str, Any] | None, live: dict[str, Any] | None, ste
     """The change of the content in words: the parts added, removed and changed, or why they cannot be named."""
     if not saved or not live:
         return f"other samples than at step {step}"
+    unit = live["unit"]
     if saved["list"] is None or live["list"] is None:
-        return (f"{live['count']} parts here, {saved['count']} at step {step} (too many to list: their names and "
-                f"{'sizes' if live['root'] else 'checksums'} differ)")
-    unit = "file" if live["root"] else "shard"
+        return f"{live['count']} {unit}s here, {saved['count']} at step {step} (too many to name the ones that differ)"
     old = dict(map(tuple, saved["list"]))
     new = dict(map(tuple, live["list"]))
-    if old == new:  # text: the same names and sizes (shards: the same checksums are the same content)
+    if old == new:  # text: the same names and sizes (shards: the same checksums would be the same content)
         return f"the same files and sizes as at step {step}, other tokens: a file's content changed"
     added = [n for n in new if n not in old]
     removed = [n for n in old if n not in new]
@@ -147,4 +148,5 @@ def _parts_change(saved: dict[str, Any] | None, live: dict[str, Any] | None, ste
         if names:
             shown = ", ".join(names[:SHOWN]) + (f", and {len(names) - SHOWN} more" if len(names) > SHOWN else "")
             said.append(f"{len(names)} {unit}{'s' if len(names) > 1 else ''} {what} ({shown})")
-    return f"{', '.join(said)} since step {step}"
+    moved = f" (the files are under {live['root']} here, {saved['root']} then)" if live["root"] != saved["root"] else ""
+    return f"{', '.join(said)} since step {step}{moved}"
