@@ -4,16 +4,21 @@ same exact stream; shards that are missing, truncated or changed are refused in 
 from __future__ import annotations
 
 import json
+import os
 import re
+import shlex
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from conftest import ROOT, TINY_GPT, losses_by_step, train
+from helpers.processes import left_behind
 
 from trainflow.data.shards import MANIFEST, ShardWindows, prepare, read_manifest, shard_name
 from trainflow.data.stream import StreamSampler
@@ -131,6 +136,112 @@ def test_a_damaged_shard_is_refused_in_one_line_naming_it(prepared: Path, tmp_pa
     with pytest.raises(DataError, match="^" + re.escape(f"data.path: shard {shard} {said}; ")) as raised:
         read_manifest(copy)
     assert "\n" not in str(raised.value) and "trainflow prepare" in str(raised.value)
+
+
+def prepare_command(corpus: Path, out: Path, *extra: str) -> list[str]:
+    """`trainflow prepare` of a corpus into `out` (byte tokens: nothing to train), no progress bar; `extra`: options,
+    then overrides."""
+    return [str(TRAINFLOW), "prepare", "--out", str(out), "--quiet", "--config-dir", str(ROOT / "conf"), *extra,
+            f"data.paths=[{corpus}]"]
+
+
+TRAINFLOW = Path(sys.executable).parent / "trainflow"
+
+
+def the_fix(message: str) -> tuple[list[str], Path]:
+    """The command a message about a shard says to run again, and the folder to run it from."""
+    command, cwd = re.search(r"run `(.+?)` again from (\S+): it re-checks every shard", message).groups()
+    argv = shlex.split(command)
+    assert argv[:2] == ["trainflow", "prepare"]
+    return [str(TRAINFLOW), *argv[1:]], Path(cwd)
+
+
+def test_the_prepare_command_a_message_gives_writes_damaged_and_missing_shards_again(tmp_path: Path) -> None:
+    """A shard with a flipped byte and one removed (its record kept): training's message names the command that
+    prepared the folder; run again, it re-checks every shard by checksum and writes those two again, byte for byte,
+    and keeps the others."""
+    shutil.copytree(ROOT / "src" / "trainflow" / "data", tmp_path / "corpus",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    out = tmp_path / "prepared"
+    first = subprocess.run(prepare_command(tmp_path / "corpus", out, "--shard-mb", "0.02"), capture_output=True,
+                           text=True, cwd=tmp_path, timeout=300)
+    assert first.returncode == 0, first.stderr
+    shards = sorted(out.glob("shard_*.bin"))
+    original = {p.name: p.read_bytes() for p in shards}
+    assert len(shards) >= 4 and f"wrote {len(shards)} of {len(shards)} shards, " in first.stdout
+    flipped = bytearray(original[shard_name(2)])
+    flipped[len(flipped) // 2] ^= 1
+    (out / shard_name(2)).write_bytes(bytes(flipped))
+    (out / shard_name(1)).unlink()
+    with pytest.raises(DataError) as raised:
+        read_manifest(out)
+    command, cwd = the_fix(str(raised.value))
+    assert cwd == tmp_path and str(raised.value).startswith(f"data.path: shard {out / shard_name(1)} is missing; ")
+    again = subprocess.run(command, capture_output=True, text=True, cwd=cwd, timeout=300)
+    assert again.returncode == 0 and "Traceback" not in again.stderr, again.stderr
+    assert (f"wrote 2 of {len(shards)} shards ({len(shards) - 2} already there and whole: checksums checked)"
+            in again.stdout)
+    assert {p.name: p.read_bytes() for p in out.glob("shard_*.bin")} == original
+    assert read_manifest(out)["shards"] == json.loads((out / MANIFEST).read_text())["shards"]
+
+
+def big_corpus(folder: Path) -> Path:
+    """8 files of 1.5 MB of text: 4 shards of 3 MB, which byte tokens take a second or so each to write."""
+    folder.mkdir()
+    text = "".join(f"line {i} of a corpus that takes a while to tokenize\n" for i in range(30_000))
+    for i in range(8):
+        (folder / f"part{i}.txt").write_text(text)
+    return folder
+
+
+def wait_for_a_shard_being_written(proc: subprocess.Popen, out: Path) -> None:
+    """Until a worker writes a shard (its temporary file exists): the pool runs."""
+    deadline = time.monotonic() + 120
+    while not list(out.glob(".shard_*.tmp*")):
+        assert proc.poll() is None, f"prepare ended ({proc.returncode}) before a shard was being written"
+        assert time.monotonic() < deadline, "no shard was being written after 120 s"
+        time.sleep(0.01)
+
+
+def test_ctrl_c_during_prepare_is_one_line_and_the_same_command_finishes(tmp_path: Path) -> None:
+    """Ctrl-C pressed as a terminal does (SIGINT to the whole process group: prepare and its 2 workers) while the
+    shards are written: one line, exit 130, no traceback from any process, no worker left; the same command then
+    writes what was left and a whole manifest."""
+    corpus, out = big_corpus(tmp_path / "corpus"), tmp_path / "prepared"
+    command = prepare_command(corpus, out, "--workers", "2", "--shard-mb", "3", "data.suffixes=[.txt]")
+    with left_behind() as leftovers:
+        proc = subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True)
+        try:
+            wait_for_a_shard_being_written(proc, out)
+            os.killpg(proc.pid, signal.SIGINT)
+            _, stderr = proc.communicate(timeout=60)
+        finally:
+            proc.kill()
+        assert leftovers(10) == {}
+    assert proc.returncode == 130, stderr
+    assert stderr.splitlines() == [f"Interrupted: trainflow prepare stopped; the shards it finished in {out} are "
+                                   "kept: run the same command to prepare the rest"]
+    assert not (out / MANIFEST).exists()
+    again = subprocess.run(command, capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert again.returncode == 0, again.stderr
+    assert len(read_manifest(out)["shards"]) == 4 and not list(out.glob(".*"))
+
+
+def test_sigkill_of_prepare_leaves_no_worker_behind(tmp_path: Path) -> None:
+    """prepare --workers 2 SIGKILLed while its workers write shards: both die with it (counted: this process adopts
+    whatever outlives its parent, and waits 10 s for it to end)."""
+    corpus, out = big_corpus(tmp_path / "corpus"), tmp_path / "prepared"
+    with left_behind() as leftovers:
+        proc = subprocess.Popen(prepare_command(corpus, out, "--workers", "2", "--shard-mb", "3",
+                                                "data.suffixes=[.txt]"),
+                                cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            wait_for_a_shard_being_written(proc, out)
+        finally:
+            proc.kill()
+            proc.wait()
+        assert leftovers(10) == {}
 
 
 def test_training_from_shards_learns_and_resumes_exactly(prepared: Path, tmp_path: Path) -> None:

@@ -16,6 +16,7 @@ worker, disjoint, in order within each shard.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import logging
@@ -24,6 +25,7 @@ import os
 import shlex
 import signal
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -85,12 +87,26 @@ _TOKENIZER: Tokenizer | None = None  # a prepare worker's tokenizer, given once 
 PR_SET_PDEATHSIG = 1  # prctl: the signal the kernel sends this process when its parent dies
 
 
+@contextlib.contextmanager
+def _workers_ignore_ctrl_c() -> Iterator[None]:
+    """SIGINT ignored while the pool starts its workers: they start ignoring it (an ignored signal stays ignored
+    across exec, and Python leaves it so), also while they import, so Ctrl-C is the parent's alone to handle: it
+    stops the pool and says so in one line."""
+    if threading.current_thread() is not threading.main_thread():  # only the main thread sets handlers
+        yield
+        return
+    handler = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, handler)
+
+
 def _start_worker(tokenizer: Tokenizer, parent: int) -> None:
-    """A prepare worker: Ctrl-C is its parent's to handle (it stops the pool), and the worker dies with the parent
-    (a SIGKILLed prepare leaves no worker tokenizing on, or waiting forever for a task)."""
+    """A prepare worker dies with its parent: a SIGKILLed prepare leaves no worker tokenizing on, or waiting
+    forever for a task."""
     global _TOKENIZER
     _TOKENIZER = tokenizer
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
     if sys.platform.startswith("linux"):
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     if os.getppid() != parent:  # the parent died before the line above took effect
@@ -168,7 +184,9 @@ def prepare(corpus: Corpus, tokenizer: Tokenizer, out: Path, workers: int, shard
         else:
             # spawn: a fresh interpreter per worker (the tokenizers library's threads do not survive a fork)
             context = multiprocessing.get_context("spawn")
-            with context.Pool(workers, initializer=_start_worker, initargs=(tokenizer, os.getpid())) as pool:
+            with _workers_ignore_ctrl_c():
+                pool = context.Pool(workers, initializer=_start_worker, initargs=(tokenizer, os.getpid()))
+            with pool:
                 for index, record in pool.imap_unordered(_write_in_worker, [(job, out) for job in todo]):
                     records[index] = bar.update(record)
     shards = [{k: records[i][k] for k in ("name", "tokens", "bytes", "checksum")} for i in range(len(jobs))]
