@@ -17,10 +17,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import ROOT, TINY_GPT, losses_by_step, train
-from helpers.processes import left_behind
+from conftest import ROOT, TINY_GPT, losses_by_step, start, train, wait_for_log
+from helpers.processes import left_behind, run_process
 
-from trainflow.data.shards import MANIFEST, ShardWindows, prepare, read_manifest, shard_name
+from trainflow.checkpoint import check_intact, list_committed
+from trainflow.data.shards import MANIFEST, ShardWindows, prepare, read_manifest, shard_datasets, shard_name
 from trainflow.data.stream import StreamSampler
 from trainflow.data.text import Corpus
 from trainflow.errors import DataError
@@ -185,11 +186,11 @@ def test_the_prepare_command_a_message_gives_writes_damaged_and_missing_shards_a
     assert read_manifest(out)["shards"] == json.loads((out / MANIFEST).read_text())["shards"]
 
 
-def big_corpus(folder: Path) -> Path:
-    """8 files of 1.5 MB of text: 4 shards of 3 MB, which byte tokens take a second or so each to write."""
+def big_corpus(folder: Path, files: int = 8) -> Path:
+    """Files of 1.5 MB of text: a shard of 3 MB takes byte tokens a second or so to write."""
     folder.mkdir()
     text = "".join(f"line {i} of a corpus that takes a while to tokenize\n" for i in range(30_000))
-    for i in range(8):
+    for i in range(files):
         (folder / f"part{i}.txt").write_text(text)
     return folder
 
@@ -229,19 +230,88 @@ def test_ctrl_c_during_prepare_is_one_line_and_the_same_command_finishes(tmp_pat
 
 
 def test_sigkill_of_prepare_leaves_no_worker_behind(tmp_path: Path) -> None:
-    """prepare --workers 2 SIGKILLed while its workers write shards: both die with it (counted: this process adopts
-    whatever outlives its parent, and waits 10 s for it to end)."""
-    corpus, out = big_corpus(tmp_path / "corpus"), tmp_path / "prepared"
-    with left_behind() as leftovers:
-        proc = subprocess.Popen(prepare_command(corpus, out, "--workers", "2", "--shard-mb", "3",
-                                                "data.suffixes=[.txt]"),
-                                cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    """prepare --workers 2 SIGKILLed as its workers begin shards of 12 MB (seconds of work each): both die with it at
+    once (counted: this process adopts whatever outlives its parent and waits 1 s for it to end), and none writes a
+    traceback on the way (a worker that went on would fail to hand its shard to the dead parent)."""
+    corpus, out = big_corpus(tmp_path / "corpus", files=16), tmp_path / "prepared"
+    command = prepare_command(corpus, out, "--workers", "2", "--shard-mb", "12", "data.suffixes=[.txt]")
+    with left_behind() as leftovers, open(tmp_path / "stderr", "w") as stderr:
+        proc = subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=stderr)
         try:
             wait_for_a_shard_being_written(proc, out)
         finally:
             proc.kill()
             proc.wait()
-        assert leftovers(10) == {}
+        assert leftovers(1) == {}
+    assert "Traceback" not in (tmp_path / "stderr").read_text()
+
+
+def test_a_shard_is_checked_again_each_time_it_is_read(prepared: Path, tmp_path: Path) -> None:
+    """After the check at start, a read of an open shard compares it with its stamp (one fstat): touched, it is
+    hashed again and read on; a byte flipped in place, it is refused in one line naming it."""
+    shutil.copytree(prepared, tmp_path / "prepared")
+    train_set, _, _ = shard_datasets(tmp_path / "prepared", 32, 0.05)
+    first = train_set[torch.tensor([0, 1])]
+    shard = tmp_path / "prepared" / shard_name(0)
+    os.utime(shard, ns=(shard.stat().st_atime_ns, shard.stat().st_mtime_ns + 10**9))
+    again = train_set[torch.tensor([0, 1])]
+    assert all(torch.equal(a, b) for a, b in zip(first, again, strict=True))
+    with open(shard, "r+b") as f:
+        byte = f.read(1)
+        f.seek(0)
+        f.write(bytes([byte[0] ^ 1]))
+    with pytest.raises(DataError) as raised:
+        train_set[torch.tensor([0, 1])]
+    assert str(raised.value).startswith(f"data.path: shard {shard} changed while the run trained (it fails its "
+                                        "checksum); run `trainflow prepare ")
+
+
+TRUNCATE_WHILE_MAPPED = """
+import os, sys, torch
+from pathlib import Path
+from trainflow.data.shards import shard_datasets, shard_name
+from trainflow.errors import DataError
+
+folder = Path(sys.argv[1])
+train_set, _, _ = shard_datasets(folder, 32, 0.05)
+train_set[torch.tensor([0, 1])]  # shard 0 is mapped
+os.truncate(folder / shard_name(0), 100)
+try:
+    train_set[torch.tensor([0, 1])]
+except DataError as exc:
+    print(exc)
+"""
+
+
+def test_a_mapped_shard_truncated_is_refused_not_a_bus_error(prepared: Path, tmp_path: Path) -> None:
+    """Reading pages of a map whose file was truncated ends a process with SIGBUS: the read's fstat sees the new size
+    first and says it in one line (in a process of its own, so that a bus error cannot end this one)."""
+    shutil.copytree(prepared, tmp_path / "prepared")
+    done = run_process([sys.executable, "-c", TRUNCATE_WHILE_MAPPED, str(tmp_path / "prepared")], ROOT, timeout=120)
+    size = read_manifest(prepared)["shards"][0]["bytes"]
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
+    assert done.stdout.startswith(f"data.path: shard {tmp_path / 'prepared' / shard_name(0)} changed while the run "
+                                  f"trained (it is 100 bytes, the manifest says {size}); run `trainflow prepare ")
+
+
+def test_a_loader_workers_shard_error_is_one_line(prepared: Path, tmp_path: Path) -> None:
+    """A shard removed after the check at start, first read by a DataLoader worker: the error comes out as it was
+    raised, one line, not torch's `Caught DataError in DataLoader worker process 0.` and the worker's traceback."""
+    from omegaconf import OmegaConf
+
+    from trainflow.data import make_loader
+
+    shutil.copytree(prepared, tmp_path / "prepared")
+    train_set, _, manifest = shard_datasets(tmp_path / "prepared", 32, 0.05)
+    for shard in manifest["shards"]:
+        (tmp_path / "prepared" / shard["name"]).unlink()
+    cfg = OmegaConf.create({"num_workers": 1, "persistent_workers": False, "prefetch_factor": 2, "seq_lens": None})
+    with pytest.raises(DataError) as raised:
+        next(iter(make_loader(train_set, StreamSampler(len(train_set), 2, 0, 1, seed=0), cfg, False)))
+    assert "\n" not in str(raised.value)
+    folder = re.escape(str(tmp_path / "prepared"))
+    assert re.fullmatch(rf"data\.path: shard {folder}/shard_\d{{5}}\.bin was removed while the run trained \(it was "
+                        r"whole at start\); run `trainflow prepare .*", str(raised.value))
 
 
 def test_training_from_shards_learns_and_resumes_exactly(prepared: Path, tmp_path: Path) -> None:
@@ -259,6 +329,55 @@ def test_training_from_shards_learns_and_resumes_exactly(prepared: Path, tmp_pat
     assert again.returncode == 0, again.stderr
     resumed = losses_by_step(tmp_path / "again")
     assert min(resumed) == 7 and [resumed[s] for s in range(7, 13)] == [straight[s] for s in range(7, 13)]
+
+
+@pytest.mark.parametrize("damage", ["removed", "flipped"])
+def test_a_shard_removed_or_changed_while_a_run_trains_stops_it_in_one_line(tmp_path: Path, damage: str) -> None:
+    """The last shard holds exactly the held-out windows, so the run first reads it at its final evaluation; it is
+    removed (or a byte of it flipped in place) while the run trains: one line naming it and the command that
+    prepared it, exit 2, the committed checkpoints whole. That command writes it again, and the same training
+    command then resumes from the last committed checkpoint and finishes."""
+    shutil.copytree(ROOT / "src" / "trainflow" / "data", tmp_path / "corpus",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    out = tmp_path / "prepared"
+    done = subprocess.run(prepare_command(tmp_path / "corpus", out, "--shard-mb", "0.02"), capture_output=True,
+                          text=True, cwd=tmp_path, timeout=300)
+    assert done.returncode == 0, done.stderr
+    manifest = read_manifest(out)
+    windows = ShardWindows(out, manifest, 32)
+    held_out = len(windows) - int(windows.begins[-1])  # the last shard's windows
+    args = [*TINY_GPT, "data=shards", f"data.path={out}", f"data.val_fraction={(held_out - 0.5) / len(windows)}",
+            "trainer.max_steps=400", "trainer.eval_every=0", "trainer.eval_steps=1", "checkpoint=dcp",
+            "checkpoint.every_steps=20", f"checkpoint.dir={tmp_path / 'ck'}"]
+    run_dir = tmp_path / "run"
+    proc = start(run_dir, *args)
+    wait_for_log(run_dir, "checkpoint step 20 committed", proc)
+    shard = out / shard_name(len(manifest["shards"]) - 1)
+    if damage == "removed":
+        shard.unlink()
+    else:
+        with open(shard, "r+b") as f:
+            byte = f.read(1)
+            f.seek(0)
+            f.write(bytes([byte[0] ^ 1]))
+    assert proc.wait(timeout=300) == 2, "the run ended before the shard was damaged, or not in one line"
+    said = {"removed": "was removed while the run trained (it was whole at start)",
+            "flipped": "changed while the run trained (it fails its checksum)"}[damage]
+    output = (tmp_path / "run.out").read_text()
+    lines = [line for line in output.splitlines() if line.startswith("Error:")]
+    assert len(lines) == 1 and "Traceback" not in output, output[-3000:]
+    assert lines[0].startswith(f"Error: data.path: shard {shard} {said}; run `"), lines[0]
+    assert lines[0].endswith("writes the missing or damaged ones again, then run the same training command: it "
+                             "resumes from the last committed checkpoint")
+    committed = list_committed(tmp_path / "ck")
+    assert [c.step for c in committed] == [340, 360, 380]  # every save before the final evaluation; none after
+    for checkpoint in committed:
+        check_intact(checkpoint, committed)
+    command, cwd = the_fix(lines[0])
+    assert subprocess.run(command, capture_output=True, text=True, cwd=cwd, timeout=300).returncode == 0
+    resumed = train(run_dir, *args)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert resumed.summary["resumed_from_step"] == 380 and resumed.summary["steps"] == 400
 
 
 def test_two_ranks_map_only_the_shards_of_their_own_windows(prepared: Path, tmp_path: Path) -> None:
