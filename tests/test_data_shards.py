@@ -274,10 +274,11 @@ from trainflow.errors import DataError
 
 folder = Path(sys.argv[1])
 train_set, _, _ = shard_datasets(folder, 32, 0.05)
-train_set[torch.tensor([0, 1])]  # shard 0 is mapped
+windows = torch.tensor([100, 101])  # tokens 3200 to 3265 of shard 0: bytes in its second page
+train_set[windows]  # shard 0 is mapped
 os.truncate(folder / shard_name(0), 100)
 try:
-    train_set[torch.tensor([0, 1])]
+    train_set[windows]
 except DataError as exc:
     print(exc)
 """
