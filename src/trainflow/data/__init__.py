@@ -3,10 +3,10 @@
 Modules: `stream` (the resumable, world-size-independent sample stream), `text` (a corpus of text files),
 `tokenizers` (bytes, a BPE trained here, a tokenizer.json), `hf` (local files read by Hugging Face datasets),
 `shards` (token shards prepared once, memory-mapped), `identity` (what data a checkpoint was saved on, and what
-changed since), `synthetic` (random tensors with something to learn),
-`iterable` (an IterableDataset's stream, sharded and resumable through torchdata), `loaders` (micro-batch loaders:
-cut, pinned, workers, moved to the device), `user` (datasets by `data._target_`), `digits` (scikit-learn's
-handwritten digits, a `_target_`).
+changed since), `synthetic` (random tensors with something to learn), `iterable` (an IterableDataset's stream,
+sharded and resumable through torchdata), `loaders` (micro-batch loaders: cut, pinned, workers, moved to the
+device), `worker_errors` (a loader worker's error in one line), `user` (datasets by `data._target_`), `digits`
+(scikit-learn's handwritten digits, a `_target_`).
 """
 
 from __future__ import annotations
