@@ -221,7 +221,7 @@ def data_changed(plain: dict[str, Any], state: TrainState, target: Committed,
     """What changed of the data since the checkpoint (empty: the same data, or either side's identity unknown);
     refused in one line unless checkpoint.on_data_change=restart."""
     saved = plain.get("data")
-    if saved is None or state.data_identity is None:
+    if not isinstance(saved, dict) or state.data_identity is None:  # saved before it was recorded, or unknown here
         return []
     found = differences(saved, state.data_identity, int(plain["step"]))
     if found and on_data_change != "restart":

@@ -14,7 +14,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import InterpolationResolutionError, MissingMandatoryValue
 
 from trainflow.config.schema import LADDER_RUNGS, ProfilerConfig, TaskConfig, WorkerConfig, decided, typed
-from trainflow.config.sections import command_line_keys, settle_sections
+from trainflow.config.sections import command_line_keys, settle_sections, single_run
 from trainflow.data.tokenizers import BYTE_VOCAB
 from trainflow.distributed.mesh import STRATEGIES
 from trainflow.errors import ConfigError
@@ -224,8 +224,10 @@ def validate_tp_sizes(cfg: DictConfig) -> None:
 def validate_checkpoint(cfg: DictConfig) -> None:
     """Checkpoint values a type cannot check (paths are checked where they are used)."""
     checkpoint = cfg.checkpoint
-    if not checkpoint.enabled:  # a checkpoint key typed for a run that saves and resumes nothing: it was meant
-        typed = sorted(k for k in command_line_keys() if k.startswith("checkpoint.") and k != "checkpoint.enabled")
+    if not checkpoint.enabled:  # a checkpoint key typed for a run that saves and resumes nothing was meant for one
+        # that does (in a sweep, it may be: the jobs that save)
+        typed = sorted(k for k in command_line_keys() if k.startswith("checkpoint.") and k != "checkpoint.enabled"
+                       and single_run())
         _require(not typed, typed[0] if typed else "", "is set, but checkpoints are off (checkpoint=off, the "
                  "default): this run would save nothing and resume nothing; add checkpoint=dcp, or drop the key")
         return

@@ -101,6 +101,14 @@ def command_line_keys() -> set[str]:
     return {str(o).lstrip("+~").split("=", 1)[0] for o in overrides}
 
 
+def single_run() -> bool:
+    """Whether this is one `python train.py` run (not a job of a -m sweep, whose typed keys are every job's)."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.RUN
+
+
 def _option(group: str, default: str = "") -> str:
     """The option of `group` this run composed (gpt_tiny), as Hydra recorded it."""
     from hydra.core.hydra_config import HydraConfig
