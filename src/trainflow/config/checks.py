@@ -225,9 +225,9 @@ def validate_checkpoint(cfg: DictConfig) -> None:
     """Checkpoint values a type cannot check (paths are checked where they are used)."""
     checkpoint = cfg.checkpoint
     if not checkpoint.enabled:  # a checkpoint key typed for a run that saves and resumes nothing was meant for one
-        # that does (in a sweep, it may be: the jobs that save)
-        typed = sorted(k for k in command_line_keys() if k.startswith("checkpoint.") and k != "checkpoint.enabled"
-                       and single_run())
+        # that does (a sweep's typed keys are every job's, and some of its jobs may save)
+        typed = sorted(k for k in command_line_keys() if k.startswith("checkpoint.") and k != "checkpoint.enabled")
+        typed = typed if single_run() else []
         _require(not typed, typed[0] if typed else "", "is set, but checkpoints are off (checkpoint=off, the "
                  "default): this run would save nothing and resume nothing; add checkpoint=dcp, or drop the key")
         return

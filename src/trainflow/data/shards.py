@@ -3,13 +3,15 @@
 A prepared folder holds `shard_NNNNN.bin` (the tokens of a group of the corpus's files, each file followed by the
 tokenizer's separator, as uint16 or uint32 by the vocabulary's size) and `manifest.json`: the index (each shard's
 token count, in order) and each shard's byte size and xxh3-64 checksum, the dtype and the tokenizer. Preparing
-writes each shard under a temporary name, renames it, then records it in `shard_NNNNN.json`: an interrupted
-prepare keeps its finished shards and does the rest when run again. The manifest is written last.
+writes each shard under a temporary name, renames it, then records it in `shard_NNNNN.json`: run again, prepare
+keeps the shards that are whole (their checksums checked against their records) and writes the rest, those an
+interruption left undone and those damaged or removed since. The manifest is written last, with the command.
 
 Training cuts each shard into windows of `seq_len + 1` tokens (a window never spans two shards) and numbers the
 windows of all shards in order: the global sample stream (data/stream.py) serves them as it serves any map-style
 dataset, so the stream, its resume on any world size and its per-epoch shuffle are the same. A shard is mapped
-the first time a rank reads a window of it, so each rank opens only the shards its positions fall in.
+the first time a rank reads a window of it, so each rank opens only the shards its positions fall in; each read
+checks the open shard against what the check at start saw of it.
 `shard_stream` (a `data._target_`) serves the same windows as a sharded stream instead: whole shards per rank and
 worker, disjoint, in order within each shard.
 """
@@ -239,7 +241,7 @@ def _stamp(st: os.stat_result) -> Stamp:
 
 def checked_manifest(folder: Path) -> tuple[dict, dict[str, Stamp]]:
     """read_manifest's manifest, and the stamp of each shard as it was checked: a run tells a shard that changed
-    after it (deleted, truncated, rewritten) when it first reads it."""
+    after it (removed, truncated, rewritten) when it reads it."""
     path = folder / MANIFEST
     try:
         manifest = json.loads(path.read_text())
