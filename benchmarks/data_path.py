@@ -120,7 +120,7 @@ def prepare_throughput(rounds: int) -> None:
         ours, plain = [], []
         for r in range(rounds):
             started = time.perf_counter()
-            manifest = prepare(corpus, tok, Path(tmp) / f"out{r}", workers=1, progress=False)
+            manifest = prepare(corpus, tok, Path(tmp) / f"out{r}", workers=1, progress=False).manifest
             ours.append(manifest["tokens"] / (time.perf_counter() - started))
             started, tokens = time.perf_counter(), 0
             for f in corpus.files:

@@ -102,6 +102,13 @@ def broken_yaml(ctx: Ctx) -> None:
     (ctx.tmp / "conf" / "experiment" / "broken.yaml").write_text("# @package _global_\ntrainer:\n  max_steps: [1, 2\n")
 
 
+def another_corpus(ctx: Ctx) -> None:
+    """Two files of real text: not the corpus the reference checkpoints were saved on (the standard library)."""
+    (ctx.tmp / "corpus").mkdir()
+    for name, source in (("a.py", "text.py"), ("b.py", "stream.py")):
+        shutil.copy(ROOT / "src" / "trainflow" / "data" / source, ctx.tmp / "corpus" / name)
+
+
 def empty_corpus(ctx: Ctx) -> None:
     (ctx.tmp / "empty.txt").write_text("")
 
@@ -500,6 +507,16 @@ CASES = [
     Case("export-without-final-save", "checkpoint", "export without a final save",
          ("checkpoint.export=true", "checkpoint.save_final=false"),
          "checkpoint.export", ("checkpoint.save_final=true",)),
+    Case("checkpoint-saves-nothing", "checkpoint", "a save interval longer than the run, and no final save",
+         ("checkpoint.every_steps=100", "checkpoint.save_final=false"),
+         "checkpoint.every_steps", ("is 100, more than trainer.max_steps=8", "save no checkpoint",
+                                    "checkpoint.every_steps to 8 or less", "checkpoint.save_final=true")),
+    Case("checkpoint-key-while-off", "checkpoint", "a checkpoint key given while checkpoints are off",
+         ("checkpoint=off", "checkpoint.resume={ckpts}/step_00000004"),
+         "checkpoint.resume", ("checkpoints are off", "save nothing and resume nothing", "add checkpoint=dcp")),
+    Case("on-data-change-unknown", "checkpoint", "an unknown answer to a resume on other data",
+         ("checkpoint.on_data_change=continue",),
+         "checkpoint.on_data_change", ("must be one of refuse, restart", "got 'continue'")),
     # files and paths
     Case("missing-corpus", "data", "a corpus path that does not exist", ("data.paths=[/no/such/corpus]",),
          "data.paths", ("/no/such/corpus does not exist", "existing files or folders")),
@@ -511,6 +528,11 @@ CASES = [
     Case("corpus-too-short", "data", "a corpus shorter than one sequence",
          ("data.paths=[{tmp}/tiny.txt]", "data.cache_dir={tmp}/cache"),
          "data.paths", ("12 bytes", "33 bytes", "add text or lower data.seq_len"), setup=tiny_corpus),
+    Case("resume-on-other-data", "data", "resuming a checkpoint on another corpus than it was saved on",
+         ("data.paths=[{tmp}/corpus]", "data.cache_dir={tmp}/cache"),
+         "data.paths", ("2 files added (a.py, b.py)", "{n} files removed", "since step 4",
+                        "(the files are under {tmp}/corpus here", "{ckpts}/step_00000004 was saved on the data as it "
+                        "was then", "checkpoint.on_data_change=restart"), setup=another_corpus),
     Case("tokenizer-larger-than-model", "data", "a tokenizer with more tokens than the model's vocabulary",
          ("tokenizer=bpe", "tokenizer.vocab_size=400", "model.vocab_size=300", "data.paths=[{tmp}/source.py]",
           "data.cache_dir={tmp}/cache", "tokenizer.cache_dir={tmp}/tokenizers"),

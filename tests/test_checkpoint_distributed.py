@@ -83,7 +83,12 @@ def test_reshard_fsdp2_to_single_continues_the_sample_stream(fsdp_straight: Run,
     manifest = json.loads((fsdp_to_single.run_dir / "checkpoints" / "step_00000012" / "manifest.json").read_text())
     assert manifest["samples_seen"] == 12 * 24
     assert_close_losses(losses_by_step(fsdp_to_single.run_dir), losses_by_step(fsdp_straight.run_dir), range(9, 13))
-    assert "RNG states are not restored" in (fsdp_to_single.run_dir / "train.log").read_text()
+    assert [(c["key"], c["checkpoint"], c["used"]) for c in summary["checkpoint"]["resume_changes"]] == [
+        ("trainer.batch_size", 12, 24), ("world size", 2, 1)]  # each change of the resume listed; the global batch
+    log = (fsdp_to_single.run_dir / "train.log").read_text()
+    assert "resume: trainer.batch_size is 24 in the config, 12 in the checkpoint; using the config's 24" in log
+    assert ("resume: world size is 1 here, 2 in the checkpoint: model, optimizer and data position are resharded "
+            "exactly; the per-rank RNG states are not restored (fresh per-rank seeds)") in log
 
 
 def test_export_of_a_sharded_checkpoint_loads_into_the_plain_model(fsdp_straight: Run, tmp_path: Path) -> None:

@@ -4,19 +4,25 @@ same exact stream; shards that are missing, truncated or changed are refused in 
 from __future__ import annotations
 
 import json
+import os
 import re
+import shlex
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from conftest import ROOT, TINY_GPT, losses_by_step, train
+from conftest import ROOT, TINY_GPT, losses_by_step, start, train, wait_for_log
+from helpers.processes import left_behind, run_process
 
+from trainflow.checkpoint import check_intact, list_committed
 from trainflow.conf import CONFIG_DIR
-from trainflow.data.shards import MANIFEST, ShardWindows, prepare, read_manifest, shard_name
+from trainflow.data.shards import MANIFEST, ShardWindows, prepare, read_manifest, shard_datasets, shard_name
 from trainflow.data.stream import StreamSampler
 from trainflow.data.text import Corpus
 from trainflow.errors import DataError
@@ -100,8 +106,9 @@ def test_an_interrupted_prepare_does_only_what_is_left(prepared: Path, tmp_path:
     cfg = {"paths": [str(prepared.parent / "corpus")], "suffixes": [".py"]}
     corpus = Corpus.of(_section(cfg))
     tok = corpus.tokenizer(_section({"kind": "bpe", "vocab_size": 512, "cache_dir": str(prepared.parent / "tok")}))
-    after = prepare(corpus, tok, copy, workers=1, shard_bytes=int(0.05 * (1 << 20)), progress=False)
-    assert after == before
+    done = prepare(corpus, tok, copy, workers=1, shard_bytes=int(0.05 * (1 << 20)), progress=False,
+                   command=before["prepared_by"]["command"])
+    assert done.written == 2 and {**done.manifest, "prepared_by": None} == {**before, "prepared_by": None}
     rewritten = {p.name for p in copy.glob("shard_*.bin") if kept.get(p.name) != p.stat().st_mtime_ns}
     assert rewritten == {shard_name(1), shard_name(2)}
     assert not list(copy.glob(".*"))  # nothing half-written left behind
@@ -133,6 +140,181 @@ def test_a_damaged_shard_is_refused_in_one_line_naming_it(prepared: Path, tmp_pa
     assert "\n" not in str(raised.value) and "trainflow prepare" in str(raised.value)
 
 
+def prepare_command(corpus: Path, out: Path, *extra: str) -> list[str]:
+    """`trainflow prepare` of a corpus into `out` (byte tokens: nothing to train), no progress bar; `extra`: options,
+    then overrides."""
+    return [str(TRAINFLOW), "prepare", "--out", str(out), "--quiet", *extra, f"data.paths=[{corpus}]"]
+
+
+TRAINFLOW = Path(sys.executable).parent / "trainflow"
+
+
+def the_fix(message: str) -> tuple[list[str], Path]:
+    """The command a message about a shard says to run again, and the folder to run it from."""
+    command, cwd = re.search(r"run `(.+?)` again from (\S+): it re-checks every shard", message).groups()
+    argv = shlex.split(command)
+    assert argv[:2] == ["trainflow", "prepare"]
+    return [str(TRAINFLOW), *argv[1:]], Path(cwd)
+
+
+def test_the_prepare_command_a_message_gives_writes_damaged_and_missing_shards_again(tmp_path: Path) -> None:
+    """A shard with a flipped byte and one removed (its record kept): training's message names the command that
+    prepared the folder; run again, it re-checks every shard by checksum and writes those two again, byte for byte,
+    and keeps the others."""
+    shutil.copytree(ROOT / "src" / "trainflow" / "data", tmp_path / "corpus",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    out = tmp_path / "prepared"
+    first = subprocess.run(prepare_command(tmp_path / "corpus", out, "--shard-mb", "0.02"), capture_output=True,
+                           text=True, cwd=tmp_path, timeout=300)
+    assert first.returncode == 0, first.stderr
+    shards = sorted(out.glob("shard_*.bin"))
+    original = {p.name: p.read_bytes() for p in shards}
+    assert len(shards) >= 4 and f"wrote {len(shards)} of {len(shards)} shards, " in first.stdout
+    flipped = bytearray(original[shard_name(2)])
+    flipped[len(flipped) // 2] ^= 1
+    (out / shard_name(2)).write_bytes(bytes(flipped))
+    (out / shard_name(1)).unlink()
+    with pytest.raises(DataError) as raised:
+        read_manifest(out)
+    command, cwd = the_fix(str(raised.value))
+    assert cwd == tmp_path and str(raised.value).startswith(f"data.path: shard {out / shard_name(1)} is missing; ")
+    again = subprocess.run(command, capture_output=True, text=True, cwd=cwd, timeout=300)
+    assert again.returncode == 0 and "Traceback" not in again.stderr, again.stderr
+    assert (f"wrote 2 of {len(shards)} shards ({len(shards) - 2} already there and whole: checksums checked)"
+            in again.stdout)
+    assert {p.name: p.read_bytes() for p in out.glob("shard_*.bin")} == original
+    assert read_manifest(out)["shards"] == json.loads((out / MANIFEST).read_text())["shards"]
+
+
+def big_corpus(folder: Path, files: int = 8) -> Path:
+    """Files of 1.5 MB of text: a shard of 3 MB takes byte tokens a second or so to write."""
+    folder.mkdir()
+    text = "".join(f"line {i} of a corpus that takes a while to tokenize\n" for i in range(30_000))
+    for i in range(files):
+        (folder / f"part{i}.txt").write_text(text)
+    return folder
+
+
+def wait_for_a_shard_being_written(proc: subprocess.Popen, out: Path) -> None:
+    """Until a worker writes a shard (its temporary file exists): the pool runs."""
+    deadline = time.monotonic() + 120
+    while not list(out.glob(".shard_*.tmp*")):
+        assert proc.poll() is None, f"prepare ended ({proc.returncode}) before a shard was being written"
+        assert time.monotonic() < deadline, "no shard was being written after 120 s"
+        time.sleep(0.01)
+
+
+def test_ctrl_c_during_prepare_is_one_line_and_the_same_command_finishes(tmp_path: Path) -> None:
+    """Ctrl-C pressed as a terminal does (SIGINT to the whole process group: prepare and its 2 workers) while the
+    shards are written: one line, exit 130, no traceback from any process, no worker left; the same command then
+    writes what was left and a whole manifest."""
+    corpus, out = big_corpus(tmp_path / "corpus"), tmp_path / "prepared"
+    command = prepare_command(corpus, out, "--workers", "2", "--shard-mb", "3", "data.suffixes=[.txt]")
+    with left_behind() as leftovers:
+        proc = subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True)
+        try:
+            wait_for_a_shard_being_written(proc, out)
+            os.killpg(proc.pid, signal.SIGINT)
+            _, stderr = proc.communicate(timeout=60)
+        finally:
+            proc.kill()
+        assert leftovers(10) == {}
+    assert proc.returncode == 130, stderr
+    assert stderr.splitlines() == [f"Interrupted: trainflow prepare stopped; the shards it finished in {out} are "
+                                   "kept: run the same command to prepare the rest"]
+    assert not (out / MANIFEST).exists()
+    again = subprocess.run(command, capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert again.returncode == 0, again.stderr
+    assert len(read_manifest(out)["shards"]) == 4 and not list(out.glob(".*"))
+
+
+def test_sigkill_of_prepare_leaves_no_worker_behind(tmp_path: Path) -> None:
+    """prepare --workers 2 SIGKILLed as its workers begin shards of 12 MB (seconds of work each): both die with it at
+    once (counted: this process adopts whatever outlives its parent and waits 1 s for it to end), and none writes a
+    traceback on the way (a worker that went on would fail to hand its shard to the dead parent)."""
+    corpus, out = big_corpus(tmp_path / "corpus", files=16), tmp_path / "prepared"
+    command = prepare_command(corpus, out, "--workers", "2", "--shard-mb", "12", "data.suffixes=[.txt]")
+    with left_behind() as leftovers, open(tmp_path / "stderr", "w") as stderr:
+        proc = subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=stderr)
+        try:
+            wait_for_a_shard_being_written(proc, out)
+        finally:
+            proc.kill()
+            proc.wait()
+        assert leftovers(1) == {}
+    assert "Traceback" not in (tmp_path / "stderr").read_text()
+
+
+def test_a_shard_is_checked_again_each_time_it_is_read(prepared: Path, tmp_path: Path) -> None:
+    """After the check at start, a read of an open shard compares it with its stamp (one fstat): touched, it is
+    hashed again and read on; a byte flipped in place, it is refused in one line naming it."""
+    shutil.copytree(prepared, tmp_path / "prepared")
+    train_set, _, _ = shard_datasets(tmp_path / "prepared", 32, 0.05)
+    first = train_set[torch.tensor([0, 1])]
+    shard = tmp_path / "prepared" / shard_name(0)
+    os.utime(shard, ns=(shard.stat().st_atime_ns, shard.stat().st_mtime_ns + 10**9))
+    again = train_set[torch.tensor([0, 1])]
+    assert all(torch.equal(a, b) for a, b in zip(first, again, strict=True))
+    with open(shard, "r+b") as f:
+        byte = f.read(1)
+        f.seek(0)
+        f.write(bytes([byte[0] ^ 1]))
+    with pytest.raises(DataError) as raised:
+        train_set[torch.tensor([0, 1])]
+    assert str(raised.value).startswith(f"data.path: shard {shard} changed while the run trained (it fails its "
+                                        "checksum); run `trainflow prepare ")
+
+
+TRUNCATE_WHILE_MAPPED = """
+import os, sys, torch
+from pathlib import Path
+from trainflow.data.shards import shard_datasets, shard_name
+from trainflow.errors import DataError
+
+folder = Path(sys.argv[1])
+train_set, _, _ = shard_datasets(folder, 32, 0.05)
+windows = torch.tensor([100, 101])  # tokens 3200 to 3265 of shard 0: bytes in its second page
+train_set[windows]  # shard 0 is mapped
+os.truncate(folder / shard_name(0), 100)
+try:
+    train_set[windows]
+except DataError as exc:
+    print(exc)
+"""
+
+
+def test_a_mapped_shard_truncated_is_refused_not_a_bus_error(prepared: Path, tmp_path: Path) -> None:
+    """Reading pages of a map whose file was truncated ends a process with SIGBUS: the read's fstat sees the new size
+    first and says it in one line (in a process of its own, so that a bus error cannot end this one)."""
+    shutil.copytree(prepared, tmp_path / "prepared")
+    done = run_process([sys.executable, "-c", TRUNCATE_WHILE_MAPPED, str(tmp_path / "prepared")], ROOT, timeout=120)
+    size = read_manifest(prepared)["shards"][0]["bytes"]
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
+    assert done.stdout.startswith(f"data.path: shard {tmp_path / 'prepared' / shard_name(0)} changed while the run "
+                                  f"trained (it is 100 bytes, the manifest says {size}); run `trainflow prepare ")
+
+
+def test_a_loader_workers_shard_error_is_one_line(prepared: Path, tmp_path: Path) -> None:
+    """A shard removed after the check at start, first read by a DataLoader worker: the error comes out as it was
+    raised, one line, not torch's `Caught DataError in DataLoader worker process 0.` and the worker's traceback."""
+    from omegaconf import OmegaConf
+
+    from trainflow.data import make_loader
+
+    shutil.copytree(prepared, tmp_path / "prepared")
+    train_set, _, manifest = shard_datasets(tmp_path / "prepared", 32, 0.05)
+    for shard in manifest["shards"]:
+        (tmp_path / "prepared" / shard["name"]).unlink()
+    cfg = OmegaConf.create({"num_workers": 1, "persistent_workers": False, "prefetch_factor": 2, "seq_lens": None})
+    with pytest.raises(DataError) as raised:
+        next(iter(make_loader(train_set, StreamSampler(len(train_set), 2, 0, 1, seed=0), cfg, False)))
+    assert "\n" not in str(raised.value)
+    folder = re.escape(str(tmp_path / "prepared"))
+    assert re.fullmatch(rf"data\.path: shard {folder}/shard_\d{{5}}\.bin was removed while the run trained \(it was "
+                        r"whole at start\); run `trainflow prepare .*", str(raised.value))
+
+
 def test_training_from_shards_learns_and_resumes_exactly(prepared: Path, tmp_path: Path) -> None:
     """12 steps straight (saving at 6 and 12), then the same run resumed from step 6: the loss falls, and the
     resumed steps' losses equal the uninterrupted run's."""
@@ -148,6 +330,57 @@ def test_training_from_shards_learns_and_resumes_exactly(prepared: Path, tmp_pat
     assert again.returncode == 0, again.stderr
     resumed = losses_by_step(tmp_path / "again")
     assert min(resumed) == 7 and [resumed[s] for s in range(7, 13)] == [straight[s] for s in range(7, 13)]
+
+
+@pytest.mark.parametrize("damage", ["removed", "flipped"])
+def test_a_shard_removed_or_changed_while_a_run_trains_stops_it_in_one_line(tmp_path: Path, damage: str) -> None:
+    """The last shard holds exactly the held-out windows, so the run first reads it at its final evaluation; it is
+    removed (or a byte of it flipped in place) while the run trains: one line naming it and the command that
+    prepared it, exit 2, the committed checkpoints whole. That command writes the removed shard again, and the same
+    training command then resumes from the last committed checkpoint and finishes."""
+    shutil.copytree(ROOT / "src" / "trainflow" / "data", tmp_path / "corpus",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    out = tmp_path / "prepared"
+    done = subprocess.run(prepare_command(tmp_path / "corpus", out, "--shard-mb", "0.02"), capture_output=True,
+                          text=True, cwd=tmp_path, timeout=300)
+    assert done.returncode == 0, done.stderr
+    manifest = read_manifest(out)
+    windows = ShardWindows(out, manifest, 32)
+    held_out = len(windows) - int(windows.begins[-1])  # the last shard's windows
+    args = [*TINY_GPT, "data=shards", f"data.path={out}", f"data.val_fraction={(held_out - 0.5) / len(windows)}",
+            "trainer.max_steps=400", "trainer.eval_every=0", "trainer.eval_steps=1", "checkpoint=dcp",
+            "checkpoint.every_steps=20", f"checkpoint.dir={tmp_path / 'ck'}"]
+    run_dir = tmp_path / "run"
+    proc = start(run_dir, *args)
+    wait_for_log(run_dir, "checkpoint step 20 committed", proc)
+    shard = out / shard_name(len(manifest["shards"]) - 1)
+    if damage == "removed":
+        shard.unlink()
+    else:
+        with open(shard, "r+b") as f:
+            byte = f.read(1)
+            f.seek(0)
+            f.write(bytes([byte[0] ^ 1]))
+    assert proc.wait(timeout=300) == 2, "the run ended before the shard was damaged, or not in one line"
+    said = {"removed": "was removed while the run trained (it was whole at start)",
+            "flipped": "changed while the run trained (it fails its checksum)"}[damage]
+    output = (tmp_path / "run.out").read_text()
+    lines = [line for line in output.splitlines() if line.startswith("Error:")]
+    assert len(lines) == 1 and "Traceback" not in output, output[-3000:]
+    assert lines[0].startswith(f"Error: data.path: shard {shard} {said}; run `"), lines[0]
+    assert lines[0].endswith("writes the missing or damaged ones again, then run the same training command: it "
+                             "resumes from the last committed checkpoint")
+    committed = list_committed(tmp_path / "ck")
+    assert [c.step for c in committed] == [340, 360, 380]  # every save before the final evaluation; none after
+    for checkpoint in committed:
+        check_intact(checkpoint, committed)
+    if damage == "flipped":
+        return  # (prepare writing a flipped shard again: the test above)
+    command, cwd = the_fix(lines[0])
+    assert subprocess.run(command, capture_output=True, text=True, cwd=cwd, timeout=300).returncode == 0
+    resumed = train(run_dir, *args)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert resumed.summary["resumed_from_step"] == 380 and resumed.summary["steps"] == 400
 
 
 def test_two_ranks_map_only_the_shards_of_their_own_windows(prepared: Path, tmp_path: Path) -> None:

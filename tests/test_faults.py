@@ -130,6 +130,20 @@ FAULTS = [
           "and summary.json show every rank's own time; the profiler's verdict on a waiting rank gives the "
           "straggler as the cause",
           "test_stragglers.py::test_a_rank_slowed_in_its_data_path_is_named_once_with_its_host"),
+    Fault("a prepared shard damaged (a flipped byte) or removed after `trainflow prepare`",
+          "training refuses it in one line naming it and the command that prepared the folder; that command, run "
+          "again, re-checks every shard by checksum and writes the damaged and missing ones again, byte for byte",
+          "test_data_shards.py::test_the_prepare_command_a_message_gives_writes_damaged_and_missing_shards_again"),
+    Fault("a shard removed, or changed in place, while a data=shards run trains (also: truncated under its map)",
+          "one line naming the shard and the prepare command, exit 2, committed checkpoints whole (never a memmap "
+          "traceback or a SIGBUS); once prepared again, the same command resumes from the last checkpoint",
+          "test_data_shards.py::test_a_shard_removed_or_changed_while_a_run_trains_stops_it_in_one_line"),
+    Fault("Ctrl-C during `trainflow prepare --workers 2` (SIGINT to the whole process group)",
+          "one line, exit 130, no traceback from any process, no worker left; the same command writes the rest",
+          "test_data_shards.py::test_ctrl_c_during_prepare_is_one_line_and_the_same_command_finishes"),
+    Fault("SIGKILL of `trainflow prepare --workers 2` while its workers tokenize",
+          "both workers die with it at once (PR_SET_PDEATHSIG), none left and no traceback",
+          "test_data_shards.py::test_sigkill_of_prepare_leaves_no_worker_behind"),
     Fault("the torchrun launcher is killed", "no rank is left behind",
           "test_launcher_torchrun.py::test_killing_the_launcher_leaves_no_ranks_behind"),
     Fault("the process that launched its own ranks freezes (SIGSTOP) while they finish, then wakes",

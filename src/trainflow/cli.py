@@ -147,7 +147,7 @@ def _export_arguments(p: argparse.ArgumentParser) -> None:
 
 def _prepare(args: argparse.Namespace) -> int:
     """Tokenize the corpus of data=text (the same config keys as training) into memory-mapped token shards with a
-    manifest of checksums; run again to finish an interrupted prepare."""
+    manifest of checksums; run again to finish an interrupted prepare, or to write damaged or missing shards again."""
     from omegaconf import OmegaConf
 
     from trainflow.config.compose import compose_run
@@ -155,19 +155,30 @@ def _prepare(args: argparse.Namespace) -> int:
     from trainflow.data.text import Corpus
     from trainflow.errors import ConfigError
 
-    register_with_hydra()
-    cfg = compose_run(args.overrides, args.config_dir)
-    data = cfg.data
-    if data.get("kind") != "text":
-        raise ConfigError("data: trainflow prepare reads a corpus of text files; give data=text data.paths=[...] "
-                          "(and the tokenizer= the run will train with)")
-    corpus = Corpus.of(data)
-    tokenizer = corpus.tokenizer(OmegaConf.to_container(data.tokenizer, resolve=True))
-    manifest = prepare(corpus, tokenizer, args.out, args.workers, int(args.shard_mb * (1 << 20)),
-                       progress=not args.quiet)
-    print(f"wrote {len(manifest['shards'])} shards of {manifest['tokens']} tokens ({manifest['dtype']}, tokenizer "
-          f"{manifest['tokenizer']}) to {args.out}; train with data=shards data.path={args.out} "
-          f"model.vocab_size={manifest['vocab_size']}")
+    try:
+        register_with_hydra()
+        cfg = compose_run(args.overrides, args.config_dir)
+        data = cfg.data
+        if data.get("kind") != "text":
+            raise ConfigError("data: trainflow prepare reads a corpus of text files; give data=text data.paths=[...] "
+                              "(and the tokenizer= the run will train with)")
+        corpus = Corpus.of(data)
+        tokenizer = corpus.tokenizer(OmegaConf.to_container(data.tokenizer, resolve=True))
+        # what the data depends on (not --workers): a message about a damaged shard gives it to run again
+        config_dir = ["--config-dir", str(args.config_dir.resolve())] if args.config_dir else []
+        command = ["trainflow", "prepare", "--out", str(args.out), "--shard-mb", f"{args.shard_mb:g}", *config_dir,
+                   *args.overrides]
+        done = prepare(corpus, tokenizer, args.out, args.workers, int(args.shard_mb * (1 << 20)),
+                       progress=not args.quiet, command=command)
+    except KeyboardInterrupt:
+        print(f"Interrupted: trainflow prepare stopped; the shards it finished in {args.out} are kept: run the same "
+              "command to prepare the rest", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    manifest, kept = done.manifest, len(done.manifest["shards"]) - done.written
+    whole = f" ({kept} already there and whole: checksums checked)" if kept else ""
+    print(f"wrote {done.written} of {len(manifest['shards'])} shards{whole}, {manifest['tokens']} tokens "
+          f"({manifest['dtype']}, tokenizer {manifest['tokenizer']}) to {args.out}; train with data=shards "
+          f"data.path={args.out} model.vocab_size={manifest['vocab_size']}")
     return 0
 
 

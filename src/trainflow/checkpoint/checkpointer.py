@@ -173,7 +173,7 @@ class Checkpointer:
         if weights_only:
             resuming.load_weights(target, state, self.env, self._main_group)
         else:
-            self._changes = resuming.load_all(target, state, self.env, self._main_group)
+            self._changes = resuming.load_all(target, state, self.env, self._main_group, self.cfg.on_data_change)
         self._resumed_from = target
         self._last_saved_step = state.step if not weights_only else None
         self._need_bytes = int(target.manifest.get("bytes", 0))

@@ -2,6 +2,9 @@
 
 On resume the config's optimizer hyperparameters win (each change logged and listed in the summary); another
 optimizer type is refused, with `checkpoint.load=model` (weights only, step 0) as the way to keep the weights.
+A checkpoint on other data than this run's (data/identity.py: the corpus's files and tokens, the shards, the split)
+is refused, naming what changed, unless `checkpoint.on_data_change=restart` (the data position restarts at 0); the
+micro-batch, gradient accumulation, global batch and world size may change, and each change is said.
 A checkpoint loads on any number of ranks and the sample stream continues exactly; RNG states are restored when
 the world size is the same (on another world size each rank keeps its fresh per-rank seed, and a warning says so).
 An iterable dataset's stream position (one JSON file per rank) is read here and restored by its loader.
@@ -55,8 +58,10 @@ from trainflow.checkpoint.store import (
     uncommitted_newer,
 )
 from trainflow.config.schema import CheckpointConfig
+from trainflow.data.identity import differences
+from trainflow.data.stream import STREAM_VERSION
 from trainflow.distributed import DistEnv
-from trainflow.errors import CheckpointError, ConfigError
+from trainflow.errors import CheckpointError, ConfigError, DataError
 from trainflow.models.gpt import CausalSelfAttention
 
 log = logging.getLogger(__package__)  # one name for the package: lines read [trainflow.checkpoint]
@@ -155,9 +160,10 @@ def load_tensors(target: Committed, tensors: dict[str, Any], group: Any) -> None
                               f"{corrupt_fix(target, list_committed(target.path.parent))}") from exc
 
 
-def load_all(target: Committed, state: TrainState, env: DistEnv, group: Any) -> list[dict[str, Any]]:
-    """Model, optimizer, LR schedule, step, data position and (same world size) every rank's RNG; the optimizer
-    hyperparameters the config changed."""
+def load_all(target: Committed, state: TrainState, env: DistEnv, group: Any,
+             on_data_change: str = "refuse") -> list[dict[str, Any]]:
+    """Model, optimizer, LR schedule, step, data position and (same world size) every rank's RNG; what this run
+    changes of the checkpoint's settings (optimizer hyperparameters, batch, world size, data), each said once."""
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
     plain = read_state(target.path)
@@ -168,6 +174,7 @@ def load_all(target: Committed, state: TrainState, env: DistEnv, group: Any) -> 
             f"(optim._target_); its optimizer state does not fit: to continue from its weights only (fresh "
             f"optimizer and LR schedule from step 0), run with checkpoint.load=model "
             f"checkpoint.resume={target.path} and checkpoint.dir at a new folder, or set optim._target_ back")
+    data_changes = data_changed(plain, state, target, on_data_change)
     tensors, live = split_state(state)
     load_tensors(target, tensors, group)
     loaded = merge_tensors(tensors, plain.get("non_tensor") or {})
@@ -191,17 +198,61 @@ def load_all(target: Committed, state: TrainState, env: DistEnv, group: Any) -> 
     position = target.path / data_file(env.rank)  # an iterable dataset's stream (its loader checks the split)
     state.data_state = read_json(position) if position.name in listed else None
     state.data_states = [read_json(target.path / name) for name in sorted(listed) if name.startswith("data_rank")]
+    changes += layout_changes(plain.get("layout"), state.layout, target.manifest.get("world_size"), env.world_size)
+    if data_changes:  # checkpoint.on_data_change=restart: the position counted in the old data means nothing here
+        saved_position = state.samples_seen
+        state.samples_seen, state.stream_version, state.data_state, state.data_states = 0, STREAM_VERSION, None, []
+        note = (f"checkpoint.on_data_change=restart: the data position restarts at sample 0 of this data (it was "
+                f"at {saved_position} of the checkpoint's)")
+        changes += [{**change, "note": note} for change in data_changes]
     if env.is_main:
         log.info("resumed from step %d (%s, saved on %d rank(s); data position %d samples)", state.step,
                  target.path, target.manifest.get("world_size"), state.samples_seen)
+        if state.data_identity is not None and plain.get("data") is None:
+            log.warning("resume: %s records no identity of its data (saved by an earlier trainflow): resumed "
+                        "without checking that the data is the same", target.path)
         for c in changes:
-            log.warning("resume: %s is %s in the config, %s in the checkpoint; using the config's %s",
-                        c["key"], c["used"], c["checkpoint"], c["used"])
-        if not same_world:
-            log.warning("checkpoint: saved on %s rank(s), resumed on %d: model, optimizer and data position "
-                        "are resharded exactly; the per-rank RNG states are not restored (fresh per-rank seeds)",
-                        target.manifest.get("world_size"), env.world_size)
+            log.warning("resume: %s", said(c))
     return changes
+
+
+def data_changed(plain: dict[str, Any], state: TrainState, target: Committed,
+                 on_data_change: str) -> list[dict[str, Any]]:
+    """What changed of the data since the checkpoint (empty: the same data, or either side's identity unknown);
+    refused in one line unless checkpoint.on_data_change=restart."""
+    saved = plain.get("data")
+    if not isinstance(saved, dict) or state.data_identity is None:  # saved before it was recorded, or unknown here
+        return []
+    found = differences(saved, state.data_identity, int(plain["step"]))
+    if found and on_data_change != "restart":
+        raise DataError(f"{'; '.join(c['said'] for c in found)}; {target.path} was saved on the data as it was "
+                        "then, and its data position counts in that data: resume with that data, or set "
+                        "checkpoint.on_data_change=restart to train on this data from the checkpoint (the data "
+                        "position restarts at sample 0; the step, weights, optimizer and LR schedule go on)")
+    return found
+
+
+def layout_changes(saved: dict[str, int] | None, live: dict[str, int] | None, saved_world: int | None,
+                   world: int) -> list[dict[str, Any]]:
+    """The micro-batch, accumulation and global batch this run changes (a checkpoint without them: none), and the
+    world size."""
+    changes = [{"key": key, "checkpoint": saved[key], "used": value} for key, value in (live or {}).items()
+               if saved and saved.get(key, value) != value]
+    if saved_world is not None and saved_world != world:
+        changes.append({"key": "world size", "checkpoint": saved_world, "used": world,
+                        "note": "model, optimizer and data position are resharded exactly; the per-rank RNG states "
+                                "are not restored (fresh per-rank seeds)"})
+    return changes
+
+
+def said(change: dict[str, Any]) -> str:
+    """A resume change in words, after `resume: `."""
+    if "said" in change:
+        return f"{change['said']}; {change['note']}"
+    if change["key"] == "world size":
+        return f"world size is {change['used']} here, {change['checkpoint']} in the checkpoint: {change['note']}"
+    return (f"{change['key']} is {change['used']} in the config, {change['checkpoint']} in the checkpoint; using "
+            f"the config's {change['used']}")
 
 
 def load_weights(target: Committed, state: TrainState, env: DistEnv, group: Any) -> None:

@@ -41,6 +41,11 @@ class TrainState:
     # the trackers' run ids ({logger: id}, as loggers.json holds them): a resume continues those tracked runs even
     # where the run directory's own copy is gone
     tracked_runs: dict[str, str] = field(default_factory=dict)
+    # what the data is (trainflow.data.identity): a resume on other data is refused (None: not known, not checked)
+    data_identity: dict[str, Any] | None = None
+    # how many samples a step takes, by the key that sets it (trainer.batch_size, trainer.grad_accum, global batch):
+    # a resume lists what changed (None: not known)
+    layout: dict[str, int] | None = None
 
 
 def rng_file(rank: int) -> str:
@@ -61,6 +66,7 @@ def split_state(state: TrainState) -> tuple[dict[str, Any], dict[str, Any]]:
     tensors, aside = split_tensors({"model": model_sd, "optim": {"state": optim_sd["state"]}})
     plain = {"format": FORMAT, "step": state.step, "samples_seen": state.samples_seen,
              "stream_version": state.stream_version, "tracked_runs": state.tracked_runs,
+             "data": state.data_identity, "layout": state.layout,
              "optimizer": type(state.optimizer).__name__, "param_groups": optim_sd["param_groups"],
              "scheduler": state.scheduler.state_dict(), "non_tensor": aside}
     return tensors, plain

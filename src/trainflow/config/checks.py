@@ -17,7 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import InterpolationResolutionError, MissingMandatoryValue
 
 from trainflow.config.schema import LADDER_RUNGS, ProfilerConfig, TaskConfig, WorkerConfig, decided, typed
-from trainflow.config.sections import settle_sections
+from trainflow.config.sections import command_line_keys, settle_sections, single_run
 from trainflow.config.targets import import_target
 from trainflow.data.tokenizers import BYTE_VOCAB
 from trainflow.distributed.mesh import STRATEGIES
@@ -248,17 +248,28 @@ def validate_tp_sizes(cfg: DictConfig) -> None:
 def validate_checkpoint(cfg: DictConfig) -> None:
     """Checkpoint values a type cannot check (paths are checked where they are used)."""
     checkpoint = cfg.checkpoint
-    if not checkpoint.enabled:
+    if not checkpoint.enabled:  # a checkpoint key typed for a run that saves and resumes nothing was meant for one
+        # that does (a sweep's typed keys are every job's, and some of its jobs may save)
+        typed = sorted(k for k in command_line_keys() if k.startswith("checkpoint.") and k != "checkpoint.enabled")
+        typed = typed if single_run() else []
+        _require(not typed, typed[0] if typed else "", "is set, but checkpoints are off (checkpoint=off, the "
+                 "default): this run would save nothing and resume nothing; add checkpoint=dcp, or drop the key")
         return
     _one_of(cfg, "checkpoint.mode", ("sync", "async"))
     _require(checkpoint.every_steps > 0, "checkpoint.every_steps",
              f"must be a positive number of steps; got {checkpoint.every_steps}")
+    max_steps = cfg.trainer.max_steps
+    _require(checkpoint.save_final or checkpoint.every_steps <= max_steps, "checkpoint.every_steps",
+             f"is {checkpoint.every_steps}, more than trainer.max_steps={max_steps}, and checkpoint.save_final is "
+             f"false: this run would save no checkpoint; set checkpoint.every_steps to {max_steps} or less, or "
+             "checkpoint.save_final=true")
     _require(checkpoint.keep_last >= 1, "checkpoint.keep_last",
              f"must be >= 1 (the newest committed checkpoint is always kept); got {checkpoint.keep_last}")
     _require(bool(checkpoint.resume), "checkpoint.resume", "is empty: use auto, never or a checkpoint path")
     _require(checkpoint.save_final or not checkpoint.export, "checkpoint.export",
              "exports the final weights, which needs checkpoint.save_final=true")
     _one_of(cfg, "checkpoint.load", ("all", "model"))
+    _one_of(cfg, "checkpoint.on_data_change", ("refuse", "restart"))
     _require(checkpoint.load == "all" or checkpoint.resume not in ("auto", "never"), "checkpoint.load",
              f"model loads the weights of the checkpoint named by checkpoint.resume, which is {checkpoint.resume}; "
              "set checkpoint.resume=<a step_N folder or run dir>")

@@ -345,6 +345,9 @@ class CheckpointConfig:
     verify: bool = True  # reload the run's first save into fresh tensors and compare exactly
     export: bool = False  # at the end, <run dir>/model.pt: model weights for torch.load(weights_only=True)
     load: str = "all"  # all | model (weights only from checkpoint.resume=<path>: fresh optimizer, step 0)
+    # a resume on other data than the checkpoint's (files added, other shards, another split): refuse | restart (go
+    # on from the checkpoint on this data, the data position restarted at sample 0)
+    on_data_change: str = "refuse"
 
 
 @dataclass

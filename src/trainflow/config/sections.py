@@ -34,7 +34,7 @@ OWN_KEYS = {"model": frozenset(), "data": frozenset(LOADER_KEYS), "task": frozen
 
 def settle_sections(cfg: DictConfig) -> None:
     """Settle model, data and task as the module docstring says (in place: the run saves and uses the result)."""
-    given = _command_line_keys()
+    given = command_line_keys()
     for group in ("model", "data", "task", "optim"):
         section = cfg[group]
         if OmegaConf.is_missing(section, "_target_"):
@@ -92,7 +92,7 @@ def _taken_keys(obj: Any, own: str | None) -> set[str] | None:
     return {p.name for p in params if p.kind in named}
 
 
-def _command_line_keys() -> set[str]:
+def command_line_keys() -> set[str]:
     """The keys this run's command line sets (model.dropout from `model.dropout=0.1` or `+model.dropout=0.1`)."""
     from hydra.core.hydra_config import HydraConfig
 
@@ -100,6 +100,14 @@ def _command_line_keys() -> set[str]:
         return set()
     overrides = OmegaConf.to_container(HydraConfig.get().overrides.task, resolve=False)  # as typed: ${...} too
     return {str(o).lstrip("+~").split("=", 1)[0] for o in overrides}
+
+
+def single_run() -> bool:
+    """Whether this is one `python train.py` run (not a job of a -m sweep, whose typed keys are every job's)."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.RUN
 
 
 def _option(group: str, default: str = "") -> str:

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from trainflow.data.identity import cache_checksum
 from trainflow.data.tokenizers import Tokenizer, build_once, build_tokenizer, import_hf
 from trainflow.errors import ConfigError, DataError
 
@@ -38,8 +39,10 @@ class Windows(Dataset):
     `labels` shifts them itself.
     """
 
-    def __init__(self, tokens: np.ndarray, seq_len: int, items: str) -> None:
+    def __init__(self, tokens: np.ndarray, seq_len: int, items: str,
+                 data_identity: dict[str, str] | None = None) -> None:
         self.tokens = tokens
+        self.data_identity = data_identity  # what a checkpoint records of the data (trainflow.data.identity)
         self.as_dict = items == "dict"
         self.span = seq_len if self.as_dict else seq_len + 1  # tokens an item reads
         self.seq_len = seq_len
@@ -77,6 +80,7 @@ def token_windows(paths: list[str] | None, seq_len: int, column: str = "text", f
     tok.check_fits(model_vocab_size)
     tokens = train.tokens(tok)
     span = seq_len if items == "dict" else seq_len + 1
+    identity = {"tokens": cache_checksum(train.cache_file(tok))}  # the split's tokens: the held-out ones move with it
     if val_paths is None:
         cut = int(len(tokens) * (1 - val_fraction))
         train_tokens, val_tokens = tokens[:cut], tokens[cut:]
@@ -84,10 +88,12 @@ def token_windows(paths: list[str] | None, seq_len: int, column: str = "text", f
         _require_window(val_tokens, span, tok, "the validation split", f" (val_fraction={val_fraction})")
     else:
         train_tokens = tokens
-        val_tokens = Split(_files(val_paths, "data.val_paths"), format, column, cache, cache_dir).tokens(tok)
+        val = Split(_files(val_paths, "data.val_paths"), format, column, cache, cache_dir)
+        val_tokens = val.tokens(tok)
+        identity["val_tokens"] = cache_checksum(val.cache_file(tok))
         _require_window(train_tokens, span, tok, "the training split", "", "data.paths")
         _require_window(val_tokens, span, tok, "the validation split", "", "data.val_paths")
-    return {"train": Windows(train_tokens, seq_len, items), "val": Windows(val_tokens, seq_len, items)}
+    return {"train": Windows(train_tokens, seq_len, items, identity), "val": Windows(val_tokens, seq_len, items)}
 
 
 def _require_window(tokens: np.ndarray, span: int, tok: Tokenizer, what: str, note: str,
@@ -165,11 +171,15 @@ class Split:
 
     def tokens(self, tok: Tokenizer) -> np.ndarray:
         """The column's tokens (each row followed by the tokenizer's separator), cached once and memory-mapped."""
-        path = self.cache / "tokens" / f"{self.key[:20]}-{tok.name}.bin"
+        path = self.cache_file(tok)
         if build_once(path, lambda tmp: self._encode(tmp, tok), "data.cache_dir", self.configured):
             log.info("tokenized %s (column %r) into %d tokens in %s", _names(self.files), self.column,
                      path.stat().st_size // tok.dtype.itemsize, path)
         return np.memmap(path, dtype=tok.dtype, mode="r") if path.stat().st_size else np.zeros(0, tok.dtype)
+
+    def cache_file(self, tok: Tokenizer) -> Path:
+        """The split's token cache: keyed by its files (names, sizes, times), the column and the tokenizer."""
+        return self.cache / "tokens" / f"{self.key[:20]}-{tok.name}.bin"
 
     def _encode(self, out_path: Path, tok: Tokenizer) -> None:
         texts = self.texts()

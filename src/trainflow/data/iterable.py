@@ -33,6 +33,7 @@ from omegaconf import DictConfig
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
 from trainflow.data.sharded import ShardedShare, merged_position, shard_count, tagged_collate
+from trainflow.data.worker_errors import from_workers
 from trainflow.errors import ConfigError, DataError
 
 log = logging.getLogger("trainflow")
@@ -186,7 +187,7 @@ class IterableBatches:
     def __iter__(self) -> Iterator[Any]:
         while True:
             taken = 0
-            for batch in self.loader:
+            for batch in from_workers(self.loader):
                 taken += 1
                 if self.sharded:
                     tags, batch = batch

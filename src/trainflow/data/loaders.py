@@ -11,6 +11,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from trainflow.data.iterable import IterableBatches, IterableSource
 from trainflow.data.stream import StreamSampler
+from trainflow.data.worker_errors import from_workers
 
 Batch = Any  # one micro-batch: (inputs, targets) for the built-in data; tensors in tuples, lists, dicts for a user's
 
@@ -76,6 +77,16 @@ class InProcessBatches:
                 yield self.dataset[indices]
 
 
+class Batches:
+    """A DataLoader's batches, its workers' trainflow errors in one line (worker_errors.py)."""
+
+    def __init__(self, loader: DataLoader) -> None:
+        self.loader = loader
+
+    def __iter__(self) -> Iterator[Batch]:
+        return from_workers(self.loader)
+
+
 def make_loader(
     dataset: Dataset, sampler: StreamSampler, cfg: DictConfig, pin_memory: bool
 ) -> Iterable[Batch]:
@@ -101,6 +112,7 @@ def make_loader(
             persistent_workers=cfg.persistent_workers,
             prefetch_factor=cfg.prefetch_factor,
         )
+        loader = Batches(loader)
     if seq_lens:
         loader = VariableLengths(loader, list(seq_lens), sampler)
     if pin_memory and (cfg.num_workers == 0 or seq_lens):

@@ -3,33 +3,43 @@
 A prepared folder holds `shard_NNNNN.bin` (the tokens of a group of the corpus's files, each file followed by the
 tokenizer's separator, as uint16 or uint32 by the vocabulary's size) and `manifest.json`: the index (each shard's
 token count, in order) and each shard's byte size and xxh3-64 checksum, the dtype and the tokenizer. Preparing
-writes each shard under a temporary name, renames it, then records it in `shard_NNNNN.json`: an interrupted
-prepare keeps its finished shards and does the rest when run again. The manifest is written last.
+writes each shard under a temporary name, renames it, then records it in `shard_NNNNN.json`: run again, prepare
+keeps the shards that are whole (their checksums checked against their records) and writes the rest, those an
+interruption left undone and those damaged or removed since. The manifest is written last, with the command.
 
 Training cuts each shard into windows of `seq_len + 1` tokens (a window never spans two shards) and numbers the
 windows of all shards in order: the global sample stream (data/stream.py) serves them as it serves any map-style
 dataset, so the stream, its resume on any world size and its per-epoch shuffle are the same. A shard is mapped
-the first time a rank reads a window of it, so each rank opens only the shards its positions fall in.
+the first time a rank reads a window of it, so each rank opens only the shards its positions fall in; each read
+checks the open shard against what the check at start saw of it.
 `shard_stream` (a `data._target_`) serves the same windows as a sharded stream instead: whole shards per rank and
 worker, disjoint, in order within each shard.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import json
 import logging
 import multiprocessing
 import os
+import shlex
+import signal
+import sys
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 import torch
 import xxhash
 from torch.utils.data import Dataset, IterableDataset
 
+from trainflow.data.identity import checksum_of, file_checksum
 from trainflow.data.text import PIECES_AT_ONCE, Corpus, _pieces
 from trainflow.data.tokenizers import Tokenizer
 from trainflow.errors import ConfigError, DataError
@@ -76,11 +86,33 @@ def plan(files: list[Path], tokenizer: Tokenizer, shard_bytes: int) -> list[Job]
 
 
 _TOKENIZER: Tokenizer | None = None  # a prepare worker's tokenizer, given once when the worker starts
+PR_SET_PDEATHSIG = 1  # prctl: the signal the kernel sends this process when its parent dies
 
 
-def _start_worker(tokenizer: Tokenizer) -> None:
+@contextlib.contextmanager
+def _workers_ignore_ctrl_c() -> Iterator[None]:
+    """SIGINT ignored while the pool starts its workers: they start ignoring it (an ignored signal stays ignored
+    across exec, and Python leaves it so), also while they import, so Ctrl-C is the parent's alone to handle: it
+    stops the pool and says so in one line."""
+    if threading.current_thread() is not threading.main_thread():  # only the main thread sets handlers
+        yield
+        return
+    handler = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, handler)
+
+
+def _start_worker(tokenizer: Tokenizer, parent: int) -> None:
+    """A prepare worker dies with its parent: a SIGKILLed prepare leaves no worker tokenizing on, or waiting
+    forever for a task."""
     global _TOKENIZER
     _TOKENIZER = tokenizer
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent:  # the parent died before the line above took effect
+        os._exit(1)
 
 
 def write_shard(job: Job, out: Path, tokenizer: Tokenizer | None = None) -> dict:
@@ -109,18 +141,29 @@ def write_shard(job: Job, out: Path, tokenizer: Tokenizer | None = None) -> dict
 
 
 def _done(job: Job, out: Path) -> dict | None:
-    """The shard's record when an earlier prepare finished it from the same files and tokenizer."""
+    """The shard's record when an earlier prepare finished it from the same files and tokenizer and the shard is
+    still whole (its size and checksum those of the record): a missing or damaged shard is prepared again."""
     try:
         record = json.loads((out / shard_name(job.index)).with_suffix(".json").read_text())
-    except (OSError, ValueError):
+        whole = record.get("key") == job.key and (out / record["name"]).stat().st_size == record["bytes"]
+        return record if whole and file_checksum(out / record["name"]) == record["checksum"] else None
+    except (OSError, ValueError, KeyError, TypeError):
         return None
-    whole = record.get("key") == job.key and (out / record["name"]).stat().st_size == record["bytes"]
-    return record if whole else None
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """What a prepare did: the manifest it wrote, and how many of its shards it wrote (the others were whole)."""
+
+    manifest: dict
+    written: int
 
 
 def prepare(corpus: Corpus, tokenizer: Tokenizer, out: Path, workers: int, shard_bytes: int = SHARD_BYTES,
-            progress: bool = True) -> dict:
-    """Tokenize the corpus into shards in `out` with `workers` processes; shards finished before are kept."""
+            progress: bool = True, command: list[str] | None = None) -> Prepared:
+    """Tokenize the corpus into shards in `out` with `workers` processes; shards finished before and still whole
+    (their checksums checked) are kept, the others written again. `command`: the prepare command, kept in the
+    manifest so that a message about a damaged shard can give it."""
     out.mkdir(parents=True, exist_ok=True)
     for stale in out.glob(".shard_*.tmp*"):  # a shard or record a killed prepare was writing (atomic_path's names)
         stale.unlink()
@@ -133,8 +176,8 @@ def prepare(corpus: Corpus, tokenizer: Tokenizer, out: Path, workers: int, shard
         else:
             todo.append(job)
     if records:
-        log.info("prepare: %d of %d shards already in %s; preparing the other %d", len(records), len(jobs), out,
-                 len(todo))
+        log.info("prepare: %d of %d shards already in %s and whole (checksums checked); preparing the other %d",
+                 len(records), len(jobs), out, len(todo))
     total = sum(Path(n).stat().st_size for job in todo for n in job.files)
     with _Progress(total, progress) as bar:
         if workers <= 1:
@@ -143,14 +186,17 @@ def prepare(corpus: Corpus, tokenizer: Tokenizer, out: Path, workers: int, shard
         else:
             # spawn: a fresh interpreter per worker (the tokenizers library's threads do not survive a fork)
             context = multiprocessing.get_context("spawn")
-            with context.Pool(workers, initializer=_start_worker, initargs=(tokenizer,)) as pool:
+            with _workers_ignore_ctrl_c():
+                pool = context.Pool(workers, initializer=_start_worker, initargs=(tokenizer, os.getpid()))
+            with pool:
                 for index, record in pool.imap_unordered(_write_in_worker, [(job, out) for job in todo]):
                     records[index] = bar.update(record)
     shards = [{k: records[i][k] for k in ("name", "tokens", "bytes", "checksum")} for i in range(len(jobs))]
     manifest = {"format": FORMAT, "dtype": tokenizer.dtype.name, "vocab_size": tokenizer.vocab_size,
-                "tokenizer": tokenizer.name, "tokens": sum(s["tokens"] for s in shards), "shards": shards}
+                "tokenizer": tokenizer.name, "tokens": sum(s["tokens"] for s in shards), "shards": shards,
+                "prepared_by": {"command": command, "cwd": os.getcwd()} if command else None}
     write_atomic(out / MANIFEST, json.dumps(manifest, indent=1))
-    return manifest
+    return Prepared(manifest, len(todo))
 
 
 def _write_in_worker(args: tuple[Job, Path]) -> tuple[int, dict]:
@@ -183,6 +229,19 @@ class _Progress:
 def read_manifest(folder: Path) -> dict:
     """The prepared folder's manifest, each shard checked whole (present, its size, its checksum): one line naming
     the first that is not."""
+    return checked_manifest(folder)[0]
+
+
+Stamp = tuple[int, int, int]  # a shard file's size, modification time (ns) and inode, as its check at start saw them
+
+
+def _stamp(st: os.stat_result) -> Stamp:
+    return st.st_size, st.st_mtime_ns, st.st_ino
+
+
+def checked_manifest(folder: Path) -> tuple[dict, dict[str, Stamp]]:
+    """read_manifest's manifest, and the stamp of each shard as it was checked: a run tells a shard that changed
+    after it (removed, truncated, rewritten) when it reads it."""
     path = folder / MANIFEST
     try:
         manifest = json.loads(path.read_text())
@@ -191,39 +250,50 @@ def read_manifest(folder: Path) -> dict:
                         f"data=text data.paths=[...] --out {folder}`, or point data.path at a prepared "
                         "folder") from None
     except (OSError, ValueError) as exc:
-        raise DataError(f"data.path: {path} is unreadable ({exc}); prepare the corpus again into a new "
-                        "folder") from None
+        raise DataError(f"data.path: {path} is unreadable ({exc}); run `trainflow prepare --out {folder}` again "
+                        "with the overrides it was prepared with (it rewrites the manifest and keeps the shards "
+                        "that are whole)") from None
+    stamps = {}
     for shard in manifest["shards"]:
         shard_path = folder / shard["name"]
         try:
-            size = os.stat(shard_path).st_size
+            st = os.stat(shard_path)
         except FileNotFoundError:
-            raise DataError(f"data.path: shard {shard_path} is missing; run `trainflow prepare` again with "
-                            f"--out {folder} (it redoes only what is missing)") from None
-        if size != shard["bytes"]:
-            raise DataError(f"data.path: shard {shard_path} is {size} bytes, the manifest says {shard['bytes']} "
-                            f"(truncated); remove it and run `trainflow prepare` again with --out {folder}")
-        if _file_checksum(shard_path) != shard["checksum"]:
+            raise DataError(f"data.path: shard {shard_path} is missing; {prepare_again(folder, manifest)}") from None
+        if st.st_size != shard["bytes"]:
+            raise DataError(f"data.path: shard {shard_path} is {st.st_size} bytes, the manifest says {shard['bytes']} "
+                            f"(truncated); {prepare_again(folder, manifest)}")
+        if file_checksum(shard_path) != shard["checksum"]:
             raise DataError(f"data.path: shard {shard_path} fails its checksum (its bytes changed after it was "
-                            f"prepared); remove it and run `trainflow prepare` again with --out {folder}")
-    return manifest
+                            f"prepared); {prepare_again(folder, manifest)}")
+        stamps[shard["name"]] = _stamp(st)
+    return manifest, stamps
 
 
-def _file_checksum(path: Path) -> str:
-    """xxh3-64 of the file, as the checkpoints hash theirs (not their helper: trainflow.checkpoint imports the
-    sample stream's version from this package)."""
-    digest = xxhash.xxh3_64()
-    with open(path, "rb") as f:
-        while chunk := f.read(16 << 20):
-            digest.update(chunk)
-    return digest.hexdigest()
+def prepare_again(folder: Path, manifest: dict) -> str:
+    """The fix for a missing or damaged shard: the command that prepared the folder, which re-checks every shard
+    against its checksum and writes the missing or damaged ones again."""
+    by = manifest.get("prepared_by") or {}
+    if by.get("command"):
+        how = f"`{shlex.join(by['command'])}` again from {by['cwd']}"
+    else:
+        how = f"`trainflow prepare --out {folder}` again with the overrides it was prepared with"
+    return f"run {how}: it re-checks every shard and writes the missing or damaged ones again"
 
 
 class ShardWindows(Dataset):
-    """Windows [first, first + count) of the prepared shards' windows, gathered a micro-batch at a time."""
+    """Windows [first, first + count) of the prepared shards' windows, gathered a micro-batch at a time.
 
-    def __init__(self, folder: Path, manifest: dict, seq_len: int, first: int = 0, count: int | None = None) -> None:
+    Given the shards' stamps from their check at start, a shard is checked again each time it is read: one fstat of
+    the open file. A shard deleted, truncated or rewritten since then stops the run in one line naming it (a read
+    of a map whose file was truncated would end the process with SIGBUS instead); one only touched is hashed again,
+    and read on if its bytes are the manifest's.
+    """
+
+    def __init__(self, folder: Path, manifest: dict, seq_len: int, first: int = 0, count: int | None = None,
+                 stamps: dict[str, Stamp] | None = None) -> None:
         self.folder, self.seq_len, self.dtype = folder, seq_len, np.dtype(manifest["dtype"])
+        self.manifest, self.stamps = manifest, stamps
         self.names = [s["name"] for s in manifest["shards"]]
         per_shard = np.asarray([max(0, (s["tokens"] - 1) // seq_len) for s in manifest["shards"]], dtype=np.int64)
         self.ends = np.cumsum(per_shard)  # window i of all shards lies in the first shard whose end exceeds i
@@ -231,15 +301,53 @@ class ShardWindows(Dataset):
         self.first = first
         self.count = int(self.ends[-1]) - first if count is None else count
         self.maps: dict[int, np.ndarray] = {}  # the shards this process opened, by number
+        self.files: dict[int, BinaryIO] = {}  # and their open files, to check them against their stamps
         self.span = np.arange(seq_len + 1)
 
     def __len__(self) -> int:
         return self.count
 
+    def __getstate__(self) -> dict:
+        """What a loader worker gets: no open files or maps (each process opens its own)."""
+        return {**self.__dict__, "maps": {}, "files": {}}
+
     def _shard(self, i: int) -> np.ndarray:
-        if i not in self.maps:  # the map seen as a plain array: indexing it makes no memmap objects
-            self.maps[i] = np.memmap(self.folder / self.names[i], dtype=self.dtype, mode="r").view(np.ndarray)
+        if i not in self.maps:
+            path = self.folder / self.names[i]
+            try:
+                self.files[i] = open(path, "rb")  # noqa: SIM115 (kept open while the run reads the shard)
+            except FileNotFoundError:
+                raise DataError(f"data.path: shard {path} was removed while the run trained (it was whole at "
+                                f"start); {self._fix()}") from None
+            self._check(i)
+            # the map seen as a plain array: indexing it makes no memmap objects
+            self.maps[i] = np.memmap(self.files[i], dtype=self.dtype, mode="r").view(np.ndarray)
+        elif self.stamps is not None:
+            self._check(i)
         return self.maps[i]
+
+    def _check(self, i: int) -> None:
+        """The open shard is as its check at start saw it, or its bytes are still the manifest's."""
+        if self.stamps is None:
+            return
+        name, f = self.names[i], self.files[i]
+        stamp = _stamp(os.fstat(f.fileno()))
+        if stamp == self.stamps[name]:
+            return
+        shard = self.manifest["shards"][i]
+        if stamp[0] != shard["bytes"]:
+            why = f"it is {stamp[0]} bytes, the manifest says {shard['bytes']}"
+        elif checksum_of(f) != shard["checksum"]:
+            why = "it fails its checksum"
+        else:  # touched, or copied over with the same bytes
+            self.stamps[name] = stamp
+            return
+        raise DataError(f"data.path: shard {self.folder / name} changed while the run trained ({why}); "
+                        f"{self._fix()}")
+
+    def _fix(self) -> str:
+        return (f"{prepare_again(self.folder, self.manifest)}, then run the same training command: it resumes from "
+                "the last committed checkpoint")
 
     def __getitem__(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         windows = np.asarray(indices, dtype=np.int64).reshape(-1) + self.first
@@ -267,15 +375,15 @@ def check_vocab(manifest: dict, vocab_size: int | None, folder: str) -> None:
 
 def shard_datasets(folder: Path, seq_len: int, val_fraction: float) -> tuple[ShardWindows, ShardWindows, dict]:
     """The train windows (the first 1 - val_fraction of them) and the validation ones, and the manifest."""
-    manifest = read_manifest(folder)
+    manifest, stamps = checked_manifest(folder)
     every = ShardWindows(folder, manifest, seq_len)
     split = int(len(every) * (1 - val_fraction))
     if split < 1 or len(every) - split < 1:
         raise DataError(f"data.path: the prepared shards in {folder} hold {len(every)} windows of {seq_len + 1} "
                         f"tokens, too few for one training and one validation window (val_fraction={val_fraction}); "
                         "prepare more text or lower data.seq_len")
-    return (ShardWindows(folder, manifest, seq_len, 0, split),
-            ShardWindows(folder, manifest, seq_len, split, len(every) - split), manifest)
+    return (ShardWindows(folder, manifest, seq_len, 0, split, stamps),
+            ShardWindows(folder, manifest, seq_len, split, len(every) - split, stamps), manifest)
 
 
 

@@ -143,7 +143,10 @@ def assemble(cfg: DictConfig, run_dir: Path, env: DistEnv, stage_types: Sequence
     for stage in stages:
         model = stage.prepare(model)  # compile; compile.check compares eager and compiled on `example`
     optimizer, scheduler = build_optimizer(model, optim, trainer.max_steps, env.device)
-    state = LoopState(model, optimizer, scheduler)
+    global_batch = trainer.batch_size * env.dp_size * replicas * trainer.grad_accum  # a TP group reads one batch
+    state = LoopState(model, optimizer, scheduler, data_identity=data.identity,  # a resume compares them
+                      layout={"trainer.batch_size": trainer.batch_size, "trainer.grad_accum": trainer.grad_accum,
+                              "global batch": global_batch})
     # per-rank randomness (dropout) from here on; then a resume restores every rank's saved generators
     seed_everything(trainer.seed + SEED_STRIDE * env.rank)
     for stage in stages:
@@ -156,7 +159,6 @@ def assemble(cfg: DictConfig, run_dir: Path, env: DistEnv, stage_types: Sequence
     if resumed_from and resumed_from >= trainer.max_steps and env.is_main:  # a finished run started again
         log.warning("the checkpoint is at step %d, trainer.max_steps is %d: nothing left to train; raise "
                     "trainer.max_steps to continue this run", resumed_from, trainer.max_steps)
-    global_batch = trainer.batch_size * env.dp_size * replicas * trainer.grad_accum  # a TP group reads one batch
     if env.is_main:
         log.info("%s", start_header(RunFacts(
             type(unwrap(model)).__name__, parameters, data.name, len(data.train), _length(data.val), data.seq_len,
