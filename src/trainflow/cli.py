@@ -4,13 +4,16 @@ starts local workers that do, and user errors as one line and a non-zero exit.""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import inspect
 import os
 import shlex
+import signal
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from types import FrameType
 
 from omegaconf import DictConfig
 
@@ -100,13 +103,38 @@ def resume_command() -> str:
     return shlex.join([*interpreter, sys.argv[0], *args])
 
 
+class StopSignal(KeyboardInterrupt):
+    """SIGTERM or SIGHUP raised where the program is, as Python raises KeyboardInterrupt on Ctrl-C, so that what a
+    command began is undone on the way out (an export's staging folder)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def stop_signals_raise() -> Iterator[None]:
+    """Within the block, SIGTERM and SIGHUP raise StopSignal instead of ending the process at once."""
+    def stop(signum: int, frame: FrameType | None) -> None:
+        raise StopSignal(signum)
+
+    previous = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
 def _export(args: argparse.Namespace) -> int:
     """Consolidate the model weights of a committed checkpoint (saved on any number of ranks, by any strategy) into
-    one file or folder. Never writes inside a checkpoint folder; an existing output needs --force."""
+    one file or folder. Never writes inside a checkpoint folder; an existing output needs --force, and only an
+    earlier export is replaced."""
     from trainflow.checkpoint import export_weights
 
-    info = export_weights(args.checkpoint, args.out, args.format, force=args.force,
-                          with_optimizer=args.with_optimizer, config=args.config)
+    with stop_signals_raise():
+        info = export_weights(args.checkpoint, args.out, args.format, force=args.force,
+                              with_optimizer=args.with_optimizer, config=args.config)
     print(f"wrote {info['path']} ({info['format']}): {info['tensors']} tensors, {info['bytes'] / 1e6:.1f} MB, "
           f"the model of step {info['step']} ({info['checkpoint']})")
     return 0
@@ -214,19 +242,20 @@ def _lighthouse_arguments(p: argparse.ArgumentParser) -> None:
 @dataclass(frozen=True)
 class Subcommand:
     """`trainflow <name>`: a one-line help, what adds its arguments, and the handler (args -> exit code), whose
-    docstring is the command's description."""
+    docstring is the command's description; `interrupted`: what is left when it is stopped by a signal."""
 
     name: str
     help: str
     add_arguments: Callable[[argparse.ArgumentParser], None]
     handler: Callable[[argparse.Namespace], int]
+    interrupted: str = ""
 
 
 def subcommands() -> list[Subcommand]:
     from trainflow.report import runs as report
 
     return [Subcommand("export", "write a committed checkpoint's model weights for other tools", _export_arguments,
-                       _export),
+                       _export, "; the output is as it was, and nothing of this export is left"),
             Subcommand("report", "compare the runs under a folder: report.md, report.json, report.png",
                        report.add_arguments, report.command),
             Subcommand("prepare", "tokenize a corpus once into token shards for data=shards", _prepare_arguments,
@@ -242,13 +271,21 @@ def main(argv: list[str] | None = None) -> None:
     for command in subcommands():
         p = commands.add_parser(command.name, help=command.help, description=inspect.getdoc(command.handler))
         command.add_arguments(p)
-        p.set_defaults(handler=command.handler)
+        p.set_defaults(subcommand=command)
     args = parser.parse_args(argv)
     try:
-        code = args.handler(args)
+        code = args.subcommand.handler(args)
     except TrainflowError as exc:
         if traceback_wanted():
             raise
         print_error(str(exc))
         code = exc.exit_code
+    except KeyboardInterrupt as exc:
+        if traceback_wanted():
+            raise
+        signum = exc.signum if isinstance(exc, StopSignal) else signal.SIGINT
+        name = "Ctrl-C (SIGINT)" if signum == signal.SIGINT else signal.Signals(signum).name
+        print(f"Interrupted: trainflow {args.command} stopped by {name}{args.subcommand.interrupted}",
+              file=sys.stderr)
+        code = 128 + signum
     sys.exit(code)
