@@ -432,28 +432,27 @@ def check_output(out: str | Path, force: bool) -> Path:
         if not force:
             raise CheckpointError(f"{path} already exists; nothing was changed: give a new path, or add --force to "
                                   "replace it")
-        if not is_export(path):
-            mode = path.lstat().st_mode
-            raise CheckpointError(f"{path} is {'a file' if stat.S_ISREG(mode) else kind_of(mode)} trainflow did not "
-                                  f"export (no "
-                                  f"{EXPORT_INFO} inside); nothing was changed: --force replaces only an earlier "
-                                  "export: give a new path, or move it away")
+        if (foreign := not_an_export(path)) is not None:
+            raise CheckpointError(f"{path} {foreign}; nothing was changed: --force replaces only an earlier export: "
+                                  "give a new path, or move it away")
     return path
 
 
-def is_export(path: Path) -> bool:
-    """Whether `path` (not followed if a link) is an export of trainflow's: a folder holding EXPORT_INFO, or a
-    regular file whose archive holds it (the torch format); nothing else is opened."""
-    mode = path.lstat().st_mode
-    if stat.S_ISDIR(mode):
-        return (path / EXPORT_INFO).is_file()
-    if not stat.S_ISREG(mode):
-        return False
+def not_an_export(path: Path) -> str | None:
+    """None when `path` (missing, or an export of trainflow's: a folder holding EXPORT_INFO, or a regular file whose
+    archive holds it) may be replaced; else what it is, in words. Nothing but a regular file is opened."""
     try:
-        with zipfile.ZipFile(path) as archive:
-            return any(name.split("/", 1)[-1] == EXPORT_INFO for name in archive.namelist())
-    except (OSError, zipfile.BadZipFile):
-        return False
+        mode = path.lstat().st_mode
+    except FileNotFoundError:
+        return None
+    if stat.S_ISDIR(mode) and (path / EXPORT_INFO).is_file():
+        return None
+    if stat.S_ISREG(mode):
+        with contextlib.suppress(OSError, zipfile.BadZipFile), zipfile.ZipFile(path) as archive:
+            if any(name.split("/", 1)[-1] == EXPORT_INFO for name in archive.namelist()):
+                return None
+    what = "a file" if stat.S_ISREG(mode) else kind_of(mode)
+    return f"is {what} trainflow did not export (no {EXPORT_INFO} inside)"
 
 
 def is_checkpoint_folder(folder: Path) -> bool:
