@@ -1,9 +1,11 @@
 """trainflow's entry point: `python train.py [group=option ...] [key=value ...]`."""
 
+import sys
+
 import hydra
 from omegaconf import DictConfig
 
-from trainflow.cli import register_with_hydra, run_from_hydra
+from trainflow.cli import check_config_dir, register_with_hydra, run_from_hydra
 
 register_with_hydra()  # before @hydra.main composes the config
 
@@ -14,4 +16,5 @@ def main(cfg: DictConfig) -> float | None:
 
 
 if __name__ == "__main__":
+    check_config_dir(sys.argv[1:])  # a broken YAML file of one's own is one line, not Hydra's traceback
     main()

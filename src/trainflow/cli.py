@@ -20,9 +20,10 @@ from omegaconf import DictConfig
 from trainflow.config.checks import validate
 from trainflow.config.schema import register_configs
 from trainflow.distributed.mesh import env_rank
-from trainflow.errors import EXIT_INTERRUPTED, TrainflowError, print_error, traceback_wanted
+from trainflow.errors import EXIT_INTERRUPTED, TrainflowError, print_error, traceback_wanted, user_error
 from trainflow.report import sweeps
 from trainflow.report.ladder import register_resolvers as register_ladder_resolvers
+from trainflow.util.files import not_a_file
 from trainflow.util.rundir import RUN_DIR_ENV
 from trainflow.util.rundir import register_resolvers as register_run_dir_resolvers
 
@@ -34,6 +35,33 @@ def register_with_hydra() -> None:
     register_run_dir_resolvers()
     register_ladder_resolvers()
     sweeps.register_resolvers()
+
+
+def check_config_dir(argv: list[str]) -> None:
+    """Before Hydra composes: every .yaml file under `--config-dir DIR` (Hydra's option for a folder of one's own
+    configs) must be a regular file of valid YAML. Hydra prints a syntax error as a traceback of some 90 lines, and
+    would open a FIFO and wait forever; here either is one line naming the file (and the line and column)."""
+    import yaml
+
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    parser.add_argument("--config-dir", "-cd")
+    folder = parser.parse_known_args(argv)[0].config_dir
+    if folder is None or not Path(folder).is_dir():
+        return  # none given, or Hydra's own one line for a folder that does not exist
+    for root, _, names in sorted(os.walk(folder)):
+        for path in sorted(Path(root) / n for n in names if n.endswith(".yaml")):
+            if (problem := not_a_file(path)) is not None:
+                user_error(f"--config-dir: {path} {problem}; Hydra would read it as a config: make it a YAML file, "
+                           "or move it out of the folder")
+            try:
+                yaml.compose(path.read_text(), Loader=yaml.SafeLoader)
+            except (OSError, UnicodeDecodeError) as exc:
+                user_error(f"--config-dir: {path} cannot be read as text ({exc}); fix or remove it")
+            except yaml.MarkedYAMLError as exc:
+                where = exc.problem_mark or exc.context_mark
+                at = f" at line {where.line + 1}, column {where.column + 1}" if where else ""
+                user_error(f"--config-dir: {path} is not valid YAML ({exc.problem or exc.context}{at}); fix the "
+                           "file")
 
 
 def run_from_hydra(cfg: DictConfig) -> float | None:
