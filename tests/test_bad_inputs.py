@@ -249,7 +249,8 @@ def users_files(folder: Path) -> None:
 
 
 def users_files_kept(folder: Path) -> None:
-    assert {p.name: p.read_text() for p in folder.iterdir()} == USERS  # nothing added, nothing changed
+    assert sorted(p.name for p in folder.iterdir()) == sorted(USERS)  # nothing added
+    assert {name: (folder / name).read_text() for name in USERS} == USERS  # nothing changed
 
 
 def users_folder_as_run_dir(ctx: Ctx) -> None:
