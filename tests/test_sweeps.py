@@ -131,6 +131,7 @@ def test_jobs_have_checkpoint_folders_of_their_own(resumed: Resumed) -> None:
     assert summary["config"]["checkpoint"]["dir"] == str(folders[1])
 
 
+@pytest.mark.serial
 def test_a_job_ends_with_its_killed_sweep_and_the_same_sweep_resumes_it(tmp_path: Path) -> None:
     """hydra/launcher=process, its sweep process SIGKILLed while the job trains: the job's process gets SIGTERM
     from the kernel, saves and ends within seconds instead of training on, orphaned, for hours while it holds the
