@@ -41,7 +41,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from trainflow.distributed.mesh import env_rank
 from trainflow.errors import ConfigError, user_error
-from trainflow.util.files import cannot_write
+from trainflow.util.files import cannot_write, not_a_file
 from trainflow.util.locks import LOCK_FILE, DirLock
 
 RUN_DIR_ENV = "TRAINFLOW_RUN_DIR"  # set by our launchers for the processes they start
@@ -265,8 +265,9 @@ def check_same_run(folder: Path, overrides: list[str]) -> None:
     results = [name for name in RESULTS if (folder / name).exists()]
     if not results:
         return
-    try:
-        theirs: str | None = run_identity([str(o) for o in OmegaConf.load(folder / ".hydra" / "overrides.yaml")])
+    saved = folder / ".hydra" / "overrides.yaml"
+    try:  # never opened unless a regular file: a FIFO would wait forever
+        theirs: str | None = None if not_a_file(saved) else run_identity([str(o) for o in OmegaConf.load(saved)])
     except (OSError, ValueError, TypeError, yaml.YAMLError):
         theirs = None
     ours = run_identity(overrides)
