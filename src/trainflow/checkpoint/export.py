@@ -174,7 +174,7 @@ def export_weights(checkpoint: Path, out: str | Path, fmt: str = "torch", force:
     if fmt == "torch":
         weights = source.read(list(source.model_keys.values()))
         model = {name: weights[key] for name, key in source.model_keys.items()}
-        write_whole(target, lambda tmp: save_file(tmp, lambda f: write_torch(f, model, info)))
+        write_whole(target, lambda tmp: write_torch(tmp, model, info))
     else:
         hf = plan_hf(source, run_cfg) if fmt == "hf" else None
         write = {"safetensors": lambda tmp: write_safetensors(source, tmp / WEIGHTS),
@@ -211,13 +211,26 @@ def run_config(ck: Committed, given: Path | None) -> dict[str, Any] | None:
     return cfg
 
 
-def write_torch(f: Any, model: dict[str, torch.Tensor], info: dict[str, Any]) -> None:
+def write_torch(path: Path, model: dict[str, torch.Tensor], info: dict[str, Any]) -> None:
     """torch.save's archive of the model's tensors, with EXPORT_INFO added as one more record (which says that
-    trainflow wrote the file; torch.load reads only its own records)."""
-    torch.save(model, f)
-    with zipfile.ZipFile(f, "a") as archive:
-        folder = archive.namelist()[0].split("/", 1)[0]  # torch.save keeps every record in one top folder
-        archive.writestr(f"{folder}/{EXPORT_INFO}", json.dumps(info, indent=1))
+    trainflow wrote the file; torch.load reads only its own records), fsynced.
+
+    torch.save is given the path, not a Python file: an exception raised inside its writes to a Python file (the
+    KeyboardInterrupt of a Ctrl-C landing there) comes out of its C++ layer as a RuntimeError; by path, a signal
+    is handled once it returns.
+    """
+    try:
+        torch.save(model, str(path))
+    except RuntimeError as exc:  # torch's C++ writer: a full disk, a lost mount
+        raise CheckpointError(f"{path.parent.parent / path.name}: cannot write the export (torch.save: "
+                              f"{(str(exc).strip().splitlines() or [''])[-1]}); give a path on a writable disk with "
+                              "room for it") from None
+    with open(path, "r+b") as f:
+        with zipfile.ZipFile(f, "a") as archive:
+            folder = archive.namelist()[0].split("/", 1)[0]  # torch.save keeps every record in one top folder
+            archive.writestr(f"{folder}/{EXPORT_INFO}", json.dumps(info, indent=1))
+        f.flush()
+        os.fsync(f.fileno())
 
 
 _SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -252,14 +265,13 @@ def write_safetensors(source: Source, path: Path) -> None:
 
 @dataclass
 class HfPlan:
-    """What a Hugging Face export writes, all of it checked before anything is: the model to fill, the GPT name and
-    layout of each of its tensors, and the run's tokenizer (None for bytes)."""
+    """What a Hugging Face export writes, all of it checked before anything is: the model to fill, the Hugging Face
+    name and layout of each tensor of the checkpoint, and the run's tokenizer (None for bytes)."""
 
     transformers: ModuleType
     model: Any
-    names: dict[str, tuple[str, bool] | None]
+    names: dict[str, tuple[str, bool]]
     layout: Callable[[str, torch.Tensor, bool], torch.Tensor]
-    gpt: bool
     tokenizer: Any
 
 
@@ -311,7 +323,7 @@ def plan_hf(source: Source, run_cfg: dict[str, Any] | None) -> HfPlan:
                                                    and k != "lm_head.weight")):
         raise CheckpointError(f"export --format hf: {source.ck.path} holds nothing for the GPT-2 tensor "
                               f"{missing[0]}; export --format safetensors instead")
-    return HfPlan(transformers, model, names, layout, target == GPT_TARGET, run_tokenizer(run_cfg))
+    return HfPlan(transformers, model, names, layout, run_tokenizer(run_cfg))
 
 
 def write_hf(source: Source, folder: Path, plan: HfPlan) -> None:
@@ -414,7 +426,13 @@ def write_dcp(source: Source, folder: Path, with_optimizer: bool) -> None:
         except CheckpointError:
             source.unless_deleted()
             raise
-    dcp.save(tree, storage_writer=dcp.FileSystemWriter(folder), no_dist=True)
+    try:
+        dcp.save(tree, storage_writer=dcp.FileSystemWriter(folder), no_dist=True)
+    except BaseException as exc:  # DCP wraps what its writer raised: Ctrl-C stays itself, a full disk an OSError
+        reraise_interrupt(exc)
+        if isinstance(root_error(exc), OSError):
+            raise root_error(exc) from None
+        raise
 
 
 def check_output(out: str | Path, force: bool) -> Path:
@@ -473,55 +491,50 @@ def write_whole(path: Path, write: Callable[[Path], None]) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         remove_leftovers(path.parent)
         staging.mkdir()
-    except OSError as exc:
-        raise _unwritable(path, exc) from None
-    try:
         (staging / STAGING).write_text(f"{socket.gethostname()} {os.getpid()}\n")
         write(staging / path.name)
         if path.is_dir() and not path.is_symlink():
             os.rename(path, staging / _OLD)  # a folder cannot be renamed over: the earlier export steps aside first
         os.replace(staging / path.name, path)
     except OSError as exc:
-        raise _unwritable(path, exc) from None
+        raise CheckpointError(f"{path}: cannot write the export ({unwritable_reason(path.parent, exc)}); give a "
+                              "path on a writable disk") from None
     finally:
-        _clear_staging(staging, path)
-
-
-def _unwritable(path: Path, exc: OSError) -> CheckpointError:
-    return CheckpointError(f"{path}: cannot write the export ({unwritable_reason(path.parent, exc)}); give a path on "
-                           "a writable disk")
+        _clear_staging(staging, path, os.getpid())
 
 
 def remove_leftovers(folder: Path) -> None:
-    """Remove the staging folders of exports into `folder` that were killed (their process is gone from this
-    host): named as write_whole names them and holding its STAGING file; anything else is left alone."""
-    host = socket.gethostname()
+    """Remove the staging folders of exports into `folder` whose process is gone (killed): see _clear_staging."""
     for entry in folder.iterdir():
         match = _STAGED.fullmatch(entry.name)
-        if match is None or entry.is_symlink() or not entry.is_dir():
-            continue
-        try:
-            owner = (entry / STAGING).read_text().split()
-        except OSError:
-            continue  # not trainflow's, or not yet: its maker writes STAGING first
-        if owner == [host, match.group(2)] and (int(owner[1]) == os.getpid() or not pid_alive(int(owner[1]))):
-            _clear_staging(entry, folder / match.group(1))
+        if match and not entry.is_symlink() and entry.is_dir():
+            pid = int(match.group(2))
+            if pid == os.getpid() or not pid_alive(pid):
+                _clear_staging(entry, folder / match.group(1), pid)
 
 
-def _clear_staging(staging: Path, path: Path) -> None:
-    """Remove a staging folder, after putting back the earlier output it holds when `path` has none (an export
-    stopped between its two renames); left as it is when that fails, so no earlier output is ever lost."""
-    with contextlib.suppress(OSError):  # a failed rename skips the removal
+def _clear_staging(staging: Path, path: Path, pid: int) -> None:
+    """Remove the staging folder of export `pid` on this host: one whose STAGING file names it, after putting back
+    the earlier output it holds when `path` has none (an export stopped between its two renames); or one holding
+    nothing but an empty STAGING, or nothing at all (an export stopped before it said whose the folder is). Anything
+    else of that name (another program's) is left alone, and so is a folder whose earlier output cannot go back."""
+    marker = staging / STAGING
+    with contextlib.suppress(OSError):  # a failed step skips the removal
+        if not marker.is_file() or marker.stat().st_size == 0:
+            if {p.name for p in staging.iterdir()} <= {STAGING}:
+                marker.unlink(missing_ok=True)
+                staging.rmdir()
+            return
+        if marker.read_text().split() != [socket.gethostname(), str(pid)]:
+            return
         if (staging / _OLD).exists() and not (path.exists() or path.is_symlink()):
             os.rename(staging / _OLD, path)
         shutil.rmtree(staging)
 
 
 def save_file(path: Path, write: Callable[[Any], None]) -> None:
-    """Open `path` for writing ourselves, so that an unwritable place is an OSError (torch.save raises a
-    RuntimeError of its C++ layer for a path it cannot open), and fsync it before it is renamed into place. Opened
-    readable too: write_torch appends a record to the archive torch.save wrote."""
-    with open(path, "w+b") as f:
+    """Write `path` through `write(f)` and fsync it before it is renamed into place."""
+    with open(path, "wb") as f:
         write(f)
         f.flush()
         os.fsync(f.fileno())
