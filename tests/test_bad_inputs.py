@@ -27,6 +27,8 @@ import torch
 from conftest import ROOT, TINY_GPT, can_mount, tmpfs, train
 from helpers.processes import run_process
 
+from trainflow.util.rundir import MARKER
+
 # 8 steps, a save every 2; the committed checkpoints of the reference run (steps 2 and 4) sit in checkpoint.dir.
 BASE = [*TINY_GPT, "trainer.max_steps=8", "trainer.eval_every=0", "trainer.eval_steps=2", "checkpoint=dcp",
         "checkpoint.every_steps=2", "checkpoint.dir={ckpts}"]
@@ -66,6 +68,7 @@ class Case:
     env: tuple[tuple[str, str], ...] = ()
     needs: str | None = None  # "mount": a filesystem of our own; "no-gpu": a machine without CUDA
     after: Callable[[Ctx], None] | None = None  # checks on what the run left behind
+    cwd: str | None = None  # where the command runs (placeholders filled); None: the repository's root
 
 
 OTHER_SWEEP = "hydra:\n  overrides:\n    task:\n    - optim.lr=1e-3,2e-3\n"  # the multirun.yaml of another sweep
@@ -95,11 +98,6 @@ def tiny_corpus(ctx: Ctx) -> None:
 
 def source_corpus(ctx: Ctx) -> None:
     shutil.copy(ROOT / "src" / "trainflow" / "data" / "text.py", ctx.tmp / "source.py")  # ~9 kB of real text
-
-
-def broken_yaml(ctx: Ctx) -> None:
-    (ctx.tmp / "conf" / "experiment").mkdir(parents=True)
-    (ctx.tmp / "conf" / "experiment" / "broken.yaml").write_text("# @package _global_\ntrainer:\n  max_steps: [1, 2\n")
 
 
 def another_corpus(ctx: Ctx) -> None:
@@ -230,6 +228,7 @@ def foreign_folder_kept(ctx: Ctx) -> None:
 def another_runs_results(ctx: Ctx) -> None:
     """The run directory holds what a run of another model left: its config, its summary, its saved overrides."""
     (ctx.tmp / "run" / ".hydra").mkdir(parents=True)
+    (ctx.tmp / "run" / MARKER).write_text("")
     (ctx.tmp / "run" / ".hydra" / "overrides.yaml").write_text("- model=gpt_small\n- trainer.max_steps=4\n")
     (ctx.tmp / "run" / "config.yaml").write_text("model:\n  n_layer: 12\n")
     (ctx.tmp / "run" / "summary.json").write_text('{"steps": 4}')
@@ -242,12 +241,66 @@ def another_runs_results_kept(ctx: Ctx) -> None:
 
 
 def file_where_tensorboard_writes(ctx: Ctx) -> None:
+    """In a run directory of trainflow's (an earlier run of the same command)."""
     (ctx.tmp / "run").mkdir()
+    (ctx.tmp / "run" / MARKER).write_text("")
     (ctx.tmp / "run" / "tensorboard").write_text("not a folder")
 
 
 def read_only_tensorboard_folder(ctx: Ctx) -> None:
     ctx.hold.enter_context(tmpfs(ctx.tmp / "run" / "tensorboard", "1m", read_only=True))
+    (ctx.tmp / "run" / MARKER).write_text("")
+
+
+USERS = {"metrics.jsonl": '{"mine": 1}\n', "train.log": "my own log\n", "notes.txt": "my notes\n"}
+
+
+def users_files(folder: Path) -> None:
+    """A folder of the user's, holding files of the names a run writes, and one of its own."""
+    folder.mkdir(parents=True)
+    for name, text in USERS.items():
+        (folder / name).write_text(text)
+
+
+def users_files_kept(folder: Path) -> None:
+    assert sorted(p.name for p in folder.iterdir()) == sorted(USERS)  # nothing added
+    assert {name: (folder / name).read_text() for name in USERS} == USERS  # nothing changed
+
+
+def users_folder_as_run_dir(ctx: Ctx) -> None:
+    users_files(ctx.tmp / "run")
+
+
+def users_run_dir_kept(ctx: Ctx) -> None:
+    users_files_kept(ctx.tmp / "run")
+
+
+def users_folder_as_cwd(ctx: Ctx) -> None:
+    users_files(ctx.tmp / "here")
+
+
+def users_cwd_kept(ctx: Ctx) -> None:
+    users_files_kept(ctx.tmp / "here")
+
+
+def users_folder_as_sweep_dir(ctx: Ctx) -> None:
+    users_files(ctx.tmp / "sweep")
+
+
+def users_sweep_dir_kept(ctx: Ctx) -> None:
+    users_files_kept(ctx.tmp / "sweep")
+
+
+def users_model_in_the_run_dir(ctx: Ctx) -> None:
+    """A run directory of trainflow's (an earlier run of the same command) where the user put a model.pt."""
+    (ctx.tmp / "run").mkdir()
+    (ctx.tmp / "run" / MARKER).write_text("")
+    (ctx.tmp / "run" / "model.pt").write_text(PRECIOUS)
+
+
+def users_model_kept(ctx: Ctx) -> None:
+    assert (ctx.tmp / "run" / "model.pt").read_text() == PRECIOUS
+    assert (ctx.tmp / "run" / "metrics.jsonl").read_text() == ""  # refused before the first step
 
 
 def mlflow_not_installed(ctx: Ctx) -> None:
@@ -359,6 +412,61 @@ def mlp_config(ctx: Ctx) -> None:
     (ctx.tmp / "config.yaml").write_text("model:\n  _target_: trainflow.models.mlp.MLP\ncheckpoint:\n  dir: null\n")
 
 
+def gpt_config(ctx: Ctx, tokenizer: dict) -> None:
+    """The config of the reference run (the GPT of TINY_GPT) with `tokenizer`, for `export --config`."""
+    model = {"_target_": "trainflow.models.gpt.GPT", "vocab_size": 256, "block_size": 32, "n_layer": 2, "n_head": 2,
+             "n_embd": 64, "dropout": 0.0, "bias": True}
+    data = {"kind": "text", "paths": [str(ctx.tmp / "source.py")], "suffixes": [".py"]}
+    (ctx.tmp / "config.yaml").write_text(json.dumps({"model": model, "data": data, "tokenizer": tokenizer}))
+
+
+def bpe_cached_elsewhere(ctx: Ctx) -> None:
+    """A run of tokenizer=bpe whose config names a cache folder that does not exist (the run ran elsewhere)."""
+    source_corpus(ctx)
+    gpt_config(ctx, {"kind": "bpe", "vocab_size": 300, "cache_dir": str(ctx.tmp / "elsewhere" / "tokenizers")})
+
+
+def nothing_made_elsewhere(ctx: Ctx) -> None:
+    assert not (ctx.tmp / "elsewhere").exists() and not (ctx.tmp / "hf").exists()
+
+
+def tokenizer_file_config(ctx: Ctx, name: str) -> None:
+    gpt_config(ctx, {"kind": "file", "vocab_size": 300, "path": str(ctx.tmp / name)})
+
+
+def fifo_tokenizer(ctx: Ctx) -> None:
+    os.mkfifo(ctx.tmp / "pipe")
+    tokenizer_file_config(ctx, "pipe")
+
+
+def moved_tokenizer(ctx: Ctx) -> None:
+    tokenizer_file_config(ctx, "tokenizer.json")
+
+
+def text_as_tokenizer(ctx: Ctx) -> None:
+    (ctx.tmp / "tokenizer.json").write_text("not json\n")
+    tokenizer_file_config(ctx, "tokenizer.json")
+
+
+def broken_transformers(ctx: Ctx) -> None:
+    """A Python path on which `import transformers` raises, as a broken installation does."""
+    (ctx.tmp / "broken" / "transformers").mkdir(parents=True)
+    (ctx.tmp / "broken" / "transformers" / "__init__.py").write_text(
+        "raise RuntimeError('Failed to import transformers.models.gpt2: a broken installation')\n")
+    gpt_config(ctx, {"kind": "bytes"})
+
+
+def no_hf_output(ctx: Ctx) -> None:
+    assert sorted(p.name for p in ctx.tmp.iterdir() if p.name.startswith((".hf", "hf"))) == []
+
+
+def broken_experiment_yaml(ctx: Ctx) -> None:
+    """An experiment of one's own (--config-dir) whose YAML does not parse: an indentation slip on line 3."""
+    (ctx.tmp / "conf" / "experiment").mkdir(parents=True)
+    (ctx.tmp / "conf" / "experiment" / "mine.yaml").write_text("# @package _global_\ntrainer:\n max_steps: 4\n"
+                                                               "  log_every: 1\n")
+
+
 def narrower_weights(ctx: Ctx) -> None:
     """Exported weights of a GPT narrower than the base's (n_embd 32, not 64)."""
     from safetensors.torch import save_file
@@ -395,9 +503,6 @@ CASES = [
          "logger/mlfow", ("Could not find", "did you mean logger=mlflow?"), exit=1),
     Case("unparsable-override", "config", "an override Hydra cannot parse", ("trainer.max_steps=[",),
          "trainer.max_steps=[", ("cannot parse", "key=value"), exit=1),
-    Case("broken-experiment-yaml", "config", "an experiment of one's own that is not valid YAML",
-         ("--config-dir={tmp}/conf", "experiment=broken"), "{tmp}/conf/experiment/broken.yaml",
-         ("not valid YAML", "fix the file"), exit=1, setup=broken_yaml),
     Case("zero-steps", "config", "no training steps", ("trainer.max_steps=0",),
          "trainer.max_steps", ("positive integer", "got 0")),
     Case("negative-batch", "config", "a negative batch size", ("trainer.batch_size=-2",),
@@ -517,6 +622,11 @@ CASES = [
     Case("on-data-change-unknown", "checkpoint", "an unknown answer to a resume on other data",
          ("checkpoint.on_data_change=continue",),
          "checkpoint.on_data_change", ("must be one of refuse, restart", "got 'continue'")),
+    Case("export-at-end-over-users-file", "checkpoint", "checkpoint.export=true where the user's model.pt lies",
+         ("checkpoint.export=true",),
+         "checkpoint.export", ("{tmp}/run/model.pt is a file trainflow did not export", "nothing was changed",
+                               "move it away", "checkpoint.export=false"),
+         setup=users_model_in_the_run_dir, after=users_model_kept),
     # files and paths
     Case("missing-corpus", "data", "a corpus path that does not exist", ("data.paths=[/no/such/corpus]",),
          "data.paths", ("/no/such/corpus does not exist", "existing files or folders")),
@@ -594,6 +704,10 @@ CASES = [
     Case("interpolation-of-wrong-type", "config", "an interpolation to a value of the wrong type",
          ("optim.lr=${trainer.device}",),
          "optim.lr", ("'${trainer.device}'", "converted to Float", "fix the ${...}")),
+    Case("config-dir-yaml-syntax", "config", "an experiment YAML of one's own (--config-dir) that does not parse",
+         ("--config-dir", "{tmp}/conf", "experiment=mine"),
+         "--config-dir", ("{tmp}/conf/experiment/mine.yaml is not valid YAML", "line 4, column 12", "fix the file"),
+         setup=broken_experiment_yaml),
     Case("infinite-lr", "config", "an infinite learning rate", ("optim.lr=inf",),
          "optim.lr", ("finite", "got inf")),
     Case("nan-grad-clip", "config", "a NaN clipping threshold", ("trainer.grad_clip=nan",),
@@ -811,6 +925,15 @@ CASES = [
          "hydra.run.dir", ("{tmp}/run holds the config.yaml and summary.json of another run", "model=gpt_small",
                            "nothing was changed", "hydra.run.dir=<new folder>", "trainer.run_name="),
          setup=another_runs_results, after=another_runs_results_kept),
+    Case("run-dir-of-the-user", "environment", "a run directory holding files trainflow did not write", (),
+         "hydra.run.dir", ("{tmp}/run holds files trainflow did not write", "metrics.jsonl, notes.txt, train.log",
+                           "no .trainflow", "nothing was changed", "hydra.run.dir=<new folder>"),
+         setup=users_folder_as_run_dir, after=users_run_dir_kept),
+    Case("run-dir-empty", "environment", "an empty hydra.run.dir (an unset $VAR) in a folder of the user's",
+         ("hydra.run.dir=",),
+         "hydra.run.dir", ("is empty", "the current folder {tmp}/here", "nothing was written",
+                           "hydra.run.dir=<new folder>"),
+         setup=users_folder_as_cwd, after=users_cwd_kept, cwd="{tmp}/here"),
     # scale decisions
     Case("hsdp-shard-size", "scale", "an HSDP shard size that does not divide the world size",
          ("parallelism=hsdp", "parallelism.nproc_per_node=4", "parallelism.hsdp.shard_size=3"),
@@ -867,6 +990,10 @@ CASES = [
                              "trainer.sweep_name=<new name>", "hydra.sweep.dir=<new folder>"),
          tool="multirun", setup=another_sweep_in_the_folder,
          after=other_sweep_untouched),
+    Case("sweep-folder-of-the-user", "launch", "a sweep folder holding files trainflow did not write", (),
+         "hydra.sweep.dir", ("{tmp}/sweep holds files trainflow did not write", "no .trainflow",
+                             "nothing was changed", "hydra.sweep.dir=<new folder>"),
+         tool="multirun", setup=users_folder_as_sweep_dir, after=users_sweep_dir_kept),
     # tools
     Case("export-unfinished-save", "tools", "exporting a save that never finished",
          ("export", "{tmp}/.tmp-step_00000006", "{tmp}/model.pt"),
@@ -888,6 +1015,11 @@ CASES = [
          "{tmp}/mine", ("did not export", "trainflow_export.json", "a new path"),
          tool="trainflow", setup=earlier_output,
          after=earlier_output_kept),
+    Case("export-force-foreign-file", "tools", "--force onto a file trainflow did not export",
+         ("export", "{ckpts}", "{tmp}/model.pt", "--force"),
+         "{tmp}/model.pt", ("is a file trainflow did not export", "trainflow_export.json", "nothing was changed",
+                            "only an earlier export"),
+         tool="trainflow", setup=earlier_output, after=earlier_output_kept),
     Case("export-empty-output", "tools", "an export to an empty path", ("export", "{ckpts}", ""),
          "export", ("output path is empty", "model.safetensors"),
          tool="trainflow"),
@@ -904,6 +1036,29 @@ CASES = [
          ("export", "{ckpts}", "{tmp}/hf", "--format", "hf"),
          "export --format hf", ("{ckpts}/step_00000004", "{tmp}/config.yaml is not it",
                                 "--config <run dir>/config.yaml"), tool="trainflow"),
+    Case("export-hf-bpe-not-cached", "tools", "a Hugging Face export of a BPE run whose tokenizer cache is not here",
+         ("export", "{ckpts}", "{tmp}/hf", "--format", "hf", "--config", "{tmp}/config.yaml"),
+         "export --format hf", ("no longer in tokenizer.cache_dir ({tmp}/elsewhere/tokenizers)", "nothing was written",
+                                "export from where the run ran"),
+         tool="trainflow", setup=bpe_cached_elsewhere, after=nothing_made_elsewhere),
+    Case("export-hf-tokenizer-fifo", "tools", "a Hugging Face export whose tokenizer.path is a FIFO",
+         ("export", "{ckpts}", "{tmp}/hf", "--format", "hf", "--config", "{tmp}/config.yaml"),
+         "export --format hf", ("tokenizer.path {tmp}/pipe is a FIFO", "nothing was written",
+                                "the run's tokenizer.json"),
+         tool="trainflow", setup=fifo_tokenizer, after=no_hf_output),
+    Case("export-hf-tokenizer-moved", "tools", "a Hugging Face export whose tokenizer.json was moved away",
+         ("export", "{ckpts}", "{tmp}/hf", "--format", "hf", "--config", "{tmp}/config.yaml"),
+         "export --format hf", ("tokenizer.path {tmp}/tokenizer.json does not exist", "nothing was written",
+                                "put the run's tokenizer.json there"),
+         tool="trainflow", setup=moved_tokenizer, after=no_hf_output),
+    Case("export-hf-tokenizer-not-json", "tools", "a Hugging Face export whose tokenizer.json is not one",
+         ("export", "{ckpts}", "{tmp}/hf", "--format", "hf", "--config", "{tmp}/config.yaml"),
+         "export --format hf", ("tokenizer.path {tmp}/tokenizer.json is not a tokenizer.json", "nothing was written"),
+         tool="trainflow", setup=text_as_tokenizer, after=no_hf_output),
+    Case("export-hf-transformers-broken", "tools", "a Hugging Face export where importing transformers fails",
+         ("export", "{ckpts}", "{tmp}/hf", "--format", "hf", "--config", "{tmp}/config.yaml"),
+         "export --format hf", ("transformers is installed but fails to import", "RuntimeError", "reinstall it"),
+         tool="trainflow", setup=broken_transformers, env=(("PYTHONPATH", "{tmp}/broken"),), after=no_hf_output),
     Case("report-missing-folder", "tools", "a report on a folder that does not exist", ("report", "{tmp}/nope"),
          "{tmp}/nope", ("no such folder", "a run folder", "a sweep folder"), tool="trainflow"),
 ]
@@ -942,8 +1097,10 @@ def command(case: Case, ctx: Ctx) -> list[str]:
     base = [ctx.fill(a) for a in BASE if a.split("=")[0] not in keys and a.split(".")[0] not in keys]
     run_dir = [] if "hydra.run.dir" in keys else [f"hydra.run.dir={ctx.tmp / 'run'}"]
     multirun = ["-m", f"hydra.sweep.dir={ctx.tmp / 'sweep'}"] if case.tool == "multirun" else []
-    options = [a for a in args if a.startswith("-")]  # Hydra's own (--config-dir=DIR) come before the overrides
-    overrides = [a for a in args if not a.startswith("-")]
+    options, overrides = [], []  # Hydra's own options (--config-dir DIR) come before the overrides
+    for i, arg in enumerate(args):
+        takes_value = i > 0 and args[i - 1].startswith("-") and "=" not in args[i - 1] and not arg.startswith("-")
+        (options if arg.startswith("-") or takes_value else overrides).append(arg)
     return [sys.executable, str(ROOT / "train.py"), *multirun, *options, *base, *overrides, *run_dir]
 
 
@@ -977,7 +1134,7 @@ def test_bad_input(case: Case, reference_checkpoints: Path, tmp_path: Path) -> N
         for key in ("HYDRA_FULL_ERROR", *(k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
                                           if k not in dict(case.env))):
             env.pop(key, None)
-        proc = run_process(command(case, ctx), ROOT, env, timeout=300)
+        proc = run_process(command(case, ctx), ctx.fill(case.cwd) if case.cwd else ROOT, env, timeout=300)
         after = committed_hashes(tmp_path)
         if case.after:
             case.after(ctx)

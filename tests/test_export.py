@@ -4,18 +4,27 @@ loaded by their real consumers: safetensors, transformers (GPT2LMHeadModel), tor
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
+import shutil
+import signal
+import socket
 import subprocess
 import sys
 import textwrap
+import zipfile
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY_GPT, train
+from conftest import ROOT, TINY_GPT, train, wait_for
+from helpers.checkpoints import tree_hash
+from helpers.processes import run_process, start_process
 
 from trainflow.checkpoint import export_weights
-from trainflow.errors import ConfigError
+from trainflow.checkpoint.export import STAGING, Source
+from trainflow.errors import CheckpointError, ConfigError
 from trainflow.models.gpt import GPT
 
 STEPS = ["trainer.max_steps=3", "trainer.eval_every=0", "trainer.eval_steps=2", "checkpoint=dcp",
@@ -100,10 +109,6 @@ def test_hf_folder_loads_in_transformers_with_the_same_logits(run_dir: Path) -> 
 def test_a_gpt_checkpoint_of_the_old_qkv_layout_is_not_exported_as_gpt2(runs: dict[str, Path], tmp_path: Path) -> None:
     """A checkpoint saved before the GPT's weights_layout (qkv rows q, k, v of all heads) would map to wrong GPT-2
     weights: refused in one line, nothing written."""
-    import shutil
-
-    from trainflow.errors import CheckpointError
-
     run_dir = tmp_path / "run"
     shutil.copytree(runs["single"], run_dir)
     (step,) = sorted((run_dir / "checkpoints").glob("step_*"))
@@ -180,6 +185,118 @@ def test_a_run_starts_from_a_hugging_face_folder(runs: dict[str, Path], tmp_path
     assert run.returncode == 0, run.stderr[-3000:]
     assert f"checkpoint.load=model: loaded the weights of {hf}/model.safetensors" in run.stdout
     assert abs(first_loss(run.run_dir) - first_loss(runs["single"])) > 1e-3
+
+
+@pytest.fixture(scope="module")
+def large(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A run of a GPT with 52 MB of weights (its export takes long enough to be stopped in the middle), 1 step."""
+    run = train(tmp_path_factory.mktemp("large") / "run", *TINY_GPT, "model.n_layer=4", "model.n_embd=512",
+                "model.n_head=4", "trainer.batch_size=2", "trainer.max_steps=1", "trainer.eval_every=0",
+                "trainer.eval_steps=1", "checkpoint=dcp", "checkpoint.verify=false")
+    assert run.returncode == 0, run.stderr[-3000:]
+    return run.run_dir
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A run with two committed checkpoints (steps 2 and 4)."""
+    run = train(tmp_path_factory.mktemp("small") / "run", *TINY_GPT, "trainer.max_steps=4", "trainer.eval_every=0",
+                "trainer.eval_steps=1", "checkpoint=dcp", "checkpoint.every_steps=2", "checkpoint.verify=false")
+    assert run.returncode == 0, run.stderr[-3000:]
+    return run.run_dir
+
+
+def start_export(*args: str | Path, output: Path) -> subprocess.Popen:
+    env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
+    return start_process([str(Path(sys.executable).parent / "trainflow"), "export", *map(str, args)], ROOT, env,
+                         output)
+
+
+def signal_once_staged(proc: subprocess.Popen, out: Path, sig: int) -> None:
+    """Send `sig` to an export while it writes: stopped (SIGSTOP) the moment its staging folder appears."""
+    wait_for(lambda: any(out.parent.glob(f".{out.name}.tmp*")), proc, "the export's staging folder", interval=0.001)
+    proc.send_signal(signal.SIGSTOP)
+    proc.send_signal(sig)
+    proc.send_signal(signal.SIGCONT)
+
+
+def file_or_tree_hash(path: Path) -> object:
+    return tree_hash(path) if path.is_dir() else hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+@pytest.mark.serial
+@pytest.mark.parametrize(("fmt", "sig", "said"), [("torch", signal.SIGINT, "Ctrl-C (SIGINT)"),
+                                                  ("safetensors", signal.SIGTERM, "SIGTERM")])
+def test_an_interrupted_export_leaves_the_earlier_output_and_nothing_else(large: Path, tmp_path: Path, fmt: str,
+                                                                         sig: int, said: str) -> None:
+    out = tmp_path / "out"
+    export_weights(large, out, fmt)  # the earlier export, which --force would replace
+    before = file_or_tree_hash(out)
+    proc = start_export(large, out, "--format", fmt, "--force", output=tmp_path / "export.out")
+    signal_once_staged(proc, out, sig)
+    assert proc.wait(timeout=60) == 128 + sig
+    assert (tmp_path / "export.out").read_text().splitlines() == [
+        f"Interrupted: trainflow export stopped by {said}; the output is as it was, and nothing of this export is "
+        "left"]
+    assert file_or_tree_hash(out) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["export.out", "out"]
+
+
+@pytest.mark.serial
+def test_the_leftovers_of_killed_exports_are_removed_by_the_next_export(large: Path, small: Path,
+                                                                       tmp_path: Path) -> None:
+    """SIGKILL leaves an export's staging folder: the next export into that folder removes it, and puts back the
+    earlier output of an export killed between its two renames; another program's folder of the same naming and
+    the staging folder of a live export stay."""
+    out = tmp_path / "model.pt"
+    proc = start_export(large, out, output=tmp_path / "killed.out")
+    signal_once_staged(proc, out, signal.SIGKILL)
+    proc.wait(timeout=60)
+    (killed,) = tmp_path.glob(".model.pt.tmp*")
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    host = socket.gethostname()
+    export_weights(small, tmp_path / "st", "safetensors")
+    earlier = tree_hash(tmp_path / "st")
+    stepped = tmp_path / f".st.tmp{gone.pid}"  # killed after the earlier output stepped aside, before the new came
+    stepped.mkdir()
+    (stepped / STAGING).write_text(f"{host} {gone.pid}\n")
+    os.rename(tmp_path / "st", stepped / "old")
+    foreign, live = tmp_path / f".notes.tmp{gone.pid}", tmp_path / f".other.tmp{os.getpid()}"
+    for folder in (foreign, live):
+        folder.mkdir()
+        (folder / "data").write_text("someone's\n")
+    (live / STAGING).write_text(f"{host} {os.getpid()}\n")  # this test's process: alive
+    kept = {p.name: tree_hash(p) for p in (foreign, live)}
+
+    again = run_process([str(Path(sys.executable).parent / "trainflow"), "export", str(small), str(out)], ROOT)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert not killed.exists() and not stepped.exists()
+    assert tree_hash(tmp_path / "st") == earlier
+    assert {p.name: tree_hash(p) for p in (foreign, live)} == kept
+    with zipfile.ZipFile(out) as archive:  # a torch export says it is one: --force may replace it
+        (record,) = [n for n in archive.namelist() if n.endswith("/trainflow_export.json")]
+        assert json.loads(archive.read(record))["step"] == 4
+    export_weights(small / "checkpoints" / "step_00000002", out, force=True)
+    assert torch.equal(torch.load(out, weights_only=True)["tok_emb.weight"],
+                       Source(small / "checkpoints" / "step_00000002").read(["app.model.tok_emb.weight"])[
+                           "app.model.tok_emb.weight"])
+
+
+def test_a_checkpoint_retired_while_it_is_read_is_named_not_called_corrupt(small: Path, tmp_path: Path,
+                                                                          caplog: pytest.LogCaptureFixture) -> None:
+    """The run's retention renames a checkpoint away (then deletes it) while an export reads it: one line saying
+    so and naming the newest, not DCP's two logged tracebacks and "corrupt"."""
+    ckpts = tmp_path / "checkpoints"
+    shutil.copytree(small / "checkpoints", ckpts)
+    source = Source(ckpts / "step_00000002")
+    os.rename(ckpts / "step_00000002", ckpts / ".tmp-deleting-step_00000002")  # what retention does first
+    with pytest.raises(CheckpointError) as removed:
+        source.read(list(source.model_keys.values()))
+    assert str(removed.value) == (
+        f"{ckpts}/step_00000002: removed while the export read it (a run saving into {ckpts} retires all but its "
+        "newest checkpoint.keep_last); nothing was written: export again (its newest is now step_00000004)")
+    assert [r.getMessage() for r in caplog.records if r.name.startswith("torch")] == []
 
 
 @pytest.mark.slow

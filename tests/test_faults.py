@@ -28,6 +28,7 @@ from helpers.checkpoints import committed, read_tensors, tree_hash
 
 from trainflow.checkpoint import check_intact, list_committed
 from trainflow.checkpoint.store import TMP_MARKER
+from trainflow.util.rundir import MARKER
 
 
 @dataclass(frozen=True)
@@ -81,6 +82,18 @@ FAULTS = [
           "one line naming the step and the manifest's path; the unfinished save is removed at once, committed "
           "checkpoints byte-identical",
           "test_checkpoint_disk.py::test_a_disk_full_only_for_the_manifest_names_the_step_and_the_path"),
+    Fault("Ctrl-C or SIGTERM during `trainflow export`",
+          "one line, exit 130 or 143, no traceback; the output (an earlier export --force would replace) as it was, "
+          "no staging folder left",
+          "test_export.py::test_an_interrupted_export_leaves_the_earlier_output_and_nothing_else"),
+    Fault("SIGKILL of `trainflow export` while it writes, or between its two renames",
+          "the next export into that folder removes the staging folder (host and dead pid in its marker file, or "
+          "empty) and puts back an earlier output it held; another program's folder of that naming and a live "
+          "export's are left alone",
+          "test_export.py::test_the_leftovers_of_killed_exports_are_removed_by_the_next_export"),
+    Fault("the run's retention removes a checkpoint while `trainflow export` reads it",
+          "one line saying it was removed and naming the newest, not \"corrupt\"; none of DCP's logged tracebacks",
+          "test_export.py::test_a_checkpoint_retired_while_it_is_read_is_named_not_called_corrupt"),
     Fault("a sweep whose non-ASCII swept values make a job name longer than a file name's 255 bytes",
           "each job's TensorBoard folder is named by the first 200 bytes of it, cut between characters; the jobs run",
           "test_tensorboard.py::test_a_sweep_of_long_non_ascii_values_names_its_jobs_within_a_file_names_bytes"),
@@ -159,6 +172,10 @@ FAULTS = [
           "the others still run (under Hydra's own launcher too), the report names it with its exit code and line, "
           "the sweep exits 1; the same sweep again runs that job only",
           "test_sweeps.py::test_a_failing_job_fails_only_itself_and_the_sweep"),
+    Fault("SIGKILL of a hydra/launcher=process sweep's own process while its job trains",
+          "the job's process gets SIGTERM from the kernel (PR_SET_PDEATHSIG), saves and ends within seconds: no "
+          "process left behind holding the job directory; the same sweep command resumes the job from that save",
+          "test_sweeps.py::test_a_job_ends_with_its_killed_sweep_and_the_same_sweep_resumes_it"),
     Fault("a SLURM sweep with a failed job, run again", "only the failed job is submitted again; the finished one "
           "is skipped and keeps its results",
           "test_launcher_slurm.py::test_failed_job_comes_back_with_its_reason_and_alone_is_submitted_again"),
@@ -273,6 +290,7 @@ def test_leftovers_of_crashed_saves_are_removed_and_never_resumed(unkilled: dict
     ckpts = tmp_path / "run" / "checkpoints"
     source = unkilled["sync"].run_dir / "checkpoints"
     shutil.copytree(source / "step_00000006", ckpts / "step_00000006")
+    (tmp_path / "run" / MARKER).write_text("")  # the run directory of the run that crashed
     for leftover in (".tmp-step_00000008", ".tmp-deleting-step_00000004"):  # a crashed save, a crashed deletion
         shutil.copytree(source / "step_00000008", ckpts / leftover)
         (ckpts / leftover / TMP_MARKER).write_text("made by trainflow")  # written first by every save and retirement

@@ -9,12 +9,14 @@ import os
 import signal
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 from conftest import ROOT, TINY_GPT, losses_by_step, wait_for
-from helpers.processes import run_process, start_process
+from helpers.processes import left_behind, run_process, start_process
 
 from trainflow.errors import ConfigError
 from trainflow.report import runs as report
@@ -127,6 +129,41 @@ def test_jobs_have_checkpoint_folders_of_their_own(resumed: Resumed) -> None:
     assert saves == [[f"step_{STEPS:08d}"], [stop, f"step_{STEPS:08d}"], [f"step_{STEPS:08d}"], [f"step_{STEPS:08d}"]]
     summary = json.loads((resumed.sweep / "1" / "summary.json").read_text())
     assert summary["config"]["checkpoint"]["dir"] == str(folders[1])
+
+
+@pytest.mark.serial
+def test_a_job_ends_with_its_killed_sweep_and_the_same_sweep_resumes_it(tmp_path: Path) -> None:
+    """hydra/launcher=process, its sweep process SIGKILLed while the job trains: the job's process gets SIGTERM
+    from the kernel, saves and ends within seconds instead of training on, orphaned, for hours while it holds the
+    job's directory; the same sweep command then resumes the job from that save (not "in use")."""
+    overrides = [*TINY_GPT, "checkpoint=dcp", "checkpoint.every_steps=100000", "trainer.max_steps=100000",
+                 "trainer.eval_every=0", "trainer.eval_steps=1", "hydra/launcher=process", "trainer.sweep_name=orphan"]
+    job = tmp_path / "multirun" / "orphan" / "0"
+
+    def trained(step: int) -> Callable[[], bool]:
+        return lambda: (job / "train.log").exists() and f"step {step}/100000:" in (job / "train.log").read_text()
+
+    with left_behind() as leftovers:
+        first = start_process(command(*overrides), tmp_path, _env(), tmp_path / "first.out")
+        wait_for(trained(2), first, "the job's step 2")
+        first.kill()  # the sweep's own process only: its job is the kernel's to stop
+        first.wait()
+        killed = time.monotonic()
+        assert leftovers(60) == {}
+        ended_s = time.monotonic() - killed
+    assert ended_s < 30
+    stopped = json.loads((job / "summary.json").read_text())
+    assert stopped["checkpoint"]["stopped_by"] == "SIGTERM" and stopped["checkpoint"]["committed"] == \
+        [f"step_{stopped['steps']:08d}"]
+
+    with left_behind() as leftovers:
+        again = start_process(command(*overrides), tmp_path, _env(), tmp_path / "again.out")
+        wait_for(trained(stopped["steps"] + 2), again, "the resumed job's second step")
+        again.kill()
+        again.wait()
+        assert leftovers(60) == {}
+    log = (job / "train.log").read_text()
+    assert f"resumed from step {stopped['steps']} (" in log and "in use" not in (tmp_path / "again.out").read_text()
 
 
 def test_a_folder_of_another_run_is_refused(tmp_path: Path) -> None:

@@ -4,13 +4,16 @@ starts local workers that do, and user errors as one line and a non-zero exit.""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import inspect
 import os
 import shlex
+import signal
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from types import FrameType
 
 from omegaconf import DictConfig
 
@@ -19,9 +22,10 @@ from trainflow.config.checks import validate
 from trainflow.config.command_line import EXIT_COMMAND_LINE, explain, raised_errors
 from trainflow.config.schema import register_configs
 from trainflow.distributed.mesh import env_rank
-from trainflow.errors import EXIT_INTERRUPTED, TrainflowError, print_error, traceback_wanted
+from trainflow.errors import EXIT_INTERRUPTED, TrainflowError, print_error, traceback_wanted, user_error
 from trainflow.report import sweeps
 from trainflow.report.ladder import register_resolvers as register_ladder_resolvers
+from trainflow.util.files import not_a_file
 from trainflow.util.rundir import RUN_DIR_ENV
 from trainflow.util.rundir import register_resolvers as register_run_dir_resolvers
 
@@ -33,6 +37,33 @@ def register_with_hydra() -> None:
     register_run_dir_resolvers()
     register_ladder_resolvers()
     sweeps.register_resolvers()
+
+
+def check_config_dir(argv: list[str]) -> None:
+    """Before Hydra composes: every .yaml file under `--config-dir DIR` (Hydra's option for a folder of one's own
+    configs) must be a regular file of valid YAML. Hydra prints a syntax error as a traceback of some 90 lines, and
+    would open a FIFO and wait forever; here either is one line naming the file (and the line and column)."""
+    import yaml
+
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    parser.add_argument("--config-dir", "-cd")
+    folder = parser.parse_known_args(argv)[0].config_dir
+    if folder is None or not Path(folder).is_dir():
+        return  # none given, or Hydra's own one line for a folder that does not exist
+    for root, _, names in sorted(os.walk(folder)):
+        for path in sorted(Path(root) / n for n in names if n.endswith(".yaml")):
+            if (problem := not_a_file(path)) is not None:
+                user_error(f"--config-dir: {path} {problem}; Hydra would read it as a config: make it a YAML file, "
+                           "or move it out of the folder")
+            try:
+                yaml.compose(path.read_text(), Loader=yaml.SafeLoader)
+            except (OSError, UnicodeDecodeError) as exc:
+                user_error(f"--config-dir: {path} cannot be read as text ({exc}); fix or remove it")
+            except yaml.MarkedYAMLError as exc:
+                where = exc.problem_mark or exc.context_mark
+                at = f" at line {where.line + 1}, column {where.column + 1}" if where else ""
+                user_error(f"--config-dir: {path} is not valid YAML ({exc.problem or exc.context}{at}); fix the "
+                           "file")
 
 
 def run_from_hydra(cfg: DictConfig) -> float | None:
@@ -106,6 +137,7 @@ def train(overrides: list[str]) -> None:
     from any folder (the configs ship inside the package; outputs go under the working directory)."""
     import hydra
 
+    check_config_dir(overrides)  # a broken YAML file or a FIFO of one's own: one line, before Hydra reads it
     register_with_hydra()
     sys.argv = [sys.argv[0], *overrides]  # Hydra reads its own options and the overrides from sys.argv
     try:
@@ -118,13 +150,38 @@ def train(overrides: list[str]) -> None:
         sys.exit(EXIT_COMMAND_LINE)
 
 
+class StopSignal(KeyboardInterrupt):
+    """SIGTERM or SIGHUP raised where the program is, as Python raises KeyboardInterrupt on Ctrl-C, so that what a
+    command began is undone on the way out (an export's staging folder)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def stop_signals_raise() -> Iterator[None]:
+    """Within the block, SIGTERM and SIGHUP raise StopSignal instead of ending the process at once."""
+    def stop(signum: int, frame: FrameType | None) -> None:
+        raise StopSignal(signum)
+
+    previous = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
 def _export(args: argparse.Namespace) -> int:
     """Consolidate the model weights of a committed checkpoint (saved on any number of ranks, by any strategy) into
-    one file or folder. Never writes inside a checkpoint folder; an existing output needs --force."""
+    one file or folder. Never writes inside a checkpoint folder; an existing output needs --force, and only an
+    earlier export is replaced."""
     from trainflow.checkpoint import export_weights
 
-    info = export_weights(args.checkpoint, args.out, args.format, force=args.force,
-                          with_optimizer=args.with_optimizer, config=args.config)
+    with stop_signals_raise():
+        info = export_weights(args.checkpoint, args.out, args.format, force=args.force,
+                              with_optimizer=args.with_optimizer, config=args.config)
     print(f"wrote {info['path']} ({info['format']}): {info['tensors']} tensors, {info['bytes'] / 1e6:.1f} MB, "
           f"the model of step {info['step']} ({info['checkpoint']})")
     return 0
@@ -240,19 +297,20 @@ def _lighthouse_arguments(p: argparse.ArgumentParser) -> None:
 @dataclass(frozen=True)
 class Subcommand:
     """`trainflow <name>`: a one-line help, what adds its arguments, and the handler (args -> exit code), whose
-    docstring is the command's description."""
+    docstring is the command's description; `interrupted`: what is left when it is stopped by a signal."""
 
     name: str
     help: str
     add_arguments: Callable[[argparse.ArgumentParser], None]
     handler: Callable[[argparse.Namespace], int]
+    interrupted: str = ""
 
 
 def subcommands() -> list[Subcommand]:
     from trainflow.report import runs as report
 
     return [Subcommand("export", "write a committed checkpoint's model weights for other tools", _export_arguments,
-                       _export),
+                       _export, "; the output is as it was, and nothing of this export is left"),
             Subcommand("report", "compare the runs under a folder: report.md, report.json, report.png",
                        report.add_arguments, report.command),
             Subcommand("prepare", "tokenize a corpus once into token shards for data=shards", _prepare_arguments,
@@ -275,13 +333,21 @@ def main(argv: list[str] | None = None) -> None:
     for command in subcommands():
         p = commands.add_parser(command.name, help=command.help, description=inspect.getdoc(command.handler))
         command.add_arguments(p)
-        p.set_defaults(handler=command.handler)
+        p.set_defaults(subcommand=command)
     args = parser.parse_args(argv)
     try:
-        code = args.handler(args)
+        code = args.subcommand.handler(args)
     except TrainflowError as exc:
         if traceback_wanted():
             raise
         print_error(str(exc))
         code = exc.exit_code
+    except KeyboardInterrupt as exc:
+        if traceback_wanted():
+            raise
+        signum = exc.signum if isinstance(exc, StopSignal) else signal.SIGINT
+        name = "Ctrl-C (SIGINT)" if signum == signal.SIGINT else signal.Signals(signum).name
+        print(f"Interrupted: trainflow {args.command} stopped by {name}{args.subcommand.interrupted}",
+              file=sys.stderr)
+        code = 128 + signum
     sys.exit(code)

@@ -8,9 +8,11 @@ and nodes), then pickled with the task function to the processes that run it.
 
 import contextlib
 import copy
+import ctypes
 import logging
 import os
 import re
+import signal
 import subprocess
 import sys
 from collections.abc import Callable, Iterator, Sequence
@@ -35,6 +37,7 @@ from trainflow.util.rundir import RUN_DIR_ENV, claim_run_dir
 log = logging.getLogger(__name__)
 
 RESULT_NAME = "result.pkl"  # a job's pickled JobReturn, left beside its pickled spec by the process that ran it
+PR_SET_PDEATHSIG = 1  # prctl: the signal this process gets when the thread that started it ends
 
 
 @dataclass
@@ -206,6 +209,23 @@ class SweepLauncher(Launcher):
         if ret is None:
             self.hydra_context.callbacks.on_job_end(config=job.config, job_return=failed)
         return failed
+
+
+def die_with_parent() -> Callable[[], None] | None:
+    """A preexec_fn for a job's child process: SIGTERM it when this process dies, however it dies (a SIGKILL
+    included), so that no job trains on, holding its run directory, after its launcher is gone; the child then
+    stops as on any SIGTERM. It also stops at once if this process died before the child got that far. None where
+    the kernel has no PR_SET_PDEATHSIG (not Linux)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    parent, libc = os.getpid(), ctypes.CDLL(None, use_errno=True)  # loaded here: the child only calls it
+
+    def arm() -> None:
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != parent:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return arm
 
 
 def job_ranks_per_node(job: SweepJob, launcher_key: str, launcher_value: Any, gpus: Callable[[], int]) -> Any:

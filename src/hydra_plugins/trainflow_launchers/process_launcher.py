@@ -8,6 +8,8 @@ is `python -m hydra_plugins.trainflow_launchers._worker JOB.pkl`: nothing is
 shared but the files, a failed job is recorded as failed with the line that
 says why, and the sweep goes on; Hydra reports the first failure once every job
 ran. ddp/fsdp jobs start their own workers from there, as `python train.py` does.
+A job's process gets SIGTERM when the sweep's process dies, even by SIGKILL: it
+saves at its next step boundary and stops, and the same sweep command resumes it.
 """
 
 from __future__ import annotations
@@ -20,7 +22,13 @@ from typing import Any
 
 from hydra.core.utils import JobReturn, JobStatus
 
-from hydra_plugins.trainflow_launchers.common import SweepJob, SweepLauncher, failure_reason, read_text
+from hydra_plugins.trainflow_launchers.common import (
+    SweepJob,
+    SweepLauncher,
+    die_with_parent,
+    failure_reason,
+    read_text,
+)
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +48,7 @@ class ProcessLauncher(SweepLauncher):
         folder = job.dir / JOB_FOLDER
         folder.mkdir(parents=True, exist_ok=True)
         console = folder / "console.log"
-        rc, ret = self.run_child(job, state, _worker_command, console)
+        rc, ret = self.run_child(job, state, _worker_command, console, preexec_fn=die_with_parent())
         if rc == 0 and ret is not None:
             return ret
         reason = (str(ret._return_value) if ret is not None and ret.status == JobStatus.FAILED else None) \

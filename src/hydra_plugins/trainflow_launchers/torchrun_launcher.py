@@ -17,7 +17,6 @@ under "<rdzv_id>-<k>".
 
 from __future__ import annotations
 
-import ctypes
 import json
 import logging
 import os
@@ -35,6 +34,7 @@ from hydra.core.utils import JobReturn, JobStatus
 from hydra_plugins.trainflow_launchers.common import (
     SweepJob,
     SweepLauncher,
+    die_with_parent,
     failure_reason,
     job_ranks_per_node,
     one_line,
@@ -100,7 +100,7 @@ class TorchrunLauncher(SweepLauncher):
         # the agent's own traceback when it gives up restates a failure the job's one line names: agent.log keeps it
         rc, ret = self.run_child(job, state, lambda spec: self.command(job, spec), agent_log,
                                  quiet_from="Traceback (most recent call last):", env=env,
-                                 preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+                                 preexec_fn=die_with_parent())  # the agent then stops its ranks gracefully
         restarts = _restarts(job_log_dir / "ranks")
         if restarts:
             log.info("\t#%d: the agent restarted the ranks %d time(s)", job.num, restarts)
@@ -185,12 +185,6 @@ def _restarts(ranks_dir: Path) -> int:
     runs = sorted(ranks_dir.glob("*/"), key=lambda p: p.stat().st_mtime)
     attempts = [int(p.name.split("_")[1]) for p in runs[-1].glob("attempt_*")] if runs else []
     return max(attempts, default=0)
-
-
-def _die_with_parent() -> None:
-    """In the agent, before it starts: SIGTERM it when the launcher dies, however it dies, so that no orphaned
-    ranks keep running (the agent then stops its workers gracefully)."""
-    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 def validate(c: TorchrunLauncherConf) -> None:

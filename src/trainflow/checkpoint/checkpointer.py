@@ -35,7 +35,7 @@ from torch.profiler import record_function
 from trainflow.checkpoint import resume as resuming
 from trainflow.checkpoint import store
 from trainflow.checkpoint.agreement import RankAgreement
-from trainflow.checkpoint.export import export_weights
+from trainflow.checkpoint.export import export_weights, not_an_export
 from trainflow.checkpoint.safe_io import (
     ChecksummingWriter,
     SafeReader,
@@ -71,6 +71,7 @@ from trainflow.util.locks import DirLock
 log = logging.getLogger(__package__)  # one name for the package: lines read [trainflow.checkpoint]
 
 CHECKPOINT_ANNOTATION = "trainflow/checkpoint"  # the profiler's record_function label of its turn: polls and saves
+EXPORT_FILE = "model.pt"  # checkpoint.export=true: the weights of the last save, in the run directory
 
 
 @dataclass
@@ -438,16 +439,22 @@ class Checkpointer:
                         "to resume)", name, state.step, self.dir / f"step_{state.step:08d}", EXIT_STOPPED)
 
     def _export(self) -> dict[str, Any]:
-        # the run's own model.pt, from an earlier invocation of the same run: replaced
-        info = export_weights(self.dir / f"step_{self._last_saved_step:08d}", self.run_dir / "model.pt", force=True)
+        # the run's own model.pt, from an earlier invocation of the same run: replaced (a file of anyone else's not)
+        info = export_weights(self.dir / f"step_{self._last_saved_step:08d}", self.run_dir / EXPORT_FILE, force=True)
         log.info("exported the model weights of step %d to %s (%.1f MB)", info["step"], info["path"],
                  info["bytes"] / 1e6)
         return info
 
     def _prepare_dir(self) -> None:
-        """Rank 0: the folder exists, is writable and is ours alone; leftovers of crashed saves are removed."""
+        """Rank 0: the folder exists, is writable and is ours alone; leftovers of crashed saves are removed; the
+        end-of-run export, if asked for, would replace nothing but an earlier export (refused now, not after
+        training)."""
         self._lock = store.lock_dir(self.dir, self.run_dir)
         store.remove_leftovers(self.dir)
+        if self.cfg.export and (foreign := not_an_export(self.run_dir / EXPORT_FILE)) is not None:
+            raise CheckpointError(f"checkpoint.export: {self.run_dir / EXPORT_FILE} {foreign}, and the export at the "
+                                  "run's end would replace it; nothing was changed: move it away, or set "
+                                  "checkpoint.export=false")
 
     def _agreed_flags(self) -> tuple[int | None, bool]:
         """(the stop signal every rank agrees on, every rank's async upload is done), one step late (LatePoll):

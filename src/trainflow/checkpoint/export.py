@@ -13,12 +13,17 @@ Formats:
 
 Where an export goes: never inside a checkpoint folder (a step_N folder, a save in progress, a checkpoint dir
 holding committed checkpoints; links followed), whatever `force` says; an existing output is refused unless
-`force`, and even then only a file or an earlier export folder (one holding EXPORT_INFO) is replaced. Everything is
-written beside the output under a temporary name and renamed into place once whole, so a failed export leaves the
-old output (or nothing) behind.
+`force`, and even then only an earlier export is replaced: a folder holding EXPORT_INFO, or a torch file holding
+it as a record of its archive (torch.load reads the other records only). Whatever can be refused (the output, the
+model's mapping, the tokenizer) is, before anything is created. Everything is written in a staging folder beside
+the output (`.<name>.tmp<pid>`, its first file STAGING naming the host and process) and renamed into place once
+whole, so a failed or interrupted export leaves the old output (or nothing) behind; the staging folder of an
+export that was killed (its process gone) is removed by the next export into that folder, which also puts back an
+earlier output it had stepped aside.
 
 The checkpoint is read in this one process (no process group), whatever the world size and strategy that saved
 it: the keys are the model's own names (DCP's get_model_state_dict strips compile, DDP and FSDP wrappers at save).
+A checkpoint that the run's retention removes while it is read is said so, not called corrupt.
 """
 
 from __future__ import annotations
@@ -28,10 +33,16 @@ import functools
 import json
 import math
 import os
+import re
 import shutil
+import socket
+import stat
 import struct
+import zipfile
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -57,12 +68,17 @@ from trainflow.checkpoint.store import (
 )
 from trainflow.errors import CheckpointError, ConfigError, unwritable_reason
 from trainflow.models.gpt import GPT
+from trainflow.util.files import kind_of, not_a_file
+from trainflow.util.locks import pid_alive
 
 FORMATS = ("torch", "safetensors", "hf", "dcp")
 WEIGHTS = "model.safetensors"
 BATCH_BYTES = 256 << 20  # tensors read at once by a safetensors or hf export (a larger tensor is read alone)
 OPTIM_PREFIX = "app.optim."
-EXPORT_INFO = "trainflow_export.json"  # in an export folder: what it was exported from (and the run's config)
+EXPORT_INFO = "trainflow_export.json"  # in an export (folder, or torch archive): what it was exported from
+STAGING = "trainflow_export_staging"  # the first file of a staging folder: "<host> <pid>" of the export writing it
+_STAGED = re.compile(r"\.(.+)\.tmp(\d+)")  # a staging folder's name: .<output name>.tmp<pid>
+_OLD = "old"  # in a staging folder: the earlier output, stepped aside until the new one is in place
 
 
 class Source:
@@ -72,8 +88,12 @@ class Source:
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
         self.ck: Committed = resolve_checkpoint(checkpoint)
-        check_intact(self.ck, list_committed(self.ck.path.parent))
-        self.metadata = read_metadata(self.ck.path)
+        try:
+            check_intact(self.ck, list_committed(self.ck.path.parent))
+            self.metadata = read_metadata(self.ck.path)
+        except CheckpointError:
+            self.unless_deleted()
+            raise
         entries = self.metadata.state_dict_metadata
         pickled = [k for k, m in entries.items() if not isinstance(m, TensorStorageMetadata)]
         if pickled:
@@ -92,14 +112,27 @@ class Source:
         import torch.distributed.checkpoint as dcp
 
         out = {k: torch.empty(self.tensors[k].size, dtype=self.tensors[k].properties.dtype) for k in keys}
+        reader = SafeReader(self.ck.path, set(self.ck.manifest["files"]), self.metadata)
         try:
-            dcp.load(out, storage_reader=SafeReader(self.ck.path, set(self.ck.manifest["files"])), no_dist=True)
+            dcp.load(out, storage_reader=reader, no_dist=True)
         except BaseException as exc:  # DCP's CheckpointException derives from BaseException
             reraise_interrupt(exc)
+            self.unless_deleted()
             if isinstance(root_error(exc), CheckpointError):
                 raise root_error(exc) from None
             raise CheckpointError(f"{self.ck.path}: cannot be read ({failure_cause(exc)}); it is corrupt") from exc
         return out
+
+    def unless_deleted(self) -> None:
+        """A read failed: when the checkpoint is gone meanwhile (the run that saved it retired it: retention renames
+        a checkpoint away, then deletes it), say that, not "corrupt"."""
+        if (self.ck.path / MANIFEST).is_file():
+            return
+        newest = list_committed(self.ck.path.parent)
+        now = f"its newest is now {newest[-1].path.name}" if newest else "it holds no committed checkpoint now"
+        raise CheckpointError(f"{self.ck.path}: removed while the export read it (a run saving into "
+                              f"{self.ck.path.parent} retires all but its newest checkpoint.keep_last); nothing was "
+                              f"written: export again ({now})") from None
 
     def batches(self, keys: list[str]) -> Iterator[dict[str, torch.Tensor]]:
         """These keys' tensors, in order, a batch of at most BATCH_BYTES at a time."""
@@ -135,17 +168,18 @@ def export_weights(checkpoint: Path, out: str | Path, fmt: str = "torch", force:
     source = Source(Path(checkpoint))
     target = check_output(out, force)
     run_cfg = run_config(source.ck, config)
+    info = {"format": fmt, "checkpoint": str(source.ck.path), "step": source.ck.step,
+            "world_size": source.ck.manifest.get("world_size"),
+            "trainflow_version": source.ck.manifest.get("trainflow_version"), "config": run_cfg}
     if fmt == "torch":
         weights = source.read(list(source.model_keys.values()))
         model = {name: weights[key] for name, key in source.model_keys.items()}
-        write_whole(target, lambda tmp: save_file(tmp, lambda f: torch.save(model, f)))
+        write_whole(target, lambda tmp: write_torch(tmp, model, info))
     else:
+        hf = plan_hf(source, run_cfg) if fmt == "hf" else None
         write = {"safetensors": lambda tmp: write_safetensors(source, tmp / WEIGHTS),
-                 "hf": lambda tmp: write_hf(source, tmp, run_cfg),
+                 "hf": lambda tmp: write_hf(source, tmp, hf),
                  "dcp": lambda tmp: write_dcp(source, tmp, with_optimizer)}[fmt]
-        info = {"format": fmt, "checkpoint": str(source.ck.path), "step": source.ck.step,
-                "world_size": source.ck.manifest.get("world_size"),
-                "trainflow_version": source.ck.manifest.get("trainflow_version"), "config": run_cfg}
 
         def folder(tmp: Path) -> None:
             tmp.mkdir()
@@ -175,6 +209,28 @@ def run_config(ck: Committed, given: Path | None) -> dict[str, Any] | None:
     if not isinstance(cfg, dict) or (not given and (cfg.get("checkpoint") or {}).get("dir") is not None):
         return None
     return cfg
+
+
+def write_torch(path: Path, model: dict[str, torch.Tensor], info: dict[str, Any]) -> None:
+    """torch.save's archive of the model's tensors, with EXPORT_INFO added as one more record (which says that
+    trainflow wrote the file; torch.load reads only its own records), fsynced.
+
+    torch.save is given the path, not a Python file: an exception raised inside its writes to a Python file (the
+    KeyboardInterrupt of a Ctrl-C landing there) comes out of its C++ layer as a RuntimeError; by path, a signal
+    is handled once it returns.
+    """
+    try:
+        torch.save(model, str(path))
+    except RuntimeError as exc:  # torch's C++ writer: a full disk, a lost mount
+        raise CheckpointError(f"{path.parent.parent / path.name}: cannot write the export (torch.save: "
+                              f"{(str(exc).strip().splitlines() or [''])[-1]}); give a path on a writable disk with "
+                              "room for it") from None
+    with open(path, "r+b") as f:
+        with zipfile.ZipFile(f, "a") as archive:
+            folder = archive.namelist()[0].split("/", 1)[0]  # torch.save keeps every record in one top folder
+            archive.writestr(f"{folder}/{EXPORT_INFO}", json.dumps(info, indent=1))
+        f.flush()
+        os.fsync(f.fileno())
 
 
 _SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -207,8 +263,21 @@ def write_safetensors(source: Source, path: Path) -> None:
     save_file(path, write)
 
 
-def write_hf(source: Source, folder: Path, run_cfg: dict[str, Any] | None) -> None:
-    """A Hugging Face folder (config.json, model.safetensors) by save_pretrained."""
+@dataclass
+class HfPlan:
+    """What a Hugging Face export writes, all of it checked before anything is: the model to fill, the Hugging Face
+    name and layout of each tensor of the checkpoint, and the run's tokenizer (None for bytes)."""
+
+    transformers: ModuleType
+    model: Any
+    names: dict[str, tuple[str, bool]]
+    layout: Callable[[str, torch.Tensor, bool], torch.Tensor]
+    tokenizer: Any
+
+
+def plan_hf(source: Source, run_cfg: dict[str, Any] | None) -> HfPlan:
+    """The Hugging Face model of the run's config, mapped tensor by tensor, and the run's tokenizer, or one line
+    saying why it cannot be exported."""
     from trainflow.data.tokenizers import import_hf
 
     if run_cfg is None or not isinstance(run_cfg.get("model"), dict):
@@ -249,40 +318,74 @@ def write_hf(source: Source, folder: Path, run_cfg: dict[str, Any] | None) -> No
     if unmapped:
         raise CheckpointError(f"export --format hf: {unmapped[0]} has no place in the Hugging Face model; export "
                               "--format safetensors instead")
-    filled = set()
-    with torch.no_grad():
-        for batch in source.batches([source.model_keys[k] for k in names]):
-            for key, tensor in batch.items():
-                name = key.removeprefix(MODEL_PREFIX)
-                hf_key, transposed = names[name]
-                params[hf_key].copy_(layout(name, tensor, transposed))
-                filled.add(hf_key)
-        for key in params.keys() - filled:
-            if key.endswith(".bias"):  # a GPT without biases: zero ones compute the same
-                params[key].zero_()
+    filled = {hf_key for hf_key, _ in names.values()}
     if target == GPT_TARGET and (missing := sorted(k for k in params.keys() - filled if not k.endswith(".bias")
                                                    and k != "lm_head.weight")):
         raise CheckpointError(f"export --format hf: {source.ck.path} holds nothing for the GPT-2 tensor "
                               f"{missing[0]}; export --format safetensors instead")
-    transformers.utils.logging.disable_progress_bar()  # one line per export is what trainflow prints
-    model.save_pretrained(folder)
-    tokenizer = tokenizer_file(run_cfg)
-    if tokenizer is not None:
-        write_tokenizer(tokenizer, folder)
+    return HfPlan(transformers, model, names, layout, run_tokenizer(run_cfg))
 
 
-def tokenizer_file(run_cfg: dict[str, Any]) -> Path | None:
-    """The tokenizer.json of a run of tokenizer=bpe|file (None for bytes), found where the data code keeps it;
-    a BPE is never trained here: one no longer cached is refused in one line."""
+def write_hf(source: Source, folder: Path, plan: HfPlan) -> None:
+    """A Hugging Face folder (config.json, model.safetensors) by save_pretrained, and the run's tokenizer."""
+    params = plan.model.state_dict()
+    with torch.no_grad():
+        for batch in source.batches([source.model_keys[k] for k in plan.names]):
+            for key, tensor in batch.items():
+                name = key.removeprefix(MODEL_PREFIX)
+                hf_key, transposed = plan.names[name]
+                params[hf_key].copy_(plan.layout(name, tensor, transposed))
+        filled = {hf_key for hf_key, _ in plan.names.values()}
+        for key in params.keys() - filled:
+            if key.endswith(".bias"):  # a GPT without biases: zero ones compute the same
+                params[key].zero_()
+    plan.transformers.utils.logging.disable_progress_bar()  # one line per export is what trainflow prints
+    plan.model.save_pretrained(folder)
+    if plan.tokenizer is not None:
+        from trainflow.data.tokenizers import END_TOKENS
+
+        end = next((t for t in END_TOKENS if plan.tokenizer.token_to_id(t) is not None), None)
+        fast = plan.transformers.PreTrainedTokenizerFast(tokenizer_object=plan.tokenizer, bos_token=end,
+                                                         eos_token=end)
+        fast.save_pretrained(folder)
+
+
+def run_tokenizer(run_cfg: dict[str, Any]) -> Any:
+    """The run's tokenizer (tokenizer=bpe|file) as a tokenizers.Tokenizer, read from its tokenizer.json; None for
+    bytes. A BPE is never trained here and nothing is created: one no longer cached is refused in one line, and
+    so is a file that is missing, not a regular file (never opened: a FIFO would hang) or no tokenizer.json."""
     from trainflow.config.schema import TokenizerConfig, typed
-    from trainflow.data.tokenizers import _trained_bpe, import_hf
+    from trainflow.data.tokenizers import bpe_cache_path, import_hf
 
     settings = run_cfg.get("tokenizer") or {}
     kind = settings.get("kind", "bytes")
-    if kind == "file":
-        return Path(settings["path"]).expanduser()
-    if kind != "bpe":
+    if kind not in ("file", "bpe"):
         return None
+    lib = import_hf("tokenizers", "export --format hf")
+    if kind == "file":
+        fix = "put the run's tokenizer.json there, or give --config a config whose tokenizer.path names it"
+        if not settings.get("path"):
+            raise CheckpointError(f"export --format hf: tokenizer.path is not set in the run's config; {fix}")
+        path, key = Path(settings["path"]).expanduser(), "tokenizer.path"
+    else:
+        path, key = bpe_cache_path(lib, typed(settings, TokenizerConfig), bpe_corpus_key(run_cfg)), \
+            "tokenizer.cache_dir"
+        fix = "export from where the run ran, with its data unchanged"
+        if not path.exists():
+            raise CheckpointError(f"export --format hf: the run's BPE tokenizer is no longer in tokenizer.cache_dir "
+                                  f"({settings.get('cache_dir')}), or its data changed since; nothing was written: "
+                                  f"{fix}")
+    if (problem := not_a_file(path)) is not None:
+        raise CheckpointError(f"export --format hf: {key} {path} {problem}; nothing was written: {fix}")
+    try:
+        return lib.Tokenizer.from_file(str(path))
+    except Exception as exc:  # noqa: BLE001 (the library raises plain Exceptions for files it cannot parse)
+        raise CheckpointError(f"export --format hf: {key} {path} is not a tokenizer.json the tokenizers library "
+                              f"can read ({(str(exc).splitlines() or [''])[0]}); nothing was written: {fix}") from None
+
+
+def bpe_corpus_key(run_cfg: dict[str, Any]) -> str:
+    """The key of the corpus the run's BPE was trained on, as the data code computes it (nothing is read)."""
     data = run_cfg.get("data") or {}
     if data.get("_target_") == "trainflow.data.hf.token_windows":
         from trainflow.data.hf import Split, _files
@@ -290,35 +393,15 @@ def tokenizer_file(run_cfg: dict[str, Any]) -> Path | None:
         cache = data.get("cache_dir", "~/.cache/trainflow/hf")
         split = Split(_files(data.get("paths"), "data.paths"), data.get("format"), data.get("column", "text"),
                       Path(cache).expanduser(), cache)
-        corpus_key = f"hf\0{split.key}"
-    elif data.get("kind") == "text":
+        return f"hf\0{split.key}"
+    if data.get("kind") == "text":
         from omegaconf import OmegaConf
 
         from trainflow.data.text import Corpus
 
-        corpus_key = f"text\0{Corpus.of(OmegaConf.create(data)).key}"
-    else:
-        raise CheckpointError("export --format hf: the run trained a BPE tokenizer on data trainflow cannot find "
-                              "again here; export --format safetensors, and save the tokenizer yourself")
-
-    def not_cached() -> Any:
-        raise CheckpointError("export --format hf: the run's BPE tokenizer is no longer in tokenizer.cache_dir "
-                              f"({settings.get('cache_dir')}), or its data changed since; export from where the run "
-                              "ran, with its data unchanged")
-
-    return _trained_bpe(import_hf("tokenizers", "export --format hf"), typed(settings, TokenizerConfig), corpus_key,
-                        not_cached)
-
-
-def write_tokenizer(path: Path, folder: Path) -> None:
-    """The tokenizer.json as a Hugging Face fast tokenizer, for AutoTokenizer.from_pretrained(folder)."""
-    from trainflow.data.tokenizers import END_TOKENS, import_hf
-
-    encoder = import_hf("tokenizers", "export --format hf").Tokenizer.from_file(str(path))
-    end = next((t for t in END_TOKENS if encoder.token_to_id(t) is not None), None)
-    fast = import_hf("transformers", "export --format hf").PreTrainedTokenizerFast(
-        tokenizer_object=encoder, bos_token=end, eos_token=end)
-    fast.save_pretrained(folder)
+        return f"text\0{Corpus.of(OmegaConf.create(data)).key}"
+    raise CheckpointError("export --format hf: the run trained a BPE tokenizer on data trainflow cannot find "
+                          "again here; export --format safetensors, and save the tokenizer yourself")
 
 
 def write_dcp(source: Source, folder: Path, with_optimizer: bool) -> None:
@@ -338,8 +421,18 @@ def write_dcp(source: Source, folder: Path, with_optimizer: bool) -> None:
             node = node.setdefault(part, {})
         node[path[-1]] = tensor
     if with_optimizer:
-        tree.setdefault("optimizer", {})["param_groups"] = read_state(source.ck.path)["param_groups"]
-    dcp.save(tree, storage_writer=dcp.FileSystemWriter(folder), no_dist=True)
+        try:
+            tree.setdefault("optimizer", {})["param_groups"] = read_state(source.ck.path)["param_groups"]
+        except CheckpointError:
+            source.unless_deleted()
+            raise
+    try:
+        dcp.save(tree, storage_writer=dcp.FileSystemWriter(folder), no_dist=True)
+    except BaseException as exc:  # DCP wraps what its writer raised: Ctrl-C stays itself, a full disk an OSError
+        reraise_interrupt(exc)
+        if isinstance(root_error(exc), OSError):
+            raise root_error(exc) from None
+        raise
 
 
 def check_output(out: str | Path, force: bool) -> Path:
@@ -357,10 +450,27 @@ def check_output(out: str | Path, force: bool) -> Path:
         if not force:
             raise CheckpointError(f"{path} already exists; nothing was changed: give a new path, or add --force to "
                                   "replace it")
-        if path.is_dir() and not (path / EXPORT_INFO).is_file():
-            raise CheckpointError(f"{path} is a folder trainflow did not export (no {EXPORT_INFO} inside); "
-                                  "--force replaces only a file or an earlier export: give a new path")
+        if (foreign := not_an_export(path)) is not None:
+            raise CheckpointError(f"{path} {foreign}; nothing was changed: --force replaces only an earlier export: "
+                                  "give a new path, or move it away")
     return path
+
+
+def not_an_export(path: Path) -> str | None:
+    """None when `path` (missing, or an export of trainflow's: a folder holding EXPORT_INFO, or a regular file whose
+    archive holds it) may be replaced; else what it is, in words. Nothing but a regular file is opened."""
+    try:
+        mode = path.lstat().st_mode
+    except FileNotFoundError:
+        return None
+    if stat.S_ISDIR(mode) and (path / EXPORT_INFO).is_file():
+        return None
+    if stat.S_ISREG(mode):
+        with contextlib.suppress(OSError, zipfile.BadZipFile), zipfile.ZipFile(path) as archive:
+            if any(name.split("/", 1)[-1] == EXPORT_INFO for name in archive.namelist()):
+                return None
+    what = "a file" if stat.S_ISREG(mode) else kind_of(mode)
+    return f"is {what} trainflow did not export (no {EXPORT_INFO} inside)"
 
 
 def is_checkpoint_folder(folder: Path) -> bool:
@@ -373,40 +483,57 @@ def is_checkpoint_folder(folder: Path) -> bool:
 
 
 def write_whole(path: Path, write: Callable[[Path], None]) -> None:
-    """`write(tmp)` writes a temporary path beside `path`, renamed over it once whole (an earlier output goes only
-    then); nothing is left behind when it fails. An OSError is one line naming the output."""
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    old = path.with_name(f".{path.name}.old{os.getpid()}")
-    stepped_aside = False
+    """`write(tmp)` writes a path in a staging folder beside `path`, renamed over it once whole (an earlier output
+    goes only then); the staging folder is removed however the export ends (a signal that Python sees included).
+    An OSError is one line naming the output."""
+    staging = path.with_name(f".{path.name}.tmp{os.getpid()}")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        write(tmp)
+        remove_leftovers(path.parent)
+        staging.mkdir()
+        (staging / STAGING).write_text(f"{socket.gethostname()} {os.getpid()}\n")
+        write(staging / path.name)
         if path.is_dir() and not path.is_symlink():
-            os.rename(path, old)  # a folder cannot be renamed over: the earlier export steps aside first
-            stepped_aside = True
-        os.replace(tmp, path)
-        stepped_aside = False
+            os.rename(path, staging / _OLD)  # a folder cannot be renamed over: the earlier export steps aside first
+        os.replace(staging / path.name, path)
     except OSError as exc:
-        if stepped_aside:
-            os.rename(old, path)
         raise CheckpointError(f"{path}: cannot write the export ({unwritable_reason(path.parent, exc)}); give a "
                               "path on a writable disk") from None
     finally:
-        for leftover in (tmp, old):
-            _remove(leftover)
+        _clear_staging(staging, path, os.getpid())
 
 
-def _remove(path: Path) -> None:
-    with contextlib.suppress(OSError):
-        if path.is_dir() and not path.is_symlink():
-            shutil.rmtree(path)
-        else:
-            path.unlink(missing_ok=True)
+def remove_leftovers(folder: Path) -> None:
+    """Remove the staging folders of exports into `folder` whose process is gone (killed): see _clear_staging."""
+    for entry in folder.iterdir():
+        match = _STAGED.fullmatch(entry.name)
+        if match and not entry.is_symlink() and entry.is_dir():
+            pid = int(match.group(2))
+            if pid == os.getpid() or not pid_alive(pid):
+                _clear_staging(entry, folder / match.group(1), pid)
+
+
+def _clear_staging(staging: Path, path: Path, pid: int) -> None:
+    """Remove the staging folder of export `pid` on this host: one whose STAGING file names it, after putting back
+    the earlier output it holds when `path` has none (an export stopped between its two renames); or one holding
+    nothing but an empty STAGING, or nothing at all (an export stopped before it said whose the folder is). Anything
+    else of that name (another program's) is left alone, and so is a folder whose earlier output cannot go back."""
+    marker = staging / STAGING
+    with contextlib.suppress(OSError):  # a failed step skips the removal
+        if not marker.is_file() or marker.stat().st_size == 0:
+            if {p.name for p in staging.iterdir()} <= {STAGING}:
+                marker.unlink(missing_ok=True)
+                staging.rmdir()
+            return
+        if marker.read_text().split() != [socket.gethostname(), str(pid)]:
+            return
+        if (staging / _OLD).exists() and not (path.exists() or path.is_symlink()):
+            os.rename(staging / _OLD, path)
+        shutil.rmtree(staging)
 
 
 def save_file(path: Path, write: Callable[[Any], None]) -> None:
-    """Open `path` for writing ourselves, so that an unwritable place is an OSError (torch.save raises a
-    RuntimeError of its C++ layer for a path it cannot open), and fsync it before it is renamed into place."""
+    """Write `path` through `write(f)` and fsync it before it is renamed into place."""
     with open(path, "wb") as f:
         write(f)
         f.flush()

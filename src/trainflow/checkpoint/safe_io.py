@@ -274,12 +274,13 @@ class SafeReader(FileSystemReader):
     other record (a pickled object, a torch.save archive) refused, and with `names` (the manifest's files) a
     record in any other file too."""
 
-    def __init__(self, path: Path, names: set[str] | None = None) -> None:
+    def __init__(self, path: Path, names: set[str] | None = None, metadata: Metadata | None = None) -> None:
         super().__init__(path)
         self._names = names
+        self._metadata = metadata  # read by the caller already: DCP gets it without reading the file again
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        metadata = read_metadata(Path(self.path))
+        metadata = self._metadata or read_metadata(Path(self.path))
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id

@@ -127,9 +127,9 @@ def _user_file(settings: TokenizerConfig) -> Path:
     return path
 
 
-def _trained_bpe(lib: ModuleType, settings: TokenizerConfig, corpus_key: str,
-                 training_text: Callable[[], Iterable[str]]) -> Path:
-    """The cached tokenizer.json of a byte-level BPE for this corpus and these settings, trained if missing."""
+def bpe_cache_path(lib: ModuleType, settings: TokenizerConfig, corpus_key: str) -> Path:
+    """Where the tokenizer.json of a byte-level BPE for this corpus and these settings is cached (nothing is
+    created: it may not be there)."""
     vocab, min_frequency, train_bytes = settings.vocab_size, settings.min_frequency, settings.train_bytes
     least = BYTE_VOCAB + 1  # every byte, and the end-of-text token
     if not isinstance(vocab, int) or vocab < least:
@@ -139,8 +139,14 @@ def _trained_bpe(lib: ModuleType, settings: TokenizerConfig, corpus_key: str,
         if not isinstance(value, int) or value < 1:
             raise ConfigError(f"tokenizer.{key}: must be a positive integer; got {value}")
     key = hashlib.sha256(f"{corpus_key}\0{vocab}\0{min_frequency}\0{train_bytes}\0{lib.__version__}".encode())
-    configured = settings.cache_dir
-    path = Path(configured).expanduser() / f"bpe-{key.hexdigest()[:20]}.json"
+    return Path(settings.cache_dir).expanduser() / f"bpe-{key.hexdigest()[:20]}.json"
+
+
+def _trained_bpe(lib: ModuleType, settings: TokenizerConfig, corpus_key: str,
+                 training_text: Callable[[], Iterable[str]]) -> Path:
+    """The cached tokenizer.json of a byte-level BPE for this corpus and these settings, trained if missing."""
+    vocab, min_frequency, train_bytes = settings.vocab_size, settings.min_frequency, settings.train_bytes
+    path = bpe_cache_path(lib, settings, corpus_key)
 
     def train(tmp: Path) -> None:
         tokenizer = lib.Tokenizer(lib.models.BPE())
@@ -153,7 +159,7 @@ def _trained_bpe(lib: ModuleType, settings: TokenizerConfig, corpus_key: str,
         tokenizer.save(str(tmp))
         log.info("trained a byte-level BPE of %d tokens into %s", tokenizer.get_vocab_size(), path)
 
-    build_once(path, train, "tokenizer.cache_dir", configured)
+    build_once(path, train, "tokenizer.cache_dir", settings.cache_dir)
     return path
 
 

@@ -1,6 +1,6 @@
 """Writing a file whole: a reader (another rank, a report, a resumed run) sees the old bytes or the new, never half.
 Also: JSON written whole in the run directory (a failure is one line), what a path that is not a regular file is,
-in words, and whether a folder takes new files.
+in words (and whether one to be read is one), and whether a folder takes new files.
 """
 
 from __future__ import annotations
@@ -50,6 +50,19 @@ _KINDS = {stat.S_IFDIR: "a folder", stat.S_IFLNK: "a symbolic link", stat.S_IFIF
 def kind_of(mode: int) -> str:
     """What an `lstat`/`stat` st_mode is, in words: a FIFO or a device read as a file would hang or never end."""
     return _KINDS.get(stat.S_IFMT(mode), "not a file")
+
+
+def not_a_file(path: Path) -> str | None:
+    """Why `path` cannot be read as a file, in words (it does not exist; it is a FIFO, a device, a folder), or None
+    for a regular file (links followed). Checked before anything opens it: reading a FIFO waits for a writer
+    forever, beyond the reach of Ctrl-C when a library's native code opens it."""
+    try:
+        mode = path.stat().st_mode
+    except FileNotFoundError:
+        return "is a broken symbolic link" if path.is_symlink() else "does not exist"
+    except OSError as exc:
+        return f"cannot be read ({exc.strerror})"
+    return None if stat.S_ISREG(mode) else f"is {kind_of(mode)}, not a regular file"
 
 
 def cannot_write(folder: Path | str) -> OSError | None:

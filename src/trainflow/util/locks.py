@@ -35,7 +35,8 @@ def flock_unsupported(exc: OSError) -> bool:
     return exc.errno in _NO_FLOCK
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether a process of this id runs on this host (another user's counts)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -116,7 +117,7 @@ def _take_owner_file(folder: Path, holder: str, key: str, fix: str) -> Path:
             other = path.read_text(errors="replace").strip() if path.exists() else ""
             pid, _, other_host = other.removeprefix("pid ").partition(" on ")
             other_host = other_host.split(",")[0]
-            if other_host == host and pid.isdigit() and not _pid_alive(int(pid)):
+            if other_host == host and pid.isdigit() and not pid_alive(int(pid)):
                 log.warning("%s: removed the stale lock of pid %s on %s (no such process)", key, pid, host)
                 path.unlink(missing_ok=True)
                 continue

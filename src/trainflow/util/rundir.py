@@ -12,6 +12,13 @@ A checkpointed run (or one given `trainer.run_name`) has a stable identity inste
 trained. The same command therefore finds the same directory and resumes from its
 checkpoints, on every rank, after any stop or crash.
 
+trainflow writes only into what it owns: a run or sweep directory it made holds its
+marker file (MARKER), written before anything else; a folder that holds anything
+else but no marker (a folder of the user's, the current folder of an empty
+`hydra.run.dir=`) is refused in one line before anything is created there. An
+empty or missing folder becomes trainflow's. Sweep job folders lie inside a sweep
+directory checked so, and are marked when their job claims them.
+
 One run at a time: rank 0 locks the run directory (`<run dir>/.lock`) before
 Hydra writes anything into it, so a second run there is refused without touching
 the first one's files. One run per directory, too: a run directory that holds the
@@ -34,11 +41,16 @@ from omegaconf import DictConfig, OmegaConf
 
 from trainflow.distributed.mesh import env_rank
 from trainflow.errors import ConfigError, user_error
-from trainflow.util.files import cannot_write
-from trainflow.util.locks import DirLock
+from trainflow.util.files import cannot_write, not_a_file
+from trainflow.util.locks import LOCK_FILE, DirLock
 
 RUN_DIR_ENV = "TRAINFLOW_RUN_DIR"  # set by our launchers for the processes they start
 RUNS_DIR = "outputs/runs"  # where runs with a stable identity live, one folder per run name
+MARKER = ".trainflow"  # in every run and sweep directory trainflow made, written before anything else there
+_MARKER_TEXT = "trainflow writes into this folder (a run or sweep directory); it writes only into folders holding " \
+               "this file, or empty ones\n"
+# what rank 0's lock file says of its holder: a folder holding one was a trainflow run directory before MARKER existed
+_LOCK_HOLDER = re.compile(r"pid \d+ on \S+(, run dir .+)?, since \d{4}-\d\d-\d\d \d\d:\d\d:\d\d UTC")
 
 # Overrides that change how a run goes, not what it trains: left out of the run name, so that the same run
 # continues with them (more steps, another logger, another world size, checkpoint settings, ...).
@@ -137,20 +149,73 @@ def register_resolvers() -> None:
 
 
 class OutputDirCheck(Callback):
-    """Makes the run (or sweep) directory before Hydra does, so an unwritable one is one line, not a traceback."""
+    """Makes the run (or sweep) directory before Hydra does, once it is known to be trainflow's (see own_dir), so
+    that a folder of the user's or an unwritable one is one line, not files written into it or a traceback."""
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
-        _check_writable("hydra.run.dir", str(config.hydra.run.dir))
+        folder = str(config.hydra.run.dir)
+        if env_rank() == 0 and not os.environ.get(RUN_DIR_ENV):  # a launcher's job folder is the launcher's
+            own_dir(folder, "hydra.run.dir")
+        else:
+            _check_writable("hydra.run.dir", folder)
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
-        _check_writable("hydra.sweep.dir", str(config.hydra.sweep.dir))
+        own_dir(str(config.hydra.sweep.dir), "hydra.sweep.dir")
+
+
+def own_dir(folder: str, key: str) -> None:
+    """Make `folder` trainflow's before anything is written there: stop in one line when it is empty as typed, or
+    holds files but no MARKER (trainflow did not make it); else create it and write the marker."""
+    fix = ("give this sweep its own folder (trainer.sweep_name=<new name>, or hydra.sweep.dir=<new folder>)"
+           if key == "hydra.sweep.dir" else "give this run its own folder (hydra.run.dir=<new folder>)")
+    if not folder.strip():
+        user_error(f"{key}: is empty (an unset environment variable?), which would make the current folder "
+                   f"{Path.cwd()} the output directory; nothing was written: {fix}, or leave {key} out")
+    path = Path(folder).expanduser()
+    if path.is_dir() and not made_by_trainflow(path):
+        try:
+            entries = sorted(p.name for p in path.iterdir())
+        except OSError as exc:
+            user_error(f"{key}: cannot list {path.absolute()} ({exc.strerror}); {fix}")
+        if entries:
+            shown = ", ".join(entries[:4]) + (f" and {len(entries) - 4} more" if len(entries) > 4 else "")
+            user_error(f"{key}: {path.absolute()} holds files trainflow did not write ({shown}) and no {MARKER}, "
+                       f"the file trainflow keeps in the folders it writes into; nothing was changed: {fix}")
+    _check_writable(key, folder)
+    mark(path, key)
+
+
+def made_by_trainflow(folder: Path) -> bool:
+    """Whether `folder` holds trainflow's MARKER, or (a run directory from before the marker) its lock file naming
+    the run that held it."""
+    if (folder / MARKER).is_file():
+        return True
+    lock = folder / LOCK_FILE
+    try:
+        if not lock.is_file():
+            return False
+        with open(lock, "rb") as f:
+            return _LOCK_HOLDER.match(f.read(4096).decode(errors="replace")) is not None
+    except OSError:
+        return False
+
+
+def mark(folder: Path, key: str) -> None:
+    """Leave MARKER in `folder` (a run, job or sweep directory trainflow writes into), unless it is there."""
+    marker = folder / MARKER
+    if not marker.is_file():
+        try:
+            marker.write_text(_MARKER_TEXT)
+        except OSError as exc:
+            user_error(f"{key}: cannot write {marker} ({exc.strerror}); point {key} at a writable folder")
 
 
 _claimed: dict[Path, DirLock] = {}  # this process's run-directory locks (DirLock), by folder
 
 
 def claim_run_dir(folder: Path, key: str) -> None:
-    """Rank 0: lock `folder` for this process's lifetime, or stop in one line naming the run that holds it.
+    """Rank 0: lock `folder` for this process's lifetime (and mark it trainflow's), or stop in one line naming the
+    run that holds it.
 
     Other ranks write nothing Hydra-owned and take no lock; workers this process starts inherit its lock.
     """
@@ -168,6 +233,7 @@ def claim_run_dir(folder: Path, key: str) -> None:
         user_error(str(exc))
     except OSError as exc:
         user_error(f"{key}: cannot create {folder} ({exc.strerror}); point {key} at a writable folder")
+    mark(folder, key)
 
 
 class RunDirLock(Callback):
@@ -199,8 +265,9 @@ def check_same_run(folder: Path, overrides: list[str]) -> None:
     results = [name for name in RESULTS if (folder / name).exists()]
     if not results:
         return
-    try:
-        theirs: str | None = run_identity([str(o) for o in OmegaConf.load(folder / ".hydra" / "overrides.yaml")])
+    saved = folder / ".hydra" / "overrides.yaml"
+    try:  # never opened unless a regular file: a FIFO would wait forever
+        theirs: str | None = None if not_a_file(saved) else run_identity([str(o) for o in OmegaConf.load(saved)])
     except (OSError, ValueError, TypeError, yaml.YAMLError):
         theirs = None
     ours = run_identity(overrides)
