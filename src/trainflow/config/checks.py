@@ -7,13 +7,22 @@ The schemas (trainflow.config.schema) say what keys exist and their types; this 
 from __future__ import annotations
 
 import math
+import signal
 from dataclasses import asdict
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import InterpolationResolutionError, MissingMandatoryValue
 
-from trainflow.config.schema import LADDER_RUNGS, ProfilerConfig, TaskConfig, WorkerConfig, decided, typed
+from trainflow.config.schema import (
+    LADDER_RUNGS,
+    STOP_SIGNALS,
+    ProfilerConfig,
+    TaskConfig,
+    WorkerConfig,
+    decided,
+    typed,
+)
 from trainflow.config.sections import settle_sections
 from trainflow.data.tokenizers import BYTE_VOCAB
 from trainflow.distributed.mesh import STRATEGIES
@@ -224,6 +233,9 @@ def validate_tp_sizes(cfg: DictConfig) -> None:
 def validate_checkpoint(cfg: DictConfig) -> None:
     """Checkpoint values a type cannot check (paths are checked where they are used)."""
     checkpoint = cfg.checkpoint
+    for name in checkpoint.stop_signals:  # they stop a run without checkpoints too (at once, nothing saved)
+        _require(name in STOP_SIGNALS, "checkpoint.stop_signals", f"{_not_a_stop_signal(name)}; list some of "
+                 f"{', '.join(STOP_SIGNALS)}, the signals schedulers and sessions send to end a job")
     if not checkpoint.enabled:
         return
     _one_of(cfg, "checkpoint.mode", ("sync", "async"))
@@ -256,6 +268,19 @@ def validate_ladder(cfg: DictConfig) -> None:
              f"must be a positive number of steps, or null for about 10 logs a rung; got {ladder.log_every}")
     _require(ladder.resume_atol >= 0, "ladder.resume_atol",
              f"must be >= 0 (0: bit-identical); got {ladder.resume_atol}")
+
+
+def _not_a_stop_signal(name: str) -> str:
+    """Why a signal name cannot be a stop signal, in words."""
+    if name in ("SIGKILL", "SIGSTOP"):
+        return f"{name} cannot be caught, so nothing can be saved on it"
+    if name == "SIGINT":
+        return "SIGINT is Ctrl-C, which stops at once (exit code 130)"
+    if name in signal.Signals.__members__:
+        return f"{name} is not sent to end a job"
+    if f"SIG{name}" in signal.Signals.__members__:
+        return f"{name!r} is not a signal's name: write SIG{name}"
+    return f"{name!r} is not a signal's name (as signal(7) names them: SIGTERM, SIGUSR1, ...)"
 
 
 def _require(ok: bool, key: str, message: str) -> None:

@@ -306,6 +306,11 @@ class ParallelismConfig:
     ft: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
 
 
+# The signals a scheduler or a session sends to end a job: checkpoint.stop_signals lists those that stop a run after
+# a save at the step boundary (SIGUSR1: SLURM's --signal=USR1@N before a time limit; SIGHUP: a closed terminal).
+STOP_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGHUP")
+
+
 @dataclass
 class CheckpointConfig:
     enabled: bool = False
@@ -318,6 +323,7 @@ class CheckpointConfig:
     verify: bool = True  # reload the run's first save into fresh tensors and compare exactly
     export: bool = False  # at the end, <run dir>/model.pt: model weights for torch.load(weights_only=True)
     load: str = "all"  # all | model (weights only from checkpoint.resume=<path>: fresh optimizer, step 0)
+    stop_signals: list[str] = field(default_factory=lambda: list(STOP_SIGNALS))  # a subset of STOP_SIGNALS
 
 
 @dataclass
