@@ -57,9 +57,9 @@ elif os.environ.get("TEST_HANG") == "disk":
 """
 
 RUN = [*TINY_GPT, "data=synthetic", "trainer.eval_every=0", "trainer.warmup_steps=0", "checkpoint.every_steps=5"]
-DDP = ["parallelism=ddp", "parallelism.nproc_per_node=2", "parallelism.timeout_s=10", "parallelism.watchdog.min_s=2",
-       "parallelism.watchdog.factor=2"]
-TIMEOUT_S = 10  # parallelism.timeout_s of DDP
+TIMEOUT_S = 6  # parallelism.timeout_s of the 2-rank runs
+DDP = ["parallelism=ddp", "parallelism.nproc_per_node=2", f"parallelism.timeout_s={TIMEOUT_S}",
+       "parallelism.watchdog.min_s=2", "parallelism.watchdog.factor=2"]
 SLACK_S = 20  # start-up of the stop, the launcher's own end, 2 busy cores
 
 
@@ -72,8 +72,9 @@ class Hung:
     left: dict[int, str]  # processes left behind
 
 
-def hang(tmp_path: Path, how: str, ranks: str, bound_s: float, *overrides: str) -> Hung:
-    """Run with the fault `how` on `ranks` at the save of step 10 (the first commit, step 5, done before it)."""
+def start_faulty(tmp_path: Path, how: str, ranks: str, *overrides: str) -> tuple[subprocess.Popen, Path]:
+    """Start a run with the fault `how` on `ranks` at the save of step 10; it returns once the first commit (step
+    5) is done, with that checkpoint's hash."""
     run_dir, site = tmp_path / "run", tmp_path / "site"
     site.mkdir()
     (site / "sitecustomize.py").write_text(FAULT)
@@ -81,11 +82,17 @@ def hang(tmp_path: Path, how: str, ranks: str, bound_s: float, *overrides: str) 
     env = {**{k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}, "PYTHONUNBUFFERED": "1",
            "PYTHONPATH": str(site), "TEST_HANG": how, "TEST_HANG_RANKS": ranks, "TEST_HANG_STEP": "10",
            "TEST_FIFO": str(tmp_path / "disk")}
+    proc = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *RUN, "trainer.max_steps=100000", *overrides,
+                             f"hydra.run.dir={run_dir}"], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    wait_for_log(run_dir, "checkpoint step 5 committed", proc, timeout=120)
+    return proc, run_dir
+
+
+def hang(tmp_path: Path, how: str, ranks: str, bound_s: float, *overrides: str) -> Hung:
+    """Run with the fault `how` on `ranks` at the save of step 10 (the first commit, step 5, done before it)."""
     with left_behind() as leftovers:
-        proc = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *RUN, "trainer.max_steps=100000",
-                                 *overrides, f"hydra.run.dir={run_dir}"], cwd=ROOT, env=env,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
-        wait_for_log(run_dir, "checkpoint step 5 committed", proc, timeout=120)
+        proc, run_dir = start_faulty(tmp_path, how, ranks, *overrides)
         first = tree_hash(run_dir / "checkpoints" / "step_00000005")
         wait_for_log(run_dir, "step 10/100000: loss ", proc, timeout=60)
         began = time.monotonic()
@@ -105,7 +112,7 @@ def hang(tmp_path: Path, how: str, ranks: str, bound_s: float, *overrides: str) 
     if how == "disk":  # the unfinished save: never committed, removed at the next start
         assert (ckpts / ".tmp-step_00000010").is_dir()
     assert "Thread" in (run_dir / "hang" / "rank_0.stacks.txt").read_text()
-    return Hung(proc.returncode, errors[0], took, site, left)
+    return Hung(proc.returncode, errors[0], took, tmp_path / "site", left)
 
 
 @pytest.mark.serial
@@ -164,3 +171,28 @@ def test_a_disk_that_stops_answering_under_one_process_is_ended_by_the_watchdog(
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert resumed.summary["resumed_from_step"] == 5
     assert not (run_dir / "checkpoints" / ".tmp-step_00000010").exists()
+
+
+def test_a_second_stop_signal_ends_a_hung_save_at_once_in_one_line(tmp_path: Path) -> None:
+    """One process, no watchdog: the first SIGTERM waits for a step boundary the stuck save never reaches; the
+    second ends the run at once in one line, exit 75 (before, it ended it without a word, exit -15)."""
+    proc, run_dir = start_faulty(tmp_path, "disk", "0", "checkpoint=dcp")
+    ckpts = run_dir / "checkpoints"
+    first = tree_hash(ckpts / "step_00000005")
+    wait_for_log(run_dir, "step 10/100000: loss ", proc, timeout=60)
+    proc.send_signal(signal.SIGTERM)
+    with pytest.raises(subprocess.TimeoutExpired):  # the save of step 10 never ends: no step boundary comes
+        proc.wait(timeout=2)
+    proc.send_signal(signal.SIGTERM)
+    try:
+        _, stderr = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 75, stderr[-3000:]
+    assert [line for line in stderr.splitlines() if line.startswith(("Stopped", "Error"))] == [
+        "Stopped by SIGTERM again: ended at once, without the save at the step boundary (a save in progress stays "
+        "uncommitted); committed checkpoints are untouched; run the same command to resume (exit code 75)"]
+    assert "Traceback" not in stderr
+    assert committed(ckpts) == ["step_00000005"] and tree_hash(ckpts / "step_00000005") == first
+    assert (ckpts / ".tmp-step_00000010").is_dir()
