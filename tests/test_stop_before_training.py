@@ -47,17 +47,27 @@ def datasets(*args):
 if os.environ["STUCK_AT"] == "resume":
     store.check_files = stuck
 run.build_datasets = datasets
+
+if os.environ.get("PREVIOUS_HANDLER"):  # a handler that was there before trainflow's, as submitit's in a SLURM job
+    import signal
+
+    def requeue(signum, frame):
+        Path(os.environ["PREVIOUS_HANDLER"]).touch()
+        os._exit(99)
+
+    signal.signal(signal.SIGUSR2, requeue)
 """
 
 
-def stuck_run(tmp_path: Path, at: str, *args: str) -> tuple[subprocess.Popen, Path]:
+def stuck_run(tmp_path: Path, at: str, *args: str, env: dict[str, str] | None = None
+              ) -> tuple[subprocess.Popen, Path]:
     """`train.py` with a disk that stops answering at `at`; returns once every process of it is stuck there."""
     (tmp_path / "site").mkdir()
     (tmp_path / "site" / "sitecustomize.py").write_text(STUCK_DISK)
     os.mkfifo(tmp_path / "disk")
     (tmp_path / "stuck").mkdir()
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(tmp_path / "site"), "STUCK_AT": at,
-           "STUCK_MARK": str(tmp_path / "stuck"), "STUCK_FIFO": str(tmp_path / "disk")}
+           "STUCK_MARK": str(tmp_path / "stuck"), "STUCK_FIFO": str(tmp_path / "disk"), **(env or {})}
     env.pop("HYDRA_FULL_ERROR", None)
     proc = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *args, f"hydra.run.dir={tmp_path / 'run'}"],
                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -94,6 +104,19 @@ def test_a_stop_signal_while_the_resume_hangs_ends_the_run_at_once(tmp_path: Pat
     assert "Traceback" not in out + err
     assert tree_hash(ckpts) == before and committed(ckpts) == ["step_00000002", "step_00000004"]
     assert (run_dir / "metrics.jsonl").read_text() == metrics  # no step ran
+
+
+def test_a_handler_there_before_trainflows_acts_on_a_stop_signal_before_the_first_step(tmp_path: Path) -> None:
+    """Under SLURM, submitit's handler requeues the job on SIGUSR2: before the first step, with nothing to save, a
+    stop signal goes to it (before, trainflow ended the process itself, exit 75, and the preempted job was never
+    requeued)."""
+    run_dir = tmp_path / "run"
+    assert train(run_dir, *ARGS, "trainer.max_steps=4").returncode == 0
+    proc, _ = stuck_run(tmp_path, "resume", *ARGS, "trainer.max_steps=8",
+                        env={"PREVIOUS_HANDLER": str(tmp_path / "requeued")})
+    out, err = stop(proc, signal.SIGUSR2)
+    assert proc.returncode == 99 and (tmp_path / "requeued").exists(), err[-3000:]
+    assert not [line for line in err.splitlines() if line.startswith(("Stopped", "Error"))]
 
 
 @pytest.mark.parametrize("checkpoint", ["dcp", "off"])
