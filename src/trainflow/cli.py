@@ -45,6 +45,7 @@ def run_from_hydra(cfg: DictConfig) -> float | None:
 
 
 def _run_job(cfg: DictConfig) -> float | None:
+    """The job: validate, catch the stop signals, train here or start the local workers; user errors as one line."""
     from hydra.core.hydra_config import HydraConfig
 
     from trainflow.checkpoint.stopping import catch_stop_signals

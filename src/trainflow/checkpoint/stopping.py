@@ -1,7 +1,7 @@
 """Stop signals: caught from a run's start to its end, agreed on by every rank one step late, and the exit code after.
 
-The signals are `checkpoint.stop_signals` (by default all of STOP_SIGNALS: SIGTERM, SIGUSR1 before a SLURM time
-limit, SIGUSR2, SIGHUP when a terminal or ssh session closes). What one does depends on when it comes:
+The signals are `checkpoint.stop_signals` (by default all the schema's STOP_SIGNALS: SIGTERM, SIGUSR1 before a SLURM
+time limit, SIGUSR2, SIGHUP when a terminal or ssh session closes). What one does depends on when it comes:
 
 - While the loop trains with checkpointing on: every rank agrees (an all-reduce of the flag at each step boundary)
   to save at that step boundary; the process then exits with EXIT_STOPPED = 75 (EX_TEMPFAIL: "try again"), and
@@ -30,8 +30,6 @@ import torch.distributed as dist
 log = logging.getLogger(__package__)  # one name for the package: lines read [trainflow.checkpoint]
 
 EXIT_STOPPED = 75  # saved on a stop signal and stopped: run the same command to resume
-# The signals a scheduler or a session sends to end a job, which checkpoint.stop_signals may list (by default all).
-STOP_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGHUP")
 
 _stopped_by: str | None = None  # the signal this process stopped on after saving (see stop_exit_code)
 
@@ -120,13 +118,12 @@ class StopSignals:
 _run_signals = StopSignals((), resumable=False, speak=False)
 
 
-def catch_stop_signals(names: Sequence[str], resumable: bool, speak: bool) -> StopSignals:
+def catch_stop_signals(names: Sequence[str], resumable: bool, speak: bool) -> None:
     """Catch the run's stop signals from now on; a run's entry point calls it first (`train.py`, a launched worker)."""
     global _run_signals
     _run_signals.restore()
     _run_signals = StopSignals(names, resumable, speak)
     _run_signals.install()
-    return _run_signals
 
 
 def release_stop_signals() -> None:
