@@ -190,6 +190,17 @@ class Watchdog(Stage):
         (self.dir / REPORT).write_text(line + "\n")
         log.error("%s", line)
 
+    def _basis(self) -> str:
+        """What this rank's bound is made of, in words."""
+        median = self.median_s()
+        if self._saving and self.save_bound_s() > self.bound_s():
+            if self.cfg.factor * self._longest > self.timeout_s - self._settle_s:
+                return "a save's: parallelism.timeout_s less the wait for every rank's report"
+            return f"a save's: {self.cfg.factor:g} x the longest step {self._longest:.3f} s, which held the saves"
+        if median:
+            return f"{self.cfg.factor:g} x the median step {median:.3f} s, at least parallelism.watchdog.min_s"
+        return "parallelism.watchdog.min_s, until the steady state gives a median step"
+
     def _end(self, frame: FrameType, stalled: float) -> None:
         """End this rank, whose save made no progress for save_limit_s: no collective is left to end it (every
         rank's disk stopped answering, or one process). The launcher names it from its record; a rank that no
@@ -210,14 +221,6 @@ class Watchdog(Stage):
     def _account(self, stalled: float, bound: float) -> str:
         """Rank 0's one line: who is stuck where, from every rank's beat and report."""
         now = time.time()
-        median = self.median_s()
-        if self._saving:
-            basis = (f"{self.cfg.factor:g} x the longest step {self._longest:.3f} s, which held the saves, at least a "
-                     "step's bound")
-        elif median:
-            basis = f"{self.cfg.factor:g} x the median step {median:.3f} s, at least parallelism.watchdog.min_s"
-        else:
-            basis = "parallelism.watchdog.min_s, until the steady state gives a median step"
         stuck, waiting, entered = [], [], {}
         for rank in range(self.env.world_size):
             beat, report = _read(self.dir / f"rank_{rank}.beat"), _read(self.dir / f"rank_{rank}.json")
@@ -242,8 +245,8 @@ class Watchdog(Stage):
         waits = "; ".join(f"{rank_list(group)} waiting {at}" for at, group in _group(waiting).items())
         who = "; ".join(stuck) or "no rank is stuck in the user's code"
         last = arrivals(entered, self.env.world_size)
-        return (f"hang: no step for {stalled:.0f} s after step {self._step} (the bound is {bound:.0f} s: {basis}): "
-                f"{who}"
+        return (f"hang: no step for {stalled:.0f} s after step {self._step} (the bound is {bound:.0f} s: "
+                f"{self._basis()}): {who}"
                 f"{'; ' + waits if waits else ''}{'; last collective: ' + last if last else ''}; "
                 f"every rank's stacks: {self.dir}")
 
