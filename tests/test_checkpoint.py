@@ -203,6 +203,26 @@ def test_a_stop_signal_without_checkpoints_ends_the_run_at_once_in_one_line(tmp_
     assert "Traceback" not in output and not (run_dir / "checkpoints").exists()
 
 
+@pytest.mark.parametrize("mode", ["dcp", "dcp_async"])
+def test_sigterm_inside_a_save_lets_it_commit_then_stops_with_75(tmp_path: Path, mode: str) -> None:
+    """SIGTERM while the save of step 4 writes (or uploads): that save commits, the run stops at the next step
+    boundary with its checkpoint, one line, exit 75."""
+    run_dir = tmp_path / "run"
+    ckpts = run_dir / "checkpoints"
+    proc = start(run_dir, *KILL, f"checkpoint={mode}", "trainer.max_steps=100000")
+    wait_for(lambda: (ckpts / ".tmp-step_00000004").is_dir(), proc, "the save of step 4 began", interval=0.001)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=120) == 75
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["checkpoint"]["stopped_by"] == "SIGTERM" and summary["steps"] in (4, 5, 6)
+    assert committed(ckpts) == sorted({"step_00000004", f"step_{summary['steps']:08d}"})
+    output = (run_dir.parent / f"{run_dir.name}.out").read_text()
+    assert [line for line in output.splitlines() if line.startswith(("Stopped", "Error"))] == [
+        f"Stopped after a committed checkpoint; to resume, run the same command: {sys.executable} "
+        f"{ROOT / 'train.py'} {' '.join(KILL)} checkpoint={mode} trainer.max_steps=100000 hydra.run.dir={run_dir}"]
+    assert "Traceback" not in output
+
+
 @pytest.mark.serial
 def test_ctrl_c_inside_a_save_exits_130_in_one_line(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"

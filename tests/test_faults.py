@@ -53,6 +53,9 @@ FAULTS = [
     Fault("SIGTERM or SIGUSR2 (preemption, `scancel --signal`)",
           "every rank saves at the same step boundary, exit 75; the same command resumes",
           "test_checkpoint.py::test_sigterm_saves_at_the_step_boundary_and_exits_75"),
+    Fault("SIGTERM while a sync save writes or an async save uploads",
+          "that save commits; the run stops at the next step boundary with its checkpoint, one line, exit 75",
+          "test_checkpoint.py::test_sigterm_inside_a_save_lets_it_commit_then_stops_with_75"),
     Fault("SIGUSR1 (SLURM's `--signal=USR1@N` before a time limit) to one process or to a self-launched DDP run",
           "saved at the step boundary like SIGTERM (the agent passes it on to every rank), exit 75; before, its "
           "default action ended the run with nothing saved (exit 138) and left the workers behind",
