@@ -377,7 +377,7 @@ class Checkpointer:
         A save that lost a rank (a collective timed out, a connection dropped) raises that error at once: agreeing
         would wait for the lost rank too. Its temporary folder stays, uncommitted, for the next start to remove.
         """
-        if error is not None and says_peer_lost(str(error)):
+        if error is not None and self.env.distributed and says_peer_lost(str(error)):
             raise error
         if not self._ranks.any(error is not None):
             return
