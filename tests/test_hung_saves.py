@@ -73,8 +73,8 @@ class Hung:
 
 
 def start_faulty(tmp_path: Path, how: str, ranks: str, *overrides: str) -> tuple[subprocess.Popen, Path]:
-    """Start a run with the fault `how` on `ranks` at the save of step 10; it returns once the first commit (step
-    5) is done, with that checkpoint's hash."""
+    """Start a run with the fault `how` on `ranks` at the save of step 10; return it and its run directory once the
+    first commit (step 5) is done."""
     run_dir, site = tmp_path / "run", tmp_path / "site"
     site.mkdir()
     (site / "sitecustomize.py").write_text(FAULT)
@@ -157,7 +157,7 @@ def test_a_disk_that_stops_answering_under_one_process_is_ended_by_the_watchdog(
     hung = hang(tmp_path, "disk", "0", 2 * timeout + SLACK_S, "checkpoint=dcp", "parallelism.watchdog.enabled=true",
                 f"parallelism.timeout_s={timeout}", "parallelism.watchdog.min_s=1", "parallelism.watchdog.factor=2")
     assert hung.returncode == 124, hung.error
-    assert 2 * timeout <= hung.took < 2 * timeout + SLACK_S
+    assert 2 * timeout - 1 <= hung.took < 2 * timeout + SLACK_S  # not before the limit (less the log's delay)
     at = f"at {hung.site / 'sitecustomize.py'}:{_stuck_line()} in stuck"
     assert hung.error.startswith("Error: rank 0 made no progress in the save after step 10 for "), hung.error
     assert f"past its limit of twice parallelism.timeout_s (2 x {timeout} s), {at}: the watchdog ended it; hang: no " \
