@@ -138,9 +138,9 @@ FAULTS = [
           "committed checkpoints byte-identical, no process left",
           "test_hung_saves.py::test_a_rank_frozen_in_a_sync_save_ends_the_run_at_the_collective_timeout"),
     Fault("one rank's disk stops answering under its async upload",
-          "the rank waits for its upload at the next save and its watchdog ends it after twice parallelism.timeout_s "
-          "without progress: one line naming it, where it is stuck and that it hung in a save, exit 124; committed "
-          "checkpoints byte-identical, the save uncommitted, no process left",
+          "the rank waits for its upload at the next save and its watchdog ends it once the save has lasted "
+          "twice parallelism.timeout_s: one line naming it, where it is stuck and that it hung in a save, exit 124; "
+          "committed checkpoints byte-identical, the save uncommitted, no process left",
           "test_hung_saves.py::test_a_disk_that_stops_answering_under_an_async_upload_is_named_and_ended"),
     Fault("the disk stops answering under a one-process save (parallelism.watchdog.enabled=true)",
           "no collective can time out: the watchdog ends the run after twice parallelism.timeout_s, one line, exit "

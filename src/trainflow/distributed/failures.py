@@ -28,7 +28,7 @@ class CollectiveTimeout(WorkerError):
 
 
 class SaveHung(CollectiveTimeout):
-    """The watchdog ended a rank whose save made no progress past its limit (a disk that stopped answering, where
+    """The watchdog ended a rank whose save outlasted its limit (a disk that stopped answering, where
     no collective waits for the rank and so none times out)."""
 
 

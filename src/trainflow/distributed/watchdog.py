@@ -18,7 +18,7 @@ the save's collectives time out. A rank in a save is named as stuck in it (its
 disk, or the async upload's, stopped answering) or waiting in it (in a collective, for a rank that is stuck). A
 save's collectives time out at `parallelism.timeout_s` (the checkpointer's groups have the run's timeout), which
 ends a run whose save waits for a rank; a save on which no collective waits (every rank's disk stopped answering,
-or one process) is ended by the watchdog itself once it has made no progress for twice `parallelism.timeout_s`:
+or one process) is ended by the watchdog itself once it has lasted twice `parallelism.timeout_s` without a step:
 exit 124, as a collective timeout, with its one line.
 """
 
@@ -202,12 +202,12 @@ class Watchdog(Stage):
         return "parallelism.watchdog.min_s, until the steady state gives a median step"
 
     def _end(self, frame: FrameType, stalled: float) -> None:
-        """End this rank, whose save made no progress for save_limit_s: no collective is left to end it (every
+        """End this rank, whose save has lasted save_limit_s without a step: no collective is left to end it (every
         rank's disk stopped answering, or one process). The launcher names it from its record; a rank that no
         trainflow launcher started says the one line itself. Exit 124, as a collective timeout."""
-        error = SaveHung(f"rank {self.env.rank} made no progress in the save after step {self._step} for "
-                         f"{stalled:.0f} s, past its limit of twice parallelism.timeout_s (2 x {self.timeout_s:g} s), "
-                         f"at {where(save_place(frame))}: the watchdog ended it")
+        error = SaveHung(f"rank {self.env.rank} was still in the save after step {self._step} {stalled:.0f} s "
+                         f"later, past its limit of twice parallelism.timeout_s (2 x {self.timeout_s:g} s), at "
+                         f"{where(save_place(frame))}: the watchdog ended it")
         record_failure(error)
         line = hang_line(str(error), hang_report(self.dir.parent, self._since), self.env.world_size)
         log.error("%s", line)
