@@ -170,6 +170,60 @@ def test_sighup_saves_at_the_step_boundary_and_exits_75(tmp_path: Path) -> None:
     stop_with(signal.SIGHUP, tmp_path / "run")
 
 
+def test_sigusr1_saves_at_the_step_boundary_and_exits_75(tmp_path: Path) -> None:
+    """SLURM's notice before a time limit (--signal=USR1@N), Lightning's requeue signal: saved and stopped like
+    SIGTERM (before, its default action ended the run with nothing saved, exit 138)."""
+    stop_with(signal.SIGUSR1, tmp_path / "run")
+
+
+def test_checkpoint_stop_signals_chooses_the_signals_that_save(tmp_path: Path) -> None:
+    """checkpoint.stop_signals=[SIGUSR1]: SIGTERM is left to its default action (the run ends at once, nothing saved
+    past the last periodic checkpoint), as a job whose scheduler sends SIGTERM only to kill it would want."""
+    run_dir = tmp_path / "run"
+    proc = start(run_dir, *BASE, "checkpoint=dcp", "checkpoint.stop_signals=[SIGUSR1]", "trainer.max_steps=100000")
+    wait_for(lambda: logged_steps(run_dir) >= 5, proc, "step 5")
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=120) == -signal.SIGTERM
+    saved = [int(name.removeprefix("step_")) for name in committed(run_dir / "checkpoints")]
+    assert saved and all(step % 4 == 0 for step in saved)  # the periodic saves only: no save on the signal
+    assert not (run_dir / "summary.json").exists()
+
+
+def test_a_stop_signal_without_checkpoints_ends_the_run_at_once_in_one_line(tmp_path: Path) -> None:
+    """Nothing to save: the run ends at once with the exit code a shell gives a process SIGTERM ended (143), and
+    one line says that nothing was saved (before, it ended without a word)."""
+    run_dir = tmp_path / "run"
+    proc = start(run_dir, *BASE, "trainer.max_steps=100000")
+    wait_for(lambda: logged_steps(run_dir) >= 5, proc, "step 5")
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=120) == 128 + signal.SIGTERM
+    output = (run_dir.parent / f"{run_dir.name}.out").read_text()
+    assert [line for line in output.splitlines() if line.startswith(("Stopped", "Error"))] == [
+        "Stopped by SIGTERM: nothing was saved (checkpointing is off; with checkpoint=dcp a stop signal saves at the "
+        "next step boundary first); the same command starts again from step 0 (exit code 143)"]
+    assert "Traceback" not in output and not (run_dir / "checkpoints").exists()
+
+
+@pytest.mark.parametrize("mode", ["dcp", "dcp_async"])
+def test_sigterm_inside_a_save_lets_it_commit_then_stops_with_75(tmp_path: Path, mode: str) -> None:
+    """SIGTERM while the save of step 4 writes (or uploads): that save commits, the run stops at the next step
+    boundary with its checkpoint, one line, exit 75."""
+    run_dir = tmp_path / "run"
+    ckpts = run_dir / "checkpoints"
+    proc = start(run_dir, *KILL, f"checkpoint={mode}", "trainer.max_steps=100000")
+    wait_for(lambda: (ckpts / ".tmp-step_00000004").is_dir(), proc, "the save of step 4 began", interval=0.001)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=120) == 75
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["checkpoint"]["stopped_by"] == "SIGTERM" and summary["steps"] in (4, 5, 6)
+    assert committed(ckpts) == sorted({"step_00000004", f"step_{summary['steps']:08d}"})
+    output = (run_dir.parent / f"{run_dir.name}.out").read_text()
+    assert [line for line in output.splitlines() if line.startswith(("Stopped", "Error"))] == [
+        f"Stopped after a committed checkpoint; to resume, run the same command: {sys.executable} "
+        f"{ROOT / 'train.py'} {' '.join(KILL)} checkpoint={mode} trainer.max_steps=100000 hydra.run.dir={run_dir}"]
+    assert "Traceback" not in output
+
+
 @pytest.mark.serial
 def test_ctrl_c_inside_a_save_exits_130_in_one_line(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
@@ -183,8 +237,8 @@ def test_ctrl_c_inside_a_save_exits_130_in_one_line(tmp_path: Path) -> None:
     output = (run_dir.parent / f"{run_dir.name}.out").read_text()
     assert "Traceback" not in output and "free space" not in output
     assert [line for line in output.splitlines() if line.startswith(("Interrupted", "Error"))] == [
-        "Interrupted: stopped at once, without a save; committed checkpoints are untouched (SIGTERM, SIGUSR2 or "
-        "SIGHUP save at the next step boundary, then stop)"]
+        "Interrupted: stopped at once, without a save; committed checkpoints are untouched (a stop signal, SIGTERM "
+        "say, saves at the next step boundary, then stops)"]
 
     resumed = train(run_dir, *KILL, "checkpoint=dcp")  # the leftover goes, the run goes on from step 4
     assert resumed.returncode == 0, resumed.stderr[-3000:]

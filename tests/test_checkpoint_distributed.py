@@ -34,11 +34,10 @@ def workers(launcher: int) -> list[int]:
     found = []
     for entry in Path("/proc").iterdir():
         try:
-            cmdline = (entry / "cmdline").read_bytes()
             fields = (entry / "stat").read_text().rsplit(") ", 1)[1].split()
         except (OSError, IndexError):
             continue
-        if int(fields[1]) == launcher and b"train.py" in cmdline:  # spawned workers show the launcher's argv
+        if int(fields[1]) == launcher:  # forked by the launcher's agent (whatever argv the launcher was started with)
             found.append((int(fields[19]), int(entry.name)))  # (start time, pid)
     return [pid for _, pid in sorted(found)]
 

@@ -405,15 +405,17 @@ def test_torchrun_restart_rejoins_the_group_and_the_run_directory(tmp_path: Path
     assert run.summary["steps"] == 4 and run.summary["world_size"] == 2
 
 
-def test_stop_signal_to_a_self_launched_run_reaches_the_workers(run_dir: Path) -> None:
-    """SIGTERM to `python train.py`: its agent passes it on, the ranks save and stop, the exit code says resume."""
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1], ids=["SIGTERM", "SIGUSR1"])
+def test_stop_signal_to_a_self_launched_run_reaches_the_workers(run_dir: Path, sig: signal.Signals) -> None:
+    """A stop signal to `python train.py`: its agent passes it on, the ranks save and stop, the exit code says
+    resume (SIGUSR1, which the agent did not pass on, ended the launching process alone, its workers orphaned)."""
     cmd = [sys.executable, str(ROOT / "train.py"), *SMALL, "trainer.max_steps=100000", "parallelism=ddp",
            "parallelism.nproc_per_node=2", "checkpoint=dcp", f"hydra.run.dir={run_dir}"]
     grace = 90  # the agent's wait for the workers after passing a signal on (torch's default: 30 s); 2 busy cores
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(grace)}
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     wait_for_log(run_dir, "step 1/100000: loss ", proc, timeout=120)
-    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(sig)
     sent = time.monotonic()
     _, stderr = proc.communicate(timeout=grace + 60)
     assert proc.returncode == 75, stderr  # saved and stopped: run the same command to resume
@@ -422,7 +424,7 @@ def test_stop_signal_to_a_self_launched_run_reaches_the_workers(run_dir: Path) -
     assert time.monotonic() - sent < 20
     summary = json.loads((run_dir / "summary.json").read_text())
     step = summary["steps"]
-    assert summary["checkpoint"]["stopped_by"] == "SIGTERM" and 0 < step < 100000
+    assert summary["checkpoint"]["stopped_by"] == sig.name and 0 < step < 100000
     assert (run_dir / "checkpoints" / f"step_{step:08d}" / "manifest.json").exists()
 
 

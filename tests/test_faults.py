@@ -54,9 +54,30 @@ FAULTS = [
     Fault("SIGTERM or SIGUSR2 (preemption, `scancel --signal`)",
           "every rank saves at the same step boundary, exit 75; the same command resumes",
           "test_checkpoint.py::test_sigterm_saves_at_the_step_boundary_and_exits_75"),
-    Fault("SIGTERM or SIGUSR2 while the resume waits on a disk that stopped answering (before the first step)",
+    Fault("SIGTERM while a sync save writes or an async save uploads",
+          "that save commits; the run stops at the next step boundary with its checkpoint, one line, exit 75",
+          "test_checkpoint.py::test_sigterm_inside_a_save_lets_it_commit_then_stops_with_75"),
+    Fault("SIGUSR1 (SLURM's `--signal=USR1@N` before a time limit) to one process or to a self-launched DDP run",
+          "saved at the step boundary like SIGTERM (the agent passes it on to every rank), exit 75; before, its "
+          "default action ended the run with nothing saved (exit 138) and left the workers behind",
+          "test_distributed.py::test_stop_signal_to_a_self_launched_run_reaches_the_workers"),
+    Fault("SIGTERM, SIGUSR1 or SIGUSR2 while the resume waits on a disk that stopped answering (before the first "
+          "step)",
           "the run ends at once in one line, exit 75, nothing saved or changed (the signal is not swallowed)",
           "test_stop_before_training.py::test_a_stop_signal_while_the_resume_hangs_ends_the_run_at_once"),
+    Fault("SIGTERM while the run builds its datasets, before the checkpointer exists",
+          "one line, at once: exit 75 with checkpoints (the same command resumes), 143 without (nothing saved)",
+          "test_stop_before_training.py::test_a_stop_signal_while_the_run_is_assembled_ends_it_at_once_in_one_line"),
+    Fault("SIGTERM to a self-launched DDP run before its workers' first step",
+          "the workers end at once; the launching process says so in one line with exit 75, as one process does",
+          "test_stop_before_training.py::"
+          "test_a_stop_signal_before_the_workers_first_step_ends_a_self_launched_run_with_exit_75"),
+    Fault("SIGTERM during training without checkpoints (checkpoint=off)",
+          "one line saying nothing was saved, exit 143 (128 + SIGTERM)",
+          "test_checkpoint.py::test_a_stop_signal_without_checkpoints_ends_the_run_at_once_in_one_line"),
+    Fault("a second SIGTERM while the save the first one waits for hangs on a disk",
+          "the run ends at once in one line, exit 75; committed checkpoints byte-identical, the save uncommitted",
+          "test_hung_saves.py::test_a_second_stop_signal_ends_a_hung_save_at_once_in_one_line"),
     Fault("Ctrl-C (SIGINT) on one process or on a self-launched group, pressed once or twice",
           "one line, exit 130, no traceback, no rank left; committed checkpoints intact",
           "test_faults.py::test_ctrl_c_on_a_self_launched_run_stops_every_rank_in_one_line"),
@@ -132,6 +153,20 @@ FAULTS = [
           "the watchdog names it (its beat stopped); the collective ends at parallelism.timeout_s: one line with "
           "the watchdog's account, exit 124 (a hang, not a crash); every rank's stacks in <run dir>/hang/",
           "test_distributed.py::test_a_rank_that_stops_answering_is_named_when_the_collective_times_out"),
+    Fault("one rank of a DDP run stops answering (SIGSTOP) as its sync save begins",
+          "the save's collective waits parallelism.timeout_s, not torch's 30 minutes: one line naming the save, with "
+          "the watchdog's account (the rank that stopped answering, the ranks waiting in the save), exit 124; "
+          "committed checkpoints byte-identical, no process left",
+          "test_hung_saves.py::test_a_rank_frozen_in_a_sync_save_ends_the_run_at_the_collective_timeout"),
+    Fault("one rank's disk stops answering under its async upload",
+          "the rank waits for its upload at the next save and its watchdog ends it once the save has lasted "
+          "twice parallelism.timeout_s: one line naming it, where it is stuck and that it hung in a save, exit 124; "
+          "committed checkpoints byte-identical, the save uncommitted, no process left",
+          "test_hung_saves.py::test_a_disk_that_stops_answering_under_an_async_upload_is_named_and_ended"),
+    Fault("the disk stops answering under a one-process save (parallelism.watchdog.enabled=true)",
+          "no collective can time out: the watchdog ends the run after twice parallelism.timeout_s, one line, exit "
+          "124; the same command resumes from the committed checkpoint",
+          "test_hung_saves.py::test_a_disk_that_stops_answering_under_one_process_is_ended_by_the_watchdog"),
     Fault("one rank blocks inside the user's dataset",
           "the line names the rank, the step and the dataset's file and line; the others wait in trainflow's step",
           "test_distributed.py::test_a_rank_blocked_in_the_users_dataset_is_named_with_its_file_and_line"),

@@ -100,6 +100,18 @@ def test_sbatch_script_for_four_nodes_of_eight_gpus(tmp_path: Path) -> None:
     assert not (tmp_path / ".submitit").exists()  # nothing submitted
 
 
+@pytest.mark.parametrize(("signals", "warned"), [("[SIGTERM,SIGUSR1]", True), ("[SIGTERM,SIGUSR2]", False)])
+def test_stop_signals_without_slurms_notice_are_said(tmp_path: Path, signals: str, warned: bool) -> None:
+    """Inspected, not submitted: SLURM's notice before a time limit or a preemption is USR2 (#SBATCH --signal);
+    checkpoint.stop_signals without it saves nothing on the notice, and the launcher says so once."""
+    proc = multirun(tmp_path, *SLURM, "hydra.launcher.dry_run=true", "checkpoint=dcp",
+                    f"checkpoint.stop_signals={signals}", timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert ("checkpoint.stop_signals leaves out SIGUSR2, SLURM's notice before a time limit or a preemption: a "
+            "requeued job starts again from its last periodic checkpoint" in proc.stdout + proc.stderr) is warned
+    assert "#SBATCH --signal=USR2@120" in (tmp_path / "dry_run.sbatch").read_text()
+
+
 @pytest.mark.parametrize(("overrides", "tasks"), [
     (["parallelism=ddp", "parallelism.nproc_per_node=3"], 3),  # the one knob, followed
     (["parallelism=fsdp", "hydra.launcher.gpus_per_node=4"], 4),  # auto: one rank per GPU asked for
@@ -228,32 +240,38 @@ def test_the_same_sweep_again_submits_nothing_when_every_job_finished(sweep: Swe
     assert {n: (sweep.dir / n / "metrics.jsonl").read_bytes() for n in ("0", "1")} == before
 
 
-@pytest.mark.slow
 @needs_cluster
 def test_time_limit_checkpoints_requeues_and_resumes_to_the_same_losses(tmp_path: Path) -> None:
-    """timeout_min=2: SLURM's own notice before the time limit (USR2@60 s; SLURM checks limits every 30 s and may
-    send it that much earlier) stops the job with a checkpoint; submitit counts a timeout and requeues it; attempts
-    continue until the run completes, with the losses of an uninterrupted run."""
-    # ~95 s of training on an idle 2-core machine (23 ms steps): longer than one attempt's ~60 s before the notice
-    steps = ["trainer.max_steps=4000", "model.n_embd=128", "trainer.eval_every=0"]
-    reference = tmp_path / "reference"
-    local = run_process([sys.executable, str(ROOT / "train.py"), *TINY_GPT, *steps, "parallelism=ddp",
-                         "parallelism.nproc_per_node=2", "data=synthetic", f"hydra.run.dir={reference}"],
-                        cwd=ROOT, env=sweep_env(), capture_output=True, text=True, timeout=600)
-    assert local.returncode == 0, local.stderr[-3000:]
+    """timeout_min=1, signal_delay_s=5: SLURM's own notice before the time limit (USR2; SLURM looks at time limits
+    every 30 s and sends it at the first look that finds less than signal_delay_s + 30 s left: 25 to 55 s after the
+    start) reaches every rank in training; they save at the step boundary, submitit counts a timeout and requeues the
+    job, which resumes and ends with the losses of an uninterrupted run. The first attempt reads each item 0.06 s
+    slower (8 a step: ~70 s of steps), so that it is still training when the notice comes; the second reads at full
+    speed and is done before its own (25 s after its start at the earliest)."""
+    data = ["data=synthetic", "data._target_=helpers.slurm.first_attempt_slow", "data.num_samples=4096"]
+    steps = [*TINY_GPT, *data, "trainer.max_steps=150", "trainer.eval_every=0", "parallelism=ddp"]
+    tests = {"PYTHONPATH": os.pathsep.join(p for p in (str(ROOT / "tests"), os.environ.get("PYTHONPATH")) if p)}
+    reference = tmp_path / "reference"  # trained beside the job's first attempt, which mostly sleeps
+    local = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *steps, "parallelism.nproc_per_node=2",
+                              f"hydra.run.dir={reference}"], cwd=ROOT, env={**sweep_env(), **tests},
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     sweep = tmp_path / "sweep"
-    proc = multirun(sweep, *TINY_GPT, *steps, *SLURM, *TWO_RANKS[:2], "hydra.launcher.timeout_min=2",
-                    "hydra.launcher.signal_delay_s=60", "hydra.launcher.max_num_timeout=10", "parallelism=ddp",
-                    "data=synthetic", *RESUMABLE, "checkpoint.every_steps=200", timeout=1500)
+    proc = multirun(sweep, *steps, *SLURM, *TWO_RANKS[:2], "hydra.launcher.timeout_min=1",
+                    "hydra.launcher.signal_delay_s=5", *RESUMABLE, timeout=400,
+                    env={**sweep_env(), **tests, "TEST_FIRST_ATTEMPT_ITEM_S": "0.06"})
+    assert local.wait(timeout=300) == 0, local.stderr.read()[-3000:]
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     (job_id,) = slurm_ids(sweep)
     state, restarts = sacct(job_id)
-    assert state == "COMPLETED" and restarts >= 1
-    summary = json.loads((sweep / "0" / "summary.json").read_text())
-    assert summary["steps"] == 4000 and summary["resumed_from_step"] is not None
-    assert losses_by_step(sweep / "0") == losses_by_step(reference)
     rank_logs = "".join(p.read_text() for p in (sweep / ".submitit" / job_id).glob("*_log.*"))
-    assert "this job is timed-out" in rank_logs
+    attempts = [line for line in rank_logs.splitlines() if re.search(r"Caught signal|stopped at step|resumed", line)]
+    assert state == "COMPLETED" and restarts == 1, "\n".join(attempts)  # one notice: in the first attempt
+    summary = json.loads((sweep / "0" / "summary.json").read_text())
+    resumed = summary["resumed_from_step"]
+    assert summary["steps"] == 150 and resumed is not None and 0 < resumed < 150
+    assert losses_by_step(sweep / "0") == losses_by_step(reference)
+    assert "this job is timed-out" in rank_logs  # submitit's own account of the notice: a time limit
+    assert f"SIGUSR2: stopped at step {resumed} with checkpoint " in rank_logs  # saved on the notice, resumed there
 
 
 @needs_cluster

@@ -69,8 +69,19 @@ def check_config_dir(argv: list[str]) -> None:
 def run_from_hydra(cfg: DictConfig) -> float | None:
     """Run one training job for `train.py`; return the final validation value of task.monitor (what sweepers
     optimise, in the direction of task.mode)."""
+    from trainflow.checkpoint.stopping import release_stop_signals
+
+    try:
+        return _run_job(cfg)
+    finally:
+        release_stop_signals()
+
+
+def _run_job(cfg: DictConfig) -> float | None:
+    """The job: validate, catch the stop signals, train here or start the local workers; user errors as one line."""
     from hydra.core.hydra_config import HydraConfig
 
+    from trainflow.checkpoint.stopping import catch_stop_signals
     from trainflow.distributed.launch import launch, should_launch
     from trainflow.loop.run import run
 
@@ -78,6 +89,8 @@ def run_from_hydra(cfg: DictConfig) -> float | None:
     sweep_job = sweeps.is_sweep_job(hydra_cfg)
     try:
         cfg = validate(sweeps.with_job_checkpoint_dir(cfg, hydra_cfg))
+        # from here on a stop signal says in one line what it did, whatever the run is doing (see stopping.py)
+        catch_stop_signals(cfg.checkpoint.stop_signals, cfg.checkpoint.enabled, speak=env_rank() == 0)
         run_dir = Path(hydra_cfg.runtime.output_dir)
         if sweep_job:
             if (done := sweeps.finished(run_dir, cfg)) is not None:  # the same -m command again: keep its results
@@ -101,12 +114,12 @@ def run_from_hydra(cfg: DictConfig) -> float | None:
         if traceback_wanted():
             raise
         if env_rank() == 0:  # every rank gets the terminal's Ctrl-C: one line is enough
-            print("Interrupted: stopped at once, without a save; committed checkpoints are untouched (SIGTERM, "
-                  "SIGUSR2 or SIGHUP save at the next step boundary, then stop)", file=sys.stderr)
+            print("Interrupted: stopped at once, without a save; committed checkpoints are untouched (a stop signal, "
+                  "SIGTERM say, saves at the next step boundary, then stops)", file=sys.stderr)
         sys.exit(EXIT_INTERRUPTED)
     from trainflow.checkpoint import stop_exit_code
 
-    if (code := stop_exit_code(summary)) is not None:  # saved on SIGTERM/SIGUSR2: tell the launcher to run us again
+    if (code := stop_exit_code(summary)) is not None:  # saved on a stop signal: tell the launcher to run us again
         if env_rank() == 0 and _single_run():
             print(f"Stopped after a committed checkpoint; to resume, run the same command: {resume_command()}",
                   file=sys.stderr)

@@ -99,15 +99,13 @@ class SlurmLauncher(SweepLauncher):
         jobs = self.compose(job_overrides, initial_job_idx)
         sweep_dir = Path(str(self.config.hydra.sweep.dir))
         params = sbatch_parameters(self.conf, tasks_per_node(self.conf, jobs))
+        warn_unsaved_notice(jobs[0].config)
         if self.conf.dry_run:
             path = sweep_dir / "dry_run.sbatch"
             path.write_text(render_sbatch(self.conf, params, len(jobs)))
             log.info("dry run: the sbatch script for %d jobs is %s; nothing was submitted", len(jobs), path)
             return []
         preflight(self.conf)
-        if not OmegaConf.select(jobs[0].config, "checkpoint.enabled", default=True):
-            log.warning("checkpoint=off: a preempted or timed-out job starts again from step 0; "
-                        "use checkpoint=dcp to resume where it stopped")
         done = {job.num: ret for job in jobs if (ret := finished_already(job)) is not None}
         todo = [job for job in jobs if job.num not in done]  # the same sweep again: only unfinished jobs go
         if todo:
@@ -168,6 +166,17 @@ class SlurmJobRunner:
         from submitit.helpers import DelayedSubmission
 
         return DelayedSubmission(self, job)
+
+
+def warn_unsaved_notice(cfg: Any) -> None:
+    """Say when SLURM's notice before a time limit or a preemption (USR2, signal_delay_s before the end) would not
+    save a checkpoint first: the requeued job then starts again from its last periodic save, or from step 0."""
+    if not OmegaConf.select(cfg, "checkpoint.enabled", default=True):
+        log.warning("checkpoint=off: a preempted or timed-out job starts again from step 0; "
+                    "use checkpoint=dcp to resume where it stopped")
+    elif "SIGUSR2" not in OmegaConf.select(cfg, "checkpoint.stop_signals", default=["SIGUSR2"]):
+        log.warning("checkpoint.stop_signals leaves out SIGUSR2, SLURM's notice before a time limit or a preemption: "
+                    "a requeued job starts again from its last periodic checkpoint; add SIGUSR2 to save on the notice")
 
 
 def _stop_signal(job_dir: Path) -> str | None:

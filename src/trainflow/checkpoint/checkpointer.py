@@ -9,7 +9,7 @@ loop waits only while the state is copied into CPU buffers that are reused from 
 the state stays resident); at most one save is in flight; the next save, a stop signal and the end of the run
 wait for it, and its errors are raised there.
 
-Stop signals (stopping.py): SIGTERM, SIGUSR2 or SIGHUP on any rank makes every rank save at the same step boundary
+Stop signals (stopping.py, checkpoint.stop_signals): one on any rank makes every rank save at the same step boundary
 and stop; the process then exits with EXIT_STOPPED, and running the same command again resumes.
 
 One run at a time: rank 0 holds an exclusive `flock` on `checkpoint.dir/.lock` from the start to the end of the
@@ -24,8 +24,10 @@ import logging
 import shutil
 import signal
 import time
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -60,10 +62,11 @@ from trainflow.checkpoint.state import (
     state_bytes,
     weights_layout,
 )
-from trainflow.checkpoint.stopping import EXIT_STOPPED, LatePoll, StopSignals, mark_stopped
+from trainflow.checkpoint.stopping import EXIT_STOPPED, LatePoll, mark_stopped, run_stop_signals
 from trainflow.checkpoint.store import TMP_PREFIX, Committed, check_intact, list_committed
 from trainflow.config.schema import CheckpointConfig
 from trainflow.distributed import DistEnv
+from trainflow.distributed.failures import note_save, says_peer_lost
 from trainflow.errors import CheckpointError
 from trainflow.util.device import device_sync
 from trainflow.util.locks import DirLock
@@ -103,7 +106,7 @@ class Checkpointer:
 
     summary_key = "checkpoint"
 
-    def __init__(self, cfg: CheckpointConfig, env: DistEnv, run_dir: Path) -> None:
+    def __init__(self, cfg: CheckpointConfig, env: DistEnv, run_dir: Path, timeout_s: float | None = None) -> None:
         self.cfg = cfg
         self.env = env
         self.run_dir = run_dir
@@ -116,9 +119,12 @@ class Checkpointer:
         self._main_group = None  # gloo group for the main thread's collectives (flags, barriers, sync saves)
         self._async_group = None  # gloo group owned by the async upload thread (the default group hangs)
         if env.distributed:
-            self._main_group = dist.new_group(backend="gloo")
+            # the run's collective timeout (parallelism.timeout_s; a new group's own default is 30 min): a save
+            # waiting for a rank that stopped answering ends the run as a step waiting for it does
+            timeout = timedelta(seconds=timeout_s) if timeout_s else None
+            self._main_group = dist.new_group(backend="gloo", timeout=timeout)
             if cfg.mode == "async":
-                self._async_group = dist.new_group(backend="gloo")
+                self._async_group = dist.new_group(backend="gloo", timeout=timeout)
         self._ranks = RankAgreement(env, self._main_group)
         self._pending: _Pending | None = None
         self._poll = LatePoll(self._main_group)  # each step: (stop signal, uploading) of every rank
@@ -133,18 +139,17 @@ class Checkpointer:
         self._fingerprint: str | None = None
         self._layout: int | None = None  # the model's weights_layout, saved in each manifest
         self._need_bytes = 0  # what a save writes, at least: to recognise a full disk
-        self._signals = StopSignals()
+        self._signals = run_stop_signals()  # caught since the run's start; acted on here from the first step
         self._stopped_by: str | None = None
         self._lock: DirLock | None = None  # rank 0, from resume() to close()
         self._deleter = store.Deleter()  # rank 0: removes the checkpoints retention retired
-        self._signals.install(warn=env.is_main)
 
     # -- the stage interface -------------------------------------------------------------------------------------
 
     @classmethod
     def build(cls, ctx: Any) -> Checkpointer:
         """From the run's StageContext (trainflow.loop.stages)."""
-        return cls(ctx.section("checkpoint", CheckpointConfig), ctx.env, ctx.run_dir)
+        return cls(ctx.section("checkpoint", CheckpointConfig), ctx.env, ctx.run_dir, ctx.parallelism.timeout_s)
 
     def prepare(self, model: Any) -> Any:
         return model
@@ -241,7 +246,7 @@ class Checkpointer:
             self._stager = None  # the staging buffers: a whole copy of the state
             if self._lock is not None:
                 self._lock.release()
-            self._signals.restore()
+            self._signals.training_ends()
 
     def summary(self, steady: dict[str, Any] | None = None) -> dict[str, Any] | None:
         if not self.enabled:
@@ -270,34 +275,35 @@ class Checkpointer:
     def _save(self, state: TrainState, blocking: bool) -> None:
         import torch.distributed.checkpoint as dcp
 
-        if self._pending is not None:  # at most one save in flight: the next one waits for it
-            self._finish_pending(wait=True)
-        self._deleter.wait()  # the space of the checkpoints retention retired is free again
-        self._need_bytes = max(self._need_bytes, state_bytes(state), self._saves[-1]["bytes"] if self._saves else 0)
-        tensors, plain = split_state(state)
-        self._refuse_nonfinite(tensors, state.step)
-        tmp = self.dir / f"{TMP_PREFIX}step_{state.step:08d}"
-        self._ranks.on_rank0(lambda: store.new_tmp(tmp))
-        if self.env.is_main:
-            log.info("checkpoint step %d: saving to %s", state.step, tmp)
-        started = time.perf_counter()
-        if blocking:
-            self._save_now(state, tensors, plain, tmp, started)
-            return
-        sums, error = self._write_plain(tmp, plain, self._rank_files(state))
-        self._raise_if_failed(error, tmp, state.step)
-        if self._stager is None:
-            self._stager = reused_buffers(self.env.device)
-        writer = ChecksummingWriter(tmp, per_thread_copy_ahead=0)  # the staged state is in CPU memory already
-        future = dcp.async_save({"app": tensors}, storage_writer=writer, async_stager=self._stager,
-                                process_group=self._async_group)
-        pending = _Pending(state.step, state.samples_seen, tmp, started, future, time.perf_counter() - started,
-                           writer, sums)
-        future.add_done_callback(pending.mark_done)
-        self._pending = pending
-        if not self._verified:  # the first save is compared with the live state: wait for it once
-            self._finish_pending(wait=True)
-            self._verify(state)
+        with _saving(state.step):
+            if self._pending is not None:  # at most one save in flight: the next one waits for it
+                self._finish_pending(wait=True)
+            self._deleter.wait()  # the space of the checkpoints retention retired is free again
+            self._need_bytes = max(self._need_bytes, state_bytes(state), self._saves[-1]["bytes"] if self._saves else 0)
+            tensors, plain = split_state(state)
+            self._refuse_nonfinite(tensors, state.step)
+            tmp = self.dir / f"{TMP_PREFIX}step_{state.step:08d}"
+            self._ranks.on_rank0(lambda: store.new_tmp(tmp))
+            if self.env.is_main:
+                log.info("checkpoint step %d: saving to %s", state.step, tmp)
+            started = time.perf_counter()
+            if blocking:
+                self._save_now(state, tensors, plain, tmp, started)
+                return
+            sums, error = self._write_plain(tmp, plain, self._rank_files(state))
+            self._raise_if_failed(error, tmp, state.step)
+            if self._stager is None:
+                self._stager = reused_buffers(self.env.device)
+            writer = ChecksummingWriter(tmp, per_thread_copy_ahead=0)  # the staged state is in CPU memory already
+            future = dcp.async_save({"app": tensors}, storage_writer=writer, async_stager=self._stager,
+                                    process_group=self._async_group)
+            pending = _Pending(state.step, state.samples_seen, tmp, started, future, time.perf_counter() - started,
+                               writer, sums)
+            future.add_done_callback(pending.mark_done)
+            self._pending = pending
+            if not self._verified:  # the first save is compared with the live state: wait for it once
+                self._finish_pending(wait=True)
+                self._verify(state)
 
     def _save_now(self, state: TrainState, tensors: dict[str, Any], plain: dict[str, Any], tmp: Path,
                   started: float) -> None:
@@ -355,21 +361,28 @@ class Checkpointer:
     def _finish_pending(self, wait: bool = False) -> None:
         """Commit the in-flight async save (every rank's upload is done, or `wait` for it)."""
         p, self._pending = self._pending, None
-        waited = time.perf_counter()
-        error = None
-        try:
-            p.future.result()
-        except BaseException as exc:
-            reraise_interrupt(exc)
-            error = exc
-        waited = time.perf_counter() - waited if wait else 0.0
-        self._raise_if_failed(error, p.tmp, p.step)
-        done = p.done_at or time.perf_counter()
-        self._commit(p.tmp, p.step, p.samples_seen, done - p.started, p.staged_s + waited,
-                     {**p.checksums, **p.writer.checksums})
+        with _saving(p.step):
+            waited = time.perf_counter()
+            error = None
+            try:
+                p.future.result()
+            except BaseException as exc:
+                reraise_interrupt(exc)
+                error = exc
+            waited = time.perf_counter() - waited if wait else 0.0
+            self._raise_if_failed(error, p.tmp, p.step)
+            done = p.done_at or time.perf_counter()
+            self._commit(p.tmp, p.step, p.samples_seen, done - p.started, p.staged_s + waited,
+                         {**p.checksums, **p.writer.checksums})
 
     def _raise_if_failed(self, error: BaseException | None, tmp: Path, step: int) -> None:
-        """Agree on a failed save: remove its temporary folder and raise one sentence on every rank."""
+        """Agree on a failed save: remove its temporary folder and raise one sentence on every rank.
+
+        A save that lost a rank (a collective timed out, a connection dropped) raises that error at once: agreeing
+        would wait for the lost rank too. Its temporary folder stays, uncommitted, for the next start to remove.
+        """
+        if error is not None and self.env.distributed and says_peer_lost(str(error)):
+            raise error
         if not self._ranks.any(error is not None):
             return
         if self.env.is_main:
@@ -468,3 +481,13 @@ class Checkpointer:
         # uploaded: the save that was pending when those flags were taken (still the pending one) is done everywhere
         uploaded = self._pending is not None and polled_pending is self._pending and not bool(agreed[1])
         return int(agreed[0]) or None, uploaded
+
+
+@contextlib.contextmanager
+def _saving(step: int) -> Iterator[None]:
+    """An error out of the save of `step` says so, for the launcher's account of it (failures.note_save)."""
+    try:
+        yield
+    except BaseException as exc:
+        note_save(exc, step)
+        raise

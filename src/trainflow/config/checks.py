@@ -9,6 +9,7 @@ from __future__ import annotations
 import difflib
 import inspect
 import math
+import signal
 from dataclasses import asdict
 from typing import Any
 
@@ -16,7 +17,15 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import InterpolationResolutionError, MissingMandatoryValue
 
-from trainflow.config.schema import LADDER_RUNGS, ProfilerConfig, TaskConfig, WorkerConfig, decided, typed
+from trainflow.config.schema import (
+    LADDER_RUNGS,
+    STOP_SIGNALS,
+    ProfilerConfig,
+    TaskConfig,
+    WorkerConfig,
+    decided,
+    typed,
+)
 from trainflow.config.sections import command_line_keys, settle_sections, single_run
 from trainflow.config.targets import import_target
 from trainflow.data.tokenizers import BYTE_VOCAB
@@ -248,9 +257,14 @@ def validate_tp_sizes(cfg: DictConfig) -> None:
 def validate_checkpoint(cfg: DictConfig) -> None:
     """Checkpoint values a type cannot check (paths are checked where they are used)."""
     checkpoint = cfg.checkpoint
+    for name in checkpoint.stop_signals:  # they stop a run without checkpoints too (at once, nothing saved)
+        _require(name in STOP_SIGNALS, "checkpoint.stop_signals", f"{_not_a_stop_signal(name)}; list some of "
+                 f"{', '.join(STOP_SIGNALS)}, the signals schedulers and sessions send to end a job")
     if not checkpoint.enabled:  # a checkpoint key typed for a run that saves and resumes nothing was meant for one
-        # that does (a sweep's typed keys are every job's, and some of its jobs may save)
-        typed = sorted(k for k in command_line_keys() if k.startswith("checkpoint.") and k != "checkpoint.enabled")
+        # that does (a sweep's typed keys are every job's, and some of its jobs may save); the stop signals act
+        # without checkpoints too
+        typed = sorted(k for k in command_line_keys() if k.startswith("checkpoint.")
+                       and k not in ("checkpoint.enabled", "checkpoint.stop_signals"))
         typed = typed if single_run() else []
         _require(not typed, typed[0] if typed else "", "is set, but checkpoints are off (checkpoint=off, the "
                  "default): this run would save nothing and resume nothing; add checkpoint=dcp, or drop the key")
@@ -291,6 +305,19 @@ def validate_ladder(cfg: DictConfig) -> None:
              f"must be a positive number of steps, or null for about 10 logs a rung; got {ladder.log_every}")
     _require(ladder.resume_atol >= 0, "ladder.resume_atol",
              f"must be >= 0 (0: bit-identical); got {ladder.resume_atol}")
+
+
+def _not_a_stop_signal(name: str) -> str:
+    """Why a signal name cannot be a stop signal, in words."""
+    if name in ("SIGKILL", "SIGSTOP"):
+        return f"{name} cannot be caught, so nothing can be saved on it"
+    if name == "SIGINT":
+        return "SIGINT is Ctrl-C, which stops at once (exit code 130)"
+    if name in signal.Signals.__members__:
+        return f"{name} is not sent to end a job"
+    if f"SIG{name}" in signal.Signals.__members__:
+        return f"{name!r} is not a signal's name: write SIG{name}"
+    return f"{name!r} is not a signal's name (as signal(7) names them: SIGTERM, SIGUSR1, ...)"
 
 
 def _require(ok: bool, key: str, message: str) -> None:

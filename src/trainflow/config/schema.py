@@ -333,6 +333,11 @@ class ParallelismConfig:
     ft: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
 
 
+# The signals a scheduler or a session sends to end a job: checkpoint.stop_signals lists those that stop a run after
+# a save at the step boundary (SIGUSR1: SLURM's --signal=USR1@N before a time limit; SIGHUP: a closed terminal).
+STOP_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGHUP")
+
+
 @dataclass
 class CheckpointConfig:
     enabled: bool = False
@@ -348,6 +353,7 @@ class CheckpointConfig:
     # a resume on other data than the checkpoint's (files added, other shards, another split): refuse | restart (go
     # on from the checkpoint on this data, the data position restarted at sample 0)
     on_data_change: str = "refuse"
+    stop_signals: list[str] = field(default_factory=lambda: list(STOP_SIGNALS))  # a subset of STOP_SIGNALS
 
 
 @dataclass

@@ -27,10 +27,16 @@ class CollectiveTimeout(WorkerError):
     exit_code = 124  # as timeout(1) exits
 
 
+class SaveHung(CollectiveTimeout):
+    """The watchdog ended a rank whose save outlasted its limit (a disk that stopped answering, where
+    no collective waits for the rank and so none times out)."""
+
+
 # What a collective says when a peer process went away or stopped answering (gloo, NCCL, the c10d store): the
 # rank that says it only lost its neighbour, it is never the cause when another rank failed by itself.
-_PEER_LOST = ("connection reset by peer", "connection closed by peer", "broken pipe", "timed out waiting",
-              "socket timeout", "communicator was aborted", "remote process exited", "connection refused")
+_TIMED_OUT = ("timed out waiting", "application timeout caused pair closure")  # gloo's words for a timeout
+_PEER_LOST = ("connection reset by peer", "connection closed by peer", "broken pipe", "socket timeout",
+              "communicator was aborted", "remote process exited", "connection refused", *_TIMED_OUT)
 
 
 # How long a rank that lost a peer waits before it exits: the agent then sees the lost rank's own exit (its signal)
@@ -55,6 +61,14 @@ def noted_step(exc: BaseException) -> int | None:
     return getattr(exc, "_trainflow_step", None)
 
 
+def note_save(exc: BaseException, step: int) -> None:
+    """Remember on the exception that it ended the save of `step` (a hang there is a save's, not a step's); the
+    innermost save noted wins (a save waits for the one before it first)."""
+    with contextlib.suppress(AttributeError, TypeError):
+        if getattr(exc, "_trainflow_save_step", None) is None:
+            exc._trainflow_save_step = step
+
+
 def record_failure(exc: BaseException) -> None:
     """Write the exception where the elastic agent looks (TORCHELASTIC_ERROR_FILE), so the launcher can name it."""
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
@@ -71,10 +85,14 @@ def record_failure(exc: BaseException) -> None:
     }
     if "RANK" in os.environ:  # the global rank: another node's launcher may read this record without its agent
         data["trainflow_rank"] = int(os.environ["RANK"])
-    if isinstance(exc, TrainflowError):
+    if isinstance(exc, CollectiveTimeout):
+        data["trainflow_hang"] = str(exc)
+    elif isinstance(exc, TrainflowError):
         data["trainflow_user_error"] = str(exc)
     if (step := getattr(exc, "_trainflow_step", None)) is not None:
         data["trainflow_step"] = step
+    if (step := getattr(exc, "_trainflow_save_step", None)) is not None:
+        data["trainflow_save_step"] = step
     with contextlib.suppress(OSError), open(path, "w") as f:
         json.dump(data, f)
 
@@ -157,17 +175,17 @@ def explain_worker_failure(exc: Any, logs: Path | None = None, hang: str | None 
     data, failure = records[rank], exc.failures.get(rank)
     if "trainflow_user_error" in data:
         return TrainflowError(f"{data['trainflow_user_error']} (rank {rank})")
+    if "trainflow_hang" in data:
+        return CollectiveTimeout(hang_line(data["trainflow_hang"], hang))
     if killed(rank):
         others = {other: what_it_said(data) for other, data in records.items()}
         return lost_rank_error(rank, failure.signal_name(), others, pid=failure.pid)
     message = data.get("message")
     if isinstance(message, dict) and _peer_lost(data):
         said = _first_line(message.get("message"))
-        if "timed out" in said.lower():
-            return CollectiveTimeout(f"rank {rank} waited parallelism.timeout_s in a collective{_at(data)} and another "
-                                     f"rank never arrived ({said}){'; ' + hang if hang else ''}; the other ranks "
-                                     "were stopped; committed checkpoints are intact: the same command resumes from "
-                                     "the newest")
+        if "timed out" in said.lower() or any(words in said.lower() for words in _TIMED_OUT):
+            return CollectiveTimeout(hang_line(f"rank {rank} waited parallelism.timeout_s in a collective{_at(data)} "
+                                               f"and another rank never arrived ({said})", hang))
         return WorkerError(f"rank {rank} lost its connection to another rank{_at(data)} and no rank said why: "
                            f"{said}; the other ranks were stopped")
     if isinstance(message, dict):
@@ -178,7 +196,15 @@ def explain_worker_failure(exc: Any, logs: Path | None = None, hang: str | None 
     return WorkerError(f"rank {rank} exited with code {code}; the other ranks were stopped; its output above says why")
 
 
+def hang_line(what: str, hang: str | None, world_size: int = 2) -> str:
+    """The one line that ends a hung run: what ended it, the watchdog's account of who hung where, and the way on."""
+    return (f"{what}{'; ' + hang if hang else ''}{'; the other ranks were stopped' if world_size > 1 else ''}; "
+            "committed checkpoints are intact: the same command resumes from the newest")
+
+
 def _at(data: dict[str, Any]) -> str:
+    if "trainflow_save_step" in data:
+        return f" in the save of step {data['trainflow_save_step']}"
     return f" in step {data['trainflow_step']}" if "trainflow_step" in data else ""
 
 

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from trainflow.checkpoint.stopping import EXIT_STOPPED, catch_stop_signals
 from trainflow.distributed.failures import WorkerError, explain_worker_failure, record_failure
 from trainflow.distributed.mesh import env_rank
 from trainflow.distributed.process_group import (
@@ -66,7 +67,8 @@ def should_launch(cfg: DictConfig) -> bool:
     return p.strategy != "single" and not launched()
 
 
-_PASSED_ON = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR2")  # signals the agent passes on to the workers
+# signals the agent passes on to the workers: every stop signal (checkpoint.stop_signals), Ctrl-C and SIGQUIT
+_PASSED_ON = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2")
 _STOPPED_EVERY_S = 0.5  # how often the launching process looks for a stopped worker the agent asked to end
 _AGENT_STOPPING = "agent-stopping"  # left next to the workers' pids when the agent got a signal it passes on
 _AGENT_STOPPING_EVERY_S = 0.1  # how often a finished worker looks for that mark
@@ -111,7 +113,8 @@ def launch(cfg: DictConfig, run_dir: Path) -> dict[str, Any] | None:
             # exits would print their traceback. After a stop the workers are gone: ignore a repeated signal.
             for name, handler in handlers.items():
                 signal.signal(getattr(signal, name), signal.SIG_IGN if stop else handler)
-    return _rank0_summary(run_dir / "summary.json", started, stop)
+    resumable = stop is not None and cfg.checkpoint.enabled and stop.name in cfg.checkpoint.stop_signals
+    return _rank0_summary(run_dir / "summary.json", started, stop, resumable)
 
 
 @contextlib.contextmanager
@@ -194,21 +197,30 @@ def _stopped_with_sigterm_pending(pid: int) -> bool:
 class StoppedBySignal(TrainflowError):
     """The launcher was signalled and the workers stopped before rank 0 wrote its summary."""
 
-    def __init__(self, message: str, signum: int) -> None:
+    def __init__(self, message: str, exit_code: int) -> None:
         super().__init__(message)
-        self.exit_code = 128 + signum  # what a shell reports for a process a signal ended
+        self.exit_code = exit_code
 
 
-def _rank0_summary(path: Path, started: float, stop: signal.Signals | None = None) -> dict[str, Any]:
+def _rank0_summary(path: Path, started: float, stop: signal.Signals | None = None,
+                   resumable: bool = False) -> dict[str, Any]:
     """Rank 0's summary, read from the file it wrote (also after a stop signal the agent passed on: the
-    checkpoint stage then saves at the next step boundary and ends the run normally, and says so in it)."""
+    checkpoint stage then saves at the next step boundary and ends the run normally, and says so in it).
+
+    Without one, a stop signal ended the workers at once (before their first step, or a second signal): with
+    checkpointing on the committed checkpoints resume the run (exit 75, as one process says), else the exit code
+    is the one a shell reports for a process the signal ended."""
     if path.exists() and path.stat().st_mtime >= started:
         if stop:
             log.warning("%s: the workers stopped; rank 0 finished its summary", stop.name)
         return json.loads(path.read_text())
+    if stop and resumable:
+        raise StoppedBySignal(f"stopped by {stop.name} before the workers saved (before their first step, or on a "
+                              "second signal): nothing new was saved, committed checkpoints are untouched; run the "
+                              f"same command to resume (exit code {EXIT_STOPPED})", EXIT_STOPPED)
     if stop:
         raise StoppedBySignal(f"stopped by {stop.name} before the workers finished (no summary.json was written)",
-                              int(stop))
+                              128 + int(stop))
     raise WorkerError(f"the workers finished, but rank 0 wrote no {path}")
 
 
@@ -226,10 +238,12 @@ def _worker(container: dict, run_dir: str, pids: str) -> None:
     signal.set_wakeup_fd(-1)  # a forked worker's own signals are not the agent's (see _workers_watched)
     mark_self_launched()
     # A forked worker inherits the agent's handlers (they raise in Python, which a rank blocked in a collective
-    # never reaches): a signal must act on it as on any process.
-    for name in ("SIGTERM", "SIGHUP", "SIGQUIT", "SIGUSR2"):
+    # never reaches): a signal must act on it as on any process, and a stop signal as on any rank.
+    for name in ("SIGTERM", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2"):
         signal.signal(getattr(signal, name), signal.SIG_DFL)
     signal.signal(signal.SIGINT, _interrupt_once)
+    checkpoint = container["checkpoint"]
+    catch_stop_signals(checkpoint["stop_signals"], checkpoint["enabled"], speak=False)  # the launcher speaks
     try:
         rank = env_rank()
         _configure_worker_logging(Path(run_dir), rank)

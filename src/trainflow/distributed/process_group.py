@@ -50,6 +50,11 @@ def mark_self_launched() -> None:
     _self_launched = True
 
 
+def self_launched() -> bool:
+    """Whether trainflow's own launch started this process, which then speaks for it (one line for the run)."""
+    return _self_launched
+
+
 @dataclass(frozen=True)
 class DistEnv:
     rank: int

@@ -7,10 +7,19 @@ rank's thread beats a small file in `<run dir>/hang/` and, once the rank has mad
 until there is a median), writes where its main thread is (the innermost
 frame of the user's code, else trainflow's) and every thread's stack (`faulthandler`). Rank 0 then says in one
 line which rank is stuck where, from those files: a rank whose beat went stale stopped answering (SIGSTOP, a
-frozen node), a rank stuck in the user's code is named with its file and line. A save, an evaluation or a
-recompile in progress is not a hang. Each rank also dumps the last collectives it entered (torch's flight recorder,
+frozen node), a rank stuck in the user's code is named with its file and line. An evaluation or a recompile in
+progress is not a hang. Each rank also dumps the last collectives it entered (torch's flight recorder,
 on gloo and NCCL alike; the process group sizes it for the watchdog), and rank 0's line says which ranks did not
 arrive at a collective the others entered. The report is also what the launcher adds to a collective timeout's line.
+
+A save is watched too, against a bound of its own: `watchdog.factor` times the longest step interval seen (the
+intervals that held the previous saves), at least the step's bound, and early enough for rank 0 to speak before
+the save's collectives time out. A rank in a save is named as stuck in it (its
+disk, or the async upload's, stopped answering) or waiting in it (in a collective, for a rank that is stuck). A
+save's collectives time out at `parallelism.timeout_s` (the checkpointer's groups have the run's timeout), which
+ends a run whose save waits for a rank; a save on which no collective waits (every rank's disk stopped answering,
+or one process) is ended by the watchdog itself once it has lasted twice `parallelism.timeout_s` without a step:
+exit 124, as a collective timeout, with its one line.
 """
 
 from __future__ import annotations
@@ -36,8 +45,9 @@ import torch
 import trainflow
 from trainflow.config.schema import WatchdogConfig
 from trainflow.distributed import DistEnv
-from trainflow.distributed.failures import rank_list
-from trainflow.distributed.process_group import watchdog_on
+from trainflow.distributed.failures import SaveHung, hang_line, rank_list, record_failure
+from trainflow.distributed.process_group import self_launched, watchdog_on
+from trainflow.errors import print_error
 from trainflow.loop.stages import LoopState, Stage, StageContext
 from trainflow.metrics.meter import Throughput
 
@@ -55,36 +65,51 @@ _STALE_BEATS = 3
 _SETTLE_BEATS = 4
 _TRAINFLOW = os.path.dirname(trainflow.__file__)
 _LIBRARIES = (os.path.dirname(torch.__file__), _TRAINFLOW, sysconfig.get_paths()["stdlib"])
-# Work that legitimately makes no step for a while: a save, an evaluation, a recompile.
-_BUSY = (os.sep + os.path.join("trainflow", "checkpoint") + os.sep, os.sep + os.path.join("trainflow", "evaluation.py"),
+# What a main thread does between steps, by the code it is in (innermost first). Work that legitimately makes no
+# step for a while and is never a hang: an evaluation, a recompile. A save: trainflow's checkpoint package and DCP,
+# judged against its own bound; but the per-step poll of the stop flags is a collective between steps, a step's.
+_BUSY = (os.sep + os.path.join("trainflow", "loop", "evaluation.py"),
          os.sep + os.path.join("torch", "_dynamo") + os.sep, os.sep + os.path.join("torch", "_inductor") + os.sep)
+_DCP = os.sep + os.path.join("torch", "distributed", "checkpoint") + os.sep
+_SAVE = (os.sep + os.path.join("trainflow", "checkpoint") + os.sep, _DCP)
+_STOP_POLL = os.sep + os.path.join("trainflow", "checkpoint", "stopping.py")
+_COLLECTIVE = os.sep + os.path.join("torch", "distributed", "distributed_c10d.py")  # where a collective waits
+_FUTURE = os.sep + os.path.join("concurrent", "futures") + os.sep  # a wait for an async upload's future
+BUSY, SAVE = "busy", "save"
 
 
 class Watchdog(Stage):
     """A stage that only times steps (one clock read each); its thread does the rest."""
 
-    def __init__(self, cfg: WatchdogConfig, env: DistEnv, run_dir: Path, meter: Throughput) -> None:
+    def __init__(self, cfg: WatchdogConfig, env: DistEnv, run_dir: Path, meter: Throughput,
+                 timeout_s: float) -> None:
         self.cfg = cfg
         self.env = env
         self.enabled = watchdog_on(cfg, env.world_size)
         self.dir = run_dir / HANG_DIR
         self.beat_s = cfg.min_s / 4  # a stopped rank's beat is stale well before anyone calls it stuck
+        self._settle_s = _SETTLE_BEATS * self.beat_s  # rank 0's wait for the other ranks' reports of a stall
+        self.timeout_s = timeout_s  # parallelism.timeout_s: a collective, a save's too, waits no longer
+        self.save_limit_s = 2 * timeout_s  # a save's collectives, which wait at most timeout_s, ended before
         self.meter = meter  # its excluded steps (warm-up, compile) are known once every stage is built
         self._intervals: deque[float] = deque(maxlen=_MEDIAN_OF)
+        self._longest = 0.0  # the longest step interval of the steady state (it holds the saves)
         self._last = 0.0  # when the last step ended (monotonic)
         self._step = 0  # the last step that ended
         self._steps_seen = 0
+        self._saving = False  # the main thread was in a save at the last beat
+        self._since = 0.0  # when the watchdog started (wall clock): an older hang report is another run's
         self._done = threading.Event()
         self._thread: threading.Thread | None = None
         self.reports = 0
 
     @classmethod
     def build(cls, ctx: StageContext) -> Watchdog:
-        return cls(ctx.parallelism.watchdog, ctx.env, ctx.run_dir, ctx.meter)
+        return cls(ctx.parallelism.watchdog, ctx.env, ctx.run_dir, ctx.meter, ctx.parallelism.timeout_s)
 
     def __enter__(self) -> Watchdog:
         self.dir.mkdir(parents=True, exist_ok=True)
-        self._last = time.monotonic()
+        self._last, self._since = time.monotonic(), time.time()
         self._beat()  # at once: a rank lost before the first interval still leaves its place
         self._thread = threading.Thread(target=self._watch, name="trainflow-watchdog", daemon=True)
         self._thread.start()
@@ -100,6 +125,7 @@ class Watchdog(Stage):
         self._steps_seen += 1
         if self._steps_seen > self.meter.excluded_steps:
             self._intervals.append(now - self._last)
+            self._longest = max(self._longest, now - self._last)
         self._last, self._step = now, state.step
         return False
 
@@ -111,26 +137,35 @@ class Watchdog(Stage):
     def median_s(self) -> float | None:
         return statistics.median(self._intervals) if self._intervals else None
 
+    def save_bound_s(self) -> float:
+        """How long a save may go without a step before the rank counts as stuck in it: the longest step interval
+        seen (which held the previous saves) times watchdog.factor, at least a step's bound, at most what leaves
+        rank 0 time to speak (the wait for the other ranks' reports) before the save's collectives time out."""
+        return max(self.bound_s(), min(self.cfg.factor * self._longest, self.timeout_s - self._settle_s))
+
     # --- the thread -------------------------------------------------------------------------------------------
 
     def _watch(self) -> None:
         reported_at = None  # the step a report was made in: one report per stall
         while not self._done.wait(self.beat_s):
-            self._beat()
-            bound = self.bound_s()
-            stalled = time.monotonic() - self._last
-            if stalled < bound or reported_at == self._step:
-                continue
             frame = sys._current_frames().get(threading.main_thread().ident)
-            if frame is None or _busy(frame):
+            doing = activity(frame) if frame is not None else BUSY
+            self._saving = doing == SAVE
+            self._beat()
+            stalled = time.monotonic() - self._last
+            if doing == BUSY:
                 continue
-            reported_at = self._step
-            self._report(frame, stalled, bound)
+            bound = self.save_bound_s() if self._saving else self.bound_s()
+            if stalled >= bound and reported_at != self._step:
+                reported_at = self._step
+                self._report(frame, stalled, bound)
+            if self._saving and stalled >= self.save_limit_s:
+                self._end(frame, stalled)
 
     def _beat(self) -> None:
         _write(self.dir / f"rank_{self.env.rank}.beat", {"rank": self.env.rank, "pid": os.getpid(),
                                                           "host": socket.gethostname(), "step": self._step,
-                                                          "time": time.time()})
+                                                          "saving": self._saving, "time": time.time()})
 
     def _report(self, frame: FrameType, stalled: float, bound: float) -> None:
         rank = self.env.rank
@@ -138,25 +173,54 @@ class Watchdog(Stage):
             faulthandler.dump_traceback(stacks, all_threads=True)
         record = flight_record()
         _write(self.dir / f"rank_{rank}.collectives.json", record)
-        _write(self.dir / f"rank_{rank}.json", {"rank": rank, "step": self._step + 1, "where": where(frame),
-                                                "users": _users_frame(frame) is not None, "time": time.time(),
+        place = save_place(frame) if self._saving else frame
+        _write(self.dir / f"rank_{rank}.json", {"rank": rank, "step": self._step + 1, "where": where(place),
+                                                "users": _users_frame(place) is not None, "save": self._saving,
+                                                "waiting": place.f_code.co_filename.endswith(_COLLECTIVE),
+                                                "time": time.time(),
                                                 "collectives": last_collectives(record["entries"])})
         self.reports += 1
         if rank != 0:
             return
         # the other ranks' reports of the same stall land meanwhile, and a stopped rank's beat grows older than any
         # live rank's can (_STALE_BEATS), however the stall and the beats fell
-        self._done.wait(_SETTLE_BEATS * self.beat_s)
+        self._done.wait(self._settle_s)
+        self._beat()  # this rank's own beat, which the wait let age, is read as any other
         line = self._account(stalled, bound)
         (self.dir / REPORT).write_text(line + "\n")
         log.error("%s", line)
 
+    def _basis(self) -> str:
+        """What this rank's bound is made of, in words."""
+        median = self.median_s()
+        if self._saving and self.save_bound_s() > self.bound_s():
+            if self.cfg.factor * self._longest > self.timeout_s - self._settle_s:
+                return "a save's: parallelism.timeout_s less the wait for every rank's report"
+            return f"a save's: {self.cfg.factor:g} x the longest step {self._longest:.3f} s, which held the saves"
+        if median:
+            return f"{self.cfg.factor:g} x the median step {median:.3f} s, at least parallelism.watchdog.min_s"
+        return "parallelism.watchdog.min_s, until the steady state gives a median step"
+
+    def _end(self, frame: FrameType, stalled: float) -> None:
+        """End this rank, whose save has lasted save_limit_s without a step: no collective is left to end it (every
+        rank's disk stopped answering, or one process). The launcher names it from its record; a rank that no
+        trainflow launcher started says the one line itself. Exit 124, as a collective timeout."""
+        error = SaveHung(f"rank {self.env.rank} was still in the save after step {self._step} {stalled:.0f} s "
+                         f"later, past its limit of twice parallelism.timeout_s (2 x {self.timeout_s:g} s), at "
+                         f"{where(save_place(frame))}: the watchdog ended it")
+        record_failure(error)
+        line = hang_line(str(error), hang_report(self.dir.parent, self._since), self.env.world_size)
+        log.error("%s", line)
+        for handler in logging.getLogger().handlers:
+            with contextlib.suppress(Exception):  # a handler that cannot flush must not keep the rank alive
+                handler.flush()
+        if not self_launched():
+            print_error(line)
+        os._exit(SaveHung.exit_code)
+
     def _account(self, stalled: float, bound: float) -> str:
         """Rank 0's one line: who is stuck where, from every rank's beat and report."""
         now = time.time()
-        median = self.median_s()
-        basis = (f"{self.cfg.factor:g} x the median step {median:.3f} s, at least parallelism.watchdog.min_s" if median
-                 else "parallelism.watchdog.min_s, until the steady state gives a median step")
         stuck, waiting, entered = [], [], {}
         for rank in range(self.env.world_size):
             beat, report = _read(self.dir / f"rank_{rank}.beat"), _read(self.dir / f"rank_{rank}.json")
@@ -164,19 +228,25 @@ class Watchdog(Stage):
             if fresh_report and fresh_report.get("collectives"):
                 entered[rank] = fresh_report["collectives"]
             if beat is None or now - beat["time"] > _STALE_BEATS * self.beat_s + 1:
-                seen = f"last beat {now - beat['time']:.0f} s ago, after step {beat['step']}, " \
+                doing = "in the save after" if beat and beat.get("saving") else "after"
+                seen = f"last beat {now - beat['time']:.0f} s ago, {doing} step {beat['step']}, " \
                        f"{beat['host']} pid {beat['pid']}" if beat else "no beat at all"
                 stuck.append(f"rank {rank} stopped answering ({seen})")
+            elif fresh_report and fresh_report.get("save") and not fresh_report["waiting"]:
+                stuck.append(f"rank {rank} is stuck in a save at {fresh_report['where']}")
+            elif fresh_report and fresh_report.get("save"):
+                waiting.append((rank, f"in a save at {fresh_report['where']}"))
             elif fresh_report and fresh_report["users"]:
                 stuck.append(f"rank {rank} is stuck in step {fresh_report['step']} at {fresh_report['where']}")
             elif fresh_report:
-                waiting.append((rank, fresh_report["where"]))
+                waiting.append((rank, f"at {fresh_report['where']}"))
             else:
-                stuck.append(f"rank {rank} is busy (compiling, saving, evaluating) or slow")
-        waits = "; ".join(f"{rank_list(group)} waiting at {at}" for at, group in _group(waiting).items())
+                stuck.append(f"rank {rank} is busy (compiling, evaluating) or slow")
+        waits = "; ".join(f"{rank_list(group)} waiting {at}" for at, group in _group(waiting).items())
         who = "; ".join(stuck) or "no rank is stuck in the user's code"
         last = arrivals(entered, self.env.world_size)
-        return (f"hang: no step for {stalled:.0f} s (the bound is {bound:.0f} s: {basis}): {who}"
+        return (f"hang: no step for {stalled:.0f} s after step {self._step} (the bound is {bound:.0f} s: "
+                f"{self._basis()}): {who}"
                 f"{'; ' + waits if waits else ''}{'; last collective: ' + last if last else ''}; "
                 f"every rank's stacks: {self.dir}")
 
@@ -263,10 +333,39 @@ def _frame_in(frame: FrameType, folder: str) -> FrameType | None:
     return current
 
 
-def _busy(frame: FrameType) -> bool:
+def activity(frame: FrameType) -> str | None:
+    """What a main thread stalled at `frame` is doing, by the innermost code that says: SAVE, BUSY (evaluating,
+    compiling), or None (a step, the stop flags' poll between steps included)."""
     current: FrameType | None = frame
     while current is not None:
-        if any(part in current.f_code.co_filename for part in _BUSY):
+        name = current.f_code.co_filename
+        if name.endswith(_STOP_POLL):
+            return None
+        if any(part in name for part in _SAVE):
+            return SAVE
+        if any(part in name for part in _BUSY):
+            return BUSY
+        current = current.f_back
+    return None
+
+
+def save_place(frame: FrameType) -> FrameType:
+    """Where a save stands: the main thread's frame, or, while it waits for an async upload, the upload's own (the
+    thread in DCP's code), which is where a disk or a collective holds it."""
+    current: FrameType | None = frame
+    while current is not None and not current.f_code.co_filename.startswith(_TRAINFLOW):
+        if _FUTURE in current.f_code.co_filename:
+            main = threading.main_thread().ident
+            uploads = [f for ident, f in sys._current_frames().items() if ident != main and _in_save_code(f)]
+            return uploads[0] if uploads else frame
+        current = current.f_back
+    return frame
+
+
+def _in_save_code(frame: FrameType) -> bool:
+    current: FrameType | None = frame
+    while current is not None:
+        if _DCP in current.f_code.co_filename:
             return True
         current = current.f_back
     return False
