@@ -42,7 +42,7 @@ from trainflow.distributed import DistEnv
 from trainflow.models.gpt import GPT
 from trainflow.optim import build_optimizer
 
-OPTIM = {"name": "adamw", "lr": 1e-4, "weight_decay": 0.1, "betas": [0.9, 0.95], "momentum": 0.9,
+OPTIM = {"_target_": "torch.optim.AdamW", "lr": 1e-4, "weight_decay": 0.1, "betas": [0.9, 0.95],
          "warmup_steps": 0, "min_lr_ratio": 0.1, "schedule": "constant"}
 
 

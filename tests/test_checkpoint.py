@@ -193,7 +193,8 @@ def test_a_stop_signal_without_checkpoints_ends_the_run_at_once_in_one_line(tmp_
     """Nothing to save: the run ends at once with the exit code a shell gives a process SIGTERM ended (143), and
     one line says that nothing was saved (before, it ended without a word)."""
     run_dir = tmp_path / "run"
-    proc = start(run_dir, *BASE, "trainer.max_steps=100000")
+    no_checkpoint_keys = [a for a in BASE if not a.startswith("checkpoint.")]  # a checkpoint key alone is refused
+    proc = start(run_dir, *no_checkpoint_keys, "trainer.max_steps=100000")
     wait_for(lambda: logged_steps(run_dir) >= 5, proc, "step 5")
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=120) == 128 + signal.SIGTERM
@@ -390,8 +391,8 @@ def _state(seed: int = 0):
 
     torch.manual_seed(seed)
     model = MLP(in_features=8, hidden=16, out_features=4)
-    optim_cfg = OmegaConf.create({"name": "adamw", "lr": 1e-2, "weight_decay": 0.1, "betas": [0.9, 0.95],
-                                  "momentum": 0.9, "warmup_steps": 2, "min_lr_ratio": 0.1, "schedule": "cosine"})
+    optim_cfg = OmegaConf.create({"_target_": "torch.optim.AdamW", "lr": 1e-2, "weight_decay": 0.1,
+                                  "betas": [0.9, 0.95], "warmup_steps": 2, "min_lr_ratio": 0.1, "schedule": "cosine"})
     optimizer, scheduler = build_optimizer(model, optim_cfg, 100, torch.device("cpu"))
     return TrainState(model, optimizer, scheduler)
 
@@ -403,8 +404,8 @@ def _gpt_state():
     from trainflow.optim import build_optimizer
 
     model = GPT(vocab_size=256, block_size=32, n_layer=2, n_head=2, n_embd=64)
-    optim_cfg = OmegaConf.create({"name": "adamw", "lr": 1e-3, "weight_decay": 0.1, "betas": [0.9, 0.95],
-                                  "momentum": 0.9, "warmup_steps": 2, "min_lr_ratio": 0.1, "schedule": "cosine"})
+    optim_cfg = OmegaConf.create({"_target_": "torch.optim.AdamW", "lr": 1e-3, "weight_decay": 0.1,
+                                  "betas": [0.9, 0.95], "warmup_steps": 2, "min_lr_ratio": 0.1, "schedule": "cosine"})
     return TrainState(model, *build_optimizer(model, optim_cfg, 12, torch.device("cpu")))
 
 

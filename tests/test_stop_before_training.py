@@ -125,7 +125,8 @@ def test_a_stop_signal_while_the_run_is_assembled_ends_it_at_once_in_one_line(tm
     """While the datasets are built, before the checkpointer exists: the run's entry point caught the signals
     already (before, SIGTERM ended it without a word, exit -15). Without checkpoints nothing can resume: the exit
     code is the one a shell gives a process SIGTERM ended, 143."""
-    proc, run_dir = stuck_run(tmp_path, "data", *ARGS, f"checkpoint={checkpoint}", "trainer.max_steps=8")
+    args = ARGS if checkpoint == "dcp" else [a for a in ARGS if not a.startswith("checkpoint")]  # no stray keys
+    proc, run_dir = stuck_run(tmp_path, "data", *args, f"checkpoint={checkpoint}", "trainer.max_steps=8")
     out, err = stop(proc, signal.SIGTERM)
     said = [line for line in err.splitlines() if line.startswith(("Stopped", "Error"))]
     if checkpoint == "dcp":
