@@ -1,0 +1,81 @@
+"""Signals while loggers run: a Ctrl-C told from a KeyboardInterrupt that a logger's own code raised, and a stop
+signal or Ctrl-C that cuts the loggers' close short.
+
+Both change a handler only on the main thread (the only one Python delivers signals to), only while the loggers
+run, and put back what was there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+
+class CutShort(BaseException):
+    """A stop signal or Ctrl-C while the loggers close: the rest of their close is given up."""
+
+
+class CtrlC:
+    """Whether SIGINT came while a logger ran: a KeyboardInterrupt is then the user's Ctrl-C, else the logger's own
+    code raised it (its failure, not the run's end)."""
+
+    def __init__(self) -> None:
+        self.came = False
+
+    def pressed(self, exc: BaseException) -> bool:
+        """Whether `exc` is the user's Ctrl-C."""
+        return isinstance(exc, KeyboardInterrupt) and self.came
+
+    @contextlib.contextmanager
+    def noted(self) -> Iterator[None]:
+        """Inside the block, SIGINT's handler first notes that it came, then does what it did."""
+        previous = signal.getsignal(signal.SIGINT)
+        if not callable(previous) or threading.current_thread() is not threading.main_thread():
+            yield
+            return
+
+        def noted(signum: int, frame: Any) -> None:
+            self.came = True
+            previous(signum, frame)
+
+        signal.signal(signal.SIGINT, noted)
+        try:
+            yield
+        finally:
+            if signal.getsignal(signal.SIGINT) is noted:  # unless the handler it called replaced it
+                signal.signal(signal.SIGINT, previous)
+
+
+@contextlib.contextmanager
+def stops_cut_short(on_cut: Callable[[int], None]) -> Iterator[None]:
+    """Inside the block, the first stop signal or Ctrl-C calls `on_cut(signum)` and raises CutShort; a second one
+    does what it did before. A signal this process ignores stays ignored."""
+    from trainflow.checkpoint.stopping import STOP_SIGNALS
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {s: h for s in (signal.SIGINT, *STOP_SIGNALS)
+                if (h := signal.getsignal(s)) is not None and h != signal.SIG_IGN}
+    cut_by: list[int] = []
+
+    def restore() -> None:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+    def cut(signum: int, _frame: Any) -> None:
+        cut_by.append(signum)
+        restore()
+        on_cut(signum)
+        raise CutShort
+
+    for sig in previous:
+        signal.signal(sig, cut)
+    try:
+        yield
+    finally:
+        if not cut_by:
+            restore()
