@@ -23,8 +23,8 @@ from helpers.processes import left_behind
 from omegaconf import OmegaConf
 
 from trainflow.loggers import RunInfo, build_loggers
-from trainflow.loggers.process import MAX_UNANSWERED, STOP_FINISH_S, ProcessLogger
-from trainflow.loggers.writer import MetricsWriter
+from trainflow.loggers.process import MAX_UNANSWERED, ProcessLogger
+from trainflow.loggers.writer import STOPPED_FINISH_S, MetricsWriter
 
 TARGET = "helpers.recording_logger.RecordingLogger"
 
@@ -115,18 +115,21 @@ def test_the_child_ends_when_the_trainer_dies(tmp_path: Path) -> None:
 
 
 def test_the_child_of_a_dead_trainer_says_nothing_of_its_broken_pipe(tmp_path: Path) -> None:
-    """What the child sends after its trainer died (its settle's log line) goes nowhere, without a word: no
-    BrokenPipeError on the console the two share."""
+    """The trainer dies while its logger's process works on a call (a second's sleep): the answer, and what the
+    child sends after (its settle's log line), go nowhere, without a word: no BrokenPipeError on the console the
+    two share."""
+    keys = {"_target_": TARGET, "path": str(tmp_path / "c"), "stall": "scalars", "stall_s": 1.0}
     script = (f"import sys; sys.path.insert(0, {str(ROOT / 'tests')!r})\n"
               "from trainflow.loggers import build_loggers, RunInfo\n"
-              f"logger = build_loggers({{'recording': {{'_target_': {TARGET!r}, 'path': {str(tmp_path / 'c')!r}}}}})"
-              "['recording']\n"
+              f"logger = build_loggers({{'recording': {keys!r}}})['recording']\n"
               f"logger.start(RunInfo({str(tmp_path)!r}, {{}}, '', {{}}, 'r', None, None, None, 1))\n"
-              "import os, signal; os.kill(os.getpid(), signal.SIGKILL)\n")
+              "logger.scalars(1, {'train/loss': 1.0})\n"
+              "import os, signal, time; time.sleep(0.5); os.kill(os.getpid(), signal.SIGKILL)\n")
     trainer = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert trainer.returncode == -signal.SIGKILL, trainer.stderr  # returned once the child closed the console too
-    assert [call[1:] for call in calls(tmp_path / "c")] == [["start", "r"], ["settle"]]
     assert "BrokenPipe" not in trainer.stderr and "Traceback" not in trainer.stderr, trainer.stderr
+    assert [call[1:] for call in calls(tmp_path / "c")] == [
+        ["start", "r"], ["stall", 1, "scalars"], ["scalars", 1, {"train/loss": 1.0}], ["settle"]]
 
 
 def probe(calls_file: Path, cls: str = "RecordingLogger", **keys: object) -> list[str]:
@@ -173,7 +176,7 @@ def test_a_logger_that_stops_answering_is_dropped_in_one_line_and_the_run_trains
 @pytest.mark.parametrize("stall", ["start", "scalars", "finish"])
 def test_sigterm_ends_the_run_within_seconds_wherever_its_logger_stalls(tmp_path: Path, stall: str) -> None:
     """A logger in its own process sleeps an hour in start (before the first step: the run ends at once, exit 75),
-    in scalars from step 5 (the run saves at the next step boundary, gives the logger STOP_FINISH_S to record
+    in scalars from step 5 (the run saves at the next step boundary, gives the logger STOPPED_FINISH_S to record
     KILLED, exit 75) or in finish after the last step (the run had finished: its close is cut short, exit 0).
     Each time one line says what happened, and no process is left."""
     run_dir, calls_file = tmp_path / "run", tmp_path / "calls.jsonl"
@@ -196,12 +199,12 @@ def test_sigterm_ends_the_run_within_seconds_wherever_its_logger_stalls(tmp_path
         assert "Stopped by SIGTERM before the first step: nothing to save yet" in output
         return
     if stall == "scalars":
-        assert code == 75 and took < STOP_FINISH_S + 20, (code, took)
+        assert code == 75 and took < STOPPED_FINISH_S + 20, (code, took)
         assert (run_dir / "checkpoints" / f"step_{json.loads((run_dir / 'summary.json').read_text())['steps']:08d}"
                 / "manifest.json").is_file()
         (line,) = log_lines(run_dir, "logger.probe")
         assert "logger.probe failed (TimeoutError: the probe logger's process did not answer finish within the " \
-               f"{STOP_FINISH_S:.0f} s a run stopped on a signal gives it)" in line
+               f"{STOPPED_FINISH_S:.0f} s a run stopped on a signal gives it)" in line
         return
     assert code == 0 and took < 10, (code, took)
     assert json.loads((run_dir / "summary.json").read_text())["steps"] == 30

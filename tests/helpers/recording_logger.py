@@ -1,5 +1,5 @@
 """A logger that records each call it gets in a JSON-lines file, and runs in a process of its own; asked to, it
-stalls in a call (records `stall` and sleeps an hour) or raises a BaseException of any kind there."""
+stalls in a call (records `stall` and sleeps, an hour unless told) or raises a BaseException of any kind there."""
 
 from __future__ import annotations
 
@@ -18,9 +18,10 @@ log = logging.getLogger("trainflow.tests.recording_logger")
 class RecordingLogger:
     in_own_process = True
 
-    def __init__(self, path: str, stall: str | None = None, raises: str | None = None, from_step: int = 0) -> None:
+    def __init__(self, path: str, stall: str | None = None, stall_s: float = 3600.0, raises: str | None = None,
+                 from_step: int = 0) -> None:
         self.path = Path(path)
-        self.stall, self.raises, self.from_step = stall, raises, from_step
+        self.stall, self.stall_s, self.raises, self.from_step = stall, stall_s, raises, from_step
 
     def _record(self, *call: Any) -> None:
         with self.path.open("a") as out:
@@ -31,7 +32,7 @@ class RecordingLogger:
         due = step is None or step >= self.from_step
         if method == self.stall and due:
             self._record("stall", step or 0, method)
-            time.sleep(3600)
+            time.sleep(self.stall_s)
         if self.raises and method == "scalars" and due:
             raise getattr(builtins, self.raises)(0)  # SystemExit(0), KeyboardInterrupt(0), GeneratorExit(0)
 

@@ -10,9 +10,9 @@ pickles each call and hands it to a thread that writes the pipe. A logger class 
   of MAX_UNANSWERED calls waits for room); `start` and `finish` wait for the child's answer. A child that has had
   calls to answer for `answer_timeout_s` (a class attribute of the logger, ANSWER_TIMEOUT_S unless it says
   otherwise) without answering any has stopped answering: the waiting call, or the next call, raises
-  TimeoutError; a failed call's error is raised by the next call. Either way the child is killed, and the
-  writer drops the logger in one line, as it drops an in-process logger that raised. A run that stopped on a
-  signal (status KILLED) gives `finish` at most STOP_FINISH_S.
+  TimeoutError and the child is killed. A failed call's error is raised by the next call, and the child's pipe
+  closes (it sends what it holds and exits). Either way the writer drops the logger in one line, as it drops an
+  in-process logger that raised. A run that stopped on a signal gives its loggers a time `limit` to finish.
 - A failure the child sends back is always an Exception: a logger's SystemExit or KeyboardInterrupt is its own
   failure, so a KeyboardInterrupt in the trainer is a Ctrl-C.
 - The child's log records come back to the loop's process and are logged there (the run's log has them).
@@ -41,8 +41,7 @@ from typing import Any, BinaryIO
 LOGGER_CLASS = "a logger class (see docs/loggers.md)"  # what a logger's _target_ must name, as errors say it
 MAX_UNANSWERED = 1024  # calls in flight before the loop waits for the child (a log step's call: ~1 KB)
 ANSWER_TIMEOUT_S = 60.0  # a child silent this long with calls to answer has stopped answering
-STARTUP_S = 60.0  # the child's own start-up (an interpreter, the logger's imports) may take this long too
-STOP_FINISH_S = 10.0  # `finish` of a run stopped on a signal: the scheduler's kill comes soon after
+STARTUP_S = 60.0  # until its first answer (an interpreter starts, imports the logger) the child gets at least this
 EXIT_S = 30.0  # after answering `finish`, the child exits (a tracker's client may write out at exit)
 ORPHAN_GRACE_S = 10.0  # the child's time to send what it holds once its trainer is gone
 
@@ -70,6 +69,7 @@ class ProcessLogger:
         threading.Thread(target=self._write, name=f"trainflow-{name}-logger-out", daemon=True).start()
         self._reader = threading.Thread(target=self._read, name=f"trainflow-{name}-logger", daemon=True)
         self._reader.start()
+        self._limit: tuple[float, float] | None = None  # (seconds given, the deadline) for what is left
         self._call("build", name, target, kwargs)  # the child imports while the run builds its model
 
     def start(self, run: Any) -> str | None:
@@ -85,24 +85,24 @@ class ProcessLogger:
         self._call("artifacts", paths)
 
     def finish(self, status: str) -> None:
-        from trainflow.loggers import KILLED
-
-        deadline = time.monotonic() + STOP_FINISH_S if status == KILLED else None
         try:
-            self._call("finish", status, wait=True, deadline=deadline)
+            self._call("finish", status, wait=True)
         except BaseException as exc:
-            self.close(self._exit_within(deadline) if isinstance(exc, Exception) else 0.0)  # a Ctrl-C: at once
+            self.close(self._exit_within() if isinstance(exc, Exception) else 0.0)  # a Ctrl-C: at once
             raise
-        self.close(self._exit_within(deadline))
+        self.close(self._exit_within())
 
-    @staticmethod
-    def _exit_within(deadline: float | None) -> float:
-        return EXIT_S if deadline is None else deadline - time.monotonic()
+    def limit(self, seconds: float) -> None:
+        """From now on, what the child is waited for (its answers, its exit) takes `seconds` at most, in all."""
+        self._limit = (seconds, time.monotonic() + seconds)
+
+    def _exit_within(self) -> float:
+        return EXIT_S if self._limit is None else self._limit[1] - time.monotonic()
 
     def settle(self) -> None:
         """Wait until the child has answered every call (a failure among them is raised)."""
         with self._lock:
-            self._wait_until(lambda: self._answered >= self._sent, "settle", None)
+            self._wait_until(lambda: self._answered >= self._sent, "settle")
         self._raise_failure()
 
     def close(self, exit_within_s: float = 0.0) -> None:
@@ -118,10 +118,10 @@ class ProcessLogger:
             self._child.wait()
             self._reader.join(EXIT_S)
 
-    def _call(self, method: str, *args: Any, wait: bool = False, deadline: float | None = None) -> Any:
+    def _call(self, method: str, *args: Any, wait: bool = False) -> Any:
         self._check()
         with self._lock:
-            self._wait_until(lambda: self._sent - self._answered < MAX_UNANSWERED, method, deadline)
+            self._wait_until(lambda: self._sent - self._answered < MAX_UNANSWERED, method)
             number = self._sent
             self._outbox.put(frame((number, method, args)))  # may not pickle: then nothing was counted
             self._sent += 1
@@ -132,7 +132,7 @@ class ProcessLogger:
         if not wait:
             return None
         with self._lock:
-            self._wait_until(lambda: number in self._answers, method, deadline)
+            self._wait_until(lambda: number in self._answers, method)
             failure, value = self._answers.pop(number)
         self._raise_failure()
         if failure is not None:
@@ -140,21 +140,21 @@ class ProcessLogger:
             self._raise_failure()
         return value
 
-    def _wait_until(self, done: Callable[[], bool], method: str, deadline: float | None) -> None:
-        """Under the lock, until `done()`; a child that ended, stopped answering or is past `deadline` raises (and
-        is killed)."""
+    def _wait_until(self, done: Callable[[], bool], method: str) -> None:
+        """Under the lock, until `done()`; a child that ended, stopped answering or is past its `limit` raises
+        (and is killed)."""
         while not done():
             if self._ended:
                 raise self._gone()
             now, silent_at = time.monotonic(), self._silent_until()
-            if deadline is not None and deadline <= now:
+            if self._limit is not None and self._limit[1] <= now:
                 self._kill()
                 raise TimeoutError(f"the {self.name} logger's process did not answer {method} within the "
-                                   f"{STOP_FINISH_S:.0f} s a run stopped on a signal gives it")
+                                   f"{self._limit[0]:.0f} s a run stopped on a signal gives it")
             if silent_at <= now:
                 self._kill()
                 raise self._silent()
-            until = silent_at if deadline is None else min(silent_at, deadline)
+            until = silent_at if self._limit is None else min(silent_at, self._limit[1])
             self._lock.wait(None if until == float("inf") else until - now)
 
     def _silent_until(self) -> float:
@@ -290,6 +290,7 @@ def serve(requests: BinaryIO, answers: BinaryIO) -> None:
 
     lock = threading.Lock()
     gone = threading.Event()  # the trainer stopped reading: nothing more is sent
+    finished = threading.Event()  # `finish` was answered: the trainer waits EXIT_S for this process to exit
 
     def send(message: tuple) -> None:
         data = frame(message)
@@ -305,12 +306,12 @@ def serve(requests: BinaryIO, answers: BinaryIO) -> None:
 
     def read() -> None:
         """The trainer's calls, read as they come (its pipe never fills while a call runs); at the pipe's end,
-        the process exits within ORPHAN_GRACE_S whatever its logger does."""
+        the process exits within ORPHAN_GRACE_S (after `finish`: EXIT_S) whatever its logger does."""
         with contextlib.suppress(EOFError, OSError, pickle.UnpicklingError):
             while True:
                 calls.put(read_frame(requests))
         calls.put(None)
-        timer = threading.Timer(ORPHAN_GRACE_S, os._exit, (1,))
+        timer = threading.Timer(EXIT_S if finished.is_set() else ORPHAN_GRACE_S, os._exit, (1,))
         timer.daemon = True
         timer.start()
 
@@ -333,6 +334,7 @@ def serve(requests: BinaryIO, answers: BinaryIO) -> None:
         except BaseException as exc:  # noqa: BLE001 (every failure goes back to the trainer, which decides)
             send(("answer", number, _portable(exc), None))
         if method == "finish":  # the run has ended: nothing is left to send when the pipe closes
+            finished.set()
             return
     with contextlib.suppress(BaseException):  # the trainer closed the pipe or died: what a logger buffers goes out
         getattr(logger, "settle", lambda: None)()

@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from trainflow.loggers import Logger
 
 log = logging.getLogger(__name__)
+STOPPED_FINISH_S = 10.0  # a run stopped on a signal gives its loggers' processes this long to finish: a kill follows
 NOT_STARTED_EXIT_S = 5.0  # a run that cannot start: its loggers' processes exit by themselves (their clients tidy up)
 
 
@@ -96,8 +97,13 @@ class MetricsWriter:
     def finish(self, status: str, summary: dict[str, Any] | None = None) -> None:
         """The run's end for every logger: its final figures, the profiler's text and the run's files (when it
         got to its summary), then its status. A stop signal or Ctrl-C meanwhile cuts it short (see above)."""
-        from trainflow.loggers import final_figures, profiler_text
+        from trainflow.loggers import KILLED, final_figures, profiler_text
+        from trainflow.loggers.process import ProcessLogger
 
+        if status == KILLED:
+            for logger in self.loggers.values():
+                if isinstance(logger, ProcessLogger):
+                    logger.limit(STOPPED_FINISH_S)
         with contextlib.suppress(CutShort), stops_cut_short(self._cut):
             if summary is not None:
                 step = summary["steps"]
