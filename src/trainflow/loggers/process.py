@@ -65,11 +65,11 @@ class ProcessLogger:
         self._waited: set[int] = set()
         self._failure: BaseException | None = None  # of a call nobody waits for: raised by the next call
         self._ended = False  # the child's answers stopped (it exited)
+        self._limit: tuple[float, float] | None = None  # (seconds given, the deadline) for what is left
         self._outbox: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
         threading.Thread(target=self._write, name=f"trainflow-{name}-logger-out", daemon=True).start()
         self._reader = threading.Thread(target=self._read, name=f"trainflow-{name}-logger", daemon=True)
         self._reader.start()
-        self._limit: tuple[float, float] | None = None  # (seconds given, the deadline) for what is left
         self._call("build", name, target, kwargs)  # the child imports while the run builds its model
 
     def start(self, run: Any) -> str | None:
@@ -162,10 +162,11 @@ class ProcessLogger:
         return float("inf") if self._busy_since is None else self._busy_since + self._patience
 
     def _check(self) -> None:
-        """Before a call: a failed call's error, the child's end or its silence is raised, once."""
+        """Before a call: a failed call's error, the child's end or its silence (the child is killed) is raised."""
         if self._failure is None and (self._ended or self._child.poll() is not None):
             self._failure = self._gone()
         elif self._failure is None and self._silent_until() <= time.monotonic():
+            self._kill()
             self._failure = self._silent()
         self._raise_failure()
 
