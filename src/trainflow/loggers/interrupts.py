@@ -2,7 +2,7 @@
 signal or Ctrl-C that cuts the loggers' close short.
 
 Both change a handler only on the main thread (the only one Python delivers signals to), only while the loggers
-run, and put back what was there.
+are open or closing, and put back what was there.
 """
 
 from __future__ import annotations
@@ -19,22 +19,22 @@ class CutShort(BaseException):
 
 
 class CtrlC:
-    """Whether SIGINT came while a logger ran: a KeyboardInterrupt is then the user's Ctrl-C, else the logger's own
-    code raised it (its failure, not the run's end)."""
+    """Whether SIGINT came while the loggers were open: a KeyboardInterrupt is then the user's Ctrl-C, else a
+    logger's own code raised it (its failure, not the run's end). Watched from the loggers' start to their close:
+    a handler put in once costs the log steps nothing."""
 
     def __init__(self) -> None:
         self.came = False
+        self._watching: tuple[Any, Any] | None = None  # (our handler, the one it wraps)
 
     def pressed(self, exc: BaseException) -> bool:
         """Whether `exc` is the user's Ctrl-C."""
         return isinstance(exc, KeyboardInterrupt) and self.came
 
-    @contextlib.contextmanager
-    def noted(self) -> Iterator[None]:
-        """Inside the block, SIGINT's handler first notes that it came, then does what it did."""
+    def watch(self) -> None:
+        """From now on SIGINT's handler first notes that it came, then does what it did."""
         previous = signal.getsignal(signal.SIGINT)
-        if not callable(previous) or threading.current_thread() is not threading.main_thread():
-            yield
+        if self._watching or not callable(previous) or threading.current_thread() is not threading.main_thread():
             return
 
         def noted(signum: int, frame: Any) -> None:
@@ -42,11 +42,16 @@ class CtrlC:
             previous(signum, frame)
 
         signal.signal(signal.SIGINT, noted)
-        try:
-            yield
-        finally:
-            if signal.getsignal(signal.SIGINT) is noted:  # unless the handler it called replaced it
-                signal.signal(signal.SIGINT, previous)
+        self._watching = (noted, previous)
+
+    def unwatch(self) -> None:
+        """SIGINT's handler as it was, unless something replaced ours meanwhile (then that stays)."""
+        if self._watching is None:
+            return
+        noted, previous = self._watching
+        self._watching = None
+        if signal.getsignal(signal.SIGINT) is noted:
+            signal.signal(signal.SIGINT, previous)
 
 
 @contextlib.contextmanager

@@ -68,13 +68,14 @@ class MetricsWriter:
         own, source_ids = (saved_ids or {}, {}) if source is None else ({}, saved_ids or {})
         kept = {**own, **kept_ids(self.run_dir)} if resumed_step is not None else {}
         ids = {}
+        self._ctrl_c.watch()
         for name, logger in self.loggers.items():
             info = run_info(cfg, self.run_dir, world_size, resumed_step, kept.get(name), source, source_ids.get(name))
             try:
-                with self._ctrl_c.noted():
-                    tracked = logger.start(info)
+                tracked = logger.start(info)
             except BaseException as exc:  # noqa: BLE001 (a logger's SystemExit cannot start it either)
                 self._abandon(0.0 if self._ctrl_c.pressed(exc) else NOT_STARTED_EXIT_S)
+                self._ctrl_c.unwatch()
                 if isinstance(exc, TrainflowError) or self._ctrl_c.pressed(exc):
                     raise
                 raise ConfigError(f"logger.{name}: could not start ({type(exc).__name__}: {first_line(exc)}); "
@@ -116,23 +117,23 @@ class MetricsWriter:
         if self._cut_by is not None and self.loggers:
             log.warning("%s", self._cut_line(status, summary is not None))
         self._abandon()
+        self._ctrl_c.unwatch()
 
     def _each(self, method: str, *args: Any) -> None:
-        with self._ctrl_c.noted():
-            for name, logger in list(self.loggers.items()):
-                if self._cut_by is not None:
-                    return
-                try:
-                    getattr(logger, method)(*args)
-                except BaseException as exc:  # noqa: BLE001 (a logger's SystemExit is its failure, not the run's end)
-                    if isinstance(exc, CutShort) or self._cut_by is not None or self._ctrl_c.pressed(exc):
-                        raise
-                    log.warning("logger.%s failed (%s: %s); the run goes on without it, metrics.jsonl keeps every "
-                                "value", name, type(exc).__name__, first_line(exc))
-                    del self.loggers[name]
-                    continue
-                if method == "finish":
-                    del self.loggers[name]
+        for name, logger in list(self.loggers.items()):
+            if self._cut_by is not None:
+                return
+            try:
+                getattr(logger, method)(*args)
+            except BaseException as exc:  # noqa: BLE001 (a logger's SystemExit is its failure, not the run's end)
+                if isinstance(exc, CutShort) or self._cut_by is not None or self._ctrl_c.pressed(exc):
+                    raise
+                log.warning("logger.%s failed (%s: %s); the run goes on without it, metrics.jsonl keeps every "
+                            "value", name, type(exc).__name__, first_line(exc))
+                del self.loggers[name]
+                continue
+            if method == "finish":
+                del self.loggers[name]
 
     def _cut(self, signum: int) -> None:
         self._cut_by = signum
@@ -184,9 +185,11 @@ class MetricsWriter:
             raise run_dir_error(self.run_dir, "metrics.jsonl", exc) from None
 
     def close(self) -> None:
-        """metrics.jsonl is closed; the loggers end with `finish`, once the run's summary is known."""
+        """metrics.jsonl is closed; the loggers end with `finish`, once the run's summary is known (while they
+        close, a Ctrl-C cuts their close short: no longer watched as one that lands in a logger)."""
         if self._jsonl is not None:
             self._jsonl.close()
+        self._ctrl_c.unwatch()
 
 
 def _inside(path: Path, folder: Path | None) -> bool:
