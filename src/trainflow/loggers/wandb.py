@@ -38,7 +38,7 @@ KILLED_EXIT = 75
 class WandbLogger:
     """One W&B run (rank 0), its own run object: a run the user's code opened with `wandb.init` stays as it is."""
 
-    in_own_process = True  # run.finish waits for W&B's uploads; its client is Python work a log step
+    in_own_process = True  # its client's Python work stays off the loop, and run.finish (an upload) is bounded
 
     def __init__(self, project: str = "trainflow", entity: str | None = None, group: str | None = None,
                  tags: list[str] | None = None, notes: str | None = None, mode: str | None = None,
