@@ -68,7 +68,8 @@ class MetricsWriter:
         own, source_ids = (saved_ids or {}, {}) if source is None else ({}, saved_ids or {})
         kept = {**own, **kept_ids(self.run_dir)} if resumed_step is not None else {}
         ids = {}
-        self._ctrl_c.watch()
+        if self.loggers:
+            self._ctrl_c.watch()
         for name, logger in self.loggers.items():
             info = run_info(cfg, self.run_dir, world_size, resumed_step, kept.get(name), source, source_ids.get(name))
             try:
