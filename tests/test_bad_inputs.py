@@ -128,6 +128,17 @@ def file_in_the_way(ctx: Ctx) -> None:
     (ctx.tmp / "notes").write_text("not a folder")
 
 
+def file_in_the_way_of_wandb(ctx: Ctx) -> None:
+    """A file where WANDB_DIR's folder must be, and a system temporary folder of the row's own to watch."""
+    file_in_the_way(ctx)
+    (ctx.tmp / "systmp").mkdir()
+
+
+def nothing_in_the_system_temporary_folder(ctx: Ctx) -> None:
+    # W&B's fallback would be <TMPDIR>/wandb; its own temporary folders go when its process exits by itself
+    assert [p.name for p in (ctx.tmp / "systmp").iterdir() if "wandb" in p.name] == []
+
+
 def truncate_newest_shard(ctx: Ctx) -> None:
     shard = ctx.ckpts / "step_00000004" / "__0_0.distcp"
     shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
@@ -782,6 +793,12 @@ CASES = [
          ("logger=[tensorboard,wandb]",),
          "logger.wandb", ("not installed", "pip install 'trainflow[wandb]'"),
          setup=wandb_not_installed, env=(("PYTHONPATH", "{tmp}/no_wandb"),)),
+    Case("wandb-dir-blocked", "environment", "a WANDB_DIR where a file stands in for its folder",
+         ("logger=[tensorboard,wandb]",),
+         "WANDB_DIR", ("cannot write W&B's files in {tmp}/notes/wandb", "{tmp}/notes is a file",
+                       "point WANDB_DIR at a writable folder", "unset it"),
+         setup=file_in_the_way_of_wandb, after=nothing_in_the_system_temporary_folder,
+         env=(("WANDB_DIR", "{tmp}/notes"), ("WANDB_MODE", "offline"), ("TMPDIR", "{tmp}/systmp"))),
     Case("logger-target-unknown", "config", "a logger of one's own whose _target_ cannot be imported",
          ("+logger.mine._target_=nowhere.Logger",),
          "logger.mine._target_", ("cannot import 'nowhere.Logger'", "import path of a logger class")),

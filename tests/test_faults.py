@@ -82,6 +82,30 @@ FAULTS = [
     Fault("Ctrl-C (SIGINT) on one process or on a self-launched group, pressed once or twice",
           "one line, exit 130, no traceback, no rank left; committed checkpoints intact",
           "test_faults.py::test_ctrl_c_on_a_self_launched_run_stops_every_rank_in_one_line"),
+    Fault("SIGTERM while a logger (in its own process) hangs in start, in scalars or in finish",
+          "within seconds, no traceback, no logger process left: in start, exit 75 at once; in scalars, the save "
+          "at the next step boundary, 10 s for the logger to record KILLED, its line, exit 75; in finish after the "
+          "last step, the loggers' close cut short in one line, exit 0 (training had finished, its results saved)",
+          "test_logger_process.py::test_sigterm_ends_the_run_within_seconds_wherever_its_logger_stalls"),
+    Fault("Ctrl-C, once or twice, while a logger hangs in a call (in its own process or in the loop's)",
+          "one line, exit 130, within seconds, no traceback, no logger process left",
+          "test_logger_process.py::test_ctrl_c_ends_the_run_within_seconds_while_its_logger_sleeps_in_a_call"),
+    Fault("a logger in its own process stops answering mid-run (a call that never returns)",
+          "the loop never waits on it (up to 1,024 calls queue); after its answer_timeout_s (60 s) without an "
+          "answer it is given up in one line and its process killed; the run trains every step",
+          "test_logger_process.py::test_a_logger_that_stops_answering_is_dropped_in_one_line_and_the_run_trains_on"),
+    Fault("a logger raises SystemExit(0) mid-run (or KeyboardInterrupt, GeneratorExit; in the loop's process or "
+          "its own)",
+          "that logger's failure, said in one line, the logger dropped; the run trains to its end and writes "
+          "summary.json (a Ctrl-C landing in a logger's code still stops the run)",
+          "test_logger_process.py::test_a_logger_exiting_mid_run_ends_neither_the_run_nor_its_summary"),
+    Fault("the trainer dies (SIGKILL) while its logger's process still has something to send",
+          "the logger's process sends what it holds and exits, silently: no BrokenPipeError on the console",
+          "test_logger_process.py::test_the_child_of_a_dead_trainer_says_nothing_of_its_broken_pipe"),
+    Fault("a run resumes another run's checkpoint (checkpoint.resume=<its step_N>) in a run directory of its own",
+          "a new MLflow (and W&B) run, tagged with that checkpoint and the other run's id; the other run's record "
+          "keeps exactly its own steps, files, params and status",
+          "test_loggers.py::test_resuming_another_runs_checkpoint_starts_a_new_mlflow_run_that_names_it"),
     Fault("SLURM preemption and time limit", "checkpoint, requeue, resume to the same losses",
           "test_launcher_slurm.py::test_preemption_signal_checkpoints_requeues_and_resumes_to_the_same_losses"),
     Fault("SIGKILL of one rank of a SLURM DDP job (an OOM kill)",

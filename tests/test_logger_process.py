@@ -1,5 +1,10 @@
 """A logger in a process of its own (trainflow.loggers.process): the calls arrive in order in another process, a
-failure comes back to the next call, its log records reach the run's log, and the child never outlives the run."""
+failure comes back to the next call, its log records reach the run's log, and the child never outlives the run.
+
+Nothing a logger does stops training or a stop signal: real `train.py` runs with a logger that stalls in start,
+in scalars or in finish, or raises SystemExit, KeyboardInterrupt or GeneratorExit, end as they would without it,
+within seconds of a SIGTERM or a Ctrl-C, and leave no process behind.
+"""
 
 from __future__ import annotations
 
@@ -13,10 +18,13 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import ROOT
+from conftest import ROOT, TINY_GPT, ok, start, train, wait_for, wait_for_log
+from helpers.processes import left_behind
+from omegaconf import OmegaConf
 
 from trainflow.loggers import RunInfo, build_loggers
-from trainflow.loggers.process import ProcessLogger
+from trainflow.loggers.process import MAX_UNANSWERED, ProcessLogger
+from trainflow.loggers.writer import STOPPED_FINISH_S, MetricsWriter
 
 TARGET = "helpers.recording_logger.RecordingLogger"
 
@@ -75,7 +83,7 @@ def test_a_failed_call_is_raised_by_the_next_and_the_child_goes(tmp_path: Path) 
     assert logger._child.wait(10) is not None
     with pytest.raises(RuntimeError, match="the recording logger's process ended"):
         logger.scalars(2, {"train/loss": 0.5})
-    assert [call[1] for call in calls(tmp_path / "calls.jsonl")] == ["start"]
+    assert [call[1] for call in calls(tmp_path / "calls.jsonl")] == ["start", "settle"]  # it sent what it held
 
 
 def test_a_logger_that_cannot_be_built_stops_the_start_in_one_line(tmp_path: Path) -> None:
@@ -104,3 +112,178 @@ def test_the_child_ends_when_the_trainer_dies(tmp_path: Path) -> None:
         assert time.monotonic() < deadline, f"the logger's process {child} outlived its trainer"
         time.sleep(0.05)
     assert [call[1:] for call in calls(tmp_path / "c")] == [["start", "r"], ["settle"]]
+
+
+def test_the_child_of_a_dead_trainer_says_nothing_of_its_broken_pipe(tmp_path: Path) -> None:
+    """The trainer dies while its logger's process works on a call (a second's sleep): the answer, and what the
+    child sends after (its settle's log line), go nowhere, without a word: no BrokenPipeError on the console the
+    two share."""
+    keys = {"_target_": TARGET, "path": str(tmp_path / "c"), "stall": "scalars", "stall_s": 1.0}
+    script = (f"import sys; sys.path.insert(0, {str(ROOT / 'tests')!r})\n"
+              "from trainflow.loggers import build_loggers, RunInfo\n"
+              f"logger = build_loggers({{'recording': {keys!r}}})['recording']\n"
+              f"logger.start(RunInfo({str(tmp_path)!r}, {{}}, '', {{}}, 'r', None, None, None, 1))\n"
+              "logger.scalars(1, {'train/loss': 1.0})\n"
+              "import os, signal, time; time.sleep(0.5); os.kill(os.getpid(), signal.SIGKILL)\n")
+    trainer = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert trainer.returncode == -signal.SIGKILL, trainer.stderr  # returned once the child closed the console too
+    assert "BrokenPipe" not in trainer.stderr and "Traceback" not in trainer.stderr, trainer.stderr
+    assert [call[1:] for call in calls(tmp_path / "c")] == [
+        ["start", "r"], ["stall", 1, "scalars"], ["scalars", 1, {"train/loss": 1.0}], ["settle"]]
+
+
+def probe(calls_file: Path, cls: str = "RecordingLogger", **keys: object) -> list[str]:
+    """The overrides of a run whose only logger is tests/helpers' recording logger `cls` (with `keys`)."""
+    return [f"+logger.probe._target_=helpers.recording_logger.{cls}", f"+logger.probe.path={calls_file}",
+            *(f"+logger.probe.{k}={v}" for k, v in keys.items())]
+
+
+def kinds(calls_file: Path) -> list[list]:
+    """Each call the logger got: its method, and its step where it has one."""
+    return [call[1:3] if call[1] in ("scalars", "stall") else call[1:2] for call in calls(calls_file)]
+
+
+def stalled(calls_file: Path) -> bool:
+    return calls_file.exists() and any(call[1] == "stall" for call in calls(calls_file))
+
+
+def log_lines(run_dir: Path, text: str) -> list[str]:
+    return [line for line in (run_dir / "train.log").read_text().splitlines() if text in line]
+
+
+def test_a_logger_that_stops_answering_is_dropped_in_one_line_and_the_run_trains_on(tmp_path: Path) -> None:
+    """Its scalars sleeps from step 5 (an hour): 2 s later (its answer_timeout_s) its process is killed, mid-run
+    (at the latest when the calls it holds reach MAX_UNANSWERED), and the run trains all its steps."""
+    run_dir, calls_file, steps = tmp_path / "run", tmp_path / "calls.jsonl", MAX_UNANSWERED + 100
+    with left_behind() as leftovers:
+        began = time.monotonic()
+        run = ok(train(run_dir, *TINY_GPT, f"trainer.max_steps={steps}", "trainer.eval_every=0",
+                       *probe(calls_file, "ImpatientRecordingLogger", stall="scalars", from_step=5), timeout=300))
+        took = time.monotonic() - began
+        assert leftovers(15) == {}
+    assert run.summary["steps"] == steps and [m["step"] for m in run.metrics() if "train/loss" in m] == list(
+        range(1, steps + 1))
+    assert kinds(calls_file) == [["start"], *[["scalars", s] for s in range(1, 5)], ["stall", 5]]
+    (line,) = log_lines(run_dir, "logger.probe")
+    assert line.endswith("logger.probe failed (TimeoutError: the probe logger's process has not answered for 2 s); "
+                         "the run goes on without it, metrics.jsonl keeps every value")
+    log = (run_dir / "train.log").read_text()
+    assert log.index(line) < log.index(f"step {MAX_UNANSWERED + 10}/{steps}: ")  # mid-run
+    assert took < 180  # seconds of training, not the hour the logger sleeps
+
+
+@pytest.mark.serial
+@pytest.mark.parametrize("stall", ["start", "scalars", "finish"])
+def test_sigterm_ends_the_run_within_seconds_wherever_its_logger_stalls(tmp_path: Path, stall: str) -> None:
+    """A logger in its own process sleeps an hour in start (before the first step: the run ends at once, exit 75),
+    in scalars from step 5 (the run saves at the next step boundary, gives the logger STOPPED_FINISH_S to record
+    KILLED, exit 75) or in finish after the last step (the run had finished: its close is cut short, exit 0).
+    Each time one line says what happened, and no process is left."""
+    run_dir, calls_file = tmp_path / "run", tmp_path / "calls.jsonl"
+    steps = 30 if stall == "finish" else 100_000
+    with left_behind() as leftovers:
+        proc = start(run_dir, *TINY_GPT, f"trainer.max_steps={steps}", "trainer.eval_every=0", "checkpoint=dcp",
+                     "checkpoint.every_steps=1000", *probe(calls_file, stall=stall, from_step=5))
+        wait_for(lambda: stalled(calls_file), proc, f"the logger stalls in {stall}")
+        if stall == "scalars":
+            wait_for_log(run_dir, "step 20/", proc)  # the loop trains on while the logger sleeps
+        proc.send_signal(signal.SIGTERM)
+        signalled = time.monotonic()
+        code = proc.wait(timeout=120)
+        took = time.monotonic() - signalled
+        assert leftovers(15) == {}
+    output = (tmp_path / "run.out").read_text()
+    assert "Traceback" not in output and "BrokenPipe" not in output, output[-3000:]
+    if stall == "start":
+        assert code == 75 and took < 10, (code, took)
+        assert "Stopped by SIGTERM before the first step: nothing to save yet" in output
+        return
+    if stall == "scalars":
+        assert code == 75 and took < STOPPED_FINISH_S + 20, (code, took)
+        assert (run_dir / "checkpoints" / f"step_{json.loads((run_dir / 'summary.json').read_text())['steps']:08d}"
+                / "manifest.json").is_file()
+        (line,) = log_lines(run_dir, "logger.probe")
+        assert "logger.probe failed (TimeoutError: the probe logger's process did not answer finish within the " \
+               f"{STOPPED_FINISH_S:.0f} s a run stopped on a signal gives it)" in line
+        return
+    assert code == 0 and took < 10, (code, took)
+    assert json.loads((run_dir / "summary.json").read_text())["steps"] == 30
+    (line,) = log_lines(run_dir, "while the loggers closed")
+    assert line.endswith("SIGTERM while the loggers closed: logger.probe left unfinished (a tracked run may lack "
+                         "its last figures, files and status; metrics.jsonl and summary.json have them); training "
+                         "had finished and its results are saved: the run ends as finished, exit code 0")
+    assert kinds(calls_file)[-3:] == [["artifacts"], ["finish"], ["stall", 0]]
+
+
+@pytest.mark.serial
+@pytest.mark.parametrize("cls", ["RecordingLogger", "InProcessRecordingLogger"])
+def test_ctrl_c_ends_the_run_within_seconds_while_its_logger_sleeps_in_a_call(tmp_path: Path, cls: str) -> None:
+    """The logger sleeps an hour in scalars from step 5. Ctrl-C (twice, for the logger in its own process: the
+    second lands while the run waits for the logger to record KILLED) ends the run in its one line, exit 130. In
+    the loop's process the KeyboardInterrupt is raised inside the logger's code: still the user's Ctrl-C."""
+    run_dir, calls_file = tmp_path / "run", tmp_path / "calls.jsonl"
+    with left_behind() as leftovers:
+        proc = start(run_dir, *TINY_GPT, "trainer.max_steps=100000", "trainer.eval_every=0",
+                     *probe(calls_file, cls, stall="scalars", from_step=5))
+        wait_for(lambda: stalled(calls_file), proc, "the logger stalls in scalars")
+        proc.send_signal(signal.SIGINT)
+        interrupted = time.monotonic()
+        if cls == "RecordingLogger":
+            time.sleep(0.5)
+            proc.send_signal(signal.SIGINT)
+        code = proc.wait(timeout=120)
+        took = time.monotonic() - interrupted
+        assert leftovers(15) == {}
+    output = (tmp_path / "run.out").read_text()
+    assert code == 130 and took < 10, (code, took, output[-3000:])
+    assert [line for line in output.splitlines() if line.startswith(("Interrupted:", "Error:"))] == [
+        "Interrupted: stopped at once, without a save; committed checkpoints are untouched (SIGTERM, SIGUSR2 or "
+        "SIGHUP save at the next step boundary, then stop)"]
+    assert "Traceback" not in output, output[-3000:]
+
+
+CONFIG = OmegaConf.create({"trainer": {"max_steps": 3}, "optim": {"lr": 0.1}, "parallelism": {"strategy": "single"}})
+
+
+@pytest.mark.parametrize("raised", ["SystemExit", "KeyboardInterrupt", "GeneratorExit"])
+def test_a_logger_raising_any_base_exception_is_dropped_and_the_run_goes_on(
+        tmp_path: Path, raised: str, caplog: pytest.LogCaptureFixture) -> None:
+    """SystemExit(0), KeyboardInterrupt or GeneratorExit raised by a logger's own code at step 2, in the loop's
+    process or in its own: that logger's failure, said once; the writer and the other logger go on."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(CONFIG))
+    loggers = build_loggers({
+        name: {"_target_": f"helpers.recording_logger.{cls}", "path": str(tmp_path / f"{name}.jsonl"),
+               "raises": raised, "from_step": 2}
+        for name, cls in (("here", "InProcessRecordingLogger"), ("apart", "RecordingLogger"))})
+    loggers["steady"] = build_loggers({"steady": {"_target_": "helpers.recording_logger.InProcessRecordingLogger",
+                                                  "path": str(tmp_path / "steady.jsonl")}})["steady"]
+    writer = MetricsWriter(run_dir, True, loggers)
+    with caplog.at_level(logging.WARNING, logger="trainflow.loggers.writer"):
+        writer.start(CONFIG, 1, None)
+        for step in (1, 2, 3):
+            writer.write(step, {"train/loss": 1.0 / step})
+        writer.finish("FINISHED")
+    writer.close()
+    warnings = sorted(r.getMessage() for r in caplog.records if r.name == "trainflow.loggers.writer")
+    assert warnings == [
+        f"logger.apart failed (RuntimeError: {raised}: 0); the run goes on without it, metrics.jsonl keeps every value",
+        f"logger.here failed ({raised}: 0); the run goes on without it, metrics.jsonl keeps every value"]
+    assert kinds(tmp_path / "here.jsonl") == [["start"], ["scalars", 1]]
+    assert [call for call in kinds(tmp_path / "apart.jsonl") if call[0] == "scalars"] == [["scalars", 1]]
+    assert kinds(tmp_path / "steady.jsonl") == [["start"], ["scalars", 1], ["scalars", 2], ["scalars", 3],
+                                                ["finish"]]
+    assert [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]
+
+
+def test_a_logger_exiting_mid_run_ends_neither_the_run_nor_its_summary(tmp_path: Path) -> None:
+    """A logger of one's own, in the loop's process, calls sys.exit(0) from step 5 of 20: one line, and the run
+    trains to its end and writes its summary."""
+    run_dir = tmp_path / "run"
+    run = ok(train(run_dir, *TINY_GPT, "trainer.max_steps=20", "trainer.eval_every=0",
+                   *probe(tmp_path / "calls.jsonl", "InProcessRecordingLogger", raises="SystemExit", from_step=5)))
+    assert run.summary["steps"] == 20
+    (line,) = log_lines(run_dir, "logger.probe")
+    assert line.endswith("logger.probe failed (SystemExit: 0); the run goes on without it, metrics.jsonl keeps "
+                         "every value")

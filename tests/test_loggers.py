@@ -275,6 +275,45 @@ def test_a_resume_continues_the_tracked_run_that_its_checkpoint_names(tmp_path: 
     assert steps_of(client.get_metric_history(run.info.run_id, "train/loss")) == [1, 2, 3, 4]
 
 
+def test_resuming_another_runs_checkpoint_starts_a_new_mlflow_run_that_names_it(tmp_path: Path) -> None:
+    """Run B resumes run A's last checkpoint (checkpoint.resume=<A's step_4>) in a run directory of its own: a new
+    MLflow run, tagged with that checkpoint and A's run id; A's run keeps exactly what A logged (its steps, its
+    summary.json, its params and status). B's own checkpoints name B's run, so B's own resume continues it."""
+    from mlflow.tracking import MlflowClient
+
+    source = tmp_path / "a" / "checkpoints" / "step_00000004"
+
+    def command(run_dir: Path, steps: int, *more: str) -> list[str]:
+        return [sys.executable, str(ROOT / "train.py"), *LOGGED, "logger=[mlflow]", "checkpoint=dcp",
+                "checkpoint.every_steps=2", f"trainer.max_steps={steps}", "trainer.eval_every=0",
+                f"hydra.run.dir={run_dir}", *more]
+
+    first = run_process(command(tmp_path / "a", 4), cwd=tmp_path, timeout=600)
+    assert first.returncode == 0, first.stderr[-3000:]
+    client = MlflowClient(f"sqlite:///{tmp_path / 'outputs' / 'mlflow.db'}")
+    a_id = json.loads((tmp_path / "a" / "loggers.json").read_text())["mlflow"]
+
+    def record(run_id: str) -> dict:
+        run = client.get_run(run_id)
+        summary = Path(client.download_artifacts(run_id, "summary.json", str(tmp_path / run_id)))
+        return {"steps": steps_of(client.get_metric_history(run_id, "train/loss")), "status": run.info.status,
+                "max_steps": run.data.params["trainer.max_steps"], "summary_steps": json.loads(summary.read_text())[
+                    "steps"], "tags": {k: v for k, v in run.data.tags.items() if k.startswith("trainflow.")}}
+
+    before = record(a_id)
+    assert before["steps"] == [1, 2, 3, 4] and before["summary_steps"] == 4
+    second = run_process(command(tmp_path / "b", 6, f"checkpoint.resume={source}"), cwd=tmp_path, timeout=600)
+    assert second.returncode == 0, second.stderr[-3000:]
+    b_id = json.loads((tmp_path / "b" / "loggers.json").read_text())["mlflow"]
+    assert b_id != a_id and record(a_id) == before
+    b = record(b_id)
+    assert b["steps"] == [5, 6] and b["summary_steps"] == 6 and b["status"] == "FINISHED"
+    assert b["max_steps"] == "6" and b["tags"]["trainflow.run_dir"] == str(tmp_path / "b")
+    assert b["tags"]["trainflow.resumed_from"] == str(source) and b["tags"]["trainflow.resumed_from_run"] == a_id
+    state = json.loads((tmp_path / "b" / "checkpoints" / "step_00000006" / "state.json").read_text())
+    assert state["tracked_runs"] == {"mlflow": b_id}
+
+
 def test_a_server_killed_mid_run_is_said_once_and_the_run_goes_on(server: Server, resumed: Path, tmp_path: Path,
                                                                  caplog: pytest.LogCaptureFixture) -> None:
     """Last: it stops the module's server (after the resumed run, which it waits for). The logger is built as a

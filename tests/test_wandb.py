@@ -188,3 +188,41 @@ def test_a_run_killed_outright_and_resumed_holds_each_step_once(tmp_path: Path,
     wandb.teardown()
     logged = [row for folder in offline_runs(tmp_path / "wb" / "wandb", run_id) for row in history(run_records(folder))]
     assert sorted(logged) == [(s, 10.0 - s) for s in range(1, 6)] + [(s, 100.0 + s) for s in range(6, 11)]
+
+
+def test_a_run_resumed_from_another_runs_checkpoint_is_a_new_wandb_run_that_names_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Run B resumes run A's checkpoint of step 5 (outside B's checkpoint folder), whose state names A's W&B run: B
+    is a new W&B run whose config names that checkpoint and A's id; A's run folders hold A's steps only. A
+    checkpoint of B's own continues B's run, as every resume does."""
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path / "wb"))
+    source = tmp_path / "a" / "checkpoints" / "step_00000005"
+    a = writer(tmp_path / "a", WandbLogger())
+    a_id = a.start(CONFIG, 1, None)["wandb"]
+    for step in range(1, 6):
+        a.write(step, {"train/loss": 10.0 - step})
+    a.finish("FINISHED")
+    a.close()
+    wandb.teardown()
+    b = writer(tmp_path / "b", WandbLogger())
+    b_id = b.start(CONFIG, 1, 5, {"wandb": a_id}, source, tmp_path / "b" / "checkpoints")["wandb"]
+    for step in range(6, 9):
+        b.write(step, {"train/loss": 100.0 + step})
+    b.finish("FINISHED")
+    b.close()
+    wandb.teardown()
+    assert b_id != a_id
+    (a_folder,) = offline_runs(tmp_path / "wb" / "wandb", a_id)
+    assert history(run_records(a_folder)) == [(s, 10.0 - s) for s in range(1, 6)]
+    (b_folder,) = offline_runs(tmp_path / "wb" / "wandb", b_id)
+    recs = run_records(b_folder)
+    assert history(recs) == [(s, 100.0 + s) for s in range(6, 9)]
+    config = items(of_kind(recs, "run")[0].config.update)
+    assert config["trainflow.resumed_from"] == str(source) and config["trainflow.resumed_from_run"] == a_id
+    own = writer(tmp_path / "b", WandbLogger())  # B again, from its own checkpoint of step 8
+    assert own.start(CONFIG, 1, 8, {"wandb": b_id}, tmp_path / "b" / "checkpoints" / "step_00000008",
+                     tmp_path / "b" / "checkpoints")["wandb"] == b_id
+    own.finish("FINISHED")
+    own.close()
+    wandb.teardown()

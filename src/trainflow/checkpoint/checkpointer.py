@@ -181,6 +181,7 @@ class Checkpointer:
         else:
             self._changes = resuming.load_all(target, state, self.env, self._main_group, self.cfg.on_data_change)
         self._resumed_from = target
+        state.resumed_checkpoint = target.path  # the metrics writer tells another run's checkpoint from its own
         self._last_saved_step = state.step if not weights_only else None
         self._need_bytes = int(target.manifest.get("bytes", 0))
 

@@ -19,8 +19,8 @@ from typing import Any, Protocol
 from omegaconf import DictConfig, OmegaConf
 
 from trainflow.config.schema import TrainerConfig
-from trainflow.config.targets import call, import_target
-from trainflow.loggers.process import LOGGER_CLASS, ProcessLogger
+from trainflow.config.targets import arguments, call, import_target
+from trainflow.loggers.process import ANSWER_TIMEOUT_S, LOGGER_CLASS, ProcessLogger
 
 IDS_FILE = "loggers.json"  # {logger name: its tracked run's id}, in the run directory
 NAME_BYTES = 200  # a sweep job's folder name: one level, within the usual 255-byte limit of a file name
@@ -42,6 +42,10 @@ class RunInfo:
     resumed_step: int | None  # the step the run continues from (None: a fresh start)
     tracked_id: str | None  # this logger's run id from before the resume; None: start a new tracked run
     world_size: int
+    # another run's checkpoint this run started from (checkpoint.resume=<path>): the new tracked run names it, and
+    # that run's tracked run in this logger where the checkpoint names one; nothing is written into that one
+    source_checkpoint: Path | None = None
+    source_id: str | None = None
 
 
 class Logger(Protocol):
@@ -81,15 +85,21 @@ def build_loggers(section: DictConfig | dict) -> dict[str, Logger]:
 
 def build_logger(name: str, target: str, kwargs: dict[str, Any]) -> Logger:
     """`target(**kwargs)`; in a process of its own when its class says `in_own_process = True` (its client's cost
-    stays out of the loop's process)."""
+    stays out of the loop's process, and its calls are bounded in time: `answer_timeout_s`, loggers/process.py)."""
     logger_class = import_target(f"logger.{name}._target_", target, LOGGER_CLASS)
     if getattr(logger_class, "in_own_process", False):
-        return ProcessLogger(name, target, kwargs)
-    return call(f"logger.{name}", target, logger_class, kwargs)
+        return ProcessLogger(name, target, kwargs, getattr(logger_class, "answer_timeout_s", ANSWER_TIMEOUT_S))
+    try:
+        return call(f"logger.{name}", target, logger_class, kwargs)
+    except (SystemExit, GeneratorExit) as exc:  # the logger's failure, not the run's end
+        from trainflow.errors import ConfigError
+
+        raise ConfigError(f"logger.{name}: {target}({arguments(kwargs)}) failed: {type(exc).__name__}: {exc}; fix "
+                          f"the logger.{name}.* values") from None
 
 
-def run_info(cfg: DictConfig, run_dir: Path, world_size: int, resumed_step: int | None,
-             tracked_id: str | None) -> RunInfo:
+def run_info(cfg: DictConfig, run_dir: Path, world_size: int, resumed_step: int | None, tracked_id: str | None,
+             source_checkpoint: Path | None = None, source_id: str | None = None) -> RunInfo:
     """What every logger is told at the start, from the config and what Hydra saved in the run directory."""
     from trainflow.config.schema import typed
 
@@ -99,7 +109,8 @@ def run_info(cfg: DictConfig, run_dir: Path, world_size: int, resumed_step: int 
     hparams = hyperparameters(headline(typed(cfg.trainer, TrainerConfig), float(cfg.optim.lr)), choices,
                               overrides)
     return RunInfo(run_dir, OmegaConf.to_container(cfg, resolve=True), (run_dir / "config.yaml").read_text(),
-                   hparams, job or run_dir.name, sweep, resumed_step, tracked_id, world_size)
+                   hparams, job or run_dir.name, sweep, resumed_step, tracked_id, world_size, source_checkpoint,
+                   source_id)
 
 
 def history(run_dir: Path, after: int, up_to: int) -> list[tuple[int, dict[str, float]]]:

@@ -7,7 +7,9 @@
   surfaces at the next send); a resumed run logs only the steps past the last one its tracked run already holds
   (a crash replays a few), and again those of metrics.jsonl up to the resumed step that the crash kept from the
   store;
-- tags: run name, run directory, host, world size, strategy, the working directory's git commit;
+- tags: run name, run directory, host, world size, strategy, the working directory's git commit; for a run started
+  from another run's checkpoint (a new tracked run: the other one is never written into), that checkpoint
+  (`trainflow.resumed_from`) and the other run's id (`trainflow.resumed_from_run`);
 - at the end: config.yaml, summary.json, compile_report.json, the profiler's verdict as profiler.md, and the
   status (FINISHED, FAILED, KILLED for a stop on a signal);
 - a sweep job is a child run of one parent run per sweep folder (the sweep's report goes there at the end).
@@ -86,6 +88,7 @@ class MLflowLogger:
                 "trainflow.strategy": str(run.config.get("parallelism", {}).get("strategy")), **self.tags}
         if commit := _git_commit():
             tags["mlflow.source.git.commit"] = commit
+        tags.update(source_tags(run))
         if run.sweep_dir is not None:
             tags["mlflow.parentRunId"] = self._parent_run(experiment_id, run.sweep_dir)
         self.run_id = self.client.create_run(experiment_id, run_name=run.name, tags=tags).info.run_id
@@ -197,6 +200,16 @@ class MLflowLogger:
                                             tags={"trainflow.sweep_dir": str(sweep_dir)}).info.run_id
             kept.write_text(json.dumps({"run_id": parent, "tracking_uri": self.uri}))
             return parent
+
+
+def source_tags(run: RunInfo) -> dict[str, str]:
+    """For a run started from another run's checkpoint: that checkpoint, and that run's tracked run where known."""
+    tags = {}
+    if run.source_checkpoint is not None:
+        tags["trainflow.resumed_from"] = str(run.source_checkpoint)
+    if run.source_id is not None:
+        tags["trainflow.resumed_from_run"] = run.source_id
+    return tags
 
 
 def sweep_name(sweep_dir: Path) -> str:

@@ -3,15 +3,23 @@
 MLflow's client writes a SQLite store through SQLAlchemy at ~0.2-1 ms of Python per metric, under the GIL of
 the process that calls it, whichever thread that is: in the training process it slows every step around a log
 step (docs/performance.md). `ProcessLogger` runs such a logger in a child process: the loop's process only
-pickles each call onto a pipe. A logger class asks for this with `in_own_process = True`.
+pickles each call and hands it to a thread that writes the pipe. A logger class asks for this with
+`in_own_process = True`.
 
-- `start` and `finish` wait for the child's answer (a tracker that cannot start stops the run before training;
-  the run's status is recorded before the process exits); `scalars`, `text` and `artifacts` do not: a failure
-  of one is raised by the next call, as an in-process logger's would be (the writer then drops the logger).
+- Nothing the child does holds the run for long. `scalars`, `text` and `artifacts` do not wait (only a backlog
+  of MAX_UNANSWERED calls waits for room); `start` and `finish` wait for the child's answer. A child that has had
+  calls to answer for `answer_timeout_s` (a class attribute of the logger, ANSWER_TIMEOUT_S unless it says
+  otherwise) without answering any has stopped answering: the waiting call, or the next call, raises
+  TimeoutError and the child is killed. A failed call's error is raised by the next call, and the child's pipe
+  closes (it sends what it holds and exits). Either way the writer drops the logger in one line, as it drops an
+  in-process logger that raised. A run that stopped on a signal gives its loggers a time `limit` to finish.
+- A failure the child sends back is always an Exception: a logger's SystemExit or KeyboardInterrupt is its own
+  failure, so a KeyboardInterrupt in the trainer is a Ctrl-C.
 - The child's log records come back to the loop's process and are logged there (the run's log has them).
-- The child ignores SIGINT and SIGTERM (a Ctrl-C or a scheduler's stop reaches the whole process group: the
-  trainer still has to record KILLED through it) and ends when its stdin closes: at `finish`, or when the
-  trainer dies, so it never outlives the run.
+- The child leads a process group of its own (killed as one: whatever it started goes with it) and ignores
+  SIGINT and SIGTERM: the trainer decides when it ends and still has to record KILLED through it. It ends after
+  `finish`; when the trainer dies or closes the pipe, it sends what it holds (`settle`) and exits within
+  ORPHAN_GRACE_S, whatever its logger is doing: it never outlives the run by more.
 """
 
 from __future__ import annotations
@@ -20,30 +28,46 @@ import contextlib
 import logging
 import os
 import pickle
+import queue
 import signal
+import struct
 import subprocess
 import sys
 import threading
+import time
+from collections.abc import Callable
 from typing import Any, BinaryIO
 
 LOGGER_CLASS = "a logger class (see docs/loggers.md)"  # what a logger's _target_ must name, as errors say it
-MAX_UNANSWERED = 64  # calls in flight before the loop waits for the child: the pipe's backlog stays bounded
-FINISH_TIMEOUT_S = 120  # for `finish` (the last metrics, artifacts, the status) before the child is given up
+MAX_UNANSWERED = 1024  # calls in flight before the loop waits for the child (a log step's call: ~1 KB)
+ANSWER_TIMEOUT_S = 60.0  # a child silent this long with calls to answer has stopped answering
+STARTUP_S = 60.0  # until its first answer (an interpreter starts, imports the logger) the child gets at least this
+EXIT_S = 30.0  # after answering `finish`, the child exits (a tracker's client may write out at exit)
+ORPHAN_GRACE_S = 10.0  # the child's time to send what it holds once its trainer is gone
 
 
 class ProcessLogger:
     """The `Logger` protocol, forwarded to `target(**kwargs)` built in a child process."""
 
-    def __init__(self, name: str, target: str, kwargs: dict[str, Any]) -> None:
+    def __init__(self, name: str, target: str, kwargs: dict[str, Any],
+                 answer_timeout_s: float = ANSWER_TIMEOUT_S) -> None:
         self.name = name
+        self.answer_timeout_s = answer_timeout_s
+        # unbuffered both ways: a thread blocked on a buffered pipe at the interpreter's exit aborts it
         self._child = subprocess.Popen([sys.executable, "-c", "from trainflow.loggers.process import main; main()"],
-                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0,
+                                       start_new_session=True)
         self._lock = threading.Condition()
         self._sent = self._answered = 0
+        self._busy_since: float | None = None  # the child's last answer, or the call it got when it had none
+        self._patience = max(answer_timeout_s, STARTUP_S)  # answer_timeout_s from the child's first answer on
         self._answers: dict[int, Any] = {}  # a waited-for call's answer, by its number
         self._waited: set[int] = set()
         self._failure: BaseException | None = None  # of a call nobody waits for: raised by the next call
         self._ended = False  # the child's answers stopped (it exited)
+        self._limit: tuple[float, float] | None = None  # (seconds given, the deadline) for what is left
+        self._outbox: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+        threading.Thread(target=self._write, name=f"trainflow-{name}-logger-out", daemon=True).start()
         self._reader = threading.Thread(target=self._read, name=f"trainflow-{name}-logger", daemon=True)
         self._reader.start()
         self._call("build", name, target, kwargs)  # the child imports while the run builds its model
@@ -62,74 +86,129 @@ class ProcessLogger:
 
     def finish(self, status: str) -> None:
         try:
-            self._call("finish", status, wait=True, timeout=FINISH_TIMEOUT_S)
-        except TimeoutError:
-            self._child.kill()  # a child that hung at the end has nothing left to give
+            self._call("finish", status, wait=True)
+        except BaseException as exc:
+            self.close(self._exit_within() if isinstance(exc, Exception) else 0.0)  # a Ctrl-C: at once
             raise
-        finally:
-            self.close()
+        self.close(self._exit_within())
+
+    def limit(self, seconds: float) -> None:
+        """From now on, what the child is waited for (its answers, its exit) takes `seconds` at most, in all."""
+        self._limit = (seconds, time.monotonic() + seconds)
+
+    def _exit_within(self) -> float:
+        return EXIT_S if self._limit is None else self._limit[1] - time.monotonic()
 
     def settle(self) -> None:
         """Wait until the child has answered every call (a failure among them is raised)."""
         with self._lock:
-            self._lock.wait_for(lambda: self._answered >= self._sent or self._ended)
+            self._wait_until(lambda: self._answered >= self._sent, "settle")
         self._raise_failure()
 
-    def close(self) -> None:
-        """The child ends once it has read what was sent (its stdin closes)."""
-        with contextlib.suppress(OSError):
-            self._child.stdin.close()
+    def close(self, exit_within_s: float = 0.0) -> None:
+        """The child ends: its pipe closes (after `finish` it exits; else it sends what it holds, then exits), and
+        it is killed if it has not within `exit_within_s`."""
+        self._outbox.put(None)  # the pipe closes once what was sent is written
         try:
-            self._child.wait(FINISH_TIMEOUT_S)
+            self._child.wait(max(0.0, exit_within_s))
         except subprocess.TimeoutExpired:
-            self._child.kill()
+            pass
+        finally:
+            self._kill()  # nothing once it has exited
             self._child.wait()
-        self._reader.join(5)
+            self._reader.join(EXIT_S)
 
-    def _call(self, method: str, *args: Any, wait: bool = False, timeout: float | None = None) -> Any:
-        self._raise_failure()
+    def _call(self, method: str, *args: Any, wait: bool = False) -> Any:
+        self._check()
         with self._lock:
-            self._lock.wait_for(lambda: self._sent - self._answered < MAX_UNANSWERED or self._ended)
+            self._wait_until(lambda: self._sent - self._answered < MAX_UNANSWERED, method)
             number = self._sent
+            self._outbox.put(frame((number, method, args)))  # may not pickle: then nothing was counted
             self._sent += 1
+            if self._busy_since is None:
+                self._busy_since = time.monotonic()
             if wait:
                 self._waited.add(number)
-        try:
-            pickle.dump((number, method, args), self._child.stdin)
-            self._child.stdin.flush()
-        except (OSError, ValueError):
-            raise self._gone() from None
         if not wait:
             return None
         with self._lock:
-            if not self._lock.wait_for(lambda: number in self._answers or self._ended, timeout):
-                raise TimeoutError(f"the {self.name} logger's process did not answer {method} in {timeout:.0f} s")
-            if number not in self._answers:
-                raise self._gone()
+            self._wait_until(lambda: number in self._answers, method)
             failure, value = self._answers.pop(number)
         self._raise_failure()
         if failure is not None:
-            self._child.kill()
-            raise failure
+            self._failure = failure
+            self._raise_failure()
         return value
 
+    def _wait_until(self, done: Callable[[], bool], method: str) -> None:
+        """Under the lock, until `done()`; a child that ended, stopped answering or is past its `limit` raises
+        (and is killed)."""
+        while not done():
+            if self._ended:
+                raise self._gone()
+            now, silent_at = time.monotonic(), self._silent_until()
+            if self._limit is not None and self._limit[1] <= now:
+                self._kill()
+                raise TimeoutError(f"the {self.name} logger's process did not answer {method} within the "
+                                   f"{self._limit[0]:.0f} s a run stopped on a signal gives it")
+            if silent_at <= now:
+                self._kill()
+                raise self._silent()
+            until = silent_at if self._limit is None else min(silent_at, self._limit[1])
+            self._lock.wait(None if until == float("inf") else until - now)
+
+    def _silent_until(self) -> float:
+        """When the child will have been silent too long (infinite when it has nothing to answer)."""
+        return float("inf") if self._busy_since is None else self._busy_since + self._patience
+
+    def _check(self) -> None:
+        """Before a call: a failed call's error, the child's end or its silence (the child is killed) is raised."""
+        if self._failure is None and (self._ended or self._child.poll() is not None):
+            self._failure = self._gone()
+        elif self._failure is None and self._silent_until() <= time.monotonic():
+            self._kill()
+            self._failure = self._silent()
+        self._raise_failure()
+
     def _raise_failure(self) -> None:
-        """A failed call's error, once; the child goes with it (the writer drops a logger that failed, and a
-        child still retrying a dead server must not outlive that)."""
+        """A failed call's error, once; the child goes with it (the writer drops a logger that failed): its pipe
+        closes, so it sends what it holds and exits by itself, within ORPHAN_GRACE_S (a child still retrying a
+        dead server does not outlive that)."""
         failure, self._failure = self._failure, None
         if failure is not None:
-            self._child.kill()
+            self._outbox.put(None)
             raise failure
+
+    def _silent(self) -> TimeoutError:
+        return TimeoutError(f"the {self.name} logger's process has not answered for {self._patience:.0f} s")
 
     def _gone(self) -> RuntimeError:
         return RuntimeError(f"the {self.name} logger's process ended (exit code {self._child.poll()})")
+
+    def _kill(self) -> None:
+        """The child and whatever it started (its process group); it is ours to end only while it is unreaped."""
+        if self._child.poll() is None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self._child.pid, signal.SIGKILL)
+
+    def _write(self) -> None:
+        """The calls onto the pipe, in order, on a thread of their own: a child that stops reading blocks this
+        thread, never the loop."""
+        stdin = self._child.stdin
+        while (message := self._outbox.get()) is not None:
+            try:
+                write_all(stdin, message)
+            except (OSError, ValueError):  # the child is gone: its answers' end says so
+                break
+        with contextlib.suppress(OSError):
+            stdin.close()
 
     def _read(self) -> None:
         """The child's answers and log records, as they come (a thread blocked on the pipe costs no CPU)."""
         out = self._child.stdout
         while True:
             try:
-                kind, *message = pickle.load(out)
+                kind, *message = read_frame(out)
             except (EOFError, OSError, pickle.UnpicklingError):
                 break
             if kind == "log":
@@ -139,6 +218,8 @@ class ProcessLogger:
             number, failure, value = message
             with self._lock:
                 self._answered += 1
+                self._patience = self.answer_timeout_s
+                self._busy_since = time.monotonic() if self._answered < self._sent else None
                 if number in self._waited:
                     self._waited.discard(number)
                     self._answers[number] = (failure, value)
@@ -148,6 +229,35 @@ class ProcessLogger:
         with self._lock:
             self._ended = True
             self._lock.notify_all()
+
+
+def frame(message: Any) -> bytes:
+    """`message` pickled, after its length: a pipe read unbuffered gives what it has, not what was asked."""
+    data = pickle.dumps(message)
+    return struct.pack("<Q", len(data)) + data
+
+
+def read_frame(pipe: BinaryIO) -> Any:
+    """The next message `frame` made; EOFError at the pipe's end."""
+    return pickle.loads(_exactly(pipe, struct.unpack("<Q", _exactly(pipe, 8))[0]))
+
+
+def _exactly(pipe: BinaryIO, size: int) -> bytes:
+    chunks = []
+    while size:
+        chunk = pipe.read(size)
+        if not chunk:
+            raise EOFError
+        chunks.append(chunk)
+        size -= len(chunk)
+    return b"".join(chunks)
+
+
+def write_all(pipe: BinaryIO, data: bytes) -> None:
+    """`data` whole onto an unbuffered pipe (a write may take part of it)."""
+    view = memoryview(data)
+    while view:
+        view = view[pipe.write(view):]
 
 
 class _ToParent(logging.Handler):
@@ -162,39 +272,58 @@ class _ToParent(logging.Handler):
             self.send(("log", record.levelno, record.name, record.getMessage()))
 
 
-def _portable(exc: BaseException) -> BaseException:
-    """`exc` when it survives pickling, else its type and text in a RuntimeError."""
-    try:
-        pickle.loads(pickle.dumps(exc))
-        return exc
-    except Exception:
-        return RuntimeError(f"{type(exc).__name__}: {exc}")
+def _portable(exc: BaseException) -> Exception:
+    """`exc` when it is an Exception that survives pickling, else its type and text in a RuntimeError: a logger's
+    SystemExit or KeyboardInterrupt is its failure, never the trainer's exit or a Ctrl-C."""
+    if isinstance(exc, Exception):
+        try:
+            pickle.loads(pickle.dumps(exc))
+            return exc
+        except Exception:
+            pass
+    return RuntimeError(f"{type(exc).__name__}: {exc}")
 
 
 def serve(requests: BinaryIO, answers: BinaryIO) -> None:
-    """The child's loop: build the logger, then answer each call in order, until `finish` or until the trainer
-    closes the pipe (then a buffering logger's `settle` sends what it holds)."""
+    """The child's loop: build the logger, then answer each call in order, until `finish`, or until the trainer
+    closes the pipe or dies: then a buffering logger's `settle` sends what it holds, within ORPHAN_GRACE_S."""
     from trainflow.config.targets import call_target
 
     lock = threading.Lock()
+    gone = threading.Event()  # the trainer stopped reading: nothing more is sent
+    finished = threading.Event()  # `finish` was answered: the trainer waits EXIT_S for this process to exit
 
     def send(message: tuple) -> None:
+        data = frame(message)
         with lock:
-            pickle.dump(message, answers)
-            answers.flush()
+            if gone.is_set():
+                return
+            try:
+                write_all(answers, data)
+            except OSError:
+                gone.set()
 
+    calls: queue.SimpleQueue[tuple | None] = queue.SimpleQueue()
+
+    def read() -> None:
+        """The trainer's calls, read as they come (its pipe never fills while a call runs); at the pipe's end,
+        the process exits within ORPHAN_GRACE_S (after `finish`: EXIT_S) whatever its logger does."""
+        with contextlib.suppress(EOFError, OSError, pickle.UnpicklingError):
+            while True:
+                calls.put(read_frame(requests))
+        calls.put(None)
+        timer = threading.Timer(EXIT_S if finished.is_set() else ORPHAN_GRACE_S, os._exit, (1,))
+        timer.daemon = True
+        timer.start()
+
+    threading.Thread(target=read, name="trainflow-logger-calls", daemon=True).start()
     logging.getLogger().addHandler(_ToParent(send))
     logging.getLogger().setLevel(logging.WARNING)  # the libraries' warnings; their set-up lines are not news
     logging.getLogger("trainflow").setLevel(logging.INFO)
     logging.captureWarnings(True)  # Python warnings too, so that the run's log has them
     logger: Any = None
-    while True:
-        try:
-            number, method, args = pickle.load(requests)
-        except EOFError:  # the trainer closed the pipe or died: what a logger buffers still goes out
-            with contextlib.suppress(Exception):
-                getattr(logger, "settle", lambda: None)()
-            return
+    while (call := calls.get()) is not None:
+        number, method, args = call
         try:
             if method == "build":
                 name, target, kwargs = args
@@ -206,13 +335,17 @@ def serve(requests: BinaryIO, answers: BinaryIO) -> None:
         except BaseException as exc:  # noqa: BLE001 (every failure goes back to the trainer, which decides)
             send(("answer", number, _portable(exc), None))
         if method == "finish":  # the run has ended: nothing is left to send when the pipe closes
+            finished.set()
             return
+    with contextlib.suppress(BaseException):  # the trainer closed the pipe or died: what a logger buffers goes out
+        getattr(logger, "settle", lambda: None)()
 
 
 def main() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    answers = os.fdopen(os.dup(sys.stdout.fileno()), "wb")
+    # unbuffered both ways: nothing to flush at exit (the trainer may be gone), no lock a reading thread holds
+    requests = os.fdopen(os.dup(sys.stdin.fileno()), "rb", buffering=0)
+    answers = os.fdopen(os.dup(sys.stdout.fileno()), "wb", buffering=0)
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # what a library prints cannot corrupt the answers
-    serve(sys.stdin.buffer, answers)
-
+    serve(requests, answers)

@@ -2,9 +2,15 @@
 
 - mode: `logger.wandb.mode`, else `WANDB_MODE`, else online where an API key is configured (`WANDB_API_KEY`,
   `wandb login`'s .netrc entry) and offline otherwise: an offline run is written below `<run dir>/wandb/` (or
-  `WANDB_DIR`) and reaches no network; `wandb sync <run dir>/wandb/offline-run-*` uploads it later;
+  `logger.wandb.dir`, or `WANDB_DIR`: one that cannot be written is one line at start, never W&B's silent
+  fallback to the system's temporary folder) and reaches no network; `wandb sync <run dir>/wandb/offline-run-*`
+  uploads it later;
+- in a process of its own (loggers/process.py): its client's work, its uploads at the end and anything it waits
+  on stay out of the loop's process and bounded in time;
 - config: the resolved config; project / entity / group / tags / notes from `logger.wandb.*`; a sweep job's group
-  is its sweep's name unless `logger.wandb.group` says otherwise;
+  is its sweep's name unless `logger.wandb.group` says otherwise; a run started from another run's checkpoint is a
+  new W&B run whose config names that checkpoint (`trainflow.resumed_from`) and that run's W&B id
+  (`trainflow.resumed_from_run`);
 - history: every scalar of metrics.jsonl at its step; at the end the final figures (`summary/*`), which W&B's
   summary then holds; a resumed run logs only the steps past the resumed one, and again those of metrics.jsonl
   up to it that a crashed process did not get into its W&B run;
@@ -19,10 +25,11 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from trainflow.errors import ConfigError
+from trainflow.errors import ConfigError, home_note, unwritable_reason
 from trainflow.loggers import FAILED, FINISHED, RunInfo, history
-from trainflow.loggers.mlflow import sweep_name
+from trainflow.loggers.mlflow import source_tags, sweep_name
 from trainflow.loggers.wandb_files import last_step, offline_runs
+from trainflow.util.files import cannot_write
 
 EXIT_CODES = {FINISHED: 0, FAILED: 1}  # KILLED (and any other): 75, trainflow's exit code of a stop after a save
 KILLED_EXIT = 75
@@ -30,6 +37,8 @@ KILLED_EXIT = 75
 
 class WandbLogger:
     """One W&B run (rank 0), its own run object: a run the user's code opened with `wandb.init` stays as it is."""
+
+    in_own_process = True  # its client's Python work stays off the loop, and run.finish (an upload) is bounded
 
     def __init__(self, project: str = "trainflow", entity: str | None = None, group: str | None = None,
                  tags: list[str] | None = None, notes: str | None = None, mode: str | None = None,
@@ -47,13 +56,14 @@ class WandbLogger:
     def start(self, run: RunInfo) -> str:
         import wandb
 
+        self._check_dir()
         mode = self._mode()
         if mode:  # for the whole process: W&B's own telemetry then stays offline too, not only the run
             wandb.setup(settings=wandb.Settings(mode=mode))
         self.run = wandb.init(
             project=self.project, entity=self.entity, name=run.name, notes=self.notes, tags=self.tags,
             group=self.group or (sweep_name(run.sweep_dir) if run.sweep_dir is not None else None),
-            config=run.config, id=run.tracked_id, resume="allow", mode=mode,
+            config={**run.config, **source_tags(run)}, id=run.tracked_id, resume="allow", mode=mode,
             dir=self.dir or (None if os.environ.get("WANDB_DIR") else str(run.run_dir)),
             # the console stays trainflow's (train.log has it all); the run is its own, not wandb.run's
             settings=wandb.Settings(console="off", reinit="create_new"))
@@ -73,6 +83,20 @@ class WandbLogger:
         for step, values in history(run.run_dir, held, run.resumed_step):
             self.run.log(values, step=step)
         self._logged_to = max(run.resumed_step, held)
+
+    def _check_dir(self) -> None:
+        """A W&B folder set by logger.wandb.dir or WANDB_DIR that cannot be written is one line (W&B itself would
+        fall back to the system's temporary folder, outside the run directory, with a warning on a console it
+        does not have here)."""
+        key, configured = ("logger.wandb.dir", self.dir) if self.dir else ("WANDB_DIR", os.environ.get("WANDB_DIR"))
+        if not configured:
+            return
+        root = Path(configured).expanduser()
+        folder = root / (".wandb" if (root / ".wandb").is_dir() else "wandb")
+        if (exc := cannot_write(folder)) is not None:
+            raise ConfigError(f"{key}: cannot write W&B's files in {folder}{home_note(configured)} "
+                              f"({unwritable_reason(folder, exc)}); point {key} at a writable folder, or unset it "
+                              "to keep them below the run directory")
 
     def _mode(self) -> str | None:
         """The configured mode, else W&B's own choice (WANDB_MODE) when set, else online only with a key."""

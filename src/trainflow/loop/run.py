@@ -155,7 +155,8 @@ def assemble(cfg: DictConfig, run_dir: Path, env: DistEnv, stage_types: Sequence
     for stage in stages:
         stage.start(state)
     # a tracker that cannot be reached stops the run here; the tracked runs' ids go into the next checkpoints
-    state.tracked_runs = ctx.writer.start(cfg, env.world_size, resumed_from, state.tracked_runs)
+    state.tracked_runs = ctx.writer.start(cfg, env.world_size, resumed_from, state.tracked_runs,
+                                          state.resumed_checkpoint, state.checkpoint_dir)
     if resumed_from and resumed_from >= trainer.max_steps and env.is_main:  # a finished run started again
         log.warning("the checkpoint is at step %d, trainer.max_steps is %d: nothing left to train; raise "
                     "trainer.max_steps to continue this run", resumed_from, trainer.max_steps)

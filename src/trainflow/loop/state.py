@@ -29,6 +29,7 @@ class LoopState(TrainState):
     step_time_s: float | None = None  # the synced wall time of the step, while excluded steps run; else None
     save_every: int = 0  # the checkpointer saves after every this many steps (0: no periodic saves)
     checkpoint_dir: Path | None = None  # where the committed checkpoints are (None: checkpoints are off)
+    resumed_checkpoint: Path | None = None  # the committed checkpoint the run started from (None: a fresh start)
     rank_times: dict[str, float] | None = None  # log steps of 2+ ranks: the ranks' own step times (stragglers)
     straggler: dict[str, Any] | None = None  # the first rank named a straggler in this run (rank, host, ratio)
     # why a stage stopped the run (fault tolerance: no quorum): the checkpointer saves and stops as on a stop signal
