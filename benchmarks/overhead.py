@@ -1,6 +1,6 @@
 """What trainflow's loop costs over a hand-written one, and what its start-up costs over a bare script.
 
-Throughput: trainflow's `run()` and the seed article's plain loop train the same model on the same batches
+Throughput: trainflow's `run()` and a hand-written plain loop train the same model on the same batches
 with the same threads, alternating in one process; each round's steady state (after warm-up) is compared,
 and the median ratio trainflow / hand-written is reported.
 
@@ -67,7 +67,7 @@ def trainflow_rate(cfg) -> float:
 
 
 def handwritten_rate(cfg, steps: int, warmup: int) -> float:
-    """The seed article's loop on the same model, optimizer, batches and threads."""
+    """A hand-written loop on the same model, optimizer, batches and threads."""
     torch.manual_seed(cfg.trainer.seed)
     data = build_datasets(cfg.data, cfg.model)
     model = instantiate(cfg.model)
@@ -90,7 +90,7 @@ def handwritten_rate(cfg, steps: int, warmup: int) -> float:
 
 
 class LiteralLoop:
-    """The seed article's literal loop: a fresh random batch each step, zero_grad, forward, loss, backward, step."""
+    """The literal hand-written loop: a fresh random batch each step, zero_grad, forward, loss, backward, step."""
 
     def __init__(self, cfg, seed: int) -> None:
         torch.manual_seed(seed)

@@ -26,7 +26,7 @@ from trainflow.models.gpt import GPT
 
 # Random tokens: nothing to learn, but every parity comparison is as strict as on text, and no corpus to read.
 SMALL = [*TINY_GPT, "data=synthetic", "data.num_samples=4096", "trainer.eval_steps=2", "trainer.max_steps=4"]
-# The seed article's MLP: a user model without `blocks`.
+# The baseline MLP (experiment=seed_mlp): a model without `blocks`.
 MLP_SMALL = ["experiment=seed_mlp", "logger=none", "trainer.max_steps=4", "trainer.warmup_steps=0",
              "trainer.log_every=1", "data.num_samples=4096"]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]

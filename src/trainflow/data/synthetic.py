@@ -1,4 +1,4 @@
-"""Random tensors with something to learn: the seed article's classification data and random tokens."""
+"""Random tensors with something to learn: the MLP baseline's classification data and random tokens."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from torch.utils.data import Dataset
 
 
 class SyntheticClassification(Dataset):
-    """The seed article's random inputs, labelled by a fixed random teacher so the loss can fall."""
+    """The MLP baseline's random inputs, labelled by a fixed random teacher so the loss can fall."""
 
     def __init__(self, num_samples: int, in_features: int, num_classes: int, task_seed: int, input_seed: int) -> None:
         teacher = torch.randn(in_features, num_classes, generator=torch.Generator().manual_seed(task_seed))
