@@ -13,6 +13,8 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from trainflow.config.schema import STOP_SIGNALS
+
 
 class CutShort(BaseException):
     """A stop signal or Ctrl-C while the loggers close: the rest of their close is given up."""
@@ -58,12 +60,10 @@ class CtrlC:
 def stops_cut_short(on_cut: Callable[[int], None]) -> Iterator[None]:
     """Inside the block, the first stop signal or Ctrl-C calls `on_cut(signum)` and raises CutShort; a second one
     does what it did before. A signal this process ignores stays ignored."""
-    from trainflow.checkpoint.stopping import STOP_SIGNALS
-
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = {s: h for s in (signal.SIGINT, *STOP_SIGNALS)
+    previous = {s: h for s in (signal.SIGINT, *(signal.Signals[name] for name in STOP_SIGNALS))
                 if (h := signal.getsignal(s)) is not None and h != signal.SIG_IGN}
     cut_by: list[int] = []
 
