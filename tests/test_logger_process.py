@@ -237,8 +237,8 @@ def test_ctrl_c_ends_the_run_within_seconds_while_its_logger_sleeps_in_a_call(tm
     output = (tmp_path / "run.out").read_text()
     assert code == 130 and took < 10, (code, took, output[-3000:])
     assert [line for line in output.splitlines() if line.startswith(("Interrupted:", "Error:"))] == [
-        "Interrupted: stopped at once, without a save; committed checkpoints are untouched (SIGTERM, SIGUSR2 or "
-        "SIGHUP save at the next step boundary, then stop)"]
+        "Interrupted: stopped at once, without a save; committed checkpoints are untouched (a stop signal, SIGTERM "
+        "say, saves at the next step boundary, then stops)"]
     assert "Traceback" not in output, output[-3000:]
 
 
