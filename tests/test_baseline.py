@@ -149,7 +149,7 @@ def test_help_lists_every_option_of_every_group_with_its_line_and_loads_no_torch
     assert [o for o, _ in rows["model"]] == ["cnn", "custom", "gpt_medium", "gpt_small", "gpt_tiny", "*mlp", "my_net"]
     assert dict(rows["model"])["my_net"] == "My own network, for the help test."
     assert dict(rows["model"])["gpt_tiny"].startswith("~3.3M parameters")
-    assert [o for o, _ in rows["optim"]] == ["*adamw", "sgd"]
+    assert [o for o, _ in rows["optim"]] == ["*adamw", "custom", "sgd"]
     assert [o for o, _ in rows["task"]] == ["*auto", "classify", "custom", "lm"]
     assert [o for o, _ in rows["tokenizer"]] == ["bpe", "*bytes", "file"]
     assert {o for o, _ in rows["hydra/launcher"]} >= {"process", "slurm", "torchrun"}
