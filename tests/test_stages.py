@@ -3,7 +3,9 @@ meter leaves out what the stages report (excluded steps, paused time). In-proces
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -17,7 +19,8 @@ from trainflow.conf import CONFIG_DIR
 from trainflow.distributed.parity import ParityCheck
 from trainflow.loop.evaluation import Evaluation
 from trainflow.loop.run import STAGES
-from trainflow.loop.stages import LoopState, Stage, StageContext
+from trainflow.loop.stages import Phase, Stage, StageContext
+from trainflow.loop.state import LoopState
 from trainflow.metrics.meter import PeakMemory, Throughput
 from trainflow.profile.profiler import Profiler
 
@@ -127,6 +130,77 @@ def test_the_loop_calls_only_enabled_stages_and_any_stage_can_stop_it_and_pause_
     assert summary["validation"] is None  # stopped before the end: as after a stop signal, no final evaluation
 
 
+class EveryHook(Stage):
+    """A stage from outside trainflow that answers every hook of the step: it names the step's parts, wraps the
+    loss, wants the gradient norm on even steps, drops the update of step 3, and syncs after step 4."""
+
+    phase = Phase.GUARD  # declared: after the non-finite guard (listed before it), before the train metrics
+    names_step_parts = True
+    summary_key = "every_hook"
+
+    def __init__(self) -> None:
+        self.wrapped = 0  # micro-batches computed inside its loss context
+        self.asked_norm: list[int] = []
+        self.seen: dict[int, dict] = {}  # per step: what the loop state said after it
+
+    @classmethod
+    def build(cls, ctx: StageContext) -> EveryHook:
+        return cls()
+
+    @contextlib.contextmanager
+    def loss_context(self) -> Iterator[None]:
+        self.wrapped += 1
+        yield
+
+    def wants_grad_norm(self, step: int) -> bool:
+        self.asked_norm.append(step)
+        return step % 2 == 0
+
+    def keeps_update(self, step: int, grad_norm: torch.Tensor | None) -> bool:
+        return step != 3
+
+    def syncs_after(self, step: int) -> bool:
+        return step == 4
+
+    def after_step(self, state: LoopState) -> bool:
+        weights = torch.cat([p.detach().flatten() for p in state.model.parameters()]).clone()
+        self.seen[state.step] = {"norm": state.grad_norm is not None, "skipped": state.skipped,
+                                 "sync": state.sync_due, "weights": weights}
+        return False
+
+    def summary(self, steady: dict | None) -> dict:
+        return {"wrapped": self.wrapped}
+
+
+def test_a_stage_of_your_own_answers_every_hook_of_the_step_and_acts_in_its_declared_phase(tmp_path: Path) -> None:
+    from trainflow.cli import register_with_hydra
+    from trainflow.distributed.process_group import process_group
+    from trainflow.loop.run import assemble, summarize, train_loop
+    from trainflow.loop.step import unnamed
+
+    register_with_hydra()
+    cfg = seed_mlp_cfg("trainer.max_steps=6", "trainer.grad_accum=2", "trainer.grad_clip=0",
+                       "trainer.log_every=100", "parallelism.global_batch=null")
+    with process_group(cfg) as env:
+        run = assemble(cfg, tmp_path, env, [*STAGES, EveryHook])
+        names = [type(stage).__name__ for stage in run.stages if stage.enabled]
+        assert names == ["NonFiniteGuard", "EveryHook", "TrainMetrics", "Evaluation"]  # by phase, not by list
+        assert run.training.name_part is not unnamed  # it names the step's parts: the profiler's hook
+        train_loop(run)
+        summary = summarize(run)
+        run.ctx.writer.close()
+    (stage,) = [s for s in run.stages if isinstance(s, EveryHook)]
+    assert summary["every_hook"] == {"wrapped": 12}  # 6 steps x 2 micro-batches, each inside its context
+    assert stage.asked_norm == [1, 2, 3, 4, 5]  # step 6, the last, is a log step: its norm is measured anyway
+    seen = stage.seen
+    assert [seen[step]["norm"] for step in range(1, 7)] == [False, True, False, True, False, True]
+    assert [seen[step]["skipped"] for step in range(1, 7)] == [False, False, True, False, False, False]
+    assert torch.equal(seen[3]["weights"], seen[2]["weights"])  # the dropped update left the weights alone
+    assert not torch.equal(seen[4]["weights"], seen[3]["weights"])
+    # the first step and its own (step 4) are the sync points: no log or save step comes before the last
+    assert [seen[step]["sync"] for step in range(1, 7)] == [True, False, False, True, False, True]
+
+
 def test_meter_times_only_the_excluded_steps_and_leaves_pauses_out_of_every_clock() -> None:
     meter = Throughput(2, CPU, PeakMemory(CPU))
     state = LoopState(nn.Linear(1, 1), None, None)
@@ -153,9 +227,10 @@ def test_meter_times_only_the_excluded_steps_and_leaves_pauses_out_of_every_cloc
 
 def test_the_parity_check_refuses_a_model_parallelize_already_wrapped() -> None:
     import torch.distributed as dist
+    from omegaconf import OmegaConf
     from torch.nn.parallel import DistributedDataParallel
 
-    from trainflow.config.schema import OptimConfig, ParallelismConfig, TrainerConfig, typed
+    from trainflow.config.schema import ParallelismConfig, TrainerConfig, typed
     from trainflow.distributed.process_group import DistEnv
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
@@ -164,7 +239,8 @@ def test_the_parity_check_refuses_a_model_parallelize_already_wrapped() -> None:
         with pytest.raises(RuntimeError, match="before parallelize"):
             cfg = seed_mlp_cfg()
             ParityCheck(typed(cfg.parallelism, ParallelismConfig), typed(cfg.trainer, TrainerConfig),
-                        typed(cfg.optim, OptimConfig), cfg.data, DistEnv(0, 1, 0, CPU, "ddp"), wrapped, None, None)
+                        OmegaConf.to_container(cfg.optim), cfg.data, DistEnv(0, 1, 0, CPU, "ddp"), wrapped, None,
+                        None)
     finally:
         dist.destroy_process_group()
 

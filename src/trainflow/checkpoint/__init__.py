@@ -20,9 +20,10 @@ One module per concern:
 
 from trainflow.checkpoint.checkpointer import Checkpointer
 from trainflow.checkpoint.export import export_weights
-from trainflow.checkpoint.state import TrainState, fingerprint, split_state
+from trainflow.checkpoint.state import fingerprint, split_state
 from trainflow.checkpoint.stopping import EXIT_STOPPED, stop_exit_code
 from trainflow.checkpoint.store import check_intact, list_committed
+from trainflow.loop.state import TrainState  # what a checkpoint saves: the run's state
 
 __all__ = ["EXIT_STOPPED", "Checkpointer", "TrainState", "check_intact", "export_weights", "fingerprint",
            "list_committed", "split_state", "stop_exit_code"]

@@ -68,6 +68,7 @@ from trainflow.config.schema import CheckpointConfig
 from trainflow.distributed import DistEnv
 from trainflow.distributed.failures import note_save, says_peer_lost
 from trainflow.errors import CheckpointError
+from trainflow.loop.stages import Phase, Stage, StageContext
 from trainflow.util.device import device_sync
 from trainflow.util.locks import DirLock
 
@@ -95,15 +96,14 @@ class _Pending:
         self.done_at = time.perf_counter()
 
 
-class Checkpointer:
+class Checkpointer(Stage):
     """Saves and restores TrainState when `checkpoint.enabled`; a no-op otherwise.
 
     All ranks call every method at the same step; rank 0 alone touches the folder structure (create, commit,
     delete) and shares the outcome, so a failure raises the same error on every rank instead of a hang.
-
-    A stage (trainflow.loop.stages.Stage) without subclassing it: stages.py imports this package for TrainState.
     """
 
+    phase = Phase.SAVE
     summary_key = "checkpoint"
 
     def __init__(self, cfg: CheckpointConfig, env: DistEnv, run_dir: Path, timeout_s: float | None = None) -> None:
@@ -147,22 +147,20 @@ class Checkpointer:
     # -- the stage interface -------------------------------------------------------------------------------------
 
     @classmethod
-    def build(cls, ctx: Any) -> Checkpointer:
-        """From the run's StageContext (trainflow.loop.stages)."""
+    def build(cls, ctx: StageContext) -> Checkpointer:
         return cls(ctx.section("checkpoint", CheckpointConfig), ctx.env, ctx.run_dir, ctx.parallelism.timeout_s)
 
-    def prepare(self, model: Any) -> Any:
-        return model
+    def save_due(self, step: int) -> bool:
+        """Whether a periodic save follows step `step` (the final one comes at close)."""
+        return self.enabled and step % self._every_steps == 0
 
-    def start(self, state: TrainState) -> None:
-        """Nothing to read: resume() was its start."""
+    def syncs_after(self, step: int) -> bool:
+        return self.save_due(step)
 
     def resume(self, state: TrainState) -> None:
-        """Restore the newest committed checkpoint into `state`, if there is one and resuming is on; tell the other
-        stages (through the loop state) when saves come and where they go."""
+        """Restore the newest committed checkpoint into `state`, if there is one and resuming is on."""
         if not self.enabled:
             return
-        state.save_every, state.checkpoint_dir = self._every_steps, self.dir
         self._fingerprint = fingerprint(model_shapes(state.model))
         self._layout = weights_layout(state.model)
         self._ranks.on_rank0(self._prepare_dir)
@@ -194,7 +192,7 @@ class Checkpointer:
 
     def _after_step(self, state: TrainState) -> bool:
         stop_signal, uploaded = self._agreed_flags()
-        due = state.step % self._every_steps == 0
+        due = self.save_due(state.step)
         if stop_signal or due:  # a save: the steps still queued on the device are training, not the pause
             device_sync(self.env.device)
         start = time.perf_counter()
@@ -215,9 +213,6 @@ class Checkpointer:
 
     def __exit__(self, *exc: object) -> None:
         """A failed run keeps what it committed; close() is for a normal end."""
-
-    def excluded_steps(self) -> int:
-        return 0
 
     def take_paused_s(self) -> float:
         """Seconds the loop spent on checkpoints since the last call (to keep them out of throughput)."""

@@ -10,7 +10,6 @@ from __future__ import annotations
 import base64
 import hashlib
 import random
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -18,34 +17,12 @@ import numpy as np
 import torch
 from torch import nn
 
-from trainflow.data.stream import STREAM_VERSION, STREAM_VERSIONS
+from trainflow.data.stream import STREAM_VERSIONS
 from trainflow.errors import CheckpointError
+from trainflow.loop.state import TrainState
 
 FORMAT = 3  # shards of raw tensor bytes (see safe_io.py), JSON state, a checksum per file: the only one read
 STATE_FILE = "state.json"  # progress, LR schedule, optimizer hyperparameters: the non-tensor state
-
-
-@dataclass
-class TrainState:
-    """Everything a resumed run needs to continue as if it had never stopped."""
-
-    model: nn.Module
-    optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LRScheduler
-    step: int = 0
-    samples_seen: int = 0  # position in the global sample stream (see data/stream.py)
-    stream_version: int = STREAM_VERSION  # how that stream orders its samples; a resume keeps the checkpoint's
-    data_loader: Any = None  # an iterable dataset's loader: its state_dict() is this rank's stream position
-    data_state: dict[str, Any] | None = None  # that position as a resume read it, restored when the loader is built
-    data_states: list[dict[str, Any]] | None = None  # every rank's (a sharded stream resumes from all of them)
-    # the trackers' run ids ({logger: id}, as loggers.json holds them): a resume continues those tracked runs even
-    # where the run directory's own copy is gone
-    tracked_runs: dict[str, str] = field(default_factory=dict)
-    # what the data is (trainflow.data.identity): a resume on other data is refused (None: not known, not checked)
-    data_identity: dict[str, Any] | None = None
-    # how many samples a step takes, by the key that sets it (trainer.batch_size, trainer.grad_accum, global batch):
-    # a resume lists what changed (None: not known)
-    layout: dict[str, int] | None = None
 
 
 def rng_file(rank: int) -> str:

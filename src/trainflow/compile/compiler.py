@@ -40,7 +40,8 @@ from trainflow.data.loaders import to_device
 from trainflow.distributed import DistEnv
 from trainflow.distributed.parallelism import local_loss, loss_context, unwrap
 from trainflow.errors import ConfigError, home_note, unwritable_reason
-from trainflow.loop.stages import LoopState, Stage, StageContext
+from trainflow.loop.stages import Phase, Stage, StageContext
+from trainflow.loop.state import LoopState
 from trainflow.models import model_blocks
 from trainflow.tasks import Task
 from trainflow.util.device import autocast_for, matmul_math
@@ -72,6 +73,7 @@ def default_scope(model: nn.Module) -> str:
 class Compiler(Stage):
     """Compiles the model when `compile.enabled`; reports after the warm-up steps."""
 
+    phase = Phase.OBSERVE
     summary_key = "compile"
 
     def __init__(self, cfg: CompileConfig, trainer: TrainerConfig, seq_lens: Sequence[int] | None, env: DistEnv,

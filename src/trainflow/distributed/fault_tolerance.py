@@ -51,7 +51,8 @@ from torch import nn
 from trainflow.config.schema import FaultToleranceConfig, ParallelismConfig
 from trainflow.distributed import DistEnv
 from trainflow.errors import ConfigError, TrainflowError
-from trainflow.loop.stages import LoopState, Stage, StageContext
+from trainflow.loop.stages import Phase, Stage, StageContext
+from trainflow.loop.state import LoopState
 
 log = logging.getLogger("trainflow")
 
@@ -161,11 +162,13 @@ class FaultTolerance(Stage):
     """The torchft Manager of this replica group: the model's gradients go through it, each step's update is
     committed only if every collective of the step succeeded, and the quorum before each step heals a late group."""
 
+    phase = Phase.NEXT
     summary_key = "fault_tolerance"
 
     def __init__(self, parallelism: ParallelismConfig, env: DistEnv, global_batch: int, run_dir: Path,
-                 grad_accum: int) -> None:
+                 grad_accum: int, checkpoints: bool = False) -> None:
         self.enabled = parallelism.fault_tolerance == TORCHFT
+        self.checkpoints = checkpoints  # checkpoint.enabled: a group that stops for want of a quorum saves first
         self.ft = parallelism.ft
         self.env = env
         self.run_dir = run_dir
@@ -188,7 +191,7 @@ class FaultTolerance(Stage):
     def build(cls, ctx: StageContext) -> FaultTolerance:
         t = ctx.trainer
         stage = cls(ctx.parallelism, ctx.env, t.batch_size * ctx.env.dp_size * replica_groups(ctx.parallelism)
-                    * t.grad_accum, ctx.run_dir, t.grad_accum)
+                    * t.grad_accum, ctx.run_dir, t.grad_accum, bool(ctx.cfg.checkpoint.enabled))
         if stage.enabled:
             stage._create_manager()
         return stage
@@ -272,15 +275,16 @@ class FaultTolerance(Stage):
             self.healed["skipped_micro_batches"] = self._behind
             self._behind = 0
 
-    def should_commit(self) -> bool:
-        """Whether this step's update may be applied (False: a group was lost inside the step)."""
+    def keeps_update(self, step: int, grad_norm: torch.Tensor | None) -> bool:
+        """Whether this step's update may be applied (False: a group was lost inside the step); asked every step,
+        as the Manager counts its commits."""
         if self.alone:
             return True
         committed = bool(self.manager.should_commit())
         if not committed:
-            self.uncommitted.append(self._state.step + 1)
+            self.uncommitted.append(step)
             log.warning("fault tolerance: step %d's gradients were not averaged across the replica groups (one was "
-                        "lost inside the step): its update is dropped", self._state.step + 1)
+                        "lost inside the step): its update is dropped", step)
         return committed
 
     def after_step(self, state: LoopState) -> bool:
@@ -344,8 +348,8 @@ class FaultTolerance(Stage):
                             "longer synchronised with the other groups'", said, state.step + 1, self.group_batch,
                             ft.replica_groups * self.group_batch)
             return
-        if state.steps_this_run == 0 or state.checkpoint_dir is None:
-            nothing = ("before its first step: nothing new to save" if state.checkpoint_dir is not None else
+        if state.steps_this_run == 0 or not self.checkpoints:
+            nothing = ("before its first step: nothing new to save" if self.checkpoints else
                        "with nothing saved (checkpoints are off: checkpoint=dcp stops with one committed)")
             raise NoQuorumError(f"parallelism.ft.no_quorum=stop: {said} stops {nothing}; run the same command again "
                                 "once the lighthouse answers them, or set parallelism.ft.no_quorum=alone to train on "
@@ -404,12 +408,6 @@ def _average(stage: FaultTolerance, bucket: dist.GradBucket) -> torch.futures.Fu
 
 # DDP compares the hook's annotations with the objects themselves; this module's are strings (postponed)
 _average.__annotations__.update(bucket=dist.GradBucket, **{"return": torch.futures.Future[torch.Tensor]})
-
-
-def committer(stages: list[Stage]) -> Any:
-    """The step's commit decision (FaultTolerance.should_commit), or None without fault tolerance."""
-    return next((s.should_commit for s in stages if isinstance(s, FaultTolerance) and s.enabled), None)
-
 
 
 def _local(obj: Any) -> Any:

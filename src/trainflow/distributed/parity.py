@@ -14,10 +14,14 @@ import torch.distributed as dist
 from torch import nn
 
 from trainflow.config.schema import ParallelismConfig, TrainerConfig
+from trainflow.data import StreamSampler, make_loader
 from trainflow.distributed.mesh import layout
 from trainflow.distributed.parallelism import full_parameters, is_parallelized
 from trainflow.distributed.process_group import DistEnv, all_reduce_mean, node_count
-from trainflow.loop.stages import LoopState, Stage, StageContext
+from trainflow.loop.stages import Phase, Stage, StageContext, StepHooks
+from trainflow.loop.state import LoopState
+from trainflow.loop.step import Training, train_step, unnamed
+from trainflow.optim import build_optimizer
 from trainflow.util.device import autocast_for, matmul_math
 from trainflow.util.tolerance import TOLERANCE, relative_error
 
@@ -36,6 +40,9 @@ class ParityCheck(Stage):
     rounding of a differently ordered all-reduce into a visibly different update (~1e-4 of its small norm).
     """
 
+    phase = Phase.OBSERVE
+    summary_key = "parallelism.check"  # the parallel layout's part of the summary holds its verdict
+
     def __init__(self, parallelism: ParallelismConfig, trainer: TrainerConfig, optim: dict[str, Any], data: Any,
                  env: DistEnv, model: nn.Module, dataset: Any,
                  task: Callable[[nn.Module, Any], tuple[torch.Tensor, dict]]) -> None:
@@ -53,12 +60,6 @@ class ParityCheck(Stage):
         self._seen = 0
         if not (self.enabled and env.is_main):
             return
-        from trainflow.data import StreamSampler, make_loader
-        from trainflow.loop.nonfinite import NonFiniteGuard
-        from trainflow.loop.stages import LoopState
-        from trainflow.loop.step import Training, unnamed
-        from trainflow.optim import build_optimizer
-
         self.reference = copy.deepcopy(model)
         optimizer, scheduler = build_optimizer(self.reference, optim, t.max_steps, env.device)
         sampler = StreamSampler(len(dataset), t.batch_size * env.dp_size, 0, 1, t.seed)
@@ -66,7 +67,7 @@ class ParityCheck(Stage):
         self._reference_training = Training(
             t, LoopState(self.reference, optimizer, scheduler), task, iter(make_loader(dataset, sampler, data, False)),
             trainable=list(self.reference.parameters()), autocast=autocast_for(env.device, t.precision),
-            name_part=unnamed, guard=NonFiniteGuard("stop", env),
+            name_part=unnamed, hooks=StepHooks.of([]),  # the run's own stages watch the run, not its reference
             batch_device=env.device if env.device.type != "cpu" else None, pin=False, steps_schedule=True,
             metrics_every_step=False, global_batch=t.batch_size * env.dp_size * t.grad_accum)
 
@@ -77,8 +78,6 @@ class ParityCheck(Stage):
 
     def _reference_step(self) -> float:
         """One step of the reference, by `train_step`; its last micro-step's loss."""
-        from trainflow.loop.step import train_step
-
         train_step(self._reference_training)
         return self._reference_training.state.loss.item()
 
@@ -143,8 +142,8 @@ class ParityCheck(Stage):
 
 
 def parallelism_summary(parallelism: ParallelismConfig, trainer: TrainerConfig, env: DistEnv,
-                        steady: dict[str, float] | None, check: ParityCheck | None) -> dict[str, Any]:
-    """The parallel layout, global batch, throughput in total and per rank, and the parity check's verdict."""
+                        steady: dict[str, float] | None) -> dict[str, Any]:
+    """The parallel layout, global batch, throughput in total and per rank (the parity check adds its verdict)."""
     out: dict[str, Any] = {
         "strategy": env.strategy,
         "world_size": env.world_size,
@@ -153,7 +152,6 @@ def parallelism_summary(parallelism: ParallelismConfig, trainer: TrainerConfig, 
         "per_rank_batch": trainer.batch_size,
         "grad_accum": trainer.grad_accum,
         "global_batch": trainer.batch_size * env.dp_size * trainer.grad_accum,
-        "check": check.summary() if check else None,
     }
     if env.distributed:
         found = layout(parallelism, env.world_size)

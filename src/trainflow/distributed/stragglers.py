@@ -34,7 +34,8 @@ from torch import nn
 from trainflow.config.schema import StragglerConfig
 from trainflow.distributed import DistEnv
 from trainflow.distributed.failures import rank_list
-from trainflow.loop.stages import LoopState, Stage, StageContext
+from trainflow.loop.stages import Phase, Stage, StageContext
+from trainflow.loop.state import LoopState
 from trainflow.metrics.meter import Throughput
 
 log = logging.getLogger("trainflow")
@@ -46,6 +47,7 @@ MEASURE = ("own time = step time less the wait in the gradient sync (from the la
 class Stragglers(Stage):
     """Marks the clocks each step (a hook and two callbacks at the end of backward); gathers at log steps."""
 
+    phase = Phase.GATHER
     summary_key = "stragglers"
 
     def __init__(self, cfg: StragglerConfig, env: DistEnv, meter: Throughput) -> None:
@@ -129,8 +131,9 @@ class Stragglers(Stage):
         self._step_s += now - self._previous
         self._data_s += state.data_wait_s
         if state.log_due:
-            state.rank_times = self._gather(state)
-            state.straggler = self.named[0] if self.named else None
+            state.figures.update(self._gather(state))
+            if self.named:
+                state.shared["straggler"] = self.named[0]
             now = time.perf_counter()  # the gather is not the next step's time
         self._previous = now
         return False

@@ -48,7 +48,8 @@ from trainflow.distributed import DistEnv
 from trainflow.distributed.failures import SaveHung, hang_line, rank_list, record_failure
 from trainflow.distributed.process_group import self_launched, watchdog_on
 from trainflow.errors import print_error
-from trainflow.loop.stages import LoopState, Stage, StageContext
+from trainflow.loop.stages import Phase, Stage, StageContext
+from trainflow.loop.state import LoopState
 from trainflow.metrics.meter import Throughput
 
 log = logging.getLogger("trainflow")
@@ -80,6 +81,8 @@ BUSY, SAVE = "busy", "save"
 
 class Watchdog(Stage):
     """A stage that only times steps (one clock read each); its thread does the rest."""
+
+    phase = Phase.TIME
 
     def __init__(self, cfg: WatchdogConfig, env: DistEnv, run_dir: Path, meter: Throughput,
                  timeout_s: float) -> None:

@@ -16,7 +16,8 @@ from trainflow.distributed import DistEnv
 from trainflow.distributed.parallelism import local_loss, loss_context
 from trainflow.distributed.process_group import all_reduce_mean
 from trainflow.loggers.writer import MetricsWriter
-from trainflow.loop.stages import LoopState, Stage, StageContext
+from trainflow.loop.stages import Phase, Stage, StageContext
+from trainflow.loop.state import LoopState
 from trainflow.tasks import Task, add_metrics
 from trainflow.util.device import device_sync
 
@@ -27,6 +28,7 @@ class Evaluation(Stage):
     """Evaluates every trainer.eval_interval() steps (0: only at the end) and at the last step; its time is not
     training time."""
 
+    phase = Phase.REPORT
     summary_key = "validation"
 
     def __init__(self, trainer: TrainerConfig, env: DistEnv, data: DataBundle, autocast: Any, task: Task,

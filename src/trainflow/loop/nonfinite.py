@@ -15,16 +15,18 @@ from __future__ import annotations
 
 import logging
 import math
-import warnings
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from trainflow.checkpoint.store import list_committed
+from trainflow.checkpoint.store import list_committed, resolve_dir
+from trainflow.config.schema import CheckpointConfig
 from trainflow.distributed import DistEnv
 from trainflow.distributed.process_group import all_reduce_mean
 from trainflow.errors import NonFiniteError
-from trainflow.loop.stages import LoopState, Stage, StageContext
+from trainflow.loop.stages import Phase, Stage, StageContext
+from trainflow.loop.state import LoopState
 
 log = logging.getLogger("trainflow")
 
@@ -40,19 +42,19 @@ def _local(value: torch.Tensor) -> torch.Tensor:
 class NonFiniteGuard(Stage):
     """What the loop does about non-finite values, as `trainer.nonfinite` says.
 
-    As a stage (`stop`): keeps every step's loss and checks where the loop syncs anyway (the first step, log steps) and
-    before a checkpoint is saved; `skip_step` acts inside the step instead (`skip_update`). The newest committed
-    checkpoint (the run's resume point) goes into the message; the loop state says when saves come and where.
+    `stop`: keeps every step's loss and checks where the loop syncs anyway (the first step, log steps, before a
+    checkpoint is saved: `state.sync_due`); `skip_step` acts inside the step instead (`keeps_update`). The newest
+    committed checkpoint in `checkpoint_dir` (the run's resume point) goes into the message.
     """
 
+    phase = Phase.GUARD
     summary_key = "nonfinite"
 
-    def __init__(self, mode: str, env: DistEnv) -> None:
+    def __init__(self, mode: str, env: DistEnv, checkpoint_dir: Path | None = None) -> None:
         self.mode = mode
         self.skips = mode == "skip_step"
-        self.enabled = not self.skips  # skip_step: no work after the step
         self.env = env
-        self._state: LoopState | None = None  # the loop state, read when a message names the resume point
+        self.checkpoint_dir = checkpoint_dir  # None: checkpoints are off
         self._first_step = 0  # the losses noted since the last check are those of the steps from here on
         self._losses: list[torch.Tensor] = []  # on the device
         self._norms: dict[int, torch.Tensor] = {}  # of the steps that measured one
@@ -62,22 +64,23 @@ class NonFiniteGuard(Stage):
 
     @classmethod
     def build(cls, ctx: StageContext) -> NonFiniteGuard:
-        return cls(ctx.trainer.nonfinite, ctx.env)
-
-    def start(self, state: LoopState) -> None:
-        self._state = state
+        checkpoint = ctx.section("checkpoint", CheckpointConfig)
+        folder = resolve_dir(checkpoint.dir, ctx.run_dir) if checkpoint.enabled else None
+        return cls(ctx.trainer.nonfinite, ctx.env, folder)
 
     # -- stop ----------------------------------------------------------------------------------------------------
 
     def after_step(self, state: LoopState) -> bool:
         """Keep the step's loss (and gradient norm, when the step measured one) on the device; check at a sync
         point, so nothing non-finite is logged as progress or saved."""
+        if self.skips:
+            return False
         if not self._losses:
             self._first_step = state.step
         self._losses.append(state.step_loss)
         if state.grad_norm is not None:
             self._norms[state.step] = state.grad_norm
-        if state.log_due or state.steps_this_run == 1 or state.save_due():
+        if state.sync_due:
             self.check()
         return False
 
@@ -109,15 +112,20 @@ class NonFiniteGuard(Stage):
 
     # -- skip_step -----------------------------------------------------------------------------------------------
 
-    def skip_update(self, step: int, grad_norm: torch.Tensor) -> bool:
-        """skip_step: whether this step's update must be skipped (its gradient norm is not finite).
+    def wants_grad_norm(self, step: int) -> bool:
+        return self.skips
+
+    def keeps_update(self, step: int, grad_norm: torch.Tensor | None) -> bool:
+        """skip_step: whether this step's update is kept (its gradient norm is finite).
 
         The norm is the same on every rank (taken after the gradients were reduced), so every rank decides alike.
         """
+        if not self.skips:
+            return True
         norm = float(_local(grad_norm))  # the host sync skip_step costs
         if math.isfinite(norm):
             self._in_a_row = []
-            return False
+            return True
         self._in_a_row.append(step)
         if len(self._in_a_row) >= MAX_SKIPS_IN_A_ROW:
             raise NonFiniteError(
@@ -130,21 +138,12 @@ class NonFiniteGuard(Stage):
         if self.env.is_main:
             log.warning("step %d: the gradient norm is %s: update skipped (trainer.nonfinite=skip_step; %d skipped "
                         "so far)", step, norm, self._skipped_count)
-        return True
-
-    @staticmethod
-    def drop_update(optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler) -> None:
-        """Drop a skipped step's gradients; the schedule still advances with the step count (as a resume does)."""
-        optimizer.zero_grad(set_to_none=True)
-        with warnings.catch_warnings():  # a skipped first step: torch warns that the schedule ran before the optimizer
-            warnings.simplefilter("ignore", UserWarning)
-            scheduler.step()
+        return False
 
     # -- reporting -----------------------------------------------------------------------------------------------
 
     def _saved(self) -> str:
-        folder = self._state.checkpoint_dir if self._state else None
-        committed = list_committed(folder) if folder else []
+        committed = list_committed(self.checkpoint_dir) if self.checkpoint_dir else []
         if not committed:
             return "no checkpoint holds this state"
         return f"no checkpoint holds this state (newest committed: {committed[-1].path.name})"

@@ -21,13 +21,14 @@ from omegaconf import DictConfig, OmegaConf
 from torch.profiler import record_function
 
 from trainflow.checkpoint import Checkpointer
+from trainflow.checkpoint.store import resolve_dir
 from trainflow.compile.compiler import Compiler
 from trainflow.config.schema import ParallelismConfig, TrainerConfig, decided, typed
 from trainflow.data import IterableBatches, StreamSampler, build_datasets, make_loader, to_device
 from trainflow.data.stream import STREAM_VERSION
 from trainflow.distributed import DistEnv, memory_plan
 from trainflow.distributed.failures import note_step
-from trainflow.distributed.fault_tolerance import FaultTolerance, committer, data_share, replica_groups
+from trainflow.distributed.fault_tolerance import FaultTolerance, data_share, replica_groups
 from trainflow.distributed.parallelism import loss_context_of, parallelize, unwrap
 from trainflow.distributed.parity import ParityCheck, parallelism_summary
 from trainflow.distributed.process_group import per_rank_batch, process_group
@@ -37,7 +38,8 @@ from trainflow.loggers import FAILED, FINISHED, KILLED, build_loggers
 from trainflow.loggers.writer import MetricsWriter
 from trainflow.loop.evaluation import Evaluation
 from trainflow.loop.nonfinite import NonFiniteGuard
-from trainflow.loop.stages import LoopState, Stage, StageContext
+from trainflow.loop.stages import Stage, StageContext, StepHooks, in_phase_order, overrides
+from trainflow.loop.state import LoopState
 from trainflow.loop.step import Training, train_step, unnamed
 from trainflow.loop.train_metrics import TrainMetrics
 from trainflow.metrics.batch_fit import check_batch
@@ -78,10 +80,8 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv) -> dict[str, Any] | Non
     return summarize(run)
 
 
-# The stages in the order they act after each step: the watchdog times each step first; the guard checks before
-# anything is logged or saved; the ranks' step times are gathered just before the train metrics log them; the
-# checkpointer comes last of those that may stop the run; fault tolerance's quorum for the next step after them.
-# A new stage is a class with build(ctx) added here.
+# Every stage of a run, each built from its own config section; the loop calls them in the order of the phase each
+# declares (trainflow.loop.stages.Phase). A new stage is a class with build(ctx) added here.
 STAGES: tuple[type[Stage], ...] = (Watchdog, Compiler, ParityCheck, Profiler, NonFiniteGuard, Stragglers,
                                    TrainMetrics, Evaluation, Checkpointer, FaultTolerance)
 
@@ -137,7 +137,7 @@ def assemble(cfg: DictConfig, run_dir: Path, env: DistEnv, stage_types: Sequence
     ctx = StageContext(cfg, run_dir, env, trainer, parallelism, optim, data, task, model, example, autocast,
                        MetricsWriter(run_dir, env.is_main, loggers), meter, flops_per_step,
                        peak_flops(env.device, trainer.precision, cfg.metrics.peak_flops))
-    stages: list[Stage] = [stage_type.build(ctx) for stage_type in stage_types]  # before parallelize: see parity
+    stages = in_phase_order([stage_type.build(ctx) for stage_type in stage_types])  # before parallelize: parity
     meter.excluded_steps = max([trainer.warmup_steps, *(stage.excluded_steps() for stage in stages)])
     model = parallelize(model, parallelism, env, trainer.precision)
     for stage in stages:
@@ -154,9 +154,10 @@ def assemble(cfg: DictConfig, run_dir: Path, env: DistEnv, stage_types: Sequence
     resumed_from = state.step if state.step > 0 else None  # from a checkpoint (a heal from a peer says its own)
     for stage in stages:
         stage.start(state)
+    checkpoint_dir = resolve_dir(cfg.checkpoint.dir, run_dir) if cfg.checkpoint.enabled else None
     # a tracker that cannot be reached stops the run here; the tracked runs' ids go into the next checkpoints
     state.tracked_runs = ctx.writer.start(cfg, env.world_size, resumed_from, state.tracked_runs,
-                                          state.resumed_checkpoint, state.checkpoint_dir)
+                                          state.resumed_checkpoint, checkpoint_dir)
     if resumed_from and resumed_from >= trainer.max_steps and env.is_main:  # a finished run started again
         log.warning("the checkpoint is at step %d, trainer.max_steps is %d: nothing left to train; raise "
                     "trainer.max_steps to continue this run", resumed_from, trainer.max_steps)
@@ -165,7 +166,7 @@ def assemble(cfg: DictConfig, run_dir: Path, env: DistEnv, stage_types: Sequence
             type(unwrap(model)).__name__, parameters, data.name, len(data.train), _length(data.val), data.seq_len,
             type(task).__name__, task.monitor, task.mode, str(env.device), env.world_size, parallelism.strategy,
             trainer.precision, _compiled(cfg.compile), global_batch, trainer.max_steps, resumed_from, run_dir,
-            _checkpoint_dir(cfg.checkpoint, run_dir), tuple(cfg.logger))))
+            checkpoint_dir, tuple(cfg.logger))))
     pin = cfg.data.pin_memory is not False and env.device.type == "cuda"  # null: pinned on CUDA
     sampler = StreamSampler(len(data.train), trainer.batch_size, *data_share(parallelism, env), trainer.seed,
                             state.samples_seen, version=state.stream_version)
@@ -177,14 +178,13 @@ def assemble(cfg: DictConfig, run_dir: Path, env: DistEnv, stage_types: Sequence
         loader.check(parallelism.global_batch, trainer.grad_accum)
         loader.restore(state.data_state, resumed_from is not None, env.is_main, state.data_states)
         state.data_loader = loader
-    profiled = any(isinstance(stage, Profiler) and stage.enabled for stage in stages)
+    hooks = StepHooks.of(stages)
     training = Training(
         trainer, state, task, iter(loader), trainable=list(model.parameters()), autocast=autocast,
-        name_part=record_function if profiled else unnamed,
-        guard=next(stage for stage in stages if isinstance(stage, NonFiniteGuard)),
+        name_part=record_function if hooks.name_parts else unnamed, hooks=hooks,
         batch_device=env.device if env.device.type != "cpu" else None, pin=pin,
         steps_schedule=schedule_changes_lr(optim), metrics_every_step=cfg.task.get("train_metrics") == "every_step",
-        global_batch=global_batch, commit=committer(stages), loss_context=loss_context_of(model))
+        global_batch=global_batch, loss_context=loss_context_of(model))
     return Run(ctx, training, stages, metric_names, parameters, flops_absent, auto_plan, resumed_from, started)
 
 
@@ -198,12 +198,6 @@ def _compiled(compile_cfg: DictConfig) -> str:
     shapes = {None: "static shapes until one changes", True: "dynamic shapes", False: "a graph per shape"}
     mode = f" {compile_cfg.mode}" if compile_cfg.mode else ""
     return f"compiled ({compile_cfg.backend}{mode}, {shapes[compile_cfg.dynamic]})"
-
-
-def _checkpoint_dir(checkpoint_cfg: DictConfig, run_dir: Path) -> Path | None:
-    if not checkpoint_cfg.enabled:
-        return None
-    return Path(checkpoint_cfg.dir).expanduser() if checkpoint_cfg.dir else run_dir / "checkpoints"
 
 
 def _prepare(cfg: DictConfig, run_dir: Path, env: DistEnv) -> TrainerConfig:
@@ -225,7 +219,7 @@ def train_loop(run: Run) -> None:
     training, meter = run.training, run.ctx.meter
     state, max_steps, world_size = training.state, training.trainer.max_steps, run.ctx.env.dp_size
     enabled = [stage for stage in run.stages if stage.enabled]  # a stage that is off costs nothing per step
-    pausing = [stage for stage in enabled if type(stage).take_paused_s is not Stage.take_paused_s]
+    pausing = [stage for stage in enabled if overrides(stage, "take_paused_s")]
     state.model.train()
     with contextlib.ExitStack() as entered:
         for stage in enabled:
@@ -256,7 +250,6 @@ def summarize(run: Run) -> dict[str, Any] | None:
     if peak and achieved > peak:  # MFU above 1: the cached CPU peak was measured under load
         peak = peak_flops(env.device, trainer.precision, ctx.cfg.metrics.peak_flops, at_least=achieved)
     peak_memory = ctx.meter.memory.summary()  # the training peak (CUDA: after the warm-up), also auto's check
-    parity = next((stage for stage in run.stages if isinstance(stage, ParityCheck)), None)
     summary = {
         "steps": state.step,
         "steps_this_run": state.steps_this_run,
@@ -273,13 +266,19 @@ def summarize(run: Run) -> dict[str, Any] | None:
         "parameters": run.parameters,
         "world_size": env.world_size,
         "global_batch": run.training.global_batch,
-        "parallelism": parallelism_summary(ctx.parallelism, trainer, env, steady, parity),
+        "parallelism": parallelism_summary(ctx.parallelism, trainer, env, steady),
         "device": str(env.device),
         "matmul_math": matmul_math(env.device, trainer.precision),
-        **{stage.summary_key: stage.summary(steady) for stage in run.stages if stage.summary_key},
-        "host": host_load(),  # a report warns of figures measured on an overloaded machine
-        "config": OmegaConf.to_container(ctx.cfg, resolve=True),
     }
+    for stage in run.stages:  # every stage is asked, enabled or not: some gather from all ranks
+        if stage.summary_key:
+            *outer, key = stage.summary_key.split(".")
+            place = summary
+            for name in outer:
+                place = place.setdefault(name, {})
+            place[key] = stage.summary(steady)
+    summary["host"] = host_load()  # a report warns of figures measured on an overloaded machine
+    summary["config"] = OmegaConf.to_container(ctx.cfg, resolve=True)
     if run.auto_plan:
         summary["parallelism"]["plan"] = memory_plan.finish(run.auto_plan, env.device, state.model, state.optimizer,
                                                             peak_memory["peak_memory_bytes"])

@@ -1,26 +1,32 @@
-"""The stage interface: what the loop asks of compile, profile, checkpoint, the parity check, evaluation, the
-non-finite guard and the train metrics, each by the same names.
+"""The stage interface: what the loop and the step ask of compile, profile, checkpoint, the parity check,
+evaluation, the non-finite guard, the train metrics, the watchdog, the stragglers and fault tolerance, each by the
+same names, and what a stage of your own answers.
 
 Each stage builds itself from one `StageContext` (`build(ctx)`), so the assembly builds the list in a loop and a
-new stage is one class added to it. Before training, every stage may change the parallelized model (`prepare`:
-compile does), may restore a saved run into the loop state (`resume`: the checkpointer) and then sees the state
-the run starts from (`start`). After every
-optimizer step the loop calls `after_step(state)` on the enabled ones (a stage that is off is never called: it
-costs nothing per step); the throughput meter leaves out of the steady state the most steps any stage asks for
-(`excluded_steps()`) and the time they paused the clock (`take_paused_s()`); at the end each stage is closed and
-gives its part of summary.json under `summary_key`. Stages talk to each other only through the loop state.
+new stage is one class added to it. The loop orders the stages by the phase each declares (`phase`), never by
+looking one up. Before training, every stage may change the parallelized model (`prepare`: compile does), may
+restore a saved run into the loop state (`resume`: the checkpointer) and then sees the state the run starts from
+(`start`). Inside each step, the step asks the enabled stages what only they know: whether to name the step's
+parts for a profiler (`names_step_parts`), the context the loss is computed in (`loss_context`), whether the
+gradient norm is needed (`wants_grad_norm`) and whether the update is kept (`keeps_update`: a non-finite norm is
+skipped, a replica group commits). After every optimizer step the loop calls `after_step(state)` on the enabled
+ones, in phase order; the throughput meter leaves out of the steady state the most steps any stage asks for
+(`excluded_steps()`) and the time they paused the clock (`take_paused_s()`); a stage's own sync points
+(`syncs_after`: a save) are the loop's too. At the end each stage is closed and gives its part of summary.json
+under `summary_key` (a dotted key nests it: `parallelism.check`). Stages tell each other things only through the
+loop state (trainflow.loop.state).
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
+from enum import IntEnum
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
-
-from trainflow.checkpoint import TrainState
-from trainflow.loop.state import LoopState
+from typing import TYPE_CHECKING, Any, TypeVar
 
 if TYPE_CHECKING:
+    import torch
     from omegaconf import DictConfig
     from torch import nn
 
@@ -28,12 +34,26 @@ if TYPE_CHECKING:
     from trainflow.data import DataBundle
     from trainflow.distributed import DistEnv
     from trainflow.loggers.writer import MetricsWriter
+    from trainflow.loop.state import LoopState, TrainState
     from trainflow.metrics.meter import Throughput
     from trainflow.tasks import Task
 
-__all__ = ["LoopState", "Stage", "StageContext"]
+__all__ = ["Phase", "Stage", "StageContext", "StepHooks"]
 
 Schema = TypeVar("Schema")
+
+
+class Phase(IntEnum):
+    """When a stage acts after each step; the loop calls the stages in this order (a stage declares its phase)."""
+
+    TIME = 10  # the watchdog: its beat marks the step done before any stage works
+    OBSERVE = 20  # compile's report, the parity check, the profiler's schedule: the step as it was
+    GUARD = 30  # the non-finite guard: before anything is logged or saved
+    GATHER = 40  # collectives whose figures the log step writes (the ranks' own step times)
+    REPORT = 50  # the train metrics and evaluation: the log step
+    OWN = 55  # a stage that declares none (yours): after the log step, before the save
+    SAVE = 60  # the checkpointer: the last of the stages that may stop the run (it saves before it stops)
+    NEXT = 70  # fault tolerance: the quorum of the next step, once this one is saved
 
 
 @dataclass
@@ -58,17 +78,18 @@ class StageContext:
 
     def section(self, name: str, schema: type[Schema]) -> Schema:
         """The config section `name` as its schema's dataclass (plain attributes: no DictConfig cost per read)."""
-        from trainflow.config.schema import typed
+        from trainflow.config.schema import typed  # the schema imports the models: not at the interface's import
 
         return typed(self.cfg[name], schema)
 
 
-class Stage(Protocol):
-    """The calls every stage answers. A stage subclasses it for the defaults and overrides what it does; the
-    checkpointer, which stages.py imports (for TrainState), answers them without subclassing."""
+class Stage:
+    """The calls every stage answers; a stage subclasses it and overrides what it does (the defaults do nothing)."""
 
-    enabled: bool = True  # False: the loop never calls after_step and never enters the stage
-    summary_key: str | None = None  # its part of summary.json (None: the stage reports inside another part)
+    enabled: bool = True  # False: the loop and the step never call it, and never enter it
+    phase: Phase = Phase.OWN  # where it acts after each step
+    summary_key: str | None = None  # its part of summary.json (None: it reports nothing; dotted: nested)
+    names_step_parts: bool = False  # the step's parts (data, forward-backward, optimizer) are named for a profiler
 
     @classmethod
     def build(cls, ctx: StageContext) -> Stage:
@@ -88,6 +109,28 @@ class Stage(Protocol):
     def excluded_steps(self) -> int:
         """The first steps of the run (counted from its start) to leave out of the steady-state figures."""
         return 0
+
+    # -- inside the step (asked of the enabled stages that override them; the others cost nothing) --------------
+
+    def loss_context(self) -> contextlib.AbstractContextManager[Any]:
+        """The context each micro-batch's forward and backward run in (entered with the other stages')."""
+        return contextlib.nullcontext()
+
+    def wants_grad_norm(self, step: int) -> bool:
+        """Whether step `step` (counted from 1) must measure the gradients' norm (keeps_update reads it)."""
+        return False
+
+    def keeps_update(self, step: int, grad_norm: torch.Tensor | None) -> bool:
+        """Whether step `step` applies its update; False drops it (its gradients go, the schedule moves on).
+        Every such stage is asked every step, whatever the others answer."""
+        return True
+
+    def syncs_after(self, step: int) -> bool:
+        """Whether the host reads the device after step `step` for this stage's own work (a save): values kept on
+        the device (the non-finite guard's losses) are read there too."""
+        return False
+
+    # -- after the step ---------------------------------------------------------------------------------------
 
     def after_step(self, state: LoopState) -> bool:
         """Work after an optimizer step; True stops the run now (after the remaining stages of this step)."""
@@ -110,3 +153,32 @@ class Stage(Protocol):
     def summary(self, steady: dict[str, Any] | None) -> dict[str, Any] | None:
         """This stage's part of summary.json; every stage is asked, enabled or not (some gather from all ranks)."""
         return None
+
+
+def overrides(stage: Stage, hook: str) -> bool:
+    """Whether the stage's class answers `hook` itself (the default does nothing, and is not worth a call)."""
+    return getattr(type(stage), hook) is not getattr(Stage, hook)
+
+
+@dataclass(frozen=True)
+class StepHooks:
+    """The enabled stages that answer each hook of the step, listed once before the first step."""
+
+    name_parts: bool  # a stage names the step's parts (record_function: a profiler records them)
+    loss_contexts: tuple[Stage, ...]
+    grad_norm: tuple[Stage, ...]
+    updates: tuple[Stage, ...]
+    syncs: tuple[Stage, ...]
+
+    @classmethod
+    def of(cls, stages: list[Stage]) -> StepHooks:
+        enabled = [stage for stage in stages if stage.enabled]
+        answering = {hook: tuple(s for s in enabled if overrides(s, hook))
+                     for hook in ("loss_context", "wants_grad_norm", "keeps_update", "syncs_after")}
+        return cls(any(stage.names_step_parts for stage in enabled), answering["loss_context"],
+                   answering["wants_grad_norm"], answering["keeps_update"], answering["syncs_after"])
+
+
+def in_phase_order(stages: list[Stage]) -> list[Stage]:
+    """The stages in the order they act after each step: by phase, then as listed."""
+    return sorted(stages, key=lambda stage: stage.phase)

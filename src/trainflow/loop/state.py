@@ -1,14 +1,39 @@
-"""The loop state: what the training step leaves for the stages, and the one way stages tell each other things."""
+"""The state of a run: what a checkpoint saves (TrainState) and what the loop keeps beside it for one step
+(LoopState): the facts of the loop itself, never a field that only one stage writes or reads."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
-from trainflow.checkpoint import TrainState
+from trainflow.data.stream import STREAM_VERSION
+
+
+@dataclass
+class TrainState:
+    """Everything a resumed run needs to continue as if it had never stopped."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    step: int = 0
+    samples_seen: int = 0  # position in the global sample stream (see data/stream.py)
+    stream_version: int = STREAM_VERSION  # how that stream orders its samples; a resume keeps the checkpoint's
+    data_loader: Any = None  # an iterable dataset's loader: its state_dict() is this rank's stream position
+    data_state: dict[str, Any] | None = None  # that position as a resume read it, restored when the loader is built
+    data_states: list[dict[str, Any]] | None = None  # every rank's (a sharded stream resumes from all of them)
+    # the trackers' run ids ({logger: id}, as loggers.json holds them): a resume continues those tracked runs even
+    # where the run directory's own copy is gone
+    tracked_runs: dict[str, str] = field(default_factory=dict)
+    # what the data is (trainflow.data.identity): a resume on other data is refused (None: not known, not checked)
+    data_identity: dict[str, Any] | None = None
+    # how many samples a step takes, by the key that sets it (trainer.batch_size, trainer.grad_accum, global batch):
+    # a resume lists what changed (None: not known)
+    layout: dict[str, int] | None = None
 
 
 @dataclass
@@ -22,19 +47,18 @@ class LoopState(TrainState):
     tokens: int = 0  # tokens of this rank's micro-batches of the step, counted by the task
     metrics: dict[str, torch.Tensor] | None = None  # the task's metrics of the step, summed over micro-steps
     data_wait_s: float = 0.0  # seconds the step waited for its batches
-    skipped: bool = False  # trainer.nonfinite=skip_step left the update out
+    skipped: bool = False  # a stage kept the update out (keeps_update: a non-finite norm, a lost replica group)
     steps_this_run: int = 0
     log_due: bool = False  # a log step: the train metrics sync and are written
+    sync_due: bool = False  # the step ends at a point where the host reads the device anyway (a log step, the first
+    # step of the run, a stage's own: a save): device values kept for later are read then
     done: bool = False  # the last step of the run
     step_time_s: float | None = None  # the synced wall time of the step, while excluded steps run; else None
-    save_every: int = 0  # the checkpointer saves after every this many steps (0: no periodic saves)
-    checkpoint_dir: Path | None = None  # where the committed checkpoints are (None: checkpoints are off)
+    # a log step's figures that stages other than the train metrics add (the ranks' own step times): written with
+    # the interval's figures, then cleared
+    figures: dict[str, float] = field(default_factory=dict)
+    # what a stage leaves for the others, by name ("straggler": the rank the others wait for): read, never required
+    shared: dict[str, Any] = field(default_factory=dict)
     resumed_checkpoint: Path | None = None  # the committed checkpoint the run started from (None: a fresh start)
-    rank_times: dict[str, float] | None = None  # log steps of 2+ ranks: the ranks' own step times (stragglers)
-    straggler: dict[str, Any] | None = None  # the first rank named a straggler in this run (rank, host, ratio)
     # why a stage stopped the run (fault tolerance: no quorum): the checkpointer saves and stops as on a stop signal
     stop_reason: str | None = None
-
-    def save_due(self) -> bool:
-        """Whether a periodic checkpoint is saved after this step (the final save comes at a log step too)."""
-        return self.save_every > 0 and self.step % self.save_every == 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -14,7 +15,7 @@ from torch import nn
 from trainflow.config.schema import TrainerConfig
 from trainflow.data import to_device
 from trainflow.distributed.parallelism import local_loss, no_grad_sync
-from trainflow.loop.nonfinite import NonFiniteGuard
+from trainflow.loop.stages import Stage, StepHooks
 from trainflow.loop.state import LoopState
 from trainflow.optim import gradient_norm
 from trainflow.tasks import Task, add_metrics
@@ -31,20 +32,21 @@ class Training:
     trainable: list[nn.Parameter]  # the model's parameters, listed once rather than walked every step
     autocast: Any
     name_part: Callable[[str], Any]  # names a part of the step for the profiler (a no-op when it is off)
-    guard: NonFiniteGuard  # trainer.nonfinite=skip_step decides inside the step
+    hooks: StepHooks  # what the enabled stages answer inside the step
     batch_device: torch.device | None  # where batches are moved (None: the loader's tensors are already there)
     pin: bool  # batches are pinned and copied asynchronously
     steps_schedule: bool  # False: a constant schedule without warm-up is not stepped
     metrics_every_step: bool  # task.train_metrics=every_step; else the task's metrics at log steps only
     global_batch: int
-    commit: Callable[[], bool] | None = None  # torchft: False drops the update (a replica group lost in the step)
     loss_context: Callable[[], Any] = contextlib.nullcontext  # loss parallel under TP (distributed.parallelism)
 
 
 def train_step(training: Training) -> None:
     """One optimizer step: the micro-batches' forward and backward, the gradient norm (clipping), the update."""
     trainer, state, name_part, task = training.trainer, training.state, training.name_part, training.task
-    model = state.model
+    model, hooks = state.model, training.hooks
+    if state.figures:  # the last log step's: written by now
+        state.figures = {}
     state.log_due = (state.step + 1) % trainer.log_every == 0 or state.step + 1 >= trainer.max_steps
     with_metrics = state.log_due or training.metrics_every_step
     data_wait, samples, tokens = 0.0, 0, 0  # of this rank's micro-batches, counted by the task
@@ -60,7 +62,7 @@ def train_step(training: Training) -> None:
             counted = task.count(batch)  # shapes only (data.seq_lens varies the tokens)
             samples, tokens = samples + counted[0], tokens + counted[1]
         with name_part("trainflow/forward_backward"), no_grad_sync(model, micro == trainer.grad_accum - 1), \
-                training.loss_context():
+                training.loss_context(), _loss_contexts(hooks.loss_contexts) if hooks.loss_contexts else _NO_REGION:
             with training.autocast:
                 loss, metrics = task(model, batch, with_metrics)
             loss = local_loss(loss)
@@ -69,15 +71,14 @@ def train_step(training: Training) -> None:
         step_loss = loss_share.detach() if step_loss is None else step_loss + loss_share.detach()
         if with_metrics:  # a user's task computes its metrics every step: kept as task.train_metrics says
             add_metrics(step_metrics, metrics)
-    guard = training.guard
     with name_part("trainflow/optimizer"):
-        norm_due = trainer.grad_clip or state.log_due or guard.skips  # the norm is a pass over all gradients
+        step = state.step + 1
+        norm_due = trainer.grad_clip or state.log_due or any(s.wants_grad_norm(step) for s in hooks.grad_norm)
         state.grad_norm = gradient_norm(training.trainable, trainer.grad_clip) if norm_due else None
-        state.skipped = guard.skips and guard.skip_update(state.step + 1, state.grad_norm)
-        if training.commit is not None and not training.commit():  # asked every step: the Manager counts them
-            state.skipped = True
+        kept = [stage.keeps_update(step, state.grad_norm) for stage in hooks.updates]  # every one asked, always
+        state.skipped = not all(kept)
         if state.skipped:
-            guard.drop_update(state.optimizer, state.scheduler)
+            _drop_update(state.optimizer, state.scheduler)
         else:
             state.optimizer.step()
             if training.steps_schedule:
@@ -87,8 +88,26 @@ def train_step(training: Training) -> None:
     state.samples_seen += training.global_batch
     state.steps_this_run += 1
     state.done = state.step >= trainer.max_steps
+    state.sync_due = state.log_due or state.steps_this_run == 1 or any(s.syncs_after(state.step) for s in hooks.syncs)
     state.loss, state.step_loss, state.data_wait_s = loss, step_loss, data_wait
     state.samples, state.tokens, state.metrics = samples, tokens, step_metrics
+
+
+@contextlib.contextmanager
+def _loss_contexts(stages: tuple[Stage, ...]) -> Iterator[None]:
+    """The stages' loss contexts, entered in their order."""
+    with contextlib.ExitStack() as stack:
+        for stage in stages:
+            stack.enter_context(stage.loss_context())
+        yield
+
+
+def _drop_update(optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler) -> None:
+    """Drop a step's gradients; the schedule still advances with the step count (as a resume does)."""
+    optimizer.zero_grad(set_to_none=True)
+    with warnings.catch_warnings():  # a dropped first step: torch warns that the schedule ran before the optimizer
+        warnings.simplefilter("ignore", UserWarning)
+        scheduler.step()
 
 
 def unnamed(_name: str) -> contextlib.nullcontext:

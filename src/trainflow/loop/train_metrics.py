@@ -14,7 +14,8 @@ import torch
 from trainflow.distributed import DistEnv
 from trainflow.distributed.process_group import all_reduce_mean
 from trainflow.loggers.writer import MetricsWriter
-from trainflow.loop.stages import LoopState, Stage, StageContext
+from trainflow.loop.stages import Phase, Stage, StageContext
+from trainflow.loop.state import LoopState
 from trainflow.metrics.meter import Counts, Throughput
 from trainflow.tasks import Task
 from trainflow.util.console import progress_reporter
@@ -24,6 +25,7 @@ class TrainMetrics(Stage):
     """Sums each step into the log interval; at log steps syncs once, writes the interval's figures and starts
     the next interval."""
 
+    phase = Phase.REPORT
     summary_key = "train_loss"
 
     def __init__(self, env: DistEnv, meter: Throughput, writer: MetricsWriter, task: Task, grad_accum: int,
@@ -67,8 +69,7 @@ class TrainMetrics(Stage):
         elapsed = self.meter.interval_s()
         counts = self.meter.counts().since(self._counts_at_start)
         self.last = self._interval_figures(elapsed, counts, state.grad_norm, self.meter.memory.take())
-        if state.rank_times:  # 2+ ranks: the stragglers stage gathered them at this log step, just before
-            self.last.update(state.rank_times)
+        self.last.update(state.figures)  # what stages before this one gathered at this log step (the ranks' times)
         self.writer.write(state.step, self.last)
         self.progress(state.step, self.last)
         self._new_interval()

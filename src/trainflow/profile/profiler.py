@@ -24,7 +24,8 @@ import torch
 from trainflow.config.schema import ProfilerConfig
 from trainflow.distributed import DistEnv
 from trainflow.errors import ConfigError
-from trainflow.loop.stages import LoopState, Stage, StageContext
+from trainflow.loop.stages import Phase, Stage, StageContext
+from trainflow.loop.state import LoopState
 from trainflow.metrics.meter import Throughput
 from trainflow.profile.verdict import analyze_window, format_verdict, verdict
 
@@ -54,6 +55,7 @@ class Profiler(Stage):
     Built from a run's context, it reads both when the run starts: the meter's excluded steps, the state's step.
     """
 
+    phase = Phase.OBSERVE
     summary_key = "profiler"
 
     def __init__(self, cfg: ProfilerConfig, env: DistEnv, run_dir: Path, max_steps: int, skip_first: int = 0,
@@ -75,6 +77,7 @@ class Profiler(Stage):
         self._straggler: dict[str, Any] | None = None  # the rank the stragglers stage named, if any
         self.result = _RankResult(env.rank)
         self.enabled = cfg.enabled and self._selected(cfg.ranks, env)  # this rank records
+        self.names_step_parts = self.enabled  # the step names its parts for the recorded window
         self.device = env.device.type
         self.dir = run_dir / "profile"
         if cfg.enabled and meter is None:
@@ -174,7 +177,7 @@ class Profiler(Stage):
         return False
 
     def close(self, state: LoopState) -> None:
-        self._straggler = state.straggler  # a rank the others waited for: the verdict's cause
+        self._straggler = state.shared.get("straggler")  # a rank the others waited for: the verdict's cause
 
     def _on_window(self, prof: Any) -> None:
         """After each window: the trace, the ops table, and this window's share of the verdict."""
