@@ -163,7 +163,8 @@ def validate_parallelism(cfg: DictConfig) -> None:
              "cannot save a checkpointed block's tensor-parallel mesh); set compile=off or "
              "parallelism.activation_checkpointing=off")
     _one_of(cfg, "parallelism.backend", ("auto", "gloo", "nccl"))
-    _one_of(cfg, "parallelism.activation_checkpointing", ("off", "full"))
+    validate_activation_checkpointing(cfg)
+    validate_pipeline(cfg)
     nproc = parallelism.nproc_per_node
     _require(nproc == "auto" or (isinstance(nproc, int) and not isinstance(nproc, bool) and nproc >= 1),
              "parallelism.nproc_per_node", f"must be a positive integer or auto; got {nproc!r}")
@@ -213,6 +214,53 @@ def validate_parallelism(cfg: DictConfig) -> None:
     _require(0 < parallelism.memory_headroom <= 1, "parallelism.memory_headroom",
              f"must be in (0, 1]; got {parallelism.memory_headroom}")
     validate_fault_tolerance(cfg)
+
+
+AC_MODES = ("off", "full", "selective", "budget")
+
+
+def validate_activation_checkpointing(cfg: DictConfig) -> None:
+    """The mode, how often it applies, and the budget that only compile's partitioner can meet."""
+    p = cfg.parallelism
+    _one_of(cfg, "parallelism.activation_checkpointing", AC_MODES)
+    _require(p.activation_checkpointing_every >= 1, "parallelism.activation_checkpointing_every",
+             f"must be a positive integer (1: every block); got {p.activation_checkpointing_every}")
+    _require(0 <= p.activation_budget <= 1, "parallelism.activation_budget",
+             f"must be in [0, 1] (the share of the activations compile may keep); got {p.activation_budget}")
+    _require(p.activation_checkpointing != "budget" or cfg.compile.enabled, "parallelism.activation_checkpointing",
+             "budget is met by torch.compile's partitioner (activation_memory_budget), and compile is off; set "
+             "compile.enabled=true, or use full or selective")
+    _require(p.activation_checkpointing != "budget" or p.tp == 1, "parallelism.activation_checkpointing",
+             f"budget with parallelism.tp={p.tp} is untested with tensor parallel; use full or selective")
+
+
+PP_SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b", "interleaved_zb", "zbv")
+
+
+def validate_pipeline(cfg: DictConfig) -> None:
+    """Pipeline degrees and schedules a type cannot check; whether pp divides the world and the blocks, and the
+    micro-batches the batch, is checked where those are known (trainflow.distributed.pipeline)."""
+    p = cfg.parallelism
+    _require(p.pp >= 1, "parallelism.pp", f"must be a positive integer (1: no pipeline); got {p.pp}")
+    _one_of(cfg, "parallelism.pp_schedule", PP_SCHEDULES)
+    _require(p.microbatches is None or p.microbatches >= 1, "parallelism.microbatches",
+             f"must be a positive integer, or null for one per pipeline stage; got {p.microbatches}")
+    if p.pp == 1:
+        return
+    _require(p.strategy != "auto", "parallelism.pp",
+             f"is {p.pp}, but parallelism=auto chooses the pipeline degree itself; to fix it, pick parallelism=fsdp "
+             "or ddp with parallelism.pp")
+    _require(p.strategy != "single", "parallelism.pp",
+             f"splits the model over {p.pp} ranks, and parallelism=single trains one process; use parallelism=fsdp "
+             f"with parallelism.pp={p.pp} (parallelism.nproc_per_node=N, N a multiple of {p.pp})")
+    _require(not cfg.compile.enabled or cfg.compile.scope != "model", "compile.scope",
+             f"model compiles the model's forward, which parallelism.pp={p.pp} splits into stages; use "
+             "compile.scope=blocks (or null)")
+    _require(cfg.data.get("seq_lens") is None, "data.seq_lens", f"varies the batch's shape, and "
+             f"parallelism.pp={p.pp} sends activations of one shape between stages; set data.seq_lens=null")
+    _require(not cfg.task.get("_target_") and not cfg.task.get("loss_from_model"), "parallelism.pp",
+             f"{p.pp}: the last pipeline stage computes the loss from the model's output and the batch's targets "
+             "(task=lm or classify), and this task computes it from the model itself; use task=lm or task=classify")
 
 
 def validate_fault_tolerance(cfg: DictConfig) -> None:
@@ -408,7 +456,8 @@ def validate(cfg: DictConfig) -> DictConfig:
     _require(0 <= trainer.seed < SEED_RANGE, "trainer.seed",
              f"must be an integer in [0, {SEED_RANGE - 1}]; got {trainer.seed}")
     _one_of(cfg, "trainer.device", ("auto", "cpu", "cuda"))
-    _one_of(cfg, "trainer.precision", ("fp32", "bf16"))
+    _one_of(cfg, "trainer.precision", ("fp32", "bf16", "fp8"))
+    _one_of(cfg, "trainer.fp8_recipe", ("tensorwise", "rowwise"))
     _one_of(cfg, "trainer.progress", ("auto", "bar", "log"))
     _one_of(cfg, "trainer.nonfinite", ("stop", "skip_step"))
     if trainer.run_name is not None and (problem := run_name_problem(trainer.run_name)):

@@ -37,7 +37,8 @@ class TrainerConfig:
     grad_accum: int = 1
     seed: int = 1234
     device: str = "auto"  # auto | cpu | cuda
-    precision: str = "fp32"  # fp32 | bf16 (autocast)
+    precision: str = "fp32"  # fp32 | bf16 (autocast) | fp8 (torchao float8 matmuls, bf16 elsewhere; GPUs sm 8.9+)
+    fp8_recipe: str = "tensorwise"  # fp8: tensorwise (float8 all-gather under FSDP) | rowwise (finer scales, slower)
     tf32: bool = True  # CUDA: fp32 matmuls and convolutions on TF32 tensor cores; false: full fp32 arithmetic
     grad_clip: float = 1.0  # 0 disables clipping (the norm is still measured)
     log_every: int = 10
@@ -316,7 +317,14 @@ class ParallelismConfig:
     nproc_per_node: Any = 1
     backend: str = "auto"  # auto (nccl on CUDA, gloo on CPU) | gloo | nccl
     global_batch: int | None = None  # when set, trainer.batch_size = global_batch / (world size * grad_accum)
-    activation_checkpointing: str = "off"  # off | full (recompute each block's activations in backward)
+    # off | full (recompute each block's activations in backward) | selective (keep the matmul and attention outputs,
+    # recompute the cheap ops) | budget (compile's partitioner keeps what fits activation_budget)
+    activation_checkpointing: str = "off"
+    activation_checkpointing_every: int = 1  # full and selective: checkpoint every N-th block (1: every block)
+    activation_budget: float = 0.5  # budget: the share of compile's saved activations kept (0: recompute all)
+    pp: int = 1  # pipeline parallel: stages of model.blocks over this many ranks (the mesh's outermost dimension)
+    pp_schedule: str = "1f1b"  # 1f1b | gpipe | interleaved_1f1b | interleaved_zb | zbv (the last 3: 2 stages a rank)
+    microbatches: int | None = None  # pipeline micro-batches per trainer.batch_size; null: one per pipeline stage
     max_restarts: int = 0  # self-launched runs: how often the elastic agent restarts failed workers
     timeout_s: float = 300.0  # how long a collective may wait for the other ranks
     check: bool = False  # parity check: train a single-process reference on rank 0 alongside and compare
