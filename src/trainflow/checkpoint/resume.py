@@ -43,7 +43,6 @@ from trainflow.checkpoint.state import (
     rng_file,
     saved_stream_version,
     set_rng_state,
-    shared_as_saved,
     split_state,
     split_tensors,
 )
@@ -62,7 +61,7 @@ from trainflow.config.schema import CheckpointConfig
 from trainflow.data.identity import differences
 from trainflow.data.stream import STREAM_VERSION
 from trainflow.distributed import DistEnv
-from trainflow.distributed.pipeline import shared_names
+from trainflow.distributed.pipeline import shared_as_own
 from trainflow.errors import CheckpointError, ConfigError, DataError
 from trainflow.models.gpt import CausalSelfAttention
 
@@ -183,9 +182,8 @@ def load_all(target: Committed, state: TrainState, env: DistEnv, group: Any,
     changes = hyperparameter_changes(plain["param_groups"], live["param_groups"])
     # the config's groups (their number follows optim.weight_decay); the optimizer state is keyed by parameter
     # name, so it fits either way; the LR is the schedule's, recomputed at the step by restore_schedule
-    own_names = {saved: name for name, saved in shared_names(state.model).items()}
     set_state_dict(state.model, state.optimizer, model_state_dict=loaded["model"],
-                   optim_state_dict={"state": shared_as_saved(loaded["optim"]["state"], own_names),
+                   optim_state_dict={"state": shared_as_own(loaded["optim"]["state"], state.model),
                                      "param_groups": live["param_groups"]})
     state.step, state.samples_seen = int(plain["step"]), int(plain["samples_seen"])
     state.stream_version = saved_stream_version(plain, target.path)

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from trainflow.data.stream import STREAM_VERSIONS
-from trainflow.distributed.pipeline import StageParts, shared_names
+from trainflow.distributed.pipeline import StageParts, shared_as_saved
 from trainflow.errors import CheckpointError
 from trainflow.loop.state import TrainState
 
@@ -41,7 +41,7 @@ def split_state(state: TrainState) -> tuple[dict[str, Any], dict[str, Any]]:
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     model_sd, optim_sd = get_state_dict(state.model, state.optimizer)
-    optim_state = shared_as_saved(optim_sd["state"], shared_names(state.model))
+    optim_state = shared_as_saved(optim_sd["state"], state.model)
     tensors, aside = split_tensors({"model": model_sd, "optim": {"state": optim_state}})
     plain = {"format": FORMAT, "step": state.step, "samples_seen": state.samples_seen,
              "stream_version": state.stream_version, "tracked_runs": state.tracked_runs,
@@ -116,12 +116,6 @@ def restore_schedule(state: TrainState, saved: dict[str, Any], live: dict[str, A
     for group, lr in zip(state.optimizer.param_groups, lrs, strict=True):
         group["lr"] = lr
     sched._last_lr = lrs
-
-
-def shared_as_saved(optim_state: dict[str, Any], aliases: dict[str, str]) -> dict[str, Any]:
-    """The optimizer state with a pipeline stage's copy of a shared parameter under the name one process keys it
-    by (GPT's head.weight on the last stage: tok_emb.weight); `aliases` inverted, the way back."""
-    return {aliases.get(name, name): value for name, value in optim_state.items()}
 
 
 def model_shapes(model: nn.Module) -> dict[str, tuple[tuple[int, ...], str]]:

@@ -49,6 +49,7 @@ if TYPE_CHECKING:
 SCHEDULES = {"1f1b": "Schedule1F1B", "gpipe": "ScheduleGPipe", "interleaved_1f1b": "ScheduleInterleaved1F1B",
              "interleaved_zb": "ScheduleInterleavedZeroBubble", "zbv": "ScheduleZBVZeroBubble"}
 ZERO_BUBBLE = ("interleaved_zb", "zbv")  # backward split into input and weight gradients
+_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]  # of activations sent between stages
 
 
 def stages_per_rank(schedule: str) -> int:
@@ -169,11 +170,27 @@ def pipeline_of(model: nn.Module) -> Pipeline | None:
     return model.pipeline if isinstance(model, StageParts) else None
 
 
-def shared_names(model: nn.Module) -> dict[str, str]:
-    """{a name this rank's stages hold a shared parameter under: the name one process keys its optimizer state
-    by} for the copies of shared parameters (GPT's head.weight on the last stage: tok_emb.weight)."""
-    pipeline = pipeline_of(model)
-    return dict(pipeline.aliases) if pipeline else {}
+def shared_as_saved(optim_state: dict[str, Any], model: nn.Module) -> dict[str, Any]:
+    """The optimizer state with each stage's copy of a shared parameter under the name one process keys it by
+    (GPT's head.weight on the last stage: tok_emb.weight); the copies take the same updates, so one is kept."""
+    aliases = pipeline.aliases if (pipeline := pipeline_of(model)) else {}
+    saved = {name: value for name, value in optim_state.items() if name not in aliases}
+    for name, first in aliases.items():
+        if name in optim_state:  # an optimizer without state (SGD without momentum) keeps none
+            saved.setdefault(first, optim_state[name])
+    return saved
+
+
+def shared_as_own(optim_state: dict[str, Any], model: nn.Module) -> dict[str, Any]:
+    """The inverse of shared_as_saved: a saved state under the names this rank's stages hold."""
+    if not (pipeline := pipeline_of(model)):
+        return optim_state
+    own = dict(optim_state)
+    for name, first in pipeline.aliases.items():
+        if first in optim_state:
+            own[name] = optim_state[first]
+    held = {name for name, _ in model.named_parameters()}
+    return {name: value for name, value in own.items() if name in held}
 
 
 class _Clock:
@@ -216,8 +233,6 @@ class Pipeline:
     def __init__(self, parts: StageParts, schedule: str, task: Task, batch_size: int, grad_accum: int,
                  requested_microbatches: int | None, metric_names: list[str], env: DistEnv,
                  whole: nn.Module, excluded_steps: int = 1) -> None:
-        from torch.distributed import pipelining
-
         pp = parts.mesh["pp"]
         self.parts, self.task, self.env, self.schedule_name = parts, task, env, schedule
         self.group, self.pp = pp.get_group(), pp.size()
@@ -229,20 +244,27 @@ class Pipeline:
         derived = task.finish({"loss": 0.0})  # the loss, and what the task derives from the means (perplexity)
         self.metric_names = [n for n in metric_names if n not in derived]  # what its loss() returns
         self.clock, self.step_clock = _Clock(env.device), _Clock(env.device)  # the stages' work, the whole steps
-        self.stages = [pipelining.PipelineStage(chunk, sid, parts.stages, env.device, group=self.group)
-                       for sid, chunk in zip(parts.ids, parts.chunks, strict=True)]
-        for stage in self.stages:
-            for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
-                setattr(stage, name, self.clock.timed(getattr(stage, name)))
-        cls = getattr(pipelining, SCHEDULES[schedule])
-        run = self.stages if stages_per_rank(schedule) > 1 else self.stages[0]
-        self.schedule = cls(run, self.microbatches, loss_fn=self._loss, scale_grads=False)
+        self.schedule = self._schedule()
+        self.stage_ranks = {s: int(pp.mesh[r]) for r in range(self.pp) for s in stage_ids(r, self.pp, schedule)}
         self.ties, self.aliases, self.counted = self._shared_parameters(whole)
         # the figures leave out the run's excluded steps (warm-up; the first infers the shapes between stages)
         self.steps, self.skip, self.grad_accum = 0, max(excluded_steps, 1) * grad_accum, grad_accum
         self._losses: list[tuple[torch.Tensor, dict[str, torch.Tensor]]] = []  # each micro-batch's
         self._with_metrics = False
         parts.pipeline = self
+
+    def _schedule(self) -> Any:
+        """The schedule over stages of this rank's chunks, their forward and backward clocked."""
+        from torch.distributed import pipelining
+
+        stages = [pipelining.PipelineStage(chunk, sid, self.parts.stages, self.env.device, group=self.group)
+                  for sid, chunk in zip(self.parts.ids, self.parts.chunks, strict=True)]
+        for stage in stages:
+            for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
+                setattr(stage, name, self.clock.timed(getattr(stage, name)))
+        cls = getattr(pipelining, SCHEDULES[self.schedule_name])
+        run = stages if len(stages) > 1 else stages[0]
+        return cls(run, self.microbatches, loss_fn=self._loss, scale_grads=False)
 
     # -- the step -------------------------------------------------------------------------------------------------
 
@@ -252,25 +274,67 @@ class Pipeline:
         self._losses.append((loss.detach().float(), {k: v.detach().float() for k, v in metrics.items()}))
         return loss * self.scale
 
-    def run(self, batch: Any, with_metrics: bool, train: bool = True) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """One micro-batch through the pipeline (with its backward when `train`); the loss and metrics (means over
-        the pipeline micro-batches) on every stage."""
+    def run(self, batch: Any, with_metrics: bool) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """One micro-batch's forward and backward through the pipeline; its loss and metrics (means over the
+        pipeline micro-batches) on every stage."""
         inputs, targets = self.task.split(batch)
         self._losses, self._with_metrics = [], with_metrics
-        run = self.step_clock.timed(self.schedule.step) if train else self.schedule.eval
-        run(*((inputs,) if self.first else ()), target=targets if self.last else None)
-        if train:
-            self.steps += 1
-            if self.steps <= self.skip:
-                for clock in (self.clock, self.step_clock):
-                    clock.read()
-                    clock.seconds = 0.0
+        self.step_clock.timed(self.schedule.step)(*((inputs,) if self.first else ()),
+                                                  target=targets if self.last else None)
+        self.steps += 1
+        if self.steps <= self.skip:
+            for clock in (self.clock, self.step_clock):
+                clock.read()
+                clock.seconds = 0.0
         names = self.metric_names if with_metrics else []
-        values = torch.zeros(1 + len(names), device=self.env.device)
+        values = None
         if self.last:  # the micro-batches' own (the first step's shape inference computes one more loss before)
-            losses = self._losses[-self.microbatches:]
-            values = torch.stack([torch.stack([loss, *(metrics[n] for n in names)]) for loss, metrics in losses])
-            values = values.mean(0)
+            per_micro = [torch.stack([loss, *(metrics[n] for n in names)])
+                         for loss, metrics in self._losses[-self.microbatches:]]
+            values = torch.stack(per_micro).mean(0)
+        return self._from_last(values, names)
+
+    def evaluate(self, batch: Any, with_metrics: bool = True) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The batch's loss and metrics, its forward through the stages in their order (each stage's whole-batch
+        output sent to the rank of the next one), the last stage computing them. Not by the schedule: torch 2.13's
+        `eval()` of its multi-stage schedules runs their backward actions too ("can't steal_bwd_input if this
+        stage doesn't have backward")."""
+        inputs, targets = self.task.split(batch)
+        chunks = dict(zip(self.parts.ids, self.parts.chunks, strict=True))
+        x = inputs
+        for stage in range(self.parts.stages):
+            if self.stage_ranks[stage] != self.env.rank:
+                continue
+            if stage > 0 and self.stage_ranks[stage - 1] != self.env.rank:
+                x = self._receive(self.stage_ranks[stage - 1])
+            x = chunks[stage](x)
+            if stage < self.parts.stages - 1 and self.stage_ranks[stage + 1] != self.env.rank:
+                self._send(x, self.stage_ranks[stage + 1])
+        names = self.metric_names if with_metrics else []
+        values = None
+        if self.last:
+            loss, metrics = self.task.loss(x, targets, with_metrics)
+            values = torch.stack([loss.detach().float(), *(metrics[n].detach().float() for n in names)])
+        return self._from_last(values, names)
+
+    def _send(self, x: torch.Tensor, rank: int) -> None:
+        header = torch.tensor([_DTYPES.index(x.dtype), x.dim(), *x.shape], device=x.device)
+        dist.send(torch.nn.functional.pad(header, (0, 8 - len(header))), rank, group=self.group)
+        dist.send(x.contiguous(), rank, group=self.group)
+
+    def _receive(self, rank: int) -> torch.Tensor:
+        header = torch.zeros(8, dtype=torch.int64, device=self.env.device)
+        dist.recv(header, rank, group=self.group)
+        dtype, dims = _DTYPES[int(header[0])], int(header[1])
+        x = torch.empty(header[2:2 + dims].tolist(), dtype=dtype, device=self.env.device)
+        dist.recv(x, rank, group=self.group)
+        return x
+
+    def _from_last(self, values: torch.Tensor | None,
+                   names: list[str]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The loss and metrics the last stage computed (`values`), sent to every stage of this pipeline."""
+        if values is None:
+            values = torch.zeros(1 + len(names), device=self.env.device)
         dist.broadcast(values, src=self.last_rank, group=self.group)
         return values[0], {name: values[i + 1] for i, name in enumerate(names)}
 
@@ -290,8 +354,8 @@ class Pipeline:
         for names in (n for n in by_param.values() if len(n) > 1):
             holders = sorted({self._pp_rank_of(name) for name in names})
             mine = list({id(local[n]): local[n] for n in names if n in local}.values())
-            for name in names[1:]:
-                if name in local and names[0] not in local:
+            for name in names[1:]:  # a copy of its own (another stage's part): counted and saved as the first
+                if name in local and (names[0] not in local or local[name] is not local[names[0]]):
                     aliases[name] = names[0]
                     not_counted.add(id(local[name]))
             group = None

@@ -77,7 +77,7 @@ def evaluate(model: nn.Module, dataset: Dataset, task: Task, trainer: TrainerCon
     for _, indices in zip(range(trainer.eval_steps), sampler, strict=False):
         batch = to_device(dataset[indices], env.device)
         with autocast, loss_context(model):
-            loss, metrics = pipeline.run(batch, True, train=False) if pipeline else task(model, batch)
+            loss, metrics = pipeline.evaluate(batch) if pipeline else task(model, batch)
         add_metrics(totals, {"loss": local_loss(loss), **metrics})
     names = list(totals)
     means = all_reduce_mean(torch.stack([totals[n] for n in names]) / trainer.eval_steps, env).tolist()
