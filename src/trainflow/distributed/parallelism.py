@@ -57,10 +57,11 @@ _DTYPES = {None: None, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": to
 
 
 def parallelize(model: nn.Module, cfg: ParallelismConfig | DictConfig, env: DistEnv,
-                precision: str = "fp32") -> nn.Module:
-    """Tensor parallel, activation checkpointing, then DDP or FSDP2 for the chosen strategy; one process trains
-    the model as is."""
+                precision: str = "fp32", fp8_recipe: str = "tensorwise") -> nn.Module:
+    """Pipeline stages, tensor parallel, float8 layers, activation checkpointing, then DDP or FSDP2 for the chosen
+    strategy; one process trains the model as is (float8 layers and checkpointing aside)."""
     if not env.distributed:
+        _float8(model, precision, fp8_recipe, sharded=False)
         checkpoint_activations(model, cfg)
         return model
     found = layout(cfg, env.world_size)
@@ -74,13 +75,26 @@ def parallelize(model: nn.Module, cfg: ParallelismConfig | DictConfig, env: Dist
                               "backward bypasses FSDP2's gradient reduction); use 1f1b or interleaved_1f1b, or "
                               f"parallelism.nproc_per_node={found.pp} (the pipeline alone)")
         return split_model(model, found.pp, cfg.pp_schedule, mesh,
-                           lambda part: _wrap(part, cfg, env, precision, found, mesh))
-    return _wrap(model, cfg, env, precision, found, mesh)
+                           lambda part: _wrap(part, cfg, env, (precision, fp8_recipe), found, mesh))
+    return _wrap(model, cfg, env, (precision, fp8_recipe), found, mesh)
 
 
-def _wrap(model: nn.Module, cfg: ParallelismConfig | DictConfig, env: DistEnv, precision: str, found: MeshLayout,
-          mesh: DeviceMesh) -> nn.Module:
-    """The model (or one pipeline stage) split by TP, checkpointed, then wrapped for data parallel."""
+def _float8(model: nn.Module, precision: str, recipe: str, sharded: bool) -> None:
+    """trainer.precision=fp8: torchao's float8 layers in place of the nn.Linear ones (trainflow.util.float8)."""
+    if precision != "fp8":
+        return
+    from trainflow.util.float8 import convert_to_float8
+
+    swapped = convert_to_float8(model, recipe, sharded)
+    log.info("fp8: %d linear layers train in float8 (%s scaling%s)", swapped, recipe,
+             ", float8 all-gather" * (sharded and recipe == "tensorwise"))
+
+
+def _wrap(model: nn.Module, cfg: ParallelismConfig | DictConfig, env: DistEnv, precisions: tuple[str, str],
+          found: MeshLayout, mesh: DeviceMesh) -> nn.Module:
+    """The model (or one pipeline stage) split by TP, its linear layers in float8 (`precisions`: trainer.precision
+    and trainer.fp8_recipe), checkpointed, then wrapped for data parallel."""
+    precision, recipe = precisions
     if found.tp > 1:
         from trainflow.distributed.tensor import apply_tensor_parallel
 
@@ -90,6 +104,7 @@ def _wrap(model: nn.Module, cfg: ParallelismConfig | DictConfig, env: DistEnv, p
             local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in model.parameters())
             log.info("tensor parallel over %d ranks: rank 0 holds %d of the %d parameters%s", found.tp, local, total,
                      "; loss parallel: the logits stay split by vocabulary" * model.vocab_parallel_output)
+    _float8(model, precision, recipe, sharded=found.data_parallel > 1)
     checkpoint_activations(model, cfg)
     if found.data_parallel == 1 and (found.tp > 1 or found.pp > 1):  # one copy spans the world: nothing to replicate
         return model
@@ -198,7 +213,7 @@ def fsdp_dtypes(param_dtype: str | None, reduce_dtype: str | None, precision: st
     """FSDP2's (param, reduce) dtypes: what the user set, else bf16 parameters under bf16 autocast (gathering fp32
     would move twice the bytes for matmuls that run in bf16 anyway) and an fp32 reduce-scatter (summing bf16
     gradients over many ranks loses precision)."""
-    param = param_dtype or ("bf16" if precision == "bf16" else None)
+    param = param_dtype or ("bf16" if precision in ("bf16", "fp8") else None)
     reduce = reduce_dtype or ("fp32" if param not in (None, "fp32") else None)
     return param, reduce
 

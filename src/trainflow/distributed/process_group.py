@@ -188,6 +188,10 @@ def bf16_warning(cfg: DictConfig, device: torch.device, flags: frozenset[str] | 
 def _preflight(cfg: DictConfig, device: torch.device, world_size: int, local_world_size: int, started_by: str) -> str:
     """Every check that needs the world size or the hardware; returns the backend. Warnings once per run."""
     p = cfg.parallelism
+    if cfg.trainer.precision == "fp8":
+        from trainflow.util.float8 import check_fp8
+
+        check_fp8(device)
     check_world_size(p, world_size, started_by)
     backend = resolve_backend(p, device)
     if p.strategy in SHARDED and p.fsdp.cpu_offload and device.type == "cpu":

@@ -141,7 +141,7 @@ def assemble(cfg: DictConfig, run_dir: Path, env: DistEnv, stage_types: Sequence
     stages = in_phase_order([stage_type.build(ctx) for stage_type in stage_types])  # before parallelize: parity
     meter.excluded_steps = max([trainer.warmup_steps, *(stage.excluded_steps() for stage in stages)])
     whole = model
-    model = parallelize(model, parallelism, env, trainer.precision)
+    model = parallelize(model, parallelism, env, trainer.precision, trainer.fp8_recipe)
     for stage in stages:
         model = stage.prepare(model)  # compile; compile.check compares eager and compiled on `example`
     pipeline = Pipeline(model, parallelism.pp_schedule, task, trainer.batch_size, trainer.grad_accum,
