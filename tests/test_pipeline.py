@@ -110,3 +110,15 @@ def test_a_nan_in_a_stage_stops_the_run_in_one_line(tmp_path: Path) -> None:
     assert len(errors) == 1 and "Traceback" not in run.stderr, run.stderr
     assert errors[0].startswith("Error: trainer.nonfinite: the loss at step "), errors
     assert " is nan " in errors[0]
+
+
+def test_the_profiler_verdict_names_the_pipeline_bubble(tmp_path: Path) -> None:
+    """Rank 0 (stage 0) waits for stage 1 in its receives: that time is the pipeline bubble's share, not
+    communication's, and the shares still make up the step."""
+    run = ok(train(tmp_path / "run", *TINY_GPT, *PP2, "trainer.max_steps=8", "trainer.eval_every=0",
+                   "trainer.eval_steps=1", "profiler=schedule", "profiler.skip_first=2", "profiler.wait=1",
+                   "profiler.warmup=1", "profiler.active=3"))
+    verdict = run.summary["profiler"]["verdict"]
+    assert verdict["shares"]["pipeline_bubble"] > 0.1, verdict
+    assert sum(verdict["shares"].values()) == pytest.approx(1.0, abs=0.01)
+    assert "pipeline bubble" in run.stdout

@@ -351,6 +351,8 @@ def validate_ladder(cfg: DictConfig) -> None:
              f"must be > 0 or null; got {ladder.loss_rtol}")
     _require(ladder.log_every is None or ladder.log_every > 0, "ladder.log_every",
              f"must be a positive number of steps, or null for about 10 logs a rung; got {ladder.log_every}")
+    _require(ladder.fp8_rtol is None or ladder.fp8_rtol > 0, "ladder.fp8_rtol",
+             f"must be > 0 or null; got {ladder.fp8_rtol}")
     _require(ladder.resume_atol >= 0, "ladder.resume_atol",
              f"must be >= 0 (0: bit-identical); got {ladder.resume_atol}")
 

@@ -402,7 +402,7 @@ LOGGER_SCHEMAS: dict[str, type] = {"tensorboard": TensorBoardLoggerConfig, "mlfl
                                    "wandb": WandbLoggerConfig}
 
 
-LADDER_RUNGS = ("baseline", "compile", "profile", "ddp", "fsdp", "checkpoint", "resume")
+LADDER_RUNGS = ("baseline", "compile", "profile", "ddp", "fsdp", "checkpoint", "resume", "fp8")
 
 
 @dataclass
@@ -413,6 +413,7 @@ class LadderConfig:
     nproc_per_node: Any = 2  # processes of the ddp and fsdp rungs: N >= 2, or auto (one per GPU)
     loss_rtol: float | None = None  # largest relative loss difference to the baseline at any step; null: by precision
     resume_atol: float = 0.0  # largest |resumed - uninterrupted| loss at any step; 0: bit-identical
+    fp8_rtol: float | None = None  # largest relative loss difference of the fp8 rung to bf16's; null: 0.1
     # trainer.log_every of every rung; null: ~10 logs a run, at a divisor of the half-way step where the resume rung
     # starts (each log is a host sync; the gates compare the logged interval means of the rungs step by step)
     log_every: int | None = None

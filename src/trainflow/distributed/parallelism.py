@@ -120,11 +120,17 @@ def _wrap(model: nn.Module, cfg: ParallelismConfig | DictConfig, env: DistEnv, p
     )
 
 
-def _checkpointed_forward(module: nn.Module, context_fn: Callable | None, *args: Any, **kwargs: Any) -> Any:
-    from torch.utils.checkpoint import checkpoint, noop_context_fn
+def _checkpointed_forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    from torch.utils.checkpoint import checkpoint
 
-    return checkpoint(type(module).forward, module, *args, use_reentrant=False,
-                      context_fn=context_fn or noop_context_fn, **kwargs)
+    return checkpoint(type(module).forward, module, *args, use_reentrant=False, **kwargs)
+
+
+def _selectively_checkpointed_forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    from torch.utils.checkpoint import checkpoint
+
+    return checkpoint(type(module).forward, module, *args, use_reentrant=False, context_fn=selective_context,
+                      **kwargs)
 
 
 def saved_ops() -> set[Any]:
@@ -163,20 +169,21 @@ def checkpoint_activations(model: nn.Module, cfg: ParallelismConfig | DictConfig
 
         torch._functorch.config.activation_memory_budget = cfg.activation_budget
     if mode in ("full", "selective"):
-        checkpoint_blocks(model, selective_context if mode == "selective" else None, cfg.activation_checkpointing_every)
+        checkpoint_blocks(model, mode == "selective", cfg.activation_checkpointing_every)
 
 
-def checkpoint_blocks(model: nn.Module, context_fn: Callable | None = None, every: int = 1) -> None:
-    """Recompute every `every`-th block's activations in backward instead of keeping them (all of them, or with
-    `context_fn` the ones its policy does not keep); a block is counted by its number in model.blocks."""
+def checkpoint_blocks(model: nn.Module, selective: bool = False, every: int = 1) -> None:
+    """Recompute every `every`-th block's activations in backward instead of keeping them (all of them, or
+    `selective`: those selective_context does not keep); a block is counted by its number in model.blocks."""
     blocks = model_blocks(model)
+    mode = "selective" if selective else "full"
     if blocks is None:
-        mode = "selective" if context_fn else "full"
         raise ConfigError(f"parallelism.activation_checkpointing: {mode} recomputes each module of model.blocks, and "
                           f"{type(model).__name__} has no `blocks` list; set it to off")
+    forward = _selectively_checkpointed_forward if selective else _checkpointed_forward
     for number, block in blocks.named_children():
         if int(number) % every == 0:
-            block.forward = functools.partial(_checkpointed_forward, block, context_fn)
+            block.forward = functools.partial(forward, block)
 
 
 def shard_units(model: nn.Module, wrap: str, min_params: int) -> list[nn.Module]:
