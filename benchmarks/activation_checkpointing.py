@@ -6,13 +6,13 @@
 Each mode wraps a fresh copy of the same GPT (same weights, same batch) the way trainflow does
 (trainflow.distributed.parallelism.checkpoint_activations; `every_2`: full checkpointing of every second block;
 `compiled_*` and `budget_*`: inductor-compiled model, the budget set as parallelism.activation_budget sets it).
-Peak memory, in a process of its own: after two steps (compilation, the optimizer's state), how far the resident
-set rose during a third above its level before it (the model, the optimizer state and the previous gradients are
-there already, so the figure is the step's own: activations and their recomputation, gradients, temporaries),
-with glibc's mmap threshold fixed so that the resident set follows the live tensors. Step time, in another
-process: the median of `--steps` steps, the modes taking their steps in turn so that the machine's load falls on
-all alike. The losses of every mode are compared with the first mode's: checkpointing recomputes, it must not
-change the numbers.
+Each mode is measured in two processes of its own. Peak memory: after two steps (compilation, the optimizer's
+state), how far the resident set rose during a third above its level before it (the model, the optimizer state
+and the previous gradients are there already, so the figure is the step's own: activations and their
+recomputation, gradients, temporaries), with glibc's mmap threshold fixed so that the resident set follows the
+live tensors; for a compiled model also the bytes its graph saves for backward. Step time: the median of
+`--steps` steps after those two. The losses of every mode are compared with the first mode's: checkpointing
+recomputes, it must not change the numbers.
 """
 
 from __future__ import annotations
@@ -56,15 +56,18 @@ def step_peak_bytes(step: Callable[[], None]) -> int:
 def saved_bytes(model: torch.nn.Module, inputs: torch.Tensor) -> int:
     """Bytes a compiled model's forward saves for backward (its graph's saved tensors pass autograd's hooks; an
     eager checkpointed block's do not, its checkpoint keeps them itself)."""
-    sizes: list[int] = []
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    sizes: dict[int, int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        sizes.append(t.untyped_storage().nbytes())
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:  # the weights are kept anyway
+            sizes[storage.data_ptr()] = storage.nbytes()
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         model(inputs)
-    return sum(sizes)
+    return sum(sizes.values())
 
 
 def prepared(mode: str, base: GPT) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -89,8 +92,8 @@ def prepared(mode: str, base: GPT) -> tuple[torch.nn.Module, torch.optim.Optimiz
 
 def measure(modes: list[str], base: GPT, batch: tuple[torch.Tensor, torch.Tensor], steps: int,
             what: str) -> dict[str, dict[str, Any]]:
-    """Per mode: its losses and the median step time (`time`: the modes' steps taken in turn, round after round,
-    so that the machine's load falls on all alike), or the peak of one step (`memory`)."""
+    """Per mode: its losses and the median step time (`time`), or the peak of one step and what a compiled
+    graph saves (`memory`)."""
     inputs, targets = batch
     runs, out, models = {}, {}, {}
     compiled = [mode for mode in modes if mode.startswith(("compiled", "budget"))]
@@ -142,12 +145,15 @@ def main() -> None:
         return
     # memory in a process of its own with glibc's mmap threshold fixed (read at its start); time in one without
     # it, where mapping every large block would slow the steps down
+    # and each mode in processes of its own: dynamo reuses a compiled graph for another instance of the same
+    # model, so a second budget in one process would run the first one's graph
     results: dict[str, dict[str, Any]] = {}
-    for what, env in (("memory", {"MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD)}), ("time", {})):
-        proc = subprocess.run([sys.executable, *sys.argv, "--measure", what], env={**os.environ, **env},
-                              capture_output=True, text=True, check=True)
-        for mode, figures in json.loads(proc.stdout.strip().splitlines()[-1]).items():
-            results.setdefault(mode, {}).update(figures)
+    sizes = [f"--{key}={getattr(args, key)}" for key in ("layers", "width", "seq", "batch", "steps")]
+    for mode in args.modes:
+        for what, env in (("memory", {"MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD)}), ("time", {})):
+            proc = subprocess.run([sys.executable, __file__, *sizes, "--modes", mode, "--measure", what],
+                                  env={**os.environ, **env}, capture_output=True, text=True, check=True)
+            results.setdefault(mode, {}).update(json.loads(proc.stdout.strip().splitlines()[-1])[mode])
     reference = results[args.modes[0]]
     print(f"GPT {args.layers} x {args.width}, batch {args.batch} x {args.seq} tokens, AdamW, fp32, "
           f"{torch.get_num_threads()} threads, median of {args.steps} steps")

@@ -85,8 +85,14 @@ def blocks_per_stage(model: nn.Module, pp: int, schedule: str) -> int:
 
 
 def microbatches(requested: int | None, batch_size: int, pp: int, schedule: str) -> int:
-    """Pipeline micro-batches per `batch_size` (null: one per stage); one line when they do not divide it."""
-    count = requested or pp * stages_per_rank(schedule)
+    """Pipeline micro-batches per `batch_size` (null: one per stage); one line when they are fewer than the
+    stages or do not divide it."""
+    stages = pp * stages_per_rank(schedule)
+    count = requested or stages
+    if count < stages:
+        raise ConfigError(f"parallelism.microbatches: {count} pipeline micro-batches are fewer than the pipeline's "
+                          f"{stages} stages (pp_schedule={schedule}), and torch's schedules need one per stage at "
+                          f"least; set parallelism.microbatches={stages} or more (null: {stages})")
     if batch_size % count:
         fits = [d for d in range(1, batch_size + 1) if batch_size % d == 0]
         raise ConfigError(f"parallelism.microbatches: {count} pipeline micro-batches do not divide the per-rank "
