@@ -17,9 +17,9 @@ Items, per rank, in bytes:
 - selective activation checkpointing: each block keeps its input and the outputs of the ops selective
   checkpointing saves (matmuls, attention: measured in the same forward), and one block's other activations live
   again during its backward.
-- pipeline parallel (pp > 1): the largest stage's parameters (its blocks, and every parameter outside the blocks:
-  an upper bound, the first stage holds the embeddings, the last the final norm and the head, a tied embedding
-  both), sharded over the data-parallel ranks; its blocks' activations (and everything outside the blocks) for
+- pipeline parallel (pp > 1): the larger of the first and the last stage's parameters (their blocks, and the
+  first stage the parameters of the children before `blocks`, the last those after it: a tied embedding on both),
+  sharded over the data-parallel ranks; its blocks' activations (and everything outside the blocks) for
   min(micro-batches, pp) pipeline micro-batches in flight (1F1B's warm-up on the first stage), each of
   1 / micro-batches of the rank's micro-batch.
 - tensor parallel (tp > 1, by the model's TP plan; trainflow.distributed.tensor): each parameter's split
@@ -95,6 +95,7 @@ class ModelFacts:
     tp_dims: list[int | None] | None = None  # each parameter's TP split dimension; None: the model has no plan
     wrap_note: str | None = None  # said once when size-based wrapping stands in for blocks
     kept: list[int] = field(default_factory=list)  # per block: the outputs selective checkpointing keeps
+    ends: tuple[list[int], list[int]] = ([], [])  # parameters before the blocks (first stage), after (last stage)
 
     def activations(self, tp: int, checkpointing: bool, selective: bool = False, stage: int = 1) -> float:
         """Bytes saved for backward per rank for one measured micro-batch (see the module's docstring); `stage`:
@@ -234,6 +235,12 @@ def model_facts(model: nn.Module, optim_cfg: DictConfig, fsdp_cfg: DictConfig, e
     in_units = {i for unit in members for i in unit}
     scaled, scalars = optimizer_state(model, optim_cfg)
     plan = _tp_plan_or_none(model, tp_target)
+    ends: tuple[list[int], list[int]] = ([], [])
+    if blocks is not None:  # the children registered before `blocks` go to the first pipeline stage, after to the last
+        names = list(model._modules)
+        at = names.index("blocks") if "blocks" in names else len(names)
+        ends = tuple([index[id(p)] for n in part if model._modules[n] is not None
+                      for p in model._modules[n].parameters()] for part in (names[:at], names[at + 1:]))
     saved, gathered, batch, kept = Saved(0, [], 0), [], 1, []
     if example is not None:
         block_list = list(blocks) if blocks is not None else []
@@ -245,7 +252,7 @@ def model_facts(model: nn.Module, optim_cfg: DictConfig, fsdp_cfg: DictConfig, e
         params=[(p.shape, p.element_size(), s) for p, s in zip(model.parameters(), scaled, strict=True)],
         optimizer_scalar_bytes=scalars, units=members, root=[i for i in index.values() if i not in in_units],
         saved=saved, example_batch=batch, gathered=gathered,
-        tp_dims=shard_dims(model, plan) if plan else None, wrap_note=note, kept=kept)
+        tp_dims=shard_dims(model, plan) if plan else None, wrap_note=note, kept=kept, ends=ends)
 
 
 def _tp_plan_or_none(model: nn.Module, target: Any) -> dict[str, Any] | None:
@@ -265,18 +272,22 @@ def estimate(facts: ModelFacts, layout: Layout, gather_factor: float = 1.0, buck
     dims = facts.tp_dims or [None] * len(facts.params)
     local = [(tp_shape(shape, dim, tp), size, state // max(1, math.prod(shape)))
              for (shape, size, state), dim in zip(facts.params, dims, strict=True)]
-    units = facts.units
-    if pp > 1:  # the first stage's blocks and every parameter outside the blocks (see the module's docstring)
-        units = facts.units[:len(facts.units) // pp]
-        held = {i for unit in units for i in unit} | set(facts.root)
+    units, scalars = facts.units, facts.optimizer_scalar_bytes
+    if pp > 1:  # the first or the last stage, whichever holds more (see the module's docstring)
+        per = len(facts.units) // pp
+        stages = [(facts.units[:per], facts.ends[0]), (facts.units[len(facts.units) - per:], facts.ends[1])]
+        helds = [{*(i for unit in u for i in unit), *extra} for u, extra in stages]
+        sizes = [sum(sharded_bytes(*local[i][:2], s) for i in held) for held in helds]
+        units, held = stages[sizes.index(max(sizes))][0], helds[sizes.index(max(sizes))]
         local = [entry if i in held else (torch.Size([0]), entry[1], 0) for i, entry in enumerate(local)]
+        scalars = facts.optimizer_scalar_bytes * len(held) // len(facts.params)  # per parameter (AdamW's step)
     batch = (layout.batch or facts.example_batch) / facts.example_batch
     if pp > 1:  # min(m, pp) pipeline micro-batches of 1/m of the micro-batch in flight
         batch *= min(layout.microbatches, pp) / layout.microbatches
     row = {
         "params": sum(sharded_bytes(shape, size, s) for shape, size, _ in local),
         "grads": sum(sharded_bytes(shape, size, s) for shape, size, _ in local),
-        "optimizer": facts.optimizer_scalar_bytes + sum(
+        "optimizer": scalars + sum(
             sharded_bytes(shape, per_element, s) if per_element else 0 for shape, _, per_element in local),
         "buckets": 0,
         "all_gather": 0,
