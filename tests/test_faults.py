@@ -148,6 +148,9 @@ FAULTS = [
           "test_distributed.py::test_parity_check_fails_on_a_skewed_rank"),
     Fault("a rank raises mid-run", "the run fails naming the rank and its traceback; the other ranks stop",
           "test_distributed.py::test_a_failing_rank_is_named_with_its_traceback"),
+    Fault("the last pipeline stage's output turns NaN (parallelism.pp=2)",
+          "the loss the last stage sends every stage is NaN: the run stops in one line naming the step, no traceback",
+          "test_pipeline.py::test_a_nan_in_a_stage_stops_the_run_in_one_line"),
     Fault("SIGKILL of one rank of a self-launched DDP or FSDP run (an OOM kill)",
           "one line names the lost rank, its signal and the step the others noticed it in, not the rank that lost "
           "its connection to it; no traceback; committed checkpoints whole",
