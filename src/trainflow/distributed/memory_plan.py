@@ -69,7 +69,7 @@ def candidates(world_size: int, ranks_per_node: int, can_checkpoint: bool, tp_de
     comes after data parallel (it communicates every layer), pipeline parallel last (its bubble idles ranks)."""
     order: list[Layout] = []
     for pp in (1, *pp_degrees):
-        for tp in (1, *(t for t in tp_degrees if world_size % (t * pp) == 0)):
+        for tp in (1, *(t for t in tp_degrees if pp == 1)):  # TP x PP fails in torch 2.13 (parallelism.py)
             dp, per_node = world_size // tp // pp, max(ranks_per_node // tp, 1)
             if world_size == 1:
                 level = [Layout("single", 1)]

@@ -69,6 +69,11 @@ def parallelize(model: nn.Module, cfg: ParallelismConfig | DictConfig, env: Dist
     if found.pp > 1:
         from trainflow.distributed.pipeline import ZERO_BUBBLE, split_model
 
+        if found.tp > 1:
+            raise ConfigError(f"parallelism.pp: {found.pp} stages with parallelism.tp={found.tp} fail in torch 2.13 "
+                              "on the first step (the stages' sequence-parallel activations arrive in another size "
+                              "than the schedule's shape inference expects: gloo 'Received data size doesn't match "
+                              "expected size, 16384 vs 8192'); use parallelism.tp=1 with pp, or pp=1 with tp")
         if found.data_parallel > 1 and cfg.pp_schedule in ZERO_BUBBLE:
             raise ConfigError(f"parallelism.pp_schedule: {cfg.pp_schedule} with {found.data_parallel} data-parallel "
                               "ranks leaves the last stage's weight gradients unset in torch 2.13 (its split "

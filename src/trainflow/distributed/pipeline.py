@@ -145,6 +145,8 @@ class StageParts(nn.Module):
                 elif child is not None:
                     self._modules[name] = child
         self.blocks = blocks
+        # tensor parallel left the last stage's logits split by vocabulary: the loss runs under loss_parallel()
+        self.vocab_parallel_output = any(getattr(chunk, "vocab_parallel_output", False) for chunk in chunks)
         self.pipeline: Pipeline | None = None  # set by the Pipeline built on these parts
 
     def train(self, mode: bool = True) -> StageParts:
@@ -277,7 +279,8 @@ class Pipeline:
     def _loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """The last stage's loss of one pipeline micro-batch, scaled so that the gradients are the batch's mean."""
         loss, metrics = self.task.loss(output, target, self._with_metrics)
-        self._losses.append((loss.detach().float(), {k: v.detach().float() for k, v in metrics.items()}))
+        kept = {name: _local(value.detach()).float() for name, value in metrics.items()}
+        self._losses.append((_local(loss.detach()).float(), kept))
         return loss * self.scale
 
     def run(self, batch: Any, with_metrics: bool) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -320,7 +323,7 @@ class Pipeline:
         values = None
         if self.last:
             loss, metrics = self.task.loss(x, targets, with_metrics)
-            values = torch.stack([loss.detach().float(), *(metrics[n].detach().float() for n in names)])
+            values = torch.stack([_local(t.detach()).float() for t in (loss, *(metrics[n] for n in names))])
         return self._from_last(values, names)
 
     def _send(self, x: torch.Tensor, rank: int) -> None:
