@@ -87,12 +87,15 @@ def test_checkpoint_reshards_pp_fsdp_to_one_process_to_pp(pp_fsdp: Run, single_f
 FOUR_BLOCKS = ["model.n_layer=4", "trainer.max_steps=3", "trainer.grad_accum=1"]
 
 
-@pytest.mark.parametrize("schedule", ["interleaved_1f1b", "zbv"])
-def test_two_stages_a_rank_match_one_process(schedule: str, tmp_path: Path) -> None:
-    """4 blocks in 4 stages on 2 ranks: interleaved (stages r, r + 2) and V-shaped (zbv: stages r, 3 - r, so rank 0
-    holds the token embedding and the head it is tied to)."""
-    run = ok(train(tmp_path / "run", *BASE, *PP2, *CHECKED, *FOUR_BLOCKS, f"parallelism.pp_schedule={schedule}"))
+@pytest.mark.parametrize(("schedule", "compiled"), [("interleaved_1f1b", True), ("zbv", False)])
+def test_two_stages_a_rank_match_one_process(schedule: str, compiled: bool, tmp_path: Path) -> None:
+    """4 blocks in 4 stages on 2 ranks: interleaved (stages r, r + 2; its blocks compiled, aot_eager) and V-shaped
+    (zbv: stages r, 3 - r, so rank 0 holds the token embedding and the head it is tied to)."""
+    compile_ = ["compile=default", "compile.backend=aot_eager"] if compiled else []
+    run = ok(train(tmp_path / "run", *BASE, *PP2, *CHECKED, *FOUR_BLOCKS, f"parallelism.pp_schedule={schedule}",
+                   *compile_))
     assert_checked(run, "pp 2", {"replicate": 1, "shard": 1, "pp": 2})
+    assert run.summary["compile"].get("scope") == ("blocks" if compiled else None)  # a stage compiles its blocks
     pipeline = run.summary["parallelism"]["pipeline"]
     stages = {"interleaved_1f1b": [[0, 2], [1, 3]], "zbv": [[0, 3], [1, 2]]}[schedule]
     assert [r["stages"] for r in pipeline["ranks"]] == stages and pipeline["stages_per_rank"] == 2

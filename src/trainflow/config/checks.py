@@ -253,6 +253,10 @@ def validate_pipeline(cfg: DictConfig) -> None:
     _require(p.strategy != "single", "parallelism.pp",
              f"splits the model over {p.pp} ranks, and parallelism=single trains one process; use parallelism=fsdp "
              f"with parallelism.pp={p.pp} (parallelism.nproc_per_node=N, N a multiple of {p.pp})")
+    _require(not cfg.compile.enabled or not cfg.compile.check, "compile.check",
+             f"compares the compiled and the eager model on one batch, and parallelism.pp={p.pp} runs the model as "
+             "stages on several ranks; set compile.check=false (parallelism.check=true compares the run with one "
+             "process)")
     _require(not cfg.compile.enabled or cfg.compile.scope != "model", "compile.scope",
              f"model compiles the model's forward, which parallelism.pp={p.pp} splits into stages; use "
              "compile.scope=blocks (or null)")
