@@ -19,7 +19,7 @@ stage keeps a copy, their gradients are summed over the stages holding one befor
 does for tied embeddings), so every copy takes the same update; the gradient norm counts the copy of the first
 name once, and checkpoints keep the optimizer state under that first name, as one process does.
 
-The step (`Pipeline.step`): the first stage feeds the micro-batch's inputs, the last computes the task's loss
+The step (`Pipeline.run`): the first stage feeds the micro-batch's inputs, the last computes the task's loss
 from its outputs and the targets, per pipeline micro-batch (`parallelism.microbatches` of them, each loss scaled by
 1 / (micro-batches x trainer.grad_accum), so that the gradients are the batch's mean as in one process); the
 step's loss and metrics go from the last stage to every stage (one broadcast of a few numbers), so that logging
@@ -126,13 +126,12 @@ def stage_copy(model: nn.Module, stage: int, stages: int, per: int) -> nn.Module
 class StageParts(nn.Module):
     """This rank's pipeline stages under the model's own names: the parameters the optimizer steps, the state
     dict a checkpoint saves (blocks.2 is blocks.2), what the parity check gathers. Its forward is the pipeline's
-    (`Pipeline.step`), never called; `chunks` are the stage modules the schedule runs."""
+    (`Pipeline.run`), never called; `chunks` are the stage modules the schedule runs."""
 
     def __init__(self, chunks: list[nn.Module], ids: list[int], stages: int, mesh: DeviceMesh,
                  whole_shapes: dict[str, tuple[tuple[int, ...], str]], model: nn.Module) -> None:
         super().__init__()
         self.chunks, self.ids, self.stages, self.mesh = chunks, ids, stages, mesh
-        self.model_name = type(model).__name__
         self.before = _layout_of(model)[0]  # the children the first stage holds besides its blocks
         self.whole_shapes = whole_shapes  # the whole model's state dict shapes: what a checkpoint is checked by
         if hasattr(model, "weights_layout"):
@@ -218,6 +217,7 @@ class _Clock:
                 out = fn(*args, **kwargs)
                 end.record()
                 self._pending.append((start, end))
+                self._drain(wait=False)  # the finished ones, without a sync: the list stays short
                 return out
             begin = time.perf_counter()
             out = fn(*args, **kwargs)
@@ -225,12 +225,16 @@ class _Clock:
             return out
         return call
 
-    def read(self) -> float:
-        """The seconds measured so far (CUDA: waits for the recorded events)."""
-        for start, end in self._pending:
+    def _drain(self, wait: bool) -> None:
+        """Add the recorded events' times, oldest first: all of them (`wait`), or those already finished."""
+        while self._pending and (wait or self._pending[0][1].query()):
+            start, end = self._pending.pop(0)
             end.synchronize()
             self.seconds += start.elapsed_time(end) / 1e3
-        self._pending.clear()
+
+    def read(self) -> float:
+        """The seconds measured so far (CUDA: waits for the recorded events)."""
+        self._drain(wait=True)
         return self.seconds
 
 
@@ -247,13 +251,13 @@ class Pipeline:
         self.microbatches = microbatches(requested_microbatches, batch_size, self.pp, schedule)
         self.scale = 1.0 / (self.microbatches * grad_accum)
         self.first, self.last = 0 in parts.ids, parts.stages - 1 in parts.ids
-        last_pp_rank = next(r for r in range(self.pp) if parts.stages - 1 in stage_ids(r, self.pp, schedule))
-        self.last_rank = int(pp.mesh[last_pp_rank])  # the global rank of this rank's last stage
         derived = task.finish({"loss": 0.0})  # the loss, and what the task derives from the means (perplexity)
         self.metric_names = [n for n in metric_names if n not in derived]  # what its loss() returns
         self.clock, self.step_clock = _Clock(env.device), _Clock(env.device)  # the stages' work, the whole steps
         self.schedule = self._schedule()
+        # each stage's global rank in this rank's pipeline; the last one computes the loss and sends it
         self.stage_ranks = {s: int(pp.mesh[r]) for r in range(self.pp) for s in stage_ids(r, self.pp, schedule)}
+        self.last_rank = self.stage_ranks[parts.stages - 1]
         self.ties, self.aliases, self.counted = self._shared_parameters(whole)
         # the figures leave out the run's excluded steps (warm-up; the first infers the shapes between stages)
         self.steps, self.skip, self.grad_accum = 0, max(excluded_steps, 1) * grad_accum, grad_accum
