@@ -320,12 +320,17 @@ class Subcommand:
 
 
 def subcommands() -> list[Subcommand]:
+    from trainflow.report import compare, ledger
     from trainflow.report import runs as report
 
     return [Subcommand("export", "write a committed checkpoint's model weights for other tools", _export_arguments,
                        _export, "; the output is as it was, and nothing of this export is left"),
             Subcommand("report", "compare the runs under a folder: report.md, report.json, report.png",
                        report.add_arguments, report.command),
+            Subcommand("compare", "compare two runs, sweeps, ledger selections or checkpoints with their noise; "
+                       "--fail-on gates, --bisect", compare.add_arguments, compare.command,
+                       "; a --bisect replay it started is stopped with it"),
+            Subcommand("ledger", "list and filter the ledger of finished runs", ledger.add_arguments, ledger.command),
             Subcommand("prepare", "tokenize a corpus once into token shards for data=shards", _prepare_arguments,
                        _prepare),
             Subcommand("lighthouse", "run torchft's lighthouse for parallelism.fault_tolerance=torchft replica groups",

@@ -32,6 +32,7 @@ from trainflow.data.tokenizers import BYTE_VOCAB
 from trainflow.distributed.mesh import STRATEGIES
 from trainflow.errors import ConfigError
 from trainflow.optim import OPTIMIZER, optimizer_arguments
+from trainflow.report.ledger import check_setting as check_ledger_setting
 
 
 def check_optimizer_arguments(optim: DictConfig) -> None:
@@ -457,6 +458,10 @@ def validate(cfg: DictConfig) -> DictConfig:
 
     if cfg.metrics.peak_flops is not None:
         _require(cfg.metrics.peak_flops > 0, "metrics.peak_flops", f"must be > 0; got {cfg.metrics.peak_flops}")
+    check_ledger_setting(cfg.metrics.ledger)
+    if trainer.cost_per_hour is not None:
+        _require(trainer.cost_per_hour >= 0, "trainer.cost_per_hour",
+                 f"must be >= 0 (the price of one device for an hour); got {trainer.cost_per_hour}")
     validate_model(cfg)
     validate_task(cfg)
     validate_parallelism(cfg)

@@ -1,0 +1,566 @@
+"""`trainflow compare A B`: two runs, two sweeps, two ledger selections or two checkpoints, every figure with its
+noise, the reasons their fingerprints give, and gates that make a regression fail a CI job.
+
+A side is a run folder (its summary.json, metrics.jsonl, profile), a sweep folder (its jobs, paired with the other
+sweep's by their overrides), `ledger:<filters>` (runs of a ledger pooled as one side, e.g.
+`ledger:config=3f2a9c01d4e5,last=5`), or a checkpoint (a step_N folder, or a checkpoint dir: its newest;
+trainflow.report.checkpoints). Each figure of a pair of runs gets a verdict from trainflow.report.noise (faster,
+slower or the same, with the confidence the intervals give), and a figure that changed gets its likely cause: the
+first difference of the fingerprints that can explain it (the config, the code, the versions, the device, a busy
+machine, the host). `--fail-on step_time=+5%` fails (exit 1) when B's step time is more than 5% above A's and beyond
+the noise; a change that only a busy machine explains warns instead, and says to rerun on an idle one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from trainflow.config.schema import TrainerConfig
+from trainflow.errors import TrainflowError
+from trainflow.report import ledger
+from trainflow.report.fingerprint import BUSY_SHARE, hashed_config
+from trainflow.report.noise import Band, judge, read_metrics, steady_intervals
+from trainflow.report.runs import EXIT_GATE_FAILED, find_runs, load_run
+from trainflow.util.tolerance import TOLERANCE
+
+PASS, FAIL, WARN, NOT_EVALUATED = "PASS", "FAIL", "WARN", "NOT EVALUATED"
+LEDGER_PREFIX = "ledger:"
+MAX_LISTED = 6  # config keys named in a note before "and N more"
+TOP_OPS = 8  # operators listed whose self time changed most
+
+
+class CompareError(TrainflowError):
+    """A side that cannot be compared, or a gate that cannot be read; the message says the fix."""
+
+
+# --- figures -----------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Figure:
+    """A figure compare judges: its name (as --fail-on names it), where a run keeps it, which way is better, the words
+    for larger and smaller, its band without samples enough for one (`tolerance`, relative), the absolute change
+    below which it never counts (`min_abs`), and whether a machine's load or speed can explain it (`speed`)."""
+
+    name: str
+    label: str
+    unit: str
+    higher_is_better: bool
+    words: tuple[str, str]  # (B larger, B smaller)
+    tolerance: float
+    min_abs: float = 0.0
+    speed: bool = True
+    interval: str | None = None  # the name of its log-interval samples (trainflow.report.noise.INTERVAL_KEYS)
+    directed: bool = True  # False: neither way is better (a validation metric the task does not monitor)
+
+
+FIGURES = (
+    Figure("step_time", "step time", "s", False, ("slower", "faster"), 0.05, interval="step_time_s"),
+    Figure("samples_per_sec", "samples/s", "", True, ("faster", "slower"), 0.05, interval="samples_per_sec"),
+    Figure("tokens_per_sec", "tokens/s", "", True, ("faster", "slower"), 0.05, interval="tokens_per_sec"),
+    Figure("mfu", "MFU", "", True, ("higher", "lower"), 0.05, interval="mfu"),
+    Figure("data_wait", "data wait", "of the step", False, ("waits more", "waits less"), 0.25, min_abs=0.01,
+           interval="data_wait_fraction"),
+    Figure("peak_memory", "peak memory", "B", False, ("more", "less"), 0.05, speed=False),
+    Figure("compile_time", "compile time", "s", False, ("slower", "faster"), 0.25, min_abs=0.5),
+    Figure("energy_per_sample", "energy per sample", "J", False, ("more", "less"), 0.05),
+    Figure("cost_per_mtok", "cost per million tokens", "", False, ("dearer", "cheaper"), 0.05),
+)
+LOSS = Figure("loss", "final train loss", "", False, ("higher", "lower"), 0.0, speed=False)  # band: the arithmetic's
+FIGURE_NAMES = {f.name: f for f in (*FIGURES, LOSS)}
+
+
+def headline(run: RunView, figure: Figure) -> float | None:
+    """A run's whole-run value of `figure` (None where it has none)."""
+    s = run.figures
+    value = {"step_time": s.get("step_time_s"), "samples_per_sec": s.get("samples_per_sec"),
+             "tokens_per_sec": s.get("tokens_per_sec") or None, "mfu": s.get("mfu"),
+             "data_wait": s.get("data_wait_fraction"), "peak_memory": s.get("peak_memory_bytes"),
+             "compile_time": s.get("compile_time_s") or (0.0 if s.get("steps") else None),  # not compiled: none spent
+             "energy_per_sample": ((s.get("cost") or {}).get("energy") or {}).get("joules_per_sample"),
+             "cost_per_mtok": ((s.get("cost") or {}).get("money") or {}).get("per_million_tokens"),
+             "loss": s.get("loss_last")}.get(figure.name)
+    if figure.name.startswith("val_"):
+        value = (s.get("validation") or {}).get(figure.name.removeprefix("val_"))
+    return float(value) if isinstance(value, int | float) and math.isfinite(value) else None
+
+
+def validation_figures(a: list[RunView], b: list[RunView], loss_rtol: float) -> list[Figure]:
+    """A figure per validation metric both sides have: the monitored one better in the task's direction, the loss
+    lower, others neither (their words say larger and smaller)."""
+    common = set.intersection(*(set(r.figures.get("validation") or {}) for r in (*a, *b)))
+    monitor, mode = a[0].figures.get("monitor"), a[0].figures.get("mode")
+    out = []
+    for name in sorted(common):
+        directed = name in (monitor, "loss")
+        higher = mode == "max" if name == monitor else False
+        out.append(Figure(f"val_{name}", f"validation {name}", "", higher, ("higher", "lower"), loss_rtol, speed=False,
+                          directed=directed))
+    return out
+
+
+# --- what a side is ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class RunView:
+    """One run as compare reads it: from its folder (with its log intervals and curves) or from a ledger line."""
+
+    name: str
+    dir: Path | None
+    figures: dict[str, Any]  # ledger.entry's "figures"
+    fingerprint: dict[str, Any]
+    config: dict[str, Any]
+    intervals: dict[str, list[float]] = field(default_factory=dict)
+    curves: dict[str, dict[int, float]] = field(default_factory=dict)  # train/loss, val/<metric> by step
+    profiler: dict[str, Any] | None = None
+
+
+@dataclass
+class Side:
+    """A side of a comparison: one run, a sweep's runs (paired one by one), or a ledger selection (pooled)."""
+
+    text: str  # as given
+    kind: str  # run | sweep | ledger
+    runs: list[RunView]
+    note: str = ""  # e.g. lines of the ledger that did not parse
+
+
+def run_view(path: Path, root: Path) -> RunView:
+    """A finished run's folder; a failed or unfinished one is refused in one line."""
+    record = load_run(path, root)
+    if record.summary is None or record.status != "finished":
+        raise CompareError(f"{path}: the run has not finished ({record.status}: {record.error}); compare finished "
+                           "runs (they hold summary.json)")
+    summary = record.summary
+    entries = read_metrics(path / "metrics.jsonl")
+    start = summary.get("resumed_from_step") or 0
+    excluded = (summary.get("steady_state") or {}).get("excluded_steps", 0)
+    curves: dict[str, dict[int, float]] = {}
+    for entry in entries:
+        for key, value in entry.items():
+            if (key == "train/loss" or key.startswith("val/")) and isinstance(value, int | float):
+                curves.setdefault(key, {})[entry["step"]] = float(value)
+    figures = ledger.entry(summary, path, path / ledger.LEDGER_FILE)["figures"]
+    return RunView(record.name, path, figures, summary.get("fingerprint") or {}, summary.get("config") or {},
+                   steady_intervals(entries, start, excluded), curves, summary.get("profiler"))
+
+
+def ledger_view(line: dict[str, Any]) -> RunView:
+    return RunView(line.get("run", "?"), Path(line["run_dir"]) if line.get("run_dir") else None,
+                   line.get("figures") or {}, line.get("fingerprint") or {}, line.get("config") or {})
+
+
+def resolve_side(text: str, where: str, default_ledger: Path | None) -> Side:
+    """A side from the command line: `ledger:<filters>`, a run folder, or a sweep folder (checkpoints are taken by
+    trainflow.report.checkpoints before this)."""
+    if text.startswith(LEDGER_PREFIX):
+        words = [w for w in text.removeprefix(LEDGER_PREFIX).split(",") if w]
+        filters, path = ledger.parse_filters(words, where)
+        path = path or default_ledger or ledger.default_path()
+        lines, skipped = ledger.read(path)
+        chosen = ledger.select(lines, filters)
+        if not chosen:
+            raise CompareError(f"{where}: {text} selects no run of {path} ({len(lines)} line(s)); trainflow ledger "
+                               f"{path} lists them")
+        note = f"{skipped} line(s) of {path} did not parse and were left out" if skipped else ""
+        return Side(text, "ledger", [ledger_view(line) for line in chosen], note)
+    root = Path(text).expanduser()
+    try:
+        found = find_runs(root)
+    except TrainflowError as exc:
+        raise CompareError(f"{where}: {exc}") from None
+    if found == [root]:
+        return Side(text, "run", [run_view(root, root.parent)])
+    return Side(text, "sweep", [run_view(p, root) for p in found])
+
+
+def pairs(a: Side, b: Side) -> list[tuple[list[RunView], list[RunView]]]:
+    """What is compared with what: a run or a ledger selection with the other side whole; a sweep's jobs one by one
+    with the other sweep's, by their overrides (all of them, else those each sweep varies), else by their order."""
+    if (a.kind == "sweep") != (b.kind == "sweep"):
+        sweep, other = (a, b) if a.kind == "sweep" else (b, a)
+        raise CompareError(f"{sweep.text} is a sweep of {len(sweep.runs)} run(s) and {other.text} is not; compare a "
+                           f"sweep with a sweep, or give one of its job folders (e.g. {sweep.runs[0].dir})")
+    if a.kind != "sweep":
+        return [(a.runs, b.runs)]
+    for key in (_overrides, _varied(a), _varied(b)):
+        ka, kb = {key(r): r for r in a.runs}, {key(r): r for r in b.runs}
+        if len(ka) == len(a.runs) and ka.keys() == kb.keys():
+            return [([ka[k]], [kb[k]]) for k in ka]
+    if len(a.runs) == len(b.runs):
+        return [([ra], [rb]) for ra, rb in zip(a.runs, b.runs, strict=True)]
+    raise CompareError(f"the sweeps {a.text} ({len(a.runs)} jobs) and {b.text} ({len(b.runs)} jobs) cannot be paired: "
+                       "their jobs' overrides differ and their counts too; compare job folders one by one")
+
+
+def _overrides(run: RunView) -> tuple[str, ...]:
+    return tuple(_job_overrides(run))
+
+
+def _job_overrides(run: RunView) -> list[str]:
+    path = run.dir / ".hydra" / "overrides.yaml" if run.dir else None
+    if path is None or not path.is_file():
+        return []
+    from omegaconf import OmegaConf
+
+    return [str(o) for o in OmegaConf.load(path)]
+
+
+def _varied(side: Side) -> Callable[[RunView], tuple[str, ...]]:
+    """A key of a sweep's job: its overrides less those every job of the sweep shares (the swept values)."""
+    common = set.intersection(*(set(_job_overrides(r)) for r in side.runs)) if side.runs else set()
+    return lambda run: tuple(o for o in _job_overrides(run) if o not in common)
+
+
+# --- the fingerprints' differences -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Note:
+    """A difference of the two sides' fingerprints, in words; `speed_only`: it explains speed, never numbers;
+    `cause`: it can explain a difference at all (both sides on an equally busy machine: only noise)."""
+
+    kind: str
+    text: str
+    speed_only: bool = False
+    cause: bool = True
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, "text": self.text, "speed_only": self.speed_only, "cause": self.cause}
+
+
+def _values(runs: list[RunView], get: Any) -> list[Any]:
+    seen: list[Any] = []
+    for run in runs:
+        value = get(run)
+        if value not in seen:
+            seen.append(value)
+    return seen
+
+
+def _shown(values: list[Any]) -> str:
+    return " or ".join(str(v) for v in values) if values else "unknown"
+
+
+def notes(a: list[RunView], b: list[RunView]) -> list[Note]:
+    """What differs between the sides' fingerprints, most decisive first: the config, the model's shape, the code,
+    the versions, the device, a busy machine, the host."""
+    out: list[Note] = []
+    changed = config_changes(a[0].config, b[0].config) if a[0].config and b[0].config else []
+    configs = [_values(runs, lambda r: r.fingerprint.get("config_hash")) for runs in (a, b)]
+    if changed or configs[0] != configs[1]:
+        more = f" and {len(changed) - MAX_LISTED} more" if len(changed) > MAX_LISTED else ""
+        listed = "; ".join(changed[:MAX_LISTED]) + more if changed else f"{_shown(configs[0])} -> {_shown(configs[1])}"
+        out.append(Note("config", f"another config: {listed}"))
+    models = [_values(runs, lambda r: r.fingerprint.get("model_hash")) for runs in (a, b)]
+    if models[0] != models[1]:
+        out.append(Note("model", f"another model shape (hash {_shown(models[0])} -> {_shown(models[1])})"))
+    out += _code_notes(a, b)
+    for key, label in (("trainflow", "trainflow"), ("torch", "torch"), ("cuda", "CUDA"), ("driver", "driver"),
+                       ("python", "Python")):
+        va, vb = (_values(runs, lambda r, k=key: r.fingerprint.get(k)) for runs in (a, b))
+        if va != vb:
+            out.append(Note("environment", f"another {label}: {_shown(va)} -> {_shown(vb)}"))
+    devices = [_values(runs, lambda r: _device(r.fingerprint)) for runs in (a, b)]
+    if devices[0] != devices[1]:
+        out.append(Note("device", f"another device: {_shown(devices[0])} -> {_shown(devices[1])}"))
+    if (load := load_note(a, b)) is not None:
+        out.append(load)
+    hosts = [_values(runs, lambda r: r.fingerprint.get("host")) for runs in (a, b)]
+    if hosts[0] != hosts[1]:
+        out.append(Note("host", f"another host: {_shown(hosts[0])} -> {_shown(hosts[1])}", speed_only=True))
+    return out
+
+
+def _device(fp: dict[str, Any]) -> str | None:
+    d = fp.get("device")
+    return f"{d.get('count')} x {d.get('name')} ({d.get('type')})" if d else None
+
+
+def _code_notes(a: list[RunView], b: list[RunView]) -> list[Note]:
+    def commit(r: RunView) -> str | None:
+        code = r.fingerprint.get("code") or {}
+        return (code["commit"][:10] + (" with uncommitted changes" if code.get("dirty") else "")) \
+            if code.get("commit") else None
+
+    out = []
+    ca, cb = _values(a, commit), _values(b, commit)
+    if ca != cb:
+        out.append(Note("code", f"other code: project commit {_shown(ca)} -> {_shown(cb)}"))
+    pa, pb = (_values(runs, lambda r: ((r.fingerprint.get("replay") or {}).get("env") or {}).get("PYTHONPATH"))
+              for runs in (a, b))
+    if pa != pb:
+        out.append(Note("code", f"another PYTHONPATH (other code may be imported): {_shown(pa)} -> {_shown(pb)}"))
+    return out
+
+
+def _other_cores(runs: list[RunView]) -> float | None:
+    """The most cores other processes kept busy while a side's runs were timed (None: not measured)."""
+    known = [v for r in runs if (v := (r.fingerprint.get("load") or {}).get("other_cores")) is not None]
+    return max(known) if known else None
+
+
+def load_note(a: list[RunView], b: list[RunView]) -> Note | None:
+    """A busy machine: a cause of a speed difference when one side's machine was busier than the other's by
+    BUSY_SHARE of the cores; when both were alike busy, only a warning that their speeds carry its noise."""
+    busy = [any((r.fingerprint.get("load") or {}).get("busy") for r in runs) for runs in (a, b)]
+    others = [_other_cores(a), _other_cores(b)]
+    if not any(busy) or None in others:
+        return None
+    cores = (a[0].fingerprint.get("load") or {}).get("cpu_cores") or 1
+    shown = (f"other processes kept {others[1]:.1f} of {cores} cores busy while B's steps were timed "
+             f"(A: {others[0]:.1f})")
+    if abs(others[1] - others[0]) >= BUSY_SHARE * cores:
+        who = "B" if others[1] > others[0] else "A"
+        return Note("machine load", f"{who} ran on a busier machine: {shown}; rerun on an idle machine before trusting "
+                                    "the speed", speed_only=True)
+    return Note("machine load", f"both ran on a busy machine: {shown}; their speeds carry its noise",
+                speed_only=True, cause=False)
+
+
+def config_changes(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
+    """The config keys whose values differ (those that only say where outputs go left out), as `key: a -> b`."""
+    flat_a, flat_b = _flatten(hashed_config(a)), _flatten(hashed_config(b))
+    return [f"{k}: {flat_a.get(k, '(none)')} -> {flat_b.get(k, '(none)')}"
+            for k in sorted(flat_a.keys() | flat_b.keys()) if flat_a.get(k) != flat_b.get(k)]
+
+
+def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(tree, dict):
+        return {k: v for key, value in tree.items() for k, v in _flatten(value, f"{prefix}{key}.").items()} or \
+            ({prefix.rstrip("."): {}} if prefix else {})
+    return {prefix.rstrip("."): tree}
+
+
+def likely_cause(figure: Figure, found: list[Note]) -> Note | None:
+    """The first difference that can explain a change of `figure` (a busy machine or another host explain speed)."""
+    return next((n for n in found if n.cause and (figure.speed or not n.speed_only)), None)
+
+
+# --- judging a pair ----------------------------------------------------------------------------------------------
+
+
+def loss_tolerance(runs: list[RunView]) -> float:
+    """The relative loss difference the arithmetic allows (tolerance.py's ladder table, by the runs' matmuls)."""
+    precision = ((runs[0].config.get("trainer") or {}).get("precision")) or TrainerConfig.precision
+    return TOLERANCE["ladder.loss_rtol"].get(precision, TOLERANCE["ladder.loss_rtol"]["fp32"])
+
+
+def samples(runs: list[RunView], figure: Figure) -> tuple[list[float], float | None]:
+    """A side's samples of `figure` and the band known beyond them: one run's log intervals, or each pooled run's
+    value with the median of their recorded step-time bands."""
+    if len(runs) == 1 and figure.interval and len(runs[0].intervals.get(figure.interval, [])) >= 1:
+        return runs[0].intervals[figure.interval], None
+    values = [v for r in runs if (v := headline(r, figure)) is not None]
+    spreads = [s for r in runs if (s := (r.fingerprint.get("step_time") or {}).get("spread")) is not None]
+    known = sorted(spreads)[len(spreads) // 2] if spreads and figure.interval else None
+    return values, known
+
+
+def judge_figure(figure: Figure, a: list[RunView], b: list[RunView], found: list[Note]) -> dict[str, Any] | None:
+    """One figure's row: both sides' values, the change, the band, the confidence and the verdict (None when a side
+    lacks the figure)."""
+    (sa, known_a), (sb, known_b) = samples(a, figure), samples(b, figure)
+    if not sa or not sb:
+        return None
+    ba, bb = Band.of(sa), Band.of(sb)
+    if ba.median == bb.median == 0:
+        return None  # neither has any (a compile time of runs that did not compile)
+    diff = bb.median - ba.median
+    if ba.median == 0:
+        judged = None
+        change = math.inf if diff > 0 else -math.inf if diff < 0 else 0.0
+        direction = (1 if diff > 0 else -1) if abs(diff) > figure.min_abs else 0
+        band, confidence = figure.tolerance, None
+    else:
+        judged = judge(sa, sb, figure.tolerance, (known_a, known_b))
+        change, band, confidence = judged.change, judged.band, judged.confidence
+        direction = judged.direction if abs(diff) > figure.min_abs else 0
+    verdict = "same" if direction == 0 else figure.words[0] if direction > 0 else figure.words[1]
+    better = None if direction == 0 or not figure.directed else (direction > 0) == figure.higher_is_better
+    cause = likely_cause(figure, found) if direction else None
+    return {"figure": figure.name, "label": figure.label, "unit": figure.unit, "a": ba.median, "b": bb.median,
+            "a_samples": ba.n, "b_samples": bb.n, "diff": diff, "change": change, "band": band,
+            "confidence": confidence, "verdict": verdict, "better": better,
+            "likely_cause": cause.text if cause else ("no difference of the fingerprints explains it: rerun both "
+                                                      "to see whether it holds" if direction else None),
+            "busy_only": bool(cause and cause.kind == "machine load")}
+
+
+def curve_rows(a: RunView, b: RunView, rtol: float) -> list[dict[str, Any]]:
+    """Each curve both runs logged (train loss, validation metrics), aligned by step: the steps in common, the
+    largest difference and where, the last step's difference, and the first step where they part by more than the
+    arithmetic's tolerance (relative to A's value)."""
+    rows = []
+    for key in sorted(a.curves.keys() & b.curves.keys()):
+        steps = sorted(a.curves[key].keys() & b.curves[key].keys())
+        if not steps:
+            continue
+        diffs = {s: b.curves[key][s] - a.curves[key][s] for s in steps}
+        worst = max(steps, key=lambda s: abs(diffs[s]))
+        apart = next((s for s in steps if abs(diffs[s]) > rtol * max(abs(a.curves[key][s]), 1e-12)), None)
+        rows.append({"curve": key, "steps": len(steps), "max_abs_diff": abs(diffs[worst]), "at_step": worst,
+                     "final_diff": diffs[steps[-1]], "final_step": steps[-1], "apart_from_step": apart,
+                     "verdict": "same" if apart is None else f"apart from step {apart}"})
+    return rows
+
+
+def profiler_rows(a: RunView, b: RunView) -> dict[str, Any] | None:
+    """The profiler verdicts' shares side by side and the operators whose self time per step changed most (when both
+    runs were profiled)."""
+    va, vb = ((r.profiler or {}).get("verdict") for r in (a, b))
+    if not va or not vb:
+        return None
+    shares = {k: {"a": va["shares"].get(k), "b": vb["shares"].get(k),
+                  "points": round((vb["shares"].get(k) or 0) - (va["shares"].get(k) or 0), 4)}
+              for k in va["shares"].keys() | vb["shares"].keys()}
+    ops_a = {o["name"]: o["self_ms_per_step"] for o in a.profiler.get("top_ops") or []}
+    ops_b = {o["name"]: o["self_ms_per_step"] for o in b.profiler.get("top_ops") or []}
+    ops = sorted(({"name": n, "a_ms": ops_a.get(n), "b_ms": ops_b.get(n),
+                   "change_ms": (ops_b.get(n) or 0.0) - (ops_a.get(n) or 0.0)} for n in ops_a.keys() | ops_b.keys()),
+                 key=lambda o: -abs(o["change_ms"]))[:TOP_OPS]
+    return {"bound": [va.get("bound"), vb.get("bound")], "shares": dict(sorted(shares.items())), "ops": ops}
+
+
+def compare_pair(a: list[RunView], b: list[RunView]) -> dict[str, Any]:
+    found = notes(a, b)
+    rtol = loss_tolerance(a)
+    figures = [*FIGURES, dataclasses.replace(LOSS, tolerance=rtol), *validation_figures(a, b, rtol)]
+    rows = [row for f in figures if (row := judge_figure(f, a, b, found)) is not None]
+    single = len(a) == 1 and len(b) == 1
+    return {"a": [r.name for r in a], "b": [r.name for r in b], "figures": rows, "notes": [n.as_dict() for n in found],
+            "curves": curve_rows(a[0], b[0], rtol) if single else [], "loss_rtol": rtol,
+            "profiler": profiler_rows(a[0], b[0]) if single else None}
+
+
+# --- gates -------------------------------------------------------------------------------------------------------
+
+
+_GATE = re.compile(r"(?P<name>[a-z_]+)=(?P<sign>[+-]?)(?P<value>[0-9.]+(e-?[0-9]+)?)(?P<pct>%?)")
+
+
+@dataclass(frozen=True)
+class Gate:
+    """`name=+5%`: fail when B's figure is more than 5% above A's (a sign: the direction that fails; none: the
+    figure's worse one); without %, an absolute difference in the figure's unit (`val_loss=+0.01`)."""
+
+    text: str
+    name: str
+    sign: int  # +1: an increase fails; -1: a decrease
+    value: float
+    relative: bool
+
+
+def parse_gate(text: str) -> Gate:
+    match = _GATE.fullmatch(text.strip())
+    if match is None:
+        raise CompareError(f"--fail-on {text}: not name=threshold; give e.g. step_time=+5% or val_loss=+0.01 "
+                           f"(figures: {', '.join(FIGURE_NAMES)}, val_<metric>, tensors)")
+    name = match["name"]
+    figure = FIGURE_NAMES.get(name)
+    if figure is None and not name.startswith("val_") and name != "tensors":
+        raise CompareError(f"--fail-on {text}: {name!r} is no figure; use one of {', '.join(FIGURE_NAMES)}, "
+                           "val_<metric> (a validation metric, e.g. val_loss) or tensors (checkpoints)")
+    worse = -1 if figure is not None and figure.higher_is_better else 1
+    sign = {"+": 1, "-": -1, "": worse}[match["sign"]]
+    return Gate(text, name, sign, float(match["value"]), bool(match["pct"]))
+
+
+def evaluate_gate(gate: Gate, pair: dict[str, Any]) -> dict[str, Any]:
+    """PASS, FAIL (past the threshold, beyond the noise, not a busy machine's doing), WARN (past it, but a busy
+    machine is the likely cause) or NOT EVALUATED (a side lacks the figure)."""
+    row = next((r for r in pair["figures"] if r["figure"] == gate.name), None)
+    where = f"{', '.join(pair['a'])} -> {', '.join(pair['b'])}"
+    if row is None:
+        return {"gate": gate.text, "status": NOT_EVALUATED, "pair": where, "detail": "a side has no such figure"}
+    moved = (row["change"] if gate.relative else row["diff"]) * gate.sign
+    limit = gate.value / 100 if gate.relative else gate.value
+    shown = (f"{row['change'] * 100:+.1f}%" if math.isfinite(row["change"]) else f"{row['diff']:+.4g}") \
+        if gate.relative else f"{row['diff']:+.4g}"
+    if moved <= limit:
+        status, detail = PASS, f"{row['label']} {shown}, within {gate.text.split('=', 1)[1]}"
+    elif row["verdict"] == "same":
+        status, detail = PASS, (f"{row['label']} {shown}, past {gate.text.split('=', 1)[1]} but within the noise "
+                                f"(band ±{row['band'] * 100:.1f}%)")
+    elif row["busy_only"]:
+        status, detail = WARN, f"{row['label']} {shown}, but {row['likely_cause']}"
+    else:
+        status, detail = FAIL, f"{row['label']} {shown} ({row['verdict']}), past {gate.text.split('=', 1)[1]}" + (
+            f"; likely cause: {row['likely_cause']}" if row["likely_cause"] else "")
+    return {"gate": gate.text, "status": status, "pair": where, "detail": detail}
+
+
+# --- the command -------------------------------------------------------------------------------------------------
+
+
+def build(a_text: str, b_text: str, gates: list[Gate], default_ledger: Path | None) -> dict[str, Any]:
+    """The comparison of two run-like sides: every pair's figures, curves, profiler and notes, and the gates."""
+    a, b = (resolve_side(text, name, default_ledger) for text, name in ((a_text, "A"), (b_text, "B")))
+    matched = pairs(a, b)
+    compared = [compare_pair(ra, rb) for ra, rb in matched]
+    results = [evaluate_gate(g, p) for g in gates for p in compared]
+    return {"kind": "runs", "written": time.strftime("%Y-%m-%d %H:%M:%S"), "title": f"{a.text} -> {b.text}",
+            "a": {"text": a.text, "kind": a.kind, "runs": [r.name for r in a.runs]},
+            "b": {"text": b.text, "kind": b.kind, "runs": [r.name for r in b.runs]},
+            "pairs": compared, "gates": results, "passed": not any(r["status"] == FAIL for r in results),
+            "warnings": [s.note for s in (a, b) if s.note],
+            "_curves": [(ra[0].curves, rb[0].curves) for ra, rb in matched]}
+
+
+def command(args: argparse.Namespace) -> int:
+    """Compare B with A: two run folders, two sweep folders, two ledger selections (ledger:config=HASH,last=5) or two
+    checkpoints (a step_N folder, or a checkpoint dir for its newest). Writes compare.md, compare.json and compare.png
+    to --out; prints every verdict. Exit code 1 when a --fail-on gate fails."""
+    from trainflow.report import checkpoints, render_compare
+
+    gates = [parse_gate(g) for text in args.fail_on or [] for g in text.split(",") if g.strip()]
+    if args.bisect:
+        from trainflow.report.bisect import bisect
+
+        report = bisect(Path(args.a), Path(args.b), args.out, args.rtol)
+    elif checkpoints.is_checkpoint(args.a) or checkpoints.is_checkpoint(args.b):
+        report = checkpoints.compare(Path(args.a), Path(args.b), args.rtol)
+        report["title"] = f"{args.a} -> {args.b}"
+        report["gates"] = [checkpoints.evaluate_gate(g, report) for g in gates]
+        report["passed"] = not any(r["status"] == FAIL for r in report["gates"])
+    else:
+        report = build(args.a, args.b, gates, args.ledger)
+    written = render_compare.write(report, args.out)
+    for line in render_compare.console_lines(report):
+        print(line)
+    print(f"wrote {', '.join(str(p) for p in written)}")
+    return EXIT_GATE_FAILED if not report.get("passed", True) else 0
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("a", help="A, the reference: a run folder, a sweep folder, ledger:<filters> (e.g. "
+                             "ledger:config=3f2a9c01d4e5,last=5) or a checkpoint (step_N, or a checkpoint dir)")
+    p.add_argument("b", help="B, compared with A: the same kinds")
+    p.add_argument("--out", type=Path, default=Path("compare"),
+                   help="where to write compare.md, compare.json, compare.png (default: ./compare)")
+    p.add_argument("--fail-on", action="append", metavar="FIGURE=THRESHOLD",
+                   help="a gate, e.g. step_time=+5%% (B's step time more than 5%% above A's, beyond the noise), "
+                        "val_loss=+0.01, mfu=-10%%, tensors=1e-5 (checkpoints); repeat or separate with commas")
+    p.add_argument("--ledger", type=Path, default=None,
+                   help=f"the ledger ledger: selections read (default: outputs/{ledger.LEDGER_FILE} here)")
+    p.add_argument("--rtol", type=float, default=None,
+                   help="checkpoints and --bisect: the relative difference of a tensor that counts (default: "
+                        "tolerance.py's compare table, by the runs' arithmetic)")
+    p.add_argument("--bisect", action="store_true",
+                   help="A and B are checkpointed runs that should agree: replay each from their last equal "
+                        "checkpoint with its own command and environment, and name the first step and tensor "
+                        "where they part")
+
+
+def as_json(report: dict[str, Any]) -> str:
+    return json.dumps({k: v for k, v in report.items() if not k.startswith("_")}, indent=2, default=str)
