@@ -86,6 +86,12 @@ def train(run_dir: Path, *overrides: str, env: dict | None = None, timeout: floa
     return Run(proc.returncode, proc.stdout, proc.stderr, Path(run_dir))
 
 
+def trainflow(*args: str | Path, cwd: Path = ROOT, timeout: float = 600) -> subprocess.CompletedProcess:
+    """The `trainflow` console command, as a user types it (no HYDRA_FULL_ERROR: one line per error)."""
+    env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
+    return run_process([str(Path(sys.executable).parent / "trainflow"), *map(str, args)], cwd, env, timeout)
+
+
 def start(run_dir: Path, *overrides: str, new_session: bool = False) -> subprocess.Popen | ForkedRun:
     """Start `python train.py` without waiting; its output goes to a file beside the run directory.
 

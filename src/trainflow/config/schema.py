@@ -63,7 +63,7 @@ class TrainerConfig:
 class MetricsConfig:
     peak_flops: float | None = None  # FLOP/s per device; overrides the measured/known peak
     # where each finished run appends its line (trainflow.report.ledger): auto (outputs/ledger.jsonl under the working
-    # directory for runs inside it, else beside the run directory) | off | a file (one ledger shared by many machines)
+    # folder for runs inside it, else a sweep folder's own) | off | a file (one ledger for runs anywhere, many machines)
     ledger: str = "auto"
 
 

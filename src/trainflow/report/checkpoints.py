@@ -142,7 +142,7 @@ def verdict(result: dict[str, Any]) -> str:
 def compare(a: Path, b: Path, rtol: float | None) -> dict[str, Any]:
     """The page's content for two checkpoints."""
     sources = []
-    for path, name in ((a, "A"), (b, "B")):
+    for path, name in ((a, "compare A"), (b, "compare B")):
         try:
             sources.append(Source(path))
         except CheckpointError as exc:

@@ -33,6 +33,11 @@ from trainflow.report.runs import EXIT_GATE_FAILED, find_runs, load_run
 from trainflow.util.tolerance import TOLERANCE
 
 PASS, FAIL, WARN, NOT_EVALUATED = "PASS", "FAIL", "WARN", "NOT EVALUATED"
+# One run against one: how far the same command's step time swings from run to run, beyond its own intervals (8 runs
+# of one command on a 2-core VM: medians 3.94-4.49 ms at a like load, docs/compare.md). The ledger's runs of a config
+# measure it for that config (MIN_HISTORY of them), and --min-band sets it.
+RUN_TO_RUN = 0.15
+MIN_HISTORY = 3
 LEDGER_PREFIX = "ledger:"
 MAX_LISTED = 6  # config keys named in a note before "and N more"
 TOP_OPS = 8  # operators listed whose self time changed most
@@ -70,7 +75,7 @@ FIGURES = (
     Figure("mfu", "MFU", "", True, ("higher", "lower"), 0.05, interval="mfu"),
     Figure("data_wait", "data wait", "of the step", False, ("waits more", "waits less"), 0.25, min_abs=0.01,
            interval="data_wait_fraction"),
-    Figure("peak_memory", "peak memory", "B", False, ("more", "less"), 0.05, speed=False),
+    Figure("peak_memory", "peak memory", "B", False, ("more", "less"), 0.10, speed=False),  # CPU: the RSS wanders
     Figure("compile_time", "compile time", "s", False, ("slower", "faster"), 0.25, min_abs=0.5),
     Figure("energy_per_sample", "energy per sample", "J", False, ("more", "less"), 0.05),
     Figure("cost_per_mtok", "cost per million tokens", "", False, ("dearer", "cheaper"), 0.05),
@@ -367,9 +372,10 @@ def samples(runs: list[RunView], figure: Figure) -> tuple[list[float], float | N
     return values, known
 
 
-def judge_figure(figure: Figure, a: list[RunView], b: list[RunView], found: list[Note]) -> dict[str, Any] | None:
-    """One figure's row: both sides' values, the change, the band, the confidence and the verdict (None when a side
-    lacks the figure)."""
+def judge_figure(figure: Figure, a: list[RunView], b: list[RunView], found: list[Note],
+                 floor: tuple[float, str]) -> dict[str, Any] | None:
+    """One figure's row: both sides' values, the change, the band (a speed figure's never below the run-to-run
+    `floor`), the confidence and the verdict (None when a side lacks the figure)."""
     (sa, known_a), (sb, known_b) = samples(a, figure), samples(b, figure)
     if not sa or not sb:
         return None
@@ -383,7 +389,7 @@ def judge_figure(figure: Figure, a: list[RunView], b: list[RunView], found: list
         direction = (1 if diff > 0 else -1) if abs(diff) > figure.min_abs else 0
         band, confidence = figure.tolerance, None
     else:
-        judged = judge(sa, sb, figure.tolerance, (known_a, known_b))
+        judged = judge(sa, sb, figure.tolerance, (known_a, known_b), floor[0] if figure.speed else 0.0)
         change, band, confidence = judged.change, judged.band, judged.confidence
         direction = judged.direction if abs(diff) > figure.min_abs else 0
     verdict = "same" if direction == 0 else figure.words[0] if direction > 0 else figure.words[1]
@@ -391,6 +397,7 @@ def judge_figure(figure: Figure, a: list[RunView], b: list[RunView], found: list
     cause = likely_cause(figure, found) if direction else None
     return {"figure": figure.name, "label": figure.label, "unit": figure.unit, "a": ba.median, "b": bb.median,
             "a_samples": ba.n, "b_samples": bb.n, "diff": diff, "change": change, "band": band,
+            "band_from": floor[1] if figure.speed and judged is not None and band == floor[0] else None,
             "confidence": confidence, "verdict": verdict, "better": better,
             "likely_cause": cause.text if cause else ("no difference of the fingerprints explains it: rerun both "
                                                       "to see whether it holds" if direction else None),
@@ -432,11 +439,45 @@ def profiler_rows(a: RunView, b: RunView) -> dict[str, Any] | None:
     return {"bound": [va.get("bound"), vb.get("bound")], "shares": dict(sorted(shares.items())), "ops": ops}
 
 
-def compare_pair(a: list[RunView], b: list[RunView]) -> dict[str, Any]:
+def history_spread(run: RunView, history: list[dict[str, Any]]) -> tuple[float, int] | None:
+    """The spread of the step-time medians of the ledger's runs of `run`'s config on its host and device (and their
+    count), when it holds MIN_HISTORY of them or more."""
+    fp = run.fingerprint
+    medians = [m for line in history if (f := line.get("fingerprint") or {}).get("config_hash") == fp.get("config_hash")
+               and f.get("host") == fp.get("host") and f.get("device") == fp.get("device")
+               and (m := (f.get("step_time") or {}).get("median"))]
+    spread = Band.of(medians).spread if len(medians) >= MIN_HISTORY else None
+    return (spread, len(medians)) if spread is not None else None
+
+
+def run_to_run(a: list[RunView], b: list[RunView], history: list[dict[str, Any]], min_band: float | None
+               ) -> tuple[float, str]:
+    """The floor of a speed figure's band, and where it comes from: --min-band; else, for each side of a single run,
+    the run-to-run spread of its config in the ledger (MIN_HISTORY runs or more), the larger of the two; else
+    RUN_TO_RUN. Sides of several pooled runs need none: their samples are runs."""
+    if min_band is not None:
+        return min_band, "--min-band"
+    measured = []
+    for runs in (a, b):
+        if len(runs) >= MIN_HISTORY:
+            continue
+        found = history_spread(runs[0], history)
+        if found is None:
+            return RUN_TO_RUN, "run to run, default"
+        measured.append(found)
+    if not measured:
+        return 0.0, "pooled runs"
+    spread, count = max(measured)
+    return spread, f"run to run, {count} runs of the ledger"
+
+
+def compare_pair(a: list[RunView], b: list[RunView], history: list[dict[str, Any]] | None = None,
+                 min_band: float | None = None) -> dict[str, Any]:
     found = notes(a, b)
     rtol = loss_tolerance(a)
+    floor = run_to_run(a, b, history or [], min_band)
     figures = [*FIGURES, dataclasses.replace(LOSS, tolerance=rtol), *validation_figures(a, b, rtol)]
-    rows = [row for f in figures if (row := judge_figure(f, a, b, found)) is not None]
+    rows = [row for f in figures if (row := judge_figure(f, a, b, found, floor)) is not None]
     single = len(a) == 1 and len(b) == 1
     return {"a": [r.name for r in a], "b": [r.name for r in b], "figures": rows, "notes": [n.as_dict() for n in found],
             "curves": curve_rows(a[0], b[0], rtol) if single else [], "loss_rtol": rtol,
@@ -503,11 +544,26 @@ def evaluate_gate(gate: Gate, pair: dict[str, Any]) -> dict[str, Any]:
 # --- the command -------------------------------------------------------------------------------------------------
 
 
-def build(a_text: str, b_text: str, gates: list[Gate], default_ledger: Path | None) -> dict[str, Any]:
+def history_of(sides: list[Side], given: Path | None) -> list[dict[str, Any]]:
+    """The ledger lines that can tell the run-to-run noise: of the ledger given (or outputs/ledger.jsonl here) and of
+    the ledgers beside the runs' folders (where metrics.ledger=auto puts them for runs outside the working folder)."""
+    beside = (r.dir.parent / ledger.LEDGER_FILE for side in sides for r in side.runs if r.dir)
+    paths = {given or ledger.default_path(), *beside}
+    lines: dict[tuple[str, str], dict[str, Any]] = {}
+    for path in paths:
+        if path.is_file():
+            for line in ledger.read(path)[0]:
+                lines[(str(line.get("run_dir")), str(line.get("time")))] = line
+    return list(lines.values())
+
+
+def build(a_text: str, b_text: str, gates: list[Gate], default_ledger: Path | None,
+          min_band: float | None = None) -> dict[str, Any]:
     """The comparison of two run-like sides: every pair's figures, curves, profiler and notes, and the gates."""
-    a, b = (resolve_side(text, name, default_ledger) for text, name in ((a_text, "A"), (b_text, "B")))
+    a, b = (resolve_side(text, name, default_ledger) for text, name in ((a_text, "compare A"), (b_text, "compare B")))
     matched = pairs(a, b)
-    compared = [compare_pair(ra, rb) for ra, rb in matched]
+    history = history_of([a, b], default_ledger)
+    compared = [compare_pair(ra, rb, history, min_band) for ra, rb in matched]
     results = [evaluate_gate(g, p) for g in gates for p in compared]
     return {"kind": "runs", "written": time.strftime("%Y-%m-%d %H:%M:%S"), "title": f"{a.text} -> {b.text}",
             "a": {"text": a.text, "kind": a.kind, "runs": [r.name for r in a.runs]},
@@ -518,9 +574,7 @@ def build(a_text: str, b_text: str, gates: list[Gate], default_ledger: Path | No
 
 
 def command(args: argparse.Namespace) -> int:
-    """Compare B with A: two run folders, two sweep folders, two ledger selections (ledger:config=HASH,last=5) or two
-    checkpoints (a step_N folder, or a checkpoint dir for its newest). Writes compare.md, compare.json and compare.png
-    to --out; prints every verdict. Exit code 1 when a --fail-on gate fails."""
+    """`trainflow compare` (see trainflow.cli): the report of the kind the sides are, its pages, its exit code."""
     from trainflow.report import checkpoints, render_compare
 
     gates = [parse_gate(g) for text in args.fail_on or [] for g in text.split(",") if g.strip()]
@@ -534,7 +588,7 @@ def command(args: argparse.Namespace) -> int:
         report["gates"] = [checkpoints.evaluate_gate(g, report) for g in gates]
         report["passed"] = not any(r["status"] == FAIL for r in report["gates"])
     else:
-        report = build(args.a, args.b, gates, args.ledger)
+        report = build(args.a, args.b, gates, args.ledger, args.min_band)
     written = render_compare.write(report, args.out)
     for line in render_compare.console_lines(report):
         print(line)
@@ -553,6 +607,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "val_loss=+0.01, mfu=-10%%, tensors=1e-5 (checkpoints); repeat or separate with commas")
     p.add_argument("--ledger", type=Path, default=None,
                    help=f"the ledger ledger: selections read (default: outputs/{ledger.LEDGER_FILE} here)")
+    p.add_argument("--min-band", type=_share, default=None, metavar="SHARE",
+                   help="the least band of a speed figure, e.g. 3%% on a quiet GPU node (default: the run-to-run "
+                        "spread of the config's runs in the ledger, else 15%%)")
     p.add_argument("--rtol", type=float, default=None,
                    help="checkpoints and --bisect: the relative difference of a tensor that counts (default: "
                         "tolerance.py's compare table, by the runs' arithmetic)")
@@ -560,6 +617,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="A and B are checkpointed runs that should agree: replay each from their last equal "
                         "checkpoint with its own command and environment, and name the first step and tensor "
                         "where they part")
+
+
+def _share(text: str) -> float:
+    """`3%` or `0.03`."""
+    try:
+        value = float(text.removesuffix("%")) / (100 if text.endswith("%") else 1)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a share: {text!r}; give e.g. 3% or 0.03") from None
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1) (or 0-100%); got {text}")
+    return value
 
 
 def as_json(report: dict[str, Any]) -> str:

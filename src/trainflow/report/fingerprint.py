@@ -37,9 +37,9 @@ from trainflow.loop.stages import LoopState, Stage, StageContext
 from trainflow.metrics.meter import Throughput
 from trainflow.report.noise import Band, read_metrics, steady_intervals
 
-# Keys that say where outputs go or how they are shown: runs that differ only in them ran the same config.
+# Keys that say where outputs go or how they are shown (and priced): runs that differ only in them ran the same config.
 NOT_IN_CONFIG_HASH = ("logger", "trainer.run_name", "trainer.sweep_name", "trainer.progress", "trainer.print_config",
-                      "checkpoint.dir", "checkpoint.resume", "metrics.ledger")
+                      "checkpoint.dir", "checkpoint.resume", "metrics.ledger", "trainer.cost_per_hour")
 # The environment a replay sets as the run had it: where the code comes from and how the arithmetic is threaded.
 REPLAY_ENV = ("PYTHONPATH", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "CUDA_VISIBLE_DEVICES", "CUBLAS_WORKSPACE_CONFIG")
 BUSY_SHARE = 0.25  # other processes kept at least this share of the cores busy: the run was timed on a busy machine

@@ -2,8 +2,10 @@
 machines (`trainflow ledger` lists and filters it; `trainflow compare` takes a selection of it).
 
 Where: metrics.ledger. `auto` puts it at outputs/ledger.jsonl under the working directory for runs whose directory
-lies under it (outputs/..., multirun/...), else beside the run directory; a path shares one ledger between machines
-(a shared filesystem). `off` writes none.
+lies under it (trainflow's own layouts: outputs/..., multirun/...), else beside the run directory when trainflow owns
+the folder that holds it (a sweep folder elsewhere), else nowhere (trainflow writes only into folders it owns; the
+log says so and how to name one). A path shares one ledger between runs anywhere, and between machines (a shared
+filesystem). `off` writes none.
 
 A line: the run's name and folder, when it ended, its status, the model, the overrides, the fingerprint
 (trainflow.report.fingerprint: versions, device, host, commit, config and model hashes, the machine's load, the
@@ -33,6 +35,7 @@ from omegaconf import DictConfig, OmegaConf
 from trainflow.errors import ConfigError, TrainflowError
 from trainflow.util.files import cannot_write
 from trainflow.util.locks import flock_unsupported
+from trainflow.util.rundir import made_by_trainflow
 
 log = logging.getLogger(__name__)
 
@@ -45,13 +48,16 @@ class LedgerError(TrainflowError):
 
 
 def ledger_path(setting: str, run_dir: Path) -> Path | None:
-    """The ledger a run appends to (metrics.ledger); None for `off`."""
+    """The ledger a run appends to (metrics.ledger); None for `off`, and for `auto` where no folder of trainflow's
+    is there to hold it."""
     if setting == "off":
         return None
     if setting != "auto":
         return Path(setting).expanduser()
     here, run = Path.cwd().resolve(), run_dir.resolve()
-    return here / "outputs" / LEDGER_FILE if run.is_relative_to(here) else run.parent / LEDGER_FILE
+    if run.is_relative_to(here):
+        return here / "outputs" / LEDGER_FILE
+    return run.parent / LEDGER_FILE if made_by_trainflow(run.parent) else None
 
 
 def default_path() -> Path:
@@ -106,6 +112,9 @@ def record(cfg: DictConfig, run_dir: Path, summary: dict[str, Any]) -> Path | No
     is said in one warning: the run itself finished, and its summary.json is whole."""
     path = ledger_path(cfg.metrics.ledger, run_dir)
     if path is None:
+        if cfg.metrics.ledger == "auto":
+            log.info("ledger: none written: the run directory lies outside the working folder, in a folder trainflow "
+                     "did not make; name one with metrics.ledger=PATH (e.g. one shared by every run)")
         return None
     try:
         append(path, entry(summary, run_dir, path))

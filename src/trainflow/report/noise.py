@@ -1,12 +1,14 @@
 """The noise of a run's speed: every steady log interval is one sample of it, and two runs' samples decide whether
 a figure changed.
 
-A whole run gives one number per figure, and two runs of the same loop on a busy machine can differ by far more than
-any change worth finding; the intervals inside one run show how much its own figure wanders. A figure changed when
-its median moved further than both runs' bands together (each run's 10th to 90th percentile, as a share of its
-median, at least MIN_BAND) and the intervals of one run beat the other's in at least CONFIDENT of all pairs (the
-probability of superiority, Vargha and Delaney's A). A figure with one value per run (peak memory, compile time)
-has no band of its own: its band is the figure's fixed tolerance, and no confidence is given.
+Two kinds of noise. Inside a run, the intervals show how much its figure wanders (each run's band: its 10th to 90th
+percentile, as a share of its median). Between runs, the same command swings further than its intervals do (another
+process placement, another load, a neighbour): that part only several runs show, so a comparison of single runs also
+takes a run-to-run floor (trainflow.report.compare: the ledger's runs of the config, or a measured default). A
+figure changed when its median moved further than both runs' bands together and that floor (never less than
+MIN_BAND), and the intervals of one run beat the other's in at least CONFIDENT of all pairs (the probability of
+superiority, Vargha and Delaney's A). A figure with one value per run (peak memory, compile time) has no band of its
+own: its band is the figure's fixed tolerance, and no confidence is given.
 """
 
 from __future__ import annotations
@@ -123,17 +125,19 @@ class Judgement:
     direction: int
 
 
-def judge(a: list[float], b: list[float], tolerance: float, spreads: tuple[float | None, float | None] = (None, None)
-          ) -> Judgement | None:
+def judge(a: list[float], b: list[float], tolerance: float, spreads: tuple[float | None, float | None] = (None, None),
+          floor: float = 0.0) -> Judgement | None:
     """B's samples against A's (see the module's docstring). `tolerance`: the band of a figure without samples
     enough for one of its own; `spreads`: bands known beyond the samples (a ledger line keeps its run's, not its
-    intervals). None when A's median is 0 (no relative change)."""
+    intervals); `floor`: the run-to-run noise the band never goes below. None when A's median is 0 (no relative
+    change)."""
     base, other = Band.of(a), Band.of(b)
     if base.median == 0:
         return None
     change = other.median / base.median - 1
     own = [s if s is not None else known for s, known in zip((base.spread, other.spread), spreads, strict=True)]
-    band = max(sum(s for s in own if s is not None), MIN_BAND) if all(s is not None for s in own) else tolerance
+    band = max(sum(s for s in own if s is not None), MIN_BAND, floor) if all(s is not None for s in own) \
+        else max(tolerance, floor)
     confidence = None
     if base.n >= MIN_SAMPLES and other.n >= MIN_SAMPLES:
         above = superiority(a, b)

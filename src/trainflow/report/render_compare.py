@@ -62,7 +62,7 @@ def _run_lines(report: dict[str, Any]) -> list[str]:
     for pair in report["pairs"]:
         lines.append(f"{_pair_title(pair)}:")
         for row in pair["figures"]:
-            band = f"band ±{row['band'] * 100:.1f}%"
+            band = f"band ±{row['band'] * 100:.1f}%" + (f" {row['band_from']}" if row["band_from"] else "")
             conf = f", confidence {confidence(row)}" if row["confidence"] is not None else ""
             cause = f"; likely cause: {row['likely_cause']}" if row["likely_cause"] else ""
             values = f"{value(row['a'], row['unit']):>12} -> {value(row['b'], row['unit']):>12}"
@@ -121,8 +121,8 @@ def _run_markdown(report: dict[str, Any]) -> list[str]:
     lines = [f"# Compare: {a['text']} -> {b['text']}", "",
              f"Written {report['written']}. A is the reference. Each figure: the medians of A's and B's samples (a "
              "run's steady log intervals, or a ledger selection's runs), B's change, the band it must leave to count "
-             "(both runs' own spread, at least 2%) and the confidence (the share of interval pairs in which one "
-             "run beats the other).", ""]
+             "(both runs' own spread; for speed, at least the run-to-run noise: the ledger's runs of the config, "
+             "else 15%) and the confidence (the share of interval pairs in which one run beats the other).", ""]
     for pair in report["pairs"]:
         lines += [f"## {_cell(_pair_title(pair))}", ""]
         if pair["notes"]:
@@ -131,8 +131,9 @@ def _run_markdown(report: dict[str, Any]) -> list[str]:
         lines += ["| figure | A | B | change | band | confidence | verdict | likely cause |",
                   "| --- | ---: | ---: | ---: | ---: | ---: | --- | --- |"]
         for row in pair["figures"]:
+            band = f"±{row['band'] * 100:.1f}%" + (f" ({row['band_from']})" if row["band_from"] else "")
             lines.append(f"| {row['label']} | {value(row['a'], row['unit'])} | {value(row['b'], row['unit'])} | "
-                         f"{change(row)} | ±{row['band'] * 100:.1f}% | {confidence(row)} | **{row['verdict']}** | "
+                         f"{change(row)} | {band} | {confidence(row)} | **{row['verdict']}** | "
                          f"{_cell(row['likely_cause'] or '')} |")
         if pair["curves"]:
             lines += ["", f"Curves aligned by step (apart: beyond {pair['loss_rtol']:g} of A's value):", "",
