@@ -98,8 +98,9 @@ def _number(text: str) -> bool:
 
 
 class Cost(Stage):
-    """Reads the energy counter when the steady state begins and when the loop ends; the summary turns it and
-    trainer.cost_per_hour into energy per sample and token and cost per million tokens (every rank takes part)."""
+    """Reads the energy counter when the steady state begins and when the loop ends (enabled only where there is
+    one); the summary turns it and trainer.cost_per_hour into energy per sample and token and cost per million
+    tokens (every rank takes part)."""
 
     summary_key = "cost"
 
@@ -107,6 +108,7 @@ class Cost(Stage):
         self.env, self.meter, self.cost_per_hour = env, meter, cost_per_hour
         self.started = time.monotonic()
         self.counter = EnergyCounter(env.device)
+        self.enabled = self.counter.absent is None
         self._paused = 0.0
         self._steady: tuple[float, float | None] | None = None  # (clock, joules)
         self._end: tuple[float, float | None] | None = None
@@ -126,7 +128,7 @@ class Cost(Stage):
         return self
 
     def after_step(self, state: LoopState) -> bool:
-        if state.steps_this_run == self.meter.excluded_steps and self.counter.absent is None:
+        if state.steps_this_run == self.meter.excluded_steps:
             self._steady = self._sample()
         return False
 
