@@ -23,7 +23,8 @@ from typing import Any
 import torch
 
 from trainflow.distributed.process_group import DistEnv, all_reduce_mean
-from trainflow.loop.stages import LoopState, Stage, StageContext
+from trainflow.loop.stages import Phase, Stage, StageContext
+from trainflow.loop.state import LoopState
 from trainflow.metrics.meter import Throughput
 
 SMI_TIMEOUT_S = 10.0
@@ -102,6 +103,7 @@ class Cost(Stage):
     one); the summary turns it and trainer.cost_per_hour into energy per sample and token and cost per million
     tokens (every rank takes part)."""
 
+    phase = Phase.OBSERVE  # it only reads: the step as it was
     summary_key = "cost"
 
     def __init__(self, env: DistEnv, meter: Throughput, cost_per_hour: float | None) -> None:

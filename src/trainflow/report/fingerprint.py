@@ -33,7 +33,8 @@ from trainflow.checkpoint.state import fingerprint as model_fingerprint
 from trainflow.checkpoint.state import model_shapes
 from trainflow.distributed.mesh import ranks_per_node
 from trainflow.distributed.process_group import DistEnv, node_count
-from trainflow.loop.stages import LoopState, Stage, StageContext
+from trainflow.loop.stages import Phase, Stage, StageContext
+from trainflow.loop.state import LoopState
 from trainflow.metrics.meter import Throughput
 from trainflow.report.noise import Band, read_metrics, steady_intervals
 
@@ -51,6 +52,7 @@ class Fingerprint(Stage):
     """Records the fingerprint: the code and environment when the run starts (rank 0), the machine's load from the
     start of the steady state to the end of the loop, the model's shape hash, and the step-time band at the end."""
 
+    phase = Phase.OBSERVE  # it only reads: the step as it was
     summary_key = "fingerprint"
 
     def __init__(self, cfg: DictConfig, env: DistEnv, run_dir: Path, meter: Throughput) -> None:
