@@ -6,14 +6,15 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, Run, losses_by_step, ok, train, trainflow
-from helpers.processes import run_process
+from conftest import ROOT, Run, losses_by_step, ok, train, trainflow, wait_for
+from helpers.processes import left_behind, run_process
 
 from trainflow.report import ledger
 from trainflow.report.fingerprint import config_hash
@@ -312,3 +313,33 @@ def test_bisect_names_the_step_and_tensor_where_one_changed_line_parts_two_runs(
     assert proc.stdout.startswith("A and B part at step 7: first tensor app.model.net.0.weight")
     md = (tmp_path / "compare.md").read_text()
     assert "**A and B part at step 7" in md and f"with PYTHONPATH={drift / 'code_b'}" in md
+
+
+def test_a_stop_signal_ends_a_bisect_and_its_replay(drift: Path, tmp_path: Path) -> None:
+    """SIGTERM to `trainflow compare --bisect` once its first replay has started training: one line, exit 143, and
+    the replay (in a process group of its own) ends with it."""
+    out = tmp_path / "out"
+    env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
+    with left_behind() as leftovers:
+        command = [str(Path(sys.executable).parent / "trainflow"), "compare", "--bisect", str(drift / "a"),
+                   str(drift / "b"), "--out", str(out)]
+        proc = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True)
+        wait_for(lambda: (out / "bisect" / "a" / "train.log").exists(), proc, "the first replay to start")
+        began = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        _, stderr = proc.communicate(timeout=60)
+        assert time.monotonic() - began < 30
+        assert leftovers(2) == {}  # killed and reaped before the command ended (left alone, it trains on)
+    assert proc.returncode == 143, stderr
+    assert stderr.strip().splitlines() == ["Interrupted: trainflow compare stopped by SIGTERM; a --bisect replay it "
+                                           "started is stopped with it"]
+
+
+def test_bisect_needs_checkpointed_runs(two_runs: tuple[Path, list[Run]], tmp_path: Path) -> None:
+    folder, _ = two_runs
+    proc = trainflow("compare", "--bisect", folder / "slow", folder / "fast", "--out", tmp_path)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip() == (f"Error: --bisect A: {folder / 'slow'} has no committed checkpoint; bisect runs "
+                                   "saved with checkpoint=dcp (checkpoint.every_steps sets how finely the search "
+                                   "starts)")

@@ -167,23 +167,27 @@ def ledger_view(line: dict[str, Any]) -> RunView:
 
 def resolve_side(text: str, where: str, default_ledger: Path | None) -> Side:
     """A side from the command line: `ledger:<filters>`, a run folder, or a sweep folder (checkpoints are taken by
-    trainflow.report.checkpoints before this)."""
+    trainflow.report.checkpoints before this); one line naming the side when it cannot be compared."""
+    try:
+        return _side(text, where, default_ledger)
+    except TrainflowError as exc:
+        raise CompareError(f"{where}: {exc}") from None
+
+
+def _side(text: str, where: str, default_ledger: Path | None) -> Side:
     if text.startswith(LEDGER_PREFIX):
         words = [w for w in text.removeprefix(LEDGER_PREFIX).split(",") if w]
-        filters, path = ledger.parse_filters(words, where)
+        filters, path = ledger.parse_filters(words)
         path = path or default_ledger or ledger.default_path()
         lines, skipped = ledger.read(path)
         chosen = ledger.select(lines, filters)
         if not chosen:
-            raise CompareError(f"{where}: {text} selects no run of {path} ({len(lines)} line(s)); trainflow ledger "
-                               f"{path} lists them")
+            raise CompareError(f"{text} selects no run of {path} ({len(lines)} line(s)); trainflow ledger {path} "
+                               "lists them")
         note = f"{skipped} line(s) of {path} did not parse and were left out" if skipped else ""
         return Side(text, "ledger", [ledger_view(line) for line in chosen], note)
     root = Path(text).expanduser()
-    try:
-        found = find_runs(root)
-    except TrainflowError as exc:
-        raise CompareError(f"{where}: {exc}") from None
+    found = find_runs(root)
     if found == [root]:
         return Side(text, "run", [run_view(root, root.parent)])
     return Side(text, "sweep", [run_view(p, root) for p in found])
@@ -583,6 +587,10 @@ def command(args: argparse.Namespace) -> int:
 
         report = bisect(Path(args.a), Path(args.b), args.out, args.rtol)
     elif checkpoints.is_checkpoint(args.a) or checkpoints.is_checkpoint(args.b):
+        if not (checkpoints.is_checkpoint(args.a) and checkpoints.is_checkpoint(args.b)):
+            one, other = (args.a, args.b) if checkpoints.is_checkpoint(args.a) else (args.b, args.a)
+            raise CompareError(f"compare: {one} is a checkpoint and {other} is not; compare a checkpoint with a "
+                               "checkpoint (a step_N folder, or a checkpoint dir), or runs with runs")
         report = checkpoints.compare(Path(args.a), Path(args.b), args.rtol)
         report["title"] = f"{args.a} -> {args.b}"
         report["gates"] = [checkpoints.evaluate_gate(g, report) for g in gates]

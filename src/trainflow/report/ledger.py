@@ -201,13 +201,13 @@ class Filters:
 def select(lines: list[dict[str, Any]], filters: Filters) -> list[dict[str, Any]]:
     """The lines the filters keep, in order."""
     config = config_of(filters.config) if filters.config else None
-    since, until = (_moment(text, end) if text else None for text, end in ((filters.since, False),
-                                                                          (filters.until, True)))
+    since, until = (_moment(text, end, key) if text else None for text, end, key in ((filters.since, False, "since"),
+                                                                                   (filters.until, True, "until")))
     kept = []
     for line in lines:
         fp = line.get("fingerprint") or {}
         device = fp.get("device") or {}
-        moment = _moment(line.get("time", ""), False, strict=False)
+        moment = _moment(line.get("time", ""), False)
         if ((config and not str(fp.get("config_hash", "")).startswith(config))
                 or (filters.model and filters.model.lower() not in line.get("model", "").lower())
                 or (filters.device and filters.device.lower() not in
@@ -233,20 +233,21 @@ def config_of(text: str) -> str:
     return text
 
 
-def _moment(text: str, end_of_day: bool, strict: bool = True) -> datetime | None:
-    """A date (YYYY-MM-DD: its start, or its end for `until`) or an ISO time, in UTC."""
+def _moment(text: str, end_of_day: bool, key: str | None = None) -> datetime | None:
+    """A date (YYYY-MM-DD: its start, or its end for `until`) or an ISO time, in UTC; what does not parse is None
+    (a line's), or one line naming the filter `key`."""
     try:
         when = datetime.fromisoformat(text)
     except ValueError:
-        if strict:
-            raise LedgerError(f"{text!r}: not a date; give YYYY-MM-DD or an ISO time (2026-01-31T12:00)") from None
+        if key is not None:
+            raise LedgerError(f"{key}={text}: not a date; give YYYY-MM-DD or an ISO time (2026-01-31T12:00)") from None
         return None
     if len(text) == 10 and end_of_day:
         when = when.replace(hour=23, minute=59, second=59)
     return when if when.tzinfo else when.replace(tzinfo=timezone.utc)
 
 
-def parse_filters(pairs: list[str], where: str) -> tuple[Filters, Path | None]:
+def parse_filters(pairs: list[str]) -> tuple[Filters, Path | None]:
     """Filters from `key=value` words (and `ledger=PATH`, the file to read); one line naming a wrong key."""
     known = {f.name for f in fields(Filters)}
     values: dict[str, Any] = {}
@@ -254,14 +255,14 @@ def parse_filters(pairs: list[str], where: str) -> tuple[Filters, Path | None]:
     for pair in pairs:
         key, sep, value = pair.partition("=")
         if not sep or not value:
-            raise LedgerError(f"{where}: {pair!r} is not key=value; give e.g. config=3f2a9c01d4e5,last=5")
+            raise LedgerError(f"ledger:{pair}: not key=value; give e.g. ledger:config=3f2a9c01d4e5,last=5")
         if key == "ledger":
             path = Path(value).expanduser()
         elif key not in known:
-            raise LedgerError(f"{where}: {key!r} is no filter; use {', '.join(sorted(known))} (and ledger=PATH)")
+            raise LedgerError(f"ledger:{key}: no such filter; use {', '.join(sorted(known))} (and ledger=PATH)")
         elif key == "last":
             if not value.isdigit() or int(value) < 1:
-                raise LedgerError(f"{where}: last={value}: give a number of runs >= 1")
+                raise LedgerError(f"ledger:last={value}: give a number of runs >= 1")
             values[key] = int(value)
         else:
             values[key] = value
