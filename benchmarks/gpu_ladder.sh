@@ -80,7 +80,8 @@ set -e
 echo "gpu_ladder.sh: the ladder took $((SECONDS - start)) s; exit code $rc; report: $SWEEP/report.md"
 checks_rc=0
 if [[ $SMOKE == 0 ]]; then
-  # What only a GPU confirms (docs/gpu.md): pinning, TF32, CUDA graphs with eval, async save + resume, snapshot.
+  # What only a GPU confirms (docs/gpu.md): pinning, TF32, CUDA graphs with eval, async save + resume, snapshot,
+  # the energy counter.
   set +e
   "$PYTHON" benchmarks/gpu_checks.py --out "$SWEEP" --budget-s "${CHECKS_BUDGET_S:-180}" \
     ${CHECKS_ONLY:+--only "$CHECKS_ONLY"} 2>&1 \

@@ -343,3 +343,20 @@ def test_bisect_needs_checkpointed_runs(two_runs: tuple[Path, list[Run]], tmp_pa
     assert proc.stderr.strip() == (f"Error: --bisect A: {folder / 'slow'} has no committed checkpoint; bisect runs "
                                    "saved with checkpoint=dcp (checkpoint.every_steps sets how finely the search "
                                    "starts)")
+
+
+def test_the_report_of_runs_shows_their_energy_and_cost(two_runs: tuple[Path, list[Run]], tmp_path: Path) -> None:
+    """`trainflow report` (the ladder's and every sweep's page): the energy a CPU does not report, said once with
+    the reason, and the priced run's cost."""
+    folder, (slow, fast) = two_runs
+    proc = trainflow("report", folder, "--out", tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    md = (tmp_path / "report.md").read_text()
+    section = md.split("## Energy and cost\n", 1)[1].split("\n\n!", 1)[0]
+    assert "- Energy: absent on every run: the device is a CPU: trainflow reads energy from NVIDIA GPUs' own " \
+           "counters (NVML) only." in section
+    money = fast.summary["cost"]["money"]
+    assert f"| fast | - | - | - | {money['run']:.4g} | - | {money['per_million_samples']:.4g} |" in section
+    assert "| slow |" not in section  # neither figure: nothing to show but the reason above
+    rows = {r["name"]: r for r in json.loads((tmp_path / "report.json").read_text())["runs"]}
+    assert rows["fast"]["cost"] == fast.summary["cost"]

@@ -251,7 +251,7 @@ def test_an_unknown_gpu_check_is_one_line(tmp_path: Path) -> None:
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines()[-1] == (
         "gpu_checks.py: error: --only: no check named pining; the checks are pinning, tf32, cuda_graphs_with_eval, "
-        "async_checkpoint, memory_snapshot")
+        "async_checkpoint, memory_snapshot, energy")
     assert not (tmp_path / "out").exists()
 
 

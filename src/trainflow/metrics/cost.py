@@ -2,7 +2,8 @@
 
 Energy comes from the board's own counter (total energy since the driver loaded, in millijoules: NVML's
 nvmlDeviceGetTotalEnergyConsumption, Volta and later), read through pynvml where it is installed
-(`pip install 'trainflow[energy]'`), else through `nvidia-smi --query-gpu=total_energy_consumption`. It is read
+(`pip install 'trainflow[energy]'`), else through `nvidia-smi --query-gpu=total_energy_consumption` (its unit read
+from its output). It is read
 when the steady state begins and when the loop ends, on every rank for its own GPU; the ranks' mean powers add up,
 and joules per sample (and per token) are that power over the steady throughput. The reads pause the clock. A CPU
 run, a GPU without the counter, or a machine with neither pynvml nor nvidia-smi has no energy figure, and the
@@ -76,26 +77,23 @@ class EnergyCounter:
         return self._smi_read()
 
     def _smi_read(self) -> float | None:
+        """nvidia-smi's counter for this GPU, in joules: it prints the unit (mJ, or J), which is read, not assumed."""
         try:
-            out = subprocess.run(["nvidia-smi", "--query-gpu=uuid,total_energy_consumption",
-                                  "--format=csv,noheader,nounits"], capture_output=True, text=True,
-                                 timeout=SMI_TIMEOUT_S)
+            out = subprocess.run(["nvidia-smi", "--query-gpu=uuid,total_energy_consumption", "--format=csv,noheader"],
+                                 capture_output=True, text=True, timeout=SMI_TIMEOUT_S)
         except (OSError, subprocess.SubprocessError):
             self.absent = "neither pynvml (pip install 'trainflow[energy]') nor nvidia-smi is available"
             return None
         for line in out.stdout.splitlines():
-            uuid, _, energy = (part.strip() for part in line.partition(","))
-            if (not self._uuid or uuid.lower().removeprefix("gpu-") == self._uuid) and _number(energy):
-                return float(energy) / 1e3
+            uuid, _, reading = (part.strip() for part in line.partition(","))
+            if self._uuid and uuid.lower().removeprefix("gpu-") != self._uuid:
+                continue
+            number, _, unit = reading.partition(" ")
+            try:
+                return float(number) / (1.0 if unit.strip() == "J" else 1e3)  # NVML's own unit: mJ
+            except ValueError:
+                return None  # [N/A]: no counter on this GPU
         return None
-
-
-def _number(text: str) -> bool:
-    try:
-        float(text)
-    except ValueError:
-        return False
-    return True
 
 
 class Cost(Stage):
