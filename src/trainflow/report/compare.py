@@ -262,8 +262,8 @@ def _shown(values: list[Any]) -> str:
 
 
 def notes(a: list[RunView], b: list[RunView]) -> list[Note]:
-    """What differs between the sides' fingerprints, most decisive first: the config, the model's shape, the code,
-    the versions, the device, a busy machine, the host."""
+    """What differs between the sides' fingerprints, most decisive first: the config, the model's shape, the code
+    (another commit or PYTHONPATH), the versions, the device, a busier machine, uncommitted changes, the host."""
     out: list[Note] = []
     changed = config_changes(a[0].config, b[0].config) if a[0].config and b[0].config else []
     configs = [_values(runs, lambda r: r.fingerprint.get("config_hash")) for runs in (a, b)]
@@ -274,7 +274,8 @@ def notes(a: list[RunView], b: list[RunView]) -> list[Note]:
     models = [_values(runs, lambda r: r.fingerprint.get("model_hash")) for runs in (a, b)]
     if models[0] != models[1]:
         out.append(Note("model", f"another model shape (hash {_shown(models[0])} -> {_shown(models[1])})"))
-    out += _code_notes(a, b)
+    code, uncommitted = _code_notes(a, b)
+    out += code
     for key, label in (("trainflow", "trainflow"), ("torch", "torch"), ("cuda", "CUDA"), ("driver", "driver"),
                        ("python", "Python")):
         va, vb = (_values(runs, lambda r, k=key: r.fingerprint.get(k)) for runs in (a, b))
@@ -285,6 +286,8 @@ def notes(a: list[RunView], b: list[RunView]) -> list[Note]:
         out.append(Note("device", f"another device: {_shown(devices[0])} -> {_shown(devices[1])}"))
     if (load := load_note(a, b)) is not None:
         out.append(load)
+    if uncommitted is not None:
+        out.append(uncommitted)
     hosts = [_values(runs, lambda r: r.fingerprint.get("host")) for runs in (a, b)]
     if hosts[0] != hosts[1]:
         out.append(Note("host", f"another host: {_shown(hosts[0])} -> {_shown(hosts[1])}", speed_only=True))
@@ -296,21 +299,26 @@ def _device(fp: dict[str, Any]) -> str | None:
     return f"{d.get('count')} x {d.get('name')} ({d.get('type')})" if d else None
 
 
-def _code_notes(a: list[RunView], b: list[RunView]) -> list[Note]:
-    def commit(r: RunView) -> str | None:
-        code = r.fingerprint.get("code") or {}
-        return (code["commit"][:10] + (" with uncommitted changes" if code.get("dirty") else "")) \
-            if code.get("commit") else None
+def _code_notes(a: list[RunView], b: list[RunView]) -> tuple[list[Note], Note | None]:
+    """(what says the code differs: another commit, another PYTHONPATH; the same commit with other uncommitted
+    changes, a weaker sign: they may touch no code that runs)."""
+    def code(r: RunView, key: str) -> Any:
+        return (r.fingerprint.get("code") or {}).get(key)
 
     out = []
-    ca, cb = _values(a, commit), _values(b, commit)
+    ca, cb = (_values(runs, lambda r: (code(r, "commit") or "")[:10] or None) for runs in (a, b))
     if ca != cb:
         out.append(Note("code", f"other code: project commit {_shown(ca)} -> {_shown(cb)}"))
     pa, pb = (_values(runs, lambda r: ((r.fingerprint.get("replay") or {}).get("env") or {}).get("PYTHONPATH"))
               for runs in (a, b))
     if pa != pb:
         out.append(Note("code", f"another PYTHONPATH (other code may be imported): {_shown(pa)} -> {_shown(pb)}"))
-    return out
+    changes = [_values(runs, lambda r: code(r, "diff") if code(r, "dirty") else None) for runs in (a, b)]
+    weak = None
+    if ca == cb and changes[0] != changes[1]:
+        shown = [" or ".join("uncommitted changes " + d if d else "none" for d in c) for c in changes]
+        weak = Note("uncommitted changes", f"the same commit with other uncommitted changes: {shown[0]} -> {shown[1]}")
+    return out, weak
 
 
 def _other_cores(runs: list[RunView]) -> float | None:
@@ -445,11 +453,12 @@ def profiler_rows(a: RunView, b: RunView) -> dict[str, Any] | None:
 
 def history_spread(run: RunView, history: list[dict[str, Any]]) -> tuple[float, int] | None:
     """The spread of the step-time medians of the ledger's runs of `run`'s config on its host and device (and their
-    count), when it holds MIN_HISTORY of them or more."""
+    count), when it holds MIN_HISTORY of them or more; runs on a busy machine left out (a busier machine is a cause
+    of its own, named apart)."""
     fp = run.fingerprint
     medians = [m for line in history if (f := line.get("fingerprint") or {}).get("config_hash") == fp.get("config_hash")
                and f.get("host") == fp.get("host") and f.get("device") == fp.get("device")
-               and (m := (f.get("step_time") or {}).get("median"))]
+               and not (f.get("load") or {}).get("busy") and (m := (f.get("step_time") or {}).get("median"))]
     spread = Band.of(medians).spread if len(medians) >= MIN_HISTORY else None
     return (spread, len(medians)) if spread is not None else None
 

@@ -156,8 +156,9 @@ def driver_version() -> str | None:
 
 
 def code_state(folder: Path) -> dict[str, Any]:
-    """The git commit of the checkout `folder` lies in and whether it had changes (tracked files only); None values
-    with the reason when it is not a checkout. trainflow's own checkout too, when it is another one (an editable
+    """The git commit of the checkout `folder` lies in, whether it had changes (tracked files only) and a hash of
+    them (two runs of the same commit with the same changes ran the same code); None values with the reason when
+    it is not a checkout. trainflow's own checkout too, when it is another one (an editable
     install beside the user's project)."""
     project = git_state(folder)
     import trainflow
@@ -175,8 +176,10 @@ def git_state(folder: Path) -> dict[str, Any]:
         return {"root": None, "commit": None, "dirty": None, "absent": f"{folder} is not inside a git checkout"}
     commit = _output(["git", "rev-parse", "HEAD"], folder)
     status = _output(["git", "status", "--porcelain", "--untracked-files=no"], folder)
-    return {"root": root.strip(), "commit": commit.strip() if commit else None,
-            "dirty": None if status is None else bool(status.strip())}
+    dirty = None if status is None else bool(status.strip())
+    diff = _output(["git", "diff", "HEAD"], folder) if dirty else None
+    return {"root": root.strip(), "commit": commit.strip() if commit else None, "dirty": dirty,
+            "diff": hashlib.sha256(diff.encode()).hexdigest()[:12] if diff else None}
 
 
 def _output(cmd: list[str], cwd: Path) -> str | None:

@@ -142,5 +142,8 @@ def judge(a: list[float], b: list[float], tolerance: float, spreads: tuple[float
     if base.n >= MIN_SAMPLES and other.n >= MIN_SAMPLES:
         above = superiority(a, b)
         confidence = above if change >= 0 else 1 - above
-    beyond = abs(change) > band and (confidence is None or confidence >= CONFIDENT)
+    # a ratio of positive values is judged on its logarithm: a step 13% shorter is a throughput 15% higher, and the
+    # two verdicts agree
+    moved = abs(math.log1p(change)) > math.log1p(band) if base.median > 0 and other.median > 0 else abs(change) > band
+    beyond = moved and (confidence is None or confidence >= CONFIDENT)
     return Judgement(change, band, confidence, (1 if change > 0 else -1) if beyond else 0)
