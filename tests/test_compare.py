@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -360,3 +361,49 @@ def test_the_report_of_runs_shows_their_energy_and_cost(two_runs: tuple[Path, li
     assert "| slow |" not in section  # neither figure: nothing to show but the reason above
     rows = {r["name"]: r for r in json.loads((tmp_path / "report.json").read_text())["runs"]}
     assert rows["fast"]["cost"] == fast.summary["cost"]
+
+
+def test_the_fingerprints_name_another_torch_device_and_host(two_runs: tuple[Path, list[Run]],
+                                                            tmp_path: Path) -> None:
+    """One run's folder twice, the second's fingerprint saying it ran with another torch, on another device and host
+    (this machine has one of each): the notes name them, and with the same numbers no verdict needs a cause."""
+    folder, (slow, _) = two_runs
+    for name in ("a", "b"):
+        shutil.copytree(slow.run_dir, tmp_path / name)
+    summary = json.loads((tmp_path / "b" / "summary.json").read_text())
+    fp = summary["fingerprint"]
+    fp["torch"], fp["device"]["name"], fp["host"] = "2.12.0", "Other CPU", "elsewhere"
+    (tmp_path / "b" / "summary.json").write_text(json.dumps(summary))
+    proc = trainflow("compare", tmp_path / "a", tmp_path / "b", "--out", tmp_path / "out")
+    assert proc.returncode == 0, proc.stderr
+    (pair,) = json.loads((tmp_path / "out" / "compare.json").read_text())["pairs"]
+    torch_version = slow.summary["fingerprint"]["torch"]
+    assert [(n["kind"], n["text"]) for n in pair["notes"] if n["kind"] != "machine load"] == [  # this one: any
+        ("environment", f"another torch: {torch_version} -> 2.12.0"),
+        ("device", f"another device: 1 x {slow.summary['fingerprint']['device']['name']} (cpu) -> 1 x Other CPU (cpu)"),
+        ("host", f"another host: {slow.summary['fingerprint']['host']} -> elsewhere")]
+    assert all(row["verdict"] == "same" and row["likely_cause"] is None for row in pair["figures"])
+
+
+def test_two_profiled_runs_compare_their_verdicts_and_operators(tmp_path: Path) -> None:
+    """A wider MLP, both profiled: the verdicts' shares side by side (B's less A's, in points) and the operators
+    whose self time per step changed most, the matmuls first."""
+    window = ["profiler=schedule", "profiler.wait=1", "profiler.warmup=1", "profiler.active=2"]
+    narrow = ok(train(tmp_path / "narrow", *MLP, *window))
+    wide = ok(train(tmp_path / "wide", *MLP, *window, "model.hidden=1024"))
+    proc = trainflow("compare", narrow.run_dir, wide.run_dir, "--out", tmp_path / "out")
+    assert proc.returncode == 0, proc.stderr
+    profiler = json.loads((tmp_path / "out" / "compare.json").read_text())["pairs"][0]["profiler"]
+    va, vb = (run.summary["profiler"]["verdict"] for run in (narrow, wide))
+    assert profiler["bound"] == [va["bound"], vb["bound"]]
+    for name, share in profiler["shares"].items():
+        assert share == {"a": va["shares"][name], "b": vb["shares"][name],
+                         "points": round(vb["shares"][name] - va["shares"][name], 4)}
+    ops = profiler["ops"]
+    assert [abs(o["change_ms"]) for o in ops] == sorted((abs(o["change_ms"]) for o in ops), reverse=True)
+    top_a = {o["name"]: o["self_ms_per_step"] for o in narrow.summary["profiler"]["top_ops"]}
+    top_b = {o["name"]: o["self_ms_per_step"] for o in wide.summary["profiler"]["top_ops"]}
+    first = ops[0]
+    assert first["change_ms"] == pytest.approx((top_b.get(first["name"]) or 0) - (top_a.get(first["name"]) or 0))
+    assert first["name"] in ("aten::addmm", "aten::mm") and first["change_ms"] > 0
+    assert "| `aten::" in (tmp_path / "out" / "compare.md").read_text()
