@@ -25,6 +25,7 @@ import torch
 from trainflow.checkpoint.export import BATCH_BYTES, Source
 from trainflow.checkpoint.store import MANIFEST, list_committed, read_state
 from trainflow.errors import CheckpointError
+from trainflow.report.gates import FAIL, NOT_EVALUATED, PASS, Gate
 from trainflow.util.tolerance import TOLERANCE, relative_error
 
 _STEP_DIR = re.compile(r"step_\d+")
@@ -154,10 +155,8 @@ def compare(a: Path, b: Path, rtol: float | None) -> dict[str, Any]:
             "a": side(sa), "b": side(sb), **result, "verdict": verdict(result), "warnings": []}
 
 
-def evaluate_gate(gate: Any, report: dict[str, Any]) -> dict[str, Any]:
+def evaluate_gate(gate: Gate, report: dict[str, Any]) -> dict[str, Any]:
     """`tensors=RTOL`: FAIL when a tensor differs by more than RTOL or the tensors themselves differ."""
-    from trainflow.report.compare import FAIL, NOT_EVALUATED, PASS
-
     if gate.name != "tensors":
         return {"gate": gate.text, "status": NOT_EVALUATED, "pair": "checkpoints",
                 "detail": f"{gate.name} is a figure of runs; checkpoints take tensors=RTOL"}

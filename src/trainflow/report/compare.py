@@ -17,7 +17,6 @@ import argparse
 import dataclasses
 import json
 import math
-import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -27,19 +26,18 @@ from typing import Any
 from trainflow.config.schema import TrainerConfig
 from trainflow.errors import TrainflowError
 from trainflow.report import ledger
-from trainflow.report.fingerprint import BUSY_SHARE, hashed_config
+from trainflow.report.causes import Note, likely_cause, notes
+from trainflow.report.gates import FAIL, Gate, evaluate_gate, parse_gate
 from trainflow.report.noise import Band, judge, read_metrics, steady_intervals
 from trainflow.report.runs import EXIT_GATE_FAILED, find_runs, load_run
 from trainflow.util.tolerance import TOLERANCE
 
-PASS, FAIL, WARN, NOT_EVALUATED = "PASS", "FAIL", "WARN", "NOT EVALUATED"
 # One run against one: how far the same command's step time swings from run to run, beyond its own intervals (8 runs
 # of one command on a 2-core VM: medians 3.94-4.49 ms at a like load, docs/compare.md). The ledger's runs of a config
 # measure it for that config (MIN_HISTORY of them), and --min-band sets it.
 RUN_TO_RUN = 0.15
 MIN_HISTORY = 3
 LEDGER_PREFIX = "ledger:"
-MAX_LISTED = 6  # config keys named in a note before "and N more"
 TOP_OPS = 8  # operators listed whose self time changed most
 
 
@@ -155,9 +153,9 @@ def run_view(path: Path, root: Path) -> RunView:
         for key, value in entry.items():
             if (key == "train/loss" or key.startswith("val/")) and isinstance(value, int | float):
                 curves.setdefault(key, {})[entry["step"]] = float(value)
-    figures = ledger.entry(summary, path, path / ledger.LEDGER_FILE)["figures"]
-    return RunView(record.name, path, figures, summary.get("fingerprint") or {}, summary.get("config") or {},
-                   steady_intervals(entries, start, excluded), curves, summary.get("profiler"))
+    return RunView(record.name, path, ledger.headline_figures(summary), summary.get("fingerprint") or {},
+                   summary.get("config") or {}, steady_intervals(entries, start, excluded), curves,
+                   summary.get("profiler"))
 
 
 def ledger_view(line: dict[str, Any]) -> RunView:
@@ -231,139 +229,6 @@ def _varied(side: Side) -> Callable[[RunView], tuple[str, ...]]:
     return lambda run: tuple(o for o in _job_overrides(run) if o not in common)
 
 
-# --- the fingerprints' differences -------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Note:
-    """A difference of the two sides' fingerprints, in words; `speed_only`: it explains speed, never numbers;
-    `cause`: it can explain a difference at all (both sides on an equally busy machine: only noise)."""
-
-    kind: str
-    text: str
-    speed_only: bool = False
-    cause: bool = True
-
-    def as_dict(self) -> dict[str, Any]:
-        return {"kind": self.kind, "text": self.text, "speed_only": self.speed_only, "cause": self.cause}
-
-
-def _values(runs: list[RunView], get: Any) -> list[Any]:
-    seen: list[Any] = []
-    for run in runs:
-        value = get(run)
-        if value not in seen:
-            seen.append(value)
-    return seen
-
-
-def _shown(values: list[Any]) -> str:
-    return " or ".join(str(v) for v in values) if values else "unknown"
-
-
-def notes(a: list[RunView], b: list[RunView]) -> list[Note]:
-    """What differs between the sides' fingerprints, most decisive first: the config, the model's shape, the code
-    (another commit or PYTHONPATH), the versions, the device, a busier machine, uncommitted changes, the host."""
-    out: list[Note] = []
-    changed = config_changes(a[0].config, b[0].config) if a[0].config and b[0].config else []
-    configs = [_values(runs, lambda r: r.fingerprint.get("config_hash")) for runs in (a, b)]
-    if changed or configs[0] != configs[1]:
-        more = f" and {len(changed) - MAX_LISTED} more" if len(changed) > MAX_LISTED else ""
-        listed = "; ".join(changed[:MAX_LISTED]) + more if changed else f"{_shown(configs[0])} -> {_shown(configs[1])}"
-        out.append(Note("config", f"another config: {listed}"))
-    models = [_values(runs, lambda r: r.fingerprint.get("model_hash")) for runs in (a, b)]
-    if models[0] != models[1]:
-        out.append(Note("model", f"another model shape (hash {_shown(models[0])} -> {_shown(models[1])})"))
-    code, uncommitted = _code_notes(a, b)
-    out += code
-    for key, label in (("trainflow", "trainflow"), ("torch", "torch"), ("cuda", "CUDA"), ("driver", "driver"),
-                       ("python", "Python")):
-        va, vb = (_values(runs, lambda r, k=key: r.fingerprint.get(k)) for runs in (a, b))
-        if va != vb:
-            out.append(Note("environment", f"another {label}: {_shown(va)} -> {_shown(vb)}"))
-    devices = [_values(runs, lambda r: _device(r.fingerprint)) for runs in (a, b)]
-    if devices[0] != devices[1]:
-        out.append(Note("device", f"another device: {_shown(devices[0])} -> {_shown(devices[1])}"))
-    if (load := load_note(a, b)) is not None:
-        out.append(load)
-    if uncommitted is not None:
-        out.append(uncommitted)
-    hosts = [_values(runs, lambda r: r.fingerprint.get("host")) for runs in (a, b)]
-    if hosts[0] != hosts[1]:
-        out.append(Note("host", f"another host: {_shown(hosts[0])} -> {_shown(hosts[1])}", speed_only=True))
-    return out
-
-
-def _device(fp: dict[str, Any]) -> str | None:
-    d = fp.get("device")
-    return f"{d.get('count')} x {d.get('name')} ({d.get('type')})" if d else None
-
-
-def _code_notes(a: list[RunView], b: list[RunView]) -> tuple[list[Note], Note | None]:
-    """(what says the code differs: another commit, another PYTHONPATH; the same commit with other uncommitted
-    changes, a weaker sign: they may touch no code that runs)."""
-    def code(r: RunView, key: str) -> Any:
-        return (r.fingerprint.get("code") or {}).get(key)
-
-    out = []
-    ca, cb = (_values(runs, lambda r: (code(r, "commit") or "")[:10] or None) for runs in (a, b))
-    if ca != cb:
-        out.append(Note("code", f"other code: project commit {_shown(ca)} -> {_shown(cb)}"))
-    pa, pb = (_values(runs, lambda r: ((r.fingerprint.get("replay") or {}).get("env") or {}).get("PYTHONPATH"))
-              for runs in (a, b))
-    if pa != pb:
-        out.append(Note("code", f"another PYTHONPATH (other code may be imported): {_shown(pa)} -> {_shown(pb)}"))
-    changes = [_values(runs, lambda r: code(r, "diff") if code(r, "dirty") else None) for runs in (a, b)]
-    weak = None
-    if ca == cb and changes[0] != changes[1]:
-        shown = [" or ".join("uncommitted changes " + d if d else "none" for d in c) for c in changes]
-        weak = Note("uncommitted changes", f"the same commit with other uncommitted changes: {shown[0]} -> {shown[1]}")
-    return out, weak
-
-
-def _other_cores(runs: list[RunView]) -> float | None:
-    """The most cores other processes kept busy while a side's runs were timed (None: not measured)."""
-    known = [v for r in runs if (v := (r.fingerprint.get("load") or {}).get("other_cores")) is not None]
-    return max(known) if known else None
-
-
-def load_note(a: list[RunView], b: list[RunView]) -> Note | None:
-    """A busy machine: a cause of a speed difference when one side's machine was busier than the other's by
-    BUSY_SHARE of the cores; when both were alike busy, only a warning that their speeds carry its noise."""
-    busy = [any((r.fingerprint.get("load") or {}).get("busy") for r in runs) for runs in (a, b)]
-    others = [_other_cores(a), _other_cores(b)]
-    if not any(busy) or None in others:
-        return None
-    cores = (a[0].fingerprint.get("load") or {}).get("cpu_cores") or 1
-    shown = (f"other processes kept {others[1]:.1f} of {cores} cores busy while B's steps were timed "
-             f"(A: {others[0]:.1f})")
-    if abs(others[1] - others[0]) >= BUSY_SHARE * cores:
-        who = "B" if others[1] > others[0] else "A"
-        return Note("machine load", f"{who} ran on a busier machine: {shown}; rerun on an idle machine before trusting "
-                                    "the speed", speed_only=True)
-    return Note("machine load", f"both ran on a busy machine: {shown}; their speeds carry its noise",
-                speed_only=True, cause=False)
-
-
-def config_changes(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
-    """The config keys whose values differ (those that only say where outputs go left out), as `key: a -> b`."""
-    flat_a, flat_b = _flatten(hashed_config(a)), _flatten(hashed_config(b))
-    return [f"{k}: {flat_a.get(k, '(none)')} -> {flat_b.get(k, '(none)')}"
-            for k in sorted(flat_a.keys() | flat_b.keys()) if flat_a.get(k) != flat_b.get(k)]
-
-
-def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
-    if isinstance(tree, dict):
-        return {k: v for key, value in tree.items() for k, v in _flatten(value, f"{prefix}{key}.").items()} or \
-            ({prefix.rstrip("."): {}} if prefix else {})
-    return {prefix.rstrip("."): tree}
-
-
-def likely_cause(figure: Figure, found: list[Note]) -> Note | None:
-    """The first difference that can explain a change of `figure` (a busy machine or another host explain speed)."""
-    return next((n for n in found if n.cause and (figure.speed or not n.speed_only)), None)
-
-
 # --- judging a pair ----------------------------------------------------------------------------------------------
 
 
@@ -406,7 +271,7 @@ def judge_figure(figure: Figure, a: list[RunView], b: list[RunView], found: list
         direction = judged.direction if abs(diff) > figure.min_abs else 0
     verdict = "same" if direction == 0 else figure.words[0] if direction > 0 else figure.words[1]
     better = None if direction == 0 or not figure.directed else (direction > 0) == figure.higher_is_better
-    cause = likely_cause(figure, found) if direction else None
+    cause = likely_cause(figure.speed, found) if direction else None
     return {"figure": figure.name, "label": figure.label, "unit": figure.unit, "a": ba.median, "b": bb.median,
             "a_samples": ba.n, "b_samples": bb.n, "diff": diff, "change": change, "band": band,
             "band_from": floor[1] if figure.speed and judged is not None and band == floor[0] else None,
@@ -486,6 +351,8 @@ def run_to_run(a: list[RunView], b: list[RunView], history: list[dict[str, Any]]
 
 def compare_pair(a: list[RunView], b: list[RunView], history: list[dict[str, Any]] | None = None,
                  min_band: float | None = None) -> dict[str, Any]:
+    """B's runs against A's: every figure's row, the fingerprints' notes and, for one run each, the curves and the
+    profiler's findings."""
     found = notes(a, b)
     rtol = loss_tolerance(a)
     floor = run_to_run(a, b, history or [], min_band)
@@ -495,63 +362,6 @@ def compare_pair(a: list[RunView], b: list[RunView], history: list[dict[str, Any
     return {"a": [r.name for r in a], "b": [r.name for r in b], "figures": rows, "notes": [n.as_dict() for n in found],
             "curves": curve_rows(a[0], b[0], rtol) if single else [], "loss_rtol": rtol,
             "profiler": profiler_rows(a[0], b[0]) if single else None}
-
-
-# --- gates -------------------------------------------------------------------------------------------------------
-
-
-_GATE = re.compile(r"(?P<name>[a-z_]+)=(?P<sign>[+-]?)(?P<value>[0-9.]+(e-?[0-9]+)?)(?P<pct>%?)")
-
-
-@dataclass(frozen=True)
-class Gate:
-    """`name=+5%`: fail when B's figure is more than 5% above A's (a sign: the direction that fails; none: the
-    figure's worse one); without %, an absolute difference in the figure's unit (`val_loss=+0.01`)."""
-
-    text: str
-    name: str
-    sign: int  # +1: an increase fails; -1: a decrease
-    value: float
-    relative: bool
-
-
-def parse_gate(text: str) -> Gate:
-    match = _GATE.fullmatch(text.strip())
-    if match is None:
-        raise CompareError(f"--fail-on {text}: not name=threshold; give e.g. step_time=+5% or val_loss=+0.01 "
-                           f"(figures: {', '.join(FIGURE_NAMES)}, val_<metric>, tensors)")
-    name = match["name"]
-    figure = FIGURE_NAMES.get(name)
-    if figure is None and not name.startswith("val_") and name != "tensors":
-        raise CompareError(f"--fail-on {text}: {name!r} is no figure; use one of {', '.join(FIGURE_NAMES)}, "
-                           "val_<metric> (a validation metric, e.g. val_loss) or tensors (checkpoints)")
-    worse = -1 if figure is not None and figure.higher_is_better else 1
-    sign = {"+": 1, "-": -1, "": worse}[match["sign"]]
-    return Gate(text, name, sign, float(match["value"]), bool(match["pct"]))
-
-
-def evaluate_gate(gate: Gate, pair: dict[str, Any]) -> dict[str, Any]:
-    """PASS, FAIL (past the threshold, beyond the noise, not a busy machine's doing), WARN (past it, but a busy
-    machine is the likely cause) or NOT EVALUATED (a side lacks the figure)."""
-    row = next((r for r in pair["figures"] if r["figure"] == gate.name), None)
-    where = f"{', '.join(pair['a'])} -> {', '.join(pair['b'])}"
-    if row is None:
-        return {"gate": gate.text, "status": NOT_EVALUATED, "pair": where, "detail": "a side has no such figure"}
-    moved = (row["change"] if gate.relative else row["diff"]) * gate.sign
-    limit = gate.value / 100 if gate.relative else gate.value
-    shown = (f"{row['change'] * 100:+.1f}%" if math.isfinite(row["change"]) else f"{row['diff']:+.4g}") \
-        if gate.relative else f"{row['diff']:+.4g}"
-    if moved <= limit:
-        status, detail = PASS, f"{row['label']} {shown}, within {gate.text.split('=', 1)[1]}"
-    elif row["verdict"] == "same":
-        status, detail = PASS, (f"{row['label']} {shown}, past {gate.text.split('=', 1)[1]} but within the noise "
-                                f"(band ±{row['band'] * 100:.1f}%)")
-    elif row["busy_only"]:
-        status, detail = WARN, f"{row['label']} {shown}, but {row['likely_cause']}"
-    else:
-        status, detail = FAIL, f"{row['label']} {shown} ({row['verdict']}), past {gate.text.split('=', 1)[1]}" + (
-            f"; likely cause: {row['likely_cause']}" if row["likely_cause"] else "")
-    return {"gate": gate.text, "status": status, "pair": where, "detail": detail}
 
 
 # --- the command -------------------------------------------------------------------------------------------------
@@ -590,10 +400,14 @@ def command(args: argparse.Namespace) -> int:
     """`trainflow compare` (see trainflow.cli): the report of the kind the sides are, its pages, its exit code."""
     from trainflow.report import checkpoints, render_compare
 
-    gates = [parse_gate(g) for text in args.fail_on or [] for g in text.split(",") if g.strip()]
+    gates = [parse_gate(g, FIGURE_NAMES) for text in args.fail_on or [] for g in text.split(",") if g.strip()]
     if args.bisect:
         from trainflow.report.bisect import bisect
 
+        if gates:
+            raise CompareError("--fail-on: --bisect takes no gates (it names where two runs part); leave --fail-on "
+                               "out, or gate the runs' checkpoints: trainflow compare A/checkpoints B/checkpoints "
+                               "--fail-on tensors=1e-5")
         report = bisect(Path(args.a), Path(args.b), args.out, args.rtol)
     elif checkpoints.is_checkpoint(args.a) or checkpoints.is_checkpoint(args.b):
         if not (checkpoints.is_checkpoint(args.a) and checkpoints.is_checkpoint(args.b)):

@@ -76,7 +76,6 @@ def entry(summary: dict[str, Any], run_dir: Path, ledger: Path) -> dict[str, Any
     overrides_file = run_dir / ".hydra" / "overrides.yaml"
     overrides = [str(o) for o in OmegaConf.load(overrides_file)] if overrides_file.is_file() else []
     stopped = (summary.get("checkpoint") or {}).get("stopped_by")
-    steady = summary.get("steady_state") or {}
     return {
         "ledger": VERSION,
         "run": name,
@@ -86,24 +85,31 @@ def entry(summary: dict[str, Any], run_dir: Path, ledger: Path) -> dict[str, Any
         "model": str((config.get("model") or {}).get("_target_", "")),
         "overrides": overrides,
         "fingerprint": summary.get("fingerprint"),
-        "figures": {
-            "steps": summary.get("steps"),
-            "step_time_s": steady.get("step_time_s"),
-            "samples_per_sec": steady.get("samples_per_sec"),
-            "tokens_per_sec": steady.get("tokens_per_sec"),
-            "mfu": summary.get("mfu"),
-            "peak_memory_bytes": summary.get("peak_memory_bytes"),
-            "data_wait_fraction": summary.get("data_wait_fraction"),
-            "compile_time_s": (summary.get("compile") or {}).get("compile_time_s"),
-            "loss_first": (summary.get("train_loss") or {}).get("first"),
-            "loss_last": (summary.get("train_loss") or {}).get("last"),
-            "validation": summary.get("validation"),
-            "monitor": (summary.get("task") or {}).get("monitor"),
-            "mode": (summary.get("task") or {}).get("mode"),
-            "world_size": summary.get("world_size"),
-            "cost": summary.get("cost"),
-        },
+        "figures": headline_figures(summary),
         "config": config,
+    }
+
+
+def headline_figures(summary: dict[str, Any]) -> dict[str, Any]:
+    """What a ledger line keeps of a summary's figures, and what compare judges."""
+    steady = summary.get("steady_state") or {}
+    task = summary.get("task") or {}
+    return {
+        "steps": summary.get("steps"),
+        "step_time_s": steady.get("step_time_s"),
+        "samples_per_sec": steady.get("samples_per_sec"),
+        "tokens_per_sec": steady.get("tokens_per_sec"),
+        "mfu": summary.get("mfu"),
+        "peak_memory_bytes": summary.get("peak_memory_bytes"),
+        "data_wait_fraction": summary.get("data_wait_fraction"),
+        "compile_time_s": (summary.get("compile") or {}).get("compile_time_s"),
+        "loss_first": (summary.get("train_loss") or {}).get("first"),
+        "loss_last": (summary.get("train_loss") or {}).get("last"),
+        "validation": summary.get("validation"),
+        "monitor": task.get("monitor"),
+        "mode": task.get("mode"),
+        "world_size": summary.get("world_size"),
+        "cost": summary.get("cost"),
     }
 
 
