@@ -93,10 +93,13 @@ def test_where_the_ledger_goes(tmp_path: Path) -> None:
 
 
 WRITER = """
-import sys
+import sys, time
 from pathlib import Path
 from trainflow.report.ledger import VERSION, append
-path, name, n = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+path, name, n, go = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]), Path(sys.argv[4])
+(go.parent / f"ready-{name}").touch()
+while not go.exists():  # both writers start together
+    time.sleep(0.001)
 for i in range(n):
     append(path, {"ledger": VERSION, "run": f"{name}-{i}", "pad": "x" * 6000})
 """
@@ -105,9 +108,12 @@ for i in range(n):
 def test_concurrent_writers_lose_no_line(tmp_path: Path) -> None:
     """Two runs finishing at once and two writers of 300 lines of 6 KB each (larger than a pipe's atomic write)
     append to one ledger together: every line is there once, whole."""
-    shared = tmp_path / "ledger.jsonl"
-    writers = [subprocess.Popen([sys.executable, "-c", WRITER, str(shared), name, "300"])
+    shared, go = tmp_path / "ledger.jsonl", tmp_path / "go"
+    writers = [subprocess.Popen([sys.executable, "-c", WRITER, str(shared), name, "300", str(go)])
                for name in ("w1", "w2")]
+    for writer, name in zip(writers, ("w1", "w2"), strict=True):
+        wait_for(lambda n=name: (tmp_path / f"ready-{n}").exists(), writer, f"writer {name} to import")
+    go.touch()
     runs = [subprocess.Popen([sys.executable, str(ROOT / "train.py"), *MLP, "trainer.max_steps=6",
                               f"metrics.ledger={shared}", f"hydra.run.dir={tmp_path / name}"], cwd=ROOT,
                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for name in ("r1", "r2")]
