@@ -141,9 +141,9 @@ class Cost(Stage):
 
     def summary(self, steady: dict[str, Any] | None) -> dict[str, Any] | None:
         watts = self._watts()
-        if self.env.distributed:  # every rank's GPU draws power: their sum is the run's
+        if self.env.distributed and self.env.device.type == "cuda":  # every rank's GPU draws power: their sum
             total = torch.tensor([watts if watts is not None else float("nan")], dtype=torch.float64,
-                                 device=self.env.device if self.env.device.type == "cuda" else "cpu")
+                                 device=self.env.device)
             watts = float(all_reduce_mean(total, self.env).item()) * self.env.world_size
             watts = None if math.isnan(watts) else watts  # a rank without a reading: no total
         if not self.env.is_main:

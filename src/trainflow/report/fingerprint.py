@@ -46,6 +46,7 @@ REPLAY_ENV = ("PYTHONPATH", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "CUDA_VISIBLE_
 BUSY_SHARE = 0.25  # other processes kept at least this share of the cores busy: the run was timed on a busy machine
 MIN_LOAD_S = 1.0  # a steady state shorter than this is too short to measure the load over: the whole loop is used
 GIT_TIMEOUT_S = 10.0
+CpuSample = tuple[float, float | None, float]  # (a monotonic clock, the machine's busy CPU s, this process's CPU s)
 
 
 class Fingerprint(Stage):
@@ -127,6 +128,7 @@ def environment(device: torch.device, world_size: int) -> dict[str, Any]:
 
 
 def device_name(device: torch.device) -> str:
+    """The GPU's name, or the CPU's model."""
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     try:
@@ -158,8 +160,8 @@ def driver_version() -> str | None:
 def code_state(folder: Path) -> dict[str, Any]:
     """The git commit of the checkout `folder` lies in, whether it had changes (tracked files only) and a hash of
     them (two runs of the same commit with the same changes ran the same code); None values with the reason when
-    it is not a checkout. trainflow's own checkout too, when it is another one (an editable
-    install beside the user's project)."""
+    it is not a checkout. trainflow's own checkout too, when it is another one (an editable install beside the
+    user's project)."""
     project = git_state(folder)
     import trainflow
 
@@ -171,6 +173,7 @@ def code_state(folder: Path) -> dict[str, Any]:
 
 
 def git_state(folder: Path) -> dict[str, Any]:
+    """One checkout's root, commit, whether tracked files changed, and a hash of the changes."""
     root = _output(["git", "rev-parse", "--show-toplevel"], folder)
     if root is None:
         return {"root": None, "commit": None, "dirty": None, "absent": f"{folder} is not inside a git checkout"}
@@ -211,8 +214,9 @@ def hashed_config(config: dict[str, Any]) -> dict[str, Any]:
 
 def replay_command(run_dir: Path) -> dict[str, Any] | None:
     """How to run this job again as it ran: the interpreter, `-m trainflow train` with the job's config folders and
-    overrides (as Hydra saved them in <run dir>/.hydra, so a sweep's job replays alone), the working directory, the
-    environment of REPLAY_ENV, and the code's commit. None when Hydra saved nothing (the run did not start through
+    overrides (as Hydra saved them in <run dir>/.hydra, so a sweep's job replays alone), the working directory and
+    the environment of REPLAY_ENV; beside them the command line this process was given (a sweep's, a launcher's).
+    The code's commit is the fingerprint's `code`. None when Hydra saved nothing (the run did not start through
     train.py or trainflow train)."""
     hydra_file = run_dir / ".hydra" / "hydra.yaml"
     if not hydra_file.is_file():
@@ -223,10 +227,7 @@ def replay_command(run_dir: Path) -> dict[str, Any] | None:
     args = ["-m", "trainflow", "train", *(a for d in config_dirs for a in ("--config-dir", str(d))),
             *map(str, hydra.overrides.task), *map(str, searchpath)]
     return {"python": sys.executable, "args": args, "cwd": os.getcwd(),
-            "env": {k: os.environ.get(k) for k in REPLAY_ENV}}
-
-
-CpuSample = tuple[float, float | None, float]  # (clock, machine busy s, own CPU s)
+            "env": {k: os.environ.get(k) for k in REPLAY_ENV}, "argv": list(sys.orig_argv)}
 
 
 def cpu_sample() -> CpuSample:
@@ -237,6 +238,8 @@ def cpu_sample() -> CpuSample:
 
 
 def machine_busy_s() -> float | None:
+    """The seconds the machine's cores spent busy since boot (steal included: a neighbour's), None without
+    /proc/stat."""
     try:
         fields = Path("/proc/stat").read_text().splitlines()[0].split()
     except (OSError, IndexError):
