@@ -331,6 +331,12 @@ def command(args: argparse.Namespace) -> int:
     return 0
 
 
+def _count(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"give a number of runs >= 1; got {text}")
+    return int(text)
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("ledger", type=Path, nargs="?", default=None,
                    help=f"the ledger file (default: outputs/{LEDGER_FILE} under this folder)")
@@ -341,7 +347,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--run", help="part of the run's name")
     p.add_argument("--since", help="runs that ended on or after this date (YYYY-MM-DD, UTC)")
     p.add_argument("--until", help="runs that ended on or before this date (YYYY-MM-DD, UTC)")
-    p.add_argument("--last", type=int, help="only the last N of the runs selected")
+    p.add_argument("--last", type=_count, help="only the last N of the runs selected")
     p.add_argument("--json", action="store_true", help="print the selected lines as JSON, one per line")
 
 
