@@ -11,6 +11,7 @@ import inspect
 import math
 import signal
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -32,7 +33,7 @@ from trainflow.data.tokenizers import BYTE_VOCAB
 from trainflow.distributed.mesh import STRATEGIES
 from trainflow.errors import ConfigError
 from trainflow.optim import OPTIMIZER, optimizer_arguments
-from trainflow.report.ledger import check_setting as check_ledger_setting
+from trainflow.util.files import cannot_write
 
 
 def check_optimizer_arguments(optim: DictConfig) -> None:
@@ -290,6 +291,23 @@ def validate_checkpoint(cfg: DictConfig) -> None:
              "set checkpoint.resume=<a step_N folder or run dir>")
 
 
+def validate_ledger(setting: str) -> None:
+    """metrics.ledger (trainflow.report.ledger): a file path must not be a folder, and its folder, where it exists,
+    must take files (auto and off need nothing)."""
+    if setting in ("auto", "off"):
+        return
+    _require(bool(setting.strip()), "metrics.ledger", "is empty; give a file (e.g. /shared/ledger.jsonl), auto or off")
+    path = Path(setting).expanduser()
+    _require(not path.is_dir(), "metrics.ledger",
+             f"{path} is a folder; give a file in it, e.g. {path / 'ledger.jsonl'}")
+    folder = next((p for p in path.parents if p.exists()), None)
+    problem = None if folder is None else "is not a folder" if not folder.is_dir() else cannot_write(folder)
+    if problem is not None:
+        reason = problem if isinstance(problem, str) else problem.strerror
+        raise ConfigError(f"metrics.ledger: cannot write to {path} ({folder} {reason}); give a writable file, or "
+                          "metrics.ledger=off")
+
+
 def validate_ladder(cfg: DictConfig) -> None:
     """Ladder knobs a type cannot check; they matter only in ladder jobs."""
     ladder = cfg.ladder
@@ -458,7 +476,7 @@ def validate(cfg: DictConfig) -> DictConfig:
 
     if cfg.metrics.peak_flops is not None:
         _require(cfg.metrics.peak_flops > 0, "metrics.peak_flops", f"must be > 0; got {cfg.metrics.peak_flops}")
-    check_ledger_setting(cfg.metrics.ledger)
+    validate_ledger(cfg.metrics.ledger)
     if trainer.cost_per_hour is not None:
         _require(trainer.cost_per_hour >= 0, "trainer.cost_per_hour",
                  f"must be >= 0 (the price of one device for an hour); got {trainer.cost_per_hour}")

@@ -29,8 +29,8 @@ from trainflow.checkpoint.export import Source
 from trainflow.checkpoint.store import Committed, list_committed, resolve_dir
 from trainflow.errors import CheckpointError
 from trainflow.report.checkpoints import compare_sources, default_rtol
-from trainflow.report.compare import CompareError
 from trainflow.report.fingerprint import git_state
+from trainflow.report.sides import CompareError
 from trainflow.util.rundir import MARKER
 
 REPLAY_TIMEOUT_S = 3600.0

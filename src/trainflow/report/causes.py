@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from trainflow.report.fingerprint import BUSY_SHARE, hashed_config
 
 if TYPE_CHECKING:
-    from trainflow.report.compare import RunView
+    from trainflow.report.sides import RunView
 
 MAX_LISTED = 6  # config keys named in a note before "and N more"
 

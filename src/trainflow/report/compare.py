@@ -15,21 +15,19 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import math
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from trainflow.config.schema import TrainerConfig
-from trainflow.errors import TrainflowError
 from trainflow.report import ledger
 from trainflow.report.causes import Note, likely_cause, notes
 from trainflow.report.gates import FAIL, Gate, evaluate_gate, parse_gate
-from trainflow.report.noise import Band, judge, read_metrics, steady_intervals
-from trainflow.report.runs import EXIT_GATE_FAILED, find_runs, load_run
+from trainflow.report.noise import Band, judge
+from trainflow.report.runs import EXIT_GATE_FAILED
+from trainflow.report.sides import CompareError, RunView, Side, pairs, resolve_side
 from trainflow.util.tolerance import TOLERANCE
 
 # One run against one: how far the same command's step time swings from run to run, beyond its own intervals (8 runs
@@ -37,12 +35,7 @@ from trainflow.util.tolerance import TOLERANCE
 # measure it for that config (MIN_HISTORY of them), and --min-band sets it.
 RUN_TO_RUN = 0.15
 MIN_HISTORY = 3
-LEDGER_PREFIX = "ledger:"
 TOP_OPS = 8  # operators listed whose self time changed most
-
-
-class CompareError(TrainflowError):
-    """A side that cannot be compared, or a gate that cannot be read; the message says the fix."""
 
 
 # --- figures -----------------------------------------------------------------------------------------------------
@@ -109,124 +102,6 @@ def validation_figures(a: list[RunView], b: list[RunView], loss_rtol: float) -> 
         out.append(Figure(f"val_{name}", f"validation {name}", "", higher, ("higher", "lower"), loss_rtol, speed=False,
                           directed=directed))
     return out
-
-
-# --- what a side is ----------------------------------------------------------------------------------------------
-
-
-@dataclass
-class RunView:
-    """One run as compare reads it: from its folder (with its log intervals and curves) or from a ledger line."""
-
-    name: str
-    dir: Path | None
-    figures: dict[str, Any]  # ledger.entry's "figures"
-    fingerprint: dict[str, Any]
-    config: dict[str, Any]
-    intervals: dict[str, list[float]] = field(default_factory=dict)
-    curves: dict[str, dict[int, float]] = field(default_factory=dict)  # train/loss, val/<metric> by step
-    profiler: dict[str, Any] | None = None
-
-
-@dataclass
-class Side:
-    """A side of a comparison: one run, a sweep's runs (paired one by one), or a ledger selection (pooled)."""
-
-    text: str  # as given
-    kind: str  # run | sweep | ledger
-    runs: list[RunView]
-    note: str = ""  # e.g. lines of the ledger that did not parse
-
-
-def run_view(path: Path, root: Path) -> RunView:
-    """A finished run's folder; a failed or unfinished one is refused in one line."""
-    record = load_run(path, root)
-    if record.summary is None or record.status != "finished":
-        raise CompareError(f"{path}: the run has not finished ({record.status}: {record.error}); compare finished "
-                           "runs (they hold summary.json)")
-    summary = record.summary
-    entries = read_metrics(path / "metrics.jsonl")
-    start = summary.get("resumed_from_step") or 0
-    excluded = (summary.get("steady_state") or {}).get("excluded_steps", 0)
-    curves: dict[str, dict[int, float]] = {}
-    for entry in entries:
-        for key, value in entry.items():
-            if (key == "train/loss" or key.startswith("val/")) and isinstance(value, int | float):
-                curves.setdefault(key, {})[entry["step"]] = float(value)
-    return RunView(record.name, path, ledger.headline_figures(summary), summary.get("fingerprint") or {},
-                   summary.get("config") or {}, steady_intervals(entries, start, excluded), curves,
-                   summary.get("profiler"))
-
-
-def ledger_view(line: dict[str, Any]) -> RunView:
-    return RunView(line.get("run", "?"), Path(line["run_dir"]) if line.get("run_dir") else None,
-                   line.get("figures") or {}, line.get("fingerprint") or {}, line.get("config") or {})
-
-
-def resolve_side(text: str, where: str, default_ledger: Path | None) -> Side:
-    """A side from the command line: `ledger:<filters>`, a run folder, or a sweep folder (checkpoints are taken by
-    trainflow.report.checkpoints before this); one line naming the side when it cannot be compared."""
-    try:
-        return _side(text, where, default_ledger)
-    except TrainflowError as exc:
-        raise CompareError(f"{where}: {exc}") from None
-
-
-def _side(text: str, where: str, default_ledger: Path | None) -> Side:
-    if text.startswith(LEDGER_PREFIX):
-        words = [w for w in text.removeprefix(LEDGER_PREFIX).split(",") if w]
-        filters, path = ledger.parse_filters(words)
-        path = path or default_ledger or ledger.default_path()
-        lines, skipped = ledger.read(path)
-        chosen = ledger.select(lines, filters)
-        if not chosen:
-            raise CompareError(f"{text} selects no run of {path} ({len(lines)} line(s)); trainflow ledger {path} "
-                               "lists them")
-        note = f"{skipped} line(s) of {path} did not parse and were left out" if skipped else ""
-        return Side(text, "ledger", [ledger_view(line) for line in chosen], note)
-    root = Path(text).expanduser()
-    found = find_runs(root)
-    if found == [root]:
-        return Side(text, "run", [run_view(root, root.parent)])
-    return Side(text, "sweep", [run_view(p, root) for p in found])
-
-
-def pairs(a: Side, b: Side) -> list[tuple[list[RunView], list[RunView]]]:
-    """What is compared with what: a run or a ledger selection with the other side whole; a sweep's jobs one by one
-    with the other sweep's, by their overrides (all of them, else those each sweep varies), else by their order."""
-    if (a.kind == "sweep") != (b.kind == "sweep"):
-        sweep, other = (a, b) if a.kind == "sweep" else (b, a)
-        raise CompareError(f"{sweep.text} is a sweep of {len(sweep.runs)} run(s) and {other.text} is not; compare a "
-                           f"sweep with a sweep, or give one of its job folders (e.g. {sweep.runs[0].dir})")
-    if a.kind != "sweep":
-        return [(a.runs, b.runs)]
-    for key in (_overrides, _varied(a), _varied(b)):
-        ka, kb = {key(r): r for r in a.runs}, {key(r): r for r in b.runs}
-        if len(ka) == len(a.runs) and ka.keys() == kb.keys():
-            return [([ka[k]], [kb[k]]) for k in ka]
-    if len(a.runs) == len(b.runs):
-        return [([ra], [rb]) for ra, rb in zip(a.runs, b.runs, strict=True)]
-    raise CompareError(f"the sweeps {a.text} ({len(a.runs)} jobs) and {b.text} ({len(b.runs)} jobs) cannot be paired: "
-                       "their jobs' overrides differ and their counts too; compare job folders one by one")
-
-
-def _overrides(run: RunView) -> tuple[str, ...]:
-    return tuple(_job_overrides(run))
-
-
-def _job_overrides(run: RunView) -> list[str]:
-    path = run.dir / ".hydra" / "overrides.yaml" if run.dir else None
-    if path is None or not path.is_file():
-        return []
-    from omegaconf import OmegaConf
-
-    return [str(o) for o in OmegaConf.load(path)]
-
-
-def _varied(side: Side) -> Callable[[RunView], tuple[str, ...]]:
-    """A key of a sweep's job: its overrides less those every job of the sweep shares (the swept values)."""
-    common = set.intersection(*(set(_job_overrides(r)) for r in side.runs)) if side.runs else set()
-    return lambda run: tuple(o for o in _job_overrides(run) if o not in common)
 
 
 # --- judging a pair ----------------------------------------------------------------------------------------------
@@ -400,7 +275,8 @@ def command(args: argparse.Namespace) -> int:
     """`trainflow compare` (see trainflow.cli): the report of the kind the sides are, its pages, its exit code."""
     from trainflow.report import checkpoints, render_compare
 
-    gates = [parse_gate(g, FIGURE_NAMES) for text in args.fail_on or [] for g in text.split(",") if g.strip()]
+    worse = {name: -1 if f.higher_is_better else 1 for name, f in FIGURE_NAMES.items()}
+    gates = [parse_gate(g, worse) for text in args.fail_on or [] for g in text.split(",") if g.strip()]
     if args.bisect:
         from trainflow.report.bisect import bisect
 
@@ -461,5 +337,3 @@ def _share(text: str) -> float:
     return value
 
 
-def as_json(report: dict[str, Any]) -> str:
-    return json.dumps({k: v for k, v in report.items() if not k.startswith("_")}, indent=2, default=str)

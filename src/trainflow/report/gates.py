@@ -6,12 +6,9 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from trainflow.errors import TrainflowError
-
-if TYPE_CHECKING:
-    from trainflow.report.compare import Figure
 
 PASS, FAIL, WARN, NOT_EVALUATED = "PASS", "FAIL", "WARN", "NOT EVALUATED"
 
@@ -35,19 +32,18 @@ class Gate:
     relative: bool
 
 
-def parse_gate(text: str, figures: dict[str, Figure]) -> Gate:
-    """A gate from `--fail-on`, on one of `figures` (by name), a validation metric (val_<metric>) or `tensors`."""
+def parse_gate(text: str, figures: dict[str, int]) -> Gate:
+    """A gate from `--fail-on`, on one of `figures` (by name: the sign of its worse direction), a validation metric
+    (val_<metric>: larger is worse) or `tensors`."""
     match = _GATE.fullmatch(text.strip())
     if match is None:
         raise GateError(f"--fail-on {text}: not name=threshold; give e.g. step_time=+5% or val_loss=+0.01 "
                         f"(figures: {', '.join(figures)}, val_<metric>, tensors)")
     name = match["name"]
-    figure = figures.get(name)
-    if figure is None and not name.startswith("val_") and name != "tensors":
+    if name not in figures and not name.startswith("val_") and name != "tensors":
         raise GateError(f"--fail-on {text}: {name!r} is no figure; use one of {', '.join(figures)}, "
                            "val_<metric> (a validation metric, e.g. val_loss) or tensors (checkpoints)")
-    worse = -1 if figure is not None and figure.higher_is_better else 1
-    sign = {"+": 1, "-": -1, "": worse}[match["sign"]]
+    sign = {"+": 1, "-": -1, "": figures.get(name, 1)}[match["sign"]]
     return Gate(text, name, sign, float(match["value"]), bool(match["pct"]))
 
 

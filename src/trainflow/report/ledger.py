@@ -32,8 +32,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from trainflow.errors import ConfigError, TrainflowError
-from trainflow.util.files import cannot_write
+from trainflow.errors import TrainflowError
 from trainflow.util.locks import flock_unsupported
 from trainflow.util.rundir import made_by_trainflow
 
@@ -349,22 +348,3 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--until", help="runs that ended on or before this date (YYYY-MM-DD, UTC)")
     p.add_argument("--last", type=_count, help="only the last N of the runs selected")
     p.add_argument("--json", action="store_true", help="print the selected lines as JSON, one per line")
-
-
-def check_setting(setting: str) -> None:
-    """metrics.ledger at validation: a file path must not be a folder, and its folder, where it exists, must take
-    files (auto and off need nothing)."""
-    if setting in ("auto", "off"):
-        return
-    if not setting.strip():
-        raise ConfigError("metrics.ledger: is empty; give a file (e.g. /shared/ledger.jsonl), auto or off")
-    path = Path(setting).expanduser()
-    if path.is_dir():
-        raise ConfigError(f"metrics.ledger: {path} is a folder; give a file in it, e.g. {path / LEDGER_FILE}")
-    folder = next((p for p in path.parents if p.exists()), None)
-    problem = None if folder is None else "is not a folder" if not folder.is_dir() else cannot_write(folder)
-    if problem is not None:
-        raise ConfigError(f"metrics.ledger: cannot write to {path} ({folder} "
-                          f"{problem if isinstance(problem, str) else problem.strerror}); give a writable file, or "
-                          "metrics.ledger=off")
-

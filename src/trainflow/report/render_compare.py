@@ -4,12 +4,14 @@ build."""
 
 from __future__ import annotations
 
+import json
 import math
 import textwrap
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from trainflow.errors import ConfigError
+from trainflow.report.sides import CompareError
 from trainflow.util.files import atomic_path, write_atomic
 from trainflow.util.optional import require
 
@@ -283,13 +285,16 @@ def _draw_errors(ax: Any, labels: list[str], errors: list[float], rtol: float, w
     ax.legend(fontsize=8)
 
 
+def as_json(report: dict[str, Any]) -> str:
+    """compare.json: the report less what only the picture uses (keys starting with _)."""
+    return json.dumps({k: v for k, v in report.items() if not k.startswith("_")}, indent=2, default=str)
+
+
 # --- writing -----------------------------------------------------------------------------------------------------
 
 
 def write(report: dict[str, Any], out: Path) -> list[Path]:
     """compare.png (a warning instead where matplotlib is missing), compare.json and compare.md in `out`."""
-    from trainflow.report.compare import CompareError, as_json
-
     written = []
     try:
         out.mkdir(parents=True, exist_ok=True)
