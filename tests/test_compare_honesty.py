@@ -44,7 +44,8 @@ def test_the_same_command_twice_is_the_same(runs: dict[str, Run], tmp_path: Path
         assert abs(rows[name]["change"]) <= rows[name]["band"]
     assert rows["loss"]["diff"] == 0 and rows["val_loss"]["diff"] == 0  # CPU training is deterministic
     pair = rows["_report"]["pairs"][0]
-    assert [n for n in pair["notes"] if n["cause"]] == []  # nothing in the fingerprints tells them apart
+    # nothing in the fingerprints tells them apart but, on a shared machine, the load of other jobs
+    assert [n for n in pair["notes"] if n["kind"] != "machine load"] == []
     assert all(c["max_abs_diff"] == 0 and c["verdict"] == "same" for c in pair["curves"])
     assert rows["_report"]["gates"][0]["status"] == "PASS"
 
