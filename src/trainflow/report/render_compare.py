@@ -195,8 +195,8 @@ def _bisect_markdown(report: dict[str, Any]) -> list[str]:
              "| step | tensors differing | first differing tensor | largest relative error |",
              "| ---: | ---: | --- | ---: |"]
     for s in report["steps"]:
-        first = s["first"]["tensor"] if s["first"] else "-"
-        lines.append(f"| {s['step']} | {s['differing']} | `{first}` | {s['largest_rel']:.3g} |")
+        first = f"`{s['first']['tensor']}`" if s["first"] else "-"
+        lines.append(f"| {s['step']} | {s['differing']} | {first} | {s['largest_rel']:.3g} |")
     lines += ["", "Replayed with:", ""]
     lines += [f"- {name}: `{' '.join(r['command'])}` in `{r['cwd']}`" + (f" with PYTHONPATH={r['pythonpath']}"
                                                                         if r["pythonpath"] else "")
@@ -254,13 +254,14 @@ def _draw_curves(ax: Any, report: dict[str, Any]) -> None:
 
 
 def _draw_changes(ax: Any, report: dict[str, Any]) -> None:
+    """One pair: each figure's change with its band; several (two sweeps): each pair's step time."""
     if len(report["pairs"]) == 1:
-        rows = [r for r in report["pairs"][0]["figures"] if math.isfinite(r["change"])]
-        labels = [r["label"] for r in rows]
+        shown = [(r["label"], r) for r in report["pairs"][0]["figures"]]
     else:
-        rows = [next((r for r in p["figures"] if r["figure"] == "step_time"), None) for p in report["pairs"]]
-        labels = [f"{_pair_title(p)} step time" for p, r in zip(report["pairs"], rows, strict=True) if r]
-        rows = [r for r in rows if r and math.isfinite(r["change"])]
+        shown = [(f"{_pair_title(p)} step time", r) for p in report["pairs"] for r in p["figures"]
+                 if r["figure"] == "step_time"]
+    shown = [(label, r) for label, r in shown if math.isfinite(r["change"])]
+    labels, rows = [label for label, _ in shown], [r for _, r in shown]
     colors = {None: "tab:gray", True: "tab:green", False: "tab:red"}
     ax.barh(range(len(rows)), [r["change"] * 100 for r in rows], xerr=[r["band"] * 100 for r in rows],
             color=[colors[r["better"]] for r in rows], capsize=3)
