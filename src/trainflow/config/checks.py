@@ -34,6 +34,7 @@ from trainflow.distributed.mesh import STRATEGIES
 from trainflow.errors import ConfigError
 from trainflow.optim import OPTIMIZER, optimizer_arguments
 from trainflow.util.files import cannot_write
+from trainflow.util.rundir import run_name_problem
 
 
 def check_optimizer_arguments(optim: DictConfig) -> None:
@@ -398,13 +399,6 @@ def validate_model(cfg: DictConfig) -> None:
         _require(model.vocab_size >= BYTE_VOCAB, "model.vocab_size",
                  f"is {model.vocab_size}, but data=text is byte-level: its tokens go up to {BYTE_VOCAB - 1}; set "
                  f"model.vocab_size={BYTE_VOCAB} or more")
-
-
-def run_name_problem(name: str) -> str | None:
-    """Why `name` cannot be a run's folder name (trainer.run_name), or None."""
-    if name.strip() and "/" not in name and name not in (".", ".."):
-        return None
-    return f"{name!r} is not a folder name; give a name without '/', e.g. trainer.run_name=gpt-small-try2"
 
 
 def validate(cfg: DictConfig) -> DictConfig:
