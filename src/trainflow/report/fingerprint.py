@@ -223,9 +223,10 @@ def replay_command(run_dir: Path) -> dict[str, Any] | None:
         return None
     hydra = OmegaConf.load(hydra_file).hydra
     config_dirs = [s.path for s in hydra.runtime.config_sources if s.provider == "command-line"]
-    searchpath = [o for o in hydra.overrides.hydra if str(o).startswith("hydra.searchpath=")]
+    typed = OmegaConf.to_container(hydra.overrides, resolve=False)  # as typed: `${model.vocab_size}` too
+    searchpath = [o for o in typed["hydra"] if str(o).startswith("hydra.searchpath=")]
     args = ["-m", "trainflow", "train", *(a for d in config_dirs for a in ("--config-dir", str(d))),
-            *map(str, hydra.overrides.task), *map(str, searchpath)]
+            *map(str, typed["task"]), *map(str, searchpath)]
     return {"python": sys.executable, "args": args, "cwd": os.getcwd(),
             "env": {k: os.environ.get(k) for k in REPLAY_ENV}, "argv": list(sys.orig_argv)}
 
