@@ -24,8 +24,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, TINY_GPT, can_mount, tmpfs, train
 from helpers.processes import run_process
+from helpers.runs import ROOT, TINY_GPT, can_mount, tmpfs, train
 
 from trainflow.util.rundir import MARKER
 

@@ -14,8 +14,8 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, Run, losses_by_step, ok, train, trainflow, wait_for
 from helpers.processes import left_behind, run_process
+from helpers.runs import ROOT, Run, losses_by_step, ok, train, trainflow, wait_for
 
 from trainflow.report import ledger
 from trainflow.report.fingerprint import config_hash

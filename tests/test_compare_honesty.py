@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import TINY_GPT, Run, ok, train, trainflow
+from helpers.runs import TINY_GPT, Run, ok, train, trainflow
 
 pytestmark = pytest.mark.serial
 

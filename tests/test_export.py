@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, TINY_GPT, train, wait_for
 from helpers.checkpoints import tree_hash
 from helpers.processes import run_process, start_process
+from helpers.runs import ROOT, TINY_GPT, train, wait_for
 
 from trainflow.checkpoint import export_weights
 from trainflow.checkpoint.export import STAGING, Source

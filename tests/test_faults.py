@@ -24,8 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from conftest import TINY_GPT, Run, losses_by_step, start, train, wait_for_log
 from helpers.checkpoints import committed, read_tensors, tree_hash
+from helpers.runs import TINY_GPT, Run, losses_by_step, start, train, wait_for_log
 
 from trainflow.checkpoint import check_intact, list_committed
 from trainflow.checkpoint.store import TMP_MARKER

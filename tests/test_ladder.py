@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT
 from helpers.processes import run_process
+from helpers.runs import ROOT
 
 from trainflow.util.rundir import MARKER
 

@@ -17,8 +17,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, TINY_GPT, start, wait_for
 from helpers.processes import run_process
+from helpers.runs import ROOT, TINY_GPT, start, wait_for
 from omegaconf import OmegaConf
 
 from trainflow.loggers.mlflow import MLflowLogger

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import train
+from helpers.runs import train
 from omegaconf import OmegaConf
 from torch import nn
 from torch.profiler import record_function

@@ -14,8 +14,8 @@ import re
 from pathlib import Path
 
 import pytest
-from conftest import TINY_GPT, Run, logged_by_step, losses_by_step, ok, train
 from helpers.checkpoints import assert_close_losses
+from helpers.runs import TINY_GPT, Run, logged_by_step, losses_by_step, ok, train
 
 from trainflow.conf import CONFIG_DIR
 
