@@ -171,9 +171,24 @@ def check_fp8(out: Path, base: list[str]) -> dict[str, Any]:
             **{f"{n}_{k}": v for n, r in runs.items() for k, v in r.items()}}
 
 
+def check_energy(out: Path, base: list[str]) -> dict[str, Any]:
+    """The board's energy counter (NVML, or nvidia-smi) read over the steady state: joules per sample and token,
+    and the cost of a million tokens at a price per GPU-hour; on CPU (--smoke) energy is absent with the reason."""
+    run = train(out, "energy", base, "trainer.cost_per_hour=2.0")
+    if "error" in run:
+        return {"ok": False, "error": run["error"]}
+    energy, money = run["cost"]["energy"], run["cost"]["money"]
+    measured = (energy.get("joules_per_sample") or 0) > 0 and (energy.get("watts") or 0) > 0
+    ok = (measured if base is GPU else "absent" in energy) and (money.get("per_million_tokens") or 0) > 0
+    return {"ok": ok, "expect": "watts > 0, joules per sample > 0 (GPU); cost per M tokens > 0",
+            "source": energy.get("source"), "watts": energy.get("watts"),
+            "joules_per_sample": energy.get("joules_per_sample"), "joules_per_token": energy.get("joules_per_token"),
+            "energy_absent": energy.get("absent"), "cost_per_million_tokens": money.get("per_million_tokens")}
+
+
 CHECKS: dict[str, Callable[[Path, list[str]], dict[str, Any]]] = {
     "pinning": check_pinning, "tf32": check_tf32, "cuda_graphs_with_eval": check_cuda_graphs_with_eval,
-    "async_checkpoint": check_async_checkpoint, "memory_snapshot": check_memory_snapshot,
+    "async_checkpoint": check_async_checkpoint, "memory_snapshot": check_memory_snapshot, "energy": check_energy,
     "activation_checkpointing": check_activation_checkpointing, "fp8": check_fp8,
 }
 

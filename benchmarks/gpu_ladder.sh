@@ -80,26 +80,29 @@ fi
 
 SWEEP="${SWEEP_DIR:-$ROOT/multirun/gpu_ladder/$(date +%Y-%m-%d_%H-%M-%S)}"
 mkdir -p "$SWEEP"
+LOG="$SWEEP.console.log"  # beside the sweep folder while the ladder runs (trainflow writes only into its own folders)
 echo "gpu_ladder.sh: $GPUS GPU(s); rungs $RUNGS; sweep folder $SWEEP"
 cd "$ROOT"
 start=$SECONDS
 set +e
 "$PYTHON" train.py -m experiment=ladder "ladder=$RUNGS" "${ARGS[@]}" "$@" "hydra.sweep.dir=$SWEEP" 2>&1 \
-  | tee "$SWEEP/console.log"
+  | tee "$LOG"
 rc=${PIPESTATUS[0]}
 set -e
 echo "gpu_ladder.sh: the ladder took $((SECONDS - start)) s; exit code $rc; report: $SWEEP/report.md"
 checks_rc=0
 if [[ $SMOKE == 0 ]]; then
-  # What only a GPU confirms (docs/gpu.md): pinning, TF32, CUDA graphs with eval, async save + resume, snapshot.
+  # What only a GPU confirms (docs/gpu.md): pinning, TF32, CUDA graphs with eval, async save + resume, snapshot,
+  # the energy counter.
   set +e
   "$PYTHON" benchmarks/gpu_checks.py --out "$SWEEP" --budget-s "${CHECKS_BUDGET_S:-180}" \
     ${CHECKS_ONLY:+--only "$CHECKS_ONLY"} 2>&1 \
-    | tee -a "$SWEEP/console.log"
+    | tee -a "$LOG"
   checks_rc=${PIPESTATUS[0]}
   set -e
   echo "gpu_ladder.sh: checks exit code $checks_rc; report: $SWEEP/gpu_checks.md"
 fi
+mv "$LOG" "$SWEEP/console.log"
 if [[ -n "${OUT:-}" ]]; then
   mkdir -p "$OUT"
   for f in report.md report.json report.png console.log gpu_checks.md gpu_checks.json; do

@@ -24,8 +24,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, TINY_GPT, can_mount, tmpfs, train
 from helpers.processes import run_process
+from helpers.runs import ROOT, TINY_GPT, can_mount, tmpfs, train
 
 from trainflow.util.rundir import MARKER
 
@@ -398,6 +398,17 @@ def busy_port(ctx: Ctx) -> None:
     sock.listen()
 
 
+def failed_run(ctx: Ctx) -> None:
+    """A sweep job's folder whose run failed: Hydra's config and the failure's line, no summary."""
+    (ctx.tmp / "failed" / ".hydra").mkdir(parents=True)
+    (ctx.tmp / "failed" / ".hydra" / "config.yaml").write_text("trainer:\n  max_steps: 8\n")
+    (ctx.tmp / "failed" / "failure.txt").write_text("RuntimeError: boom\n")
+
+
+def empty_ledger(ctx: Ctx) -> None:
+    (ctx.tmp / "ledger.jsonl").write_text("")
+
+
 def unfinished_save(ctx: Ctx) -> None:
     shutil.copytree(ctx.ckpts / "step_00000004", ctx.tmp / ".tmp-step_00000006")
     (ctx.tmp / ".tmp-step_00000006" / "manifest.json").unlink()
@@ -527,6 +538,13 @@ CASES = [
     Case("unknown-eval-schedule", "config", "an evaluation schedule that is neither auto nor a step count",
          ("trainer.eval_every=often",),
          "trainer.eval_every", ("auto or a number of steps", "got 'often'")),
+    Case("negative-cost", "config", "a negative price of a device hour", ("trainer.cost_per_hour=-1",),
+         "trainer.cost_per_hour", (">= 0", "got -1.0")),
+    Case("ledger-is-a-folder", "config", "a ledger path that is a folder", ("metrics.ledger={tmp}",),
+         "metrics.ledger", ("{tmp} is a folder", "give a file in it")),
+    Case("ledger-read-only", "environment", "a ledger on a read-only filesystem",
+         ("metrics.ledger={tmp}/ro/ledger.jsonl",), "metrics.ledger", ("cannot write to", "a writable file", "off"),
+         setup=read_only_disk, needs="mount"),
     Case("model-not-importable", "config", "a model class that cannot be imported", ("model._target_=nosuch.Net",),
          "model._target_", ("cannot import 'nosuch.Net'", "import path of an nn.Module class")),
     Case("model-arguments-refused", "config", "model arguments the model refuses", ("model.n_head=3",),
@@ -1129,6 +1147,31 @@ CASES = [
          tool="trainflow", setup=broken_transformers, env=(("PYTHONPATH", "{tmp}/broken"),), after=no_hf_output),
     Case("report-missing-folder", "tools", "a report on a folder that does not exist", ("report", "{tmp}/nope"),
          "{tmp}/nope", ("no such folder", "a run folder", "a sweep folder"), tool="trainflow"),
+    Case("compare-missing-folder", "tools", "a comparison of a folder that does not exist",
+         ("compare", "{tmp}/nope", "{tmp}/nope2"), "compare A", ("{tmp}/nope: no such folder", "a run folder"),
+         tool="trainflow"),
+    Case("compare-checkpoint-with-run", "tools", "a checkpoint compared with a run",
+         ("compare", "{tmp}/failed", "{ckpts}"),
+         "compare", ("{ckpts} is a checkpoint and {tmp}/failed is not", "a checkpoint with a checkpoint"),
+         tool="trainflow", setup=failed_run),
+    Case("compare-failed-run", "tools", "a comparison of a run that failed",
+         ("compare", "{tmp}/failed", "{tmp}/failed"),
+         "compare A", ("has not finished (failed: RuntimeError: boom)", "compare finished runs"), tool="trainflow",
+         setup=failed_run),
+    Case("compare-unknown-gate", "tools", "a gate on a figure compare does not have",
+         ("compare", "{ckpts}", "{ckpts}", "--fail-on", "speed=+5%"), "--fail-on speed=+5%",
+         ("'speed' is no figure", "step_time", "val_<metric>"), tool="trainflow"),
+    Case("compare-unknown-ledger-filter", "tools", "a ledger selection by a filter that does not exist",
+         ("compare", "ledger:colour=red", "ledger:last=1"), "compare A", ("ledger:colour: no such filter", "config"),
+         tool="trainflow"),
+    Case("compare-out-unwritable", "tools", "a comparison written into /proc",
+         ("compare", "{ckpts}", "{ckpts}", "--out", "/proc/compare"), "--out /proc/compare",
+         ("cannot write the comparison", "a writable folder"), tool="trainflow"),
+    Case("ledger-missing", "tools", "a ledger that does not exist", ("ledger", "{tmp}/ledger.jsonl"),
+         "{tmp}/ledger.jsonl", ("no ledger there", "give the ledger's path"), tool="trainflow"),
+    Case("ledger-bad-date", "tools", "a ledger listing since a day that is no date",
+         ("ledger", "{tmp}/ledger.jsonl", "--since", "yesterday"), "since=yesterday",
+         ("not a date", "YYYY-MM-DD"), tool="trainflow", setup=empty_ledger),
 ]
 
 

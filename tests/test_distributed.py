@@ -17,8 +17,8 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import ROOT, TINY_GPT, Run, losses_by_step, start, train, wait_for, wait_for_log
 from helpers.processes import run_process
+from helpers.runs import ROOT, TINY_GPT, Run, losses_by_step, start, train, wait_for, wait_for_log
 from omegaconf import OmegaConf
 
 from trainflow.conf import CONFIG_DIR

@@ -11,7 +11,7 @@ import re
 from pathlib import Path
 
 import pytest
-from conftest import TINY_GPT, Run, ok, train
+from helpers.runs import TINY_GPT, Run, ok, train
 
 from trainflow.conf import CONFIG_DIR
 from trainflow.distributed.memory_estimate import ModelFacts

@@ -16,8 +16,8 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import TINY_GPT, Run, logged_by_step, losses_by_step, ok, train
 from helpers.checkpoints import assert_close_losses
+from helpers.runs import TINY_GPT, Run, logged_by_step, losses_by_step, ok, one_line_error, train
 
 BASE = [*TINY_GPT, "optim=sgd", "trainer.grad_accum=2", "parallelism.global_batch=8", "trainer.max_steps=4",
         "trainer.eval_every=0", "trainer.eval_steps=1", "trainer.grad_clip=0.5"]
@@ -108,11 +108,8 @@ def test_a_nan_in_a_stage_stops_the_run_in_one_line(tmp_path: Path) -> None:
     """The last stage's output turns NaN: the loss every stage reads (sent from the last) stops the run."""
     run = train(tmp_path / "run", *BASE, *PP2, "model._target_=unstable_model.GPTNaNAtStep",
                 "+model.nan_at_step=6", env={"PYTHONPATH": str(Path(__file__).parent)})
-    assert run.returncode != 0
-    errors = [line for line in run.stderr.splitlines() if line.startswith("Error:")]
-    assert len(errors) == 1 and "Traceback" not in run.stderr, run.stderr
-    assert errors[0].startswith("Error: trainer.nonfinite: the loss at step "), errors
-    assert " is nan " in errors[0]
+    error = one_line_error(run, " is nan ", exit_code=run.returncode or 1, alone=False)
+    assert error.startswith("Error: trainer.nonfinite: the loss at step "), error
 
 
 def test_the_profiler_verdict_names_the_pipeline_bubble(tmp_path: Path) -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import sys
 
 import pytest
-from conftest import ROOT
+from helpers.runs import ROOT
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from scale_plan import simulate  # noqa: E402

@@ -11,6 +11,7 @@ import inspect
 import math
 import signal
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -32,6 +33,8 @@ from trainflow.data.tokenizers import BYTE_VOCAB
 from trainflow.distributed.mesh import STRATEGIES
 from trainflow.errors import ConfigError
 from trainflow.optim import OPTIMIZER, optimizer_arguments
+from trainflow.util.files import cannot_write
+from trainflow.util.rundir import run_name_problem
 
 
 def check_optimizer_arguments(optim: DictConfig) -> None:
@@ -341,6 +344,23 @@ def validate_checkpoint(cfg: DictConfig) -> None:
              "set checkpoint.resume=<a step_N folder or run dir>")
 
 
+def validate_ledger(setting: str) -> None:
+    """metrics.ledger (trainflow.report.ledger): a file path must not be a folder, and its folder, where it exists,
+    must take files (auto and off need nothing)."""
+    if setting in ("auto", "off"):
+        return
+    _require(bool(setting.strip()), "metrics.ledger", "is empty; give a file (e.g. /shared/ledger.jsonl), auto or off")
+    path = Path(setting).expanduser()
+    _require(not path.is_dir(), "metrics.ledger",
+             f"{path} is a folder; give a file in it, e.g. {path / 'ledger.jsonl'}")
+    folder = next((p for p in path.parents if p.exists()), None)
+    problem = None if folder is None else "is not a folder" if not folder.is_dir() else cannot_write(folder)
+    if problem is not None:
+        reason = problem if isinstance(problem, str) else problem.strerror
+        raise ConfigError(f"metrics.ledger: cannot write to {path} ({folder} {reason}); give a writable file, or "
+                          "metrics.ledger=off")
+
+
 def validate_ladder(cfg: DictConfig) -> None:
     """Ladder knobs a type cannot check; they matter only in ladder jobs."""
     ladder = cfg.ladder
@@ -435,13 +455,6 @@ def validate_model(cfg: DictConfig) -> None:
                  f"model.vocab_size={BYTE_VOCAB} or more")
 
 
-def run_name_problem(name: str) -> str | None:
-    """Why `name` cannot be a run's folder name (trainer.run_name), or None."""
-    if name.strip() and "/" not in name and name not in (".", ".."):
-        return None
-    return f"{name!r} is not a folder name; give a name without '/', e.g. trainer.run_name=gpt-small-try2"
-
-
 def validate(cfg: DictConfig) -> DictConfig:
     """Check the values a type cannot; raise ConfigError naming the key and the fix. Returns the config the run
     uses, read-only: `cfg` with what validation settles recorded in it (nothing writes into it afterwards)."""
@@ -512,6 +525,10 @@ def validate(cfg: DictConfig) -> DictConfig:
 
     if cfg.metrics.peak_flops is not None:
         _require(cfg.metrics.peak_flops > 0, "metrics.peak_flops", f"must be > 0; got {cfg.metrics.peak_flops}")
+    validate_ledger(cfg.metrics.ledger)
+    if trainer.cost_per_hour is not None:
+        _require(trainer.cost_per_hour >= 0, "trainer.cost_per_hour",
+                 f"must be >= 0 (the price of one device for an hour); got {trainer.cost_per_hour}")
     validate_model(cfg)
     validate_task(cfg)
     validate_parallelism(cfg)

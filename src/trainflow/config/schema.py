@@ -51,6 +51,7 @@ class TrainerConfig:
     nonfinite: str = "stop"  # stop (at the next sync point, before any save) | skip_step (one host sync a step)
     run_name: str | None = None  # checkpointed runs live in outputs/runs/<run_name>; null: made from the overrides
     sweep_name: str | None = None  # -m sweeps live in multirun/<sweep_name>; null: made from the overrides
+    cost_per_hour: float | None = None  # the price of one device (rank) for an hour: the summary's cost figures
 
     def eval_interval(self) -> int:
         """auto: 10 evaluations (a validation curve) in runs of 100 steps or more; shorter runs once, at the end."""
@@ -62,6 +63,9 @@ class TrainerConfig:
 @dataclass
 class MetricsConfig:
     peak_flops: float | None = None  # FLOP/s per device; overrides the measured/known peak
+    # where each finished run appends its line (trainflow.report.ledger): auto (outputs/ledger.jsonl under the working
+    # folder for runs inside it, else a sweep folder's own) | off | a file (one ledger for runs anywhere, many machines)
+    ledger: str = "auto"
 
 
 def model_schema(model: type) -> type:

@@ -44,11 +44,14 @@ from trainflow.loop.state import LoopState
 from trainflow.loop.step import Training, train_step, unnamed
 from trainflow.loop.train_metrics import TrainMetrics
 from trainflow.metrics.batch_fit import check_batch
+from trainflow.metrics.cost import Cost
 from trainflow.metrics.flops import count_train_flops, mfu, peak_flops
 from trainflow.metrics.meter import PeakMemory, Throughput, host_load
 from trainflow.models import build_model
 from trainflow.optim import build_optimizer, schedule_changes_lr
 from trainflow.profile.profiler import Profiler
+from trainflow.report import ledger
+from trainflow.report.fingerprint import Fingerprint
 from trainflow.tasks import build_task, probe
 from trainflow.util.console import FILE_ONLY, RunFacts, end_lines, start_header
 from trainflow.util.device import autocast_for, configure_matmul, matmul_math
@@ -84,7 +87,7 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv) -> dict[str, Any] | Non
 # Every stage of a run, each built from its own config section; the loop calls them in the order of the phase each
 # declares (trainflow.loop.stages.Phase). A new stage is a class with build(ctx) added here.
 STAGES: tuple[type[Stage], ...] = (Watchdog, Compiler, ParityCheck, Profiler, NonFiniteGuard, Stragglers,
-                                   TrainMetrics, Evaluation, Checkpointer, FaultTolerance)
+                                   TrainMetrics, Evaluation, Checkpointer, FaultTolerance, Fingerprint, Cost)
 
 
 @dataclass
@@ -292,6 +295,7 @@ def summarize(run: Run) -> dict[str, Any] | None:
     if not env.is_main:
         return None
     write_json_atomic(ctx.run_dir / "summary.json", summary)
+    ledger.record(ctx.cfg, ctx.run_dir, summary)  # the run's line, for trainflow ledger and compare
     ctx.writer.finish(KILLED if (summary.get("checkpoint") or {}).get("stopped_by") else FINISHED, summary)
     committed = bool((summary.get("checkpoint") or {}).get("committed"))
     log.info("%s", end_lines(summary, ctx.run_dir, time.monotonic() - run.started, tuple(ctx.cfg.logger), committed))

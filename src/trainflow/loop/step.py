@@ -19,6 +19,7 @@ from trainflow.distributed.pipeline import Pipeline
 from trainflow.loop.stages import Stage, StepHooks
 from trainflow.loop.state import LoopState
 from trainflow.optim import gradient_norm
+from trainflow.profile.regions import DATA, FWD_BWD, OPTIMIZER
 from trainflow.tasks import Task, add_metrics
 
 
@@ -55,7 +56,7 @@ def train_step(training: Training) -> None:
     step_loss = None  # this rank's loss of the step, on the device
     step_metrics: dict[str, torch.Tensor] = {}  # the task's metrics summed over the micro-steps, on the device
     for micro in range(trainer.grad_accum):
-        with name_part("trainflow/data"):
+        with name_part(DATA):
             start = time.perf_counter()
             batch = next(training.batches)
             data_wait += time.perf_counter() - start  # the copy below may wait for the GPU: not data
@@ -64,7 +65,7 @@ def train_step(training: Training) -> None:
             counted = task.count(batch)  # shapes only (data.seq_lens varies the tokens)
             samples, tokens = samples + counted[0], tokens + counted[1]
         last_micro = micro == trainer.grad_accum - 1
-        with name_part("trainflow/forward_backward"), no_grad_sync(model, last_micro), \
+        with name_part(FWD_BWD), no_grad_sync(model, last_micro), \
                 training.loss_context(), _loss_contexts(hooks.loss_contexts) if hooks.loss_contexts else _NO_REGION:
             if training.pipeline is not None:  # the stages' forward and backward, by the schedule
                 with training.autocast:
@@ -81,7 +82,7 @@ def train_step(training: Training) -> None:
         step_loss = loss_share.detach() if step_loss is None else step_loss + loss_share.detach()
         if with_metrics:  # a user's task computes its metrics every step: kept as task.train_metrics says
             add_metrics(step_metrics, metrics)
-    with name_part("trainflow/optimizer"):
+    with name_part(OPTIMIZER):
         step = state.step + 1
         norm_due = trainer.grad_clip or state.log_due or any(s.wants_grad_norm(step) for s in hooks.grad_norm)
         state.grad_norm = None

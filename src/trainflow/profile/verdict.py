@@ -28,13 +28,12 @@ import statistics
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from trainflow.checkpoint.checkpointer import CHECKPOINT_ANNOTATION
+from trainflow.profile.regions import CHECKPOINT, DATA, FWD_BWD, OPTIMIZER
 
 SMALL_OP_US = 20.0  # on CPU, an operator whose self time is shorter than this is dispatch overhead
 # A call this many times slower than the same call in the other recorded steps was descheduled (a busy
 # machine), not computing: its time counts as "other", so contention does not pass for compute.
 STALL_FACTOR = 20.0
-DATA, FWD_BWD, OPTIMIZER = "trainflow/data", "trainflow/forward_backward", "trainflow/optimizer"
 
 # The partition of step time, in the order it is printed.
 SHARES = ("data_wait", "forward_backward_compute", "optimizer_compute", "communication", "pipeline_bubble",
@@ -262,7 +261,7 @@ def analyze_window(events: list[Any], on_gpu: bool, last_step: int) -> dict[str,
                 sets[key].append(span)
                 if key == "optimizer" and on_gpu:
                     optimizer_device_us += e.device_time_total
-        if e.name == CHECKPOINT_ANNOTATION and e.thread == main_thread:
+        if e.name == CHECKPOINT and e.thread == main_thread:
             saving.append(span)
         if _is_p2p(e.name) and e.thread == main_thread and not on_gpu:
             sets["p2p"].append(span)
