@@ -108,8 +108,9 @@ def test_a_nan_in_a_stage_stops_the_run_in_one_line(tmp_path: Path) -> None:
     """The last stage's output turns NaN: the loss every stage reads (sent from the last) stops the run."""
     run = train(tmp_path / "run", *BASE, *PP2, "model._target_=unstable_model.GPTNaNAtStep",
                 "+model.nan_at_step=6", env={"PYTHONPATH": str(Path(__file__).parent)})
-    error = one_line_error(run, " is nan ", exit_code=run.returncode or 1, alone=False)
-    assert error.startswith("Error: trainer.nonfinite: the loss at step "), error
+    # the last stage's 6th forward is in step 2: step 1 made 5 (2 micro-steps x 2 pipeline micro-batches, and the
+    # schedule's shape inference)
+    one_line_error(run, "trainer.nonfinite: the loss at step 2 is nan", "no checkpoint holds this state")
 
 
 def test_the_profiler_verdict_names_the_pipeline_bubble(tmp_path: Path) -> None:
