@@ -76,12 +76,13 @@ def parallelize(model: nn.Module, cfg: ParallelismConfig | DictConfig, env: Dist
                               "expected size, 16384 vs 8192'); use parallelism.tp=1 with pp, or pp=1 with tp")
         if found.data_parallel > 1 and cfg.pp_schedule in ZERO_BUBBLE:
             raise ConfigError(f"parallelism.pp_schedule: {cfg.pp_schedule} with {found.data_parallel} data-parallel "
-                              "ranks leaves the last stage's weight gradients unset in torch 2.13 (its split "
-                              "backward bypasses FSDP2's gradient reduction); use 1f1b or interleaved_1f1b, or "
+                              "ranks leaves the last stage's weight gradients unset in torch 2.13 (None after "
+                              "the step: its split backward and FSDP2 miss each other); use 1f1b or "
+                              "interleaved_1f1b, or "
                               f"parallelism.nproc_per_node={found.pp} (the pipeline alone)")
         return split_model(model, found.pp, cfg.pp_schedule, mesh,
-                           lambda part: _wrap(part, cfg, env, (precision, fp8_recipe), found, mesh))
-    return _wrap(model, cfg, env, (precision, fp8_recipe), found, mesh)
+                           lambda part: _wrap(part, cfg, env, precision, fp8_recipe, found, mesh))
+    return _wrap(model, cfg, env, precision, fp8_recipe, found, mesh)
 
 
 def _float8(model: nn.Module, precision: str, recipe: str, sharded: bool) -> None:
@@ -95,11 +96,10 @@ def _float8(model: nn.Module, precision: str, recipe: str, sharded: bool) -> Non
              ", float8 all-gather" * (sharded and recipe == "tensorwise"))
 
 
-def _wrap(model: nn.Module, cfg: ParallelismConfig | DictConfig, env: DistEnv, precisions: tuple[str, str],
+def _wrap(model: nn.Module, cfg: ParallelismConfig | DictConfig, env: DistEnv, precision: str, recipe: str,
           found: MeshLayout, mesh: DeviceMesh) -> nn.Module:
-    """The model (or one pipeline stage) split by TP, its linear layers in float8 (`precisions`: trainer.precision
-    and trainer.fp8_recipe), checkpointed, then wrapped for data parallel."""
-    precision, recipe = precisions
+    """The model (or one pipeline stage) split by TP, its linear layers in float8 (trainer.precision=fp8 with
+    trainer.fp8_recipe), checkpointed, then wrapped for data parallel."""
     if found.tp > 1:
         from trainflow.distributed.tensor import apply_tensor_parallel
 
