@@ -2,9 +2,10 @@
 
 Steady state: four variants train the same model on batches of the same shape with the same threads,
 alternating in one process (the order rotates every round): trainflow eager (`compile=off`), trainflow
-compiled (`compile=default`), and a hand-written loop, eager and `torch.compile`d. Each variant's steady step
-time excludes its warm-up and compile steps. The gain is eager / compiled step time; trainflow's gain over the
-hand-written gain (median of the rounds) is what trainflow keeps of torch.compile's own gain (goal >= 0.98).
+compiled (`compile=default`), and the plain loop (the same model, loss, clipping and AdamW without trainflow),
+eager and `torch.compile`d. Each variant's steady step time excludes its warm-up and compile steps. The gain is
+eager / compiled step time; trainflow's gain over the plain loop's gain (median of the rounds) is what trainflow
+keeps of torch.compile's own gain (goal >= 0.98).
 
 Cold vs warm: `python train.py compile=default` twice as separate processes on a fresh cache directory: the
 first compiles from scratch (cold), the second finds inductor's and AOTAutograd's artifacts (warm).
@@ -12,7 +13,7 @@ first compiles from scratch (cold), the second finds inductor's and AOTAutograd'
     python benchmarks/compile.py [--rounds 3] [--steps 20] [--skip-cold] [--gpu]
 
 `--gpu`: gpt_small in bf16 on CUDA, both loops with fused AdamW and bf16 autocast, timed between device syncs;
-trainflow eager / hand-written eager is then the loop's cost on a GPU.
+trainflow eager against the plain loop eager is then the loop's cost on a GPU.
 """
 
 from __future__ import annotations
@@ -122,7 +123,7 @@ def steady_state(model: list[str], rounds: int, steps: int, cache_dir: str) -> d
         "gain_trainflow": statistics.median(tf_gain),
         "gain_handwritten": statistics.median(hand_gain),
         "kept_of_torch_compile_gain": statistics.median([a / b for a, b in zip(tf_gain, hand_gain, strict=True)]),
-        # > 1: trainflow's loop is faster than the hand-written one; its cost over it is 1 - this
+        # > 1: trainflow's loop is faster than the plain loop; its cost over it is 1 - this
         "eager_speed_vs_handwritten": statistics.median(
             [h / t for h, t in zip(times["hand_eager"], times["trainflow_eager"], strict=True)]),
         "compiled_speed_vs_handwritten": statistics.median(
@@ -162,7 +163,7 @@ def main() -> None:
     if args.gpu:
         results["device"] = torch.cuda.get_device_name()
     with tempfile.TemporaryDirectory() as cache:
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache  # the hand-written loop's inductor uses it too
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache  # the plain loop's inductor uses it too
         if not args.skip_cold:
             results["cold_vs_warm"] = cold_vs_warm(model, cache)
         results["steady_state"] = steady_state(model, args.rounds, args.steps, cache)

@@ -1,6 +1,6 @@
 """Loss parallel for trainflow's GPT under TP 2: the logits left split by vocabulary for the loss (GPT's plan), against
-the output projection's logits gathered whole on every TP rank (the plan before), side by side in one pair of gloo
-ranks.
+the output projection's logits gathered whole on every TP rank (the plan without loss parallel), side by side in
+one pair of gloo ranks.
 
 Each variant builds the same GPT (same seed), splits it with trainflow's `tp_plan` over 2 CPU ranks (one thread
 each), and times forward + cross-entropy + backward + an SGD step on the same batches, the variants alternating

@@ -1,16 +1,20 @@
-"""What trainflow's loop costs over a hand-written one, and what its start-up costs over a bare script.
+"""What trainflow's loop costs over a loop without trainflow, and what its start-up costs over a bare script.
 
-Throughput: trainflow's `run()` and a hand-written plain loop train the same model on the same batches
-with the same threads, alternating in one process; each round's steady state (after warm-up) is compared,
-and the median ratio trainflow / hand-written is reported.
+The seed MLP is `experiment=seed_mlp`: an MLP on synthetic features, batch 64, SGD at a constant LR, eager, one
+process. The hand-written loop is the loop a user writes by hand for it: each step a fresh random batch,
+zero_grad, forward, loss, backward, step; no data path, no schedule, no log. The plain loop does the same work
+as the trainflow run it is compared with (model, optimizer, schedule, batches, threads) without trainflow.
 
-Seed MLP against the article's literal loop (a fresh random batch, zero_grad, forward, loss, backward, step:
-no data path, no schedule): the ratio of the median rates, alternating rounds in one process; the same ratio
-from blocks of 100 steps of each loop alternating inside one run (`LiteralBlocks`, the figure least moved by a
-noisy machine: neighbouring blocks share its regime); and where
-trainflow's extra microseconds per step go (cProfile of one run: the time of each call the loop makes, per step;
-cProfile's own cost inflates every figure alike, so read them as shares); with --cpu-time also part by part:
-the literal loop with trainflow's parts added one at a time, then trainflow's own step and loop.
+Throughput: trainflow's `run()` and the plain loop train the same model on the same batches with the same
+threads, alternating in one process; each round's steady state (after warm-up) is compared, and the median
+ratio trainflow / plain loop is reported.
+
+The seed MLP against the hand-written loop: the ratio of the median rates, alternating rounds in one process;
+the same ratio from blocks of 100 steps of each loop alternating inside one run (`LiteralBlocks`, the figure
+least moved by a noisy machine: neighbouring blocks share its regime); and where trainflow's extra
+microseconds per step go (cProfile of one run: the time of each call the loop makes, per step; cProfile's own
+cost inflates every figure alike, so read them as shares); with --cpu-time also part by part: the hand-written
+loop with trainflow's parts added one at a time, then trainflow's own step and loop.
 
 Start-up: `python train.py trainer.max_steps=1 trainer.eval_steps=1` against a bare script that imports torch,
 builds the same model, takes one step and evaluates one batch, alternating as separate processes.
@@ -67,7 +71,7 @@ def trainflow_rate(cfg) -> float:
 
 
 def handwritten_rate(cfg, steps: int, warmup: int) -> float:
-    """A hand-written loop on the same model, optimizer, batches and threads."""
+    """The plain loop: the same model, optimizer, schedule, batches and threads as trainflow's run."""
     torch.manual_seed(cfg.trainer.seed)
     data = build_datasets(cfg.data, cfg.model)
     model = instantiate(cfg.model)
@@ -77,7 +81,7 @@ def handwritten_rate(cfg, steps: int, warmup: int) -> float:
     for step in range(steps):
         if step == warmup:
             start = time.perf_counter()
-        if step % per_epoch == 0:  # a fresh shuffle each epoch, as the article's DataLoader(shuffle=True) does
+        if step % per_epoch == 0:  # a fresh shuffle each epoch, as DataLoader(shuffle=True) does
             order = torch.randperm(n)
         first = step % per_epoch * b
         inputs, targets = data.train[order[first:first + b]]
@@ -90,7 +94,7 @@ def handwritten_rate(cfg, steps: int, warmup: int) -> float:
 
 
 class LiteralLoop:
-    """The literal hand-written loop: a fresh random batch each step, zero_grad, forward, loss, backward, step."""
+    """The hand-written loop: a fresh random batch each step, zero_grad, forward, loss, backward, step."""
 
     def __init__(self, cfg, seed: int) -> None:
         torch.manual_seed(seed)
@@ -110,7 +114,7 @@ class LiteralLoop:
 
 
 def literal_rate(cfg, steps: int, warmup: int, clock: Callable[[], float] = time.perf_counter) -> float:
-    """Samples per second of the literal loop after `warmup` of its `steps`."""
+    """Samples per second of the hand-written loop after `warmup` of its `steps`."""
     loop = LiteralLoop(cfg, cfg.trainer.seed)
     loop.steps(warmup)
     start = clock()
@@ -154,7 +158,7 @@ def step_breakdown(cfg, steps: int, clock: Callable[[], float], top: int = 14) -
 
 
 def literal_comparison(rounds: int, steps: int, warmup: int, cpu_time: bool) -> None:
-    """Seed MLP: trainflow against the article's literal loop, and trainflow's step by cause.
+    """Seed MLP: trainflow against the hand-written loop, and trainflow's step by cause.
 
     `cpu_time`: CPU time of the one thread both run on instead of wall time, for a machine other work shares
     (its load slows both sides unevenly, in bursts); the same work is measured, less the waits for a core."""
@@ -174,10 +178,10 @@ def literal_comparison(rounds: int, steps: int, warmup: int, cpu_time: bool) -> 
     step_us = [1e6 * cfg.trainer.batch_size / rate for rate in ours]
     literal_us = [1e6 * cfg.trainer.batch_size / rate for rate in theirs]
     print(f"seed_mlp  {'CPU time' if cpu_time else 'wall time'}, {torch.get_num_threads()} thread(s)")
-    print(f"seed_mlp  throughput trainflow / literal loop: {statistics.median(ours) / statistics.median(theirs):.3f} "
+    print(f"seed_mlp  throughput trainflow / hand-written: {statistics.median(ours) / statistics.median(theirs):.3f} "
           f"(ratio of medians; per round {', '.join(f'{a / b:.3f}' for a, b in zip(ours, theirs, strict=True))}); "
           f"step: trainflow {statistics.median(step_us):.0f} us ({min(step_us):.0f}-{max(step_us):.0f}), "
-          f"literal {statistics.median(literal_us):.0f} us ({min(literal_us):.0f}-{max(literal_us):.0f})")
+          f"hand-written {statistics.median(literal_us):.0f} us ({min(literal_us):.0f}-{max(literal_us):.0f})")
     interleaved(cfg_of, pairs=10 * rounds, block=100, warmup=warmup, cpu_time=cpu_time)
     print("seed_mlp  trainflow's step under cProfile, microseconds per step by cause:")
     for cause, micros in step_breakdown(cfg, steps, clock):
@@ -191,7 +195,7 @@ def literal_comparison(rounds: int, steps: int, warmup: int, cpu_time: bool) -> 
 
 
 class LiteralBlocks(Stage):
-    """A stage that, after every `block` steps of trainflow's loop, runs `block` steps of the article's literal loop
+    """A stage that, after every `block` steps of trainflow's loop, runs `block` steps of the hand-written loop
     (its own model, optimizer and fresh random batches) and times both blocks by `clock`. The two loops then meet
     the machine in the same seconds, so a change of regime (another process's load, the cores' clocks, how torch's
     threads land) hits both alike, and each pair of neighbouring blocks gives one ratio."""
@@ -200,7 +204,7 @@ class LiteralBlocks(Stage):
         self.literal = LiteralLoop(cfg, cfg.trainer.seed + 1)
         self.block, self.warmup, self.clock = block, warmup, clock
         self.trainflow_s: list[float] = []  # per step, of each trainflow block (stages, log steps and all)
-        self.literal_s: list[float] = []  # per step, of the literal block that follows it
+        self.literal_s: list[float] = []  # per step, of the hand-written block that follows it
         self._mark: float | None = None
         self.literal.steps(warmup)
 
@@ -217,8 +221,9 @@ class LiteralBlocks(Stage):
 
 
 def interleaved(cfg_of: Callable[[int], Any], pairs: int, block: int, warmup: int, cpu_time: bool) -> None:
-    """Seed MLP: trainflow's loop and the literal loop in alternating blocks of one run (`LiteralBlocks`); the
-    median over the pairs of blocks of literal step time / trainflow step time (trainflow's relative throughput)."""
+    """Seed MLP: trainflow's loop and the hand-written loop in alternating blocks of one run (`LiteralBlocks`); the
+    median over the pairs of blocks of hand-written step time / trainflow step time (trainflow's relative
+    throughput)."""
     cfg = cfg_of(warmup + block * (pairs + 1))
     clock = time.thread_time if cpu_time else time.perf_counter
     with tempfile.TemporaryDirectory() as tmp, process_group(cfg) as env:
@@ -227,18 +232,18 @@ def interleaved(cfg_of: Callable[[int], Any], pairs: int, block: int, warmup: in
         assembled.stages.append(blocks)
         train_loop(assembled)
         assembled.ctx.writer.close()
-    # the literal blocks are one more than trainflow's (the last has no trainflow block after it)
+    # the hand-written blocks are one more than trainflow's (the last has no trainflow block after it)
     ratios = [literal / ours for literal, ours in zip(blocks.literal_s, blocks.trainflow_s, strict=False)]
     quartiles = statistics.quantiles(ratios, n=4)
     print(f"seed_mlp  interleaved, {'CPU time' if cpu_time else 'wall time'}, {torch.get_num_threads()} thread(s), "
-          f"{len(ratios)} pairs of {block}-step blocks: trainflow / literal {statistics.median(ratios):.3f} "
+          f"{len(ratios)} pairs of {block}-step blocks: trainflow / hand-written {statistics.median(ratios):.3f} "
           f"(median of the pairs; quartiles {quartiles[0]:.3f}-{quartiles[2]:.3f}); step: trainflow "
           f"{1e6 * statistics.median(blocks.trainflow_s):.0f} us, "
-          f"literal {1e6 * statistics.median(blocks.literal_s):.0f} us")
+          f"hand-written {1e6 * statistics.median(blocks.literal_s):.0f} us")
 
 
 def part_by_part(cfg_of: Callable[[int], Any], steps: int, warmup: int) -> dict[str, float]:
-    """Microseconds of this thread's CPU time per step: the literal loop with trainflow's parts added one at a
+    """Microseconds of this thread's CPU time per step: the hand-written loop with trainflow's parts added one at a
     time (the data path; the optimizer and schedule as trainflow builds them; the loss; the task's metrics computed
     every step, which trainflow does only at log steps unless task.train_metrics=every_step), then
     trainflow's `train_step` alone, its `train_loop` with the stage list emptied, and the whole loop."""
@@ -299,7 +304,7 @@ def part_by_part(cfg_of: Callable[[int], Any], steps: int, warmup: int) -> dict[
                 assembled.ctx.writer.close()
         return (cpu_s[0] - cpu_s[1]) / (steps - warmup)
 
-    timed["literal loop"] = literal_with(False, False, False)
+    timed["hand-written loop"] = literal_with(False, False, False)
     timed["+ trainflow's data path"] = literal_with(True, False, False)
     timed["+ trainflow's optimizer and LR schedule (build_optimizer)"] = literal_with(True, True, False)
     timed["+ its cross_entropy"] = literal_with(True, True, True)
@@ -340,9 +345,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--warmup", type=int, default=10)
-    parser.add_argument("--only-literal", action="store_true", help="only the seed MLP against the literal loop")
+    parser.add_argument("--only-literal", action="store_true", help="only the seed MLP against the hand-written loop")
     parser.add_argument("--cpu-time", action="store_true",
-                        help="the literal-loop comparison in one thread's CPU time (for a machine under load)")
+                        help="the hand-written-loop comparison in one thread's CPU time (for a machine under load)")
     parser.add_argument("--watchdog", action="store_true",
                         help="trainflow with its hang watchdog on (by default on only for runs of 2+ ranks)")
     parser.add_argument("--logger", default="none",
@@ -373,8 +378,8 @@ def main() -> None:
             ours = trainflow_rate(cfg)
             theirs = handwritten_rate(cfg, steps, warmup)
             ratios.append(ours / theirs)
-        print(f"{name:9s} throughput trainflow / hand-written: median {statistics.median(ratios):.3f} "
-              f"(rounds: {', '.join(f'{r:.3f}' for r in ratios)}); last hand-written {theirs:.0f} samples/s")
+        print(f"{name:9s} throughput trainflow / plain loop: median {statistics.median(ratios):.3f} "
+              f"(rounds: {', '.join(f'{r:.3f}' for r in ratios)}); last plain loop {theirs:.0f} samples/s")
     ours, theirs = startup_times(args.rounds)
     print(f"time to first step: train.py {ours:.2f} s, bare script {theirs:.2f} s, difference {ours - theirs:.2f} s")
 
