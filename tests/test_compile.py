@@ -74,6 +74,24 @@ def scaled_backend(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor])
 
 
 
+GRAPHS_SYMBOLIC: list[bool] = []  # what symbolic_recording_backend saw, per graph
+
+
+def _note_symbolic(gm: torch.fx.GraphModule, example_inputs: list):
+    from functorch.compile import make_boxed_func
+
+    GRAPHS_SYMBOLIC.append(any(isinstance(x, torch.SymInt) or isinstance(x, torch.Tensor) and any(
+        isinstance(d, torch.SymInt) for d in x.shape) for x in example_inputs))
+    return make_boxed_func(gm)
+
+
+def symbolic_recording_backend(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]):
+    """aot_eager that notes whether each graph it compiles (forward, then backward) has symbolic (dynamic) shapes."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    return aot_autograd(fw_compiler=_note_symbolic)(gm, example_inputs)
+
+
 def compile_args(tmp_path: Path, backend: str = "eager") -> list[str]:
     return ["compile=default", f"compile.backend={backend}", f"compile.cache_dir={tmp_path / 'inductor'}"]
 
@@ -328,22 +346,25 @@ def test_mlp_compiles_with_fullgraph(fresh_dynamo: None, tmp_path: Path) -> None
 
 
 def test_measuring_the_static_compile_leaves_the_training_state_as_it_was(fresh_dynamo: None, tmp_path: Path) -> None:
-    """The passes at the end of a dynamic=true run: same weights, batch-norm statistics and random stream after
-    them, no gradients left, and the model's own dynamic calls back in place."""
+    """The passes at the end of a dynamic=true run: a static graph indeed (dynamo marks the tensors it made dynamic:
+    the batch is copied for each pass), and after them the same weights, batch-norm statistics and random stream, no
+    gradients left, and the model's own dynamic calls back in place."""
     from trainflow.tasks import Classification
 
     torch.manual_seed(0)
     model = NormedMLP()
     batch = (torch.randn(16, 100), torch.randint(10, (16,)))
-    compiler = make_compiler(tmp_path, dynamic=True)
+    compiler = make_compiler(tmp_path, dynamic=True, backend="test_compile.symbolic_recording_backend")
     compiler.apply(model, batch, Classification())
-    model(batch[0]).sum().backward()  # a training step's compile
+    GRAPHS_SYMBOLIC.clear()
+    model(batch[0]).sum().backward()  # a training step's compile, on the example's own tensor
     model.zero_grad(set_to_none=True)
     own_call = model._compiled_call_impl
     state = {k: v.clone() for k, v in model.state_dict().items()}
     rng = torch.random.get_rng_state()
     cost = compiler.summary()["dynamic_cost"]
     assert cost["shape"] == [[16, 100]] and cost["static_compile_s"] > 0 and cost["skipped"] is None
+    assert GRAPHS_SYMBOLIC == [True, True, False, False]  # the run's dynamic graphs, then the static ones
     after = model.state_dict()
     assert all(torch.equal(after[k], v) for k, v in state.items())  # running_mean, num_batches_tracked too
     assert torch.equal(torch.random.get_rng_state(), rng)
