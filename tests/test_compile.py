@@ -92,6 +92,13 @@ def symbolic_recording_backend(gm: torch.fx.GraphModule, example_inputs: list[to
     return aot_autograd(fw_compiler=_note_symbolic)(gm, example_inputs)
 
 
+def dynamic_only_backend(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]):
+    """A backend that compiles dynamic graphs only: a static one fails."""
+    if not any(isinstance(x, torch.SymInt) for x in example_inputs):
+        raise RuntimeError("no static graphs here")
+    return gm
+
+
 def compile_args(tmp_path: Path, backend: str = "eager") -> list[str]:
     return ["compile=default", f"compile.backend={backend}", f"compile.cache_dir={tmp_path / 'inductor'}"]
 
@@ -370,6 +377,24 @@ def test_measuring_the_static_compile_leaves_the_training_state_as_it_was(fresh_
     assert torch.equal(torch.random.get_rng_state(), rng)
     assert all(p.grad is None for p in model.parameters())
     assert model._compiled_call_impl is own_call
+
+
+def test_a_failing_static_compile_is_reported_and_the_run_keeps_its_summary(fresh_dynamo: None,
+                                                                             tmp_path: Path) -> None:
+    from trainflow.tasks import Classification
+
+    model = NormedMLP()
+    batch = (torch.randn(16, 100), torch.randint(10, (16,)))
+    compiler = make_compiler(tmp_path, dynamic=True, backend="test_compile.dynamic_only_backend")
+    compiler.apply(model, batch, Classification())
+    model(batch[0]).sum().backward()
+    model.zero_grad(set_to_none=True)
+    own_call = model._compiled_call_impl
+    cost = compiler.summary()["dynamic_cost"]
+    assert cost["skipped"] == "the static compile failed (RuntimeError: no static graphs here)"
+    assert cost["static_compile_s"] is None
+    assert model._compiled_call_impl is own_call and all(p.grad is None for p in model.parameters())
+    assert json.loads((tmp_path / "compile_report.json").read_text())["dynamic_cost"] == cost
 
 
 def test_cache_dir_is_expanded_and_exported_for_inductor(fresh_dynamo: None, tmp_path: Path) -> None:

@@ -370,7 +370,11 @@ class Compiler(Stage):
             "skipped": self._why_not_measured(),
         }
         if cost["skipped"] is None:
-            cost.update(self._measure_static())
+            try:
+                cost.update(self._measure_static())
+            except Exception as exc:  # a finished run keeps its summary: the measurement only reports
+                cause = getattr(exc, "inner_exception", None) or exc  # a backend's own error, inside dynamo's
+                cost["skipped"] = f"the static compile failed ({type(cause).__name__}: {first_line(str(cause))})"
         if cost["static_compile_s"]:
             cost["compile_ratio"] = cost["dynamic_compile_s"] / cost["static_compile_s"]
             cost["pass_ratio"] = cost["dynamic_pass_ms"] / cost["static_pass_ms"]
