@@ -46,6 +46,17 @@ class BranchyMLP(nn.Module):
         return self.out(h)
 
 
+class NormedMLP(nn.Module):
+    """An MLP with state beside its weights (batch-norm statistics) and randomness (dropout)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(100, 64), nn.BatchNorm1d(64), nn.ReLU(), nn.Dropout(0.1), nn.Linear(64, 10))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
 _SOURCE, _FIRST_LINE = inspect.getsourcelines(BranchyMLP)
 BRANCH_LINE = _FIRST_LINE + next(i for i, line in enumerate(_SOURCE) if "data-dependent branch" in line)
 BRANCHY = [*MLP, "model._target_=test_compile.BranchyMLP"]
@@ -61,6 +72,31 @@ def scaled_backend(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor])
     return run
 
 
+
+
+GRAPHS_SYMBOLIC: list[bool] = []  # what symbolic_recording_backend saw, per graph
+
+
+def _note_symbolic(gm: torch.fx.GraphModule, example_inputs: list):
+    from functorch.compile import make_boxed_func
+
+    GRAPHS_SYMBOLIC.append(any(isinstance(x, torch.SymInt) or isinstance(x, torch.Tensor) and any(
+        isinstance(d, torch.SymInt) for d in x.shape) for x in example_inputs))
+    return make_boxed_func(gm)
+
+
+def symbolic_recording_backend(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]):
+    """aot_eager that notes whether each graph it compiles (forward, then backward) has symbolic (dynamic) shapes."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    return aot_autograd(fw_compiler=_note_symbolic)(gm, example_inputs)
+
+
+def dynamic_only_backend(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]):
+    """A backend that compiles dynamic graphs only: a static one fails."""
+    if not any(isinstance(x, torch.SymInt) for x in example_inputs):
+        raise RuntimeError("no static graphs here")
+    return gm
 
 
 def compile_args(tmp_path: Path, backend: str = "eager") -> list[str]:
@@ -144,6 +180,44 @@ def test_recompiles_with_varying_lengths(tmp_path: Path, run_dir: Path, dynamic:
         assert "compile.dynamic=true" in logged(run)
     assert report["compile_steps_excluded"] == len(lengths)
     assert run.summary["steady_state"]["excluded_steps"] == 2 + len(lengths)
+
+
+@pytest.mark.parametrize(("overrides", "measured"), [
+    ([], True),  # one shape: a static compile measured at the end against the run's dynamic one, and said
+    (["compile.measure_static=false"], False),  # said, not measured
+    (["data.seq_lens=[16,32]"], None),  # two shapes: what dynamic=true is for; nothing measured or said
+])
+def test_dynamic_true_on_one_input_shape_says_what_it_cost(tmp_path: Path, run_dir: Path, overrides: list[str],
+                                                           measured: bool | None) -> None:
+    run = train(run_dir, *GPT, *compile_args(tmp_path), "compile.dynamic=true", "trainer.max_steps=4", *overrides)
+    assert run.returncode == 0, run.stderr
+    report = run.summary["compile"]
+    assert report == json.loads((run_dir / "compile_report.json").read_text())
+    cost, log = report["dynamic_cost"], logged(run)
+    if measured is None:
+        assert report["input_shapes"] == [[[8, 16]], [[8, 32]]]  # the batch x tokens the compiled model took
+        assert cost is None and "compile: dynamic=true compiled for one input shape" not in log
+        return
+    assert report["input_shapes"] == [[[8, 32]]] and cost["shape"] == [[8, 32]]
+    # the run's first compile (the forward and backward of training; evaluation's no_grad recompile left out)
+    assert 0 < cost["dynamic_compile_s"] < report["compile_time_s"]
+    said = "compile: dynamic=true compiled for one input shape (8 x 32) that never changed"
+    fix = "; set compile.dynamic=false (or null) for fixed shapes"
+    if not measured:
+        assert cost["skipped"] == "compile.measure_static=false" and cost["static_compile_s"] is None
+        assert log.count(f"{said} (its cost against a static compile was not measured: "
+                         f"compile.measure_static=false){fix}") == 1
+        return
+    assert cost["skipped"] is None and cost["static_compile_s"] > 0 and cost["static_first_pass_s"] > 0
+    assert cost["dynamic_pass_ms"] > 0 and cost["static_pass_ms"] > 0 and cost["passes"] == 5
+    assert cost["compile_ratio"] == pytest.approx(cost["dynamic_compile_s"] / cost["static_compile_s"])
+    assert cost["pass_ratio"] == pytest.approx(cost["dynamic_pass_ms"] / cost["static_pass_ms"])
+    assert log.count(f"{said}: its compile took {cost['dynamic_compile_s']:.1f} s against "
+                     f"{cost['static_compile_s']:.1f} s static, a forward+backward {cost['dynamic_pass_ms']:.1f} ms "
+                     f"against {cost['static_pass_ms']:.1f} ms (measured at the end of this run){fix}") == 1
+    # the run's own figures leave the measurement's compile out
+    assert report["graphs"] == 2 and [r["reason"] for r in report["recompiles"]["reasons"]] == [
+        "forward: GLOBAL_STATE changed: grad_mode"]
 
 
 @pytest.mark.parametrize(("overrides", "fragment"), [
@@ -276,6 +350,51 @@ def test_mlp_compiles_with_fullgraph(fresh_dynamo: None, tmp_path: Path) -> None
     report = compiler.report()
     assert (report["graphs"], report["graph_breaks"]["count"], report["recompiles"]["count"]) == (1, 0, 0)
     assert report["scope"] == "model"  # compile.scope=null on a model that is not FSDP-sharded: the whole model
+
+
+def test_measuring_the_static_compile_leaves_the_training_state_as_it_was(fresh_dynamo: None, tmp_path: Path) -> None:
+    """The passes at the end of a dynamic=true run: a static graph indeed (dynamo marks the tensors it made dynamic:
+    the batch is copied for each pass), and after them the same weights, batch-norm statistics and random stream, no
+    gradients left, and the model's own dynamic calls back in place."""
+    from trainflow.tasks import Classification
+
+    torch.manual_seed(0)
+    model = NormedMLP()
+    batch = (torch.randn(16, 100), torch.randint(10, (16,)))
+    compiler = make_compiler(tmp_path, dynamic=True, backend="test_compile.symbolic_recording_backend")
+    compiler.apply(model, batch, Classification())
+    GRAPHS_SYMBOLIC.clear()
+    model(batch[0]).sum().backward()  # a training step's compile, on the example's own tensor
+    model.zero_grad(set_to_none=True)
+    own_call = model._compiled_call_impl
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    rng = torch.random.get_rng_state()
+    cost = compiler.summary()["dynamic_cost"]
+    assert cost["shape"] == [[16, 100]] and cost["static_compile_s"] > 0 and cost["skipped"] is None
+    assert GRAPHS_SYMBOLIC == [True, True, False, False]  # the run's dynamic graphs, then the static ones
+    after = model.state_dict()
+    assert all(torch.equal(after[k], v) for k, v in state.items())  # running_mean, num_batches_tracked too
+    assert torch.equal(torch.random.get_rng_state(), rng)
+    assert all(p.grad is None for p in model.parameters())
+    assert model._compiled_call_impl is own_call
+
+
+def test_a_failing_static_compile_is_reported_and_the_run_keeps_its_summary(fresh_dynamo: None,
+                                                                             tmp_path: Path) -> None:
+    from trainflow.tasks import Classification
+
+    model = NormedMLP()
+    batch = (torch.randn(16, 100), torch.randint(10, (16,)))
+    compiler = make_compiler(tmp_path, dynamic=True, backend="test_compile.dynamic_only_backend")
+    compiler.apply(model, batch, Classification())
+    model(batch[0]).sum().backward()
+    model.zero_grad(set_to_none=True)
+    own_call = model._compiled_call_impl
+    cost = compiler.summary()["dynamic_cost"]
+    assert cost["skipped"] == "the static compile failed (RuntimeError: no static graphs here)"
+    assert cost["static_compile_s"] is None
+    assert model._compiled_call_impl is own_call and all(p.grad is None for p in model.parameters())
+    assert json.loads((tmp_path / "compile_report.json").read_text())["dynamic_cost"] == cost
 
 
 def test_cache_dir_is_expanded_and_exported_for_inductor(fresh_dynamo: None, tmp_path: Path) -> None:

@@ -462,7 +462,8 @@ def test_finished_workers_wait_for_an_agent_that_reads_them_late(run_dir: Path) 
 def test_headline_command_runs_unchanged_on_a_machine_without_gpus(run_dir: Path) -> None:
     """The design's headline command, `python train.py parallelism=fsdp compile.dynamic=true`, with only
     trainer.max_steps lowered (time): auto starts 2 CPU ranks on gloo and says why once; the compile scope follows
-    FSDP to the blocks, so no warning asks the user to set it."""
+    FSDP to the blocks, so no warning asks the user to set it. Its shapes never change: at the end both ranks
+    compile the blocks static (collective passes, no deadlock) and the run says what dynamic=true cost."""
     run = train(run_dir, "parallelism=fsdp", "compile.dynamic=true", "trainer.max_steps=8", timeout=900)
     assert run.returncode == 0, run.stderr[-3000:]
     summary = run.summary
@@ -475,6 +476,12 @@ def test_headline_command_runs_unchanged_on_a_machine_without_gpus(run_dir: Path
     note = "parallelism.nproc_per_node=auto: no GPU is visible, so fsdp runs on 2 CPU processes over gloo"
     assert log.count(note) == 1 and (run.stdout + run.stderr).count(note) == 1
     assert "compile.scope" not in log and "WARNING" not in run.stderr
+    cost = report["dynamic_cost"]
+    assert report["input_shapes"] == [cost["shape"]] and len(cost["shape"][0]) == 3  # the first block's input
+    assert cost["skipped"] is None and cost["dynamic_compile_s"] > 0 and cost["static_compile_s"] > 0
+    shape = " x ".join(map(str, cost["shape"][0]))  # batch x tokens x width
+    assert log.count(f"compile: dynamic=true compiled for one input shape ({shape}) that never changed: its "
+                     f"compile took {cost['dynamic_compile_s']:.1f} s against {cost['static_compile_s']:.1f} s") == 1
 
 
 @pytest.fixture(scope="module")

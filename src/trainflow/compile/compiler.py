@@ -35,8 +35,9 @@ from trainflow.compile.diagnostics import (
     source_location,
     user_frame,
 )
+from trainflow.compile.static_cost import Passes
 from trainflow.config.schema import CompileConfig, TrainerConfig
-from trainflow.data.loaders import to_device
+from trainflow.data.loaders import cut, to_device
 from trainflow.distributed import DistEnv
 from trainflow.distributed.parallelism import local_loss, loss_context, unwrap
 from trainflow.distributed.pipeline import StageParts
@@ -55,6 +56,9 @@ CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
 _DYNAMIC_FIX = "set compile.dynamic=true, or use fewer distinct input shapes (e.g. data.seq_lens with few lengths)"
 _MAX_LISTED = 20  # reasons kept per kind in compile_report.json
 _FSDP_HINT = "with parallelism=fsdp compile each block: compile.scope=blocks"
+_STATIC_PASSES = 5  # steady passes of each kind when a static compile is measured against a dynamic one
+
+Shapes = tuple[tuple[int, ...], ...]  # the shapes of one call's tensor arguments
 
 
 def effective_mode(mode: str | None, world_size: int) -> str | None:
@@ -99,7 +103,12 @@ class Compiler(Stage):
         self.scope = self.cfg.scope  # null resolved in `apply`, from the model it compiles
         self.cache_dir: str | None = None
         self.mode = effective_mode(self.cfg.mode, env.world_size)
-        self._check_inputs: tuple[Any, Task] | None = None  # built from a run: compile.check's batch and task
+        # an example batch and the task: compile.check's, and what a static compile is measured on
+        self._example: tuple[Any, Task] | None = None
+        self._seq_lens = seq_lens
+        self._model: nn.Module | None = None
+        self._compiled: list[nn.Module] = []
+        self._shapes: set[Shapes] = set()  # the input shapes the first compiled module was called with
         if self.enabled:
             self.cache_dir = _configure_cache(self.cfg.cache_dir, self.cfg.backend)
             self.backend = _resolve_backend(self.cfg.backend)
@@ -112,16 +121,19 @@ class Compiler(Stage):
         seq_lens = ctx.cfg.data.get("seq_lens")  # a user's data section may have no such key
         compiler = cls(ctx.section("compile", CompileConfig), ctx.trainer, list(seq_lens) if seq_lens else None,
                        ctx.env, ctx.run_dir)
-        compiler._check_inputs = (ctx.example, ctx.task)
+        compiler._example = (ctx.example, ctx.task)
         return compiler
 
     def prepare(self, model: nn.Module) -> nn.Module:
-        return self.apply(model, *(self._check_inputs or ()))
+        return self.apply(model, *(self._example or ()))
 
     def apply(self, model: nn.Module, example: Any = None, task: Task | None = None) -> nn.Module:
-        """Compile in place (parameter names stay as they are); run `compile.check` on `example` if asked."""
+        """Compile in place (parameter names stay as they are); run `compile.check` on `example` if asked (a
+        static compile is measured on it too, at the end of a dynamic=true run on one input shape)."""
         if not self.enabled:
             return model
+        if example is not None and task is not None:
+            self._example = (example, task)
         self.scope = self.cfg.scope or default_scope(model)
         if self.scope == "model" and _is_fsdp(model):
             self._hint = _FSDP_HINT
@@ -129,8 +141,9 @@ class Compiler(Stage):
                 log.warning("compile.scope=model on an FSDP-sharded model: dynamo cannot trace the calls into "
                             "sharded blocks, so the model's own forward runs eager and only the blocks compile; %s",
                             _FSDP_HINT)
-        for module in self._targets(model):
-            self._compile(module)
+        self._model, self._compiled = model, self._targets(model)
+        for i, module in enumerate(self._compiled):
+            self._compile(module, record_shapes=i == 0)  # the others' inputs follow the first's
         if self.cfg.check:
             if example is None or task is None:
                 raise ConfigError("compile.check: needs an example batch and a task to compare; set it to false")
@@ -151,10 +164,12 @@ class Compiler(Stage):
         return False
 
     def summary(self, steady: dict[str, Any] | None = None) -> dict[str, Any]:
-        """The compile report (also written to compile_report.json) with the steady-state step time."""
+        """The compile report (also written to compile_report.json) with the steady-state step time; with
+        dynamic=true on one input shape, what that cost against a static compile (every rank measures it)."""
         if not self.enabled:
             return {"enabled": False}
-        report = self.report()
+        report = self.report()  # the run's own, before the measurement compiles anything
+        report["dynamic_cost"] = self._dynamic_cost()
         report["steady_step_time_s"] = steady["step_time_s"] if steady else None
         if not self._logged:
             self._log_report(report)
@@ -182,13 +197,15 @@ class Compiler(Stage):
             )
         return list(blocks)
 
-    def _compile(self, module: nn.Module) -> None:
-        """What `nn.Module.compile` does, plus one-line errors for graph breaks under fullgraph."""
+    def _compile(self, module: nn.Module, record_shapes: bool) -> None:
+        """What `nn.Module.compile` does, plus one-line errors for graph breaks under fullgraph; `record_shapes`:
+        the shapes of its tensor arguments are kept (a set of tuples: a microsecond a call)."""
         c = self.cfg
-        compiled = torch.compile(module._call_impl, backend=self.backend, mode=self.mode, fullgraph=c.fullgraph,
-                                 dynamic=c.dynamic)
+        compiled = self._torch_compile(module, c.dynamic)
 
         def call(*args: Any, **kwargs: Any) -> Any:
+            if record_shapes:
+                self._shapes.add(_shapes(args, kwargs))
             try:
                 return compiled(*args, **kwargs)
             except Exception as exc:
@@ -200,6 +217,10 @@ class Compiler(Stage):
                 raise error from exc
 
         module._compiled_call_impl = call  # nn.Module.__call__ runs this instead of its own _call_impl
+
+    def _torch_compile(self, module: nn.Module, dynamic: bool | None) -> Callable[..., Any]:
+        return torch.compile(module._call_impl, backend=self.backend, mode=self.mode, fullgraph=self.cfg.fullgraph,
+                             dynamic=dynamic)
 
     def _run_check(self, model: nn.Module, batch: Any, task: Task) -> dict[str, Any]:
         """One batch through the compiled and the eager model, same weights: compare the loss and every gradient."""
@@ -266,8 +287,13 @@ class Compiler(Stage):
 
     def _poll(self) -> None:
         """Copy dynamo's compilation records (a ring of the last 64) before they roll over."""
+        self._compiles.update(self._new_compiles())
+
+    def _new_compiles(self) -> dict[tuple[str, bool], dict[str, Any]]:
+        """dynamo's compilation records not yet copied, by (compile id, forward)."""
         from torch._dynamo.utils import get_compilation_metrics
 
+        new = {}
         for m in get_compilation_metrics():
             key = (m.compile_id or "", bool(m.is_forward))
             if key in self._compiles:
@@ -275,13 +301,14 @@ class Compiler(Stage):
             seconds = m.entire_frame_compile_time_s
             if not m.is_forward and m.backward_cumulative_compile_time_us is not None:
                 seconds = m.backward_cumulative_compile_time_us / 1e6
-            self._compiles[key] = {
+            new[key] = {
                 "function": function_name(m.co_name),
                 "location": source_location(m.co_filename, m.co_firstlineno) if m.co_filename else None,
                 "seconds": seconds or 0.0,
                 "recompile_reason": first_line(m.recompile_reason.split(": ", 1)[-1]) if m.recompile_reason else None,
                 "failure": first_line(m.fail_reason) if m.fail_reason else None,
             }
+        return new
 
     def report(self) -> dict[str, Any]:
         """Dynamo's view of this process so far: graphs, breaks, recompiles, the limit, compile time, cache."""
@@ -292,8 +319,7 @@ class Compiler(Stage):
         recompiles = [c for c in self._compiles.values() if c["recompile_reason"]]
         reasons = Counter(f"{c['function']}: {c['recompile_reason']}" for c in recompiles)
         limit_hit = any(first_line(k).startswith("Dynamo recompile limit exceeded") for k in counters["unimplemented"])
-        hits = counters["inductor"]["fxgraph_cache_hit"] + counters["aot_autograd"]["autograd_cache_hit"]
-        misses = counters["inductor"]["fxgraph_cache_miss"] + counters["aot_autograd"]["autograd_cache_miss"]
+        hits, misses = _cache_counts()
         first = self._step_times[0] if self._step_times else None
         return {
             "enabled": True,
@@ -316,15 +342,88 @@ class Compiler(Stage):
             "first_step_s": first,
             "warmup_step_times_s": list(self._step_times),
             "compile_steps_excluded": self._compile_steps,
-            "cache": {
-                "dir": self.cache_dir,
-                "state": ("warm" if hits and not misses else "cold" if misses and not hits
-                          else "partial" if hits else "unused"),
-                "hits": hits,
-                "misses": misses,
-            },
+            "cache": {"dir": self.cache_dir, "state": _cache_state(hits, misses), "hits": hits, "misses": misses},
             "check": self._check,
+            "input_shapes": [[list(s) for s in shapes] for shapes in sorted(self._shapes)[:_MAX_LISTED]],
+            "dynamic_cost": None,  # measured at the end of the run (summary)
         }
+
+    # --- what dynamic=true cost --------------------------------------------------------------------
+
+    def _dynamic_cost(self) -> dict[str, Any] | None:
+        """dynamic=true on a run whose input shape never changed, on any rank: what its compile took (the run's own
+        records) against a static compile of the same model, measured now, and the steady forward and backward of
+        both; said in one line. None when dynamic is false or null, or the shapes changed. Every rank takes part:
+        under DDP/FSDP the passes are collective, so the ranks decide together."""
+        if self.cfg.dynamic is not True or self._model is None:
+            return None
+        shapes = sorted(set().union(*self._everyone(self._shapes)))
+        if len(shapes) != 1:
+            return None
+        firsts = {cid for (cid, forward), c in self._compiles.items()
+                  if forward and not c["recompile_reason"] and not c["failure"]}  # not evaluation's recompile
+        cost: dict[str, Any] = {
+            "shape": [list(s) for s in shapes[0]],
+            "dynamic_compile_s": sum(c["seconds"] for (cid, _), c in self._compiles.items() if cid in firsts),
+            "static_compile_s": None, "compile_ratio": None, "static_first_pass_s": None, "static_cache": None,
+            "dynamic_pass_ms": None, "static_pass_ms": None, "pass_ratio": None, "passes": _STATIC_PASSES,
+            "skipped": self._why_not_measured(),
+        }
+        if cost["skipped"] is None:
+            try:
+                cost.update(self._measure_static())
+            except Exception as exc:  # a finished run keeps its summary: the measurement only reports
+                cause = getattr(exc, "inner_exception", None) or exc  # a backend's own error, inside dynamo's
+                cost["skipped"] = f"the static compile failed ({type(cause).__name__}: {first_line(str(cause))})"
+        if cost["static_compile_s"]:
+            cost["compile_ratio"] = cost["dynamic_compile_s"] / cost["static_compile_s"]
+            cost["pass_ratio"] = cost["dynamic_pass_ms"] / cost["static_pass_ms"]
+        if self.env.is_main:
+            log.info("%s", _dynamic_cost_line(cost))
+        return cost
+
+    def _why_not_measured(self) -> str | None:
+        if not self.cfg.measure_static:
+            return "compile.measure_static=false"
+        if isinstance(self._model, StageParts):
+            return "a pipeline's stages run by its schedule, not by one forward"
+        if self._example is None:
+            return "no example batch"
+        return None
+
+    def _measure_static(self) -> dict[str, Any]:
+        """The same model compiled static on the example batch (cut as data.seq_lens cuts it), against the run's
+        dynamic graphs: the static compile's records and first pass, then alternating steady passes of both."""
+        from torch._dynamo import config as dynamo_config
+
+        example, task = self._example
+        batch = to_device(example, self.env.device)
+        if self._seq_lens and len(set(self._seq_lens)) == 1:
+            batch = cut(batch, self._seq_lens[0])
+        static = [self._torch_compile(m, dynamic=False) for m in self._compiled]
+        seen = set(self._shapes)
+        with Passes(self._model, self._compiled, task, batch, self.env.device, self.precision) as passes:
+            passes.run(passes.own_calls)  # the run's graphs: compiled already for this shape
+            same, self._shapes = self._shapes == seen, seen
+            if not all(self._everyone(same)):
+                return {"skipped": "the example batch (the data's first items) is not of the run's input shape"}
+            self._poll()  # what that pass compiled (nothing, normally) is not the static compile's
+            cache_before = _cache_counts()
+            with dynamo_config.patch(recompile_limit=recompile_limit() + 1):  # one more graph per frame
+                first_s = passes.run(static)
+            records = self._new_compiles().values()
+            hits, misses = (now - then for now, then in zip(_cache_counts(), cache_before, strict=True))
+            dynamic_ms, static_ms = passes.steady_ms(passes.own_calls, static, _STATIC_PASSES)
+        return {"static_compile_s": sum(c["seconds"] for c in records), "static_first_pass_s": first_s,
+                "static_cache": _cache_state(hits, misses), "dynamic_pass_ms": dynamic_ms, "static_pass_ms": static_ms}
+
+    def _everyone(self, mine: Any) -> list[Any]:
+        """Every rank's `mine` (this rank's alone without a process group)."""
+        if not self.env.distributed:
+            return [mine]
+        everyone: list[Any] = [None] * self.env.world_size
+        torch.distributed.all_gather_object(everyone, mine)
+        return everyone
 
     def _warn_if_limit_hit(self, r: dict[str, Any]) -> None:
         if r["recompile_limit_hit"] and not self._warned_limit and self.env.is_main:
@@ -356,6 +455,36 @@ class Compiler(Stage):
 
     def _write(self, report: dict[str, Any]) -> None:
         write_atomic(self.run_dir / "compile_report.json", json.dumps(report, indent=2, default=str))
+
+
+def _shapes(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Shapes:
+    """The shapes of a call's tensor arguments, positional then named."""
+    return (*(a.shape for a in args if isinstance(a, torch.Tensor)),
+            *(v.shape for v in kwargs.values() if isinstance(v, torch.Tensor)))
+
+
+def _dynamic_cost_line(cost: dict[str, Any]) -> str:
+    shape = ", ".join(" x ".join(map(str, s)) for s in cost["shape"])
+    line = f"compile: dynamic=true compiled for one input shape ({shape}) that never changed"
+    if cost["skipped"]:
+        line += f" (its cost against a static compile was not measured: {cost['skipped']})"
+    else:
+        line += (f": its compile took {cost['dynamic_compile_s']:.1f} s against {cost['static_compile_s']:.1f} s "
+                 f"static, a forward+backward {cost['dynamic_pass_ms']:.1f} ms against {cost['static_pass_ms']:.1f} "
+                 "ms (measured at the end of this run)")
+    return line + "; set compile.dynamic=false (or null) for fixed shapes"
+
+
+def _cache_counts() -> tuple[int, int]:
+    """Hits and misses of inductor's and AOTAutograd's caches in this process so far."""
+    from torch._dynamo.utils import counters
+
+    return (counters["inductor"]["fxgraph_cache_hit"] + counters["aot_autograd"]["autograd_cache_hit"],
+            counters["inductor"]["fxgraph_cache_miss"] + counters["aot_autograd"]["autograd_cache_miss"])
+
+
+def _cache_state(hits: int, misses: int) -> str:
+    return "warm" if hits and not misses else "cold" if misses and not hits else "partial" if hits else "unused"
 
 
 def _is_fsdp(model: nn.Module) -> bool:

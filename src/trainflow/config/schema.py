@@ -220,6 +220,8 @@ class CompileConfig:
     scope: str | None = None
     cache_dir: str | None = "~/.cache/trainflow/inductor"  # persistent inductor cache; null: torch's default
     check: bool = False  # before training: compiled vs eager loss and gradients on one batch, same weights
+    # dynamic=true on a run whose input shape never changed: at its end, a static compile timed against the dynamic one
+    measure_static: bool = True
 
 
 @dataclass

@@ -47,9 +47,14 @@ class VariableLengths:
         self.first = sampler.start // (sampler.batch_size * sampler.world_size)
 
     def __iter__(self) -> Iterator[Batch]:
-        for k, (inputs, targets) in enumerate(self.loader, start=self.first):
-            n = self.seq_lens[k % len(self.seq_lens)]
-            yield inputs[:, :n].contiguous(), targets[:, :n].contiguous()
+        for k, batch in enumerate(self.loader, start=self.first):
+            yield cut(batch, self.seq_lens[k % len(self.seq_lens)])
+
+
+def cut(batch: tuple[torch.Tensor, torch.Tensor], n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A language model's (inputs, targets) cut to their first `n` tokens, as data.seq_lens cuts them."""
+    inputs, targets = batch
+    return inputs[:, :n].contiguous(), targets[:, :n].contiguous()
 
 
 class Pinned:
