@@ -156,8 +156,6 @@ def test_recompiles_with_varying_lengths(tmp_path: Path, run_dir: Path, dynamic:
 
 
 @pytest.mark.parametrize(("overrides", "fragment"), [
-    (["compile.mode=fastest"], "compile.mode: must be null or one of default, max-autotune"),
-    (["compile.scope=layers"], "compile.scope: must be one of model, blocks"),
     (["compile.backend=eager", "compile.mode=max-autotune"], "compile.mode: only the inductor backend takes a mode"),
     (["compile.backend=cudagraphs"], "compile.backend: cudagraphs uses CUDA graphs"),
     (["data.seq_lens=[8,64]"], "data.seq_lens: each length must be in [1, data.seq_len=32]"),

@@ -32,7 +32,6 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-from omegaconf import DictConfig
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -48,7 +47,7 @@ log = logging.getLogger(__name__)
 _DTYPES = {None: None, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def parallelize(model: nn.Module, cfg: ParallelismConfig | DictConfig, env: DistEnv,
+def parallelize(model: nn.Module, cfg: ParallelismConfig, env: DistEnv,
                 precision: str = "fp32") -> nn.Module:
     """Tensor parallel, activation checkpointing, then DDP or FSDP2 for the chosen strategy; one process trains
     the model as is."""
@@ -138,7 +137,7 @@ def fsdp_dtypes(param_dtype: str | None, reduce_dtype: str | None, precision: st
     return param, reduce
 
 
-def shard(model: nn.Module, cfg: FSDPConfig | DictConfig, env: DistEnv, precision: str = "fp32",
+def shard(model: nn.Module, cfg: FSDPConfig, env: DistEnv, precision: str = "fp32",
           mesh: DeviceMesh | None = None) -> nn.Module:
     """FSDP2: `fully_shard` each unit (blocks, or modules by size), then the root, over one device mesh (FSDP: one
     dimension; HSDP: replicate x shard)."""
