@@ -115,6 +115,7 @@ def schema_node(schema: type) -> DictConfig:
 
 
 def _hold_auto_fields(node: DictConfig, schema: type) -> None:
+    """Replace the nodes of `schema`'s `X | Auto` fields in `node` (a structured config of it) by AutoOr nodes."""
     for name, hint in typing.get_type_hints(schema).items():
         if (other := _auto_partner(hint)) is not None:
             node.__dict__["_content"][name] = AutoOr(other, node[name], key=name, parent=node)
@@ -160,8 +161,8 @@ def refused_choice(error: ValidationError, section: str = "") -> str | None:
     values = allowed(hint)
     if values is None:
         return None
-    choice = typing.get_args(hint)[0] if typing.get_origin(hint) is list else hint
-    why = getattr(choice, "why_not", None)
+    member_type = typing.get_args(hint)[0] if typing.get_origin(hint) is list else hint
+    why = getattr(member_type, "why_not", None)  # a choice may say why a value is not one of it (StopSignal)
     reason = f"{why(str(error.value))}; " if why else ""
     key = f"{section}.{error.full_key}" if section else error.full_key
     return f"{key}: {reason}must be {values}; got {error.value!r}"

@@ -543,7 +543,8 @@ def register_configs() -> None:
     cs.store(group="schema/run", name="ladder", node=schema_node(LadderRunConfig))
     # Options whose keys differ (model and data kinds) extend these; the other groups are typed by RunConfig.
     # Open: a key the schema lacks composes, so that a user's _target_ and its keys on a built-in option reach
-    # trainflow.config.sections (which drops the option's keys the target does not take, or names a misspelt key).
+    # trainflow.config.sections (which drops the option's keys the target does not take, and refuses yours that it
+    # does not take).
     for group, name, schema in (("model", "gpt", GPTConfig), ("model", "mlp", MLPConfig), ("model", "cnn", CNNConfig),
                                 ("data", "text", TextDataConfig), ("data", "synthetic", SyntheticDataConfig),
                                 ("data", "digits", DigitsDataConfig), ("data", "hf", HFDataConfig),
