@@ -117,9 +117,79 @@ def check_memory_snapshot(out: Path, base: list[str]) -> dict[str, Any]:
     return {"ok": ok, "expect": "a snapshot written in < 30 s", "write_s": seconds, "snapshots": snapshots}
 
 
+def _figures(run: dict[str, Any]) -> dict[str, Any]:
+    """Step time, MFU, peak memory and the last loss of a run (or its error)."""
+    if "error" in run:
+        return {"error": run["error"]}
+    return {"step_time_s": steady(run, "step_time_s"), "mfu": run.get("mfu"),
+            "peak_memory_gib": round((run.get("peak_memory_bytes") or 0) / 2**30, 3),
+            "last_loss": (run.get("train_loss") or {}).get("last")}
+
+
+def _compiled(base: list[str]) -> list[str]:
+    """Compiled bf16 on a GPU (how these modes are used); aot_eager in fp32 on CPU (the smoke run)."""
+    return ["compile=default", "trainer.precision=bf16"] if base is GPU else ["compile=default",
+                                                                             "compile.backend=aot_eager"]
+
+
+def check_activation_checkpointing(out: Path, base: list[str]) -> dict[str, Any]:
+    """Each parallelism.activation_checkpointing mode on the same model: step time, MFU, peak memory. Expected:
+    full holds the least and is the slowest, selective between off and full in both, budget (0.5) below off."""
+    runs = {mode: _figures(train(out, f"ac_{mode}", base, *_compiled(base),
+                                 f"parallelism.activation_checkpointing={mode}"))
+            for mode in ("off", "full", "selective", "budget")}
+    if any("error" in r for r in runs.values()):
+        return {"ok": False, **{f"{m}_error": r["error"] for m, r in runs.items() if "error" in r}}
+    peak = {m: r["peak_memory_gib"] for m, r in runs.items()}
+    ok = base is SMOKE or peak["full"] <= peak["selective"] <= peak["off"] and peak["budget"] <= peak["off"]
+    return {"ok": ok, "expect": "peak memory full <= selective <= off, budget <= off",
+            **{f"{m}_{k}": v for m, r in runs.items() for k, v in r.items()}}
+
+
+def check_fp8(out: Path, base: list[str]) -> dict[str, Any]:
+    """trainer.precision=fp8 (torchao, tensorwise and rowwise) against bf16, compiled, with and without full
+    activation checkpointing: step time, MFU, peak memory, last loss. Expected: fp8 faster than bf16 at the
+    same checkpointing, its last loss within 10% (the ladder's fp8 gates judge the whole curve)."""
+    if base is SMOKE:  # float8 needs a GPU of compute capability 8.9+: the smoke run checks the refusal
+        run = train(out, "fp8", base, "trainer.precision=fp8")
+        return {"ok": "error" in run and "compute capability" in run["error"], "refusal": run.get("error")}
+    runs = {}
+    for precision, recipe in (("bf16", None), ("fp8", "tensorwise"), ("fp8", "rowwise")):
+        for ac in ("off", "full"):
+            if recipe == "rowwise" and ac == "full":
+                continue
+            name = f"{recipe or precision}_ac_{ac}"
+            extra = [f"trainer.fp8_recipe={recipe}"] if recipe else []
+            runs[name] = _figures(train(out, name, base, "compile=default", f"trainer.precision={precision}",
+                                        f"parallelism.activation_checkpointing={ac}", *extra))
+    if any("error" in r for r in runs.values()):
+        return {"ok": False, **{f"{n}_error": r["error"] for n, r in runs.items() if "error" in r}}
+    faster = all(runs[f"tensorwise_ac_{ac}"]["step_time_s"] < runs[f"bf16_ac_{ac}"]["step_time_s"]
+                 for ac in ("off", "full"))
+    close = abs(runs["tensorwise_ac_off"]["last_loss"] / runs["bf16_ac_off"]["last_loss"] - 1) < 0.1
+    return {"ok": faster and close, "expect": "fp8 tensorwise faster than bf16 with and without AC; loss within 10%",
+            **{f"{n}_{k}": v for n, r in runs.items() for k, v in r.items()}}
+
+
+def check_energy(out: Path, base: list[str]) -> dict[str, Any]:
+    """The board's energy counter (NVML, or nvidia-smi) read over the steady state: joules per sample and token,
+    and the cost of a million tokens at a price per GPU-hour; on CPU (--smoke) energy is absent with the reason."""
+    run = train(out, "energy", base, "trainer.cost_per_hour=2.0")
+    if "error" in run:
+        return {"ok": False, "error": run["error"]}
+    energy, money = run["cost"]["energy"], run["cost"]["money"]
+    measured = (energy.get("joules_per_sample") or 0) > 0 and (energy.get("watts") or 0) > 0
+    ok = (measured if base is GPU else "absent" in energy) and (money.get("per_million_tokens") or 0) > 0
+    return {"ok": ok, "expect": "watts > 0, joules per sample > 0 (GPU); cost per M tokens > 0",
+            "source": energy.get("source"), "watts": energy.get("watts"),
+            "joules_per_sample": energy.get("joules_per_sample"), "joules_per_token": energy.get("joules_per_token"),
+            "energy_absent": energy.get("absent"), "cost_per_million_tokens": money.get("per_million_tokens")}
+
+
 CHECKS: dict[str, Callable[[Path, list[str]], dict[str, Any]]] = {
     "pinning": check_pinning, "tf32": check_tf32, "cuda_graphs_with_eval": check_cuda_graphs_with_eval,
-    "async_checkpoint": check_async_checkpoint, "memory_snapshot": check_memory_snapshot,
+    "async_checkpoint": check_async_checkpoint, "memory_snapshot": check_memory_snapshot, "energy": check_energy,
+    "activation_checkpointing": check_activation_checkpointing, "fp8": check_fp8,
 }
 
 

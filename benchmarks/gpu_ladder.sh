@@ -1,9 +1,13 @@
 #!/usr/bin/env bash
 # The workflow ladder on one GPU: gpt_small in bf16 on CUDA, baseline -> compile -> profile (CUDA timeline,
-# memory snapshot) -> scale (only with 2+ GPUs) -> checkpoint (async, CUDA staging) -> resume in a fresh process;
-# then benchmarks/gpu_checks.py: the items of docs/gpu.md only a GPU confirms (pinning, TF32, CUDA graphs with
-# evaluation, async save + resume, memory snapshot time), side by side.
-# Budget: about 5 minutes on one H100/H200 for the ladder (cold inductor cache included) + at most 3 for the checks.
+# memory snapshot) -> scale (only with 2+ GPUs) -> checkpoint (async, CUDA staging) -> resume in a fresh process
+# -> fp8 (float8 linear layers, compiled, gated against the compile rung in bf16; GPUs of compute capability 8.9+
+# with torchao); then benchmarks/gpu_checks.py: the items of docs/gpu.md only a GPU confirms (pinning, TF32, CUDA
+# graphs with evaluation, async save + resume, memory snapshot time, the activation checkpointing modes, fp8 against
+# bf16 with and without checkpointing), side by side.
+# Budget: about 5 minutes on one H100/H200 for the ladder (cold inductor cache included; the fp8 rung 1 more) + at
+# most 3 for the checks; the activation checkpointing and fp8 checks (9 compiled runs) take ~6 more:
+# CHECKS_BUDGET_S=600 CHECKS_ONLY=activation_checkpointing,fp8 bash benchmarks/gpu_ladder.sh
 #
 #   bash benchmarks/gpu_ladder.sh            # on the GPU machine
 #   bash benchmarks/gpu_ladder.sh --smoke    # anywhere, CPU included: tiny model, few steps (the tests run this)
@@ -59,6 +63,14 @@ else
     RUNGS="baseline,compile,profile,checkpoint,resume"
     echo "gpu_ladder.sh: one GPU: the scale rungs (ddp, fsdp) need two and are left out (their gates say so)"
   fi
+  # the fp8 rung: float8 tensor cores (compute capability 8.9+) and torchao (pip install 'trainflow[fp8]')
+  if "$PYTHON" -c "import sys, torch, importlib.util as u; \
+      sys.exit(0 if torch.cuda.get_device_capability() >= (8, 9) and u.find_spec('torchao') else 1)"; then
+    RUNGS="$RUNGS,fp8"
+  else
+    echo "gpu_ladder.sh: no fp8 rung: it needs a GPU of compute capability 8.9+ and torchao" \
+      "(pip install 'trainflow[fp8]')"
+  fi
   # CUDA's atomics-based backward kernels are not bit-reproducible, so two uninterrupted runs differ too: the
   # resumed losses get a tolerance here (the first GPU ladder: 2.3e-4 at most over 100 steps).
   ARGS=(model=gpt_small trainer.precision=bf16 trainer.device=cuda trainer.batch_size=16 trainer.max_steps=200
@@ -69,26 +81,29 @@ fi
 
 SWEEP="${SWEEP_DIR:-$ROOT/multirun/gpu_ladder/$(date +%Y-%m-%d_%H-%M-%S)}"
 mkdir -p "$SWEEP"
+LOG="$SWEEP.console.log"  # beside the sweep folder while the ladder runs (trainflow writes only into its own folders)
 echo "gpu_ladder.sh: $GPUS GPU(s); rungs $RUNGS; sweep folder $SWEEP"
 cd "$ROOT"
 start=$SECONDS
 set +e
 "$PYTHON" train.py -m experiment=ladder "ladder=$RUNGS" "${ARGS[@]}" "$@" "hydra.sweep.dir=$SWEEP" 2>&1 \
-  | tee "$SWEEP/console.log"
+  | tee "$LOG"
 rc=${PIPESTATUS[0]}
 set -e
 echo "gpu_ladder.sh: the ladder took $((SECONDS - start)) s; exit code $rc; report: $SWEEP/report.md"
 checks_rc=0
 if [[ $SMOKE == 0 ]]; then
-  # What only a GPU confirms (docs/gpu.md): pinning, TF32, CUDA graphs with eval, async save + resume, snapshot.
+  # What only a GPU confirms (docs/gpu.md): pinning, TF32, CUDA graphs with eval, async save + resume, snapshot,
+  # the energy counter.
   set +e
   "$PYTHON" benchmarks/gpu_checks.py --out "$SWEEP" --budget-s "${CHECKS_BUDGET_S:-180}" \
     ${CHECKS_ONLY:+--only "$CHECKS_ONLY"} 2>&1 \
-    | tee -a "$SWEEP/console.log"
+    | tee -a "$LOG"
   checks_rc=${PIPESTATUS[0]}
   set -e
   echo "gpu_ladder.sh: checks exit code $checks_rc; report: $SWEEP/gpu_checks.md"
 fi
+mv "$LOG" "$SWEEP/console.log"
 if [[ -n "${OUT:-}" ]]; then
   mkdir -p "$OUT"
   for f in report.md report.json report.png console.log gpu_checks.md gpu_checks.json; do

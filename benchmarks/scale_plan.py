@@ -13,7 +13,12 @@ layer over tp consecutive ranks of a node, and the data-parallel degrees take th
 shards; HSDP x TP: 8 / tp shards per node).
 
     .venv/bin/python benchmarks/scale_plan.py [--worlds 8 64 512 1024] [--models gpt_small gpt_medium gpt_6b gpt_70b]
-        [--tp 1 2 8]
+        [--tp 1 2 8] [--pp 2 4 8] [--schedules 1f1b interleaved_1f1b zbv]
+
+Pipeline plans (`--pp`): FSDP x PP at each world size, the first and the last stage of the meta GPT split as
+trainflow splits it (trainflow.distributed.pipeline.stage_copy) and sharded over the data-parallel ranks of the
+mesh; the rank holding more is counted, next to the estimate. Then the bubble of each schedule, simulated from its
+order of work (trainflow.distributed.pipeline.simulated_bubble), by pipeline degree and micro-batches.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from trainflow.distributed import DistEnv
 from trainflow.distributed.memory_estimate import Layout, estimate, local_bytes, model_facts
 from trainflow.distributed.mesh import MeshLayout, data_parallel_mesh, mesh_for
 from trainflow.distributed.parallelism import shard, shard_units
+from trainflow.distributed.pipeline import simulated_bubble, stage_copy
 from trainflow.distributed.tensor import apply_tensor_parallel
 from trainflow.models.gpt import GPT
 from trainflow.optim import build_optimizer
@@ -90,12 +96,49 @@ def simulate(name: str, world_size: int, strategy: str, tp: int = 1,
             "estimate": estimate(facts, layout)}
 
 
+def simulate_pp(name: str, world_size: int, pp: int) -> dict[str, Any]:
+    """Rank 0's bytes under FSDP x `pp` at `world_size` fake ranks (the larger of the first and the last stage),
+    and the estimate."""
+    fsdp_cfg = OmegaConf.structured(FSDPConfig)
+    optim_cfg = OmegaConf.structured(OptimConfig)
+    dp = world_size // pp
+    facts = model_facts(meta_gpt(name), optim_cfg, fsdp_cfg)
+    layers = MODELS[name]["n_layer"]
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    try:
+        mesh = mesh_for(MeshLayout("fsdp", 1, dp, 1, pp), "cpu")
+        stages = []
+        for stage in (0, pp - 1):
+            part = stage_copy(meta_gpt(name), stage, pp, layers // pp)
+            if dp > 1:
+                shard(part, fsdp_cfg, DistEnv(0, world_size, 0, torch.device("cpu"), "fsdp", 1, True, pp), "fp32",
+                      data_parallel_mesh(mesh))
+            optimizer, _ = build_optimizer(part, optim_cfg, 1, torch.device("meta"))
+            for param in part.parameters():
+                param.grad = torch.zeros_like(param)
+            optimizer.step()
+            state = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+            stages.append({"params": local_bytes(part.parameters()),
+                           "grads": local_bytes(p.grad for p in part.parameters()), "optimizer": local_bytes(state)})
+    finally:
+        dist.destroy_process_group()
+    measured = max(stages, key=lambda row: row["params"])
+    layout = Layout("fsdp", dp, pp=pp, microbatches=pp)
+    return {"model": name, "layout": layout.name, "world_size": world_size, "shard_size": dp, "pp": pp,
+            "measured": measured, "estimate": estimate(facts, layout)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--worlds", type=int, nargs="+", default=[8, 64, 512, 1024])
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     parser.add_argument("--tp", type=int, nargs="+", default=[1, 2, 8], help="TP degrees (within a node of 8)")
+    parser.add_argument("--pp", type=int, nargs="*", default=[], help="pipeline degrees (FSDP x PP rows)")
+    parser.add_argument("--schedules", nargs="+", default=["1f1b", "interleaved_1f1b", "zbv"])
     args = parser.parse_args()
+    if args.pp:
+        pipeline_rows(args)
+        return
     print("| model | parameters | layout | ranks | shard | tp | params MB | grads MB | optimizer MB | "
           "largest all-gather MB | estimate = simulation |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
@@ -114,6 +157,33 @@ def main() -> None:
                           f"{m['optimizer'] / MB:.2f} | {m['largest_unit'] / MB:.1f} | {'yes' if same else 'NO'} |",
                           flush=True)
     print(f"\n{time.perf_counter() - start:.0f} s; per rank, rank 0 (the largest shard); fp32 parameters, AdamW")
+
+
+def pipeline_rows(args: argparse.Namespace) -> None:
+    """The FSDP x PP memory rows, then the bubble by schedule, pipeline degree and micro-batches."""
+    print("| model | layout | ranks | shard | pp | params MB | grads MB | optimizer MB | estimate = simulation |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    start = time.perf_counter()
+    for name in args.models:
+        for world in args.worlds:
+            for pp in args.pp:
+                if world % pp or MODELS[name]["n_layer"] % pp:
+                    continue
+                row = simulate_pp(name, world, pp)
+                m, e = row["measured"], row["estimate"]
+                same = all(m[k] == e[k] for k in ("params", "grads", "optimizer"))
+                print(f"| {name} | {row['layout']} | {world} | {row['shard_size']} | {pp} | {m['params'] / MB:.2f} | "
+                      f"{m['grads'] / MB:.2f} | {m['optimizer'] / MB:.2f} | {'yes' if same else 'NO'} |", flush=True)
+    print(f"\n{time.perf_counter() - start:.0f} s; per rank, the larger of the first and last stage; fp32, AdamW\n")
+    counts = sorted({m * pp for pp in args.pp for m in (1, 2, 4)})
+    print("| schedule | pp | " + " | ".join(f"m={m}" for m in counts) + " |")
+    print("|---|---|" + "---|" * len(counts))
+    for schedule in args.schedules:
+        for pp in args.pp:
+            stages = pp * (1 if schedule in ("1f1b", "gpipe") else 2)
+            cells = [f"{simulated_bubble(schedule, pp, m):.3f}" if m >= stages and m % pp == 0 else "-"
+                     for m in counts]
+            print(f"| {schedule} | {pp} | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":

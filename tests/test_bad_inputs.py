@@ -24,8 +24,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, TINY_GPT, can_mount, tmpfs, train
 from helpers.processes import run_process
+from helpers.runs import ROOT, TINY_GPT, can_mount, tmpfs, train
 
 from trainflow.util.rundir import MARKER
 
@@ -398,6 +398,17 @@ def busy_port(ctx: Ctx) -> None:
     sock.listen()
 
 
+def failed_run(ctx: Ctx) -> None:
+    """A sweep job's folder whose run failed: Hydra's config and the failure's line, no summary."""
+    (ctx.tmp / "failed" / ".hydra").mkdir(parents=True)
+    (ctx.tmp / "failed" / ".hydra" / "config.yaml").write_text("trainer:\n  max_steps: 8\n")
+    (ctx.tmp / "failed" / "failure.txt").write_text("RuntimeError: boom\n")
+
+
+def empty_ledger(ctx: Ctx) -> None:
+    (ctx.tmp / "ledger.jsonl").write_text("")
+
+
 def unfinished_save(ctx: Ctx) -> None:
     shutil.copytree(ctx.ckpts / "step_00000004", ctx.tmp / ".tmp-step_00000006")
     (ctx.tmp / ".tmp-step_00000006" / "manifest.json").unlink()
@@ -542,6 +553,13 @@ CASES = [
     Case("unknown-eval-schedule", "config", "an evaluation schedule that is neither auto nor a step count",
          ("trainer.eval_every=often",),
          "trainer.eval_every", ("auto or an integer", "got 'often'"), exit=1),
+    Case("negative-cost", "config", "a negative price of a device hour", ("trainer.cost_per_hour=-1",),
+         "trainer.cost_per_hour", (">= 0", "got -1.0")),
+    Case("ledger-is-a-folder", "config", "a ledger path that is a folder", ("metrics.ledger={tmp}",),
+         "metrics.ledger", ("{tmp} is a folder", "give a file in it")),
+    Case("ledger-read-only", "environment", "a ledger on a read-only filesystem",
+         ("metrics.ledger={tmp}/ro/ledger.jsonl",), "metrics.ledger", ("cannot write to", "a writable file", "off"),
+         setup=read_only_disk, needs="mount"),
     Case("model-not-importable", "config", "a model class that cannot be imported", ("model._target_=nosuch.Net",),
          "model._target_", ("cannot import 'nosuch.Net'", "import path of an nn.Module class")),
     Case("model-arguments-refused", "config", "model arguments the model refuses", ("model.n_head=3",),
@@ -998,6 +1016,50 @@ CASES = [
           "parallelism.activation_checkpointing=full"),
          "parallelism.activation_checkpointing", ("parallelism.tp=2", "fails inside torch", "compile=off",
                                                   "parallelism.activation_checkpointing=off")),
+    Case("pp-not-dividing-blocks", "scale", "pipeline stages that do not divide the model's blocks",
+         ("parallelism=fsdp", "parallelism.pp=2", "parallelism.nproc_per_node=2", "model.n_layer=3"),
+         "parallelism.pp", ("2 stages do not divide the model's 3 blocks", "parallelism.pp in 1, 3",
+                            "(rank {n})")),
+    Case("pp-not-dividing-world", "scale", "a pipeline degree that does not divide the world size",
+         ("parallelism=fsdp", "parallelism.pp=2", "parallelism.nproc_per_node=3"),
+         "parallelism.pp", ("2 does not divide the world size 3", "1 or 3", "a multiple of 2")),
+    Case("pp-microbatches-not-dividing", "scale", "pipeline micro-batches that do not divide the per-rank batch",
+         ("parallelism=fsdp", "parallelism.pp=2", "parallelism.nproc_per_node=2", "parallelism.microbatches=3"),
+         "parallelism.microbatches", ("3 pipeline micro-batches do not divide the per-rank batch of 8",
+                                      "1, 2, 4, 8", "(rank {n})")),
+    Case("pp-without-blocks", "scale", "pipeline parallel for a model without `blocks`",
+         ("model=mlp", "data=synthetic", "parallelism=fsdp", "parallelism.pp=2", "parallelism.nproc_per_node=2"),
+         "parallelism.pp", ("MLP has no `blocks` list", "parallelism.pp=1", "(rank {n})")),
+    Case("pp-with-tp", "scale", "pipeline parallel with tensor parallel (fails inside torch 2.13)",
+         ("parallelism=fsdp", "parallelism.pp=2", "parallelism.tp=2", "parallelism.nproc_per_node=4"),
+         "parallelism.pp", ("parallelism.tp=2 fail in torch 2.13", "16384 vs 8192", "parallelism.tp=1 with pp",
+                            "(rank {n})")),
+    Case("pp-single", "scale", "a pipeline degree with parallelism=single", ("parallelism.pp=2",),
+         "parallelism.pp", ("parallelism=single trains one process", "parallelism=fsdp with parallelism.pp=2")),
+    Case("pp-zero-bubble-fsdp", "scale", "a zero-bubble schedule with data-parallel ranks (FSDP)",
+         ("parallelism=fsdp", "parallelism.pp=2", "parallelism.nproc_per_node=4", "model.n_layer=4",
+          "parallelism.pp_schedule=zbv"),
+         "parallelism.pp_schedule", ("zbv with 2 data-parallel ranks", "weight gradients unset", "1f1b",
+                                     "(rank {n})")),
+    Case("pp-compile-check", "scale", "compile.check on a pipelined model",
+         ("parallelism=fsdp", "parallelism.pp=2", "compile=default", "compile.check=true"),
+         "compile.check", ("parallelism.pp=2 runs the model as stages", "compile.check=false",
+                           "parallelism.check=true")),
+    Case("pp-unknown-schedule", "scale", "a pipeline schedule trainflow does not run",
+         ("parallelism=fsdp", "parallelism.pp=2", "parallelism.pp_schedule=dualpipe"),
+         "parallelism.pp_schedule", ("1f1b, gpipe, interleaved_1f1b, interleaved_zb, zbv", "got 'dualpipe'"),
+         exit=1),
+    Case("ac-budget-without-compile", "scale", "a compiler's activation budget without compile",
+         ("parallelism.activation_checkpointing=budget",),
+         "parallelism.activation_checkpointing", ("torch.compile's partitioner", "compile.enabled=true",
+                                                  "full or selective")),
+    Case("ac-selective-without-blocks", "scale", "selective activation checkpointing on a model without `blocks`",
+         ("model=mlp", "data=synthetic", "parallelism.activation_checkpointing=selective"),
+         "parallelism.activation_checkpointing", ("selective recomputes each module of model.blocks",
+                                                  "MLP has no `blocks` list", "set it to off")),
+    Case("fp8-on-cpu", "scale", "float8 training on a CPU", ("trainer.precision=fp8",),
+         "trainer.precision", ("compute capability 8.9 or newer", "pip install 'trainflow[fp8]'", "on cpu",
+                               "trainer.precision=bf16")),
     Case("degrees-not-world-size", "scale", "mesh degrees whose product is not the world size",
          ("parallelism=fsdp", "parallelism.dp_shard=3", "parallelism.nproc_per_node=4"),
          "parallelism.dp_replicate x dp_shard x tp", ("1 x 3 x 1", "world size 4", "product is 4")),
@@ -1108,6 +1170,31 @@ CASES = [
          tool="trainflow", setup=broken_transformers, env=(("PYTHONPATH", "{tmp}/broken"),), after=no_hf_output),
     Case("report-missing-folder", "tools", "a report on a folder that does not exist", ("report", "{tmp}/nope"),
          "{tmp}/nope", ("no such folder", "a run folder", "a sweep folder"), tool="trainflow"),
+    Case("compare-missing-folder", "tools", "a comparison of a folder that does not exist",
+         ("compare", "{tmp}/nope", "{tmp}/nope2"), "compare A", ("{tmp}/nope: no such folder", "a run folder"),
+         tool="trainflow"),
+    Case("compare-checkpoint-with-run", "tools", "a checkpoint compared with a run",
+         ("compare", "{tmp}/failed", "{ckpts}"),
+         "compare", ("{ckpts} is a checkpoint and {tmp}/failed is not", "a checkpoint with a checkpoint"),
+         tool="trainflow", setup=failed_run),
+    Case("compare-failed-run", "tools", "a comparison of a run that failed",
+         ("compare", "{tmp}/failed", "{tmp}/failed"),
+         "compare A", ("has not finished (failed: RuntimeError: boom)", "compare finished runs"), tool="trainflow",
+         setup=failed_run),
+    Case("compare-unknown-gate", "tools", "a gate on a figure compare does not have",
+         ("compare", "{ckpts}", "{ckpts}", "--fail-on", "speed=+5%"), "--fail-on speed=+5%",
+         ("'speed' is no figure", "step_time", "val_<metric>"), tool="trainflow"),
+    Case("compare-unknown-ledger-filter", "tools", "a ledger selection by a filter that does not exist",
+         ("compare", "ledger:colour=red", "ledger:last=1"), "compare A", ("ledger:colour: no such filter", "config"),
+         tool="trainflow"),
+    Case("compare-out-unwritable", "tools", "a comparison written into /proc",
+         ("compare", "{ckpts}", "{ckpts}", "--out", "/proc/compare"), "--out /proc/compare",
+         ("cannot write the comparison", "a writable folder"), tool="trainflow"),
+    Case("ledger-missing", "tools", "a ledger that does not exist", ("ledger", "{tmp}/ledger.jsonl"),
+         "{tmp}/ledger.jsonl", ("no ledger there", "give the ledger's path"), tool="trainflow"),
+    Case("ledger-bad-date", "tools", "a ledger listing since a day that is no date",
+         ("ledger", "{tmp}/ledger.jsonl", "--since", "yesterday"), "since=yesterday",
+         ("not a date", "YYYY-MM-DD"), tool="trainflow", setup=empty_ledger),
 ]
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, TINY_GPT, train
+from helpers.runs import ROOT, TINY_GPT, train
 
 
 def test_loss_and_validation_loss_fall_on_text(run_dir: Path) -> None:

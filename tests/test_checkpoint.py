@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, TINY_GPT, Run, losses_by_step, start, train, wait_for
 from helpers.checkpoints import assert_same_tensors, committed, logged_steps, read_tensors, tree_hash
 from helpers.processes import run_process
+from helpers.runs import ROOT, TINY_GPT, Run, losses_by_step, one_line_error, start, train, wait_for
 from omegaconf import OmegaConf
 
 from trainflow.checkpoint.store import TMP_MARKER
@@ -38,13 +38,6 @@ def entries(folder: Path) -> list[str]:
     return sorted(p.name for p in folder.iterdir() if p.name != LOCK_FILE)
 
 
-def one_line_error(run: Run) -> str:
-    """The run failed the way users should see it: exit 2, one `Error:` line, no traceback."""
-    assert run.returncode == 2, run.stderr[-2000:]
-    errors = [line for line in run.stderr.splitlines() if line.startswith("Error:")]
-    assert len(errors) == 1, run.stderr[-2000:]
-    assert "Traceback" not in run.stderr
-    return errors[0]
 
 
 # ---------------------------------------------------------------------------------------------------------------

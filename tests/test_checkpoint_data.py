@@ -13,8 +13,8 @@ import shutil
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, TINY_GPT, ok, train
 from helpers.checkpoints import tree_hash
+from helpers.runs import ROOT, TINY_GPT, ok, train
 
 from trainflow.checkpoint.safe_io import file_checksum
 from trainflow.data import identity

@@ -10,8 +10,8 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import can_mount, tmpfs
 from helpers.checkpoints import checkpointer, make_state, step, tree_hash
+from helpers.runs import can_mount, tmpfs
 
 from trainflow.errors import CheckpointError
 

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY_GPT, Run, losses_by_step, ok, start, train, wait_for, wait_for_log
 from helpers.checkpoints import assert_close_losses, assert_same_tensors, committed, logged_steps
+from helpers.runs import TINY_GPT, Run, losses_by_step, ok, start, train, wait_for, wait_for_log
 
 BASE = [*TINY_GPT, "parallelism.global_batch=24", "trainer.max_steps=12", "trainer.eval_every=0",
         "trainer.eval_steps=2", "checkpoint.every_steps=4"]

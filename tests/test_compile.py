@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY_GPT, Run, train
+from helpers.runs import TINY_GPT, Run, one_line_error, train
 from omegaconf import OmegaConf
 from torch import nn
 
@@ -61,15 +61,6 @@ def scaled_backend(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor])
     return run
 
 
-def one_line_error(run: Run, *fragments: str) -> str:
-    """The run failed the way users should see it: exit 2, one line on stderr, no traceback."""
-    assert run.returncode == 2, run.stdout[-2000:] + run.stderr
-    assert "Traceback" not in run.stderr, run.stderr
-    lines = [line for line in run.stderr.splitlines() if line.startswith("Error:")]
-    assert len(lines) == 1, run.stderr
-    for fragment in fragments:
-        assert fragment in lines[0], lines[0]
-    return lines[0]
 
 
 def compile_args(tmp_path: Path, backend: str = "eager") -> list[str]:

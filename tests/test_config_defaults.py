@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import ROOT
+from helpers.runs import ROOT
 from omegaconf import OmegaConf
 
 from trainflow.conf import CONFIG_DIR as CONF

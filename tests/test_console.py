@@ -14,7 +14,7 @@ import termios
 import time
 from pathlib import Path
 
-from conftest import ROOT, TINY_GPT, ok, train
+from helpers.runs import ROOT, TINY_GPT, ok, train
 
 SHORT = ["trainer.max_steps=10", "trainer.log_every=5", "trainer.eval_steps=2"]
 

@@ -9,7 +9,7 @@ import logging
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, losses_by_step, train
+from helpers.runs import ROOT, losses_by_step, train
 from omegaconf import OmegaConf
 from streams import ShardedNumbers, VectorStream
 from torch.utils.data import default_collate

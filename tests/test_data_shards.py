@@ -17,8 +17,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import ROOT, TINY_GPT, losses_by_step, start, train, wait_for_log
 from helpers.processes import left_behind, run_process
+from helpers.runs import ROOT, TINY_GPT, losses_by_step, start, train, wait_for_log
 
 from trainflow.checkpoint import check_intact, list_committed
 from trainflow.conf import CONFIG_DIR

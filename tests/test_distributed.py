@@ -17,8 +17,8 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import ROOT, TINY_GPT, Run, losses_by_step, start, train, wait_for, wait_for_log
 from helpers.processes import run_process
+from helpers.runs import ROOT, TINY_GPT, Run, losses_by_step, start, train, wait_for, wait_for_log
 
 from trainflow.conf import CONFIG_DIR
 from trainflow.config.schema import RunConfig
@@ -656,6 +656,43 @@ def test_activation_checkpointing_recomputes_blocks_with_equal_gradients() -> No
     names = list(model.state_dict())
     checkpoint_blocks(model)
     assert list(model.state_dict()) == names  # checkpoints do not notice it
+
+
+@pytest.mark.parametrize(("mode", "every", "gelu", "attention"), [
+    ("off", 1, 2, 2), ("full", 1, 4, 4), ("selective", 1, 4, 2), ("full", 2, 3, 3), ("selective", 2, 3, 2)])
+def test_activation_checkpointing_modes_recompute_what_they_say(mode: str, every: int, gelu: int,
+                                                                attention: int) -> None:
+    """Ops run in one forward and backward of a 2-block GPT: full reruns each checkpointed block's forward in
+    backward, selective its cheap ops only (the GELU again, the attention kept), every 2nd block only block 0; the
+    gradients stay those of no checkpointing."""
+    from types import SimpleNamespace
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from trainflow.distributed.parallelism import checkpoint_activations
+
+    counts: dict[str, int] = {}
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+            counts[func.__name__] = counts.get(func.__name__, 0) + 1
+            return func(*args, **(kwargs or {}))
+
+    def grads(mode: str) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        model = GPT(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
+        checkpoint_activations(model, SimpleNamespace(activation_checkpointing=mode,
+                                                      activation_checkpointing_every=every, activation_budget=1.0))
+        idx = torch.randint(64, (4, 16))
+        with Count():
+            torch.nn.functional.cross_entropy(model(idx).flatten(0, 1), idx.flatten()).backward()
+        return [p.grad for p in model.parameters()]
+
+    checkpointed = grads(mode)
+    sdpa = next(name for name in counts if name.startswith("_scaled_dot_product") and "backward" not in name)
+    assert (counts["gelu.default"], counts[sdpa]) == (gelu, attention), counts
+    for a, b in zip(grads("off"), checkpointed, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
 
 
 def test_size_wrapping_for_models_without_blocks() -> None:

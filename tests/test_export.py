@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, TINY_GPT, train, wait_for
 from helpers.checkpoints import tree_hash
 from helpers.processes import run_process, start_process
+from helpers.runs import ROOT, TINY_GPT, train, wait_for
 
 from trainflow.checkpoint import export_weights
 from trainflow.checkpoint.export import STAGING, Source
@@ -104,6 +104,26 @@ def test_hf_folder_loads_in_transformers_with_the_same_logits(run_dir: Path) -> 
         ours = trainflow_logits(run_dir, TOKENS)
     torch.testing.assert_close(theirs, ours, rtol=1e-4, atol=1e-5)
     assert ours.abs().max() > 0.1  # trained weights, not zeros
+
+
+def test_the_hf_folder_holds_the_byte_tokenizer_and_generates_through_the_auto_classes(runs: dict[str, Path]
+                                                                                        ) -> None:
+    """tokenizer=bytes (the default run's): the folder's tokenizer gives each byte its id, as trainflow encoded the
+    text it trained on, and AutoModelForCausalLM + AutoTokenizer generate from a prompt."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder = runs["single"].parent / "hf"
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder).eval()
+    prompt = "def f(a):\n é"  # with the new tokens, within the model's 32 positions
+    ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
+    assert ids[0].tolist() == list(prompt.encode()) and len(tokenizer) == 256
+    assert tokenizer.decode(ids[0]) == prompt
+    out = model.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    assert out.shape == (1, ids.shape[1] + 8) and torch.equal(out[0, :ids.shape[1]], ids[0])
+    with torch.no_grad():  # greedy: each new token is the argmax of trainflow's own GPT on the text so far
+        expected = trainflow_logits(runs["single"], out[:, :-1])[0, ids.shape[1] - 1:].argmax(-1)
+    assert torch.equal(out[0, ids.shape[1]:], expected)
 
 
 def test_a_gpt_checkpoint_of_the_old_qkv_layout_is_not_exported_as_gpt2(runs: dict[str, Path], tmp_path: Path) -> None:

@@ -19,8 +19,8 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import ROOT, wait_for, wait_for_log
 from helpers.processes import left_behind, start_process
+from helpers.runs import ROOT, wait_for, wait_for_log
 
 from trainflow.checkpoint import EXIT_STOPPED, list_committed
 from trainflow.config.schema import ParallelismConfig

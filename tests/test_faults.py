@@ -24,8 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from conftest import TINY_GPT, Run, losses_by_step, start, train, wait_for_log
 from helpers.checkpoints import committed, read_tensors, tree_hash
+from helpers.runs import TINY_GPT, Run, losses_by_step, start, train, wait_for_log
 
 from trainflow.checkpoint import check_intact, list_committed
 from trainflow.checkpoint.store import TMP_MARKER
@@ -140,6 +140,18 @@ FAULTS = [
     Fault("the run's retention removes a checkpoint while `trainflow export` reads it",
           "one line saying it was removed and naming the newest, not \"corrupt\"; none of DCP's logged tracebacks",
           "test_export.py::test_a_checkpoint_retired_while_it_is_read_is_named_not_called_corrupt"),
+    Fault("SIGTERM to `trainflow compare --bisect` while it replays a run",
+          "one line, exit 143; the replay's process group ends with it, no process left behind",
+          "test_compare.py::test_a_stop_signal_ends_a_bisect_and_its_replay"),
+    Fault("two runs finishing at once and two other writers append to one ledger (a sweep's jobs, the rank 0s of "
+          "runs on several nodes)", "every line there once and whole (one write a line, under the file's flock)",
+          "test_compare.py::test_concurrent_writers_lose_no_line"),
+    Fault("a ledger line cut off by a writer killed inside its write", "`trainflow ledger` lists the other lines "
+          "and says how many it left out", "test_compare.py::test_trainflow_ledger_lists_and_filters"),
+    Fault("two busy loops per core beside one of two runs of the same command",
+          "its fingerprint counts the cores they kept busy; compare names the busier machine as the likely cause of "
+          "its slower steps, and a --fail-on gate on them warns instead of failing",
+          "test_compare_honesty.py::test_a_cpu_hog_beside_one_run_is_named_as_the_likely_cause"),
     Fault("a sweep whose non-ASCII swept values make a job name longer than a file name's 255 bytes",
           "each job's TensorBoard folder is named by the first 200 bytes of it, cut between characters; the jobs run",
           "test_tensorboard.py::test_a_sweep_of_long_non_ascii_values_names_its_jobs_within_a_file_names_bytes"),
@@ -148,6 +160,9 @@ FAULTS = [
           "test_distributed.py::test_parity_check_fails_on_a_skewed_rank"),
     Fault("a rank raises mid-run", "the run fails naming the rank and its traceback; the other ranks stop",
           "test_distributed.py::test_a_failing_rank_is_named_with_its_traceback"),
+    Fault("the last pipeline stage's output turns NaN (parallelism.pp=2)",
+          "the loss the last stage sends every stage is NaN: the run stops in one line naming the step, no traceback",
+          "test_pipeline.py::test_a_nan_in_a_stage_stops_the_run_in_one_line"),
     Fault("SIGKILL of one rank of a self-launched DDP or FSDP run (an OOM kill)",
           "one line names the lost rank, its signal and the step the others noticed it in, not the rank that lost "
           "its connection to it; no traceback; committed checkpoints whole",

@@ -11,7 +11,7 @@ import math
 from pathlib import Path
 
 import pytest
-from conftest import Run, losses_by_step, train
+from helpers.runs import losses_by_step, ok, train
 
 QUICK = ["logger=none", "trainer.log_every=1", "trainer.warmup_steps=1", "trainer.eval_steps=2"]
 SMALL = ["model.n_embd=32", "model.n_layer=2", "model.n_head=2", "model.n_positions=32", "tokenizer.vocab_size=512",
@@ -28,9 +28,6 @@ def caches(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
     return [f"data.cache_dir={folder}/hf", f"tokenizer.cache_dir={folder}/tokenizers"]
 
 
-def ok(run: Run) -> Run:
-    assert run.returncode == 0, run.stderr[-3000:]
-    return run
 
 
 def test_hf_gpt2_learns_on_local_text_with_its_own_loss(tmp_path: Path, caches: list[str]) -> None:

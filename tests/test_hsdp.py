@@ -12,8 +12,8 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import TINY_GPT, Run, losses_by_step, ok, train
 from helpers.checkpoints import assert_close_losses, assert_same_tensors
+from helpers.runs import TINY_GPT, Run, losses_by_step, ok, train
 
 BASE = [*TINY_GPT, "trainer.grad_accum=2", "parallelism.global_batch=8", "trainer.max_steps=8",
         "trainer.eval_every=0", "trainer.eval_steps=1", "checkpoint=dcp"]

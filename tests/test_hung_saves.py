@@ -14,9 +14,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, TINY_GPT, train, wait_for_log
 from helpers.checkpoints import committed, tree_hash
 from helpers.processes import left_behind
+from helpers.runs import ROOT, TINY_GPT, train, wait_for_log
 
 # A real fault, injected where a save does its work: the rank stops (SIGSTOP, as a frozen node) as its save of step
 # TEST_HANG_STEP begins, or its disk stops answering as the save opens a shard (an open of a FIFO no one writes to:

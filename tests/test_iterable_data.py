@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, losses_by_step, train
+from helpers.runs import ROOT, losses_by_step, train
 from omegaconf import OmegaConf
 from streams import StatefulVectorStream, VectorStream
 

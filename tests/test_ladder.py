@@ -19,8 +19,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT
 from helpers.processes import run_process
+from helpers.runs import ROOT
+
+from trainflow.report.ladder import Rung
+from trainflow.util.rundir import MARKER
 
 HERE = Path(__file__).resolve().parent
 GATES = ["baseline.learns", "compile.numerics", "compile.loss_parity", "compile.graph_breaks", "compile.recompiles",
@@ -259,7 +262,7 @@ def test_an_unknown_gpu_check_is_one_line(tmp_path: Path) -> None:
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines()[-1] == (
         "gpu_checks.py: error: --only: no check named pining; the checks are pinning, tf32, cuda_graphs_with_eval, "
-        "async_checkpoint, memory_snapshot")
+        "async_checkpoint, memory_snapshot, energy, activation_checkpointing, fp8")
     assert not (tmp_path / "out").exists()
 
 
@@ -275,7 +278,7 @@ def test_a_rung_that_cannot_run_stops_the_ladder_before_its_first_rung(tmp_path:
         "Error: ladder=profile (job #2): trainer.max_steps: is 8 but the profiler window ends at step 15 (skip_first "
         "5 + 1 x (wait 5 + warmup 2 + active 3)); raise trainer.max_steps to >= 15 or shorten the window "
         "(profiler.skip_first/wait/warmup/active)"]
-    assert sorted(p.name for p in sweep.iterdir()) == ["multirun.yaml"]  # no rung started
+    assert sorted(p.name for p in sweep.iterdir() if p.name != MARKER) == ["multirun.yaml"]  # no rung started
 
 
 @pytest.mark.parametrize(("steps", "every"), [(12, 1), (40, 4), (60, 6), (200, 20), (7, 1)])
@@ -351,3 +354,32 @@ def test_loss_parity_follows_the_arithmetic(drift: float, precision: str, status
     parity = gates["compile.loss_parity"]
     assert parity.status == status and parity.numbers["at_step"] == 40, parity
     assert parity.numbers["max_rel_diff"] == pytest.approx(drift)
+
+
+def _rung(kind: str, math: str, step_time_s: float, losses: dict[int, float]) -> Rung:
+    compiled = {"graphs": 1, "graph_breaks": {"count": 0, "breaks": []}, "recompiles": {"count": 0},
+                "recompile_limit": 8, "recompile_limit_hit": False, "compile_time_s": 30.0}
+    return Rung(kind, kind, {"matmul_math": math, "steady_state": {"step_time_s": step_time_s}, "mfu": 0.4,
+                             "compile": compiled}, losses)
+
+
+@pytest.mark.parametrize(("fp8_step_s", "fp8_scale", "compile_math", "parity", "speed", "fragment"), [
+    (0.08, 1.05, "bf16", "PASS", "PASS", "fp8 80.0 ms/step vs bf16 100.0 ms/step: 1.25x"),
+    (0.11, 1.05, "bf16", "PASS", "FAIL", "0.91x; stay in bf16 (trainer.precision=bf16)"),
+    (0.08, 1.20, "bf16", "FAIL", "PASS", "max rel. difference 2.0e-01 at step 2; tolerance 1e-01"),
+    (0.08, 1.05, "fp32", "NOT EVALUATED", "NOT EVALUATED", "compile rung ran in fp32"),
+], ids=["faster-and-close", "slower", "loss-drifts", "no-bf16-reference"])
+def test_the_fp8_rung_is_judged_against_bf16(fp8_step_s: float, fp8_scale: float, compile_math: str, parity: str,
+                                              speed: str, fragment: str) -> None:
+    """The fp8 rung's gates (a GPU's: here the numbers of its summaries): the loss within ladder.fp8_rtol (0.1) of
+    the compile rung's in bf16 at every step, and faster, or FAIL saying to stay in bf16."""
+    from trainflow.config.schema import LadderConfig
+    from trainflow.report.ladder import evaluate
+
+    bf16 = {1: 5.0, 2: 4.0, 3: 3.5}
+    rungs = [_rung("compile", compile_math, 0.1, bf16),
+             _rung("fp8", "fp8", fp8_step_s, {s: v * (fp8_scale if s == 2 else 1.0) for s, v in bf16.items()})]
+    gates = {g.name: g for g in evaluate(rungs, LadderConfig(), "bf16")}
+    assert (gates["fp8.loss_parity"].status, gates["fp8.speedup"].status) == (parity, speed)
+    assert fragment in gates["fp8.loss_parity"].detail + gates["fp8.speedup"].detail
+    assert "fp8.speedup" not in {g.name for g in evaluate(rungs[:1], LadderConfig(), "bf16")}  # no fp8 rung: no gate

@@ -17,9 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, TINY_GPT, losses_by_step, wait_for_log
 from helpers.checkpoints import read_tensors
 from helpers.processes import run_process
+from helpers.runs import ROOT, TINY_GPT, losses_by_step, one_line_error, wait_for_log
 from helpers.slurm import SLURM, multirun, sweep_env
 from hydra.test_utils.launcher_common_tests import LauncherTestSuite
 
@@ -45,10 +45,6 @@ def cluster() -> None:
 needs_cluster = pytest.mark.usefixtures("cluster")
 
 
-def one_line_error(proc: subprocess.CompletedProcess) -> str:
-    lines = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert proc.returncode == 2 and len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    return lines[0]
 
 
 

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, TINY_GPT, losses_by_step, wait_for_log
 from helpers.processes import run_process
+from helpers.runs import ROOT, TINY_GPT, losses_by_step, one_line_error, wait_for_log
 
 from trainflow.checkpoint import check_intact, list_committed
 
@@ -34,10 +34,6 @@ def multirun(sweep_dir: Path, *overrides: str, timeout: float = 300) -> subproce
 
 
 
-def one_line_error(proc: subprocess.CompletedProcess) -> str:
-    lines = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert proc.returncode == 2 and len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
-    return lines[0]
 
 
 @dataclass

@@ -18,8 +18,8 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, TINY_GPT, ok, start, train, wait_for, wait_for_log
 from helpers.processes import left_behind
+from helpers.runs import ROOT, TINY_GPT, ok, start, train, wait_for, wait_for_log
 from omegaconf import OmegaConf
 
 from trainflow.config.schema import plain, typed_run

@@ -17,8 +17,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, TINY_GPT, start, wait_for
 from helpers.processes import run_process
+from helpers.runs import ROOT, TINY_GPT, start, wait_for
 from omegaconf import OmegaConf
 
 from trainflow.config.schema import plain, typed_run
@@ -104,6 +104,11 @@ def test_a_stopped_and_resumed_run_is_one_mlflow_run_with_each_step_once(server:
     (run,) = client.search_runs([client.get_experiment_by_name("trainflow").experiment_id])
     assert run.info.run_id == json.loads((resumed / "loggers.json").read_text())["mlflow"]
     assert run.info.status == "FINISHED" and run.info.run_name == "run"
+    # marked as model training: MLflow 3's UI opens it on its runs table (its GenAI view would show no run)
+    experiment = client.get_experiment_by_name("trainflow")
+    assert experiment.tags["mlflow.experimentKind"] == "custom_model_development"
+    link = f"{server.uri}/#/experiments/{experiment.experiment_id}/runs?workflowType=machine_learning"  # the table
+    assert f"mlflow: run run in experiment trainflow: {link}" in (resumed / "train.log").read_text()
     assert steps_of(client.get_metric_history(run.info.run_id, "train/loss")) == list(range(1, 21))
     jsonl = {r["step"]: r["train/loss"] for r in map(json.loads, (resumed / "metrics.jsonl").read_text().splitlines())
              if "train/loss" in r}
@@ -357,3 +362,14 @@ def test_a_logger_of_ones_own_is_one_yaml_with_a_target(tmp_path: Path, monkeypa
     run.close()
     rows = (tmp_path / "run" / "scalars.csv").read_text().splitlines()
     assert rows == ["step,name,value", "2,train/loss,1.5", ",status,FINISHED"]
+
+
+def test_a_run_in_a_folder_named_by_the_clock_is_named_by_what_it_trains_in_the_trackers() -> None:
+    from trainflow.loggers import readable_name
+    from trainflow.util.rundir import run_identity
+
+    overrides = ["model=mlp", "optim.lr=0.01"]
+    assert readable_name(Path("outputs/2026-12-06/17-55-19"), overrides) == run_identity(overrides)
+    assert run_identity(overrides).startswith("model=mlp,optim.lr=0.01-")
+    assert readable_name(Path("outputs/2026-12-06/17-55-19"), ["trainer.run_name=mine"]) == "mine"
+    assert readable_name(Path("/data/runs/baseline"), overrides) == "baseline"  # a folder of one's own: its name

@@ -11,7 +11,7 @@ import re
 from pathlib import Path
 
 import pytest
-from conftest import TINY_GPT, Run, ok, train
+from helpers.runs import TINY_GPT, Run, ok, train
 
 from trainflow.conf import CONFIG_DIR
 from trainflow.distributed.memory_estimate import ModelFacts
@@ -41,12 +41,14 @@ def test_ddp_when_it_fits(roomy: Run) -> None:
     parallelism = roomy.summary["parallelism"]
     plan = parallelism["plan"]
     assert plan["choice"] == "ddp" and parallelism["strategy"] == "ddp" and plan["budget_bytes"] == GB
-    assert list(plan["table"]) == ["ddp", "fsdp", "fsdp + activation checkpointing",  # then TP: 2 heads, 2 ranks
-                                   "tp 2", "tp 2 + activation checkpointing"]
-    ddp, fsdp, ac = (plan["table"][k] for k in list(plan["table"])[:3])
+    checkpointed = ("", " + selective activation checkpointing", " + activation checkpointing")
+    assert list(plan["table"]) == ["ddp", *(f"fsdp{ac}" for ac in checkpointed),  # then TP: 2 heads, 2 ranks
+                                   *(f"tp 2{ac}" for ac in checkpointed),  # then PP: 2 blocks, 2 ranks
+                                   *(f"pp 2{ac}" for ac in checkpointed)]
+    ddp, fsdp, selective, ac = (plan["table"][k] for k in list(plan["table"])[:4])
     assert ddp["buckets"] == ddp["grads"] > 0 and fsdp["buckets"] == 0 and fsdp["all_gather"] > 0
     assert fsdp["params"] * 2 == pytest.approx(ddp["params"], rel=0.01)  # sharded over 2 ranks
-    assert ac["activations"] < fsdp["activations"] == ddp["activations"]
+    assert ac["activations"] < selective["activations"] < fsdp["activations"] == ddp["activations"]
     assert "parallelism=auto chose ddp on 2 ranks" in roomy.stdout and "* ddp" in roomy.stdout
     # exact items: what the run's rank 0 held after training
     assert plan["check"]["params_bytes"] == ddp["params"] and plan["check"]["optimizer_bytes"] == ddp["optimizer"]
@@ -234,9 +236,10 @@ def test_tp_layouts_divide_the_state_and_the_gathered_block(tiny_facts: ModelFac
     from trainflow.distributed.memory_plan import candidates
 
     layouts, left_out = candidates(4, 4, True, (2, 4), global_batch=16)
+    checkpointed = ("", " + selective activation checkpointing", " + activation checkpointing")
     assert left_out == [] and [c.name for c in layouts] == [
-        "ddp", "fsdp", "fsdp + activation checkpointing", "ddp x tp 2", "fsdp x tp 2",
-        "fsdp x tp 2 + activation checkpointing", "tp 4", "tp 4 + activation checkpointing"]
+        "ddp", *(f"fsdp{ac}" for ac in checkpointed), "ddp x tp 2", *(f"fsdp x tp 2{ac}" for ac in checkpointed),
+        *(f"tp 4{ac}" for ac in checkpointed)]
     rows = {c.name: estimate(tiny_facts, c) for c in layouts}
     batch = {c.name: c.batch for c in layouts}
     assert batch["fsdp"] == 4 and batch["fsdp x tp 2"] == 8 and batch["tp 4"] == 16  # the global batch stays
@@ -299,12 +302,17 @@ def test_tp_when_the_global_batch_is_smaller_than_the_world(batch_forced: Run, t
 
     parallelism = batch_forced.summary["parallelism"]
     plan = parallelism["plan"]
-    assert plan["choice"] == "tp 2" and plan["excluded"] == ["ddp", "fsdp", "fsdp + activation checkpointing"]
+    checkpointed = ("", " + selective activation checkpointing", " + activation checkpointing")
+    # one sample splits neither over 2 data-parallel ranks nor into PP 2's 2 pipeline micro-batches
+    assert plan["choice"] == "tp 2" and plan["excluded"] == ["ddp", *(f"fsdp{ac}" for ac in checkpointed),
+                                                             *(f"pp 2{ac}" for ac in checkpointed)]
     assert plan["reason"].startswith("tensor parallel: the global batch 1 x 1 accumulation step does not split")
     assert parallelism["mesh"] == {"replicate": 1, "shard": 1, "tp": 2}
     config = batch_forced.summary["config"]
     assert config["parallelism"]["tp"] == 2 and config["trainer"]["batch_size"] == 1
-    assert "parallelism=auto chose tp 2 on 2 ranks (tensor parallel: the global batch 1" in batch_forced.stdout
+    assert "parallelism=auto chose tp 2 on 2 ranks: " in batch_forced.stdout
+    assert "GB per rank under a budget of 1 GB" in batch_forced.stdout
+    assert "(tensor parallel: the global batch 1" in batch_forced.stdout
     row, check = plan["table"]["tp 2"], plan["check"]
     # exact: rank 0's TP shards of the parameters and of AdamW's state, as the estimate has them
     assert check["params_bytes"] == row["params"] < batch_forced.summary["parameters"] * 4 * 0.75
@@ -313,3 +321,25 @@ def test_tp_when_the_global_batch_is_smaller_than_the_world(batch_forced: Run, t
     report.write(batch_forced.run_dir, tmp_path)
     page = (tmp_path / "report.md").read_text()
     assert f"**tp 2 {row['total'] / 2**20:.1f}**" in page and f"; {plan['reason']}" in page
+
+
+NO_TP = ["model.n_head=1", "parallelism.global_batch=2"]  # one head: no TP degree divides it
+
+
+def test_pp_when_no_layout_without_it_fits(tmp_path: Path) -> None:
+    """One head leaves no TP degree; 2 blocks split into PP 2's stages, each holding one block's parameters and
+    the embeddings unsharded: below FSDP + activation checkpointing for this small model. A budget between the
+    two takes PP, and the decision line says why."""
+    table = ok(train(tmp_path / "table", *BASE, *NO_TP, "parallelism.memory_budget_gb=1")).summary
+    table = table["parallelism"]["plan"]["table"]
+    assert [name for name in table if "pp" in name] == [
+        "pp 2", "pp 2 + selective activation checkpointing", "pp 2 + activation checkpointing"]
+    run = ok(train(tmp_path / "run", *BASE, *NO_TP, budget_between(table, "pp 2", "fsdp + activation checkpointing")))
+    parallelism = run.summary["parallelism"]
+    assert parallelism["plan"]["choice"] == "pp 2" and parallelism["mesh"] == {"replicate": 1, "shard": 1, "pp": 2}
+    assert run.summary["config"]["parallelism"]["pp"] == 2 and parallelism["pipeline"]["stages"] == 2
+    need = table["pp 2"]["total"] / GB
+    assert f"parallelism=auto chose pp 2 on 2 ranks: {need:.3g} GB per rank under a budget of " in run.stdout
+    assert ("(pipeline parallel: no layout without it fits: the leanest, fsdp + activation checkpointing, needs "
+            f"{table['fsdp + activation checkpointing']['total'] / GB:.3g} GB per rank") in run.stdout
+    assert parallelism["plan"]["reason"].startswith("pipeline parallel: no layout without it fits")

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY_GPT, ok, train
+from helpers.runs import TINY_GPT, ok, train
 
 from trainflow.optim import build_optimizer
 

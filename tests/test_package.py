@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import ROOT
+from helpers.runs import ROOT
 
 TINY = ["model.n_layer=1", "model.n_embd=32", "model.n_head=2", "model.block_size=16", "trainer.batch_size=4",
         "trainer.max_steps=4", "trainer.log_every=2", "compile=off", "logger=none"]

@@ -11,17 +11,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import train
+from helpers.runs import train
 from omegaconf import OmegaConf
 from torch import nn
 from torch.profiler import record_function
 
-from trainflow.checkpoint.checkpointer import CHECKPOINT_ANNOTATION
 from trainflow.conf import CONFIG_DIR
 from trainflow.config.schema import ProfilerConfig
 from trainflow.distributed import DistEnv
 from trainflow.errors import ConfigError
 from trainflow.profile.profiler import Profiler
+from trainflow.profile.regions import CHECKPOINT
 from trainflow.profile.verdict import DATA, FWD_BWD, OPTIMIZER, SHARES
 
 CPU_ENV = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
@@ -192,7 +192,7 @@ def test_checkpoint_traffic_is_not_counted_as_communication(tmp_path: Path) -> N
                     all_reduce("train", 0.005)  # the training's communication
                 with record_function(OPTIMIZER):
                     pass
-                with record_function(CHECKPOINT_ANNOTATION):
+                with record_function(CHECKPOINT):
                     all_reduce("save", 0.25)  # the checkpoint stage's own
                 p.step()
         v = p.summary()["verdict"]

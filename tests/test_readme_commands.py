@@ -14,7 +14,7 @@ import shlex
 from pathlib import Path
 
 import pytest
-from conftest import ROOT
+from helpers.runs import ROOT
 from hydra import compose, initialize_config_dir
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException

@@ -17,8 +17,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, TINY_GPT, train, wait_for
 from helpers.processes import run_process, start_process
+from helpers.runs import ROOT, TINY_GPT, train, wait_for
 
 SHORT = [*TINY_GPT, "trainer.eval_every=0", "trainer.eval_steps=2"]
 DIVERGES = ["optim.lr=1e30", "optim.warmup_steps=0"]  # the first update throws the weights to ~1e30: NaN at step 2

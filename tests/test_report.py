@@ -15,8 +15,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, TINY_GPT, Run, train
 from helpers.processes import run_process
+from helpers.runs import ROOT, TINY_GPT, Run, one_line_error, train
 
 STEPS = ["trainer.max_steps=6", "trainer.eval_steps=2"]
 TRAINFLOW = [str(Path(sys.executable).parent / "trainflow")]
@@ -35,14 +35,6 @@ def png_size(path: Path) -> tuple[int, int]:
     return struct.unpack(">II", data[16:24])
 
 
-def one_line_error(proc: subprocess.CompletedProcess, *fragments: str) -> str:
-    assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert "Traceback" not in proc.stderr, proc.stderr
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("Error: "), proc.stderr
-    for fragment in fragments:
-        assert fragment in lines[0], lines[0]
-    return lines[0]
 
 
 @pytest.fixture(scope="module")

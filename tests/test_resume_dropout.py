@@ -8,8 +8,8 @@ masks come from the RNG, and a resume that restarts the generators from the init
 from __future__ import annotations
 
 import pytest
-from conftest import TINY_GPT, Run, losses_by_step, train
 from helpers.checkpoints import assert_same_tensors
+from helpers.runs import TINY_GPT, Run, losses_by_step, ok, train
 
 # 8 steps, a sync checkpoint every 4; the resumed run starts from the reference's step 4 in a fresh run directory.
 DROPOUT = [*TINY_GPT, "data=synthetic", "data.num_samples=4096", "model.dropout=0.1", "trainer.max_steps=8",
@@ -18,9 +18,6 @@ STRATEGIES = {"single": [], "ddp": ["parallelism=ddp", "parallelism.nproc_per_no
               "fsdp": ["parallelism=fsdp", "parallelism.nproc_per_node=2"]}
 
 
-def ok(run: Run) -> Run:
-    assert run.returncode == 0, run.stderr[-3000:]
-    return run
 
 
 @pytest.fixture(scope="module", params=list(STRATEGIES))

@@ -7,7 +7,7 @@ from __future__ import annotations
 import sys
 
 import pytest
-from conftest import ROOT
+from helpers.runs import ROOT
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from scale_plan import simulate  # noqa: E402
@@ -61,3 +61,29 @@ def test_tensor_parallel_divides_the_state_and_the_gathered_block(rows: dict) ->
     # HSDP x TP 2 at 64 ranks: 4 shards x tp 2 per node of 8, so one copy per node, as FSDP 4 x TP 2 at 8 ranks
     hsdp = rows[("hsdp", 64, 2)]
     assert hsdp["shard_size"] == 4 and {k: hsdp["measured"][k] for k in STATE} == {k: tp2["measured"][k] for k in STATE}
+
+
+def test_pipeline_stages_divide_the_state_and_the_estimate_agrees() -> None:
+    """FSDP 32 x PP 2 at 64 ranks: the larger stage (the first: its 6 blocks and the embeddings) holds about what
+    FSDP 64 holds, each stage half the blocks on twice the shard size; the estimate equals the simulation."""
+    from scale_plan import simulate_pp
+
+    row = simulate_pp("gpt_small", 64, 2)
+    assert row["layout"] == "fsdp x pp 2" and row["shard_size"] == 32
+    assert {k: row["estimate"][k] for k in STATE} == row["measured"]
+    fsdp64 = simulate("gpt_small", 64, "fsdp")["measured"]
+    assert row["measured"]["params"] == pytest.approx(fsdp64["params"], rel=0.05)
+
+
+@pytest.mark.parametrize(("pp", "microbatches"), [(2, 4), (4, 8), (8, 32)])
+def test_the_simulated_bubble_is_the_schedules_own(pp: int, microbatches: int) -> None:
+    """The simulation of each schedule's order of work gives the known bubbles: 1F1B (pp - 1) / (m + pp - 1),
+    interleaved 1F1B with 2 stages a rank (pp - 1) / (2 m + pp - 1), and zero bubble below both."""
+    from trainflow.distributed.pipeline import simulated_bubble
+
+    one_f_one_b = simulated_bubble("1f1b", pp, microbatches)
+    assert one_f_one_b == pytest.approx((pp - 1) / (microbatches + pp - 1))
+    assert simulated_bubble("gpipe", pp, microbatches) == pytest.approx(one_f_one_b)
+    interleaved = simulated_bubble("interleaved_1f1b", pp, microbatches)
+    assert interleaved == pytest.approx((pp - 1) / (2 * microbatches + pp - 1))
+    assert simulated_bubble("zbv", pp, microbatches) < interleaved < one_f_one_b

@@ -113,8 +113,9 @@ def test_the_loop_calls_only_enabled_stages_and_any_stage_can_stop_it_and_pause_
     with process_group(cfg) as env:
         run = assemble(cfg, tmp_path, env, [*STAGES, Off, StopAndPause])  # plugged in like trainflow's own
         enabled = [type(stage).__name__ for stage in run.stages if stage.enabled]
-        # compile, the profiler, the parity check and checkpoints are off in this experiment: never called
-        assert enabled == ["NonFiniteGuard", "TrainMetrics", "Evaluation", "StopAndPause"]
+        # compile, the profiler, the parity check and checkpoints are off in this experiment, and a CPU has no
+        # energy counter for the cost stage: never called
+        assert enabled == ["Fingerprint", "NonFiniteGuard", "TrainMetrics", "Evaluation", "StopAndPause"]
         (extra,) = StopAndPause.built
         assert extra.started_at == 0
         train_loop(run)
@@ -187,7 +188,7 @@ def test_a_stage_of_your_own_answers_every_hook_of_the_step_and_acts_in_its_decl
     with process_group(cfg) as env:
         run = assemble(cfg, tmp_path, env, [*STAGES, EveryHook])
         names = [type(stage).__name__ for stage in run.stages if stage.enabled]
-        assert names == ["NonFiniteGuard", "EveryHook", "TrainMetrics", "Evaluation"]  # by phase, not by list
+        assert names == ["Fingerprint", "NonFiniteGuard", "EveryHook", "TrainMetrics", "Evaluation"]  # by phase
         assert run.training.name_part is not unnamed  # it names the step's parts: the profiler's hook
         train_loop(run)
         summary = summarize(run)

@@ -11,9 +11,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, TINY_GPT, train, wait_for
 from helpers.checkpoints import committed, tree_hash
 from helpers.processes import left_behind
+from helpers.runs import ROOT, TINY_GPT, train, wait_for
 
 ARGS = [*TINY_GPT, "trainer.eval_every=0", "trainer.eval_steps=2", "checkpoint=dcp",
         "checkpoint.every_steps=2"]

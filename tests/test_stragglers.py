@@ -10,7 +10,7 @@ import time
 from typing import Any
 
 import torch
-from conftest import ROOT, TINY_GPT, train
+from helpers.runs import ROOT, TINY_GPT, train
 
 from trainflow.config.schema import StragglerConfig
 from trainflow.distributed import DistEnv

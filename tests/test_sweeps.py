@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, TINY_GPT, losses_by_step, wait_for
 from helpers.processes import left_behind, run_process, start_process
+from helpers.runs import ROOT, TINY_GPT, losses_by_step, wait_for
 
 from trainflow.errors import ConfigError
 from trainflow.report import runs as report

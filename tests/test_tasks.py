@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, Run, losses_by_step, train
 from helpers.processes import run_process
+from helpers.runs import ROOT, Run, losses_by_step, ok, train
 from torch import nn
 
 from trainflow.data import Collated, StreamSampler, SyntheticClassification, SyntheticTokens, to_device
@@ -39,9 +39,6 @@ def digits_without_val(val_fraction: float, split_seed: int) -> dict:
     return {"train": digits(val_fraction, split_seed)[0], "val": None}
 
 
-def ok(run: Run) -> Run:
-    assert run.returncode == 0, run.stderr[-3000:]
-    return run
 
 
 # --- the tasks on real tensors ----------------------------------------------------------------------------------

@@ -11,8 +11,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, TINY_GPT, train
 from helpers.processes import run_process
+from helpers.runs import ROOT, TINY_GPT, train
 
 from trainflow.config.schema import TrainerConfig
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import TINY_GPT, train
+from helpers.runs import TINY_GPT, train
 from omegaconf import OmegaConf
 
 from trainflow.conf import CONFIG_DIR

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import TINY_GPT, ok, train
+from helpers.runs import TINY_GPT, ok, train
 from omegaconf import OmegaConf
 
 from trainflow.config.schema import plain, typed_run

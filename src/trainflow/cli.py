@@ -207,6 +207,17 @@ def _export_arguments(p: argparse.ArgumentParser) -> None:
                                                 "checkpoint dir); hf needs it")
 
 
+def _compare(args: argparse.Namespace) -> int:
+    """Compare B with A: two run folders, two sweep folders, two ledger selections (ledger:config=HASH,last=5) or two
+    checkpoints (a step_N folder, or a checkpoint dir for its newest). Writes compare.md, compare.json and compare.png
+    to --out and prints every verdict; exit code 1 when a --fail-on gate fails. A stop signal ends a --bisect replay
+    with it."""
+    from trainflow.report import compare
+
+    with stop_signals_raise():
+        return compare.command(args)
+
+
 def _prepare(args: argparse.Namespace) -> int:
     """Tokenize the corpus of data=text (the same config keys as training) into memory-mapped token shards with a
     manifest of checksums; run again to finish an interrupted prepare, or to write damaged or missing shards again."""
@@ -312,12 +323,17 @@ class Subcommand:
 
 
 def subcommands() -> list[Subcommand]:
+    from trainflow.report import compare, ledger
     from trainflow.report import runs as report
 
     return [Subcommand("export", "write a committed checkpoint's model weights for other tools", _export_arguments,
                        _export, "; the output is as it was, and nothing of this export is left"),
             Subcommand("report", "compare the runs under a folder: report.md, report.json, report.png",
                        report.add_arguments, report.command),
+            Subcommand("compare", "compare two runs, sweeps, ledger selections or checkpoints with their noise; "
+                       "--fail-on gates, --bisect", compare.add_arguments, _compare,
+                       "; a --bisect replay it started is stopped with it"),
+            Subcommand("ledger", "list and filter the ledger of finished runs", ledger.add_arguments, ledger.command),
             Subcommand("prepare", "tokenize a corpus once into token shards for data=shards", _prepare_arguments,
                        _prepare),
             Subcommand("lighthouse", "run torchft's lighthouse for parallelism.fault_tolerance=torchft replica groups",

@@ -68,9 +68,25 @@ def schedule_changes_lr(optim: Mapping[str, Any]) -> bool:
     return optim["schedule"] != "constant" or optim["warmup_steps"] > 0
 
 
-def gradient_norm(parameters: list[torch.Tensor], clip: float) -> torch.Tensor:
+def gradient_norm(parameters: list[torch.Tensor], clip: float, counted: list[torch.Tensor] | None = None,
+                  group: Any = None) -> torch.Tensor:
     """The gradients' total norm, and the gradients clipped to `clip` when it is set (0: no clipping pass, which
-    would scale every gradient by 1)."""
+    would scale every gradient by 1). A pipeline stage holds part of the model: the norm is of its `counted`
+    parameters (each shared one once), summed in squares over the stages' `group`, and clips all of them."""
+    if group is not None:
+        total = gradient_norm(counted if counted is not None else parameters, 0.0)
+        total = total.full_tensor() if hasattr(total, "full_tensor") else total
+        squared = total.detach().float().square()
+        torch.distributed.all_reduce(squared, group=group)
+        total = squared.sqrt()
+        if clip:
+            by_mesh: dict[Any, list[torch.Tensor]] = {}
+            for param in parameters:
+                if param.grad is not None:
+                    by_mesh.setdefault(getattr(param.grad, "device_mesh", None), []).append(param)
+            for params in by_mesh.values():
+                nn.utils.clip_grads_with_norm_(params, clip, total)
+        return total
     groups: dict[Any, list[torch.Tensor]] = {}  # by device mesh: a TP plan may leave some parameters whole
     for param in parameters:
         if param.grad is not None:

@@ -52,6 +52,15 @@ class Task:
         """Figures derived from the means over batches (perplexity is exp of the mean loss, not a mean of exps)."""
         return means
 
+    def split(self, batch: Any) -> tuple[Any, torch.Tensor]:
+        """(the model's inputs, the targets) of a batch: a pipeline's first stage takes the one, its last the other."""
+        raise NotImplementedError(f"{type(self).__name__} computes its loss from the model itself")
+
+    def loss(self, outputs: torch.Tensor, targets: torch.Tensor,
+             with_metrics: bool = True) -> tuple[torch.Tensor, Metrics]:
+        """The loss and metrics of the model's outputs (what `__call__` computes after the forward)."""
+        raise NotImplementedError(f"{type(self).__name__} computes its loss from the model itself")
+
 
 class LanguageModel(Task):
     is_lm = True
@@ -66,6 +75,13 @@ class LanguageModel(Task):
             return model_loss(output), {}
         inputs, targets = pair(batch, "input_ids", "labels", "lm")
         return cross_entropy(model(inputs), targets), {}
+
+    def split(self, batch: Any) -> tuple[Any, torch.Tensor]:
+        return pair(batch, "input_ids", "labels", "lm")
+
+    def loss(self, outputs: torch.Tensor, targets: torch.Tensor,
+             with_metrics: bool = True) -> tuple[torch.Tensor, Metrics]:
+        return cross_entropy(outputs, targets), {}
 
     def count(self, batch: Any) -> tuple[int, int]:
         if isinstance(batch, Mapping) and self.loss_from_model:
@@ -87,9 +103,15 @@ class Classification(Task):
 
     def __call__(self, model: Callable, batch: Any, with_metrics: bool = True) -> tuple[torch.Tensor, Metrics]:
         inputs, targets = pair(batch, "inputs", "targets", "classify")
-        logits = model(inputs)
-        loss = cross_entropy(logits, targets)
-        return loss, (self.metrics(logits.detach(), targets) if with_metrics else {})
+        return self.loss(model(inputs), targets, with_metrics)
+
+    def split(self, batch: Any) -> tuple[Any, torch.Tensor]:
+        return pair(batch, "inputs", "targets", "classify")
+
+    def loss(self, outputs: torch.Tensor, targets: torch.Tensor,
+             with_metrics: bool = True) -> tuple[torch.Tensor, Metrics]:
+        loss = cross_entropy(outputs, targets)
+        return loss, (self.metrics(outputs.detach(), targets) if with_metrics else {})
 
     def metrics(self, logits: torch.Tensor, targets: torch.Tensor) -> Metrics:
         """Accuracy and top-k accuracy of detached logits: nothing to record for autograd, so no grad context

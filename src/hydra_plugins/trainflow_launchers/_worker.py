@@ -20,6 +20,7 @@ from hydra.core.utils import JobStatus, setup_globals
 
 from hydra_plugins.trainflow_launchers.common import RESULT_NAME, JobFailed, run_job_here
 from trainflow.distributed.failures import recorded
+from trainflow.util.files import write_atomic
 
 
 def main(spec_path: str) -> None:
@@ -35,9 +36,7 @@ def main(spec_path: str) -> None:
             error = ret._return_value
             ret.return_value = JobFailed(f"{type(error).__name__}: {error}")
             data = cloudpickle.dumps(ret)
-        tmp = spec.with_name(f"{RESULT_NAME}.tmp{os.getpid()}")
-        tmp.write_bytes(data)
-        os.replace(tmp, spec.with_name(RESULT_NAME))
+        write_atomic(spec.with_name(RESULT_NAME), data)
     if ret.status == JobStatus.FAILED:
         if recorded(ret._return_value):
             raise SystemExit(1)  # its record (time, step) is in the error file already: torch's would overwrite it

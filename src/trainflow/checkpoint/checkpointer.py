@@ -69,12 +69,12 @@ from trainflow.distributed import DistEnv
 from trainflow.distributed.failures import note_save, says_peer_lost
 from trainflow.errors import CheckpointError
 from trainflow.loop.stages import Phase, Stage, StageContext
+from trainflow.profile.regions import CHECKPOINT
 from trainflow.util.device import device_sync
 from trainflow.util.locks import DirLock
 
 log = logging.getLogger(__package__)  # one name for the package: lines read [trainflow.checkpoint]
 
-CHECKPOINT_ANNOTATION = "trainflow/checkpoint"  # the profiler's record_function label of its turn: polls and saves
 EXPORT_FILE = "model.pt"  # checkpoint.export=true: the weights of the last save, in the run directory
 
 
@@ -187,7 +187,7 @@ class Checkpointer(Stage):
         """Save when due; return True when the run must stop now (a stop signal was handled)."""
         if not self.enabled:
             return False
-        with record_function(CHECKPOINT_ANNOTATION):  # its collectives are the saves', not the training's communication
+        with record_function(CHECKPOINT):  # its collectives are the saves', not the training's communication
             return self._after_step(state)
 
     def _after_step(self, state: TrainState) -> bool:

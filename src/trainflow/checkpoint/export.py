@@ -352,16 +352,17 @@ def write_hf(source: Source, folder: Path, plan: HfPlan) -> None:
 
 
 def run_tokenizer(run_cfg: dict[str, Any]) -> Any:
-    """The run's tokenizer (tokenizer=bpe|file) as a tokenizers.Tokenizer, read from its tokenizer.json; None for
-    bytes. A BPE is never trained here and nothing is created: one no longer cached is refused in one line, and
-    so is a file that is missing, not a regular file (never opened: a FIFO would hang) or no tokenizer.json."""
-    from trainflow.data.tokenizers import bpe_cache_path, import_hf
+    """The run's tokenizer as a tokenizers.Tokenizer: one byte a token (tokenizer=bytes), or read from its
+    tokenizer.json (bpe, file). A BPE is never trained here and nothing is created: one no longer cached is refused
+    in one line, and so is a file that is missing, not a regular file (never opened: a FIFO would hang) or no
+    tokenizer.json."""
+    from trainflow.data.tokenizers import bpe_cache_path, byte_tokenizer, import_hf
 
     settings = run_cfg.get("tokenizer") or {}
     kind = settings.get("kind", "bytes")
-    if kind not in ("file", "bpe"):
-        return None
     lib = import_hf("tokenizers", "export --format hf")
+    if kind not in ("file", "bpe"):
+        return byte_tokenizer(lib)
     if kind == "file":
         fix = "put the run's tokenizer.json there, or give --config a config whose tokenizer.path names it"
         if not settings.get("path"):

@@ -61,6 +61,7 @@ from trainflow.config.schema import CheckpointConfig
 from trainflow.data.identity import differences
 from trainflow.data.stream import STREAM_VERSION
 from trainflow.distributed import DistEnv
+from trainflow.distributed.pipeline import shared_as_own
 from trainflow.errors import CheckpointError, ConfigError, DataError
 from trainflow.models.gpt import CausalSelfAttention
 
@@ -182,7 +183,8 @@ def load_all(target: Committed, state: TrainState, env: DistEnv, group: Any,
     # the config's groups (their number follows optim.weight_decay); the optimizer state is keyed by parameter
     # name, so it fits either way; the LR is the schedule's, recomputed at the step by restore_schedule
     set_state_dict(state.model, state.optimizer, model_state_dict=loaded["model"],
-                   optim_state_dict={"state": loaded["optim"]["state"], "param_groups": live["param_groups"]})
+                   optim_state_dict={"state": shared_as_own(loaded["optim"]["state"], state.model),
+                                     "param_groups": live["param_groups"]})
     state.step, state.samples_seen = int(plain["step"]), int(plain["samples_seen"])
     state.stream_version = saved_stream_version(plain, target.path)
     state.tracked_runs = dict(plain.get("tracked_runs") or {})

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from trainflow.data.stream import STREAM_VERSIONS
+from trainflow.distributed.pipeline import StageParts, shared_as_saved
 from trainflow.errors import CheckpointError
 from trainflow.loop.state import TrainState
 
@@ -40,7 +41,8 @@ def split_state(state: TrainState) -> tuple[dict[str, Any], dict[str, Any]]:
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     model_sd, optim_sd = get_state_dict(state.model, state.optimizer)
-    tensors, aside = split_tensors({"model": model_sd, "optim": {"state": optim_sd["state"]}})
+    optim_state = shared_as_saved(optim_sd["state"], state.model)
+    tensors, aside = split_tensors({"model": model_sd, "optim": {"state": optim_state}})
     plain = {"format": FORMAT, "step": state.step, "samples_seen": state.samples_seen,
              "stream_version": state.stream_version, "tracked_runs": state.tracked_runs,
              "data": state.data_identity, "layout": state.layout,
@@ -117,8 +119,12 @@ def restore_schedule(state: TrainState, saved: dict[str, Any], live: dict[str, A
 
 
 def model_shapes(model: nn.Module) -> dict[str, tuple[tuple[int, ...], str]]:
-    """Global shape and dtype of every model tensor, under the names a checkpoint uses (wrappers stripped)."""
+    """Global shape and dtype of every model tensor, under the names a checkpoint uses (wrappers stripped); a
+    pipeline stage answers for the whole model."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    if isinstance(model, StageParts):
+        return model.whole_shapes
 
     return {k: (tuple(v.shape), str(v.dtype).removeprefix("torch."))
             for k, v in get_model_state_dict(model).items() if isinstance(v, torch.Tensor)}

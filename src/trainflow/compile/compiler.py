@@ -39,6 +39,7 @@ from trainflow.config.schema import CompileConfig, TrainerConfig
 from trainflow.data.loaders import to_device
 from trainflow.distributed import DistEnv
 from trainflow.distributed.parallelism import local_loss, loss_context, unwrap
+from trainflow.distributed.pipeline import StageParts
 from trainflow.errors import ConfigError, home_note, unwritable_reason
 from trainflow.loop.stages import Phase, Stage, StageContext
 from trainflow.loop.state import LoopState
@@ -66,8 +67,10 @@ def effective_mode(mode: str | None, world_size: int) -> str | None:
 
 def default_scope(model: nn.Module) -> str:
     """compile.scope=null: blocks on an FSDP-sharded model with blocks (its forward cannot trace into sharded
-    blocks, so compiling the model would leave it eager), else the whole model."""
-    return "blocks" if _is_fsdp(model) and model_blocks(unwrap(model)) is not None else "model"
+    blocks, so compiling the model would leave it eager) and on a pipeline's stages (their forward is the
+    schedule's), else the whole model."""
+    sharded = _is_fsdp(model) or isinstance(model, StageParts)
+    return "blocks" if sharded and model_blocks(unwrap(model)) is not None else "model"
 
 
 class Compiler(Stage):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import inspect
 import math
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -23,6 +24,8 @@ from trainflow.config.targets import import_target
 from trainflow.data.tokenizers import BYTE_VOCAB
 from trainflow.errors import ConfigError
 from trainflow.optim import OPTIMIZER
+from trainflow.util.files import cannot_write
+from trainflow.util.rundir import run_name_problem
 
 
 def check_optimizer(optim: dict[str, Any]) -> None:
@@ -137,6 +140,8 @@ def validate_parallelism(cfg: RunConfig) -> None:
              f"full with compile under parallelism.tp={parallelism.tp} fails inside torch (its compiled backward "
              "cannot save a checkpointed block's tensor-parallel mesh); set compile=off or "
              "parallelism.activation_checkpointing=off")
+    validate_activation_checkpointing(cfg)
+    validate_pipeline(cfg)
     validate_launch(parallelism)
     if parallelism.global_batch is not None:
         _require(parallelism.global_batch > 0, "parallelism.global_batch",
@@ -175,6 +180,49 @@ def validate_parallelism(cfg: RunConfig) -> None:
     _require(0 < parallelism.memory_headroom <= 1, "parallelism.memory_headroom",
              f"must be in (0, 1]; got {parallelism.memory_headroom}")
     validate_fault_tolerance(cfg)
+
+
+def validate_activation_checkpointing(cfg: RunConfig) -> None:
+    """How often the mode applies, and the budget that only compile's partitioner can meet."""
+    p = cfg.parallelism
+    _require(p.activation_checkpointing_every >= 1, "parallelism.activation_checkpointing_every",
+             f"must be a positive integer (1: every block); got {p.activation_checkpointing_every}")
+    _require(0 <= p.activation_budget <= 1, "parallelism.activation_budget",
+             f"must be in [0, 1] (the share of the activations compile may keep); got {p.activation_budget}")
+    _require(p.activation_checkpointing != "budget" or cfg.compile.enabled, "parallelism.activation_checkpointing",
+             "budget is met by torch.compile's partitioner (activation_memory_budget), and compile is off; set "
+             "compile.enabled=true, or use full or selective")
+    _require(p.activation_checkpointing != "budget" or p.tp == 1, "parallelism.activation_checkpointing",
+             f"budget with parallelism.tp={p.tp} is untested with tensor parallel; use full or selective")
+
+
+def validate_pipeline(cfg: RunConfig) -> None:
+    """Pipeline degrees a type cannot check; whether pp divides the world and the blocks, and the micro-batches the
+    batch, is checked where those are known (trainflow.distributed.pipeline)."""
+    p = cfg.parallelism
+    _require(p.pp >= 1, "parallelism.pp", f"must be a positive integer (1: no pipeline); got {p.pp}")
+    _require(p.microbatches is None or p.microbatches >= 1, "parallelism.microbatches",
+             f"must be a positive integer, or null for one per pipeline stage; got {p.microbatches}")
+    if p.pp == 1:
+        return
+    _require(p.strategy != "auto", "parallelism.pp",
+             f"is {p.pp}, but parallelism=auto chooses the pipeline degree itself; to fix it, pick parallelism=fsdp "
+             "or ddp with parallelism.pp")
+    _require(p.strategy != "single", "parallelism.pp",
+             f"splits the model over {p.pp} ranks, and parallelism=single trains one process; use parallelism=fsdp "
+             f"with parallelism.pp={p.pp} (parallelism.nproc_per_node=N, N a multiple of {p.pp})")
+    _require(not cfg.compile.enabled or not cfg.compile.check, "compile.check",
+             f"compares the compiled and the eager model on one batch, and parallelism.pp={p.pp} runs the model as "
+             "stages on several ranks; set compile.check=false (parallelism.check=true compares the run with one "
+             "process)")
+    _require(not cfg.compile.enabled or cfg.compile.scope != "model", "compile.scope",
+             f"model compiles the model's forward, which parallelism.pp={p.pp} splits into stages; use "
+             "compile.scope=blocks (or null)")
+    _require(cfg.data.get("seq_lens") is None, "data.seq_lens", f"varies the batch's shape, and "
+             f"parallelism.pp={p.pp} sends activations of one shape between stages; set data.seq_lens=null")
+    _require(not cfg.task.get("_target_") and not cfg.task.get("loss_from_model"), "parallelism.pp",
+             f"{p.pp}: the last pipeline stage computes the loss from the model's output and the batch's targets "
+             "(task=lm or classify), and this task computes it from the model itself; use task=lm or task=classify")
 
 
 def validate_launch(parallelism: ParallelismConfig) -> None:
@@ -257,6 +305,23 @@ def validate_checkpoint(cfg: RunConfig) -> None:
              "set checkpoint.resume=<a step_N folder or run dir>")
 
 
+def validate_ledger(setting: str) -> None:
+    """metrics.ledger (trainflow.report.ledger): a file path must not be a folder, and its folder, where it exists,
+    must take files (auto and off need nothing)."""
+    if setting in ("auto", "off"):
+        return
+    _require(bool(setting.strip()), "metrics.ledger", "is empty; give a file (e.g. /shared/ledger.jsonl), auto or off")
+    path = Path(setting).expanduser()
+    _require(not path.is_dir(), "metrics.ledger",
+             f"{path} is a folder; give a file in it, e.g. {path / 'ledger.jsonl'}")
+    folder = next((p for p in path.parents if p.exists()), None)
+    problem = None if folder is None else "is not a folder" if not folder.is_dir() else cannot_write(folder)
+    if problem is not None:
+        reason = problem if isinstance(problem, str) else problem.strerror
+        raise ConfigError(f"metrics.ledger: cannot write to {path} ({folder} {reason}); give a writable file, or "
+                          "metrics.ledger=off")
+
+
 def validate_ladder(cfg: RunConfig) -> None:
     """Ladder knobs a type cannot check; only a ladder job has them."""
     if not isinstance(cfg, LadderRunConfig):
@@ -266,6 +331,8 @@ def validate_ladder(cfg: RunConfig) -> None:
              f"must be > 0 or null; got {ladder.loss_rtol}")
     _require(ladder.log_every is None or ladder.log_every > 0, "ladder.log_every",
              f"must be a positive number of steps, or null for about 10 logs a rung; got {ladder.log_every}")
+    _require(ladder.fp8_rtol is None or ladder.fp8_rtol > 0, "ladder.fp8_rtol",
+             f"must be > 0 or null; got {ladder.fp8_rtol}")
     _require(ladder.resume_atol >= 0, "ladder.resume_atol",
              f"must be >= 0 (0: bit-identical); got {ladder.resume_atol}")
 
@@ -343,13 +410,6 @@ def validate_data(cfg: RunConfig) -> None:
         _require(data["num_samples"] > 0, "data.num_samples", f"must be > 0; got {data['num_samples']}")
 
 
-def run_name_problem(name: str) -> str | None:
-    """Why `name` cannot be a run's folder name (trainer.run_name), or None."""
-    if name.strip() and "/" not in name and name not in (".", ".."):
-        return None
-    return f"{name!r} is not a folder name; give a name without '/', e.g. trainer.run_name=gpt-small-try2"
-
-
 def validate(cfg: DictConfig) -> RunConfig:
     """The composed config as the run reads it, typed once (trainflow.config.schema.typed_run), with the values a
     type cannot check checked; raise ConfigError naming the key and the fix."""
@@ -377,6 +437,10 @@ def validate(cfg: DictConfig) -> RunConfig:
     validate_optim(run.optim)
     if run.metrics.peak_flops is not None:
         _require(run.metrics.peak_flops > 0, "metrics.peak_flops", f"must be > 0; got {run.metrics.peak_flops}")
+    validate_ledger(run.metrics.ledger)
+    if trainer.cost_per_hour is not None:
+        _require(trainer.cost_per_hour >= 0, "trainer.cost_per_hour",
+                 f"must be >= 0 (the price of one device for an hour); got {trainer.cost_per_hour}")
     validate_data(run)
     validate_model(run)
     validate_task(run)

@@ -32,7 +32,8 @@ def choice(name: str, values: str) -> type[StrEnum]:
 
 Auto = choice("Auto", "auto")
 Device = choice("Device", "auto cpu cuda")
-Precision = choice("Precision", "fp32 bf16")  # the step's autocast dtype
+Precision = choice("Precision", "fp32 bf16 fp8")  # the step's arithmetic
+Fp8Recipe = choice("Fp8Recipe", "tensorwise rowwise")  # torchao's float8 scaling
 Progress = choice("Progress", "auto bar log")
 NonFinite = choice("NonFinite", "stop skip_step")
 TokenizerKind = choice("TokenizerKind", "bytes bpe file")
@@ -46,7 +47,8 @@ CompileMode = choice("CompileMode", "default max-autotune max-autotune-no-cudagr
 CompileScope = choice("CompileScope", "model blocks")
 Strategy = choice("Strategy", "single ddp fsdp hsdp auto")
 Backend = choice("Backend", "auto gloo nccl")
-ActivationCheckpointing = choice("ActivationCheckpointing", "off full")
+ActivationCheckpointing = choice("ActivationCheckpointing", "off full selective budget")
+PipelineSchedule = choice("PipelineSchedule", "1f1b gpipe interleaved_1f1b interleaved_zb zbv")
 FSDPDtype = choice("FSDPDtype", "fp32 bf16 fp16")
 FSDPWrap = choice("FSDPWrap", "auto blocks size")
 FaultTolerance = choice("FaultTolerance", "off torchft")
@@ -54,7 +56,7 @@ NoQuorum = choice("NoQuorum", "stop alone")
 CheckpointMode = choice("CheckpointMode", "sync async")
 CheckpointLoad = choice("CheckpointLoad", "all model")
 OnDataChange = choice("OnDataChange", "refuse restart")
-LadderRung = choice("LadderRung", "baseline compile profile ddp fsdp checkpoint resume")
+LadderRung = choice("LadderRung", "baseline compile profile ddp fsdp checkpoint resume fp8")
 WandbMode = choice("WandbMode", "online offline")
 
 

@@ -33,6 +33,7 @@ from trainflow.config.choices import (
     Direction,
     FaultTolerance,
     FileFormat,
+    Fp8Recipe,
     FSDPDtype,
     FSDPWrap,
     Items,
@@ -40,6 +41,7 @@ from trainflow.config.choices import (
     NonFinite,
     NoQuorum,
     OnDataChange,
+    PipelineSchedule,
     Precision,
     Progress,
     Schedule,
@@ -70,7 +72,8 @@ class TrainerConfig:
     grad_accum: int = 1
     seed: int = 1234
     device: Device = Device.auto  # auto: cuda when a GPU is visible, else cpu
-    precision: Precision = Precision.fp32  # bf16: autocast
+    precision: Precision = Precision.fp32  # bf16: autocast; fp8: torchao float8 matmuls, bf16 elsewhere (GPUs sm 8.9+)
+    fp8_recipe: Fp8Recipe = Fp8Recipe.tensorwise  # fp8: tensorwise (float8 all-gather under FSDP); rowwise: finer
     tf32: bool = True  # CUDA: fp32 matmuls and convolutions on TF32 tensor cores; false: full fp32 arithmetic
     grad_clip: float = 1.0  # 0 disables clipping (the norm is still measured)
     log_every: int = 10
@@ -84,6 +87,7 @@ class TrainerConfig:
     nonfinite: NonFinite = NonFinite.stop
     run_name: str | None = None  # checkpointed runs live in outputs/runs/<run_name>; null: made from the overrides
     sweep_name: str | None = None  # -m sweeps live in multirun/<sweep_name>; null: made from the overrides
+    cost_per_hour: float | None = None  # the price of one device (rank) for an hour: the summary's cost figures
 
     def eval_interval(self) -> int:
         """auto: 10 evaluations (a validation curve) in runs of 100 steps or more; shorter runs once, at the end."""
@@ -95,6 +99,9 @@ class TrainerConfig:
 @dataclass
 class MetricsConfig:
     peak_flops: float | None = None  # FLOP/s per device; overrides the measured/known peak
+    # where each finished run appends its line (trainflow.report.ledger): auto (outputs/ledger.jsonl under the working
+    # folder for runs inside it, else a sweep folder's own) | off | a file (one ledger for runs anywhere, many machines)
+    ledger: str = "auto"
 
 
 def model_schema(model: type) -> type:
@@ -371,8 +378,14 @@ class ParallelismConfig:
     nproc_per_node: int | Auto = 1
     backend: Backend = Backend.auto  # auto: nccl on CUDA, gloo on CPU
     global_batch: int | None = None  # when set, trainer.batch_size = global_batch / (world size * grad_accum)
-    # full: recompute each block's activations in backward
+    # full: recompute each block's activations in backward; selective: keep the matmul and attention outputs, recompute
+    # the cheap ops; budget: compile's partitioner keeps what fits activation_budget
     activation_checkpointing: ActivationCheckpointing = ActivationCheckpointing.off
+    activation_checkpointing_every: int = 1  # full and selective: checkpoint every N-th block (1: every block)
+    activation_budget: float = 0.5  # budget: the share of compile's saved activations kept (0: recompute all)
+    pp: int = 1  # pipeline parallel: stages of model.blocks over this many ranks (the mesh's outermost dimension)
+    pp_schedule: PipelineSchedule = PipelineSchedule["1f1b"]  # the last 3 of its choices: 2 stages a rank
+    microbatches: int | None = None  # pipeline micro-batches per trainer.batch_size; null: one per pipeline stage
     max_restarts: int = 0  # self-launched runs: how often the elastic agent restarts failed workers
     timeout_s: float = 300.0  # how long a collective may wait for the other ranks
     check: bool = False  # parity check: train a single-process reference on rank 0 alongside and compare
@@ -454,6 +467,7 @@ class LadderConfig:
     rung: LadderRung | None = None  # set by the ladder/ options; null: not a ladder job
     loss_rtol: float | None = None  # largest relative loss difference to the baseline at any step; null: by precision
     resume_atol: float = 0.0  # largest |resumed - uninterrupted| loss at any step; 0: bit-identical
+    fp8_rtol: float | None = None  # largest relative loss difference of the fp8 rung to bf16's; null: 0.1
     # trainer.log_every of every rung; null: ~10 logs a run, at a divisor of the half-way step where the resume rung
     # starts (each log is a host sync; the gates compare the logged interval means of the rungs step by step)
     log_every: int | None = None

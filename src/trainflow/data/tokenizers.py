@@ -81,6 +81,26 @@ class Tokenizer:
                 "tokenizer.vocab_size), or pick a smaller tokenizer.vocab_size")
 
 
+def byte_tokenizer(lib: ModuleType) -> Any:
+    """tokenizer=bytes as a tokenizers.Tokenizer (for other tools: an exported Hugging Face folder): id = the byte,
+    as trainflow encodes text (UTF-8, one token a byte). Bytes are shown as the printable characters of the
+    byte-level convention (the ByteLevel pre-tokenizer and decoder), so text round-trips exactly."""
+    shown = _printable_bytes()
+    vocab = {shown[b]: b for b in range(BYTE_VOCAB)}
+    tokenizer = lib.Tokenizer(lib.models.BPE(vocab=vocab, merges=[]))  # no merges: one token a byte
+    tokenizer.pre_tokenizer = lib.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tokenizer.decoder = lib.decoders.ByteLevel()
+    return tokenizer
+
+
+def _printable_bytes() -> dict[int, str]:
+    """Each byte's character in the byte-level convention: the printable ones stand for themselves, the others are
+    the characters from U+0100 on, in byte order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(BYTE_VOCAB) if b not in printable]
+    return {**{b: chr(b) for b in printable}, **{b: chr(BYTE_VOCAB + i) for i, b in enumerate(others)}}
+
+
 def build_tokenizer(settings: TokenizerConfig | Mapping[str, Any] | None, corpus_key: str,
                     training_text: Callable[[], Iterable[str]]) -> Tokenizer:
     """The tokenizer the settings (the `tokenizer` section; None: bytes) describe.

@@ -14,6 +14,14 @@ Items, per rank, in bytes:
 - activations: measured, not modelled: the bytes autograd saves for backward in one forward of one micro-batch
   (saved-tensor hooks; parameters excluded), attributed to the blocks they were saved in. With activation
   checkpointing a block keeps only its input, and one block's activations live again during its backward.
+- selective activation checkpointing: each block keeps its input and the outputs of the ops selective
+  checkpointing saves (matmuls, attention: measured in the same forward), and one block's other activations live
+  again during its backward.
+- pipeline parallel (pp > 1): the larger of the first and the last stage's parameters (their blocks, and the
+  first stage the parameters of the children before `blocks`, the last those after it: a tied embedding on both),
+  sharded over the data-parallel ranks; its blocks' activations (and everything outside the blocks) for
+  min(micro-batches, pp) pipeline micro-batches in flight (1F1B's warm-up on the first stage), each of
+  1 / micro-batches of the rank's micro-batch.
 - tensor parallel (tp > 1, by the model's TP plan; trainflow.distributed.tensor): each parameter's split
   dimension is divided by tp (rows of rank 0's chunk: ceil), then FSDP2 shards that local tensor along dim 0 over
   the data-parallel shard ranks. Activations are modelled from the measured ones: under sequence parallel a
@@ -35,7 +43,7 @@ from torch import nn
 
 from trainflow.config.schema import FSDPConfig
 from trainflow.distributed.mesh import SHARDED
-from trainflow.distributed.parallelism import shard_units
+from trainflow.distributed.parallelism import saved_ops, shard_units
 from trainflow.distributed.tensor import gathered_inputs, shard_dims, tp_plan
 from trainflow.errors import ConfigError
 from trainflow.metrics.activations import Saved, saved_for_backward
@@ -54,18 +62,23 @@ class Layout:
     checkpointing: bool = False
     tp: int = 1  # ranks each layer is split over
     batch: int | None = None  # per-rank micro-batch; None: the one the activations were measured with
+    selective: bool = False  # with checkpointing: selective (the matmul and attention outputs kept), not full
+    pp: int = 1  # pipeline stages
+    microbatches: int = 1  # pipeline micro-batches per micro-batch (pp > 1)
 
     @property
     def tp_alone(self) -> bool:
-        """One copy of the model spans the world (FSDP over one rank): TP without any data-parallel wrapper."""
-        return self.tp > 1 and (self.strategy, self.shard_size) == ("fsdp", 1)
+        """One copy of the model spans the world (FSDP over one rank): TP and PP without any data-parallel
+        wrapper."""
+        return (self.tp > 1 or self.pp > 1) and (self.strategy, self.shard_size) == ("fsdp", 1)
 
     @property
     def name(self) -> str:
-        base = self.strategy
-        if self.tp > 1:  # as trainflow.distributed.mesh.MeshLayout names it
-            base = f"tp {self.tp}" if self.tp_alone else f"{base} x tp {self.tp}"
-        return base + (" + activation checkpointing" if self.checkpointing else "")
+        split = [f"{dim} {size}" for dim, size in (("tp", self.tp), ("pp", self.pp)) if size > 1]
+        base = " x ".join(split if self.tp_alone else [self.strategy, *split])  # as MeshLayout names it
+        if not self.checkpointing:
+            return base
+        return base + (" + selective activation checkpointing" if self.selective else " + activation checkpointing")
 
 
 @dataclass
@@ -81,13 +94,21 @@ class ModelFacts:
     gathered: list[int] = field(default_factory=list)  # per block: its column-wise layers' inputs (TP gathers)
     tp_dims: list[int | None] | None = None  # each parameter's TP split dimension; None: the model has no plan
     wrap_note: str | None = None  # said once when size-based wrapping stands in for blocks
+    kept: list[int] = field(default_factory=list)  # per block: the outputs selective checkpointing keeps
+    ends: tuple[list[int], list[int]] = ([], [])  # parameters before the blocks (first stage), after (last stage)
 
-    def activations(self, tp: int, checkpointing: bool) -> float:
-        """Bytes saved for backward per rank for one measured micro-batch (see the module's docstring)."""
+    def activations(self, tp: int, checkpointing: bool, selective: bool = False, stage: int = 1) -> float:
+        """Bytes saved for backward per rank for one measured micro-batch (see the module's docstring); `stage`:
+        the blocks of one of that many pipeline stages."""
         gathered = self.gathered or [0] * len(self.saved.per_block)
-        blocks = [(b - g) / tp + g for b, g in zip(self.saved.per_block, gathered, strict=True)]
+        count = len(self.saved.per_block) // stage
+        blocks = [(b - g) / tp + g for b, g in zip(self.saved.per_block, gathered, strict=True)][:count]
+        inputs = self.saved.block_inputs * count / max(len(self.saved.per_block), 1) / tp
+        if checkpointing and selective and blocks:
+            kept = [min(k / tp, b) for k, b in zip(self.kept or [0] * len(blocks), blocks, strict=False)]
+            return self.saved.outside + inputs + sum(kept) + max(b - k for b, k in zip(blocks, kept, strict=False))
         if checkpointing and blocks:
-            return self.saved.outside + self.saved.block_inputs / tp + max(blocks)
+            return self.saved.outside + inputs + max(blocks)
         return self.saved.outside + sum(blocks)
 
 
@@ -166,6 +187,36 @@ def measure_activations(model: nn.Module, example: Any, task: Callable[[nn.Modul
     return saved, inputs
 
 
+def kept_outputs(model: nn.Module, example: Any, task: Callable[[nn.Module, Any], tuple], blocks: list[nn.Module],
+                 autocast: Any) -> list[int]:
+    """Per block, the bytes of the outputs selective checkpointing keeps (trainflow.distributed.parallelism
+    saved_ops: matmuls, attention), in one forward without grad."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    keep, kept, current = saved_ops(), [0] * len(blocks), []
+
+    class Tally(TorchDispatchMode):
+        def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+            out = func(*args, **(kwargs or {}))
+            if current and func in keep:
+                first = out[0] if isinstance(out, (tuple, list)) else out
+                kept[current[-1]] += first.numel() * first.element_size()
+            return out
+
+    def leave(*_: Any) -> None:  # a forward hook's return value would replace the block's output
+        current.pop()
+
+    handles = [b.register_forward_pre_hook(lambda _m, _a, i=i: current.append(i)) for i, b in enumerate(blocks)]
+    handles += [b.register_forward_hook(leave) for b in blocks]
+    try:
+        with torch.no_grad(), autocast, Tally():
+            task(model, example)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return kept
+
+
 def model_facts(model: nn.Module, optim_cfg: Mapping[str, Any], fsdp_cfg: FSDPConfig, example: tuple | None = None,
                 task: Callable | None = None, autocast: Any = None, tp_target: Any = None) -> ModelFacts:
     """Everything the table needs from this model (the same on every rank); without an example (a model on the
@@ -184,17 +235,24 @@ def model_facts(model: nn.Module, optim_cfg: Mapping[str, Any], fsdp_cfg: FSDPCo
     in_units = {i for unit in members for i in unit}
     scaled, scalars = optimizer_state(model, optim_cfg)
     plan = _tp_plan_or_none(model, tp_target)
-    saved, gathered, batch = Saved(0, [], 0), [], 1
+    ends: tuple[list[int], list[int]] = ([], [])
+    if blocks is not None:  # the children registered before `blocks` go to the first pipeline stage, after to the last
+        names = list(model._modules)
+        at = names.index("blocks") if "blocks" in names else len(names)
+        ends = tuple([index[id(p)] for n in part if model._modules[n] is not None
+                      for p in model._modules[n].parameters()] for part in (names[:at], names[at + 1:]))
+    saved, gathered, batch, kept = Saved(0, [], 0), [], 1, []
     if example is not None:
         block_list = list(blocks) if blocks is not None else []
         colwise = gathered_inputs(model, plan) if plan else []
         saved, gathered = measure_activations(model, example, task, block_list, autocast, colwise)
+        kept = kept_outputs(model, example, task, block_list, autocast) if block_list else []
         batch = len(example[0]) if isinstance(example, (tuple, list)) else len(example)
     return ModelFacts(
         params=[(p.shape, p.element_size(), s) for p, s in zip(model.parameters(), scaled, strict=True)],
         optimizer_scalar_bytes=scalars, units=members, root=[i for i in index.values() if i not in in_units],
         saved=saved, example_batch=batch, gathered=gathered,
-        tp_dims=shard_dims(model, plan) if plan else None, wrap_note=note)
+        tp_dims=shard_dims(model, plan) if plan else None, wrap_note=note, kept=kept, ends=ends)
 
 
 def _tp_plan_or_none(model: nn.Module, target: Any) -> dict[str, Any] | None:
@@ -208,21 +266,32 @@ def _tp_plan_or_none(model: nn.Module, target: Any) -> dict[str, Any] | None:
 def estimate(facts: ModelFacts, layout: Layout, gather_factor: float = 1.0, bucket_copy: bool = True) -> dict:
     """Bytes per rank of each item under `layout`; gather_factor: gathered parameter bytes over stored ones
     (0.5 when FSDP gathers bf16 copies of fp32 parameters)."""
-    s, tp = layout.shard_size, layout.tp
-    # DDP under TP: FSDP2 over shard groups of one rank; TP alone: no FSDP2
-    sharded = (layout.strategy in SHARDED or tp > 1) and not layout.tp_alone
+    s, tp, pp = layout.shard_size, layout.tp, layout.pp
+    # DDP under TP: FSDP2 over shard groups of one rank; TP (or PP) alone: no FSDP2
+    sharded = (layout.strategy in SHARDED or tp > 1 or pp > 1) and not layout.tp_alone
     dims = facts.tp_dims or [None] * len(facts.params)
     local = [(tp_shape(shape, dim, tp), size, state // max(1, math.prod(shape)))
              for (shape, size, state), dim in zip(facts.params, dims, strict=True)]
+    units, scalars = facts.units, facts.optimizer_scalar_bytes
+    if pp > 1:  # the first or the last stage, whichever holds more (see the module's docstring)
+        per = len(facts.units) // pp
+        stages = [(facts.units[:per], facts.ends[0]), (facts.units[len(facts.units) - per:], facts.ends[1])]
+        helds = [{*(i for unit in u for i in unit), *extra} for u, extra in stages]
+        sizes = [sum(sharded_bytes(*local[i][:2], s) for i in held) for held in helds]
+        units, held = stages[sizes.index(max(sizes))][0], helds[sizes.index(max(sizes))]
+        local = [entry if i in held else (torch.Size([0]), entry[1], 0) for i, entry in enumerate(local)]
+        scalars = facts.optimizer_scalar_bytes * len(held) // len(facts.params)  # per parameter (AdamW's step)
     batch = (layout.batch or facts.example_batch) / facts.example_batch
+    if pp > 1:  # min(m, pp) pipeline micro-batches of 1/m of the micro-batch in flight
+        batch *= min(layout.microbatches, pp) / layout.microbatches
     row = {
         "params": sum(sharded_bytes(shape, size, s) for shape, size, _ in local),
         "grads": sum(sharded_bytes(shape, size, s) for shape, size, _ in local),
-        "optimizer": facts.optimizer_scalar_bytes + sum(
+        "optimizer": scalars + sum(
             sharded_bytes(shape, per_element, s) if per_element else 0 for shape, _, per_element in local),
         "buckets": 0,
         "all_gather": 0,
-        "activations": int(facts.activations(tp, layout.checkpointing) * batch),
+        "activations": int(facts.activations(tp, layout.checkpointing, layout.selective, pp) * batch),
     }
     if layout.strategy == "ddp" and tp == 1 and bucket_copy:
         row["buckets"] = row["grads"]
@@ -230,7 +299,7 @@ def estimate(facts: ModelFacts, layout: Layout, gather_factor: float = 1.0, buck
         def gathered(members: list[int]) -> int:  # the unit's parameters gathered over the data-parallel ranks
             return sum(math.prod(local[i][0]) * local[i][1] for i in members)
 
-        largest = max(map(gathered, facts.units), default=0)
+        largest = max(map(gathered, units), default=0)
         row["all_gather"] = int(gathered(facts.root) * gather_factor + 2 * largest * gather_factor + largest)
     row["total"] = sum(row[item] for item in ITEMS)
     return row

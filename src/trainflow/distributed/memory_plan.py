@@ -6,9 +6,12 @@ node's ranks) times parallelism.memory_headroom, or parallelism.memory_budget_gb
 ranks counts, so that every rank decides alike. Order of preference: DDP (one process: as is), HSDP (several
 nodes), FSDP, then the same with activation checkpointing; then tensor parallel, tp = 2, 4, ... up to the
 ranks of a node (dividing the model's heads and hidden sizes), each as DDP, HSDP, FSDP (or TP alone) x tp, then
-with activation checkpointing. A layout whose data-parallel ranks do not divide the global batch
-(parallelism.global_batch, else trainer.batch_size x world size: auto keeps it) is not offered. None fitting
-is a one-line refusal with the numbers.
+with activation checkpointing; then pipeline parallel, pp = 2, 3, ... (dividing the world and the model's blocks
+into parallelism.pp_schedule's stages), FSDP x pp (or PP alone), at each TP degree. Each sharded layout comes
+with selective activation checkpointing (the matmul and attention outputs kept) before full. A layout whose
+data-parallel ranks do not divide the global batch (parallelism.global_batch, else trainer.batch_size x world
+size: auto keeps it), or whose micro-batch its pipeline micro-batches do not divide, is not offered. None
+fitting is a one-line refusal with the numbers.
 """
 
 from __future__ import annotations
@@ -29,9 +32,11 @@ from torch import nn
 from trainflow.config.schema import ParallelismConfig, RunConfig
 from trainflow.distributed.memory_estimate import GB, ITEMS, Layout, ModelFacts, estimate, local_bytes, model_facts
 from trainflow.distributed.parallelism import fsdp_dtypes
+from trainflow.distributed.pipeline import stages_per_rank
 from trainflow.distributed.process_group import node_count
 from trainflow.errors import ConfigError
 from trainflow.metrics.batch_fit import available_bytes
+from trainflow.models import model_blocks
 from trainflow.util.device import autocast_for
 
 log = logging.getLogger(__name__)
@@ -55,30 +60,47 @@ class Plan:
 
 
 def candidates(world_size: int, ranks_per_node: int, can_checkpoint: bool, tp_degrees: tuple[int, ...] = (),
-               global_batch: int | None = None, grad_accum: int = 1,
-               checkpoint_under_tp: bool = True) -> tuple[list[Layout], list[str]]:
+               global_batch: int | None = None, grad_accum: int = 1, checkpoint_under_tp: bool = True,
+               pp_degrees: tuple[int, ...] = (), microbatches: Callable[[int], int] = lambda pp: pp,
+               ) -> tuple[list[Layout], list[str]]:
     """The layouts in order of preference for this launch (cheapest communication first), each with its per-rank
     micro-batch of `global_batch`; and the names of those left out because their data-parallel ranks do not
-    divide it. Tensor parallel comes last: it communicates every layer."""
+    divide it (or their pipeline micro-batches, `microbatches(pp)` of them, the micro-batch). Tensor parallel
+    comes after data parallel (it communicates every layer), pipeline parallel last (its bubble idles ranks)."""
     order: list[Layout] = []
-    for tp in (1, *tp_degrees):
-        dp, per_node = world_size // tp, max(ranks_per_node // tp, 1)
-        if world_size == 1:
-            level = [Layout("single", 1)]
-        elif dp == 1:  # one copy of the model spans the world
-            level = [Layout("fsdp", 1, tp=tp)]
-        else:
-            hsdp = [Layout("hsdp", per_node, tp=tp)] if world_size > ranks_per_node and per_node > 1 else []
-            level = [Layout("ddp", 1, tp=tp), *hsdp, Layout("fsdp", dp, tp=tp)]
-        if can_checkpoint and (tp == 1 or checkpoint_under_tp):
-            level += [Layout(c.strategy, c.shard_size, True, tp) for c in level if c.strategy != "ddp"]
-        order += level
+    for pp in (1, *pp_degrees):
+        for tp in (1, *(t for t in tp_degrees if pp == 1)):  # TP x PP fails in torch 2.13 (parallelism.py)
+            dp, per_node = world_size // tp // pp, max(ranks_per_node // tp, 1)
+            if world_size == 1:
+                level = [Layout("single", 1)]
+            elif dp == 1:  # one copy of the model spans the world
+                level = [Layout("fsdp", 1, tp=tp, pp=pp, microbatches=microbatches(pp))]
+            elif pp > 1:
+                level = [Layout("fsdp", dp, tp=tp, pp=pp, microbatches=microbatches(pp))]
+            else:
+                hsdp = [Layout("hsdp", per_node, tp=tp)] if world_size > ranks_per_node and per_node > 1 else []
+                level = [Layout("ddp", 1, tp=tp), *hsdp, Layout("fsdp", dp, tp=tp)]
+            if can_checkpoint and (tp == 1 or checkpoint_under_tp):
+                level += [replace(c, checkpointing=True, selective=selective) for selective in (True, False)
+                          for c in level if c.strategy != "ddp"]
+            order += level
     if global_batch is None:
         return order, []
-    fits = [c for c in order if global_batch % (world_size // c.tp * grad_accum) == 0]
-    for c in fits:
-        c.batch = global_batch // (world_size // c.tp * grad_accum)
+    fits = []
+    for c in order:
+        ranks = world_size // c.tp // c.pp * grad_accum
+        if global_batch % ranks == 0 and (global_batch // ranks) % c.microbatches == 0:
+            c.batch = global_batch // ranks
+            fits.append(c)
     return fits, [c.name for c in order if c not in fits]
+
+
+def pp_degrees(blocks: int, world_size: int, schedule: str) -> tuple[int, ...]:
+    """The pipeline degrees auto may use: dividing the world, and the model's blocks into the schedule's stages."""
+    from trainflow.distributed.pipeline import stages_per_rank
+
+    return tuple(p for p in range(2, world_size + 1)
+                 if world_size % p == 0 and blocks and blocks % (p * stages_per_rank(schedule)) == 0)
 
 
 def tp_degrees(facts: ModelFacts, model_cfg: dict[str, Any], world_size: int, ranks_per_node: int) -> tuple[int, ...]:
@@ -236,16 +258,24 @@ def apply_auto(cfg: RunConfig, env: Any, model: nn.Module, example: Any, task: C
     facts = model_facts(model, cfg.optim, p.fsdp, example, task, autocast, p.tp_plan)
     ranks_per_node = env.world_size // node_count(env.world_size)
     global_batch = global_batch_of(cfg, env.world_size)
+    blocks = model_blocks(model)
+    # a pipeline needs the task's loss apart from the model (task=lm or classify) and one batch shape
+    pipelines = blocks is not None and not cfg.task.get("_target_") and not cfg.task.get("loss_from_model") \
+        and cfg.data.get("seq_lens") is None
     layouts, excluded = candidates(
         env.world_size, ranks_per_node, facts.activations(1, True) < facts.activations(1, False),
         tp_degrees(facts, cfg.model, env.world_size, ranks_per_node), global_batch, t.grad_accum,
-        checkpoint_under_tp=not cfg.compile.enabled)  # compiled checkpointed blocks under TP fail in torch
+        checkpoint_under_tp=not cfg.compile.enabled,  # compiled checkpointed blocks under TP fail in torch
+        pp_degrees=tuple(d for d in pp_degrees(len(blocks), env.world_size, p.pp_schedule)
+                         if (p.microbatches or d) >= d * stages_per_rank(p.pp_schedule)) if pipelines else (),
+        microbatches=lambda pp: p.microbatches or pp * stages_per_rank(p.pp_schedule))
     if not layouts:
         raise ConfigError(f"parallelism.global_batch: {global_batch} does not split over the data-parallel ranks of "
                           f"any layout of {env.world_size} ranks x trainer.grad_accum={t.grad_accum} (left out: "
                           f"{', '.join(excluded)}); use a multiple of {t.grad_accum * env.world_size}")
-    if p.activation_checkpointing == "full":
-        layouts = [c for c in layouts if c.checkpointing] or layouts
+    if p.activation_checkpointing in ("full", "selective"):  # asked for: the layouts with that mode
+        wanted = p.activation_checkpointing == "selective"
+        layouts = [c for c in layouts if c.checkpointing and c.selective == wanted] or layouts
     if p.memory_budget_gb is not None:
         budget, source = int(p.memory_budget_gb * GB), f"parallelism.memory_budget_gb={p.memory_budget_gb}"
     else:
@@ -255,20 +285,22 @@ def apply_auto(cfg: RunConfig, env: Any, model: nn.Module, example: Any, task: C
     plan = decide(facts, layouts, budget, source, t.batch_size, t.precision, gather,
                   not p.ddp.gradient_as_bucket_view)
     choice = plan.choice
-    plan.excluded, plan.reason = excluded, why_tensor_parallel(plan, excluded, global_batch, t.grad_accum)
-    decision = replace(p, strategy=choice.strategy, tp=choice.tp,
-                       activation_checkpointing="full" if choice.checkpointing else "off")
+    plan.excluded = excluded
+    plan.reason = why_pipeline(plan) or why_tensor_parallel(plan, excluded, global_batch, t.grad_accum)
+    mode = ("selective" if choice.selective else "full") if choice.checkpointing else "off"
+    decision = replace(p, strategy=choice.strategy, tp=choice.tp, pp=choice.pp, activation_checkpointing=mode)
     if choice.strategy == "hsdp":
         decision.hsdp = replace(p.hsdp, shard_size=choice.shard_size,
                                 replicate_size=env.world_size // choice.tp // choice.shard_size)
     if env.is_main:
         if facts.wrap_note:
             log.warning(facts.wrap_note)
-        log.info("parallelism=auto chose %s on %d rank%s%s: budget %.3g GB per rank (%s); MB per rank:\n%s",
-                 choice.name, env.world_size, "s" * (env.world_size > 1), f" ({plan.reason})" * bool(plan.reason),
-                 budget / GB, source, format_table(plan))
+        log.info("parallelism=auto chose %s on %d rank%s: %.3g GB per rank under a budget of %.3g GB (%s)%s; MB "
+                 "per rank:\n%s", choice.name, env.world_size, "s" * (env.world_size > 1),
+                 plan.table[choice.name]["total"] / GB, budget / GB, source, f" ({plan.reason})" * bool(plan.reason),
+                 format_table(plan))
     resident = sum(x.numel() * x.element_size() for x in model.parameters())
-    return (replace(env, strategy=choice.strategy, tp=choice.tp),
+    return (replace(env, strategy=choice.strategy, tp=choice.tp, pp=choice.pp),
             AutoPlan(plan, reset_peak(env.device), resident, decision, choice.batch or t.batch_size))
 
 
@@ -288,6 +320,21 @@ def probe_ranks(cfg: RunConfig, world_size: int) -> int:
         if world_size % tp == 0 and batch % (world_size // tp * cfg.trainer.grad_accum) == 0:
             return world_size // tp
     return world_size
+
+
+def why_pipeline(plan: Plan) -> str | None:
+    """The decision line's reason for PP: what the leanest layout without it needs, and what PP divides."""
+    if plan.choice.pp == 1:
+        return None
+    flat = [c for c in plan.layouts if c.pp == 1]
+    if not flat:
+        return "pipeline parallel: no layout without it splits the global batch"
+    leanest = min(flat, key=lambda c: plan.table[c.name]["total"])
+    row = plan.table[leanest.name]
+    state = row["params"] + row["grads"] + row["optimizer"]
+    return (f"pipeline parallel: no layout without it fits: the leanest, {leanest.name}, needs {row['total'] / GB:.3g} "
+            f"GB per rank, of which state {state / GB:.3g} GB, the gathered blocks {row['all_gather'] / GB:.3g} GB and "
+            f"activations {row['activations'] / GB:.3g} GB; {plan.choice.pp} stages hold each a share of the blocks")
 
 
 def why_tensor_parallel(plan: Plan, excluded: list[str], global_batch: int, grad_accum: int) -> str | None:

@@ -1,12 +1,14 @@
-"""The device mesh of a run: integer degrees (replicate x shard x tp) on one named mesh, and what it does.
+"""The device mesh of a run: integer degrees (pp x replicate x shard x tp) on one named mesh, and what it does.
 
-Every layout trainflow trains is three degrees whose product is the world size:
+Every layout trainflow trains is four degrees whose product is the world size:
+- pp: pipeline stages, the mesh's first (outermost) dimension: a stage sends one micro-batch's activations to the
+  next, the least traffic of any dimension, so its groups may span nodes (trainflow.distributed.pipeline);
 - replicate: copies of the model that all-reduce gradients (DDP; HSDP across nodes);
 - shard: ranks one copy is sharded over by FSDP2 (FSDP; HSDP within a node);
 - tp: ranks one layer is split over by tensor parallelism, the mesh's last dimension, so that a TP group is
   consecutive ranks (one node: TP's collectives run per layer, on the fast links).
 `parallelism.strategy` names the data-parallel kind (the presets single / ddp / fsdp / hsdp: the names the
-summary and the reports show), `parallelism.dp_replicate` / `dp_shard` / `tp` set degrees (-1: the rest of the
+summary and the reports show), `parallelism.dp_replicate` / `dp_shard` / `tp` / `pp` set degrees (-1: the rest of the
 world; null: the strategy's rule). `layout()` answers "what does this mesh do" for validation, the process
 group, the memory plan, the parity check and the summary: this module is the one that knows the names.
 
@@ -27,11 +29,11 @@ from trainflow.errors import ConfigError
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-DIMS = ("replicate", "shard", "tp")  # the named mesh, outermost first
+DIMS = ("pp", "replicate", "shard", "tp")  # the named mesh, outermost first
 STRATEGIES = ("single", "ddp", "fsdp", "hsdp")  # the presets; `auto` chooses one of them
 SHARDED = ("fsdp", "hsdp")  # the strategies that shard with FSDP2 (over one mesh dimension, or two)
 GROUP_STRATEGIES = ("ddp", "fsdp", "hsdp")  # the strategies that need a process group of 2 or more ranks
-MESH_DIMS = DIMS[:2]  # the data-parallel dimensions FSDP2 shards over
+MESH_DIMS = ("replicate", "shard")  # the data-parallel dimensions FSDP2 shards over
 
 
 CPU_GROUP_RANKS = 2  # nproc_per_node=auto without GPUs: the smallest group that really runs data parallel
@@ -60,6 +62,7 @@ class MeshLayout:
     replicate: int = 1
     shard: int = 1
     tp: int = 1
+    pp: int = 1
 
     @property
     def sharded(self) -> bool:
@@ -73,19 +76,24 @@ class MeshLayout:
 
     @property
     def world_size(self) -> int:
-        return self.data_parallel * self.tp
+        return self.data_parallel * self.tp * self.pp
 
     @property
     def name(self) -> str:
-        if self.tp > 1:  # TP alone when one copy of the model spans the world
-            return f"tp {self.tp}" if self.data_parallel == 1 else f"{self.strategy} x tp {self.tp}"
-        return self.strategy
+        """fsdp, fsdp x tp 2, fsdp x pp 2, fsdp x tp 2 x pp 2; a model parallel degree alone (tp 2, pp 2, tp 2 x pp 2)
+        when one copy of the model spans the world."""
+        split = [f"{dim} {size}" for dim, size in (("tp", self.tp), ("pp", self.pp)) if size > 1]
+        if split and self.data_parallel == 1:
+            return " x ".join(split)
+        return " x ".join([self.strategy, *split])
 
     def summary(self) -> dict[str, int] | None:
-        """The mesh for summary.json: the data-parallel dimensions of a sharded run, and tp when it splits layers."""
+        """The mesh for summary.json: the data-parallel dimensions of a sharded run, and tp and pp when they split
+        the model."""
         out = dict(zip(MESH_DIMS, (self.replicate, self.shard), strict=True)) if self.sharded else {}
-        if self.tp > 1:
-            out = {**(out or {"replicate": self.replicate}), "tp": self.tp}
+        for dim, size in (("tp", self.tp), ("pp", self.pp)):
+            if size > 1:
+                out = {**(out or {"replicate": self.replicate}), dim: size}
         return out or None
 
 
@@ -125,7 +133,11 @@ def ranks_per_node(world_size: int) -> int:
 def layout(cfg: Any, world_size: int, per_node: int | None = None) -> MeshLayout:
     """The degrees `parallelism` asks for on this world size; one line naming the keys if they cannot fit it."""
     per_node = ranks_per_node(world_size) if per_node is None else per_node
-    strategy = cfg.strategy
+    strategy, pp = cfg.strategy, cfg.pp
+    if world_size % pp:
+        raise ConfigError(f"parallelism.pp: {pp} does not divide the world size {world_size}; use one of "
+                          f"{_divisors(world_size)}, or parallelism.nproc_per_node a multiple of {pp}")
+    world_size //= pp  # one pipeline stage's ranks: the data-parallel and tensor-parallel degrees split them
     tp = cfg.tp
     if tp == -1:  # the rest of the world after the data-parallel degrees that are set
         tp = world_size // max(1, *(d for d in (cfg.dp_replicate, cfg.dp_shard) if d and d > 0))
@@ -149,11 +161,12 @@ def layout(cfg: Any, world_size: int, per_node: int | None = None) -> MeshLayout
             replicate = dp // shard if shard > 0 and dp % shard == 0 else 0
         if shard == -1:
             shard = dp // replicate if replicate > 0 and dp % replicate == 0 else 0
-    result = MeshLayout(strategy, replicate, shard, tp)
-    if strategy in STRATEGIES and result.world_size != world_size:
-        raise ConfigError(f"parallelism.dp_replicate x dp_shard x tp: {cfg.dp_replicate} x {cfg.dp_shard} x {tp} "
-                          f"does not make the world size {world_size} (-1: the rest of the world); set degrees whose "
-                          f"product is {world_size}")
+    result = MeshLayout(strategy, replicate, shard, tp, pp)
+    if strategy in STRATEGIES and result.world_size != world_size * pp:
+        stages = f" x pp {pp}" if pp > 1 else ""
+        raise ConfigError(f"parallelism.dp_replicate x dp_shard x tp: {cfg.dp_replicate} x {cfg.dp_shard} x {tp}"
+                          f"{stages} does not make the world size {world_size * pp} (-1: the rest of the world); set "
+                          f"degrees whose product is {world_size * pp}")
     return result
 
 
@@ -163,29 +176,33 @@ def hsdp_shape(cfg: Any, world_size: int) -> tuple[int, int]:
     return found.replicate, found.shard
 
 
-def build_mesh(device_type: str, world_size: int, shape: tuple[int, int] | None = None, tp: int = 1) -> DeviceMesh:
-    """The run's named mesh. Without TP its data-parallel dimensions only: FSDP (no shape) one "shard" dimension,
-    HSDP the (replicate, shard) `shape`; with TP all three (replicate x shard x tp), TP last."""
+def build_mesh(device_type: str, world_size: int, shape: tuple[int, int] | None = None, tp: int = 1,
+               pp: int = 1) -> DeviceMesh:
+    """The run's named mesh. Without TP and PP its data-parallel dimensions only: FSDP (no shape) one "shard"
+    dimension, HSDP the (replicate, shard) `shape`; with TP or PP all four (pp x replicate x shard x tp)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    if tp == 1:
+    if tp == 1 and pp == 1:
         if shape is None:
             return init_device_mesh(device_type, (world_size,), mesh_dim_names=("shard",))
         return init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS)
-    replicate, shard = shape or (1, world_size // tp)
-    return init_device_mesh(device_type, (replicate, shard, tp), mesh_dim_names=DIMS)
+    replicate, shard = shape or (1, world_size // tp // pp)
+    if pp == 1:
+        return init_device_mesh(device_type, (replicate, shard, tp), mesh_dim_names=DIMS[1:])
+    return init_device_mesh(device_type, (pp, replicate, shard, tp), mesh_dim_names=DIMS)
 
 
 def mesh_for(found: MeshLayout, device_type: str) -> DeviceMesh:
     """The mesh of `found`, as build_mesh makes it."""
-    both = found.strategy == "hsdp" or (found.tp > 1 and found.strategy == "ddp")
-    return build_mesh(device_type, found.world_size, (found.replicate, found.shard) if both else None, found.tp)
+    both = found.strategy == "hsdp" or ((found.tp > 1 or found.pp > 1) and found.strategy == "ddp")
+    return build_mesh(device_type, found.world_size, (found.replicate, found.shard) if both else None, found.tp,
+                      found.pp)
 
 
 def data_parallel_mesh(mesh: DeviceMesh) -> DeviceMesh:
-    """The part of the run's mesh FSDP2 shards over: all of it without TP, else the mesh less its tp dimension
-    ("shard" alone for FSDP, replicate x shard for HSDP and for DDP under TP)."""
+    """The part of the run's mesh FSDP2 shards over: all of it without TP and PP, else the mesh less its tp and pp
+    dimensions ("shard" alone for FSDP, replicate x shard for HSDP and for DDP under TP or PP)."""
     names = mesh.mesh_dim_names or ()
-    if "tp" not in names:
+    if "tp" not in names and "pp" not in names:
         return mesh
     return mesh["shard"] if mesh.shape[names.index("replicate")] == 1 else mesh[MESH_DIMS]

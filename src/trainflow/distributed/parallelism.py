@@ -1,10 +1,18 @@
 """Wrapping the model for its strategy: activation checkpointing, then DDP, or FSDP2 (HSDP on a 2-D mesh).
 
-Order of model assembly (run.py): tensor parallel over the mesh's tp dimension (trainflow.distributed.tensor)
--> activation checkpointing -> DDP, or FSDP2 `fully_shard` on each block of `model.blocks` then on the root
-(one device mesh: 1-D for FSDP, replicate x shard for HSDP and for DDP under TP, see
-trainflow.distributed.mesh) -> compile -> optimizer. `parallelism=auto` picks one of these before
+Order of model assembly (run.py): pipeline stages over the mesh's pp dimension (trainflow.distributed.pipeline:
+each stage is wrapped on its own by what follows) -> tensor parallel over the mesh's tp dimension
+(trainflow.distributed.tensor) -> activation checkpointing -> DDP, or FSDP2 `fully_shard` on each block of
+`model.blocks` then on the root (one device mesh: 1-D for FSDP, replicate x shard for HSDP and for DDP under TP
+or PP, see trainflow.distributed.mesh) -> compile -> optimizer. `parallelism=auto` picks one of these before
 (trainflow.distributed.memory_plan). The optimizer must see the final (sharded) parameters.
+
+Activation checkpointing (parallelism.activation_checkpointing): `full` recomputes a block's whole forward in
+backward; `selective` keeps the outputs of the matmuls and attention (the compute-intensive ops, as torch's own
+partitioner lists them) and recomputes the rest (norms, activations, dropout, views: cheap, and most of the
+bytes after the matmuls); both on every `activation_checkpointing_every`-th block. `budget` is compile's: the
+partitioner of the compiled graph keeps the activations that fit `activation_budget` of what it would save and
+recomputes the cheapest of the rest (torch._functorch.config.activation_memory_budget).
 
 Per-block compile and FSDP2: compile each block *in place* (`block.compile()`) after `fully_shard`, i.e. in
 run.py's order (parallelize, then compile). Measured with torch 2.13 on CPU (2 gloo ranks, GPT blocks,
@@ -36,7 +44,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from trainflow.config.schema import FSDPConfig, ParallelismConfig
-from trainflow.distributed.mesh import build_mesh, data_parallel_mesh, layout, mesh_for
+from trainflow.distributed.mesh import MeshLayout, build_mesh, data_parallel_mesh, layout, mesh_for
 from trainflow.distributed.process_group import DistEnv
 from trainflow.errors import ConfigError
 from trainflow.models import model_blocks
@@ -48,15 +56,49 @@ _DTYPES = {None: None, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": to
 
 
 def parallelize(model: nn.Module, cfg: ParallelismConfig, env: DistEnv,
-                precision: str = "fp32") -> nn.Module:
-    """Tensor parallel, activation checkpointing, then DDP or FSDP2 for the chosen strategy; one process trains
-    the model as is."""
+                precision: str = "fp32", fp8_recipe: str = "tensorwise") -> nn.Module:
+    """Pipeline stages, tensor parallel, float8 layers, activation checkpointing, then DDP or FSDP2 for the chosen
+    strategy; one process trains the model as is (float8 layers and checkpointing aside)."""
     if not env.distributed:
-        if cfg.activation_checkpointing == "full":
-            checkpoint_blocks(model)
+        _float8(model, precision, fp8_recipe, sharded=False)
+        checkpoint_activations(model, cfg)
         return model
     found = layout(cfg, env.world_size)
     mesh = mesh_for(found, env.device.type)
+    if found.pp > 1:
+        from trainflow.distributed.pipeline import ZERO_BUBBLE, split_model
+
+        if found.tp > 1:
+            raise ConfigError(f"parallelism.pp: {found.pp} stages with parallelism.tp={found.tp} fail in torch 2.13 "
+                              "on the first step (the stages' sequence-parallel activations arrive in another size "
+                              "than the schedule's shape inference expects: gloo 'Received data size doesn't match "
+                              "expected size, 16384 vs 8192'); use parallelism.tp=1 with pp, or pp=1 with tp")
+        if found.data_parallel > 1 and cfg.pp_schedule in ZERO_BUBBLE:
+            raise ConfigError(f"parallelism.pp_schedule: {cfg.pp_schedule} with {found.data_parallel} data-parallel "
+                              "ranks leaves the last stage's weight gradients unset in torch 2.13 (None after "
+                              "the step: its split backward and FSDP2 miss each other); use 1f1b or "
+                              "interleaved_1f1b, or "
+                              f"parallelism.nproc_per_node={found.pp} (the pipeline alone)")
+        return split_model(model, found.pp, cfg.pp_schedule, mesh,
+                           lambda part: _wrap(part, cfg, env, precision, fp8_recipe, found, mesh))
+    return _wrap(model, cfg, env, precision, fp8_recipe, found, mesh)
+
+
+def _float8(model: nn.Module, precision: str, recipe: str, sharded: bool) -> None:
+    """trainer.precision=fp8: torchao's float8 layers in place of the nn.Linear ones (trainflow.util.float8)."""
+    if precision != "fp8":
+        return
+    from trainflow.util.float8 import convert_to_float8
+
+    swapped = convert_to_float8(model, recipe, sharded)
+    log.info("fp8: %d linear layers train in float8 (%s scaling%s)", swapped, recipe,
+             ", float8 all-gather" * (sharded and recipe == "tensorwise"))
+
+
+def _wrap(model: nn.Module, cfg: ParallelismConfig, env: DistEnv, precision: str, recipe: str,
+          found: MeshLayout, mesh: DeviceMesh) -> nn.Module:
+    """The model (or one pipeline stage) split by TP, its linear layers in float8 (trainer.precision=fp8 with
+    trainer.fp8_recipe), checkpointed, then wrapped for data parallel."""
     if found.tp > 1:
         from trainflow.distributed.tensor import apply_tensor_parallel
 
@@ -66,11 +108,11 @@ def parallelize(model: nn.Module, cfg: ParallelismConfig, env: DistEnv,
             local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in model.parameters())
             log.info("tensor parallel over %d ranks: rank 0 holds %d of the %d parameters%s", found.tp, local, total,
                      "; loss parallel: the logits stay split by vocabulary" * model.vocab_parallel_output)
-    if cfg.activation_checkpointing == "full":
-        checkpoint_blocks(model)
-    if found.data_parallel == 1 and found.tp > 1:  # tensor parallel over the whole world: nothing to replicate
+    _float8(model, precision, recipe, sharded=found.data_parallel > 1)
+    checkpoint_activations(model, cfg)
+    if found.data_parallel == 1 and (found.tp > 1 or found.pp > 1):  # one copy spans the world: nothing to replicate
         return model
-    if found.sharded or found.tp > 1:  # DDP under TP: FSDP2 replicating over shard groups of one rank
+    if found.sharded or found.tp > 1 or found.pp > 1:  # DDP under TP or PP: FSDP2 over shard groups of one rank
         return shard(model, cfg.fsdp, env, precision, data_parallel_mesh(mesh))
     from torch.nn.parallel import DistributedDataParallel
 
@@ -88,14 +130,64 @@ def _checkpointed_forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
     return checkpoint(type(module).forward, module, *args, use_reentrant=False, **kwargs)
 
 
-def checkpoint_blocks(model: nn.Module) -> None:
-    """Recompute each block's activations in backward instead of keeping them (names and state dicts unchanged)."""
+def _selectively_checkpointed_forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    from torch.utils.checkpoint import checkpoint
+
+    return checkpoint(type(module).forward, module, *args, use_reentrant=False, context_fn=selective_context,
+                      **kwargs)
+
+
+def saved_ops() -> set[Any]:
+    """The ops whose outputs selective checkpointing keeps: the compute-intensive ones of torch's partitioner
+    (matmuls, convolutions) and every scaled-dot-product attention kernel."""
+    from torch._functorch.partitioners import get_default_op_list
+
+    ops = {op.default for op in get_default_op_list().compute_intensive_ops if hasattr(op, "default")}
+    aten = torch.ops.aten
+    for name in ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
+                 "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+                 "_scaled_dot_product_attention_math", "linear"):
+        if hasattr(aten, name):
+            ops.add(getattr(aten, name).default)
+    return ops
+
+
+def selective_context() -> Any:
+    """The contexts of a selectively checkpointed forward: the saved ops' outputs kept, everything else
+    recomputed in backward."""
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    keep = saved_ops()
+
+    def policy(_ctx: Any, op: Any, *_args: Any, **_kwargs: Any) -> CheckpointPolicy:
+        return CheckpointPolicy.MUST_SAVE if op in keep else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
+
+
+def checkpoint_activations(model: nn.Module, cfg: ParallelismConfig) -> None:
+    """Activation checkpointing as parallelism.activation_checkpointing says (names and state dicts unchanged)."""
+    mode = cfg.activation_checkpointing
+    if mode == "budget":
+        import torch._functorch.config
+
+        torch._functorch.config.activation_memory_budget = cfg.activation_budget
+    if mode in ("full", "selective"):
+        checkpoint_blocks(model, mode == "selective", cfg.activation_checkpointing_every)
+
+
+def checkpoint_blocks(model: nn.Module, selective: bool = False, every: int = 1) -> None:
+    """Recompute every `every`-th block's activations in backward instead of keeping them (all of them, or
+    `selective`: those selective_context does not keep); a block is counted by its number in model.blocks."""
     blocks = model_blocks(model)
+    mode = "selective" if selective else "full"
     if blocks is None:
-        raise ConfigError(f"parallelism.activation_checkpointing: full recomputes each module of model.blocks, and "
+        raise ConfigError(f"parallelism.activation_checkpointing: {mode} recomputes each module of model.blocks, and "
                           f"{type(model).__name__} has no `blocks` list; set it to off")
-    for block in blocks:
-        block.forward = functools.partial(_checkpointed_forward, block)
+    forward = _selectively_checkpointed_forward if selective else _checkpointed_forward
+    for number, block in blocks.named_children():
+        if int(number) % every == 0:
+            block.forward = functools.partial(forward, block)
 
 
 def shard_units(model: nn.Module, wrap: str, min_params: int) -> list[nn.Module]:
@@ -132,7 +224,7 @@ def fsdp_dtypes(param_dtype: str | None, reduce_dtype: str | None, precision: st
     """FSDP2's (param, reduce) dtypes: what the user set, else bf16 parameters under bf16 autocast (gathering fp32
     would move twice the bytes for matmuls that run in bf16 anyway) and an fp32 reduce-scatter (summing bf16
     gradients over many ranks loses precision)."""
-    param = param_dtype or ("bf16" if precision == "bf16" else None)
+    param = param_dtype or ("bf16" if precision in ("bf16", "fp8") else None)
     reduce = reduce_dtype or ("fp32" if param not in (None, "fp32") else None)
     return param, reduce
 

@@ -17,6 +17,7 @@ from trainflow.config.schema import ParallelismConfig, TrainerConfig
 from trainflow.data import StreamSampler, make_loader
 from trainflow.distributed.mesh import layout
 from trainflow.distributed.parallelism import full_parameters, is_parallelized
+from trainflow.distributed.pipeline import pipeline_of
 from trainflow.distributed.process_group import DistEnv, all_reduce_mean, node_count
 from trainflow.loop.stages import Phase, Stage, StageContext, StepHooks
 from trainflow.loop.state import LoopState
@@ -104,10 +105,15 @@ class ParityCheck(Stage):
         if step < self.steps:
             return
         diff_sq, ref_sq, worst, worst_name = 0.0, 0.0, 0.0, ""
-        reference = dict(self.reference.named_parameters()) if self.env.is_main else {}
-        for name, full in full_parameters(model):  # every rank takes part in the gathers
+        gathered = dict(full_parameters(model))  # every rank takes part in the gathers
+        if pipeline := pipeline_of(model):  # each stage holds its own parameters: all of them to rank 0
+            gathered = pipeline.gather_to_first(gathered)
+        # a shared parameter under each of its names the run holds (a pipeline's stages each keep a copy)
+        reference = {name: p for name, p in self.reference.named_parameters(remove_duplicate=False)
+                     if name in gathered} if self.env.is_main else {}
+        for name, ref in reference.items():
             if self.env.is_main:
-                a, b = full.double(), reference[name].detach().double()
+                a, b = gathered[name].double(), ref.detach().double()
                 diff_sq += float((a - b).square().sum())
                 ref_sq += float(b.square().sum())
                 tensor_diff = relative_error(a, b)

@@ -63,6 +63,7 @@ class DistEnv:
     strategy: str = "single"
     tp: int = 1  # ranks of one tensor-parallel group: consecutive ranks, the mesh's last dimension
     grouped: bool = False  # a process group exists (ddp/fsdp/hsdp: of one rank too, the code path of many)
+    pp: int = 1  # pipeline stages: the mesh's first dimension (each stage holds world / pp ranks)
 
     @property
     def is_main(self) -> bool:
@@ -70,12 +71,13 @@ class DistEnv:
 
     @property
     def dp_size(self) -> int:
-        """Data-parallel ranks: each reads its own batches (the ranks of a TP group read the same)."""
-        return self.world_size // self.tp
+        """Data-parallel ranks: each reads its own batches (the ranks of a TP group, and the stages of a pipeline,
+        read the same)."""
+        return self.world_size // (self.tp * self.pp)
 
     @property
     def dp_rank(self) -> int:
-        return self.rank // self.tp
+        return self.rank // self.tp % self.dp_size
 
     @property
     def distributed(self) -> bool:
@@ -186,6 +188,10 @@ def bf16_warning(cfg: RunConfig, device: torch.device, flags: frozenset[str] | N
 def _preflight(cfg: RunConfig, device: torch.device, world_size: int, local_world_size: int, started_by: str) -> str:
     """Every check that needs the world size or the hardware; returns the backend. Warnings once per run."""
     p = cfg.parallelism
+    if cfg.trainer.precision == "fp8":
+        from trainflow.util.float8 import check_fp8
+
+        check_fp8(device)
     check_world_size(p, world_size, started_by)
     backend = resolve_backend(p, device)
     if p.strategy in SHARDED and p.fsdp.cpu_offload and device.type == "cpu":
@@ -272,8 +278,8 @@ def setup(cfg: RunConfig) -> DistEnv:
         dist.init_process_group(backend, store=_store(rank, world_size, timeout), rank=rank, world_size=world_size,
                                 timeout=timeout, device_id=device if device.type == "cuda" else None)
         check_ranks_agree(composed, device, rank, world_size)
-    tp = layout(p, world_size, int(os.environ.get("LOCAL_WORLD_SIZE", world_size))).tp
-    return DistEnv(rank, world_size, local_rank, device, p.strategy, tp, grouped)
+    found = layout(p, world_size, int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
+    return DistEnv(rank, world_size, local_rank, device, p.strategy, found.tp, grouped, found.pp)
 
 
 def teardown(env: DistEnv) -> None:

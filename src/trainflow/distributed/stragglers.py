@@ -34,6 +34,7 @@ from torch import nn
 from trainflow.config.schema import StragglerConfig
 from trainflow.distributed import DistEnv
 from trainflow.distributed.failures import rank_list
+from trainflow.distributed.pipeline import StageParts
 from trainflow.loop.stages import Phase, Stage, StageContext
 from trainflow.loop.state import LoopState
 from trainflow.metrics.meter import Throughput
@@ -72,7 +73,9 @@ class Stragglers(Stage):
     # --- the marks, every step -------------------------------------------------------------------------------
 
     def prepare(self, model: nn.Module) -> nn.Module:
-        if self.enabled:
+        # a pipeline's stages reduce their gradients after the schedule's last backward, outside autograd: no wait
+        # to mark there (its waits are the pipeline's bubble, summary.json["parallelism"]["pipeline"])
+        if self.enabled and not isinstance(model, StageParts):
             self._params = [p for p in model.parameters() if p.requires_grad]
             self._hooks = [p.register_post_accumulate_grad_hook(functools.partial(self._first_gradients, i))
                            for i, p in enumerate(self._params)]

@@ -51,6 +51,7 @@ from trainflow.errors import print_error
 from trainflow.loop.stages import Phase, Stage, StageContext
 from trainflow.loop.state import LoopState
 from trainflow.metrics.meter import Throughput
+from trainflow.util.files import write_atomic
 
 log = logging.getLogger("trainflow")
 
@@ -383,9 +384,7 @@ def _group(waiting: list[tuple[int, str]]) -> dict[str, list[int]]:
 
 def _write(path: Path, value: dict[str, Any]) -> None:
     """Replace `path` whole: a reader never sees half a beat."""
-    temporary = path.with_name(f".{path.name}.{os.getpid()}")
-    temporary.write_text(json.dumps(value))
-    os.replace(temporary, path)
+    write_atomic(path, json.dumps(value))
 
 
 def _read(path: Path) -> dict[str, Any] | None:

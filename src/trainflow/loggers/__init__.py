@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +22,7 @@ from omegaconf import OmegaConf
 from trainflow.config.schema import RunConfig, TrainerConfig, plain
 from trainflow.config.targets import arguments, call, import_target
 from trainflow.loggers.process import ANSWER_TIMEOUT_S, LOGGER_CLASS, ProcessLogger
+from trainflow.util.rundir import run_identity
 
 IDS_FILE = "loggers.json"  # {logger name: its tracked run's id}, in the run directory
 NAME_BYTES = 200  # a sweep job's folder name: one level, within the usual 255-byte limit of a file name
@@ -105,8 +107,16 @@ def run_info(cfg: RunConfig, run_dir: Path, world_size: int, resumed_step: int |
     sweep = next((d for d in run_dir.parents if (d / "multirun.yaml").exists()), None) if job else None
     hparams = hyperparameters(headline(cfg.trainer, float(cfg.optim["lr"])), choices, overrides)
     return RunInfo(run_dir, plain(cfg), (run_dir / "config.yaml").read_text(),
-                   hparams, job or run_dir.name, sweep, resumed_step, tracked_id, world_size, source_checkpoint,
-                   source_id)
+                   hparams, job or readable_name(run_dir, overrides), sweep, resumed_step, tracked_id, world_size,
+                   source_checkpoint, source_id)
+
+
+def readable_name(run_dir: Path, overrides: list[str]) -> str:
+    """A run's name for the trackers: its directory's, or, for outputs/<date>/<time> (a clock is no name), the run
+    name trainflow makes from its overrides (or trainer.run_name)."""
+    if re.fullmatch(r"\d{4}-\d{2}-\d{2}", run_dir.parent.name) and re.fullmatch(r"\d{2}-\d{2}-\d{2}", run_dir.name):
+        return run_identity(overrides)
+    return run_dir.name
 
 
 def history(run_dir: Path, after: int, up_to: int) -> list[tuple[int, dict[str, float]]]:

@@ -45,6 +45,16 @@ PARENT_FILE = "mlflow_parent.json"  # in a sweep folder: the parent run of its j
 _CLIENT_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}
 
 
+EXPERIMENT_KIND, MODEL_TRAINING = "mlflow.experimentKind", "custom_model_development"  # MLflow 3's experiment types
+
+
+def runs_table(uri: str, experiment_id: str) -> str:
+    """Where MLflow 3's UI shows the experiment's runs table: its Model training view (the experiment page opens on
+    the GenAI view by default, which shows no training run). A local store's UI is `mlflow ui` on port 5000."""
+    base = uri.rstrip("/") if uri.startswith(("http://", "https://")) else "http://127.0.0.1:5000"
+    return f"{base}/#/experiments/{experiment_id}/runs?workflowType=machine_learning"
+
+
 def default_uri() -> str:
     """The server-less store: outputs/mlflow.db below the working directory (where Hydra puts outputs/)."""
     return f"sqlite:///{Path.cwd() / 'outputs' / 'mlflow.db'}"
@@ -93,6 +103,7 @@ class MLflowLogger:
             tags["mlflow.parentRunId"] = self._parent_run(experiment_id, run.sweep_dir)
         self.run_id = self.client.create_run(experiment_id, run_name=run.name, tags=tags).info.run_id
         self._log_params(flatten(run.config))
+        log.info("mlflow: run %s in experiment %s: %s", run.name, self.experiment, runs_table(self.uri, experiment_id))
         return self.run_id
 
     def scalars(self, step: int, values: Mapping[str, float]) -> None:
@@ -141,7 +152,14 @@ class MLflowLogger:
         self.client.set_terminated(self.run_id, status)
 
     def _experiment_id(self) -> str:
-        """The experiment by name, created when missing (a SQLite store: its artifacts in a folder beside it)."""
+        """The experiment by name, created when missing (a SQLite store: its artifacts in a folder beside it), and
+        marked as model training (MLflow 3's experiment kind) where nothing says what it is."""
+        experiment_id = self._found_or_created()
+        if EXPERIMENT_KIND not in self.client.get_experiment(experiment_id).tags:
+            self.client.set_experiment_tag(experiment_id, EXPERIMENT_KIND, MODEL_TRAINING)
+        return experiment_id
+
+    def _found_or_created(self) -> str:
         found = self.client.get_experiment_by_name(self.experiment)
         if found is not None:
             return found.experiment_id

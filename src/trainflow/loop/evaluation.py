@@ -14,6 +14,7 @@ from trainflow.config.schema import TrainerConfig
 from trainflow.data import DataBundle, StreamSampler, to_device
 from trainflow.distributed import DistEnv
 from trainflow.distributed.parallelism import local_loss, loss_context
+from trainflow.distributed.pipeline import pipeline_of
 from trainflow.distributed.process_group import all_reduce_mean
 from trainflow.loggers.writer import MetricsWriter
 from trainflow.loop.stages import Phase, Stage, StageContext
@@ -70,12 +71,13 @@ def evaluate(model: nn.Module, dataset: Dataset, task: Task, trainer: TrainerCon
              autocast) -> dict[str, float]:
     """The task's loss and metrics, means over the same held-out batches every time (rank-strided, in order)."""
     model.eval()
+    pipeline = pipeline_of(model)
     sampler = StreamSampler(len(dataset), trainer.batch_size, env.dp_rank, env.dp_size, seed=0, shuffle=False)
     totals: dict[str, torch.Tensor] = {}
     for _, indices in zip(range(trainer.eval_steps), sampler, strict=False):
         batch = to_device(dataset[indices], env.device)
         with autocast, loss_context(model):
-            loss, metrics = task(model, batch)
+            loss, metrics = pipeline.evaluate(batch) if pipeline else task(model, batch)
         add_metrics(totals, {"loss": local_loss(loss), **metrics})
     names = list(totals)
     means = all_reduce_mean(torch.stack([totals[n] for n in names]) / trainer.eval_steps, env).tolist()

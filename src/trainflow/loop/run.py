@@ -31,6 +31,7 @@ from trainflow.distributed.failures import note_step
 from trainflow.distributed.fault_tolerance import FaultTolerance, data_share, replica_groups
 from trainflow.distributed.parallelism import loss_context_of, parallelize, unwrap
 from trainflow.distributed.parity import ParityCheck, parallelism_summary
+from trainflow.distributed.pipeline import Pipeline, StageParts
 from trainflow.distributed.process_group import per_rank_batch, process_group
 from trainflow.distributed.stragglers import Stragglers
 from trainflow.distributed.watchdog import Watchdog
@@ -43,11 +44,14 @@ from trainflow.loop.state import LoopState
 from trainflow.loop.step import Training, train_step, unnamed
 from trainflow.loop.train_metrics import TrainMetrics
 from trainflow.metrics.batch_fit import check_batch
+from trainflow.metrics.cost import Cost
 from trainflow.metrics.flops import count_train_flops, mfu, peak_flops
 from trainflow.metrics.meter import PeakMemory, Throughput, host_load
 from trainflow.models import build_model
 from trainflow.optim import build_optimizer, schedule_changes_lr
 from trainflow.profile.profiler import Profiler
+from trainflow.report import ledger
+from trainflow.report.fingerprint import Fingerprint
 from trainflow.tasks import build_task, probe
 from trainflow.util.console import FILE_ONLY, RunFacts, end_lines, start_header
 from trainflow.util.device import autocast_for, configure_matmul, matmul_math
@@ -83,7 +87,7 @@ def _train(cfg: RunConfig, run_dir: Path, env: DistEnv) -> dict[str, Any] | None
 # Every stage of a run, each built from its own config section; the loop calls them in the order of the phase each
 # declares (trainflow.loop.stages.Phase). A new stage is a class with build(ctx) added here.
 STAGES: tuple[type[Stage], ...] = (Watchdog, Compiler, ParityCheck, Profiler, NonFiniteGuard, Stragglers,
-                                   TrainMetrics, Evaluation, Checkpointer, FaultTolerance)
+                                   TrainMetrics, Evaluation, Checkpointer, FaultTolerance, Fingerprint, Cost)
 
 
 @dataclass
@@ -129,8 +133,8 @@ def assemble(cfg: RunConfig, run_dir: Path, env: DistEnv, stage_types: Sequence[
             check_batch(cfg, trainer.batch_size, model, data.train, task, env.device)
             example = data.train[torch.arange(trainer.batch_size)]
     flops_per_step, flops_absent = count_train_flops(model, example, task)
-    if flops_per_step is not None:  # per device: a TP group shares its batch's work
-        flops_per_step = flops_per_step * trainer.grad_accum // env.tp
+    if flops_per_step is not None:  # per device: a TP group and a pipeline's stages share their batch's work
+        flops_per_step = flops_per_step * trainer.grad_accum // (env.tp * env.pp)
     parallelism, optim = cfg.parallelism, cfg.optim  # after auto
     autocast = autocast_for(env.device, trainer.precision)
     meter = Throughput(trainer.warmup_steps, env.device, PeakMemory(env.device))
@@ -139,9 +143,13 @@ def assemble(cfg: RunConfig, run_dir: Path, env: DistEnv, stage_types: Sequence[
                        peak_flops(env.device, trainer.precision, cfg.metrics.peak_flops))
     stages = in_phase_order([stage_type.build(ctx) for stage_type in stage_types])  # before parallelize: parity
     meter.excluded_steps = max([trainer.warmup_steps, *(stage.excluded_steps() for stage in stages)])
-    model = parallelize(model, parallelism, env, trainer.precision)
+    whole = model
+    model = parallelize(model, parallelism, env, trainer.precision, trainer.fp8_recipe)
     for stage in stages:
         model = stage.prepare(model)  # compile; compile.check compares eager and compiled on `example`
+    pipeline = Pipeline(model, parallelism.pp_schedule, task, trainer.batch_size, trainer.grad_accum,
+                        parallelism.microbatches, metric_names, env, whole, meter.excluded_steps) \
+        if isinstance(model, StageParts) else None
     optimizer, scheduler = build_optimizer(model, optim, trainer.max_steps, env.device)
     global_batch = trainer.batch_size * env.dp_size * replicas * trainer.grad_accum  # a TP group reads one batch
     state = LoopState(model, optimizer, scheduler, data_identity=data.identity,  # a resume compares them
@@ -163,7 +171,7 @@ def assemble(cfg: RunConfig, run_dir: Path, env: DistEnv, stage_types: Sequence[
                     "trainer.max_steps to continue this run", resumed_from, trainer.max_steps)
     if env.is_main:
         log.info("%s", start_header(RunFacts(
-            type(unwrap(model)).__name__, parameters, data.name, len(data.train), _length(data.val), data.seq_len,
+            type(unwrap(whole)).__name__, parameters, data.name, len(data.train), _length(data.val), data.seq_len,
             type(task).__name__, task.monitor, task.mode, str(env.device), env.world_size, parallelism.strategy,
             trainer.precision, _compiled(cfg.compile), global_batch, trainer.max_steps, resumed_from, run_dir,
             checkpoint_dir, tuple(cfg.logger))))
@@ -184,7 +192,7 @@ def assemble(cfg: RunConfig, run_dir: Path, env: DistEnv, stage_types: Sequence[
         name_part=record_function if hooks.name_parts else unnamed, hooks=hooks,
         batch_device=env.device if env.device.type != "cpu" else None, pin=pin,
         steps_schedule=schedule_changes_lr(optim), metrics_every_step=cfg.task["train_metrics"] == "every_step",
-        global_batch=global_batch, loss_context=loss_context_of(model))
+        global_batch=global_batch, loss_context=loss_context_of(model), pipeline=pipeline)
     return Run(ctx, training, stages, metric_names, parameters, flops_absent, auto_plan, resumed_from, started)
 
 
@@ -280,12 +288,15 @@ def summarize(run: Run) -> dict[str, Any] | None:
             place[key] = stage.summary(steady)
     summary["host"] = host_load()  # a report warns of figures measured on an overloaded machine
     summary["config"] = plain(ctx.cfg)
+    if run.training.pipeline:  # every rank takes part: the ranks' stages, time and memory are gathered
+        summary["parallelism"]["pipeline"] = run.training.pipeline.summary(peak_memory["peak_memory_bytes"])
     if run.auto_plan:
         summary["parallelism"]["plan"] = memory_plan.finish(run.auto_plan, env.device, state.model, state.optimizer,
                                                             peak_memory["peak_memory_bytes"])
     if not env.is_main:
         return None
     write_json_atomic(ctx.run_dir / "summary.json", summary)
+    ledger.record(ctx.cfg.metrics, ctx.run_dir, summary)  # the run's line, for trainflow ledger and compare
     ctx.writer.finish(KILLED if (summary.get("checkpoint") or {}).get("stopped_by") else FINISHED, summary)
     committed = bool((summary.get("checkpoint") or {}).get("committed"))
     log.info("%s", end_lines(summary, ctx.run_dir, time.monotonic() - run.started, tuple(ctx.cfg.logger), committed))

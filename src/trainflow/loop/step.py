@@ -15,9 +15,11 @@ from torch import nn
 from trainflow.config.schema import TrainerConfig
 from trainflow.data import to_device
 from trainflow.distributed.parallelism import local_loss, no_grad_sync
+from trainflow.distributed.pipeline import Pipeline
 from trainflow.loop.stages import Stage, StepHooks
 from trainflow.loop.state import LoopState
 from trainflow.optim import gradient_norm
+from trainflow.profile.regions import DATA, FWD_BWD, OPTIMIZER
 from trainflow.tasks import Task, add_metrics
 
 
@@ -39,6 +41,7 @@ class Training:
     metrics_every_step: bool  # task.train_metrics=every_step; else the task's metrics at log steps only
     global_batch: int
     loss_context: Callable[[], Any] = contextlib.nullcontext  # loss parallel under TP (distributed.parallelism)
+    pipeline: Pipeline | None = None  # parallelism.pp > 1: the schedule runs each micro-batch's forward and backward
 
 
 def train_step(training: Training) -> None:
@@ -53,7 +56,7 @@ def train_step(training: Training) -> None:
     step_loss = None  # this rank's loss of the step, on the device
     step_metrics: dict[str, torch.Tensor] = {}  # the task's metrics summed over the micro-steps, on the device
     for micro in range(trainer.grad_accum):
-        with name_part("trainflow/data"):
+        with name_part(DATA):
             start = time.perf_counter()
             batch = next(training.batches)
             data_wait += time.perf_counter() - start  # the copy below may wait for the GPU: not data
@@ -61,20 +64,31 @@ def train_step(training: Training) -> None:
                 batch = to_device(batch, training.batch_device, non_blocking=training.pin)
             counted = task.count(batch)  # shapes only (data.seq_lens varies the tokens)
             samples, tokens = samples + counted[0], tokens + counted[1]
-        with name_part("trainflow/forward_backward"), no_grad_sync(model, micro == trainer.grad_accum - 1), \
+        last_micro = micro == trainer.grad_accum - 1
+        with name_part(FWD_BWD), no_grad_sync(model, last_micro), \
                 training.loss_context(), _loss_contexts(hooks.loss_contexts) if hooks.loss_contexts else _NO_REGION:
-            with training.autocast:
-                loss, metrics = task(model, batch, with_metrics)
-            loss = local_loss(loss)
+            if training.pipeline is not None:  # the stages' forward and backward, by the schedule
+                with training.autocast:
+                    loss, metrics = training.pipeline.run(batch, with_metrics)
+                if last_micro:
+                    training.pipeline.sync_shared()
+            else:
+                with training.autocast:
+                    loss, metrics = task(model, batch, with_metrics)
+                loss = local_loss(loss)
             loss_share = loss / trainer.grad_accum if trainer.grad_accum > 1 else loss
-            loss_share.backward()
+            if training.pipeline is None:
+                loss_share.backward()
         step_loss = loss_share.detach() if step_loss is None else step_loss + loss_share.detach()
         if with_metrics:  # a user's task computes its metrics every step: kept as task.train_metrics says
             add_metrics(step_metrics, metrics)
-    with name_part("trainflow/optimizer"):
+    with name_part(OPTIMIZER):
         step = state.step + 1
         norm_due = trainer.grad_clip or state.log_due or any(s.wants_grad_norm(step) for s in hooks.grad_norm)
-        state.grad_norm = gradient_norm(training.trainable, trainer.grad_clip) if norm_due else None
+        state.grad_norm = None
+        if norm_due:  # a pipeline stage's norm is summed over the stages
+            state.grad_norm = training.pipeline.gradient_norm(trainer.grad_clip) if training.pipeline \
+                else gradient_norm(training.trainable, trainer.grad_clip)
         kept = [stage.keeps_update(step, state.grad_norm) for stage in hooks.updates]  # every one asked, always
         state.skipped = not all(kept)
         if state.skipped:

@@ -2,7 +2,9 @@
 
 Blocks sit in `self.blocks` (an nn.ModuleList) so that later stages can wrap
 (FSDP), checkpoint or compile them one at a time. `GPT.tp_plan` says how tensor
-parallelism splits it (trainflow.distributed.tensor applies it).
+parallelism splits it (trainflow.distributed.tensor applies it). A pipeline
+stage (trainflow.distributed.pipeline) holds some of its parts, the others None:
+forward runs the parts it holds.
 """
 
 import math
@@ -114,7 +116,7 @@ class GPT(nn.Module):
             "ln_f": SequenceParallel(),
             "head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False),
         }
-        for i in range(len(self.blocks)):
+        for i, _ in self.blocks.named_children():  # a pipeline stage's blocks keep their own numbers
             plan.update({
                 f"blocks.{i}.ln1": SequenceParallel(), f"blocks.{i}.attn": gather,
                 f"blocks.{i}.attn.qkv": ColwiseParallel(),
@@ -125,9 +127,10 @@ class GPT(nn.Module):
         return plan
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        t = idx.shape[1]
-        pos = torch.arange(t, device=idx.device)
-        x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))
+        x = idx  # a pipeline stage after the first takes the previous stage's activations
+        if self.tok_emb is not None:
+            pos = torch.arange(idx.shape[1], device=idx.device)
+            x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))
         for block in self.blocks:
             x = block(x)
-        return self.head(self.ln_f(x))
+        return self.head(self.ln_f(x)) if self.head is not None else x

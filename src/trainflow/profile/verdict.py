@@ -4,14 +4,18 @@ How time is attributed, per recorded step (`ProfilerStep#N`), by precedence:
 - CPU runs: the training thread's timeline. Data wait is `trainflow/data`;
   compilation is dynamo's `(dynamo_timed)` spans; compute is the self time of
   operators that run at least `SMALL_OP_US` (below that an operator's cost is
-  its dispatch, not its arithmetic); communication is a gloo/NCCL collective in
+  its dispatch, not its arithmetic); the pipeline bubble is a pipeline stage's
+  send or receive (activations, gradients) in flight while it computes nothing:
+  it waits for the next or the previous stage; communication is any other
+  gloo/NCCL collective in
   flight while the training thread computes nothing (exposed, not overlapped),
   the checkpoint stage's own collectives (its stop-flag poll, an async save's
   upload on its own gloo group) left out;
   the rest of `trainflow/forward_backward` and `trainflow/optimizer` is
   overhead (dispatch, Python, autograd bookkeeping); anything else is other.
-- CUDA runs: the GPU's timeline. Compute is a kernel or copy running;
-  communication is an NCCL kernel running alone; data wait is the GPU idle
+- CUDA runs: the GPU's timeline. Compute is a kernel or copy running; the
+  pipeline bubble is an NCCL send/receive kernel running alone; communication
+  is any other NCCL kernel running alone; data wait is the GPU idle
   during `trainflow/data`; overhead is the GPU idle during forward/backward and
   the optimizer (launch gaps, syncs).
 """
@@ -24,17 +28,16 @@ import statistics
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from trainflow.checkpoint.checkpointer import CHECKPOINT_ANNOTATION
+from trainflow.profile.regions import CHECKPOINT, DATA, FWD_BWD, OPTIMIZER
 
 SMALL_OP_US = 20.0  # on CPU, an operator whose self time is shorter than this is dispatch overhead
 # A call this many times slower than the same call in the other recorded steps was descheduled (a busy
 # machine), not computing: its time counts as "other", so contention does not pass for compute.
 STALL_FACTOR = 20.0
-DATA, FWD_BWD, OPTIMIZER = "trainflow/data", "trainflow/forward_backward", "trainflow/optimizer"
 
 # The partition of step time, in the order it is printed.
-SHARES = ("data_wait", "forward_backward_compute", "optimizer_compute", "communication", "overhead", "compile",
-          "other")
+SHARES = ("data_wait", "forward_backward_compute", "optimizer_compute", "communication", "pipeline_bubble",
+          "overhead", "compile", "other")
 
 ACTIONS = {
     "data-bound": "the step waits for its batch: raise data.num_workers (with data.persistent_workers=true and "
@@ -45,6 +48,10 @@ ACTIONS = {
                            "per-rank trainer.batch_size or trainer.grad_accum), tune parallelism.ddp.bucket_cap_mb, "
                            "keep FSDP parameters gathered (parallelism.fsdp.reshard_after_forward=false), or use "
                            "fewer ranks",
+    "pipeline-bound": "the pipeline's stages wait for each other (its bubble): more micro-batches "
+                      "(parallelism.microbatches), an interleaved or zero-bubble schedule (parallelism.pp_schedule), "
+                      "or a smaller parallelism.pp; summary.json['parallelism']['pipeline'] has the bubble measured "
+                      "on every rank and the schedule's own",
 }
 # The remedies of the bounds whose cure depends on the run, each left out where the run already uses it (a
 # requirement of None: always said). A bf16, compiled, compute-bound run is told about devices alone.
@@ -68,6 +75,7 @@ _REMEDIES = {
 VERDICT_GROUPS = {
     "data-bound": ("data_wait",),
     "communication-bound": ("communication",),
+    "pipeline-bound": ("pipeline_bubble",),
     "cpu-overhead-bound": ("overhead", "compile"),
     "compute-bound": ("forward_backward_compute", "optimizer_compute"),
 }
@@ -145,6 +153,12 @@ def _is_collective(name: str) -> bool:
     return low.startswith(("gloo:", "nccl:", "c10d::")) or "nccl" in low or "record_param_comms" in low
 
 
+def _is_p2p(name: str) -> bool:
+    """A point-to-point send or receive (a pipeline stage's activations or gradients), not a collective."""
+    low = name.lower()
+    return _is_collective(name) and ("send" in low or "recv" in low)
+
+
 TRAINING = frozenset({"fwd_bwd", "optimizer"})
 
 
@@ -158,6 +172,8 @@ def _cpu_label(inside: frozenset[str]) -> str:
     if "compute" in inside:
         return ("forward_backward_compute" if "fwd_bwd" in inside
                 else "optimizer_compute" if "optimizer" in inside else "other")
+    if "p2p" in inside:
+        return "pipeline_bubble"
     if "comm" in inside:
         return "communication"
     return "overhead" if inside & TRAINING else "other"
@@ -166,6 +182,8 @@ def _cpu_label(inside: frozenset[str]) -> str:
 def _gpu_label(inside: frozenset[str]) -> str:
     if "compute" in inside:
         return "compute"
+    if "p2p" in inside:
+        return "pipeline_bubble"
     if "comm" in inside:
         return "communication"
     if "data" in inside:
@@ -219,8 +237,8 @@ def analyze_window(events: list[Any], on_gpu: bool, last_step: int) -> dict[str,
     if not steps:
         return {"steps": 0, "first": None, "last": None, "step_s": 0.0, "step_ms": [], "seconds": {}, "covered": {}}
     main_thread = steps[0].thread
-    sets: dict[str, list[Interval]] = {"data": [], "fwd_bwd": [], "optimizer": [], "comm": [], "compute": [],
-                                       "compile": [], "stall": []}
+    sets: dict[str, list[Interval]] = {"data": [], "fwd_bwd": [], "optimizer": [], "comm": [], "p2p": [],
+                                       "compute": [], "compile": [], "stall": []}
     annotations = {"data": DATA, "fwd_bwd": FWD_BWD, "optimizer": OPTIMIZER}  # the loop's, by set
     optimizer_device_us = 0.0
     ops: list[Any] = []  # the training thread's operators (CPU runs)
@@ -232,7 +250,7 @@ def analyze_window(events: list[Any], on_gpu: bool, last_step: int) -> dict[str,
             if e.is_user_annotation or e.name.startswith("ProfilerStep") or e.name in annotations.values():
                 continue  # an annotation mirrored on the GPU timeline spans idle gaps too
             if "nccl" in e.name.lower():
-                sets["comm"].append(span)
+                sets["p2p" if "sendrecv" in e.name.lower() or _is_p2p(e.name) else "comm"].append(span)
             elif e.name.startswith("Memcpy HtoD"):
                 sets["data"].append(span)
             else:
@@ -243,9 +261,11 @@ def analyze_window(events: list[Any], on_gpu: bool, last_step: int) -> dict[str,
                 sets[key].append(span)
                 if key == "optimizer" and on_gpu:
                     optimizer_device_us += e.device_time_total
-        if e.name == CHECKPOINT_ANNOTATION and e.thread == main_thread:
+        if e.name == CHECKPOINT and e.thread == main_thread:
             saving.append(span)
-        if _is_collective(e.name):
+        if _is_p2p(e.name) and e.thread == main_thread and not on_gpu:
+            sets["p2p"].append(span)
+        elif _is_collective(e.name):
             if not on_gpu or e.name.lower().startswith("gloo:"):
                 collectives.append((e.thread, span))
         elif e.name.endswith("(dynamo_timed)"):

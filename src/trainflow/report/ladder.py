@@ -20,6 +20,9 @@ Gates:
   the uninterrupted run's first logged loss after it (within ladder.resume_atol: 0 on CPU, where runs repeat
   bit for bit; CUDA's atomics-based backward kernels do not).
 - checkpoint.resume_losses: the resumed losses equal the uninterrupted run's (within ladder.resume_atol).
+- fp8.loss_parity / fp8.speedup (only when the fp8 rung is in the sweep, on a GPU): the fp8 rung's loss at every
+  step within ladder.fp8_rtol of the compile rung's in bf16, and its steady-state step faster than bf16's (a
+  speedup of 1 or less FAILs and says to stay in bf16: float8 casts cost more than they save on small matmuls).
 """
 
 from __future__ import annotations
@@ -121,6 +124,7 @@ def evaluate(rungs: list[Rung], settings: LadderConfig, precision: str) -> list[
         by_rung.setdefault(r.kind, r)
     rtol = settings.loss_rtol or TOLERANCE["ladder.loss_rtol"].get(precision, TOLERANCE["ladder.loss_rtol"]["fp32"])
     gates = _LadderGates(by_rung, rtol, settings.resume_atol)
+    fp8_rtol = settings.fp8_rtol or TOLERANCE["ladder.fp8_rtol"]["bf16"]
     return [
         gates.baseline_gate(),
         *gates.compile_gates(),
@@ -128,6 +132,7 @@ def evaluate(rungs: list[Rung], settings: LadderConfig, precision: str) -> list[
         gates.scale_gate("ddp"),
         gates.scale_gate("fsdp"),
         *gates.checkpoint_gates(),
+        *(gates.fp8_gates(fp8_rtol) if "fp8" in by_rung else []),
     ]
 
 
@@ -275,6 +280,36 @@ class _LadderGates:
                     f"{par.get('world_size')} ranks vs one process after {check['steps']} steps: loss rel. diff "
                     f"{check['loss_rel_diff']:.1e}, parameter rel. diff {check['param_rel_diff']:.1e} "
                     f"(tolerance {check['tolerance']:.0e}); {curve}", numbers)
+
+    def fp8_gates(self, rtol: float) -> list[Gate]:
+        """The fp8 rung against the compile rung in bf16: the loss curve, then the speed."""
+        names = ("fp8.loss_parity", "fp8.speedup")
+        missing = self._missing(names[0], "fp8", "compile")
+        if missing:
+            return [missing, self._missing(names[1], "fp8", "compile")]
+        reference = self.by_rung["compile"].summary
+        if reference.get("matmul_math") != "bf16":
+            why = (f"not evaluated: the compile rung ran in {reference.get('matmul_math')}, and fp8 is judged "
+                   "against bf16; run the ladder with trainer.precision=bf16")
+            return [Gate(name, NOT_EVALUATED, why) for name in names]
+        diff, at, n = max_rel_diff(self.by_rung["fp8"].losses, self.by_rung["compile"].losses)
+        numbers = {"max_rel_diff": diff, "at_step": at, "steps_compared": n, "tolerance": rtol}
+        parity = Gate(names[0], PASS if n and diff <= rtol else FAIL,
+                      f"fp8 vs bf16 (both compiled) loss over {n} steps: max rel. difference {diff:.1e} at step "
+                      f"{at}; tolerance {rtol:.0e}", numbers)
+        fast, slow = ((s.get("steady_state") or {}).get("step_time_s")
+                      for s in (self.by_rung["fp8"].summary, reference))
+        if not fast or not slow:
+            return [parity, Gate(names[1], NOT_EVALUATED, "not evaluated: a rung reached no steady state; raise "
+                                 "trainer.max_steps")]
+        speedup = slow / fast
+        speed = Gate(names[1], PASS if speedup > 1 else FAIL,
+                     f"fp8 {fast * 1e3:.1f} ms/step vs bf16 {slow * 1e3:.1f} ms/step: {speedup:.2f}x"
+                     + ("" if speedup > 1 else "; stay in bf16 (trainer.precision=bf16): float8's casts cost more "
+                        "than its matmuls save at this size"),
+                     {"speedup": speedup, "fp8_step_time_s": fast, "bf16_step_time_s": slow,
+                      "fp8_mfu": self.by_rung["fp8"].summary.get("mfu"), "bf16_mfu": reference.get("mfu")})
+        return [parity, speed]
 
     def checkpoint_gates(self) -> list[Gate]:
         restore = self._missing("checkpoint.restore", "checkpoint", "resume")

@@ -77,6 +77,7 @@ def markdown(report: dict[str, Any]) -> str:
             p["bound"] if p else "off",
             f"{k['saves']} / {k['blocked_s']:.3f} s / {k['write_s']:.3f} s" if k else "off",
         ]) + " |")
+    lines += cost_lines(report["runs"])
     advice = [(row["name"], row["profiler"]) for row in report["runs"] if row["profiler"]]
     if advice:
         lines += ["", "## What the profiler recommends", ""]
@@ -92,6 +93,30 @@ def markdown(report: dict[str, Any]) -> str:
             + (f"; {plan['reason']}" if plan.get("reason") else "") for name, plan in plans]
     lines += ["", "![throughput and loss curves](report.png)", ""]
     return "\n".join(lines)
+
+
+def cost_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """Energy (joules per sample and token, the boards' power) and money (the run, a million tokens) per run; where
+    every run lacks one for the same reason, that reason once."""
+    costs = [(row["name"], row["cost"]) for row in rows if row.get("cost")]
+    if not costs:
+        return []
+    lines = ["", "## Energy and cost", ""]
+    for part, absent_word in (("energy", "Energy"), ("money", "Cost")):
+        reasons = {c[part].get("absent") for _, c in costs}
+        if len(reasons) == 1 and None not in reasons:
+            lines.append(f"- {absent_word}: absent on every run: {_cell(reasons.pop())}.")
+    shown = [(name, c) for name, c in costs if "absent" not in c["energy"] or "absent" not in c["money"]]
+    if shown:
+        lines += ["", "| run | power | J/sample | J/token | cost of the run | per M tokens | per M samples |",
+                  "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+        for name, c in shown:
+            e, m = c["energy"], c["money"]
+            values = (e.get("joules_per_sample"), e.get("joules_per_token"), m.get("run"), m.get("per_million_tokens"),
+                      m.get("per_million_samples"))
+            cells = [_num(e.get("watts"), ".1f", " W"), *(_num(v, ".4g") for v in values)]
+            lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def _cell(text: str) -> str:

@@ -296,6 +296,7 @@ def _row(r: RunRecord, common: list[str], base_sps: float | None, not_compared: 
         "checkpoint": {"saves": ckpt.get("saves"), "blocked_s": ckpt["blocked_s"]["total"],
                        "write_s": ckpt["write_s"]["total"], "resumed_from_step": r.figure("resumed_from_step")}
         if ckpt else None,
+        "cost": r.figure("cost"),  # energy (NVIDIA GPUs) and money (trainer.cost_per_hour), or why each is absent
         "metrics": str(r.dir / "metrics.jsonl") if r.losses else None,
         "plan": r.figure("parallelism", "plan"),  # parallelism=auto's decision and table
     }

@@ -32,7 +32,7 @@ from trainflow.config.schema import RunConfig, plain
 from trainflow.distributed.mesh import env_rank
 from trainflow.errors import ConfigError, TrainflowError, user_error
 from trainflow.util.files import write_atomic
-from trainflow.util.rundir import override_key, run_identity, run_name
+from trainflow.util.rundir import override_key, run_identity, run_name, run_name_problem
 
 SWEEPS_DIR = "multirun"  # where sweeps without hydra.sweep.dir live, one folder per sweep name
 IDENTITY_FILE = "run_identity"  # in a sweep job's checkpoint folder: the identity of the run it belongs to
@@ -70,7 +70,6 @@ def sweep_dir(name: str | None) -> str:
     Resolved first in the launching process, at the sweep's start (begin); Hydra copies that value into every
     job's config, as it does for `${now:}` (the resolver is cached). Outside a sweep (--cfg hydra) the time names it.
     """
-    from trainflow.config.checks import run_name_problem
 
     if name is not None and (problem := run_name_problem(name)):
         user_error(f"trainer.sweep_name: {problem.replace('trainer.run_name', 'trainer.sweep_name')}")

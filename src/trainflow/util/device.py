@@ -20,9 +20,10 @@ def device_sync(device: torch.device) -> None:
 
 
 def autocast_for(device: torch.device, precision: str) -> Any:
-    """The autocast context of a `trainer.precision` run, reusable: bf16 autocast, or for fp32 no autocast at all
-    (even disabled, torch.autocast costs time on every entry)."""
-    if precision == "bf16":
+    """The autocast context of a `trainer.precision` run, reusable: bf16 autocast (fp8 too: float8 layers cast
+    their own matmuls, the rest runs in bf16), or for fp32 no autocast at all (even disabled, torch.autocast costs
+    time on every entry)."""
+    if precision in ("bf16", "fp8"):
         return torch.autocast(device.type, torch.bfloat16)
     return contextlib.nullcontext()
 
@@ -41,10 +42,10 @@ def configure_matmul(device: torch.device, precision: str, tf32: bool) -> None:
 
 
 def matmul_math(device: torch.device, precision: str) -> str:
-    """The arithmetic a run's matmuls use, whose peak MFU divides by and whose rounding tolerances follow: bf16,
-    tf32 (CUDA only) or fp32."""
-    if precision == "bf16":
-        return "bf16"
+    """The arithmetic a run's matmuls use, whose peak MFU divides by and whose rounding tolerances follow: fp8,
+    bf16, tf32 (CUDA only) or fp32."""
+    if precision in ("bf16", "fp8"):
+        return precision
     if device.type != "cuda":
         return "fp32"
     if hasattr(torch.backends.cuda.matmul, "fp32_precision"):

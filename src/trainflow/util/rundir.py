@@ -97,6 +97,13 @@ def _names_the_run(override: str) -> bool:
     return key in _IN_RUN_NAME or not left_out
 
 
+def run_name_problem(name: str) -> str | None:
+    """Why `name` cannot be a run's folder name (trainer.run_name), or None."""
+    if name.strip() and "/" not in name and name not in (".", ".."):
+        return None
+    return f"{name!r} is not a folder name; give a name without '/', e.g. trainer.run_name=gpt-small-try2"
+
+
 def run_name(overrides: list[str]) -> str:
     """The default trainer.run_name: the overrides that change what is trained, readable, plus a short hash of
     them all; their order does not matter."""
@@ -118,8 +125,6 @@ def run_dir(checkpointed: bool = False, name: str | None = None, overrides: Any 
     if os.environ.get(RUN_DIR_ENV):
         return os.environ[RUN_DIR_ENV]
     if name is not None:
-        from trainflow.config.checks import run_name_problem
-
         if problem := run_name_problem(name):
             user_error(f"trainer.run_name: {problem}")
         return f"{RUNS_DIR}/{name}"

@@ -1,0 +1,339 @@
+"""`trainflow compare A B`: two runs, two sweeps, two ledger selections or two checkpoints, every figure with its
+noise, the reasons their fingerprints give, and gates that make a regression fail a CI job.
+
+A side is a run folder (its summary.json, metrics.jsonl, profile), a sweep folder (its jobs, paired with the other
+sweep's by their overrides), `ledger:<filters>` (runs of a ledger pooled as one side, e.g.
+`ledger:config=3f2a9c01d4e5,last=5`), or a checkpoint (a step_N folder, or a checkpoint dir: its newest;
+trainflow.report.checkpoints). Each figure of a pair of runs gets a verdict from trainflow.report.noise (faster,
+slower or the same, with the confidence the intervals give), and a figure that changed gets its likely cause: the
+first difference of the fingerprints that can explain it (the config, the code, the versions, the device, a busy
+machine, the host). `--fail-on step_time=+5%` fails (exit 1) when B's step time is more than 5% above A's and beyond
+the noise; a change that only a busy machine explains warns instead, and says to rerun on an idle one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from trainflow.config.schema import TrainerConfig
+from trainflow.report import ledger
+from trainflow.report.causes import Note, likely_cause, notes
+from trainflow.report.gates import FAIL, Gate, evaluate_gate, parse_gate
+from trainflow.report.noise import Band, judge
+from trainflow.report.runs import EXIT_GATE_FAILED
+from trainflow.report.sides import CompareError, RunView, Side, pairs, resolve_side
+from trainflow.util.tolerance import TOLERANCE
+
+# One run against one: how far the same command's step time swings from run to run, beyond its own intervals (8 runs
+# of one command on a 2-core VM: medians 3.94-4.49 ms at a like load, docs/compare.md). The ledger's runs of a config
+# measure it for that config (MIN_HISTORY of them), and --min-band sets it.
+RUN_TO_RUN = 0.15
+MIN_HISTORY = 3
+TOP_OPS = 8  # operators listed whose self time changed most
+
+
+# --- figures -----------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Figure:
+    """A figure compare judges: its name (as --fail-on names it), where a run keeps it, which way is better, the words
+    for larger and smaller, its band without samples enough for one (`tolerance`, relative), the absolute change
+    below which it never counts (`min_abs`), and whether a machine's load or speed can explain it (`speed`)."""
+
+    name: str
+    label: str
+    unit: str
+    higher_is_better: bool
+    words: tuple[str, str]  # (B larger, B smaller)
+    tolerance: float
+    min_abs: float = 0.0
+    speed: bool = True
+    interval: str | None = None  # the name of its log-interval samples (trainflow.report.noise.INTERVAL_KEYS)
+    directed: bool = True  # False: neither way is better (a validation metric the task does not monitor)
+
+
+FIGURES = (
+    Figure("step_time", "step time", "s", False, ("slower", "faster"), 0.05, interval="step_time_s"),
+    Figure("samples_per_sec", "samples/s", "", True, ("faster", "slower"), 0.05, interval="samples_per_sec"),
+    Figure("tokens_per_sec", "tokens/s", "", True, ("faster", "slower"), 0.05, interval="tokens_per_sec"),
+    Figure("mfu", "MFU", "", True, ("higher", "lower"), 0.05, interval="mfu"),
+    Figure("data_wait", "data wait", "of the step", False, ("waits more", "waits less"), 0.25, min_abs=0.01,
+           interval="data_wait_fraction"),
+    Figure("peak_memory", "peak memory", "B", False, ("more", "less"), 0.10, speed=False),  # CPU: the RSS wanders
+    Figure("compile_time", "compile time", "s", False, ("slower", "faster"), 0.25, min_abs=0.5),
+    Figure("energy_per_sample", "energy per sample", "J", False, ("more", "less"), 0.05),
+    Figure("cost_per_mtok", "cost per million tokens", "", False, ("dearer", "cheaper"), 0.05),
+)
+LOSS = Figure("loss", "final train loss", "", False, ("higher", "lower"), 0.0, speed=False)  # band: the arithmetic's
+FIGURE_NAMES = {f.name: f for f in (*FIGURES, LOSS)}
+
+
+def headline(run: RunView, figure: Figure) -> float | None:
+    """A run's whole-run value of `figure` (None where it has none)."""
+    s = run.figures
+    value = {"step_time": s.get("step_time_s"), "samples_per_sec": s.get("samples_per_sec"),
+             "tokens_per_sec": s.get("tokens_per_sec") or None, "mfu": s.get("mfu"),
+             "data_wait": s.get("data_wait_fraction"), "peak_memory": s.get("peak_memory_bytes"),
+             "compile_time": s.get("compile_time_s") or (0.0 if s.get("steps") else None),  # not compiled: none spent
+             "energy_per_sample": ((s.get("cost") or {}).get("energy") or {}).get("joules_per_sample"),
+             "cost_per_mtok": ((s.get("cost") or {}).get("money") or {}).get("per_million_tokens"),
+             "loss": s.get("loss_last")}.get(figure.name)
+    if figure.name.startswith("val_"):
+        value = (s.get("validation") or {}).get(figure.name.removeprefix("val_"))
+    return float(value) if isinstance(value, int | float) and math.isfinite(value) else None
+
+
+def validation_figures(a: list[RunView], b: list[RunView], loss_rtol: float) -> list[Figure]:
+    """A figure per validation metric both sides have: the monitored one better in the task's direction, the loss
+    lower, others neither (their words say larger and smaller)."""
+    common = set.intersection(*(set(r.figures.get("validation") or {}) for r in (*a, *b)))
+    monitor, mode = a[0].figures.get("monitor"), a[0].figures.get("mode")
+    out = []
+    for name in sorted(common):
+        directed = name in (monitor, "loss")
+        higher = mode == "max" if name == monitor else False
+        out.append(Figure(f"val_{name}", f"validation {name}", "", higher, ("higher", "lower"), loss_rtol, speed=False,
+                          directed=directed))
+    return out
+
+
+# --- judging a pair ----------------------------------------------------------------------------------------------
+
+
+def loss_tolerance(runs: list[RunView]) -> float:
+    """The relative loss difference the arithmetic allows (tolerance.py's ladder table, by the runs' matmuls)."""
+    precision = ((runs[0].config.get("trainer") or {}).get("precision")) or TrainerConfig.precision
+    return TOLERANCE["ladder.loss_rtol"].get(precision, TOLERANCE["ladder.loss_rtol"]["fp32"])
+
+
+def samples(runs: list[RunView], figure: Figure) -> tuple[list[float], float | None]:
+    """A side's samples of `figure` and the band known beyond them: one run's log intervals, or each pooled run's
+    value with the median of their recorded step-time bands."""
+    if len(runs) == 1 and figure.interval and len(runs[0].intervals.get(figure.interval, [])) >= 1:
+        return runs[0].intervals[figure.interval], None
+    values = [v for r in runs if (v := headline(r, figure)) is not None]
+    spreads = [s for r in runs if (s := (r.fingerprint.get("step_time") or {}).get("spread")) is not None]
+    known = sorted(spreads)[len(spreads) // 2] if spreads and figure.interval else None
+    return values, known
+
+
+def judge_figure(figure: Figure, a: list[RunView], b: list[RunView], found: list[Note],
+                 floor: tuple[float, str]) -> dict[str, Any] | None:
+    """One figure's row: both sides' values, the change, the band (a speed figure's never below the run-to-run
+    `floor`), the confidence and the verdict (None when a side lacks the figure)."""
+    (sa, known_a), (sb, known_b) = samples(a, figure), samples(b, figure)
+    if not sa or not sb:
+        return None
+    ba, bb = Band.of(sa), Band.of(sb)
+    if ba.median == bb.median == 0:
+        return None  # neither has any (a compile time of runs that did not compile)
+    diff = bb.median - ba.median
+    if ba.median == 0:
+        judged = None
+        change = math.inf if diff > 0 else -math.inf if diff < 0 else 0.0
+        direction = (1 if diff > 0 else -1) if abs(diff) > figure.min_abs else 0
+        band, confidence = figure.tolerance, None
+    else:
+        judged = judge(sa, sb, figure.tolerance, (known_a, known_b), floor[0] if figure.speed else 0.0)
+        change, band, confidence = judged.change, judged.band, judged.confidence
+        direction = judged.direction if abs(diff) > figure.min_abs else 0
+    verdict = "same" if direction == 0 else figure.words[0] if direction > 0 else figure.words[1]
+    better = None if direction == 0 or not figure.directed else (direction > 0) == figure.higher_is_better
+    cause = likely_cause(figure.speed, found) if direction else None
+    return {"figure": figure.name, "label": figure.label, "unit": figure.unit, "a": ba.median, "b": bb.median,
+            "a_samples": ba.n, "b_samples": bb.n, "diff": diff, "change": change, "band": band,
+            "band_from": floor[1] if figure.speed and judged is not None and band == floor[0] else None,
+            "confidence": confidence, "verdict": verdict, "better": better,
+            "likely_cause": cause.text if cause else ("no difference of the fingerprints explains it: rerun both "
+                                                      "to see whether it holds" if direction else None),
+            "busy_only": bool(cause and cause.kind == "machine load")}
+
+
+def curve_rows(a: RunView, b: RunView, rtol: float) -> list[dict[str, Any]]:
+    """Each curve both runs logged (train loss, validation metrics), aligned by step: the steps in common, the
+    largest difference and where, the last step's difference, and the first step where they part by more than the
+    arithmetic's tolerance (relative to A's value)."""
+    rows = []
+    for key in sorted(a.curves.keys() & b.curves.keys()):
+        steps = sorted(a.curves[key].keys() & b.curves[key].keys())
+        if not steps:
+            continue
+        diffs = {s: b.curves[key][s] - a.curves[key][s] for s in steps}
+        worst = max(steps, key=lambda s: abs(diffs[s]))
+        apart = next((s for s in steps if abs(diffs[s]) > rtol * max(abs(a.curves[key][s]), 1e-12)), None)
+        rows.append({"curve": key, "steps": len(steps), "max_abs_diff": abs(diffs[worst]), "at_step": worst,
+                     "final_diff": diffs[steps[-1]], "final_step": steps[-1], "apart_from_step": apart,
+                     "verdict": "same" if apart is None else f"apart from step {apart}"})
+    return rows
+
+
+def profiler_rows(a: RunView, b: RunView) -> dict[str, Any] | None:
+    """The profiler verdicts' shares side by side and the operators whose self time per step changed most (when both
+    runs were profiled)."""
+    va, vb = ((r.profiler or {}).get("verdict") for r in (a, b))
+    if not va or not vb:
+        return None
+    shares = {k: {"a": va["shares"].get(k), "b": vb["shares"].get(k),
+                  "points": round((vb["shares"].get(k) or 0) - (va["shares"].get(k) or 0), 4)}
+              for k in va["shares"].keys() | vb["shares"].keys()}
+    ops_a = {o["name"]: o["self_ms_per_step"] for o in a.profiler.get("top_ops") or []}
+    ops_b = {o["name"]: o["self_ms_per_step"] for o in b.profiler.get("top_ops") or []}
+    ops = sorted(({"name": n, "a_ms": ops_a.get(n), "b_ms": ops_b.get(n),
+                   "change_ms": (ops_b.get(n) or 0.0) - (ops_a.get(n) or 0.0)} for n in ops_a.keys() | ops_b.keys()),
+                 key=lambda o: -abs(o["change_ms"]))[:TOP_OPS]
+    return {"bound": [va.get("bound"), vb.get("bound")], "shares": dict(sorted(shares.items())), "ops": ops}
+
+
+def history_spread(run: RunView, history: list[dict[str, Any]]) -> tuple[float, int] | None:
+    """The spread of the step-time medians of the ledger's runs of `run`'s config on its host and device (and their
+    count), when it holds MIN_HISTORY of them or more; runs on a busy machine left out (a busier machine is a cause
+    of its own, named apart)."""
+    fp = run.fingerprint
+    medians = [m for line in history if (f := line.get("fingerprint") or {}).get("config_hash") == fp.get("config_hash")
+               and f.get("host") == fp.get("host") and f.get("device") == fp.get("device")
+               and not (f.get("load") or {}).get("busy") and (m := (f.get("step_time") or {}).get("median"))]
+    spread = Band.of(medians).spread if len(medians) >= MIN_HISTORY else None
+    return (spread, len(medians)) if spread is not None else None
+
+
+def run_to_run(a: list[RunView], b: list[RunView], history: list[dict[str, Any]], min_band: float | None
+               ) -> tuple[float, str]:
+    """The floor of a speed figure's band, and where it comes from: --min-band; else, for each side of a single run,
+    the run-to-run spread of its config in the ledger (MIN_HISTORY runs or more), the larger of the two; else
+    RUN_TO_RUN. Sides of several pooled runs need none: their samples are runs."""
+    if min_band is not None:
+        return min_band, "--min-band"
+    measured = []
+    for runs in (a, b):
+        if len(runs) >= MIN_HISTORY:
+            continue
+        found = history_spread(runs[0], history)
+        if found is None:
+            return RUN_TO_RUN, "run to run, default"
+        measured.append(found)
+    if not measured:
+        return 0.0, "pooled runs"
+    spread, count = max(measured)
+    return spread, f"run to run, {count} runs of the ledger"
+
+
+def compare_pair(a: list[RunView], b: list[RunView], history: list[dict[str, Any]] | None = None,
+                 min_band: float | None = None) -> dict[str, Any]:
+    """B's runs against A's: every figure's row, the fingerprints' notes and, for one run each, the curves and the
+    profiler's findings."""
+    found = notes(a, b)
+    rtol = loss_tolerance(a)
+    floor = run_to_run(a, b, history or [], min_band)
+    figures = [*FIGURES, dataclasses.replace(LOSS, tolerance=rtol), *validation_figures(a, b, rtol)]
+    rows = [row for f in figures if (row := judge_figure(f, a, b, found, floor)) is not None]
+    single = len(a) == 1 and len(b) == 1
+    return {"a": [r.name for r in a], "b": [r.name for r in b], "figures": rows, "notes": [n.as_dict() for n in found],
+            "curves": curve_rows(a[0], b[0], rtol) if single else [], "loss_rtol": rtol,
+            "profiler": profiler_rows(a[0], b[0]) if single else None}
+
+
+# --- the command -------------------------------------------------------------------------------------------------
+
+
+def history_of(sides: list[Side], given: Path | None) -> list[dict[str, Any]]:
+    """The ledger lines that can tell the run-to-run noise: of the ledger given (or outputs/ledger.jsonl here) and of
+    the ledgers beside the runs' folders (where metrics.ledger=auto puts them for runs outside the working folder)."""
+    beside = (r.dir.parent / ledger.LEDGER_FILE for side in sides for r in side.runs if r.dir)
+    paths = {given or ledger.default_path(), *beside}
+    lines: dict[tuple[str, str], dict[str, Any]] = {}
+    for path in paths:
+        if path.is_file():
+            for line in ledger.read(path)[0]:
+                lines[(str(line.get("run_dir")), str(line.get("time")))] = line
+    return list(lines.values())
+
+
+def build(a_text: str, b_text: str, gates: list[Gate], default_ledger: Path | None,
+          min_band: float | None = None) -> dict[str, Any]:
+    """The comparison of two run-like sides: every pair's figures, curves, profiler and notes, and the gates."""
+    a, b = (resolve_side(text, name, default_ledger) for text, name in ((a_text, "compare A"), (b_text, "compare B")))
+    matched = pairs(a, b)
+    history = history_of([a, b], default_ledger)
+    compared = [compare_pair(ra, rb, history, min_band) for ra, rb in matched]
+    results = [evaluate_gate(g, p) for g in gates for p in compared]
+    return {"kind": "runs", "written": time.strftime("%Y-%m-%d %H:%M:%S"), "title": f"{a.text} -> {b.text}",
+            "a": {"text": a.text, "kind": a.kind, "runs": [r.name for r in a.runs]},
+            "b": {"text": b.text, "kind": b.kind, "runs": [r.name for r in b.runs]},
+            "pairs": compared, "gates": results, "passed": not any(r["status"] == FAIL for r in results),
+            "warnings": [s.note for s in (a, b) if s.note],
+            "_curves": [(ra[0].curves, rb[0].curves) for ra, rb in matched]}
+
+
+def command(args: argparse.Namespace) -> int:
+    """`trainflow compare` (see trainflow.cli): the report of the kind the sides are, its pages, its exit code."""
+    from trainflow.report import checkpoints, render_compare
+
+    worse = {name: -1 if f.higher_is_better else 1 for name, f in FIGURE_NAMES.items()}
+    gates = [parse_gate(g, worse) for text in args.fail_on or [] for g in text.split(",") if g.strip()]
+    if args.bisect:
+        from trainflow.report.bisect import bisect
+
+        if gates:
+            raise CompareError("--fail-on: --bisect takes no gates (it names where two runs part); leave --fail-on "
+                               "out, or gate the runs' checkpoints: trainflow compare A/checkpoints B/checkpoints "
+                               "--fail-on tensors=1e-5")
+        report = bisect(Path(args.a), Path(args.b), args.out, args.rtol)
+    elif checkpoints.is_checkpoint(args.a) or checkpoints.is_checkpoint(args.b):
+        if not (checkpoints.is_checkpoint(args.a) and checkpoints.is_checkpoint(args.b)):
+            one, other = (args.a, args.b) if checkpoints.is_checkpoint(args.a) else (args.b, args.a)
+            raise CompareError(f"compare: {one} is a checkpoint and {other} is not; compare a checkpoint with a "
+                               "checkpoint (a step_N folder, or a checkpoint dir), or runs with runs")
+        report = checkpoints.compare(Path(args.a), Path(args.b), args.rtol)
+        report["title"] = f"{args.a} -> {args.b}"
+        report["gates"] = [checkpoints.evaluate_gate(g, report) for g in gates]
+        report["passed"] = not any(r["status"] == FAIL for r in report["gates"])
+    else:
+        report = build(args.a, args.b, gates, args.ledger, args.min_band)
+    written = render_compare.write(report, args.out)
+    for line in render_compare.console_lines(report):
+        print(line)
+    print(f"wrote {', '.join(str(p) for p in written)}")
+    return EXIT_GATE_FAILED if not report.get("passed", True) else 0
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("a", help="A, the reference: a run folder, a sweep folder, ledger:<filters> (e.g. "
+                             "ledger:config=3f2a9c01d4e5,last=5) or a checkpoint (step_N, or a checkpoint dir)")
+    p.add_argument("b", help="B, compared with A: the same kinds")
+    p.add_argument("--out", type=Path, default=Path("compare"),
+                   help="where to write compare.md, compare.json, compare.png (default: ./compare)")
+    p.add_argument("--fail-on", action="append", metavar="FIGURE=THRESHOLD",
+                   help="a gate, e.g. step_time=+5%% (B's step time more than 5%% above A's, beyond the noise), "
+                        "val_loss=+0.01, mfu=-10%%, tensors=1e-5 (checkpoints); repeat or separate with commas")
+    p.add_argument("--ledger", type=Path, default=None,
+                   help=f"the ledger ledger: selections read (default: outputs/{ledger.LEDGER_FILE} here)")
+    p.add_argument("--min-band", type=_share, default=None, metavar="SHARE",
+                   help="the least band of a speed figure, e.g. 3%% on a quiet GPU node (default: the run-to-run "
+                        "spread of the config's runs in the ledger, else 15%%)")
+    p.add_argument("--rtol", type=float, default=None,
+                   help="checkpoints and --bisect: the relative difference of a tensor that counts (default: "
+                        "tolerance.py's compare table, by the runs' arithmetic)")
+    p.add_argument("--bisect", action="store_true",
+                   help="A and B are checkpointed runs that should agree: replay each from their last equal "
+                        "checkpoint with its own command and environment, and name the first step and tensor "
+                        "where they part")
+
+
+def _share(text: str) -> float:
+    """`3%` or `0.03`."""
+    try:
+        value = float(text.removesuffix("%")) / (100 if text.endswith("%") else 1)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a share: {text!r}; give e.g. 3% or 0.03") from None
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1) (or 0-100%); got {text}")
+    return value
+
+

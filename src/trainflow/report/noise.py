@@ -1,0 +1,149 @@
+"""The noise of a run's speed: every steady log interval is one sample of it, and two runs' samples decide whether
+a figure changed.
+
+Two kinds of noise. Inside a run, the intervals show how much its figure wanders (each run's band: its 10th to 90th
+percentile, as a share of its median). Between runs, the same command swings further than its intervals do (another
+process placement, another load, a neighbour): that part only several runs show, so a comparison of single runs also
+takes a run-to-run floor (trainflow.report.compare: the ledger's runs of the config, or a measured default). A
+figure changed when its median moved further than both runs' bands together and that floor (never less than
+MIN_BAND), and the intervals of one run beat the other's in at least CONFIDENT of all pairs (the probability of
+superiority, Vargha and Delaney's A). A figure with one value per run (peak memory, compile time) has no band of its
+own: its band is the figure's fixed tolerance, and no confidence is given.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import math
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+MIN_BAND = 0.02  # a change below 2% is never called: timing a log interval is no finer than that here
+CONFIDENT = 0.9  # the share of interval pairs in which one run must beat the other
+MIN_SAMPLES = 3  # fewer intervals than this give no band: the figure is judged as one value per run
+
+# metrics.jsonl's interval figures, by the name compare gives them
+INTERVAL_KEYS = {"step_time_s": "perf/step_time_s", "samples_per_sec": "perf/samples_per_sec",
+                 "tokens_per_sec": "perf/tokens_per_sec", "mfu": "perf/mfu",
+                 "data_wait_fraction": "perf/data_wait_fraction"}
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    """metrics.jsonl's entries; a line cut off by a killed run is left out."""
+    entries = []
+    if not path.is_file():
+        return entries
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            entry = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(entry, dict) and isinstance(entry.get("step"), int):
+            entries.append(entry)
+    return entries
+
+
+def steady_intervals(entries: list[dict[str, Any]], start_step: int, excluded_steps: int) -> dict[str, list[float]]:
+    """Per figure, the values of the log intervals that lie wholly in the steady state: each interval ends at a
+    logged step and begins after the previous one; those that begin before `start_step + excluded_steps` (the run's
+    start or resume, then its warm-up and compile steps) are left out, and so are the lines of an earlier run that
+    this one resumed."""
+    out: dict[str, list[float]] = {name: [] for name in INTERVAL_KEYS}
+    previous = start_step
+    for entry in entries:
+        if "perf/step_time_s" not in entry or entry["step"] <= start_step:
+            continue
+        if previous >= start_step + excluded_steps:
+            for name, key in INTERVAL_KEYS.items():
+                value = entry.get(key)
+                if isinstance(value, int | float) and math.isfinite(value):
+                    out[name].append(float(value))
+        previous = entry["step"]
+    return out
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The q-quantile (0..1) of `values`, interpolated between the two nearest ranks."""
+    ordered = sorted(values)
+    at = q * (len(ordered) - 1)
+    low = math.floor(at)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (at - low)
+
+
+@dataclass(frozen=True)
+class Band:
+    """A figure's samples summed up: how many, the median, and the 10th and 90th percentiles."""
+
+    n: int
+    median: float
+    low: float
+    high: float
+
+    @classmethod
+    def of(cls, values: list[float]) -> Band:
+        return cls(len(values), statistics.median(values), percentile(values, 0.1), percentile(values, 0.9))
+
+    @property
+    def spread(self) -> float | None:
+        """Half the 10-90% range as a share of the median; None with fewer than MIN_SAMPLES samples."""
+        if self.n < MIN_SAMPLES or self.median == 0:
+            return None
+        return (self.high - self.low) / 2 / abs(self.median)
+
+    def as_dict(self) -> dict[str, float | int | None]:
+        return {"n": self.n, "median": self.median, "p10": self.low, "p90": self.high, "spread": self.spread}
+
+
+def superiority(a: list[float], b: list[float]) -> float:
+    """The probability that a sample of `b` is larger than one of `a` (ties count half): 0.5 when they are alike,
+    1 when every sample of b exceeds every sample of a."""
+    ordered = sorted(a)
+    above = 0.0
+    for value in b:
+        below = _count_below(ordered, value)
+        ties = _count_below(ordered, value, inclusive=True) - below
+        above += below + ties / 2
+    return above / (len(a) * len(b))
+
+
+def _count_below(ordered: list[float], value: float, inclusive: bool = False) -> int:
+    return (bisect.bisect_right if inclusive else bisect.bisect_left)(ordered, value)
+
+
+@dataclass(frozen=True)
+class Judgement:
+    """How B's figure stands to A's: the relative change of the medians, the band it must leave to count, the
+    confidence (None without enough samples on both sides) and the direction: +1 larger, -1 smaller, 0 the same."""
+
+    change: float
+    band: float
+    confidence: float | None
+    direction: int
+
+
+def judge(a: list[float], b: list[float], tolerance: float, spreads: tuple[float | None, float | None] = (None, None),
+          floor: float = 0.0) -> Judgement | None:
+    """B's samples against A's (see the module's docstring). `tolerance`: the band of a figure without samples
+    enough for one of its own; `spreads`: bands known beyond the samples (a ledger line keeps its run's, not its
+    intervals); `floor`: the run-to-run noise the band never goes below. None when A's median is 0 (no relative
+    change)."""
+    base, other = Band.of(a), Band.of(b)
+    if base.median == 0:
+        return None
+    change = other.median / base.median - 1
+    own = [s if s is not None else known for s, known in zip((base.spread, other.spread), spreads, strict=True)]
+    band = max(sum(s for s in own if s is not None), MIN_BAND, floor) if all(s is not None for s in own) \
+        else max(tolerance, floor)
+    confidence = None
+    if base.n >= MIN_SAMPLES and other.n >= MIN_SAMPLES:
+        above = superiority(a, b)
+        confidence = above if change >= 0 else 1 - above
+    # a ratio of positive values is judged on its logarithm: a step 13% shorter is a throughput 15% higher, and the
+    # two verdicts agree
+    moved = abs(math.log1p(change)) > math.log1p(band) if base.median > 0 and other.median > 0 else abs(change) > band
+    beyond = moved and (confidence is None or confidence >= CONFIDENT)
+    return Judgement(change, band, confidence, (1 if change > 0 else -1) if beyond else 0)
