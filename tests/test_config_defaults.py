@@ -116,7 +116,7 @@ def test_a_choice_outside_its_type_is_refused_while_hydra_composes(overrides: li
 
 @pytest.mark.parametrize(("values", "message"), [
     ({"trainer": {"max_stepz": 1}}, "trainer.max_stepz: trainer has no such key; did you mean trainer.max_steps?"),
-    ({"trainer": {"precision": "fp16"}}, "trainer.precision: must be one of fp32, bf16; got 'fp16'"),
+    ({"trainer": {"precision": "fp16"}}, "trainer.precision: must be one of fp32, bf16, fp8; got 'fp16'"),
     ({"trainer": {"eval_every": "often"}}, "trainer.eval_every: must be auto or an integer; got 'often'"),
     ({"checkpoint": {"stop_signals": ["SIGKILL"]}}, "checkpoint.stop_signals[0]: SIGKILL cannot be caught, so "
      "nothing can be saved on it; must be one of SIGTERM, SIGUSR1, SIGUSR2, SIGHUP; got 'SIGKILL'"),
