@@ -665,10 +665,10 @@ def test_activation_checkpointing_modes_recompute_what_they_say(mode: str, every
     """Ops run in one forward and backward of a 2-block GPT: full reruns each checkpointed block's forward in
     backward, selective its cheap ops only (the GELU again, the attention kept), every 2nd block only block 0; the
     gradients stay those of no checkpointing."""
-    from types import SimpleNamespace
-
     from torch.utils._python_dispatch import TorchDispatchMode
 
+    from trainflow.config.choices import ActivationCheckpointing
+    from trainflow.config.schema import ParallelismConfig
     from trainflow.distributed.parallelism import checkpoint_activations
 
     counts: dict[str, int] = {}
@@ -681,8 +681,8 @@ def test_activation_checkpointing_modes_recompute_what_they_say(mode: str, every
     def grads(mode: str) -> list[torch.Tensor]:
         torch.manual_seed(0)
         model = GPT(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
-        checkpoint_activations(model, SimpleNamespace(activation_checkpointing=mode,
-                                                      activation_checkpointing_every=every, activation_budget=1.0))
+        checkpoint_activations(model, ParallelismConfig(activation_checkpointing=ActivationCheckpointing(mode),
+                                                        activation_checkpointing_every=every, activation_budget=1.0))
         idx = torch.randint(64, (4, 16))
         with Count():
             torch.nn.functional.cross_entropy(model(idx).flatten(0, 1), idx.flatten()).backward()
