@@ -28,12 +28,13 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from trainflow.config.choices import ActivationCheckpointing
+from trainflow.config.schema import ParallelismConfig
 from trainflow.distributed.memory_plan import resident_bytes
 from trainflow.distributed.parallelism import checkpoint_activations
 from trainflow.models.gpt import GPT
@@ -75,10 +76,11 @@ def prepared(mode: str, base: GPT) -> tuple[torch.nn.Module, torch.optim.Optimiz
     """A copy of `base` checkpointed (and compiled) as `mode` says, and its optimizer."""
     model = copy.deepcopy(base)
     kind, _, number = mode.partition("_")
-    cfg = SimpleNamespace(activation_checkpointing=kind if kind in ("full", "selective", "budget") else "off",
-                          activation_checkpointing_every=1, activation_budget=1.0)
+    cfg = ParallelismConfig(activation_checkpointing=ActivationCheckpointing(kind if kind in ("full", "selective",
+                                                                                          "budget") else "off"),
+                            activation_budget=1.0)
     if kind == "every":
-        cfg.activation_checkpointing, cfg.activation_checkpointing_every = "full", int(number)
+        cfg.activation_checkpointing, cfg.activation_checkpointing_every = ActivationCheckpointing.full, int(number)
     if kind == "budget":
         cfg.activation_budget = float(number)
     checkpoint_activations(model, cfg)  # budget: sets torch._functorch.config.activation_memory_budget

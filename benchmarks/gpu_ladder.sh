@@ -52,7 +52,8 @@ if [[ $SMOKE == 1 ]]; then
   ARGS=(model=gpt_tiny model.n_layer=2 model.n_embd=64 model.n_head=2 model.block_size=32
         trainer.batch_size=8 trainer.max_steps=12 trainer.warmup_steps=2 trainer.eval_steps=2
         compile.backend=aot_eager profiler.wait=1 profiler.warmup=1 profiler.active=2 logger=none)
-  if [[ $GPUS -ge 2 ]]; then ARGS+=(ladder.nproc_per_node=2); fi
+  # the scale rungs run one rank per visible GPU (parallelism.nproc_per_node=auto): two of them
+  if [[ $GPUS -ge 2 ]]; then export CUDA_VISIBLE_DEVICES="${CUDA_VISIBLE_DEVICES:-0,1}"; fi
   if [[ $GPUS -eq 1 ]]; then RUNGS="baseline,compile,profile,checkpoint,resume"; fi
 else
   [[ $GPUS -ge 1 ]] || die "no CUDA GPU visible to $PYTHON; run with --smoke for the CPU check"
@@ -73,7 +74,7 @@ else
   # CUDA's atomics-based backward kernels are not bit-reproducible, so two uninterrupted runs differ too: the
   # resumed losses get a tolerance here (the first GPU ladder: 2.3e-4 at most over 100 steps).
   ARGS=(model=gpt_small trainer.precision=bf16 trainer.device=cuda trainer.batch_size=16 trainer.max_steps=200
-        trainer.warmup_steps=10 trainer.eval_steps=10 ladder.nproc_per_node=auto ladder.resume_atol=0.02
+        trainer.warmup_steps=10 trainer.eval_steps=10 ladder.resume_atol=0.02
         profiler.memory_snapshot=true profiler.record_shapes=true profiler.profile_memory=true
         checkpoint.mode=async logger=none)
 fi

@@ -45,6 +45,7 @@ from torch import nn
 
 from trainflow.cli import register_with_hydra
 from trainflow.conf import CONFIG_DIR
+from trainflow.config.checks import validate
 from trainflow.data import StreamSampler, build_datasets, make_loader
 from trainflow.distributed.process_group import process_group
 from trainflow.loop.run import assemble, run, train_loop, train_step
@@ -73,7 +74,7 @@ def trainflow_rate(cfg) -> float:
 def handwritten_rate(cfg, steps: int, warmup: int) -> float:
     """The plain loop: the same model, optimizer, schedule, batches and threads as trainflow's run."""
     torch.manual_seed(cfg.trainer.seed)
-    data = build_datasets(cfg.data, cfg.model)
+    data = build_datasets(cfg.data, "vocab_size" in cfg.model)
     model = instantiate(cfg.model)
     optimizer, scheduler = build_optimizer(model, cfg.optim, steps, torch.device("cpu"))
     b, n = cfg.trainer.batch_size, len(data.train)
@@ -99,9 +100,9 @@ class LiteralLoop:
     def __init__(self, cfg, seed: int) -> None:
         torch.manual_seed(seed)
         self.model = instantiate(cfg.model)
-        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=cfg.optim.lr, momentum=cfg.optim.momentum)
+        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=cfg.optim["lr"], momentum=cfg.optim["momentum"])
         self.criterion = nn.CrossEntropyLoss()
-        self.shape = (cfg.trainer.batch_size, cfg.model.in_features, cfg.model.out_features)
+        self.shape = (cfg.trainer.batch_size, cfg.model["in_features"], cfg.model["out_features"])
 
     def steps(self, count: int) -> None:
         batch, features, classes = self.shape
@@ -165,8 +166,8 @@ def literal_comparison(rounds: int, steps: int, warmup: int, cpu_time: bool) -> 
 
     def cfg_of(length: int):
         with initialize_config_dir(str(CONFIG_DIR), version_base="1.3"):
-            return compose("train", overrides=["experiment=seed_mlp", *COMMON, f"trainer.max_steps={length}",
-                                               f"trainer.warmup_steps={warmup}", "trainer.log_every=50"])
+            return validate(compose("train", overrides=["experiment=seed_mlp", *COMMON, f"trainer.max_steps={length}",
+                                                        f"trainer.warmup_steps={warmup}", "trainer.log_every=50"]))
 
     cfg, clock = cfg_of(steps), time.thread_time if cpu_time else time.perf_counter
     trainflow_cpu_rate(cfg_of, warmup + 1, warmup) if cpu_time else trainflow_rate(cfg)  # imports, caches: not a round
@@ -248,7 +249,7 @@ def part_by_part(cfg_of: Callable[[int], Any], steps: int, warmup: int) -> dict[
     every step, which trainflow does only at log steps unless task.train_metrics=every_step), then
     trainflow's `train_step` alone, its `train_loop` with the stage list emptied, and the whole loop."""
     cfg = cfg_of(steps)
-    data = build_datasets(cfg.data, cfg.model)
+    data = build_datasets(cfg.data, "vocab_size" in cfg.model)
     timed = {}
 
     task = build_task(cfg.task, data.is_lm)  # classify: the loss, accuracy and top-5 accuracy of every step
@@ -261,12 +262,12 @@ def part_by_part(cfg_of: Callable[[int], Any], steps: int, warmup: int) -> dict[
             optimizer, scheduler = build_optimizer(model, cfg.optim, steps, torch.device("cpu"))
             scheduler = scheduler if schedule_changes_lr(cfg.optim) else None  # as train_step does
         else:
-            optimizer, scheduler = torch.optim.SGD(model.parameters(), lr=cfg.optim.lr,
-                                                   momentum=cfg.optim.momentum), None
+            optimizer, scheduler = torch.optim.SGD(model.parameters(), lr=cfg.optim["lr"],
+                                                   momentum=cfg.optim["momentum"]), None
         sampler = StreamSampler(len(data.train), cfg.trainer.batch_size, 0, 1, cfg.trainer.seed)
         batches = iter(make_loader(data.train, sampler, cfg.data, False))
         criterion = nn.CrossEntropyLoss()
-        batch, features, classes = cfg.trainer.batch_size, cfg.model.in_features, cfg.model.out_features
+        batch, features, classes = cfg.trainer.batch_size, cfg.model["in_features"], cfg.model["out_features"]
         for step in range(steps):
             if step == warmup:
                 start = time.thread_time()
@@ -371,8 +372,8 @@ def main() -> None:
     for name, (overrides, multiplier) in CASES.items():
         steps, warmup = args.steps * multiplier, args.warmup * multiplier
         with initialize_config_dir(str(CONFIG_DIR), version_base="1.3"):
-            cfg = compose("train", overrides=[*overrides, *COMMON, f"trainer.max_steps={steps}",
-                                              f"trainer.warmup_steps={warmup}", f"trainer.log_every={steps}"])
+            cfg = validate(compose("train", overrides=[*overrides, *COMMON, f"trainer.max_steps={steps}",
+                                                       f"trainer.warmup_steps={warmup}", f"trainer.log_every={steps}"]))
         ratios = []
         for _ in range(args.rounds):
             ours = trainflow_rate(cfg)

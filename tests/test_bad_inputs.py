@@ -438,7 +438,7 @@ def gpt_config(ctx: Ctx, tokenizer: dict) -> None:
     """The config of the reference run (the GPT of TINY_GPT) with `tokenizer`, for `export --config`."""
     model = {"_target_": "trainflow.models.gpt.GPT", "vocab_size": 256, "block_size": 32, "n_layer": 2, "n_head": 2,
              "n_embd": 64, "dropout": 0.0, "bias": True}
-    data = {"kind": "text", "paths": [str(ctx.tmp / "source.py")], "suffixes": [".py"]}
+    data = {"_target_": "trainflow.data.text_data", "paths": [str(ctx.tmp / "source.py")], "suffixes": [".py"]}
     (ctx.tmp / "config.yaml").write_text(json.dumps({"model": model, "data": data, "tokenizer": tokenizer}))
 
 
@@ -489,6 +489,13 @@ def broken_experiment_yaml(ctx: Ctx) -> None:
                                                                "  log_every: 1\n")
 
 
+def own_model_options(ctx: Ctx) -> None:
+    """A project's own model options (--config-dir): one that names its class, one that names none."""
+    (ctx.tmp / "conf" / "model").mkdir(parents=True)
+    (ctx.tmp / "conf" / "model" / "mine_net.yaml").write_text("_target_: trainflow.models.mlp.MLP\nhidden: 8\n")
+    (ctx.tmp / "conf" / "model" / "mine.yaml").write_text("hidden: 8\n")
+
+
 def narrower_weights(ctx: Ctx) -> None:
     """Exported weights of a GPT narrower than the base's (n_embd 32, not 64)."""
     from safetensors.torch import save_file
@@ -519,6 +526,14 @@ CASES = [
          "tranier.max_steps", ("Could not override", "did you mean trainer.max_steps=3?"), exit=1),
     Case("misspelt-option", "config", "a misspelt option", ("model=gpt_tiney",),
          "model/gpt_tiney", ("Could not find", "did you mean model=gpt_tiny?", "gpt_small, gpt_tiny, mlp"), exit=1),
+    Case("misspelt-own-option", "config", "a misspelt option of one's own (--config-dir)",
+         ("--config-dir", "{tmp}/conf", "model=mine_nett"),
+         "model/mine_nett", ("Could not find", "did you mean model=mine_net?", "gpt_tiny, mine, mine_net, mlp"),
+         exit=1, setup=own_model_options),
+    Case("own-option-without-target", "config", "a model option of one's own that names no class",
+         ("--config-dir", "{tmp}/conf", "model=mine"),
+         "model._target_", ("missing", "pick one of model=cnn,custom,gpt_medium,gpt_small,gpt_tiny,mine,mine_net,mlp",
+                            "set model._target_"), setup=own_model_options),
     Case("misspelt-group", "config", "a misspelt group", ("modle=mlp",),
          "modle", ("Could not override", "did you mean model=mlp?"), exit=1),
     Case("misspelt-list-option", "config", "a misspelt option in a list", ("logger=[tensorboard,mlfow]",),
@@ -534,10 +549,10 @@ CASES = [
     Case("zero-lr", "config", "a zero learning rate", ("optim.lr=0",),
          "optim.lr", ("> 0", "got 0.0")),
     Case("unknown-precision", "config", "a precision trainflow does not train in", ("trainer.precision=fp16",),
-         "trainer.precision", ("fp32, bf16", "got 'fp16'")),
+         "trainer.precision", ("fp32, bf16", "got 'fp16'"), exit=1),
     Case("unknown-eval-schedule", "config", "an evaluation schedule that is neither auto nor a step count",
          ("trainer.eval_every=often",),
-         "trainer.eval_every", ("auto or a number of steps", "got 'often'")),
+         "trainer.eval_every", ("auto or an integer", "got 'often'"), exit=1),
     Case("negative-cost", "config", "a negative price of a device hour", ("trainer.cost_per_hour=-1",),
          "trainer.cost_per_hour", (">= 0", "got -1.0")),
     Case("ledger-is-a-folder", "config", "a ledger path that is a folder", ("metrics.ledger={tmp}",),
@@ -624,7 +639,7 @@ CASES = [
                                       "parallelism.ft.no_quorum=alone"), exit=1),
     Case("torchft-no-quorum-unknown", "scale", "an unknown choice of what a group does without a quorum",
          ("parallelism.fault_tolerance=torchft", "parallelism.ft.no_quorum=retry"),
-         "parallelism.ft.no_quorum", ("must be one of stop, alone", "got 'retry'")),
+         "parallelism.ft.no_quorum", ("must be one of stop, alone", "got 'retry'"), exit=1),
     Case("lighthouse-port-busy", "scale", "trainflow lighthouse on a port another program holds",
          ("lighthouse", "--port", "{port}"),
          "--port", ("cannot listen on port {port}", "Address already in use", "give another port"),
@@ -650,7 +665,7 @@ CASES = [
          "checkpoint.resume", ("checkpoints are off", "save nothing and resume nothing", "add checkpoint=dcp")),
     Case("on-data-change-unknown", "checkpoint", "an unknown answer to a resume on other data",
          ("checkpoint.on_data_change=continue",),
-         "checkpoint.on_data_change", ("must be one of refuse, restart", "got 'continue'")),
+         "checkpoint.on_data_change", ("must be one of refuse, restart", "got 'continue'"), exit=1),
     Case("export-at-end-over-users-file", "checkpoint", "checkpoint.export=true where the user's model.pt lies",
          ("checkpoint.export=true",),
          "checkpoint.export", ("{tmp}/run/model.pt is a file trainflow did not export", "nothing was changed",
@@ -658,12 +673,12 @@ CASES = [
          setup=users_model_in_the_run_dir, after=users_model_kept),
     Case("stop-signal-uncatchable", "checkpoint", "a stop signal no process can catch",
          ("checkpoint=dcp", "checkpoint.stop_signals=[SIGTERM,SIGKILL]"),
-         "checkpoint.stop_signals", ("SIGKILL cannot be caught", "SIGTERM, SIGUSR1, SIGUSR2, SIGHUP")),
+         "checkpoint.stop_signals", ("SIGKILL cannot be caught", "SIGTERM, SIGUSR1, SIGUSR2, SIGHUP"), exit=1),
     Case("stop-signal-not-a-signal", "checkpoint", "a stop signal named as SLURM's --signal writes it",
          ("checkpoint.stop_signals=[USR1]",),
-         "checkpoint.stop_signals", ("'USR1' is not a signal's name: write SIGUSR1",)),
+         "checkpoint.stop_signals", ("'USR1' is not a signal's name: write SIGUSR1",), exit=1),
     Case("stop-signal-ctrl-c", "checkpoint", "Ctrl-C as a stop signal", ("checkpoint.stop_signals=[SIGINT]",),
-         "checkpoint.stop_signals", ("SIGINT is Ctrl-C", "exit code 130")),
+         "checkpoint.stop_signals", ("SIGINT is Ctrl-C", "exit code 130"), exit=1),
     # files and paths
     Case("missing-corpus", "data", "a corpus path that does not exist", ("data.paths=[/no/such/corpus]",),
          "data.paths", ("/no/such/corpus does not exist", "existing files or folders")),
@@ -729,7 +744,8 @@ CASES = [
          ("experiment=digits", "model=cnn", "task.monitor=f1"),
          "task.monitor", ("'f1' is not a metric", "loss, accuracy, top5_accuracy")),
     Case("train-metrics-unknown", "config", "a task.train_metrics that is not a choice",
-         ("task.train_metrics=sometimes",), "task.train_metrics", ("log_step or every_step", "got 'sometimes'")),
+         ("task.train_metrics=sometimes",), "task.train_metrics", ("log_step, every_step", "got 'sometimes'"),
+         exit=1),
     Case("vision-extra-missing", "data", "data=digits without scikit-learn installed",
          ("experiment=digits", "model=cnn"),
          "data", ("scikit-learn is not installed", "pip install 'trainflow[vision]'"),
@@ -1031,7 +1047,8 @@ CASES = [
                            "parallelism.check=true")),
     Case("pp-unknown-schedule", "scale", "a pipeline schedule trainflow does not run",
          ("parallelism=fsdp", "parallelism.pp=2", "parallelism.pp_schedule=dualpipe"),
-         "parallelism.pp_schedule", ("1f1b, gpipe, interleaved_1f1b, interleaved_zb, zbv", "got 'dualpipe'")),
+         "parallelism.pp_schedule", ("1f1b, gpipe, interleaved_1f1b, interleaved_zb, zbv", "got 'dualpipe'"),
+         exit=1),
     Case("ac-budget-without-compile", "scale", "a compiler's activation budget without compile",
          ("parallelism.activation_checkpointing=budget",),
          "parallelism.activation_checkpointing", ("torch.compile's partitioner", "compile.enabled=true",
@@ -1057,16 +1074,22 @@ CASES = [
          ("hydra/launcher=torchrun", "hydra.launcher.nproc_per_node=0"),
          "hydra.launcher.nproc_per_node", ("positive integer", "got '0'"),
          tool="multirun"),
-    Case("launcher-ranks-disagree", "launch", "torchrun's ranks per node set unlike parallelism's",
+    Case("launcher-ranks-of-its-own", "launch", "torchrun's ranks per node set for a trainflow job, which sets its own",
          ("hydra/launcher=torchrun", "parallelism=ddp", "parallelism.nproc_per_node=2",
           "hydra.launcher.nproc_per_node=3"),
-         "hydra.launcher.nproc_per_node", ("is 3", "parallelism.nproc_per_node is 2 (job #0)",
-                                           "drop hydra.launcher.nproc_per_node", "the same value"), tool="multirun"),
-    Case("slurm-ranks-disagree", "launch", "SLURM's tasks per node set unlike parallelism's ranks per node",
+         "hydra.launcher.nproc_per_node", ("for Hydra apps other than trainflow", "job #0 is a trainflow run",
+                                           "drop hydra.launcher.nproc_per_node", "set parallelism.nproc_per_node"),
+         tool="multirun"),
+    Case("launcher-restarts-of-its-own", "launch", "torchrun's restarts set for a trainflow job, which sets its own",
+         ("hydra/launcher=torchrun", "hydra.launcher.max_restarts=2"),
+         "hydra.launcher.max_restarts", ("for Hydra apps other than trainflow", "drop hydra.launcher.max_restarts",
+                                         "set parallelism.max_restarts"), tool="multirun"),
+    Case("slurm-ranks-of-its-own", "launch", "SLURM's tasks per node set for a trainflow job, which sets its own",
          ("hydra/launcher=slurm", "parallelism=ddp", "parallelism.nproc_per_node=2",
           "hydra.launcher.tasks_per_node=4"),
-         "hydra.launcher.tasks_per_node", ("is 4", "parallelism.nproc_per_node is 2 (job #0)",
-                                           "drop hydra.launcher.tasks_per_node", "the same value"), tool="multirun"),
+         "hydra.launcher.tasks_per_node", ("for Hydra apps other than trainflow", "job #0 is a trainflow run",
+                                           "drop hydra.launcher.tasks_per_node", "set parallelism.nproc_per_node"),
+         tool="multirun"),
     Case("ladder-rung-cannot-run", "launch", "a ladder too short for its profile rung",
          ("experiment=ladder", "trainer.max_steps=8"),
          "ladder=profile (job #2)", ("trainer.max_steps", "ends at step 12", "raise trainer.max_steps to >= 12"),

@@ -311,7 +311,6 @@ def test_bad_values_are_refused_before_training(run_dir: Path) -> None:
 @pytest.mark.parametrize(("key", "value", "message"), [
     ("every_steps", -3, "checkpoint.every_steps: must be a positive number of steps; got -3"),
     ("keep_last", 0, "checkpoint.keep_last: must be >= 1 (the newest committed checkpoint is always kept); got 0"),
-    ("mode", "later", "checkpoint.mode: must be one of sync, async; got 'later'"),
     ("export", True, "checkpoint.export: exports the final weights, which needs checkpoint.save_final=true"),
 ])
 def test_each_bad_value_names_its_key(key: str, value, message: str) -> None:

@@ -221,8 +221,6 @@ def test_dynamic_true_on_one_input_shape_says_what_it_cost(tmp_path: Path, run_d
 
 
 @pytest.mark.parametrize(("overrides", "fragment"), [
-    (["compile.mode=fastest"], "compile.mode: must be null or one of default, max-autotune"),
-    (["compile.scope=layers"], "compile.scope: must be one of model, blocks"),
     (["compile.backend=eager", "compile.mode=max-autotune"], "compile.mode: only the inductor backend takes a mode"),
     (["compile.backend=cudagraphs"], "compile.backend: cudagraphs uses CUDA graphs"),
     (["data.seq_lens=[8,64]"], "data.seq_lens: each length must be in [1, data.seq_len=32]"),

@@ -443,18 +443,15 @@ def test_two_ranks_read_disjoint_whole_shards_as_a_sharded_stream(prepared: Path
 
 def test_shards_of_a_larger_vocabulary_than_the_model_are_refused_in_one_line(prepared: Path) -> None:
     """data=shards and shard_stream alike: the line names model.vocab_size and the number to set."""
-    from omegaconf import OmegaConf
-
-    from trainflow.data import build_datasets
+    from trainflow.data import shards_data
     from trainflow.data.shards import shard_stream
     from trainflow.errors import ConfigError
 
     said = (f"model.vocab_size: is 256, but the shards in {prepared} were prepared with a tokenizer of 512 tokens; "
             "set model.vocab_size=512 (or tokenizer.vocab_size, which it follows)")
-    data = OmegaConf.create({"kind": "shards", "path": str(prepared), "seq_len": 32, "val_fraction": 0.05})
     with pytest.raises(ConfigError, match="^" + re.escape(said) + "$"):
-        build_datasets(data, OmegaConf.create({"vocab_size": 256}))
+        shards_data(str(prepared), 32, 0.05, model_vocab_size=256)
     with pytest.raises(ConfigError, match="^" + re.escape(said) + "$"):
         shard_stream(str(prepared), 32, vocab_size=256)
-    assert len(shard_stream(str(prepared), 32, vocab_size=512)["val"]) == len(build_datasets(
-        data, OmegaConf.create({"vocab_size": 512})).val)
+    assert len(shard_stream(str(prepared), 32, vocab_size=512)["val"]) == len(shards_data(
+        str(prepared), 32, 0.05, model_vocab_size=512).val)

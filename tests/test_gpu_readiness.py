@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import OmegaConf
 from torch import nn
 
 from trainflow.compile.compiler import effective_mode
 from trainflow.config.checks import validate_compile, validate_parallelism
-from trainflow.config.schema import AdamWConfig, ParallelismConfig, RunConfig, TrainerConfig, typed
+from trainflow.config.schema import FSDPConfig, RunConfig, typed_run
 from trainflow.data import Pinned, StreamSampler, SyntheticTokens, TokenWindows, VariableLengths, make_loader
 from trainflow.distributed import DistEnv
 from trainflow.distributed.parallelism import fsdp_dtypes
@@ -28,12 +28,10 @@ from trainflow.util.device import configure_matmul, matmul_math
 from trainflow.util.tolerance import TOLERANCE
 
 
-def cfg(**overrides) -> OmegaConf:
-    config = OmegaConf.structured(RunConfig)
-    config.model = {"_target_": "trainflow.models.gpt.GPT"}
-    config.data = {"seq_len": 32}
-    config.optim = OmegaConf.structured(AdamWConfig)  # optim=adamw's section (the group has no schema default)
-    return OmegaConf.merge(config, overrides)
+def cfg(**overrides) -> RunConfig:
+    """A typed run config of a GPT, the schema's defaults and `overrides` (section -> its keys)."""
+    return typed_run({"model": {"_target_": "trainflow.models.gpt.GPT"}, "data": {"seq_len": 32}, "task": {},
+                      "optim": {}, "logger": {}, **overrides})
 
 
 # -- which GPU a rank uses ----------------------------------------------------------------------------------------
@@ -142,12 +140,11 @@ def test_fsdp_reshards_blocks_but_leaves_the_root_gathered_and_uses_bf16_params_
     """On a real one-rank gloo group: FSDP2's own state says what each unit does after forward."""
     import torch.distributed as dist
 
-    from trainflow.config.schema import FSDPConfig
     from trainflow.distributed.parallelism import shard
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        model = shard(TwoBlocks(), OmegaConf.structured(FSDPConfig), DistEnv(0, 1, 0, torch.device("cpu")), "bf16")
+        model = shard(TwoBlocks(), FSDPConfig(), DistEnv(0, 1, 0, torch.device("cpu")), "bf16")
         model(torch.randn(2, 8)).sum().backward()  # FSDP settles the root's resharding at its first forward
         groups = {name: m._get_fsdp_state()._fsdp_param_group for name, m in
                   [("root", model), ("block", model.blocks[0])]}
@@ -196,10 +193,10 @@ def test_unknown_devices_and_missing_units_have_no_peak() -> None:
     assert gpu_peak_flops("Tesla V100-SXM2-16GB", "fp32") == pytest.approx(15.7e12)
 
 
-def parity_check(config: DictConfig, env: DistEnv) -> ParityCheck:
+def parity_check(config: RunConfig, env: DistEnv) -> ParityCheck:
     """The check as a rank other than 0 builds it: nothing but its settings (no reference model, no batches)."""
-    return ParityCheck(typed(config.parallelism, ParallelismConfig), typed(config.trainer, TrainerConfig),
-                       OmegaConf.to_container(config.optim), config.data, env, nn.Linear(2, 2), None, None)
+    return ParityCheck(config.parallelism, config.trainer, config.optim, config.data, env, nn.Linear(2, 2), None,
+                       None)
 
 
 def test_tolerances_follow_the_arithmetic() -> None:

@@ -145,3 +145,23 @@ def test_a_cycle_through_a_package_init_is_named(tmp_path: Path) -> None:
     failed = subprocess.run([sys.executable, "-c", "import pkg.interface"], cwd=tmp_path, capture_output=True,
                             text=True)
     assert failed.returncode == 1 and "circular import" in failed.stderr
+
+
+# Past validation (trainflow.config.checks.validate) the run reads the typed config, never a DictConfig: these
+# packages and modules may not import it; Hydra's side (config, cli, the report and run-directory callbacks) may.
+TYPED_ONLY = ("checkpoint", "compile", "data", "distributed", "loggers", "loop", "metrics", "models", "profile",
+              "optim", "tasks")
+
+
+def test_the_run_reads_the_typed_config_only() -> None:
+    """One representation: no signature takes `X | DictConfig`, and no module of the run imports DictConfig."""
+    either = [f"{path.relative_to(SRC)}:{node.lineno}" for path in sorted((SRC / "trainflow").rglob("*.py"))
+              for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.BinOp)
+              and isinstance(node.op, ast.BitOr) and "DictConfig" in ast.unparse(node)]
+    assert either == [], f"X | DictConfig in {either}"
+    importers = [name for name, path in module_names(SRC, "trainflow").items()
+                 if name.split(".")[1:2] and name.split(".")[1] in TYPED_ONLY and any(
+                     isinstance(node, ast.ImportFrom) and node.module == "omegaconf"
+                     and any(alias.name == "DictConfig" for alias in node.names)
+                     for node in ast.walk(ast.parse(path.read_text())))]
+    assert importers == [], f"modules past validation that import DictConfig: {importers}"

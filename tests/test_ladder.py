@@ -224,13 +224,23 @@ def test_a_failed_gate_of_finished_rungs_fails_the_sweep_in_one_line(tmp_path: P
 
 
 def test_bad_ladder_setting_is_one_line(tmp_path: Path) -> None:
-    proc = run_process([sys.executable, str(ROOT / "train.py"), "experiment=ladder", "ladder.nproc_per_node=1",
+    proc = run_process([sys.executable, str(ROOT / "train.py"), "experiment=ladder", "ladder.resume_atol=-1",
                         *TINY, f"hydra.run.dir={tmp_path / 'run'}"], cwd=ROOT, env=clean_env(),
                        capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("Error: ladder.nproc_per_node: the scale stages need 2 or more"), \
-        proc.stderr
+    assert lines == ["Error: ladder.resume_atol: must be >= 0 (0: bit-identical); got -1.0"], proc.stderr
+
+
+def test_only_a_ladder_job_has_a_ladder_section(tmp_path: Path) -> None:
+    """The ladder's settings belong to experiment=ladder: a plain run's config has no such section, and a ladder
+    key given to one is Hydra's one line."""
+    proc = run_process([sys.executable, str(ROOT / "train.py"), "ladder.resume_atol=0.1", *TINY,
+                        f"hydra.run.dir={tmp_path / 'run'}"], cwd=ROOT, env=clean_env(), capture_output=True,
+                       text=True, timeout=300)
+    assert proc.returncode == 1 and proc.stderr.strip().splitlines() == [
+        "Error: ladder.resume_atol: Could not override it: the config has no such key; python train.py --cfg job "
+        "lists every key"], proc.stderr
 
 
 def test_gpu_script_without_a_gpu_says_to_use_smoke(tmp_path: Path) -> None:

@@ -21,12 +21,13 @@ from helpers.checkpoints import read_tensors
 from helpers.processes import run_process
 from helpers.runs import ROOT, TINY_GPT, losses_by_step, one_line_error, wait_for_log
 from helpers.slurm import SLURM, multirun, sweep_env
+from hydra.test_utils.launcher_common_tests import LauncherTestSuite
 
 from trainflow.checkpoint import check_intact, list_committed
 
 # one job = 2 ranks on gloo, as SLURM tasks; timeout_min > 10 so that submitit takes USR2 for a preemption
-TWO_RANKS = ["hydra.launcher.tasks_per_node=2", "hydra.launcher.cpus_per_task=1", "hydra.launcher.timeout_min=15",
-             "parallelism=ddp", "data=synthetic"]
+TWO_RANKS = ["parallelism=ddp", "parallelism.nproc_per_node=2", "hydra.launcher.cpus_per_task=1",
+             "hydra.launcher.timeout_min=15", "data=synthetic"]
 RESUMABLE = ["checkpoint=dcp", "checkpoint.every_steps=50", "checkpoint.verify=false"]
 
 
@@ -74,6 +75,14 @@ def sacct(job_id: str) -> tuple[str, int]:
     return state, int(restarts.group(1)) if restarts else -1
 
 
+# Hydra's own launcher suite on the cluster: Hydra's test apps (no trainflow config) run with the launcher's own
+# settings, one task a job; a sweep's jobs run at once, as one array.
+@needs_cluster
+@pytest.mark.parametrize(("launcher_name", "overrides"), [("slurm", ["hydra.launcher.poll_interval_s=0.5"])])
+class TestHydraLauncherSuite(LauncherTestSuite):
+    pass
+
+
 def test_sbatch_script_for_four_nodes_of_eight_gpus(tmp_path: Path) -> None:
     """Inspected, not submitted: runs without a cluster."""
     proc = multirun(tmp_path, *SLURM, "hydra.launcher.nodes=4", "hydra.launcher.gpus_per_node=8",
@@ -112,7 +121,6 @@ def test_stop_signals_without_slurms_notice_are_said(tmp_path: Path, signals: st
     (["parallelism=ddp", "parallelism.nproc_per_node=3"], 3),  # the one knob, followed
     (["parallelism=fsdp", "hydra.launcher.gpus_per_node=4"], 4),  # auto: one rank per GPU asked for
     (["parallelism=fsdp"], 2),  # auto without GPUs: 2 CPU ranks
-    (["parallelism=ddp", "hydra.launcher.tasks_per_node=4"], 4),  # the launcher's key overrides auto
     (["parallelism=single", "hydra.launcher.gpus_per_node=4"], 1),  # one process, whatever the node has
 ])
 def test_tasks_per_node_follow_parallelism(tmp_path: Path, overrides: list[str], tasks: int) -> None:
@@ -139,10 +147,9 @@ def test_parallelism_nproc_per_node_alone_starts_that_many_ranks(tmp_path: Path)
 
 
 @pytest.mark.parametrize(("overrides", "expected"), [
-    (["parallelism=ddp", "parallelism.nproc_per_node=2", "hydra.launcher.tasks_per_node=4"],
-     "Error: hydra.launcher.tasks_per_node: is 4 but parallelism.nproc_per_node is 2 (job #0), and ranks per node "
-     "is one number; drop hydra.launcher.tasks_per_node (the launcher follows parallelism.nproc_per_node) or give "
-     "both the same value"),
+    (["parallelism=ddp", "hydra.launcher.tasks_per_node=4"],
+     "Error: hydra.launcher.tasks_per_node: is for Hydra apps other than trainflow, and job #0 is a trainflow run, "
+     "which sets its own: drop hydra.launcher.tasks_per_node and set parallelism.nproc_per_node"),
     (["parallelism=ddp", "parallelism.nproc_per_node=2,3"],
      "Error: parallelism.nproc_per_node: the jobs of this sweep ask for different ranks per node (#0: 2, #1: 3), "
      "and one SLURM job array has one shape; sweep jobs of each size separately"),
@@ -386,9 +393,9 @@ def _rank_pids(array_id: str, element: int) -> dict[int, int]:
     # accepted by sbatch, then pending forever: the launcher reads SLURM's pending reason, cancels, names the key
     (["hydra.launcher.nodes=2"], r"Error: hydra\.launcher\.nodes: 2 nodes asked for, partition \w+ has 1, so SLURM "
                                  r"would keep job \d+ pending forever \(reason Partition\w+\); cancelled it"),
-    (["hydra.launcher.tasks_per_node=64", "parallelism=ddp"],
-     r"Error: hydra\.launcher\.tasks_per_node: 64 tasks x 1 CPUs = 64 CPUs per "
-                                           r"node asked for, .* pending forever \(reason PartitionConfig\)"),
+    (["parallelism=ddp", "parallelism.nproc_per_node=64"],
+     r"Error: parallelism\.nproc_per_node: 64 tasks x 1 CPUs = 64 CPUs per node asked for, .* pending forever "
+     r"\(reason PartitionConfig\)"),
 ])
 def test_requests_the_cluster_cannot_run_fail_in_one_line(tmp_path: Path, overrides: list[str], expected: str
                                                            ) -> None:

@@ -20,7 +20,7 @@ from helpers.runs import ROOT, TINY_GPT, losses_by_step, one_line_error, wait_fo
 from trainflow.checkpoint import check_intact, list_committed
 
 TORCHRUN = ["hydra/launcher=torchrun", "hydra.launcher.monitor_interval=0.2"]
-DDP2 = ["parallelism=ddp", "hydra.launcher.nproc_per_node=2", "data=synthetic"]
+DDP2 = ["parallelism=ddp", "parallelism.nproc_per_node=2", "data=synthetic"]
 STEPS = 40
 RESUMABLE = [f"trainer.max_steps={STEPS}", "checkpoint=dcp", "checkpoint.every_steps=10", "checkpoint.verify=false"]
 
@@ -50,7 +50,7 @@ def sweep(tmp_path_factory: pytest.TempPathFactory) -> Sweep:
     rank 1 of job 1 is SIGKILLed at step 15 (read from the processes' environments), so the agent restarts it."""
     sweep_dir = tmp_path_factory.mktemp("sweep")
     cmd = [sys.executable, str(ROOT / "train.py"), "-m", *TINY_GPT, *TORCHRUN, *DDP2, *RESUMABLE,
-           "hydra.launcher.max_restarts=1", "hydra.launcher.shutdown_timeout_s=5", "trainer.seed=1,1",
+           "parallelism.max_restarts=1", "hydra.launcher.shutdown_timeout_s=5", "trainer.seed=1,1",
            f"hydra.sweep.dir={sweep_dir}"]
     env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -125,13 +125,17 @@ def test_ranks_follow_parallelism_nproc_per_node(tmp_path: Path, ranks: list[str
         {"0", "1"}
 
 
-def test_launcher_and_parallelism_ranks_that_disagree_fail_in_one_line(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("setting", "knob"), [("nproc_per_node=3", "parallelism.nproc_per_node"),
+                                              ("max_restarts=1", "parallelism.max_restarts")])
+def test_a_launcher_setting_a_trainflow_job_sets_itself_is_refused_in_one_line(tmp_path: Path, setting: str,
+                                                                              knob: str) -> None:
+    """One knob each: the launcher's nproc_per_node and max_restarts are for other Hydra apps."""
+    key = setting.split("=")[0]
     proc = multirun(tmp_path, *TORCHRUN, "parallelism=ddp", "parallelism.nproc_per_node=2",
-                    "hydra.launcher.nproc_per_node=3", timeout=60)
+                    f"hydra.launcher.{setting}", timeout=60)
     assert one_line_error(proc) == (
-        "Error: hydra.launcher.nproc_per_node: is 3 but parallelism.nproc_per_node is 2 (job #0), and ranks per node "
-        "is one number; drop hydra.launcher.nproc_per_node (the launcher follows parallelism.nproc_per_node) or give "
-        "both the same value")
+        f"Error: hydra.launcher.{key}: is for Hydra apps other than trainflow, and job #0 is a trainflow run, which "
+        f"sets its own: drop hydra.launcher.{key} and set {knob}")
     assert not (tmp_path / "0").exists()  # nothing started
 
 

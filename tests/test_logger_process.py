@@ -22,6 +22,7 @@ from helpers.processes import left_behind
 from helpers.runs import ROOT, TINY_GPT, ok, start, train, wait_for, wait_for_log
 from omegaconf import OmegaConf
 
+from trainflow.config.schema import plain, typed_run
 from trainflow.loggers import RunInfo, build_loggers
 from trainflow.loggers.process import MAX_UNANSWERED, ProcessLogger
 from trainflow.loggers.writer import STOPPED_FINISH_S, MetricsWriter
@@ -242,7 +243,9 @@ def test_ctrl_c_ends_the_run_within_seconds_while_its_logger_sleeps_in_a_call(tm
     assert "Traceback" not in output, output[-3000:]
 
 
-CONFIG = OmegaConf.create({"trainer": {"max_steps": 3}, "optim": {"lr": 0.1}, "parallelism": {"strategy": "single"}})
+# the typed config a run's writer gets (single, the schema's defaults, a learning rate of 0.1)
+CONFIG = typed_run({"trainer": {"max_steps": 3}, "model": {}, "data": {}, "task": {}, "optim": {"lr": 0.1},
+                    "logger": {}})
 
 
 @pytest.mark.parametrize("raised", ["SystemExit", "KeyboardInterrupt", "GeneratorExit"])
@@ -252,7 +255,7 @@ def test_a_logger_raising_any_base_exception_is_dropped_and_the_run_goes_on(
     process or in its own: that logger's failure, said once; the writer and the other logger go on."""
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(CONFIG))
+    (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(plain(CONFIG)))
     loggers = build_loggers({
         name: {"_target_": f"helpers.recording_logger.{cls}", "path": str(tmp_path / f"{name}.jsonl"),
                "raises": raised, "from_step": 2}

@@ -21,6 +21,7 @@ from helpers.processes import run_process
 from helpers.runs import ROOT, TINY_GPT, start, wait_for
 from omegaconf import OmegaConf
 
+from trainflow.config.schema import plain, typed_run
 from trainflow.loggers.mlflow import MLflowLogger
 from trainflow.loggers.tensorboard import TensorBoardLogger
 from trainflow.loggers.writer import MetricsWriter
@@ -142,11 +143,13 @@ def test_a_stopped_and_resumed_run_shows_each_step_once_in_tensorboard_and_metri
 def writer(run_dir: Path, **loggers) -> MetricsWriter:
     """The metrics writer of a run directory holding a config.yaml, with `loggers`."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(CONFIG))
+    (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(plain(CONFIG)))
     return MetricsWriter(run_dir, True, loggers)
 
 
-CONFIG = OmegaConf.create({"trainer": {"max_steps": 10}, "optim": {"lr": 0.1}, "parallelism": {"strategy": "single"}})
+# the typed config a run's writer gets (single, the schema's defaults, a learning rate of 0.1)
+CONFIG = typed_run({"trainer": {"max_steps": 10}, "model": {}, "data": {}, "task": {}, "optim": {"lr": 0.1},
+                    "logger": {}})
 
 
 def test_steps_replayed_after_a_crash_appear_once_in_every_logger(tmp_path: Path) -> None:

@@ -124,10 +124,11 @@ def test_a_model_without_blocks_is_sharded_by_size_and_said_once(tmp_path: Path)
 
 def test_slurm_four_nodes_of_eight_gpus_rendezvous_once_and_auto_picks_hsdp_8_by_4(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The sbatch script of nodes=4 tasks_per_node=8 gpus_per_node=8 (dry run, nothing submitted) starts one srun
-    of 32 tasks, which all meet at one address; under parallelism=auto with sharding needed, rank 0 of those 32
-    (a fake process group stands in for the cluster) chooses HSDP: 8 shards within a node x 4 replicas."""
-    import copy
+    """The sbatch script of nodes=4 gpus_per_node=8 (parallelism=auto: a task per GPU; dry run, nothing
+    submitted) starts one srun of 32 tasks, which all meet at one address; under parallelism=auto with sharding
+    needed, rank 0 of those 32 (a fake process group stands in for the cluster) chooses HSDP: 8 shards within a node
+    x 4 replicas."""
+    from dataclasses import replace
 
     import torch
     import torch.distributed as dist
@@ -136,13 +137,15 @@ def test_slurm_four_nodes_of_eight_gpus_rendezvous_once_and_auto_picks_hsdp_8_by
     from submitit.helpers import TorchDistributedEnvironment
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
+    from trainflow.config.checks import validate
+    from trainflow.config.schema import RunConfig, register_configs
     from trainflow.distributed import DistEnv
     from trainflow.distributed.memory_plan import apply_auto
     from trainflow.distributed.mesh import build_mesh, hsdp_shape
     from trainflow.models import build_model
     from trainflow.tasks import LanguageModel
 
-    proc = multirun(tmp_path, *SLURM, "hydra.launcher.nodes=4", "hydra.launcher.tasks_per_node=8",
+    proc = multirun(tmp_path, *SLURM, "hydra.launcher.nodes=4",
                     "hydra.launcher.gpus_per_node=8", "hydra.launcher.dry_run=true", "parallelism=auto", timeout=60)
     assert proc.returncode == 0, proc.stderr
     script = (tmp_path / "dry_run.sbatch").read_text().splitlines()
@@ -164,23 +167,23 @@ def test_slurm_four_nodes_of_eight_gpus_rendezvous_once_and_auto_picks_hsdp_8_by
     assert next(iter(seen))[3] == 8  # ranks per node: what HSDP shards over by default
 
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
-    from trainflow.config.schema import decided, register_configs
-
     register_configs()
     with initialize_config_dir(str(CONFIG_DIR), version_base=None):
-        cfg = compose("train", overrides=[*TINY_GPT, "parallelism=auto"])
+        cfg = validate(compose("train", overrides=[*TINY_GPT, "parallelism=auto"]))
     model = build_model(cfg.model)
-    example = (torch.zeros(1, cfg.model.block_size, dtype=torch.long),) * 2
+    example = (torch.zeros(1, cfg.model["block_size"], dtype=torch.long),) * 2
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=32)
+
+    def with_budget(gb: float) -> RunConfig:
+        return replace(cfg, parallelism=replace(cfg.parallelism, memory_budget_gb=gb))
+
     try:
         env = DistEnv(0, 32, 0, torch.device("cpu"), "auto")
-        probe = copy.deepcopy(cfg)
-        probe.parallelism.memory_budget_gb = 1.0
-        table = apply_auto(probe, env, model, example, LanguageModel())[1].plan.table
+        table = apply_auto(with_budget(1.0), env, model, example, LanguageModel())[1].plan.table
         assert list(table)[:3] == ["ddp", "hsdp", "fsdp"]
-        cfg.parallelism.memory_budget_gb = float(budget_between(table, "hsdp", "ddp").split("=")[1])
+        cfg = with_budget(float(budget_between(table, "hsdp", "ddp").split("=")[1]))
         env, auto = apply_auto(cfg, env, model, example, LanguageModel())
-        cfg = decided(cfg, {"parallelism": auto.parallelism})  # the decision, as the run records it
+        cfg = replace(cfg, parallelism=auto.parallelism)  # the decision, as the run records it
         assert auto.plan.choice.name == "hsdp" and env.strategy == cfg.parallelism.strategy == "hsdp"
         assert hsdp_shape(cfg.parallelism, 32) == (4, 8)
         mesh = build_mesh("cpu", 32, hsdp_shape(cfg.parallelism, 32))

@@ -1,7 +1,7 @@
 """Your own model, data and task without a config file of your own: model=custom, data=custom and task=custom
-(open sections: `_target_` and your keys), a `_target_` set on a built-in option (its keys the target does not take
-are dropped, one line says which), and the same from experiment files. Each command trains in a real process and
-its loss falls.
+(open sections: `_target_` and your keys), a `_target_` set on a built-in option (the option's keys the target does
+not take are dropped, one line says which; a key you add that it does not take is refused), and the same from
+experiment files. Each command trains in a real process and its loss falls.
 
 The user's code is a package written into a temporary folder on PYTHONPATH. Its `resnet18` has torchvision's
 signature (`*, weights=None, progress=True, **kwargs`, a model of `num_classes` outputs) but builds a small CNN, so
@@ -20,10 +20,10 @@ import yaml
 from helpers.runs import ROOT, Run, train
 from hydra import compose, initialize_config_dir
 from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import OmegaConf
 
 from trainflow.conf import CONFIG_DIR
-from trainflow.config.sections import settle_sections
+from trainflow.config.sections import OWN_KEYS, settled_sections
 from trainflow.errors import ConfigError
 
 QUICK = ["logger=none", "compile=off", "trainer.max_steps=30", "trainer.batch_size=16", "trainer.log_every=5",
@@ -119,15 +119,24 @@ def test_torchvision_resnet18_from_one_command(tmp_path: Path, user: dict[str, s
 
 def test_a_target_on_a_built_in_option_drops_the_keys_it_does_not_take(tmp_path: Path,
                                                                          user: dict[str, str]) -> None:
-    """gpt_tiny's and data=text's keys are not passed to the user's code; the keys typed here are (no `+` needed)."""
-    run = learned(train(tmp_path / "run", "model._target_=shapes.resnet18", "model.num_classes=10", "model.width=12",
+    """gpt_tiny's and data=text's keys are not passed to the user's code; the keys added here are (no `+` needed)."""
+    run = learned(train(tmp_path / "run", "model._target_=shapes.SmallCNN", "model.num_classes=10", "model.width=12",
                         "data._target_=shapes.make_datasets", "data.size=256", "task=classify", *QUICK, env=user))
-    assert saved_section(run, "model") == {"_target_": "shapes.resnet18", "num_classes": 10, "width": 12}
+    assert saved_section(run, "model") == {"_target_": "shapes.SmallCNN", "num_classes": 10, "width": 12}
     assert notices(run) == [
-        "model._target_: shapes.resnet18 does not take model=gpt_tiny's vocab_size, block_size, n_layer, n_head, "
+        "model._target_: shapes.SmallCNN does not take model=gpt_tiny's vocab_size, block_size, n_layer, n_head, "
         "n_embd, dropout, bias: dropped (model=custom starts without them)",
-        "data._target_: shapes.make_datasets does not take data=text's seq_len, kind, paths, suffixes, "
-        "val_fraction, cache_dir, tokenizer: dropped (data=custom starts without them)"]
+        "data._target_: shapes.make_datasets does not take data=text's seq_len, paths, suffixes, val_fraction, "
+        "cache_dir, tokenizer, model_vocab_size: dropped (data=custom starts without them)"]
+
+
+def test_a_key_added_that_the_target_does_not_take_is_refused(tmp_path: Path, user: dict[str, str]) -> None:
+    """The same rule whoever adds the key (the command line here): one line, before anything is built."""
+    run = train(tmp_path / "run", "model._target_=shapes.SmallCNN", "model.num_clases=10", *QUICK, env=user)
+    assert run.returncode == 2 and [line for line in run.stderr.splitlines() if line.strip()] == [
+        "Error: model.num_clases: shapes.SmallCNN takes no such argument; did you mean model.num_classes? it takes "
+        "num_classes, width"], run.stderr[-3000:]
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
 def experiment(tmp_path: Path, text: str) -> list[str]:
@@ -150,7 +159,7 @@ def test_an_experiment_overriding_to_the_open_sections(tmp_path: Path, user: dic
         """)
     run = learned(train(tmp_path / "run", *args, *QUICK, env=user))
     assert saved_section(run, "task") == {"_target_": "shapes.smoothed_loss", "smoothing": 0.05,
-                                          "monitor": "accuracy", "mode": "max"}
+                                          "monitor": "accuracy", "mode": "max", "train_metrics": "log_step"}
     assert run.summary["validation"]["accuracy"] > 0.3 and notices(run) == []  # chance: 0.1
 
 
@@ -158,57 +167,56 @@ def test_an_experiment_setting_targets_on_the_default_options(tmp_path: Path, us
     """Lightning-hydra-template's habit: an experiment swaps `_target_` and adds keys, with no defaults list."""
     args = experiment(tmp_path, """\
         # @package _global_
-        model: {_target_: shapes.resnet18, num_classes: 10}
+        model: {_target_: shapes.SmallCNN, num_classes: 10}
         data: {_target_: shapes.make_datasets, size: 256}
         task: {kind: classify}
         """)
     run = learned(train(tmp_path / "run", *args, *QUICK, env=user))
-    assert saved_section(run, "model") == {"_target_": "shapes.resnet18", "num_classes": 10}
+    assert saved_section(run, "model") == {"_target_": "shapes.SmallCNN", "num_classes": 10}
     assert [line.split(":")[0] for line in notices(run)] == ["model._target_", "data._target_"]
 
 
 # -- which keys a built-in option's section keeps (composed here, nothing trained) -------------------------------
 
 
-def composed(*overrides: str) -> DictConfig:
-    """The run's config as train.py would hand it over, settled; Hydra's record (the options chosen) is set."""
+def composed(*overrides: str) -> dict[str, dict]:
+    """The model, data, task and optim sections as their targets are called, of the run train.py would compose;
+    Hydra's record (the options chosen) is set."""
     with initialize_config_dir(str(CONFIG_DIR), version_base=None):
         cfg = compose("train", overrides=list(overrides), return_hydra_config=True)
     record = HydraConfig.instance()
     previous = record.cfg
     record.set_config(cfg)
     try:
-        settle_sections(cfg)
+        return settled_sections(cfg, {group: OmegaConf.to_container(cfg[group], resolve=True) for group in OWN_KEYS})
     finally:
         record.cfg = previous  # other tests in this process compose without it
-    return cfg
 
 
 def test_a_subclass_of_the_options_model_keeps_its_keys(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.syspath_prepend(str(ROOT / "tests"))
     cfg = composed("model._target_=unstable_model.GPTNaNAtStep", "+model.nan_at_step=3")  # GPT(**gpt) underneath
-    assert set(cfg.model) == {"_target_", "vocab_size", "block_size", "n_layer", "n_head", "n_embd", "dropout",
+    assert set(cfg["model"]) == {"_target_", "vocab_size", "block_size", "n_layer", "n_head", "n_embd", "dropout",
                               "bias", "nan_at_step"}
 
 
-def test_a_command_line_key_the_user_typed_is_kept_and_no_override_is_resolved(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """model.n_layer typed by the user stays although BranchyMLP does not name it; a broken ${...} in another
-    override is left for validation to name (test_bad_inputs' interpolation rows)."""
+def test_an_option_key_is_dropped_whoever_typed_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One rule, whichever way a key got there: gpt_tiny's n_layer, typed on the command line here, is dropped as
+    BranchyMLP does not take it, as it would be from the option's file."""
     monkeypatch.syspath_prepend(str(ROOT / "tests"))
-    cfg = composed("model._target_=test_compile.BranchyMLP", "model.n_layer=2", "optim.lr=${trainer.nonexistent}")
-    assert set(cfg.model) == {"_target_", "n_layer"}
+    cfg = composed("model._target_=test_compile.BranchyMLP", "model.n_layer=2")
+    assert set(cfg["model"]) == {"_target_"}
 
 
 def test_a_target_keeps_the_option_keys_its_signature_names(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.syspath_prepend(str(ROOT / "tests"))
     cfg = composed("model=mlp", "model._target_=test_compile.BranchyMLP")  # (in_features, hidden, out_features)
-    assert set(cfg.model) == {"_target_", "in_features", "hidden", "out_features"}
+    assert set(cfg["model"]) == {"_target_", "in_features", "hidden", "out_features"}
 
 
 def test_another_trainflow_model_on_a_built_in_option_gets_none_of_its_keys() -> None:
     cfg = composed("model._target_=trainflow.models.mlp.MLP", "model.hidden=32")  # over gpt_tiny
-    assert OmegaConf.to_container(cfg.model) == {"_target_": "trainflow.models.mlp.MLP", "hidden": 32}
+    assert cfg["model"] == {"_target_": "trainflow.models.mlp.MLP", "hidden": 32}
 
 
 def test_a_key_a_built_in_option_lacks_is_named() -> None:
@@ -224,12 +232,11 @@ def test_a_nested_target_is_built_first_and_its_failure_names_its_key() -> None:
 
     layer = {"_target_": "torch.nn.TransformerEncoderLayer", "d_model": 8, "nhead": 2, "dim_feedforward": 16,
              "batch_first": True}
-    model = build_model(OmegaConf.create({"_target_": "torch.nn.TransformerEncoder", "encoder_layer": layer,
-                                          "num_layers": 2}))
+    model = build_model({"_target_": "torch.nn.TransformerEncoder", "encoder_layer": layer, "num_layers": 2})
     assert len(model.layers) == 2 and model.layers[0].linear1.out_features == 16
     with pytest.raises(ConfigError) as err:
-        build_model(OmegaConf.create({"_target_": "torch.nn.TransformerEncoder", "num_layers": 2,
-                                      "encoder_layer": {**layer, "nhead": 3}}))
+        build_model({"_target_": "torch.nn.TransformerEncoder", "num_layers": 2,
+                     "encoder_layer": {**layer, "nhead": 3}})
     assert str(err.value).startswith("model.encoder_layer: torch.nn.TransformerEncoderLayer(d_model=8, nhead=3, "
                                      "dim_feedforward=16, batch_first=True) failed: AssertionError: ")
     assert str(err.value).endswith("; fix the model.encoder_layer.* values")

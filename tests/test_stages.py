@@ -16,6 +16,8 @@ from torch import nn
 from trainflow.checkpoint import Checkpointer
 from trainflow.compile.compiler import Compiler
 from trainflow.conf import CONFIG_DIR
+from trainflow.config.checks import validate
+from trainflow.config.schema import RunConfig
 from trainflow.distributed.parity import ParityCheck
 from trainflow.loop.evaluation import Evaluation
 from trainflow.loop.run import STAGES
@@ -27,10 +29,11 @@ from trainflow.profile.profiler import Profiler
 CPU = torch.device("cpu")
 
 
-def seed_mlp_cfg(*overrides: str):
+def seed_mlp_cfg(*overrides: str) -> RunConfig:
+    """The typed config `run` gets (validation's), of the seed MLP with `overrides`."""
     with initialize_config_dir(str(CONFIG_DIR), version_base="1.3"):
-        return compose("train", overrides=["experiment=seed_mlp", "logger=none", "trainer.eval_steps=1",
-                                           "trainer.progress=log", *overrides])
+        return validate(compose("train", overrides=["experiment=seed_mlp", "logger=none", "trainer.eval_steps=1",
+                                                    "trainer.progress=log", *overrides]))
 
 
 class StopAndPause(Stage):
@@ -228,10 +231,8 @@ def test_meter_times_only_the_excluded_steps_and_leaves_pauses_out_of_every_cloc
 
 def test_the_parity_check_refuses_a_model_parallelize_already_wrapped() -> None:
     import torch.distributed as dist
-    from omegaconf import OmegaConf
     from torch.nn.parallel import DistributedDataParallel
 
-    from trainflow.config.schema import ParallelismConfig, TrainerConfig, typed
     from trainflow.distributed.process_group import DistEnv
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
@@ -239,17 +240,17 @@ def test_the_parity_check_refuses_a_model_parallelize_already_wrapped() -> None:
         wrapped = DistributedDataParallel(nn.Linear(2, 2))
         with pytest.raises(RuntimeError, match="before parallelize"):
             cfg = seed_mlp_cfg()
-            ParityCheck(typed(cfg.parallelism, ParallelismConfig), typed(cfg.trainer, TrainerConfig),
-                        OmegaConf.to_container(cfg.optim), cfg.data, DistEnv(0, 1, 0, CPU, "ddp"), wrapped, None,
-                        None)
+            ParityCheck(cfg.parallelism, cfg.trainer, cfg.optim, cfg.data, DistEnv(0, 1, 0, CPU, "ddp"), wrapped,
+                        None, None)
     finally:
         dist.destroy_process_group()
 
 
 def test_stages_hold_their_typed_sections_in_a_launched_worker(tmp_path: Path) -> None:
-    """A launched worker's config is plain YAML (no schema): each stage still gets its section as the schema's
-    dataclass, with the composed values and the schema's defaults, and the run trains with them."""
-    from omegaconf import OmegaConf
+    """A launched worker gets the typed config, pickled, as `launch` hands it over (no Hydra, no YAML): each stage
+    gets its section as the schema's dataclass, with the composed values and the schema's defaults, and the run
+    trains with them. What the run decides (the per-rank batch) makes a new config; the one it got is unchanged."""
+    import pickle
 
     from trainflow.cli import register_with_hydra
     from trainflow.config.schema import CheckpointConfig, CompileConfig, ProfilerConfig, TrainerConfig
@@ -257,18 +258,16 @@ def test_stages_hold_their_typed_sections_in_a_launched_worker(tmp_path: Path) -
     from trainflow.loop.run import assemble, summarize, train_loop
 
     register_with_hydra()
-    composed = seed_mlp_cfg("trainer.max_steps=6", "trainer.eval_every=3", "trainer.warmup_steps=1",
-                            "checkpoint.enabled=true", "checkpoint.every_steps=4", "checkpoint.keep_last=5",
-                            "profiler.enabled=true", "profiler.skip_first=0", "profiler.wait=0", "profiler.warmup=1",
-                            "profiler.active=2", "profiler.row_limit=7", "compile.backend=aot_eager",
-                            "compile.fullgraph=true", "parallelism.check_tolerance=0.25", "optim.lr=0.03",
-                            "logger=tensorboard")
-    cfg = OmegaConf.create(OmegaConf.to_container(composed, resolve=True))  # as trainflow.distributed.launch does
-    OmegaConf.set_struct(cfg, True)
-    assert OmegaConf.get_type(cfg.profiler) is dict  # untyped, as in the worker
+    validated = seed_mlp_cfg("trainer.max_steps=6", "trainer.eval_every=3", "trainer.warmup_steps=1",
+                             "checkpoint.enabled=true", "checkpoint.every_steps=4", "checkpoint.keep_last=5",
+                             "profiler.enabled=true", "profiler.skip_first=0", "profiler.wait=0", "profiler.warmup=1",
+                             "profiler.active=2", "profiler.row_limit=7", "compile.backend=aot_eager",
+                             "compile.fullgraph=true", "parallelism.check_tolerance=0.25", "optim.lr=0.03",
+                             "logger=tensorboard")
+    cfg = pickle.loads(pickle.dumps(validated))  # as the worker unpickles it (spawn)
     with process_group(cfg) as env:
         run = assemble(cfg, tmp_path, env)
-        assert OmegaConf.is_readonly(run.ctx.cfg) and not OmegaConf.is_readonly(cfg)  # decisions went into a copy
+        assert run.ctx.cfg is not cfg and cfg == validated  # what the run decides is a new config; cfg is as given
         stage = {type(stage): stage for stage in run.stages}
         compiler, parity, profiler = stage[Compiler], stage[ParityCheck], stage[Profiler]
         evaluation, checkpointer = stage[Evaluation], stage[Checkpointer]

@@ -210,7 +210,7 @@ def test_slurm_dry_run_of_4_nodes_x_8_gpus_with_tp8_keeps_tp_in_a_node(tmp_path:
     from trainflow.distributed.mesh import layout, mesh_for
 
     overrides = ["parallelism=fsdp", "parallelism.tp=8", "model.n_head=8"]
-    proc = multirun(tmp_path, *SLURM, "hydra.launcher.nodes=4", "hydra.launcher.tasks_per_node=8",
+    proc = multirun(tmp_path, *SLURM, "hydra.launcher.nodes=4",
                     "hydra.launcher.gpus_per_node=8", "hydra.launcher.dry_run=true", *overrides, timeout=60)
     assert proc.returncode == 0, proc.stderr
     script = (tmp_path / "dry_run.sbatch").read_text().splitlines()

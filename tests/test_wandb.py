@@ -18,6 +18,7 @@ import pytest
 from helpers.runs import TINY_GPT, ok, train
 from omegaconf import OmegaConf
 
+from trainflow.config.schema import plain, typed_run
 from trainflow.loggers import RunInfo
 from trainflow.loggers.wandb import WandbLogger
 from trainflow.loggers.wandb_files import offline_runs, records
@@ -25,7 +26,9 @@ from trainflow.loggers.writer import MetricsWriter
 
 wandb = pytest.importorskip("wandb")  # the dev extra has it; a bare install of trainflow does not
 
-CONFIG = OmegaConf.create({"trainer": {"max_steps": 10}, "optim": {"lr": 0.1}, "parallelism": {"strategy": "single"}})
+# the typed config a run's writer gets (single, the schema's defaults, a learning rate of 0.1)
+CONFIG = typed_run({"trainer": {"max_steps": 10}, "model": {}, "data": {}, "task": {}, "optim": {"lr": 0.1},
+                    "logger": {}})
 
 
 def of_kind(recs: list, kind: str) -> list:
@@ -51,7 +54,7 @@ SUMMARY = {"steps": 10, "validation": {"loss": 1.25}, "steady_state": {"samples_
 
 def writer(run_dir: Path, logger: WandbLogger) -> MetricsWriter:
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(CONFIG))
+    (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(plain(CONFIG)))
     (run_dir / "summary.json").write_text(json.dumps(SUMMARY))
     return MetricsWriter(run_dir, True, {"wandb": logger})
 
@@ -89,7 +92,8 @@ def test_a_stopped_and_resumed_run_is_one_offline_wandb_run_with_each_step_once(
         assert (run.run_id, run.project, list(run.tags), run.notes, run.display_name) == (
             run_id, "vision", ["tiny"], "a smoke run", "run")
         config = items(run.config.update)
-        assert config["optim"] == {"lr": 0.1} and config["trainer"] == {"max_steps": 10}
+        assert config["optim"] == plain(CONFIG)["optim"] and config["trainer"] == plain(CONFIG)["trainer"]
+        assert config["optim"]["lr"] == 0.1 and config["trainer"]["max_steps"] == 10
     summary: dict = {}
     for update in of_kind(second, "summary"):
         summary.update(items(update.update))
@@ -97,7 +101,7 @@ def test_a_stopped_and_resumed_run_is_one_offline_wandb_run_with_each_step_once(
     assert summary["train/loss"] == 110.0
     files = folders[1] / "files"
     assert json.loads((files / "summary.json").read_text()) == SUMMARY
-    assert OmegaConf.load(files / "config.yaml") == CONFIG
+    assert OmegaConf.load(files / "config.yaml") == plain(CONFIG)
 
 
 def test_train_py_without_a_key_logs_offline_below_the_run_directory(tmp_path: Path,
@@ -156,11 +160,12 @@ CRASH = """
 import os, signal, sys
 from pathlib import Path
 from omegaconf import OmegaConf
+from trainflow.config.schema import typed_run
 from trainflow.loggers.wandb import WandbLogger
 from trainflow.loggers.writer import MetricsWriter
 run_dir = Path(sys.argv[1])
 writer = MetricsWriter(run_dir, True, {"wandb": WandbLogger()})
-writer.start(OmegaConf.load(run_dir / "config.yaml"), 1, None)
+writer.start(typed_run(OmegaConf.to_container(OmegaConf.load(run_dir / "config.yaml"))), 1, None)
 for step in range(1, 8):
     writer.write(step, {"train/loss": 10.0 - step})
 os.kill(os.getpid(), signal.SIGKILL)  # a crash after the checkpoint of step 5: W&B gets no chance to write out

@@ -19,7 +19,7 @@ from omegaconf import DictConfig
 
 from trainflow.conf import CONFIG_PATH
 from trainflow.config.checks import validate
-from trainflow.config.command_line import EXIT_COMMAND_LINE, explain, raised_errors
+from trainflow.config.command_line import EXIT_COMMAND_LINE, explain, raised_errors, single_run
 from trainflow.config.schema import register_configs
 from trainflow.distributed.mesh import env_rank
 from trainflow.errors import EXIT_INTERRUPTED, TrainflowError, print_error, traceback_wanted, user_error
@@ -88,19 +88,19 @@ def _run_job(cfg: DictConfig) -> float | None:
     hydra_cfg = HydraConfig.get()
     sweep_job = sweeps.is_sweep_job(hydra_cfg)
     try:
-        cfg = validate(sweeps.with_job_checkpoint_dir(cfg, hydra_cfg))
+        run_cfg = sweeps.with_job_checkpoint_dir(validate(cfg), hydra_cfg)  # typed once: the run reads this
         # from here on a stop signal says in one line what it did, whatever the run is doing (see stopping.py)
-        catch_stop_signals(cfg.checkpoint.stop_signals, cfg.checkpoint.enabled, speak=env_rank() == 0)
+        catch_stop_signals(run_cfg.checkpoint.stop_signals, run_cfg.checkpoint.enabled, speak=env_rank() == 0)
         run_dir = Path(hydra_cfg.runtime.output_dir)
         if sweep_job:
-            if (done := sweeps.finished(run_dir, cfg)) is not None:  # the same -m command again: keep its results
+            if (done := sweeps.finished(run_dir, run_cfg)) is not None:  # the same -m command again: keep its results
                 if env_rank() == 0:
                     print(sweeps.skip_line(hydra_cfg.job.num, run_dir, done), flush=True)
                 return sweeps.monitor_value(done)
-            if sweeps.typed_checkpoint_dir(hydra_cfg) and cfg.checkpoint.enabled:
-                sweeps.claim_checkpoint_dir(Path(cfg.checkpoint.dir), sweeps.job_identity(hydra_cfg))
+            if sweeps.typed_checkpoint_dir(hydra_cfg) and run_cfg.checkpoint.enabled:
+                sweeps.claim_checkpoint_dir(Path(str(run_cfg.checkpoint.dir)), sweeps.job_identity(hydra_cfg))
         # ddp/fsdp typed without torchrun: start the local workers, which train through `run` themselves
-        summary = launch(cfg, run_dir) if should_launch(cfg) else run(cfg, run_dir)
+        summary = launch(run_cfg, run_dir) if should_launch(run_cfg) else run(run_cfg, run_dir)
     except TrainflowError as exc:
         if traceback_wanted():
             raise
@@ -120,20 +120,12 @@ def _run_job(cfg: DictConfig) -> float | None:
     from trainflow.checkpoint import stop_exit_code
 
     if (code := stop_exit_code(summary)) is not None:  # saved on a stop signal: tell the launcher to run us again
-        if env_rank() == 0 and _single_run():
+        if env_rank() == 0 and single_run():
             print(f"Stopped after a committed checkpoint; to resume, run the same command: {resume_command()}",
                   file=sys.stderr)
         sys.exit(code)
     validation = summary.get("validation") if summary else None
     return validation.get(summary["task"]["monitor"]) if validation else None
-
-
-def _single_run() -> bool:
-    """Whether this is `python train.py ...` (or torchrun of it) rather than a job of a -m sweep."""
-    from hydra.core.hydra_config import HydraConfig
-    from hydra.types import RunMode
-
-    return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.RUN
 
 
 def resume_command() -> str:
@@ -232,19 +224,19 @@ def _prepare(args: argparse.Namespace) -> int:
     from omegaconf import OmegaConf
 
     from trainflow.config.compose import compose_run
+    from trainflow.config.schema import TextDataConfig
     from trainflow.data.shards import prepare
     from trainflow.data.text import Corpus
     from trainflow.errors import ConfigError
 
     try:
         register_with_hydra()
-        cfg = compose_run(args.overrides, args.config_dir)
-        data = cfg.data
-        if data.get("kind") != "text":
+        data = OmegaConf.to_container(compose_run(args.overrides, args.config_dir).data, resolve=True)
+        if data.get("_target_") != TextDataConfig._target_:
             raise ConfigError("data: trainflow prepare reads a corpus of text files; give data=text data.paths=[...] "
                               "(and the tokenizer= the run will train with)")
         corpus = Corpus.of(data)
-        tokenizer = corpus.tokenizer(OmegaConf.to_container(data.tokenizer, resolve=True))
+        tokenizer = corpus.tokenizer(data["tokenizer"])
         # what the data depends on (not --workers): a message about a damaged shard gives it to run again
         config_dir = ["--config-dir", str(args.config_dir.resolve())] if args.config_dir else []
         command = ["trainflow", "prepare", "--out", str(args.out), "--shard-mb", f"{args.shard_mb:g}", *config_dir,

@@ -1,4 +1,5 @@
-"""trainflow's Hydra launchers: `hydra/launcher=torchrun` (elastic agent per job) and `hydra/launcher=slurm` (submitit).
+"""trainflow's Hydra launchers, for trainflow and any other Hydra app: `hydra/launcher=process` (a fresh process per
+job), `hydra/launcher=torchrun` (elastic agent per job) and `hydra/launcher=slurm` (submitit).
 
 Hydra finds the launcher classes by scanning the `hydra_plugins` namespace
 package; importing this package registers their configs in the ConfigStore.

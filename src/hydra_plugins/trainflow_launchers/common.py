@@ -102,7 +102,7 @@ def finished_already(job: SweepJob) -> JobReturn | None:
         return None
     with as_job(job) as task:
         try:
-            cfg = validate(sweeps.with_job_checkpoint_dir(task, job.config.hydra))
+            cfg = sweeps.with_job_checkpoint_dir(validate(task), job.config.hydra)
         except Exception:  # the job itself will say what is wrong with it
             return None
     summary = sweeps.finished(job.dir, cfg)
@@ -228,26 +228,51 @@ def die_with_parent() -> Callable[[], None] | None:
     return arm
 
 
-def job_ranks_per_node(job: SweepJob, launcher_key: str, launcher_value: Any, gpus: Callable[[], int]) -> Any:
-    """How many ranks per node the launcher starts for `job`: its parallelism.nproc_per_node (the one knob, auto
-    decided by `local_ranks` with `gpus()` GPUs per node), unless the launcher's own key overrides it. The two
-    set to different numbers is refused in one line naming both: the job would run with one, its checks with the
-    other."""
-    from trainflow.config.checks import validate_parallelism
+@dataclass(frozen=True)
+class JobShape:
+    """How a launcher starts one job: ranks per node (a number, or a word torchrun takes) and restarts."""
+
+    ranks_per_node: Any
+    max_restarts: int
+
+
+# The launchers' settings a trainflow job sets in its own config, by the launcher's key.
+TRAINFLOW_KEYS = {"nproc_per_node": "parallelism.nproc_per_node", "tasks_per_node": "parallelism.nproc_per_node",
+                  "max_restarts": "parallelism.max_restarts"}
+
+
+def job_shape(job: SweepJob, ranks_key: str, settings: dict[str, Any], gpus: Callable[[], int]) -> JobShape:
+    """A trainflow job's shape is its own config's: parallelism.nproc_per_node (auto decided by `local_ranks` with
+    `gpus()` GPUs per node) and parallelism.max_restarts. Any other Hydra app's is the launcher's own `settings` (by
+    key: `ranks_key` and max_restarts where the launcher has it; null: 1 rank, no restart). One knob each: a
+    trainflow job given the launcher's setting too is refused in one line naming the key to set instead. A job
+    whose shape cannot be made fails the sweep; any other bad value fails only its job, which says why itself."""
+    from trainflow.config.checks import validate_launch
+    from trainflow.config.schema import ParallelismConfig, typed
     from trainflow.distributed.mesh import local_ranks
 
-    try:
-        validate_parallelism(job.config)
-    except TrainflowError as exc:
-        user_error(str(exc))
-    p = job.config.parallelism
-    if launcher_value is None:
-        return local_ranks(p.strategy, p.nproc_per_node, gpus())
-    if p.nproc_per_node != "auto" and str(launcher_value) != str(p.nproc_per_node):
-        user_error(f"{launcher_key}: is {launcher_value} but parallelism.nproc_per_node is {p.nproc_per_node} "
-                   f"(job #{job.num}), and ranks per node is one number; drop {launcher_key} (the launcher "
-                   "follows parallelism.nproc_per_node) or give both the same value")
-    return launcher_value
+    if not trainflow_job(job):
+        ranks = settings[ranks_key]
+        return JobShape(1 if ranks is None else ranks, settings.get("max_restarts") or 0)
+    for key, value in settings.items():
+        if value is not None:
+            user_error(f"hydra.launcher.{key}: is for Hydra apps other than trainflow, and job #{job.num} is a "
+                       f"trainflow run, which sets its own: drop hydra.launcher.{key} and set {TRAINFLOW_KEYS[key]}")
+    with as_job(job) as task:
+        try:
+            p = typed(OmegaConf.to_container(task.parallelism, resolve=True), ParallelismConfig, "parallelism")
+            validate_launch(p)
+        except TrainflowError as exc:
+            user_error(str(exc))
+    return JobShape(local_ranks(p.strategy, p.nproc_per_node, gpus()), p.max_restarts)
+
+
+def trainflow_job(job: SweepJob) -> bool:
+    """Whether `job` is a trainflow run: its config holds trainflow's typed parallelism section."""
+    from trainflow.config.schema import ParallelismConfig
+
+    section = OmegaConf.select(job.config, "parallelism", default=None)
+    return isinstance(section, DictConfig) and OmegaConf.get_type(section) is ParallelismConfig
 
 
 def log_outcome(name: str, ret: JobReturn, where: Path) -> None:

@@ -1,4 +1,5 @@
-"""Typed configs of trainflow's launchers, registered as `hydra/launcher=torchrun` and `hydra/launcher=slurm`.
+"""Typed configs of trainflow's launchers, registered as `hydra/launcher=process`, `hydra/launcher=torchrun` and
+`hydra/launcher=slurm` for any Hydra app.
 
 Hydra imports this module while it scans `hydra_plugins` for plugins, so it
 must stay light: no torch, no submitit here.
@@ -13,12 +14,19 @@ PACKAGE = "hydra_plugins.trainflow_launchers"
 
 
 @dataclass
+class ProcessLauncherConf:
+    """Every job of a sweep in a fresh Python process, one after the other; a failed job does not stop the sweep."""
+
+    _target_: str = f"{PACKAGE}.process_launcher.ProcessLauncher"
+
+
+@dataclass
 class TorchrunLauncherConf:
     """Each job of a sweep runs under torch's elastic agent (the torchrun CLI), one job after the other."""
 
     _target_: str = f"{PACKAGE}.torchrun_launcher.TorchrunLauncher"
-    # workers per node: null follows each job's parallelism.nproc_per_node; N, or auto | cpu | gpu as torchrun
-    # takes it, overrides it
+    # workers per node of a Hydra app other than trainflow (a trainflow job runs its parallelism.nproc_per_node):
+    # N, or auto | cpu | gpu as torchrun takes it; null: 1
     nproc_per_node: str | None = None
     nnodes: str = "1"  # N, or MIN:MAX for an elastic job
     rdzv_backend: str = "c10d"
@@ -26,7 +34,8 @@ class TorchrunLauncherConf:
     rdzv_endpoint: str | None = None
     rdzv_id: str = "trainflow"  # the same on every node; job k of the sweep meets under "<rdzv_id>-<k>"
     rdzv_wait_s: float = 120.0  # how long a node waits for an endpoint on another host to answer
-    max_restarts: int = 0  # restarts of a job's whole worker group after a worker fails
+    # restarts of an app's whole worker group after a worker fails (a trainflow job: parallelism.max_restarts); null: 0
+    max_restarts: int | None = None
     monitor_interval: float = 0.5  # seconds between the agent's checks of its workers
     shutdown_timeout_s: int = 30  # SIGTERM -> SIGKILL grace the agent gives its workers
     # forwarded by the agent to its workers (USR1/USR2: preemption notices of a scheduler)
@@ -43,7 +52,8 @@ class SlurmLauncherConf:
     name: str = "${hydra.job.name}"
     nodes: int = 1
     gpus_per_node: int = 0
-    tasks_per_node: int | None = None  # ranks per node; null: the jobs' parallelism.nproc_per_node
+    # ranks per node of a Hydra app other than trainflow (a trainflow job runs its parallelism.nproc_per_node); null: 1
+    tasks_per_node: int | None = None
     cpus_per_task: int | None = None
     mem_gb: int | None = None
     timeout_min: int = 60  # more than 10, or submitit takes every preemption notice for a timeout
@@ -63,5 +73,6 @@ class SlurmLauncherConf:
 
 def register_configs() -> None:
     cs = ConfigStore.instance()
+    cs.store(group="hydra/launcher", name="process", node=ProcessLauncherConf, provider="trainflow")
     cs.store(group="hydra/launcher", name="torchrun", node=TorchrunLauncherConf, provider="trainflow")
     cs.store(group="hydra/launcher", name="slurm", node=SlurmLauncherConf, provider="trainflow")

@@ -48,10 +48,11 @@ from hydra_plugins.trainflow_launchers.common import (
     SweepLauncher,
     failure_reason,
     finished_already,
-    job_ranks_per_node,
+    job_shape,
     log_outcome,
     one_line,
     run_job_here,
+    trainflow_job,
     user_error,
 )
 from hydra_plugins.trainflow_launchers.config import SlurmLauncherConf
@@ -99,6 +100,8 @@ class SlurmLauncher(SweepLauncher):
         jobs = self.compose(job_overrides, initial_job_idx)
         sweep_dir = Path(str(self.config.hydra.sweep.dir))
         params = sbatch_parameters(self.conf, tasks_per_node(self.conf, jobs))
+        # the setting that makes a job's ranks per node, as a line that asks to change it names it
+        ranks_key = "parallelism.nproc_per_node" if trainflow_job(jobs[0]) else "hydra.launcher.tasks_per_node"
         warn_unsaved_notice(jobs[0].config)
         if self.conf.dry_run:
             path = sweep_dir / "dry_run.sbatch"
@@ -110,12 +113,12 @@ class SlurmLauncher(SweepLauncher):
         todo = [job for job in jobs if job.num not in done]  # the same sweep again: only unfinished jobs go
         if todo:
             runner = SlurmJobRunner(self.hydra_context, self.task_function, Singleton.get_state())
-            submitted = submit(self.conf, params, runner, todo)
+            submitted = submit(self.conf, params, runner, todo, ranks_key)
             log.info("Submitted %d jobs to SLURM as array %s (logs: %s)", len(todo),
                      submitted[0].job_id.split("_")[0], submitted[0].paths.folder.parent)
             for job, sj in zip(todo, submitted, strict=True):
                 log.info("\t%s -> %s in %s", job.describe(), sj.job_id, job.dir)
-            wait(self.conf, params, submitted)
+            wait(self.conf, params, submitted, ranks_key)
             for job, sj in zip(todo, submitted, strict=True):
                 done[job.num] = collect(self.hydra_context, job, sj)
                 log_outcome(f"#{job.num} ({sj.job_id})", done[job.num], job.dir)
@@ -210,10 +213,12 @@ def validate(c: SlurmLauncherConf) -> None:
 
 
 def tasks_per_node(c: SlurmLauncherConf, jobs: list[SweepJob]) -> int:
-    """SLURM tasks (ranks) per node: the jobs' parallelism.nproc_per_node (auto: one per GPU of gpus_per_node, 2
-    CPU ranks for ddp/fsdp/hsdp without GPUs), or tasks_per_node where set; one array has one shape for all."""
-    per_job = {job.num: int(job_ranks_per_node(job, "hydra.launcher.tasks_per_node", c.tasks_per_node,
-                                               lambda: c.gpus_per_node)) for job in jobs}
+    """SLURM tasks (ranks) per node: a trainflow job's parallelism.nproc_per_node (auto: one per GPU of
+    gpus_per_node, 2 CPU ranks for ddp/fsdp/hsdp without GPUs), another app's tasks_per_node; one array has one
+    shape for all."""
+    own = {"tasks_per_node": c.tasks_per_node}
+    per_job = {job.num: int(job_shape(job, "tasks_per_node", own, lambda: c.gpus_per_node).ranks_per_node)
+               for job in jobs}
     if len(set(per_job.values())) > 1:
         shapes = ", ".join(f"#{num}: {n}" for num, n in per_job.items())
         user_error(f"parallelism.nproc_per_node: the jobs of this sweep ask for different ranks per node ({shapes}), "
@@ -276,7 +281,8 @@ def _slurm_command(cmd: list[str]) -> str | None:
         return None
 
 
-def submit(c: SlurmLauncherConf, params: dict[str, Any], runner: SlurmJobRunner, jobs: list[SweepJob]) -> list:
+def submit(c: SlurmLauncherConf, params: dict[str, Any], runner: SlurmJobRunner, jobs: list[SweepJob],
+           ranks_key: str) -> list:
     """Submit the jobs as one array; sbatch's refusal becomes one line naming the key to change."""
     import submitit
 
@@ -287,17 +293,18 @@ def submit(c: SlurmLauncherConf, params: dict[str, Any], runner: SlurmJobRunner,
             return executor.map_array(runner, jobs)
     except Exception as exc:  # submitit's FailedJobError carries sbatch's stderr
         message = "; ".join(line.removeprefix("sbatch: error: ") for line in str(exc).splitlines() if line.strip())
-        too_big = oversized_request(c, params)
+        too_big = oversized_request(c, params, ranks_key)
         if too_big is not None:
-            user_error(f"hydra.launcher.{too_big[0]}: {too_big[1]}, so sbatch refused the jobs ({message})")
+            user_error(f"{too_big[0]}: {too_big[1]}, so sbatch refused the jobs ({message})")
         for pattern, key, fix in _SBATCH_ERRORS:
             if re.search(pattern, message, re.IGNORECASE):
                 user_error(f"hydra.launcher.{key}: sbatch refused the jobs ({message}); {fix}")
         user_error(f"hydra/launcher=slurm: sbatch refused the jobs: {message}")
 
 
-def oversized_request(c: SlurmLauncherConf, params: dict[str, Any]) -> tuple[str, str] | None:
-    """(key, why) when no node of the partition can hold one job's request, from what sinfo says of the nodes."""
+def oversized_request(c: SlurmLauncherConf, params: dict[str, Any], ranks_key: str) -> tuple[str, str] | None:
+    """(key, why) when no node of the partition can hold one job's request, from what sinfo says of the nodes;
+    `ranks_key` names the setting of the ranks per node."""
     out = _slurm_command(["sinfo", "-h", "-N", "-o", "%P|%c|%m|%G"]) or ""
     rows = [line.split("|") for line in out.splitlines() if line.count("|") == 3]
     wanted = c.partition or next((p.rstrip("*") for p, *_ in rows if p.endswith("*")), None)
@@ -306,17 +313,17 @@ def oversized_request(c: SlurmLauncherConf, params: dict[str, Any]) -> tuple[str
     if not nodes:
         return None
     tasks, cpus_per_task = params["ntasks_per_node"], c.cpus_per_task or 1
+    most_cpus, most_mem, most_gpus = (max(n[i] for n in nodes) for i in range(3))
     fits = {
-        "nodes": (c.nodes <= len(nodes), f"{c.nodes} nodes asked for, partition {wanted} has {len(nodes)}"),
-        "gpus_per_node": (c.gpus_per_node <= max(n[2] for n in nodes),
-                          f"{c.gpus_per_node} GPUs per node asked for, the nodes of partition {wanted} have at most "
-                          f"{max(n[2] for n in nodes)}"),
-        "tasks_per_node": (tasks * cpus_per_task <= max(n[0] for n in nodes),
-                           f"{tasks} tasks x {cpus_per_task} CPUs = {tasks * cpus_per_task} CPUs per node asked for, "
-                           f"the nodes of partition {wanted} have at most {max(n[0] for n in nodes)}"),
-        "mem_gb": ((c.mem_gb or 0) * 1024 <= max(n[1] for n in nodes),
-                   f"{c.mem_gb} GB per node asked for, the nodes of partition {wanted} have at most "
-                   f"{max(n[1] for n in nodes) // 1024} GB"),
+        "hydra.launcher.nodes": (c.nodes <= len(nodes), f"{c.nodes} nodes asked for, partition {wanted} has "
+                                 f"{len(nodes)}"),
+        "hydra.launcher.gpus_per_node": (c.gpus_per_node <= most_gpus, f"{c.gpus_per_node} GPUs per node asked for, "
+                                         f"the nodes of partition {wanted} have at most {most_gpus}"),
+        ranks_key: (tasks * cpus_per_task <= most_cpus, f"{tasks} tasks x {cpus_per_task} CPUs = "
+                    f"{tasks * cpus_per_task} CPUs per node asked for, the nodes of partition {wanted} have at most "
+                    f"{most_cpus}"),
+        "hydra.launcher.mem_gb": ((c.mem_gb or 0) * 1024 <= most_mem, f"{c.mem_gb} GB per node asked for, the nodes "
+                                  f"of partition {wanted} have at most {most_mem // 1024} GB"),
     }
     return next(((key, why) for key, (ok, why) in fits.items() if not ok), None)
 
@@ -326,7 +333,7 @@ def _gpus(gres: str) -> int:
     return sum(int(m.group(1)) for m in re.finditer(r"gpu(?::[\w.-]+)?:(\d+)", gres))
 
 
-def wait(c: SlurmLauncherConf, params: dict[str, Any], submitted: list) -> None:
+def wait(c: SlurmLauncherConf, params: dict[str, Any], submitted: list, ranks_key: str) -> None:
     """Wait until every job is over; stop at once, naming the key, when SLURM leaves a job pending forever.
 
     A job is over when submitit has its result and SLURM no longer holds it: a result file alone can be the one
@@ -343,9 +350,9 @@ def wait(c: SlurmLauncherConf, params: dict[str, Any], submitted: list) -> None:
                 never = ("timeout_min", "more than a per-job limit of the QOS or account allows")
             if state == "PENDING" and never is not None:
                 _slurm_command(["scancel", array_id])
-                key, why = oversized_request(c, params) or never
-                user_error(f"hydra.launcher.{key}: {why}, so SLURM would keep job {job_id} pending forever "
-                           f"(reason {reason}); cancelled it: change hydra.launcher.{key} or the partition")
+                key, why = oversized_request(c, params, ranks_key) or (f"hydra.launcher.{never[0]}", never[1])
+                user_error(f"{key}: {why}, so SLURM would keep job {job_id} pending forever (reason {reason}); "
+                           f"cancelled it: change {key} or the partition")
         over = [sj for sj in submitted if out is not None and queue.get(sj.job_id, ("",))[0] not in _HELD]
         if any(not sj.done() for sj in over):
             # a rank killed before it left its result: submitit asks SLURM's accounting about it only every

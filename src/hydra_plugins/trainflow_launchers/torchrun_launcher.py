@@ -5,8 +5,9 @@ CLI), not `elastic_launch()` inside this process: the agent then owns its own
 signal handlers and its process tree, a job that crashes or hangs cannot take
 the sweep down with it, this process imports torch only to count GPUs for
 `parallelism.nproc_per_node=auto`, and the command in the log is the one a user
-can rerun by hand. Each job runs its own `parallelism.nproc_per_node` ranks per
-node unless `hydra.launcher.nproc_per_node` overrides it. All ranks of a job run the job
+can rerun by hand. A trainflow job runs its own `parallelism.nproc_per_node` ranks
+per node and `parallelism.max_restarts` restarts; any other Hydra app runs the
+launcher's `nproc_per_node` and `max_restarts`. All ranks of a job run the job
 in the job's directory; rank 0 hands the JobReturn back through a pickle.
 
 Multi-node: run the same sweep command on every node, with the same
@@ -32,11 +33,12 @@ from typing import Any
 from hydra.core.utils import JobReturn, JobStatus
 
 from hydra_plugins.trainflow_launchers.common import (
+    JobShape,
     SweepJob,
     SweepLauncher,
     die_with_parent,
     failure_reason,
-    job_ranks_per_node,
+    job_shape,
     one_line,
     read_text,
     user_error,
@@ -60,28 +62,28 @@ _RDZV_BACKENDS = ("c10d", "etcd", "etcd-v2")
 class TorchrunLauncher(SweepLauncher):
     def __init__(self, **params: Any) -> None:
         super().__init__(TorchrunLauncherConf(**params))
-        self.nproc: dict[int, Any] = {}  # each job's --nproc-per-node, by job number
+        self.shapes: dict[int, JobShape] = {}  # each job's ranks per node and restarts, by job number
 
     def validate(self) -> None:
         validate(self.conf)
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
         jobs = self.compose(job_overrides, initial_job_idx)
-        self.nproc = {job.num: job_ranks_per_node(job, "hydra.launcher.nproc_per_node", self.conf.nproc_per_node,
-                                                  _gpu_count) for job in jobs}
-        log.info("Launching %d jobs with torchrun, each %s x %s processes (nnodes x nproc_per_node)",
-                 len(jobs), self.conf.nnodes, "/".join(sorted({str(n) for n in self.nproc.values()})))
+        own = {"nproc_per_node": self.conf.nproc_per_node, "max_restarts": self.conf.max_restarts}
+        self.shapes = {job.num: job_shape(job, "nproc_per_node", own, _gpu_count) for job in jobs}
+        log.info("Launching %d jobs with torchrun, each %s x %s processes (nnodes x nproc_per_node)", len(jobs),
+                 self.conf.nnodes, "/".join(sorted({str(shape.ranks_per_node) for shape in self.shapes.values()})))
         return self.run_in_turn(jobs, self._run)
 
     def command(self, job: SweepJob, spec: Path) -> list[str]:
         """The torchrun command line of one job."""
-        c = self.conf
+        c, shape = self.conf, self.shapes[job.num]
         endpoint = c.rdzv_endpoint or "localhost:0"  # one node: the agent takes a free local port
         return [
             sys.executable, "-m", "torch.distributed.run",
-            f"--nnodes={c.nnodes}", f"--nproc-per-node={self.nproc[job.num]}",
+            f"--nnodes={c.nnodes}", f"--nproc-per-node={shape.ranks_per_node}",
             f"--rdzv-backend={c.rdzv_backend}", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={c.rdzv_id}-{job.num}",
-            f"--max-restarts={c.max_restarts}", f"--monitor-interval={c.monitor_interval}",
+            f"--max-restarts={shape.max_restarts}", f"--monitor-interval={c.monitor_interval}",
             f"--shutdown-timeout={c.shutdown_timeout_s}", f"--signals-to-handle={c.signals_to_handle}",
             f"--log-dir={spec.parent / 'ranks'}", "--tee=3",
             "-m", "hydra_plugins.trainflow_launchers._worker", str(spec),
@@ -206,7 +208,7 @@ def validate(c: TorchrunLauncherConf) -> None:
         user_error(f"hydra.launcher.rdzv_endpoint: must be host:port, e.g. node001:29400; got {c.rdzv_endpoint!r}")
     for key, value, least in (("max_restarts", c.max_restarts, 0), ("shutdown_timeout_s", c.shutdown_timeout_s, 0),
                               ("rdzv_wait_s", c.rdzv_wait_s, 0)):
-        if value < least:
+        if value is not None and value < least:
             user_error(f"hydra.launcher.{key}: must be >= {least}; got {value}")
     if c.monitor_interval <= 0:
         user_error(f"hydra.launcher.monitor_interval: must be > 0 seconds; got {c.monitor_interval}")

@@ -66,6 +66,7 @@ from trainflow.checkpoint.store import (
     read_state,
     resolve_checkpoint,
 )
+from trainflow.config.schema import TextDataConfig, TokenizerConfig, typed
 from trainflow.errors import CheckpointError, ConfigError, unwritable_reason
 from trainflow.models.gpt import GPT
 from trainflow.util.files import kind_of, not_a_file
@@ -355,7 +356,6 @@ def run_tokenizer(run_cfg: dict[str, Any]) -> Any:
     tokenizer.json (bpe, file). A BPE is never trained here and nothing is created: one no longer cached is refused
     in one line, and so is a file that is missing, not a regular file (never opened: a FIFO would hang) or no
     tokenizer.json."""
-    from trainflow.config.schema import TokenizerConfig, typed
     from trainflow.data.tokenizers import bpe_cache_path, byte_tokenizer, import_hf
 
     settings = run_cfg.get("tokenizer") or {}
@@ -369,7 +369,7 @@ def run_tokenizer(run_cfg: dict[str, Any]) -> Any:
             raise CheckpointError(f"export --format hf: tokenizer.path is not set in the run's config; {fix}")
         path, key = Path(settings["path"]).expanduser(), "tokenizer.path"
     else:
-        path, key = bpe_cache_path(lib, typed(settings, TokenizerConfig), bpe_corpus_key(run_cfg)), \
+        path, key = bpe_cache_path(lib, typed(settings, TokenizerConfig, "tokenizer"), bpe_corpus_key(run_cfg)), \
             "tokenizer.cache_dir"
         fix = "export from where the run ran, with its data unchanged"
         if not path.exists():
@@ -395,12 +395,10 @@ def bpe_corpus_key(run_cfg: dict[str, Any]) -> str:
         split = Split(_files(data.get("paths"), "data.paths"), data.get("format"), data.get("column", "text"),
                       Path(cache).expanduser(), cache)
         return f"hf\0{split.key}"
-    if data.get("kind") == "text":
-        from omegaconf import OmegaConf
-
+    if data.get("_target_") == TextDataConfig._target_ or data.get("kind") == "text":  # as its config.yaml names it
         from trainflow.data.text import Corpus
 
-        return f"text\0{Corpus.of(OmegaConf.create(data)).key}"
+        return f"text\0{Corpus.of(data).key}"
     raise CheckpointError("export --format hf: the run trained a BPE tokenizer on data trainflow cannot find "
                           "again here; export --format safetensors, and save the tokenizer yourself")
 

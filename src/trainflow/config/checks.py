@@ -1,16 +1,15 @@
-"""Value checks a type cannot express (positive steps, known choices, combinations of groups), run once on the
-composed config before any work starts: each failure is one line naming the key and the fix.
+"""Value checks a type cannot express (positive steps, combinations of groups), run once on the typed config before
+any work starts: each failure is one line naming the key and the fix.
 
-The schemas (trainflow.config.schema) say what keys exist and their types; this module says which values make sense.
+The schemas (trainflow.config.schema) say what keys exist, their types and the closed choices; this module says
+which values make sense. `validate` is the boundary: it takes the composed config and returns the typed one the run
+reads.
 """
 
 from __future__ import annotations
 
-import difflib
 import inspect
 import math
-import signal
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -18,94 +17,69 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import InterpolationResolutionError, MissingMandatoryValue
 
-from trainflow.config.schema import (
-    LADDER_RUNGS,
-    STOP_SIGNALS,
-    ProfilerConfig,
-    TaskConfig,
-    WorkerConfig,
-    decided,
-    typed,
-)
-from trainflow.config.sections import command_line_keys, settle_sections, single_run
+from trainflow.config.command_line import command_line_keys, single_run
+from trainflow.config.schema import LadderRunConfig, ParallelismConfig, RunConfig, TextDataConfig, typed_run
+from trainflow.config.sections import check_targets_given, settled_sections
 from trainflow.config.targets import import_target
 from trainflow.data.tokenizers import BYTE_VOCAB
-from trainflow.distributed.mesh import STRATEGIES
 from trainflow.errors import ConfigError
-from trainflow.optim import OPTIMIZER, optimizer_arguments
+from trainflow.optim import OPTIMIZER
 from trainflow.util.files import cannot_write
 from trainflow.util.rundir import run_name_problem
 
 
-def check_optimizer_arguments(optim: DictConfig) -> None:
-    """optim._target_ imports as an optimizer class that takes every key of the section (a misspelt one is named
-    with the closest it takes), before any work."""
-    target = str(optim._target_)
+def check_optimizer(optim: dict[str, Any]) -> None:
+    """optim._target_ imports as an optimizer class (whether it takes the section's keys: trainflow.config.sections)."""
+    target = str(optim["_target_"])
     cls = import_target("optim._target_", target, OPTIMIZER)
     _require(inspect.isclass(cls) and issubclass(cls, torch.optim.Optimizer), "optim._target_",
              f"{target} is not a torch.optim.Optimizer class; give {OPTIMIZER}")
-    params = inspect.signature(cls).parameters
-    if any(p.kind == inspect.Parameter.VAR_KEYWORD for p in params.values()):
-        return
-    for key in optimizer_arguments(optim):
-        if key not in params:
-            close = difflib.get_close_matches(key, [p for p in params if p != "params"], n=1)
-            hint = f"did you mean optim.{close[0]}? " if close else ""
-            raise ConfigError(f"optim.{key}: {target} takes no such argument; {hint}it takes "
-                              f"{', '.join(p for p in params if p != 'params')}")
 
 
-def validate_task(cfg: DictConfig) -> None:
+def validate_optim(optim: dict[str, Any]) -> None:
+    """The schedule's and the optimizer's values a type cannot check."""
+    _require(optim["lr"] > 0, "optim.lr", f"must be > 0; got {optim['lr']}")
+    _require(optim["weight_decay"] >= 0, "optim.weight_decay", f"must be >= 0; got {optim['weight_decay']}")
+    _require(optim["warmup_steps"] >= 0, "optim.warmup_steps", f"must be >= 0; got {optim['warmup_steps']}")
+    _require(0 <= optim["min_lr_ratio"] <= 1, "optim.min_lr_ratio", f"must be in [0, 1]; got {optim['min_lr_ratio']}")
+    if "betas" in optim:
+        betas = list(optim["betas"])
+        _require(len(betas) == 2, "optim.betas", f"must be two numbers, e.g. [0.9,0.95]; got {betas}")
+        _require(all(0 <= b < 1 for b in betas), "optim.betas", f"each must be in [0, 1), e.g. [0.9,0.95]; got {betas}")
+    if "momentum" in optim:
+        _require(optim["momentum"] >= 0, "optim.momentum", f"must be >= 0; got {optim['momentum']}")
+    check_optimizer(optim)
+
+
+def validate_task(cfg: RunConfig) -> None:
     """Task values a type cannot check; whether task.monitor exists is known once the task ran on a sample."""
     task = cfg.task
-    mode, train_metrics = (task.get(key, getattr(TaskConfig, key)) for key in ("mode", "train_metrics"))
-    _require(mode in ("min", "max"), "task.mode", f"must be min or max; got {mode!r}")
-    _require(train_metrics in ("log_step", "every_step"), "task.train_metrics",
-             f"must be log_step or every_step; got {train_metrics!r}")
     if task.get("_target_"):
         return
-    _one_of(cfg, "task.kind", ("auto", "lm", "classify"))
-    _require(task.top_k > 0, "task.top_k", f"must be a positive integer; got {task.top_k}")
-    lm = task.kind == "lm" or (task.kind == "auto" and "vocab_size" in cfg.model)
-    _require(not task.loss_from_model or lm, "task.loss_from_model",
+    _require(task["top_k"] > 0, "task.top_k", f"must be a positive integer; got {task['top_k']}")
+    lm = task["kind"] == "lm" or (task["kind"] == "auto" and "vocab_size" in cfg.model)
+    _require(not task["loss_from_model"] or lm, "task.loss_from_model",
              "is for language models (task=lm); set it to false, or task.kind=lm")
 
 
-def with_worker_defaults(cfg: DictConfig) -> DictConfig:
-    """A user's data section (data._target_, no schema) gets trainflow's loader keys it does not set."""
-    data = cfg.data
-    missing = {k: v for k, v in asdict(WorkerConfig()).items() if k not in data}
-    return decided(cfg, {"data": missing}) if data.get("_target_") and missing else cfg
-
-
-COMPILE_MODES = ("default", "max-autotune", "max-autotune-no-cudagraphs", "reduce-overhead")
-
-
-def validate_compile(cfg: DictConfig) -> None:
+def validate_compile(cfg: RunConfig) -> None:
     """Compile values a type cannot check (the backend name is checked where dynamo is imported)."""
     data = cfg.data
     if data.get("seq_lens") is not None:
-        lens = list(data.seq_lens)
+        lens = list(data["seq_lens"])
         _require(len(lens) > 0, "data.seq_lens", "is empty: give lengths, e.g. data.seq_lens=[32,64,128], or null")
         _require("vocab_size" in cfg.model, "data.seq_lens",
                  "varies sequence lengths, which needs a language model (model=gpt_*); set it to null")
-        _require(all(0 < n <= data.seq_len for n in lens), "data.seq_lens",
-                 f"each length must be in [1, data.seq_len={data.seq_len}]; got {lens}")
+        _require(all(0 < n <= data["seq_len"] for n in lens), "data.seq_lens",
+                 f"each length must be in [1, data.seq_len={data['seq_len']}]; got {lens}")
     compile_ = cfg.compile
     if not compile_.enabled:
         return
-    _require(compile_.mode is None or compile_.mode in COMPILE_MODES, "compile.mode",
-             f"must be null or one of {', '.join(COMPILE_MODES)}; got {compile_.mode!r}")
-    if compile_.scope is not None:
-        _one_of(cfg, "compile.scope", ("model", "blocks"))
     _require(bool(compile_.backend), "compile.backend", "is empty: use inductor, aot_eager or eager")
     _require(compile_.mode is None or compile_.backend == "inductor", "compile.mode",
              f"only the inductor backend takes a mode; got compile.backend={compile_.backend}: "
              "set compile.mode=null or compile.backend=inductor")
     if compile_.mode == "reduce-overhead" or compile_.backend == "cudagraphs":
-        import torch
-
-
         key, value = (("compile.mode", compile_.mode) if compile_.mode == "reduce-overhead"
                       else ("compile.backend", compile_.backend))
         strategy = cfg.parallelism.strategy
@@ -118,7 +92,7 @@ def validate_compile(cfg: DictConfig) -> None:
                  "use compile=default (inductor without CUDA graphs)")
 
 
-def validate_profiler(cfg: DictConfig) -> None:
+def validate_profiler(cfg: RunConfig) -> None:
     """Window and option checks; `ranks` against the world size happens in the Profiler, where it is known."""
     profiler = cfg.profiler
     if not profiler.enabled:
@@ -126,12 +100,14 @@ def validate_profiler(cfg: DictConfig) -> None:
     _require(profiler.active > 0, "profiler.active",
              f"must be a positive number of recorded steps; got {profiler.active}")
     for key in ("wait", "warmup", "repeat"):
-        _require(profiler[key] >= 0, f"profiler.{key}", f"must be >= 0; got {profiler[key]}")
+        value = getattr(profiler, key)
+        _require(value >= 0, f"profiler.{key}", f"must be >= 0; got {value}")
     if profiler.skip_first is not None:
         _require(profiler.skip_first >= 0, "profiler.skip_first",
                  f"must be >= 0, or null for the run's warm-up steps; got {profiler.skip_first}")
+    # all, or a list of ranks: a Union of a word and a list, which OmegaConf does not type
     ranks = profiler.ranks
-    valid = ranks == "all" or (OmegaConf.is_list(ranks) and len(ranks) > 0
+    valid = ranks == "all" or (isinstance(ranks, list) and len(ranks) > 0
                                and all(isinstance(r, int) and not isinstance(r, bool) for r in ranks))
     _require(valid, "profiler.ranks", f"must be all or a non-empty list of ranks such as [0,1]; got {ranks!r}")
     if ranks != "all":
@@ -140,7 +116,7 @@ def validate_profiler(cfg: DictConfig) -> None:
     _require(profiler.memory_history_entries > 0, "profiler.memory_history_entries",
              f"must be > 0; got {profiler.memory_history_entries}")
     # A window past the end would profile nothing: refuse (compile steps are added at run time, in the Profiler).
-    skip, end = typed(profiler, ProfilerConfig).window(cfg.trainer.warmup_steps)
+    skip, end = profiler.window(cfg.trainer.warmup_steps)
     _require(end <= cfg.trainer.max_steps, "trainer.max_steps",
              f"is {cfg.trainer.max_steps} but the profiler window ends at step {end} (skip_first {skip} + "
              f"{max(profiler.repeat, 1)} x (wait {profiler.wait} + warmup {profiler.warmup} + "
@@ -148,12 +124,11 @@ def validate_profiler(cfg: DictConfig) -> None:
              f"trainer.max_steps to >= {end} or shorten the window (profiler.skip_first/wait/warmup/active)")
 
 
-def validate_parallelism(cfg: DictConfig) -> None:
+def validate_parallelism(cfg: RunConfig) -> None:
     """Checks that need no process group; world-size-dependent ones happen where the world size is known."""
     parallelism = cfg.parallelism
-    _one_of(cfg, "parallelism.strategy", (*STRATEGIES, "auto"))
     for key in ("dp_replicate", "dp_shard", "tp"):
-        value = parallelism[key]
+        value = getattr(parallelism, key)
         _require(value is None or value == -1 or value >= 1, f"parallelism.{key}",
                  f"must be a positive integer, -1 (the rest of the world){' or null' * (key != 'tp')}; got {value}")
     _require(parallelism.tp == 1 or parallelism.strategy != "auto", "parallelism.tp",
@@ -165,23 +140,14 @@ def validate_parallelism(cfg: DictConfig) -> None:
              f"full with compile under parallelism.tp={parallelism.tp} fails inside torch (its compiled backward "
              "cannot save a checkpointed block's tensor-parallel mesh); set compile=off or "
              "parallelism.activation_checkpointing=off")
-    _one_of(cfg, "parallelism.backend", ("auto", "gloo", "nccl"))
     validate_activation_checkpointing(cfg)
     validate_pipeline(cfg)
-    nproc = parallelism.nproc_per_node
-    _require(nproc == "auto" or (isinstance(nproc, int) and not isinstance(nproc, bool) and nproc >= 1),
-             "parallelism.nproc_per_node", f"must be a positive integer or auto; got {nproc!r}")
-    _require(parallelism.strategy != "single" or nproc in (1, "auto"), "parallelism.nproc_per_node",
-             f"parallelism=single runs one process; got {nproc}: use parallelism=ddp or parallelism=fsdp for {nproc} "
-             "processes")
+    validate_launch(parallelism)
     if parallelism.global_batch is not None:
         _require(parallelism.global_batch > 0, "parallelism.global_batch",
                  f"must be a positive integer or null; got {parallelism.global_batch}")
-    _require(parallelism.max_restarts >= 0, "parallelism.max_restarts", f"must be >= 0; got {parallelism.max_restarts}")
     _require(parallelism.timeout_s > 0, "parallelism.timeout_s", f"must be > 0; got {parallelism.timeout_s}")
     watchdog = parallelism.watchdog
-    _require(watchdog.enabled in ("auto", True, False), "parallelism.watchdog.enabled",
-             f"must be auto, true or false; got {watchdog.enabled!r}")
     _require(watchdog.factor > 0, "parallelism.watchdog.factor", f"must be > 0; got {watchdog.factor}")
     _require(watchdog.enabled is False or 0 < watchdog.min_s < parallelism.timeout_s, "parallelism.watchdog.min_s",
              f"must be > 0 and below parallelism.timeout_s ({parallelism.timeout_s:g}), which ends a hung run before "
@@ -200,16 +166,13 @@ def validate_parallelism(cfg: DictConfig) -> None:
     _require(parallelism.ddp.bucket_cap_mb > 0, "parallelism.ddp.bucket_cap_mb",
              f"must be > 0; got {parallelism.ddp.bucket_cap_mb}")
     for key in ("param_dtype", "reduce_dtype"):
-        _require(parallelism.fsdp[key] in (None, "fp32", "bf16", "fp16"), f"parallelism.fsdp.{key}",
-                 f"must be null, fp32, bf16 or fp16; got {parallelism.fsdp[key]!r}")
-        _require(parallelism.fsdp[key] != "fp16", f"parallelism.fsdp.{key}",
+        _require(getattr(parallelism.fsdp, key) != "fp16", f"parallelism.fsdp.{key}",
                  "fp16 gradients overflow without a loss scaler, and trainflow runs none; use bf16 (the same "
                  "memory, fp32's range)")
-    _one_of(cfg, "parallelism.fsdp.wrap", ("auto", "blocks", "size"))
     _require(parallelism.fsdp.min_params > 0, "parallelism.fsdp.min_params",
              f"must be > 0; got {parallelism.fsdp.min_params}")
     for key in ("shard_size", "replicate_size"):
-        value = parallelism.hsdp[key]
+        value = getattr(parallelism.hsdp, key)
         _require(value is None or value >= 1, f"parallelism.hsdp.{key}", f"must be a positive integer or null; got "
                  f"{value}")
     _require(parallelism.memory_budget_gb is None or parallelism.memory_budget_gb > 0, "parallelism.memory_budget_gb",
@@ -219,13 +182,9 @@ def validate_parallelism(cfg: DictConfig) -> None:
     validate_fault_tolerance(cfg)
 
 
-AC_MODES = ("off", "full", "selective", "budget")
-
-
-def validate_activation_checkpointing(cfg: DictConfig) -> None:
-    """The mode, how often it applies, and the budget that only compile's partitioner can meet."""
+def validate_activation_checkpointing(cfg: RunConfig) -> None:
+    """How often the mode applies, and the budget that only compile's partitioner can meet."""
     p = cfg.parallelism
-    _one_of(cfg, "parallelism.activation_checkpointing", AC_MODES)
     _require(p.activation_checkpointing_every >= 1, "parallelism.activation_checkpointing_every",
              f"must be a positive integer (1: every block); got {p.activation_checkpointing_every}")
     _require(0 <= p.activation_budget <= 1, "parallelism.activation_budget",
@@ -237,15 +196,11 @@ def validate_activation_checkpointing(cfg: DictConfig) -> None:
              f"budget with parallelism.tp={p.tp} is untested with tensor parallel; use full or selective")
 
 
-PP_SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b", "interleaved_zb", "zbv")
-
-
-def validate_pipeline(cfg: DictConfig) -> None:
-    """Pipeline degrees and schedules a type cannot check; whether pp divides the world and the blocks, and the
-    micro-batches the batch, is checked where those are known (trainflow.distributed.pipeline)."""
+def validate_pipeline(cfg: RunConfig) -> None:
+    """Pipeline degrees a type cannot check; whether pp divides the world and the blocks, and the micro-batches the
+    batch, is checked where those are known (trainflow.distributed.pipeline)."""
     p = cfg.parallelism
     _require(p.pp >= 1, "parallelism.pp", f"must be a positive integer (1: no pipeline); got {p.pp}")
-    _one_of(cfg, "parallelism.pp_schedule", PP_SCHEDULES)
     _require(p.microbatches is None or p.microbatches >= 1, "parallelism.microbatches",
              f"must be a positive integer, or null for one per pipeline stage; got {p.microbatches}")
     if p.pp == 1:
@@ -270,11 +225,22 @@ def validate_pipeline(cfg: DictConfig) -> None:
              "(task=lm or classify), and this task computes it from the model itself; use task=lm or task=classify")
 
 
-def validate_fault_tolerance(cfg: DictConfig) -> None:
+def validate_launch(parallelism: ParallelismConfig) -> None:
+    """How the run's processes start (what a launcher reads of a trainflow job too): its ranks per node and
+    restarts."""
+    nproc = parallelism.nproc_per_node
+    _require(nproc == "auto" or nproc >= 1, "parallelism.nproc_per_node",
+             f"must be a positive integer or auto; got {nproc}")
+    _require(parallelism.strategy != "single" or nproc in (1, "auto"), "parallelism.nproc_per_node",
+             f"parallelism=single runs one process; got {nproc}: use parallelism=ddp or parallelism=fsdp for {nproc} "
+             "processes")
+    _require(parallelism.max_restarts >= 0, "parallelism.max_restarts", f"must be >= 0; got {parallelism.max_restarts}")
+
+
+def validate_fault_tolerance(cfg: RunConfig) -> None:
     """parallelism.fault_tolerance=torchft: the extra installed, replica groups of one rank, DDP or FSDP ranks, a
     place in the groups."""
     parallelism = cfg.parallelism
-    _one_of(cfg, "parallelism.fault_tolerance", ("off", "torchft"))
     if parallelism.fault_tolerance == "off":
         return
     from trainflow.distributed.fault_tolerance import torchft_installed
@@ -287,6 +253,7 @@ def validate_fault_tolerance(cfg: DictConfig) -> None:
              f"fsdp, one job per group; FSDP groups replicated by torchft are HSDP); got parallelism="
              f"{parallelism.strategy}{with_tp}: run each group as parallelism=fsdp, or set it to off")
     ft = parallelism.ft
+    assert ft is not None  # a run with fault tolerance carries its settings (trainflow.config.schema.typed_run)
     _require(ft.replica_groups >= 2, "parallelism.ft.replica_groups",
              f"must be >= 2 (one group has no peer to train on without); got {ft.replica_groups}")
     _require(0 <= ft.replica_id < ft.replica_groups, "parallelism.ft.replica_id",
@@ -295,11 +262,11 @@ def validate_fault_tolerance(cfg: DictConfig) -> None:
     _require(1 <= ft.min_replicas <= ft.replica_groups, "parallelism.ft.min_replicas",
              f"must be in [1, {ft.replica_groups}]; got {ft.min_replicas}")
     for key in ("timeout_s", "heartbeat_timeout_s", "join_timeout_s", "lighthouse_idle_s"):
-        _require(ft[key] > 0, f"parallelism.ft.{key}", f"must be > 0; got {ft[key]}")
-    _one_of(cfg, "parallelism.ft.no_quorum", ("stop", "alone"))
+        value = getattr(ft, key)
+        _require(value > 0, f"parallelism.ft.{key}", f"must be > 0; got {value}")
 
 
-def validate_tp_sizes(cfg: DictConfig) -> None:
+def validate_tp_sizes(cfg: RunConfig) -> None:
     """Tensor parallel splits trainflow's GPT by heads and hidden units: tp must divide each of them."""
     tp, model = cfg.parallelism.tp, cfg.model
     if tp in (1, -1) or "n_head" not in model or "n_embd" not in model:
@@ -309,12 +276,9 @@ def validate_tp_sizes(cfg: DictConfig) -> None:
              f"and an equal share of the hidden units; use a parallelism.tp that divides both, or change the model")
 
 
-def validate_checkpoint(cfg: DictConfig) -> None:
+def validate_checkpoint(cfg: RunConfig) -> None:
     """Checkpoint values a type cannot check (paths are checked where they are used)."""
     checkpoint = cfg.checkpoint
-    for name in checkpoint.stop_signals:  # they stop a run without checkpoints too (at once, nothing saved)
-        _require(name in STOP_SIGNALS, "checkpoint.stop_signals", f"{_not_a_stop_signal(name)}; list some of "
-                 f"{', '.join(STOP_SIGNALS)}, the signals schedulers and sessions send to end a job")
     if not checkpoint.enabled:  # a checkpoint key typed for a run that saves and resumes nothing was meant for one
         # that does (a sweep's typed keys are every job's, and some of its jobs may save); the stop signals act
         # without checkpoints too
@@ -324,7 +288,6 @@ def validate_checkpoint(cfg: DictConfig) -> None:
         _require(not typed, typed[0] if typed else "", "is set, but checkpoints are off (checkpoint=off, the "
                  "default): this run would save nothing and resume nothing; add checkpoint=dcp, or drop the key")
         return
-    _one_of(cfg, "checkpoint.mode", ("sync", "async"))
     _require(checkpoint.every_steps > 0, "checkpoint.every_steps",
              f"must be a positive number of steps; got {checkpoint.every_steps}")
     max_steps = cfg.trainer.max_steps
@@ -337,8 +300,6 @@ def validate_checkpoint(cfg: DictConfig) -> None:
     _require(bool(checkpoint.resume), "checkpoint.resume", "is empty: use auto, never or a checkpoint path")
     _require(checkpoint.save_final or not checkpoint.export, "checkpoint.export",
              "exports the final weights, which needs checkpoint.save_final=true")
-    _one_of(cfg, "checkpoint.load", ("all", "model"))
-    _one_of(cfg, "checkpoint.on_data_change", ("refuse", "restart"))
     _require(checkpoint.load == "all" or checkpoint.resume not in ("auto", "never"), "checkpoint.load",
              f"model loads the weights of the checkpoint named by checkpoint.resume, which is {checkpoint.resume}; "
              "set checkpoint.resume=<a step_N folder or run dir>")
@@ -361,16 +322,11 @@ def validate_ledger(setting: str) -> None:
                           "metrics.ledger=off")
 
 
-def validate_ladder(cfg: DictConfig) -> None:
-    """Ladder knobs a type cannot check; they matter only in ladder jobs."""
-    ladder = cfg.ladder
-    if ladder.rung is None:
+def validate_ladder(cfg: RunConfig) -> None:
+    """Ladder knobs a type cannot check; only a ladder job has them."""
+    if not isinstance(cfg, LadderRunConfig):
         return
-    _one_of(cfg, "ladder.rung", LADDER_RUNGS)
-    nproc = ladder.nproc_per_node
-    _require(nproc == "auto" or (isinstance(nproc, int) and not isinstance(nproc, bool) and nproc >= 2),
-             "ladder.nproc_per_node",
-             f"the scale stages need 2 or more processes (or auto: one per GPU); got {nproc!r}")
+    ladder = cfg.ladder
     _require(ladder.loss_rtol is None or ladder.loss_rtol > 0, "ladder.loss_rtol",
              f"must be > 0 or null; got {ladder.loss_rtol}")
     _require(ladder.log_every is None or ladder.log_every > 0, "ladder.log_every",
@@ -381,34 +337,12 @@ def validate_ladder(cfg: DictConfig) -> None:
              f"must be >= 0 (0: bit-identical); got {ladder.resume_atol}")
 
 
-def _not_a_stop_signal(name: str) -> str:
-    """Why a signal name cannot be a stop signal, in words."""
-    if name in ("SIGKILL", "SIGSTOP"):
-        return f"{name} cannot be caught, so nothing can be saved on it"
-    if name == "SIGINT":
-        return "SIGINT is Ctrl-C, which stops at once (exit code 130)"
-    if name in signal.Signals.__members__:
-        return f"{name} is not sent to end a job"
-    if f"SIG{name}" in signal.Signals.__members__:
-        return f"{name!r} is not a signal's name: write SIG{name}"
-    return f"{name!r} is not a signal's name (as signal(7) names them: SIGTERM, SIGUSR1, ...)"
-
-
 def _require(ok: bool, key: str, message: str) -> None:
     if not ok:
         raise ConfigError(f"{key}: {message}")
 
 
-def _one_of(cfg: DictConfig, key: str, choices: tuple) -> None:
-    value = cfg
-    for part in key.split("."):
-        value = value[part]
-    _require(value in choices, key, f"must be one of {', '.join(map(str, choices))}; got {value!r}")
-
-
 SEED_RANGE = 2**32  # numpy's seed range; per-rank and per-epoch seeds derived from it stay within torch's 64 bits
-
-
 
 
 def _resolved(cfg: DictConfig) -> dict[str, Any]:
@@ -436,104 +370,83 @@ def _non_finite(node: Any, key: str = "") -> tuple[str, Any] | None:
     return None
 
 
-def validate_model(cfg: DictConfig) -> None:
+def validate_model(cfg: RunConfig) -> None:
     """Sizes of the built-in models, and what the data asks of them, checked before anything is built."""
     model, data = cfg.model, cfg.data
-    if str(model._target_).startswith("trainflow.models."):
+    if str(model["_target_"]).startswith("trainflow.models."):
         for key, value in model.items():
             if isinstance(value, int) and not isinstance(value, bool):
                 _require(value > 0, f"model.{key}", f"must be a positive integer; got {value}")
         if "dropout" in model:
-            _require(0 <= model.dropout < 1, "model.dropout", f"must be in [0, 1); got {model.dropout}")
-    if "block_size" in model and "seq_len" in data:
-        _require(data.seq_len <= model.block_size, "data.seq_len",
-                 f"{data.seq_len} is longer than the model's context, model.block_size={model.block_size}; lower "
-                 f"data.seq_len to <= {model.block_size} or raise model.block_size")
-    if data.get("kind") == "text" and "vocab_size" in model and cfg.tokenizer.kind == "bytes":  # others: once built
-        _require(model.vocab_size >= BYTE_VOCAB, "model.vocab_size",
-                 f"is {model.vocab_size}, but data=text is byte-level: its tokens go up to {BYTE_VOCAB - 1}; set "
+            _require(0 <= model["dropout"] < 1, "model.dropout", f"must be in [0, 1); got {model['dropout']}")
+    if "block_size" in model and data.get("seq_len") is not None:
+        _require(data["seq_len"] <= model["block_size"], "data.seq_len",
+                 f"{data['seq_len']} is longer than the model's context, model.block_size={model['block_size']}; "
+                 f"lower data.seq_len to <= {model['block_size']} or raise model.block_size")
+    if data["_target_"] == TextDataConfig._target_ and "vocab_size" in model and cfg.tokenizer.kind == "bytes":
+        _require(model["vocab_size"] >= BYTE_VOCAB, "model.vocab_size",  # other tokenizers: checked once built
+                 f"is {model['vocab_size']}, but data=text is byte-level: its tokens go up to {BYTE_VOCAB - 1}; set "
                  f"model.vocab_size={BYTE_VOCAB} or more")
 
 
-def validate(cfg: DictConfig) -> DictConfig:
-    """Check the values a type cannot; raise ConfigError naming the key and the fix. Returns the config the run
-    uses, read-only: `cfg` with what validation settles recorded in it (nothing writes into it afterwards)."""
-    settle_sections(cfg)  # first: which keys the model, data and task sections hold
-    if found := _non_finite(_resolved(cfg)):
+def validate_data(cfg: RunConfig) -> None:
+    """The loader's keys, and those of trainflow's own data options."""
+    data = cfg.data
+    if data.get("seq_len") is not None:
+        _require(data["seq_len"] > 0, "data.seq_len", f"must be a positive number of tokens; got {data['seq_len']}")
+    workers = data["num_workers"]
+    _require(workers >= 0, "data.num_workers", f"must be >= 0; got {workers}")
+    if data["prefetch_factor"] is not None:
+        _require(workers > 0, "data.prefetch_factor", "needs data.num_workers > 0 (or set it to null)")
+        _require(data["prefetch_factor"] > 0, "data.prefetch_factor", f"must be > 0; got {data['prefetch_factor']}")
+    _require(not data["persistent_workers"] or workers > 0, "data.persistent_workers",
+             "needs data.num_workers > 0 (or set it to false)")
+    if data["_target_"] == TextDataConfig._target_:
+        _require(0 < data["val_fraction"] < 1, "data.val_fraction", f"must be in (0, 1); got {data['val_fraction']}")
+        if data["paths"] is not None:
+            _require(len(data["paths"]) > 0, "data.paths",
+                     "is empty: give files or folders, e.g. data.paths=[/path/to/corpus], or null for the default")
+    if "num_samples" in data:
+        _require(data["num_samples"] > 0, "data.num_samples", f"must be > 0; got {data['num_samples']}")
+
+
+def validate(cfg: DictConfig) -> RunConfig:
+    """The composed config as the run reads it, typed once (trainflow.config.schema.typed_run), with the values a
+    type cannot check checked; raise ConfigError naming the key and the fix."""
+    check_targets_given(cfg)
+    values = _resolved(cfg)
+    if found := _non_finite(values):
         key, value = found
         what = "finite numbers" if isinstance(value, list) else "a finite number"
         raise ConfigError(f"{key}: must be {what}; got {value}")
-    trainer = cfg.trainer
+    run = typed_run({**values, **settled_sections(cfg, values)})
+    trainer = run.trainer
     for key in ("max_steps", "batch_size", "grad_accum", "log_every", "eval_steps"):
-        _require(trainer[key] > 0, f"trainer.{key}", f"must be a positive integer; got {trainer[key]}")
+        value = getattr(trainer, key)
+        _require(value > 0, f"trainer.{key}", f"must be a positive integer; got {value}")
     _require(trainer.warmup_steps >= 0, "trainer.warmup_steps", f"must be >= 0; got {trainer.warmup_steps}")
     every = trainer.eval_every
-    _require(every == "auto" or (isinstance(every, int) and not isinstance(every, bool) and every >= 0),
-             "trainer.eval_every", f"must be auto or a number of steps >= 0 (0: only at the end); got {every!r}")
+    _require(every == "auto" or every >= 0, "trainer.eval_every",
+             f"must be auto or a number of steps >= 0 (0: only at the end); got {every}")
     _require(trainer.grad_clip >= 0, "trainer.grad_clip",
              f"must be >= 0 (0 disables clipping); got {trainer.grad_clip}")
     _require(0 <= trainer.seed < SEED_RANGE, "trainer.seed",
              f"must be an integer in [0, {SEED_RANGE - 1}]; got {trainer.seed}")
-    _one_of(cfg, "trainer.device", ("auto", "cpu", "cuda"))
-    _one_of(cfg, "trainer.precision", ("fp32", "bf16", "fp8"))
-    _one_of(cfg, "trainer.fp8_recipe", ("tensorwise", "rowwise"))
-    _one_of(cfg, "trainer.progress", ("auto", "bar", "log"))
-    _one_of(cfg, "trainer.nonfinite", ("stop", "skip_step"))
     if trainer.run_name is not None and (problem := run_name_problem(trainer.run_name)):
         raise ConfigError(f"trainer.run_name: {problem}")
-
-
-    optim = cfg.optim
-    _one_of(cfg, "optim.schedule", ("cosine", "constant"))
-    _require(optim.lr > 0, "optim.lr", f"must be > 0; got {optim.lr}")
-    _require(optim.weight_decay >= 0, "optim.weight_decay", f"must be >= 0; got {optim.weight_decay}")
-    _require(optim.warmup_steps >= 0, "optim.warmup_steps", f"must be >= 0; got {optim.warmup_steps}")
-    _require(0 <= optim.min_lr_ratio <= 1, "optim.min_lr_ratio", f"must be in [0, 1]; got {optim.min_lr_ratio}")
-    if "betas" in optim:
-        _require(len(optim.betas) == 2, "optim.betas",
-                 f"must be two numbers, e.g. [0.9,0.95]; got {list(optim.betas)}")
-        _require(all(0 <= b < 1 for b in optim.betas), "optim.betas",
-                 f"each must be in [0, 1), e.g. [0.9,0.95]; got {list(optim.betas)}")
-    if "momentum" in optim:
-        _require(optim.momentum >= 0, "optim.momentum", f"must be >= 0; got {optim.momentum}")
-    check_optimizer_arguments(optim)
-
-
-    _require("_target_" in cfg.model, "model._target_",
-             "missing: pick model=gpt_tiny|gpt_small|gpt_medium|mlp or set model._target_ to an nn.Module class")
-    cfg = with_worker_defaults(cfg)
-    data = cfg.data
-    _require(bool(data.get("_target_")) or data.get("kind") in ("text", "synthetic", "shards"), "data.kind",
-             "unknown data source: pick data=text, data=synthetic or data=digits, or set data._target_ to a function "
-             "returning (train, val) datasets")
-    if "seq_len" in data:
-        _require(data.seq_len > 0, "data.seq_len", f"must be a positive number of tokens; got {data.seq_len}")
-    _require(data.num_workers >= 0, "data.num_workers", f"must be >= 0; got {data.num_workers}")
-    if data.prefetch_factor is not None:
-        _require(data.num_workers > 0, "data.prefetch_factor", "needs data.num_workers > 0 (or set it to null)")
-        _require(data.prefetch_factor > 0, "data.prefetch_factor", f"must be > 0; got {data.prefetch_factor}")
-    _require(not data.persistent_workers or data.num_workers > 0, "data.persistent_workers",
-             "needs data.num_workers > 0 (or set it to false)")
-    if data.get("kind") == "text":
-        _require(0 < data.val_fraction < 1, "data.val_fraction", f"must be in (0, 1); got {data.val_fraction}")
-        if data.paths is not None:
-            _require(len(data.paths) > 0, "data.paths",
-                     "is empty: give files or folders, e.g. data.paths=[/path/to/corpus], or null for the default")
-    elif data.get("kind") == "synthetic":
-        _require(data.num_samples > 0, "data.num_samples", f"must be > 0; got {data.num_samples}")
-
-
-    if cfg.metrics.peak_flops is not None:
-        _require(cfg.metrics.peak_flops > 0, "metrics.peak_flops", f"must be > 0; got {cfg.metrics.peak_flops}")
-    validate_ledger(cfg.metrics.ledger)
+    validate_optim(run.optim)
+    if run.metrics.peak_flops is not None:
+        _require(run.metrics.peak_flops > 0, "metrics.peak_flops", f"must be > 0; got {run.metrics.peak_flops}")
+    validate_ledger(run.metrics.ledger)
     if trainer.cost_per_hour is not None:
         _require(trainer.cost_per_hour >= 0, "trainer.cost_per_hour",
                  f"must be >= 0 (the price of one device for an hour); got {trainer.cost_per_hour}")
-    validate_model(cfg)
-    validate_task(cfg)
-    validate_parallelism(cfg)
-    validate_profiler(cfg)
-    validate_compile(cfg)
-    validate_checkpoint(cfg)
-    validate_ladder(cfg)
-    return decided(cfg, {})
+    validate_data(run)
+    validate_model(run)
+    validate_task(run)
+    validate_parallelism(run)
+    validate_profiler(run)
+    validate_compile(run)
+    validate_checkpoint(run)
+    validate_ladder(run)
+    return run

@@ -26,6 +26,8 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
 
+from trainflow.config.choices import refused_choice
+
 FULL_ERROR = "HYDRA_FULL_ERROR"
 _SET_BY_US = "TRAINFLOW_RAISED_HYDRA_ERRORS"  # marks a FULL_ERROR that raised_errors set, not the user
 EVERY_KEY = "python train.py --cfg job lists every key"
@@ -64,7 +66,7 @@ def explain(exc: BaseException, overrides: list[str]) -> str | None:
     """One line for a command line that did not compose, or None when `exc` is not such a failure."""
     if isinstance(exc, MissingConfigException) and exc.missing_cfg_file and "/" in exc.missing_cfg_file:
         group, option = exc.missing_cfg_file.rsplit("/", 1)
-        options = list(exc.options or _group_options(group))
+        options = list(exc.options or group_options(group))
         close = difflib.get_close_matches(option, options, n=1)
         hint = f"did you mean {group}={close[0]}? " if close else ""
         return (f"{group}={option}: Could not find {group}/{option}; {hint}the options of {group}: "
@@ -77,7 +79,7 @@ def explain(exc: BaseException, overrides: list[str]) -> str | None:
         return f"{key}: Could not override it: the config has no such key; {hint}"
     if isinstance(exc, ConfigCompositionException) and isinstance(exc.__cause__, ValidationError):
         override = str(exc).removeprefix("Error merging override ").strip()
-        return f"{override}: {str(exc.__cause__).splitlines()[0]}"
+        return refused_choice(exc.__cause__) or f"{override}: {str(exc.__cause__).splitlines()[0]}"
     if isinstance(exc, OverrideParseException):
         bad = next((o for o in overrides if not _parses(o)), None)
         reason = str(exc).splitlines()[0]
@@ -110,8 +112,27 @@ def _loader() -> Any:
     return GlobalHydra.instance().config_loader()
 
 
-def _group_options(group: str) -> list[str]:
+def group_options(group: str) -> list[str]:
+    """The options of `group` in Hydra's config repository: trainflow's, and those of a project's own folder
+    (--config-dir, hydra.searchpath) when Hydra composed with it."""
     return _loader().get_group_options(group)
+
+
+def command_line_keys() -> set[str]:
+    """The keys this run's command line sets (model.dropout from `model.dropout=0.1` or `+model.dropout=0.1`)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return set()
+    overrides = OmegaConf.to_container(HydraConfig.get().overrides.task, resolve=False)  # as typed: ${...} too
+    return {str(o).lstrip("+~").split("=", 1)[0] for o in overrides}
+
+
+def single_run() -> bool:
+    """Whether this is one `python train.py` run (not a job of a -m sweep, whose typed keys are every job's)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.RUN
 
 
 def _closest_key(key: str, overrides: list[str]) -> str | None:

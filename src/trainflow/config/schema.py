@@ -1,25 +1,60 @@
-"""Typed configuration: the schema Hydra checks every composed run against.
+"""Typed configuration: the schema Hydra checks every composed run against, and the typed config the run reads.
 
-Each config group option's YAML starts from one of these dataclasses (registered
-in Hydra's ConfigStore), so an unknown key or a wrong type is rejected by Hydra
-with the key's full name before any work starts. The model, data and task schemas
-are open to keys they lack (a user's `_target_` takes its own), and
-trainflow.config.sections settles those keys. Value checks that a type cannot express
-(positive steps, known choices) live in trainflow.config.checks.
+Each config group option's YAML starts from one of these dataclasses (registered in Hydra's ConfigStore), so an
+unknown key, a wrong type or a value outside a closed choice (trainflow.config.choices) is refused by Hydra with the
+key's full name before any work starts. The model, data, task and optim schemas are open to keys they lack (a
+user's `_target_` takes its own); trainflow.config.sections settles which keys each `_target_` is called with.
+`typed_run` types the composed config once; the run reads that, never the DictConfig. Value checks a type cannot
+express (positive steps, combinations of groups) live in trainflow.config.checks.
 """
 
 from __future__ import annotations
 
-import copy
 import difflib
 import inspect
-from dataclasses import dataclass, field, make_dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields, is_dataclass, make_dataclass
 from typing import Any, TypeVar, get_type_hints
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING, DictConfig, OmegaConf, open_dict
-from omegaconf.errors import ConfigKeyError
+from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf.errors import ConfigKeyError, ValidationError
 
+from trainflow.config.choices import (
+    STOP_SIGNALS,
+    ActivationCheckpointing,
+    Auto,
+    Backend,
+    CheckpointLoad,
+    CheckpointMode,
+    CompileMode,
+    CompileScope,
+    Device,
+    Direction,
+    FaultTolerance,
+    FileFormat,
+    Fp8Recipe,
+    FSDPDtype,
+    FSDPWrap,
+    Items,
+    LadderRung,
+    NonFinite,
+    NoQuorum,
+    OnDataChange,
+    PipelineSchedule,
+    Precision,
+    Progress,
+    Schedule,
+    StopSignal,
+    Strategy,
+    TaskKind,
+    TokenizerKind,
+    TrainMetrics,
+    WandbMode,
+    refused_choice,
+    schema_node,
+)
+from trainflow.config.targets import first_line
 from trainflow.errors import ConfigError
 from trainflow.models.cnn import CNN
 from trainflow.models.gpt import GPT
@@ -36,26 +71,27 @@ class TrainerConfig:
     batch_size: int = 16  # per rank, per micro-step
     grad_accum: int = 1
     seed: int = 1234
-    device: str = "auto"  # auto | cpu | cuda
-    precision: str = "fp32"  # fp32 | bf16 (autocast) | fp8 (torchao float8 matmuls, bf16 elsewhere; GPUs sm 8.9+)
-    fp8_recipe: str = "tensorwise"  # fp8: tensorwise (float8 all-gather under FSDP) | rowwise (finer scales, slower)
+    device: Device = Device.auto  # auto: cuda when a GPU is visible, else cpu
+    precision: Precision = Precision.fp32  # bf16: autocast; fp8: torchao float8 matmuls, bf16 elsewhere (GPUs sm 8.9+)
+    fp8_recipe: Fp8Recipe = Fp8Recipe.tensorwise  # fp8: tensorwise (float8 all-gather under FSDP); rowwise: finer
     tf32: bool = True  # CUDA: fp32 matmuls and convolutions on TF32 tensor cores; false: full fp32 arithmetic
     grad_clip: float = 1.0  # 0 disables clipping (the norm is still measured)
     log_every: int = 10
-    eval_every: Any = "auto"  # steps between evaluations; 0: only at the end; auto: see eval_interval
+    eval_every: int | Auto = Auto.auto  # steps between evaluations; 0: only at the end; auto: see eval_interval
     eval_steps: int = 10
     warmup_steps: int = 5  # excluded from steady-state figures
     deterministic: bool = False
-    progress: str = "auto"  # auto (bar when stdout is a terminal) | bar | log
+    progress: Progress = Progress.auto  # auto: a bar when stdout is a terminal, else log lines
     print_config: bool = False  # the full config on the console too (it is always in config.yaml and train.log)
-    nonfinite: str = "stop"  # stop (at the next sync point, before any save) | skip_step (one host sync a step)
+    # stop: at the next sync point, before any save; skip_step: skip the update (one host sync a step)
+    nonfinite: NonFinite = NonFinite.stop
     run_name: str | None = None  # checkpointed runs live in outputs/runs/<run_name>; null: made from the overrides
     sweep_name: str | None = None  # -m sweeps live in multirun/<sweep_name>; null: made from the overrides
     cost_per_hour: float | None = None  # the price of one device (rank) for an hour: the summary's cost figures
 
     def eval_interval(self) -> int:
         """auto: 10 evaluations (a validation curve) in runs of 100 steps or more; shorter runs once, at the end."""
-        if self.eval_every == "auto":
+        if self.eval_every == Auto.auto:
             return self.max_steps // 10 if self.max_steps >= 100 else 0
         return self.eval_every
 
@@ -103,26 +139,30 @@ class LoaderConfig(WorkerConfig):
 
 @dataclass
 class TextDataConfig(LoaderConfig):
-    kind: str = "text"
+    """data=text: text files tokenized once into a cache, cut into windows (trainflow.data.text_data)."""
+
+    _target_: str = "trainflow.data.text_data"
     paths: list[str] | None = None  # files or folders; None: the Python standard library's source
     suffixes: list[str] = field(default_factory=lambda: [".py"])  # file endings read from folders
     val_fraction: float = 0.05
     cache_dir: str = "~/.cache/trainflow/tokens"
     tokenizer: Any = None  # the run's tokenizer section (${tokenizer} in conf/data/text.yaml); null: bytes
+    model_vocab_size: int | None = None  # the model's vocabulary, checked against the tokenizer's
 
 
 @dataclass
 class ShardsDataConfig(LoaderConfig):
     """data=shards: token shards prepared once by `trainflow prepare`, read by memory map."""
 
-    kind: str = "shards"
+    _target_: str = "trainflow.data.shards_data"
     path: str | None = None  # the folder `trainflow prepare --out` wrote (manifest.json and shard_NNNNN.bin)
     val_fraction: float = 0.05  # the last this fraction of the windows is held out
+    model_vocab_size: int | None = None  # the model's vocabulary, checked against the shards' tokenizer
 
 
 @dataclass
 class TokenizerConfig:
-    kind: str = "bytes"  # bytes (a token is a byte) | bpe (byte-level BPE trained here) | file (a tokenizer.json)
+    kind: TokenizerKind = TokenizerKind.bytes  # bytes: a token is a byte; bpe: byte-level BPE trained here; file: yours
     vocab_size: int = 256  # bytes: 256; bpe: the vocabulary to train; file: the file's (the model's follows it)
     path: str | None = None  # file: a tokenizer.json written by the tokenizers library
     min_frequency: int = 2  # bpe: pairs seen fewer times are never merged
@@ -137,10 +177,10 @@ class HFDataConfig(LoaderConfig):
     _target_: str = "trainflow.data.hf.token_windows"
     paths: list[str] | None = None  # json, jsonl, csv, parquet or text files (or globs) of the training split
     column: str = "text"  # the column holding the text
-    format: str | None = None  # json | csv | parquet | text; null: from the files' suffix
+    format: FileFormat | None = None  # null: from the files' suffix
     val_paths: list[str] | None = None  # the validation split's files; null: the last val_fraction of the tokens
     val_fraction: float = 0.05
-    items: str = "tuple"  # tuple: (inputs, next-token targets) | dict: {input_ids, labels} (the model shifts)
+    items: Items = Items.tuple  # tuple: (inputs, next-token targets); dict: {input_ids, labels} (the model shifts)
     cache_dir: str = "~/.cache/trainflow/hf"  # datasets' cache and the token caches
     tokenizer: Any = None  # the run's tokenizer section (${tokenizer} in conf/data/hf.yaml)
     model_vocab_size: int | None = None  # the model's vocabulary, checked against the tokenizer's
@@ -148,9 +188,21 @@ class HFDataConfig(LoaderConfig):
 
 @dataclass
 class SyntheticDataConfig(LoaderConfig):
-    kind: str = "synthetic"
+    """data=synthetic: random tokens for a language model, else features labelled by a random teacher."""
+
+    _target_: str = "trainflow.data.synthetic_data"
     num_samples: int = 65536  # size of one epoch
     data_seed: int = 0  # the task (teacher weights) is fixed by this seed, not by trainer.seed
+    vocab_size: int | None = None  # the model's vocabulary: random tokens of it; null: features and labels
+    in_features: int | None = None  # the features' width (null: the MLP's default)
+    out_features: int | None = None  # the classes (null: the MLP's default)
+
+
+@dataclass
+class CustomDataConfig(WorkerConfig):
+    """data=custom: your factory by `_target_` and the keys it takes, beside trainflow's loader keys."""
+
+    _target_: str = MISSING
 
 
 @dataclass
@@ -164,17 +216,23 @@ class DigitsDataConfig(WorkerConfig):
 
 @dataclass
 class TaskConfig:
-    """What turns a batch into the loss and metrics (trainflow.tasks); a user's own task sets _target_."""
+    """trainflow's keys of every task section; a user's own task (task=custom) sets _target_ and adds its keys."""
 
-    kind: str = "auto"  # auto (lm for language-model data, else classify) | lm | classify
     monitor: str = "loss"  # the validation metric train.py returns to sweepers
-    mode: str = "min"  # min | max: the direction in which `monitor` improves
-    top_k: int = 5  # classify: top-k accuracy too, when the model has more than k classes
-    loss_from_model: bool = False  # lm: the model computes its own loss (model(**batch).loss)
+    mode: Direction = Direction.min  # the direction in which `monitor` improves
     # log_step: train/<metric> is the log step's batch (computing accuracy every step costs ~20% of a small
     # model's step); every_step: every step's, the log interval's mean. train/loss is always the interval's mean.
-    train_metrics: str = "log_step"
+    train_metrics: TrainMetrics = TrainMetrics.log_step
     _target_: str | None = None  # a callable of (model, batch) -> (loss, {name: scalar tensor})
+
+
+@dataclass
+class BuiltinTaskConfig(TaskConfig):
+    """task=auto, lm, classify: trainflow's tasks (trainflow.tasks)."""
+
+    kind: TaskKind = TaskKind.auto  # auto: lm for language-model data, else classify
+    top_k: int = 5  # classify: top-k accuracy too, when the model has more than k classes
+    loss_from_model: bool = False  # lm: the model computes its own loss (model(**batch).loss)
 
 
 @dataclass
@@ -187,7 +245,7 @@ class OptimConfig:
     weight_decay: float = 0.1  # on weights (2-D and up); biases and norms form a group without it (0: one group)
     warmup_steps: int = 20  # linear lr warm-up
     min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio at trainer.max_steps
-    schedule: str = "cosine"  # cosine | constant
+    schedule: Schedule = Schedule.cosine
 
 
 SCHEDULE_KEYS = ("warmup_steps", "min_lr_ratio", "schedule")  # trainflow's; the optimizer is not given them
@@ -212,12 +270,12 @@ class SGDConfig(OptimConfig):
 class CompileConfig:
     enabled: bool = False
     backend: str = "inductor"  # a dynamo backend (inductor, aot_eager, eager, ...) or a dotted path to one
-    mode: str | None = None  # inductor only: null | default | max-autotune | reduce-overhead (CUDA graphs)
+    mode: CompileMode | None = None  # inductor only; reduce-overhead: CUDA graphs
     fullgraph: bool = False  # true: the first graph break is an error naming the line
     dynamic: bool | None = None  # null: static, dynamic once a shape changes | true | false (a graph per shape)
     # model | blocks (each module of model.blocks, as FSDP wraps them) | null: follows the parallelism, blocks on
     # an FSDP-sharded model that has them (dynamo cannot trace into sharded blocks from the model's forward), else model
-    scope: str | None = None
+    scope: CompileScope | None = None
     cache_dir: str | None = "~/.cache/trainflow/inductor"  # persistent inductor cache; null: torch's default
     check: bool = False  # before training: compiled vs eager loss and gradients on one batch, same weights
     # dynamic=true on a run whose input shape never changed: at its end, a static compile timed against the dynamic one
@@ -260,9 +318,9 @@ class DDPConfig:
 @dataclass
 class FSDPConfig:
     reshard_after_forward: bool = True  # free gathered parameters after forward (memory) or keep them (speed)
-    param_dtype: str | None = None  # null (bf16 under trainer.precision=bf16, else as stored) | fp32 | bf16
-    reduce_dtype: str | None = None  # null (fp32) | fp32 | bf16: dtype of the gradient reduce-scatter
-    wrap: str = "auto"  # auto (blocks if the model has `blocks`, else size) | blocks | size
+    param_dtype: FSDPDtype | None = None  # null: bf16 under trainer.precision=bf16, else as stored
+    reduce_dtype: FSDPDtype | None = None  # the gradient reduce-scatter's; null: fp32
+    wrap: FSDPWrap = FSDPWrap.auto  # auto: blocks if the model has `blocks`, else size
     min_params: int = 1_000_000  # size wrapping: shard each submodule holding at least this many parameters
     cpu_offload: bool = False  # keep sharded parameters, gradients and optimizer state in CPU memory
 
@@ -275,7 +333,7 @@ class HSDPConfig:
 
 @dataclass
 class WatchdogConfig:
-    enabled: Any = "auto"  # auto (runs of 2+ ranks) | true | false: hang reports in <run dir>/hang/
+    enabled: bool | Auto = Auto.auto  # hang reports in <run dir>/hang/; auto: in runs of 2+ ranks
     factor: float = 20.0  # a rank with no step for this many median step times is reported stuck
     min_s: float = 60.0  # never sooner (keep it below parallelism.timeout_s, which ends the run)
 
@@ -304,32 +362,31 @@ class FaultToleranceConfig:
     # what a group does when no quorum comes within timeout_s (the lighthouse is lost, or fewer than min_replicas
     # groups reach it): stop (with its checkpoint committed, exit 75: the same command resumes) | alone (train on as
     # a plain run, no longer synchronised with the other groups)
-    no_quorum: str = "stop"
+    no_quorum: NoQuorum = NoQuorum.stop
     heartbeat_timeout_s: float = 5.0  # lighthouse=auto: a group silent this long is left out of the next quorum
     join_timeout_s: float = 10.0  # lighthouse=auto: how long a quorum waits for a live group that has not asked
 
 
 @dataclass
 class ParallelismConfig:
-    strategy: str = "single"  # single | ddp | fsdp | hsdp (shard within a node, replicate across) | auto
+    strategy: Strategy = Strategy.single  # hsdp: shard within a node, replicate across; auto: from measured memory
     # degrees of the mesh (trainflow.distributed.mesh), their product the world size; -1: the rest of the world;
     # null: the strategy's rule (ddp replicates over every data-parallel rank, fsdp shards, hsdp both)
     dp_replicate: int | None = None
     dp_shard: int | None = None
     tp: int = 1  # tensor parallel: ranks each layer is split over (within a node; the mesh's last dimension)
     tp_plan: Any = None  # a _target_ returning the model's TP plan ({module name: ParallelStyle}); null: the model's
-    # processes on this node: an int, or "auto" (one per GPU; without GPUs 2 for ddp/fsdp/hsdp, else 1); every
-    # launcher follows it (hydra.launcher.nproc_per_node / tasks_per_node only override it)
-    nproc_per_node: Any = 1
-    backend: str = "auto"  # auto (nccl on CUDA, gloo on CPU) | gloo | nccl
+    # processes on this node; auto: one per GPU (without GPUs 2 for ddp/fsdp/hsdp, else 1); the launchers follow it
+    nproc_per_node: int | Auto = 1
+    backend: Backend = Backend.auto  # auto: nccl on CUDA, gloo on CPU
     global_batch: int | None = None  # when set, trainer.batch_size = global_batch / (world size * grad_accum)
-    # off | full (recompute each block's activations in backward) | selective (keep the matmul and attention outputs,
-    # recompute the cheap ops) | budget (compile's partitioner keeps what fits activation_budget)
-    activation_checkpointing: str = "off"
+    # full: recompute each block's activations in backward; selective: keep the matmul and attention outputs, recompute
+    # the cheap ops; budget: compile's partitioner keeps what fits activation_budget
+    activation_checkpointing: ActivationCheckpointing = ActivationCheckpointing.off
     activation_checkpointing_every: int = 1  # full and selective: checkpoint every N-th block (1: every block)
     activation_budget: float = 0.5  # budget: the share of compile's saved activations kept (0: recompute all)
     pp: int = 1  # pipeline parallel: stages of model.blocks over this many ranks (the mesh's outermost dimension)
-    pp_schedule: str = "1f1b"  # 1f1b | gpipe | interleaved_1f1b | interleaved_zb | zbv (the last 3: 2 stages a rank)
+    pp_schedule: PipelineSchedule = PipelineSchedule["1f1b"]  # the last 3 of its choices: 2 stages a rank
     microbatches: int | None = None  # pipeline micro-batches per trainer.batch_size; null: one per pipeline stage
     max_restarts: int = 0  # self-launched runs: how often the elastic agent restarts failed workers
     timeout_s: float = 300.0  # how long a collective may wait for the other ranks
@@ -343,19 +400,16 @@ class ParallelismConfig:
     straggler: StragglerConfig = field(default_factory=StragglerConfig)  # runs of 2+ ranks, at log steps
     memory_budget_gb: float | None = None  # auto: memory one rank may use; null: free memory x memory_headroom
     memory_headroom: float = 0.8  # auto: the share of the free memory a plan may fill
-    fault_tolerance: str = "off"  # off | torchft (pip install 'trainflow[ft]'): train on through a lost replica group
-    ft: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
-
-
-# The signals a scheduler or a session sends to end a job: checkpoint.stop_signals lists those that stop a run after
-# a save at the step boundary (SIGUSR1: SLURM's --signal=USR1@N before a time limit; SIGHUP: a closed terminal).
-STOP_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGHUP")
+    # torchft (pip install 'trainflow[ft]'): train on through a lost replica group
+    fault_tolerance: FaultTolerance = FaultTolerance.off
+    # the settings of parallelism.fault_tolerance=torchft; a run without it carries none (null in its config.yaml)
+    ft: FaultToleranceConfig | None = field(default_factory=FaultToleranceConfig)
 
 
 @dataclass
 class CheckpointConfig:
     enabled: bool = False
-    mode: str = "sync"  # sync (dcp.save) | async (dcp.async_save: the loop waits only for staging)
+    mode: CheckpointMode = CheckpointMode.sync  # sync: dcp.save; async: dcp.async_save (the loop waits for staging)
     dir: str | None = None  # null: <run dir>/checkpoints; an earlier run's directory continues its checkpoints
     every_steps: int = 100
     keep_last: int = 3  # committed checkpoints kept; the newest and the one resumed from are never deleted
@@ -363,11 +417,11 @@ class CheckpointConfig:
     save_final: bool = True  # save at the last step too
     verify: bool = True  # reload the run's first save into fresh tensors and compare exactly
     export: bool = False  # at the end, <run dir>/model.pt: model weights for torch.load(weights_only=True)
-    load: str = "all"  # all | model (weights only from checkpoint.resume=<path>: fresh optimizer, step 0)
-    # a resume on other data than the checkpoint's (files added, other shards, another split): refuse | restart (go
-    # on from the checkpoint on this data, the data position restarted at sample 0)
-    on_data_change: str = "refuse"
-    stop_signals: list[str] = field(default_factory=lambda: list(STOP_SIGNALS))  # a subset of STOP_SIGNALS
+    load: CheckpointLoad = CheckpointLoad.all  # model: weights only from checkpoint.resume=<path>: fresh optimizer
+    # a resume on other data than the checkpoint's (files added, other shards, another split); restart: go on from
+    # the checkpoint on this data, the data position restarted at sample 0
+    on_data_change: OnDataChange = OnDataChange.refuse
+    stop_signals: list[StopSignal] = field(default_factory=lambda: list(STOP_SIGNALS))  # signals that save, then stop
 
 
 @dataclass
@@ -399,7 +453,7 @@ class WandbLoggerConfig:
     group: str | None = None  # null: a sweep job's sweep name (single runs: none)
     tags: list[str] = field(default_factory=list)
     notes: str | None = None
-    mode: str | None = None  # null: WANDB_MODE, else online with an API key, offline without | online | offline
+    mode: WandbMode | None = None  # null: WANDB_MODE, else online with an API key, offline without
     dir: str | None = None  # null: WANDB_DIR, else the run directory (W&B writes <dir>/wandb/)
 
 
@@ -408,15 +462,11 @@ LOGGER_SCHEMAS: dict[str, type] = {"tensorboard": TensorBoardLoggerConfig, "mlfl
                                    "wandb": WandbLoggerConfig}
 
 
-LADDER_RUNGS = ("baseline", "compile", "profile", "ddp", "fsdp", "checkpoint", "resume", "fp8")
-
-
 @dataclass
 class LadderConfig:
     """experiment=ladder: which rung a job is, and what its gates accept (trainflow.report.ladder evaluates them)."""
 
-    rung: str | None = None  # set by the ladder/ options; null: not a ladder job
-    nproc_per_node: Any = 2  # processes of the ddp and fsdp rungs: N >= 2, or auto (one per GPU)
+    rung: LadderRung | None = None  # set by the ladder/ options; null: not a ladder job
     loss_rtol: float | None = None  # largest relative loss difference to the baseline at any step; null: by precision
     resume_atol: float = 0.0  # largest |resumed - uninterrupted| loss at any step; 0: bit-identical
     fp8_rtol: float | None = None  # largest relative loss difference of the fp8 rung to bf16's; null: 0.1
@@ -427,7 +477,10 @@ class LadderConfig:
 
 @dataclass
 class RunConfig:
-    """Everything one run is composed of: one section per config group (`trainer` holds the loop's own knobs)."""
+    """Everything one run is composed of: one section per config group (`trainer` holds the loop's own knobs).
+
+    The sections of your code (model, data, task, optim, logger) are open to the keys your `_target_` takes: in the
+    typed config the run reads (`typed_run`) they are plain dicts, the keys it is called with."""
 
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
@@ -442,57 +495,85 @@ class RunConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     # logger=[tensorboard,mlflow]: each chosen logger's keys under logger.<name>, its class by `_target_`
     logger: Any = field(default_factory=dict)
+
+
+@dataclass
+class LadderRunConfig(RunConfig):
+    """A job of experiment=ladder: a run and its rung (the only runs whose config holds a `ladder` section)."""
+
     ladder: LadderConfig = field(default_factory=LadderConfig)
 
 
-def typed(section: Any, schema: type[Schema]) -> Schema:
-    """`section` as its schema's dataclass, whatever it comes as: launched workers load the composed config back
-    from plain YAML, where no node is typed. Interpolations are resolved against the whole config first (a section
-    merged on its own would lose them); nested sections (parallelism.fsdp) become their dataclasses too. Stages
-    read plain attributes, at no DictConfig cost, and the schema's defaults fill what the section leaves out."""
-    values = OmegaConf.to_container(section, resolve=True) if isinstance(section, DictConfig) else section
+def typed(values: Mapping[str, Any], schema: type[Schema], section: str) -> Schema:
+    """Plain values of the config `section` (resolved, or read back from a run's saved config) as its schema's
+    dataclass; nested sections (parallelism.fsdp) become their dataclasses too, the schema's defaults fill what the
+    values leave out, and a key or value the schema refuses is one line naming it."""
     try:
-        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema), values))
+        return OmegaConf.to_object(OmegaConf.merge(schema_node(schema), values))
+    except ValidationError as exc:
+        raise ConfigError(refused_choice(exc, section) or f"{section}.{exc.full_key}: {first_line(exc)}") from None
     except ConfigKeyError as exc:  # a key added with Hydra's `+` that the section does not have
-        where = section._get_full_key(None) if isinstance(section, DictConfig) else schema.__name__
         key = str(exc.full_key or exc.key)
-        close = difflib.get_close_matches(key.rsplit(".", 1)[-1], list(schema.__dataclass_fields__), n=1)
-        hint = f"did you mean {where}.{key.rsplit('.', 1)[0] + '.' if '.' in key else ''}{close[0]}?" if close \
+        parent, _, leaf = key.rpartition(".")
+        close = difflib.get_close_matches(leaf, list(schema.__dataclass_fields__), n=1)
+        hint = f"did you mean {section}.{parent + '.' if parent else ''}{close[0]}?" if close \
             else "python train.py --cfg job lists every key"
-        raise ConfigError(f"{where}.{key}: {where} has no such key; {hint}") from None
+        raise ConfigError(f"{section}.{key}: {section} has no such key; {hint}") from None
 
 
-def decided(cfg: DictConfig, decisions: dict[str, Any]) -> DictConfig:
-    """A read-only copy of `cfg` with `decisions` merged in (values settled once: the per-rank batch size,
-    parallelism=auto's layout, a user data section's loader keys); `cfg` itself is never written, so whoever
-    holds a config reads what it said when they got it."""
-    final = copy.deepcopy(cfg)
-    OmegaConf.set_readonly(final, False)
-    with open_dict(final):  # a user's section (no schema) may gain keys
-        final.merge_with(decisions)
-    OmegaConf.set_readonly(final, True)
-    return final
+# trainflow's own keys of the sections of your code (the loader's, the task's, the schedule's), by section
+OWN_SCHEMAS = {"data": WorkerConfig, "task": TaskConfig, "optim": OptimConfig}
+
+
+def typed_run(values: Mapping[str, Any]) -> RunConfig:
+    """The composed config, resolved, as the run reads it: trainflow's sections as their dataclasses; the sections
+    of your code as plain dicts, trainflow's own keys in them typed too (with their defaults, for an option file of
+    one's own that has no schema). Fault tolerance's settings go only into a run that uses it."""
+    schema = LadderRunConfig if "ladder" in values else RunConfig
+    hints = get_type_hints(schema)
+    values = {**values, **{name: with_own_keys(values[name], own, name) for name, own in OWN_SCHEMAS.items()}}
+    parallelism = values.get("parallelism") or {}
+    if parallelism.get("fault_tolerance", FaultTolerance.off) == FaultTolerance.off:
+        values = {**values, "parallelism": {**parallelism, "ft": None}}
+    return schema(**{f.name: typed(values.get(f.name) or {}, hints[f.name], f.name) if is_dataclass(hints[f.name])
+                     else values[f.name] for f in fields(schema)})
+
+
+def with_own_keys(section: Mapping[str, Any], schema: type, name: str) -> dict[str, Any]:
+    """`section` with the keys of `schema` typed (the schema's defaults where it has none); its other keys, the
+    ones your code takes, as they are."""
+    keys = [k for k in schema.__dataclass_fields__ if k != "_target_"]
+    own = typed({k: v for k, v in section.items() if k in keys}, schema, name)
+    return {**section, **{k: getattr(own, k) for k in keys}}
+
+
+def plain(cfg: RunConfig) -> dict[str, Any]:
+    """The run's config as plain values (choices as the words they are typed as): config.yaml, summary.json."""
+    return OmegaConf.to_container(OmegaConf.structured(cfg), enum_to_str=True)
 
 
 def register_configs() -> None:
     """Put the schemas where the YAML defaults lists can find them."""
     cs = ConfigStore.instance()
-    cs.store(name="train_schema", node=RunConfig)
+    cs.store(group="schema/run", name="train", node=schema_node(RunConfig))  # experiment=ladder picks "ladder"
+    cs.store(group="schema/run", name="ladder", node=schema_node(LadderRunConfig))
     # Options whose keys differ (model and data kinds) extend these; the other groups are typed by RunConfig.
     # Open: a key the schema lacks composes, so that a user's _target_ and its keys on a built-in option reach
-    # trainflow.config.sections (which drops the option's keys the target does not take, or names a misspelt key).
+    # trainflow.config.sections (which drops the option's keys the target does not take, and refuses yours that it
+    # does not take).
     for group, name, schema in (("model", "gpt", GPTConfig), ("model", "mlp", MLPConfig), ("model", "cnn", CNNConfig),
                                 ("data", "text", TextDataConfig), ("data", "synthetic", SyntheticDataConfig),
                                 ("data", "digits", DigitsDataConfig), ("data", "hf", HFDataConfig),
                                 ("data", "shards", ShardsDataConfig),
-                                ("task", "builtin", TaskConfig), ("optim", "adamw", AdamWConfig),
+                                ("task", "builtin", BuiltinTaskConfig), ("optim", "adamw", AdamWConfig),
                                 ("optim", "sgd", SGDConfig)):
         cs.store(group=f"schema/{group}", name=name, node=opened(OmegaConf.structured(schema)))
-    yours = OmegaConf.structured(OptimConfig)  # optim=custom: the schedule's keys, the optimizer left to the user
-    yours._target_ = MISSING
-    cs.store(group="schema/optim", name="open", node=opened(yours))
-    for group in ("model", "data", "task"):  # model=custom, data=custom, task=custom: the user's _target_ and keys
-        cs.store(group=f"schema/{group}", name="open", node=opened(OmegaConf.create({"_target_": MISSING})))
+    # model=custom, data=custom, task=custom, optim=custom: your _target_ and keys, beside trainflow's own (typed)
+    cs.store(group="schema/model", name="open", node=opened(OmegaConf.create({"_target_": MISSING})))
+    for group, schema in (("data", CustomDataConfig), ("task", TaskConfig), ("optim", OptimConfig)):
+        yours = OmegaConf.structured(schema)
+        yours._target_ = MISSING
+        cs.store(group=f"schema/{group}", name="open", node=opened(yours))
     for name, schema in LOGGER_SCHEMAS.items():  # closed: a misspelt logger.mlflow.* key is Hydra's one line
         cs.store(group="schema/logger", name=name, node=schema)
 

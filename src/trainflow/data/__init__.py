@@ -11,13 +11,15 @@ device), `worker_errors` (a loader worker's error in one line), `user` (datasets
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from omegaconf import DictConfig
 from torch.utils.data import Dataset
 
-from trainflow.config.schema import MLPConfig
+from trainflow.config.schema import LOADER_KEYS, MLPConfig
+from trainflow.config.targets import WHAT, call_target
 from trainflow.data.identity import Identity, cache_checksum, settings_identity, shards_identity, text_identity
 from trainflow.data.iterable import IterableBatches, IterableSource
 from trainflow.data.loaders import (
@@ -32,14 +34,15 @@ from trainflow.data.loaders import (
 from trainflow.data.stream import StreamSampler
 from trainflow.data.synthetic import SyntheticClassification, SyntheticTokens
 from trainflow.data.text import Corpus, TokenWindows, load_tokens
-from trainflow.data.user import LOADER_KEYS, Collated, user_datasets
+from trainflow.data.user import Collated, user_datasets
 from trainflow.errors import ConfigError, DataError
 
 __all__ = [
     "LOADER_KEYS", "Batch", "Collated", "DataBundle", "InProcessBatches", "IterableBatches", "IterableSource",
     "Pinned", "StreamSampler", "SyntheticClassification", "SyntheticTokens", "TokenWindows", "VariableLengths",
     "apply_to_tensors",
-    "build_datasets", "load_tokens", "make_loader", "to_device", "user_datasets",
+    "build_datasets", "load_tokens", "make_loader", "shards_data", "synthetic_data", "text_data", "to_device",
+    "user_datasets",
 ]
 
 
@@ -54,60 +57,72 @@ class DataBundle:
     identity: Identity  # what a checkpoint records of the data, to tell a resume on other data (data/identity.py)
 
 
-def build_datasets(cfg: DictConfig, model_cfg: DictConfig) -> DataBundle:
-    """Train and held-out datasets shaped for the model: built in, or the user's by data._target_."""
-    if cfg.get("_target_"):
-        train, val = user_datasets(cfg)
-        identity = settings_identity(cfg._target_, {
-            "data (train samples)": len(train) if not isinstance(train, IterableSource) else None,
-            "data (val samples)": len(val) if val is not None else None}, getattr(train.dataset, "data_identity", None))
-        return DataBundle(train, val, "vocab_size" in model_cfg, int(cfg.get("seq_len") or 1), cfg._target_,
-                          identity)
-    if cfg.kind == "text":
-        seq_len = int(cfg.seq_len)
-        corpus = Corpus.of(cfg)
-        tokenizer = corpus.tokenizer(cfg.get("tokenizer"))
-        tokenizer.check_fits(model_cfg.get("vocab_size"))
-        tokens = corpus.tokens(tokenizer, cfg)
-        split = int(len(tokens) * (1 - cfg.val_fraction))
-        need, unit = seq_len + 1, tokenizer.unit
-        if split < need or len(tokens) - split < need:
-            raise DataError(
-                f"data.paths: the corpus has {len(tokens)} {unit}, too short for one training and one "
-                f"validation sequence of {need} {unit} (val_fraction={cfg.val_fraction}); "
-                "add text or lower data.seq_len"
-            )
-        identity = text_identity(corpus.files, cache_checksum(Path(tokens.filename)), tokenizer.name, seq_len,
-                                 float(cfg.val_fraction))
-        return DataBundle(TokenWindows(tokens[:split], seq_len), TokenWindows(tokens[split:], seq_len), True, seq_len,
-                          "data=text", identity)
-    if cfg.kind == "shards":
-        return _shards(cfg, model_cfg)
-    if "vocab_size" in model_cfg:
-        seq_len = int(cfg.seq_len)
-        make = lambda n, s: SyntheticTokens(n, model_cfg.vocab_size, seq_len, s)  # noqa: E731
-        return DataBundle(make(cfg.num_samples, cfg.data_seed), make(1024, cfg.data_seed + 1), True, seq_len,
-                          "data=synthetic", _synthetic_identity(cfg, {"data.seq_len": seq_len}))
-    in_f, classes = (model_cfg.get(key, getattr(MLPConfig, key)) for key in ("in_features", "out_features"))
-    seed = cfg.data_seed
-    train = SyntheticClassification(cfg.num_samples, in_f, classes, task_seed=seed, input_seed=seed + 1)
-    val = SyntheticClassification(4096, in_f, classes, task_seed=seed, input_seed=seed + 2)
-    return DataBundle(train, val, False, 1, "data=synthetic", _synthetic_identity(cfg, {}))
+def build_datasets(section: Mapping[str, Any], lm_model: bool) -> DataBundle:
+    """Train and held-out datasets shaped for the model, from the data section's `_target_` called with its keys
+    (less the loader's): trainflow's options return a DataBundle, a user's factory (train, val) datasets."""
+    target = str(section["_target_"])
+    kwargs = {k: v for k, v in section.items() if k not in (*LOADER_KEYS, "_target_")}
+    made = call_target("data", target, kwargs, WHAT["data"])
+    if isinstance(made, DataBundle):
+        return made
+    train, val = user_datasets(made, target, section.get("collate_fn"))
+    identity = settings_identity(target, {
+        "data (train samples)": len(train) if not isinstance(train, IterableSource) else None,
+        "data (val samples)": len(val) if val is not None else None}, getattr(train.dataset, "data_identity", None))
+    return DataBundle(train, val, lm_model, int(section.get("seq_len") or 1), target, identity)
 
 
-def _synthetic_identity(cfg: DictConfig, shape: dict[str, int]) -> Identity:
+def text_data(paths: list[str] | None, suffixes: list[str], val_fraction: float, cache_dir: str,
+              tokenizer: Mapping[str, Any] | None, seq_len: int, model_vocab_size: int | None = None) -> DataBundle:
+    """data=text: a corpus of text files tokenized once into a cache, cut into windows of `seq_len` tokens; the last
+    `val_fraction` of the tokens held out."""
+    corpus = Corpus.of({"paths": paths, "suffixes": suffixes})
+    tok = corpus.tokenizer(tokenizer)
+    tok.check_fits(model_vocab_size)
+    tokens = corpus.tokens(tok, {"cache_dir": cache_dir})
+    split = int(len(tokens) * (1 - val_fraction))
+    need, unit = seq_len + 1, tok.unit
+    if split < need or len(tokens) - split < need:
+        raise DataError(
+            f"data.paths: the corpus has {len(tokens)} {unit}, too short for one training and one "
+            f"validation sequence of {need} {unit} (val_fraction={val_fraction}); add text or lower data.seq_len"
+        )
+    identity = text_identity(corpus.files, cache_checksum(Path(tokens.filename)), tok.name, seq_len,
+                             float(val_fraction))
+    return DataBundle(TokenWindows(tokens[:split], seq_len), TokenWindows(tokens[split:], seq_len), True, seq_len,
+                      "data=text", identity)
+
+
+def synthetic_data(num_samples: int, data_seed: int, seq_len: int, vocab_size: int | None = None,
+                   in_features: int | None = None, out_features: int | None = None) -> DataBundle:
+    """data=synthetic: random tokens of the model's vocabulary (a language model: `vocab_size` set), else features
+    for its `in_features` labelled by a fixed random teacher into `out_features` classes (MLP's defaults when
+    unset)."""
+    if vocab_size is not None:
+        make = lambda n, s: SyntheticTokens(n, vocab_size, seq_len, s)  # noqa: E731
+        return DataBundle(make(num_samples, data_seed), make(1024, data_seed + 1), True, seq_len, "data=synthetic",
+                          _synthetic_identity(num_samples, data_seed, {"data.seq_len": seq_len}))
+    in_f = MLPConfig.in_features if in_features is None else in_features
+    classes = MLPConfig.out_features if out_features is None else out_features
+    train = SyntheticClassification(num_samples, in_f, classes, task_seed=data_seed, input_seed=data_seed + 1)
+    val = SyntheticClassification(4096, in_f, classes, task_seed=data_seed, input_seed=data_seed + 2)
+    return DataBundle(train, val, False, 1, "data=synthetic", _synthetic_identity(num_samples, data_seed, {}))
+
+
+def _synthetic_identity(num_samples: int, data_seed: int, shape: dict[str, int]) -> Identity:
     """Synthetic samples are their settings: the same size and seed draw the same samples."""
-    return settings_identity("data=synthetic", {"data.num_samples": int(cfg.num_samples),
-                                                "data.data_seed": int(cfg.data_seed), **shape})
+    return settings_identity("data=synthetic", {"data.num_samples": int(num_samples), "data.data_seed": int(data_seed),
+                                                **shape})
 
 
-def _shards(cfg: DictConfig, model_cfg: DictConfig) -> DataBundle:
-    """data=shards: the prepared folder's windows, its tokens checked against the model's vocabulary."""
+def shards_data(path: str | None, seq_len: int, val_fraction: float,
+                model_vocab_size: int | None = None) -> DataBundle:
+    """data=shards: the windows of the folder `trainflow prepare --out` wrote, its tokens checked against the
+    model's vocabulary."""
     from trainflow.data.shards import check_vocab, shard_datasets
 
-    if not cfg.path:
+    if not path:
         raise ConfigError("data.path: data=shards needs the folder `trainflow prepare --out` wrote; set data.path")
-    train, val, manifest = shard_datasets(Path(cfg.path).expanduser(), int(cfg.seq_len), float(cfg.val_fraction))
-    check_vocab(manifest, model_cfg.get("vocab_size"), cfg.path)
-    return DataBundle(train, val, True, int(cfg.seq_len), "data=shards",
-                      shards_identity(manifest, int(cfg.seq_len), float(cfg.val_fraction)))
+    train, val, manifest = shard_datasets(Path(path).expanduser(), seq_len, float(val_fraction))
+    check_vocab(manifest, model_vocab_size, path)
+    return DataBundle(train, val, True, seq_len, "data=shards", shards_identity(manifest, seq_len, float(val_fraction)))

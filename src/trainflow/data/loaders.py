@@ -6,7 +6,6 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
-from omegaconf import DictConfig
 from torch.utils.data import DataLoader, Dataset
 
 from trainflow.data.iterable import IterableBatches, IterableSource
@@ -93,9 +92,10 @@ class Batches:
 
 
 def make_loader(
-    dataset: Dataset, sampler: StreamSampler, cfg: DictConfig, pin_memory: bool
+    dataset: Dataset, sampler: StreamSampler, data: Mapping[str, Any], pin_memory: bool
 ) -> Iterable[Batch]:
-    """A loader over whole micro-batches: the sampler yields index lists the dataset gathers at once.
+    """A loader over whole micro-batches, as the data section's loader keys say: the sampler yields index lists the
+    dataset gathers at once.
 
     Pinning comes last (cutting a pinned batch to a length would copy it back into pageable memory); with
     workers and no cutting, DataLoader pins in its own thread instead. An iterable dataset's loader reads this
@@ -103,23 +103,23 @@ def make_loader(
     """
     loader: Iterable[Batch]
     if isinstance(dataset, IterableSource):  # the user's stream: batched by torchdata, sharded by rank and worker
-        return IterableBatches(dataset, sampler.rank, sampler.world_size, sampler.batch_size, cfg, pin_memory)
-    seq_lens = cfg.get("seq_lens")
-    if cfg.num_workers == 0:
+        return IterableBatches(dataset, sampler.rank, sampler.world_size, sampler.batch_size, data, pin_memory)
+    seq_lens, workers = data.get("seq_lens"), data["num_workers"]
+    if workers == 0:
         loader = InProcessBatches(dataset, sampler)
     else:
         loader = DataLoader(
             dataset,
             batch_size=None,
             sampler=sampler,
-            num_workers=cfg.num_workers,
+            num_workers=workers,
             pin_memory=pin_memory and not seq_lens,
-            persistent_workers=cfg.persistent_workers,
-            prefetch_factor=cfg.prefetch_factor,
+            persistent_workers=data["persistent_workers"],
+            prefetch_factor=data["prefetch_factor"],
         )
         loader = Batches(loader)
     if seq_lens:
         loader = VariableLengths(loader, list(seq_lens), sampler)
-    if pin_memory and (cfg.num_workers == 0 or seq_lens):
+    if pin_memory and (workers == 0 or seq_lens):
         loader = Pinned(loader)
     return loader

@@ -8,14 +8,13 @@ import itertools
 import logging
 import os
 import sysconfig
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 import numpy as np
 import torch
-from omegaconf import DictConfig
 from torch.utils.data import Dataset
 
 from trainflow.data.tokenizers import Tokenizer, build_once, build_tokenizer
@@ -76,33 +75,34 @@ class Corpus:
     key: str
 
     @classmethod
-    def of(cls, cfg: DictConfig) -> Corpus:
-        paths = [Path(p).expanduser() for p in cfg.paths] if cfg.paths is not None else default_corpus()
-        files = list_files(paths, list(cfg.suffixes))
+    def of(cls, data: Mapping[str, Any]) -> Corpus:
+        """The files of a data=text section (its `paths`, `suffixes`)."""
+        paths = [Path(p).expanduser() for p in data["paths"]] if data["paths"] is not None else default_corpus()
+        files = list_files(paths, list(data["suffixes"]))
         key = hashlib.sha256()
         for f in files:
             st = f.stat()
             key.update(f"{f}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
         return cls(files, key.hexdigest())
 
-    def tokenizer(self, settings: DictConfig | None) -> Tokenizer:
+    def tokenizer(self, settings: Mapping[str, Any] | None) -> Tokenizer:
         """The run's tokenizer; a BPE is trained on (the start of) this corpus."""
         return build_tokenizer(settings, f"text\0{self.key}", lambda: (p for f in self.files for p in _pieces(f)))
 
-    def tokens(self, tokenizer: Tokenizer, cfg: DictConfig) -> np.ndarray:
+    def tokens(self, tokenizer: Tokenizer, data: Mapping[str, Any]) -> np.ndarray:
         """The corpus's tokens, cached once as a file (keyed by the corpus and the tokenizer) and memory-mapped.
 
         The cache is written a bounded piece at a time, so a corpus larger than memory is tokenized in bounded
         memory; training then reads it through the memory map, page by page. Bytes are cached as the files' bytes.
         """
-        cache_dir = Path(cfg.cache_dir).expanduser()
+        cache_dir = Path(data["cache_dir"]).expanduser()
         if tokenizer.encoder is None:
             cache = cache_dir / f"{self.key[:20]}.bin"
             if not cache.exists():
-                _write_cache(self.files, cache, cfg.cache_dir)
+                _write_cache(self.files, cache, data["cache_dir"])
         else:
             cache = cache_dir / f"{self.key[:20]}-{tokenizer.name}.bin"
-            if build_once(cache, lambda tmp: _encode(self.files, tmp, tokenizer), "data.cache_dir", cfg.cache_dir):
+            if build_once(cache, lambda tmp: _encode(self.files, tmp, tokenizer), "data.cache_dir", data["cache_dir"]):
                 log.info("tokenized %d files into %d tokens in %s", len(self.files),
                          cache.stat().st_size // tokenizer.dtype.itemsize, cache)
         if cache.stat().st_size == 0:
@@ -110,10 +110,10 @@ class Corpus:
         return np.memmap(cache, dtype=tokenizer.dtype, mode="r")
 
 
-def load_tokens(cfg: DictConfig) -> np.ndarray:
-    """The corpus of the data section `cfg`, tokenized with its tokenizer (bytes when it names none)."""
-    corpus = Corpus.of(cfg)
-    return corpus.tokens(corpus.tokenizer(cfg.get("tokenizer")), cfg)
+def load_tokens(data: Mapping[str, Any]) -> np.ndarray:
+    """The corpus of a data=text section, tokenized with its tokenizer (bytes when it names none)."""
+    corpus = Corpus.of(data)
+    return corpus.tokens(corpus.tokenizer(data.get("tokenizer")), data)
 
 
 def _pieces(path: Path) -> Iterator[str]:

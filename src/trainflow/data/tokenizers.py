@@ -32,7 +32,6 @@ BYTE_VOCAB = 256
 END_OF_TEXT = "<|endoftext|>"  # bpe: the special token between documents (id 0)
 # What a user's tokenizer.json may call the token that ends a document.
 END_TOKENS = (END_OF_TEXT, "</s>", "<eos>", "[SEP]")
-KINDS = ("bytes", "bpe", "file")
 
 
 def import_hf(module: str, key: str) -> ModuleType:
@@ -109,10 +108,8 @@ def build_tokenizer(settings: TokenizerConfig | Mapping[str, Any] | None, corpus
     `corpus_key` names the training text (its files, sizes and times, and what is read of them); `training_text`
     yields it, and is called only when a BPE for that corpus and these settings is not cached yet.
     """
-    settings = typed(settings or {}, TokenizerConfig)  # the schema's defaults fill what the section leaves out
+    settings = typed(settings or {}, TokenizerConfig, "tokenizer")  # the schema's defaults fill what it leaves out
     kind = settings.kind
-    if kind not in KINDS:
-        raise ConfigError(f"tokenizer.kind: must be one of {', '.join(KINDS)}; got {kind!r}")
     if kind == "bytes":
         vocab = settings.vocab_size
         if vocab != BYTE_VOCAB:

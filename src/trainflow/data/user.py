@@ -15,11 +15,9 @@ from functools import partial
 from typing import Any
 
 import torch
-from omegaconf import DictConfig, OmegaConf
 from torch.utils.data import Dataset, IterableDataset, default_collate
 
-from trainflow.config.schema import LOADER_KEYS
-from trainflow.config.targets import WHAT, bound_callable, call_target
+from trainflow.config.targets import bound_callable
 from trainflow.data.iterable import IterableSource
 from trainflow.errors import ConfigError, DataError
 
@@ -48,15 +46,12 @@ def batched(collate: Callable[[list], Any], items: list, name: str) -> Any:
                         "batches them") from None
 
 
-def user_datasets(cfg: DictConfig) -> tuple[Collated | IterableSource, Collated | None]:
-    """Call `data._target_` and wrap what it returns; a return that is not datasets is one line naming the key."""
-    section = OmegaConf.to_container(cfg, resolve=True)
-    target = section["_target_"]
-    kwargs = {k: v for k, v in section.items() if k not in (*LOADER_KEYS, "_target_")}
-    made = call_target("data", target, kwargs, WHAT["data"])
+def user_datasets(made: Any, target: str, collate_fn: Any) -> tuple[Collated | IterableSource, Collated | None]:
+    """What the factory `target` returned, as datasets read a micro-batch at a time (`collate_fn`: the data
+    section's, a section with its own `_target_`); a return that is not datasets is one line naming the key."""
     train, val, collate = _parts(made, target)
-    if section.get("collate_fn") is not None:
-        collate = _configured_collate(section["collate_fn"])
+    if collate_fn is not None:
+        collate = _configured_collate(collate_fn)
     collate = collate or default_collate
     if isinstance(val, IterableDataset):
         val = list(val)  # read once: every evaluation takes the same held-out items, by index

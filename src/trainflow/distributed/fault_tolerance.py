@@ -169,15 +169,15 @@ class FaultTolerance(Stage):
                  grad_accum: int, checkpoints: bool = False) -> None:
         self.enabled = parallelism.fault_tolerance == TORCHFT
         self.checkpoints = checkpoints  # checkpoint.enabled: a group that stops for want of a quorum saves first
-        self.ft = parallelism.ft
+        self.ft = parallelism.ft  # None in a run without fault tolerance
         self.env = env
         self.run_dir = run_dir
         self.grad_accum = grad_accum
         self._behind = 0  # micro-batches of steps taken from a peer that an iterable stream has yet to skip
-        self.group_batch = global_batch // max(self.ft.replica_groups, 1)  # one group's share of a step
+        self.group_batch = global_batch // replica_groups(parallelism)  # one group's share of a step
         self.manager: Any = None
         self._state: LoopState | None = None
-        self._present = self.ft.replica_groups  # groups in the current quorum
+        self._present = replica_groups(parallelism)  # groups in the current quorum
         self.shrunk_steps = 0  # steps trained with fewer groups than replica_groups
         self.missed_samples = 0  # the absent groups' shares of those steps
         self.uncommitted: list[int] = []  # steps whose update was dropped (a group lost inside the step)

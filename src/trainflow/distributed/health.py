@@ -15,7 +15,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from omegaconf import DictConfig, OmegaConf
 
 import trainflow
 from trainflow.distributed.failures import rank_list
@@ -31,11 +30,6 @@ _MUST_AGREE = {
 }
 _SAME_CONFIG = ("every rank must compose the same config: look for an environment variable, a config folder or an "
                 "override that differs between nodes or ranks (the run's config.yaml is rank 0's)")
-
-
-def composed_config(cfg: DictConfig) -> dict[str, Any]:
-    """The config as this rank composed it, resolved (taken before the rank fixes anything in it)."""
-    return OmegaConf.to_container(cfg, resolve=True)
 
 
 def check_ranks_agree(composed: dict[str, Any], device: torch.device, rank: int, world_size: int) -> None:

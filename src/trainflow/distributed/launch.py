@@ -4,7 +4,7 @@ Who starts the ranks:
 - `parallelism=single`: one process, no process group.
 - `python train.py parallelism=ddp|fsdp|hsdp|auto parallelism.nproc_per_node=N`: `launch` starts N local workers
   through torch's elastic agent (`elastic_launch`, c10d rendezvous on a free localhost port). The workers get
-  the composed, resolved config and the run directory the launching process chose, so Hydra runs once and
+  the typed config and the run directory the launching process chose, so Hydra runs once (and validation) and
   there is one run directory. Rank 0's summary is returned to the launching process; a failure on any rank
   comes back as one `TrainflowError` naming the rank, with that rank's traceback. On CPU the workers are
   forked (torch is already imported: each start costs milliseconds, not seconds of imports); with CUDA they
@@ -31,9 +31,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from omegaconf import DictConfig, OmegaConf
 
 from trainflow.checkpoint.stopping import EXIT_STOPPED, catch_stop_signals
+from trainflow.config.schema import RunConfig
 from trainflow.distributed.failures import WorkerError, explain_worker_failure, record_failure
 from trainflow.distributed.mesh import env_rank
 from trainflow.distributed.process_group import (
@@ -59,7 +59,7 @@ def launched() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
-def should_launch(cfg: DictConfig) -> bool:
+def should_launch(cfg: RunConfig) -> bool:
     """ddp/fsdp/hsdp typed without a launcher (auto: for more than one process): this process starts them."""
     p = cfg.parallelism
     if resolve_nproc(p, resolve_device(cfg.trainer.device, 0)) == 1:  # one rank (a group of one): trains here
@@ -74,7 +74,7 @@ _AGENT_STOPPING = "agent-stopping"  # left next to the workers' pids when the ag
 _AGENT_STOPPING_EVERY_S = 0.1  # how often a finished worker looks for that mark
 
 
-def launch(cfg: DictConfig, run_dir: Path) -> dict[str, Any] | None:
+def launch(cfg: RunConfig, run_dir: Path) -> dict[str, Any] | None:
     """Start parallelism.nproc_per_node workers running `run(cfg, run_dir)`; return rank 0's summary."""
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -87,7 +87,6 @@ def launch(cfg: DictConfig, run_dir: Path) -> dict[str, Any] | None:
     if note := cpu_group_note(p, device):
         log.info(note)
     log.info("starting %d %s workers on %s (%s)", nproc, p.strategy, device.type, resolve_backend(p, device))
-    container = OmegaConf.to_container(cfg, resolve=True)
     logging.getLogger("torch.distributed.elastic").setLevel(logging.WARNING)
     for name in ("torch.distributed.elastic.multiprocessing.api", "torch.multiprocessing.spawn"):
         logging.getLogger(name).setLevel(logging.CRITICAL)  # the failure explained below says it all
@@ -103,7 +102,7 @@ def launch(cfg: DictConfig, run_dir: Path) -> dict[str, Any] | None:
         stop = None
         try:
             with _repeated_stops_quiet(SignalException):
-                elastic_launch(config, _worker)(container, str(run_dir), str(pids))
+                elastic_launch(config, _worker)(cfg, str(run_dir), str(pids))
         except ChildFailedError as exc:
             raise explain_worker_failure(exc, Path(logs), hang_report(run_dir, started)) from None
         except SignalException as exc:
@@ -232,8 +231,8 @@ def _interrupt_once(_signum: int, _frame: Any) -> None:
     raise KeyboardInterrupt
 
 
-def _worker(container: dict, run_dir: str, pids: str) -> None:
-    """One self-launched rank: the parent's config and run directory, no Hydra."""
+def _worker(cfg: RunConfig, run_dir: str, pids: str) -> None:
+    """One self-launched rank: the parent's typed config and run directory, no Hydra."""
     Path(pids, str(os.getpid())).touch()  # for _workers_watched
     signal.set_wakeup_fd(-1)  # a forked worker's own signals are not the agent's (see _workers_watched)
     mark_self_launched()
@@ -242,15 +241,12 @@ def _worker(container: dict, run_dir: str, pids: str) -> None:
     for name in ("SIGTERM", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2"):
         signal.signal(getattr(signal, name), signal.SIG_DFL)
     signal.signal(signal.SIGINT, _interrupt_once)
-    checkpoint = container["checkpoint"]
-    catch_stop_signals(checkpoint["stop_signals"], checkpoint["enabled"], speak=False)  # the launcher speaks
+    catch_stop_signals(cfg.checkpoint.stop_signals, cfg.checkpoint.enabled, speak=False)  # the launcher speaks
     try:
         rank = env_rank()
         _configure_worker_logging(Path(run_dir), rank)
         if "OMP_NUM_THREADS" not in os.environ:  # share the cores, as torchrun does
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["LOCAL_WORLD_SIZE"])))
-        cfg = OmegaConf.create(container)
-        OmegaConf.set_struct(cfg, True)
         run(cfg, Path(run_dir))
     except (KeyboardInterrupt, SystemExit):
         raise

@@ -34,14 +34,14 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from omegaconf import DictConfig
 from torch import nn
 
+from trainflow.config.schema import FSDPConfig
 from trainflow.distributed.mesh import SHARDED
 from trainflow.distributed.parallelism import saved_ops, shard_units
 from trainflow.distributed.tensor import gathered_inputs, shard_dims, tp_plan
@@ -132,7 +132,7 @@ def sharded_bytes(shape: torch.Size, element_size: int, shard_size: int) -> int:
     return shard_rows(shape[0], shard_size) * rest * element_size
 
 
-def optimizer_state(model: nn.Module, optim_cfg: DictConfig) -> tuple[list[int], int]:
+def optimizer_state(model: nn.Module, optim_cfg: Mapping[str, Any]) -> tuple[list[int], int]:
     """Bytes of the optimizer state of each of `model.parameters()` that scale with it, and the scalar bytes,
     exactly: one step of the configured optimizer on a meta-device copy."""
     from trainflow.optim import build_optimizer
@@ -217,7 +217,7 @@ def kept_outputs(model: nn.Module, example: Any, task: Callable[[nn.Module, Any]
     return kept
 
 
-def model_facts(model: nn.Module, optim_cfg: DictConfig, fsdp_cfg: DictConfig, example: tuple | None = None,
+def model_facts(model: nn.Module, optim_cfg: Mapping[str, Any], fsdp_cfg: FSDPConfig, example: tuple | None = None,
                 task: Callable | None = None, autocast: Any = None, tp_target: Any = None) -> ModelFacts:
     """Everything the table needs from this model (the same on every rank); without an example (a model on the
     meta device) the activations are left at 0."""

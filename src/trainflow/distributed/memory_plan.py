@@ -27,9 +27,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from omegaconf import DictConfig
 from torch import nn
 
+from trainflow.config.schema import ParallelismConfig, RunConfig
 from trainflow.distributed.memory_estimate import GB, ITEMS, Layout, ModelFacts, estimate, local_bytes, model_facts
 from trainflow.distributed.parallelism import fsdp_dtypes
 from trainflow.distributed.pipeline import stages_per_rank
@@ -103,7 +103,7 @@ def pp_degrees(blocks: int, world_size: int, schedule: str) -> tuple[int, ...]:
                  if world_size % p == 0 and blocks and blocks % (p * stages_per_rank(schedule)) == 0)
 
 
-def tp_degrees(facts: ModelFacts, model_cfg: Any, world_size: int, ranks_per_node: int) -> tuple[int, ...]:
+def tp_degrees(facts: ModelFacts, model_cfg: dict[str, Any], world_size: int, ranks_per_node: int) -> tuple[int, ...]:
     """The TP degrees auto may use: within a node, dividing the world and, for a model with heads, its heads
     and hidden size (each TP rank takes whole heads and an equal share of the hidden units)."""
     if facts.tp_dims is None:
@@ -245,16 +245,14 @@ class AutoPlan:
     plan: Plan
     baseline: int  # resident bytes (CPU) when the plan was made
     resident_model: int  # the model's bytes the baseline already held
-    parallelism: dict[str, Any]  # the decision, as values of the parallelism section
+    parallelism: ParallelismConfig  # the section as decided: strategy, tp, activation checkpointing, HSDP mesh
     batch_size: int  # the per-rank micro-batch of the chosen layout (trainer.batch_size)
 
 
-def apply_auto(cfg: DictConfig, env: Any, model: nn.Module, example: Any, task: Callable) -> tuple[Any, AutoPlan]:
-    """parallelism=auto: measure and decide. The plan's `parallelism` is the decision (strategy, activation
+def apply_auto(cfg: RunConfig, env: Any, model: nn.Module, example: Any, task: Callable) -> tuple[Any, AutoPlan]:
+    """parallelism=auto: measure and decide. The plan's `parallelism` is the section as decided (strategy, activation
     checkpointing, the HSDP mesh) for the run to record in its config, so that everything after it sees a plain
     ddp/fsdp/hsdp run. Returns the env with the strategy."""
-    from dataclasses import replace
-
     p, t = cfg.parallelism, cfg.trainer
     autocast = autocast_for(env.device, t.precision)
     facts = model_facts(model, cfg.optim, p.fsdp, example, task, autocast, p.tp_plan)
@@ -290,11 +288,10 @@ def apply_auto(cfg: DictConfig, env: Any, model: nn.Module, example: Any, task: 
     plan.excluded = excluded
     plan.reason = why_pipeline(plan) or why_tensor_parallel(plan, excluded, global_batch, t.grad_accum)
     mode = ("selective" if choice.selective else "full") if choice.checkpointing else "off"
-    decision: dict[str, Any] = {"strategy": choice.strategy, "tp": choice.tp, "pp": choice.pp,
-                                "activation_checkpointing": mode}
+    decision = replace(p, strategy=choice.strategy, tp=choice.tp, pp=choice.pp, activation_checkpointing=mode)
     if choice.strategy == "hsdp":
-        decision["hsdp"] = {"shard_size": choice.shard_size,
-                            "replicate_size": env.world_size // choice.tp // choice.shard_size}
+        decision.hsdp = replace(p.hsdp, shard_size=choice.shard_size,
+                                replicate_size=env.world_size // choice.tp // choice.shard_size)
     if env.is_main:
         if facts.wrap_note:
             log.warning(facts.wrap_note)
@@ -307,14 +304,14 @@ def apply_auto(cfg: DictConfig, env: Any, model: nn.Module, example: Any, task: 
             AutoPlan(plan, reset_peak(env.device), resident, decision, choice.batch or t.batch_size))
 
 
-def global_batch_of(cfg: DictConfig, world_size: int) -> int:
+def global_batch_of(cfg: RunConfig, world_size: int) -> int:
     """The samples of one optimizer step auto keeps whatever it chooses: parallelism.global_batch, else what
     trainer.batch_size gives on every rank of the world (a TP group then reads tp of them per micro-step)."""
     p, t = cfg.parallelism, cfg.trainer
     return p.global_batch if p.global_batch is not None else t.batch_size * world_size * t.grad_accum
 
 
-def probe_ranks(cfg: DictConfig, world_size: int) -> int:
+def probe_ranks(cfg: RunConfig, world_size: int) -> int:
     """The data-parallel ranks the activations are measured for, before the decision: the most (the fewest TP
     ranks within a node) that divide the global batch; the world when none does (per_rank_batch then says so)."""
     per_node = world_size // node_count(world_size)

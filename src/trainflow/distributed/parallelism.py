@@ -40,7 +40,6 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-from omegaconf import DictConfig
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -56,7 +55,7 @@ log = logging.getLogger(__name__)
 _DTYPES = {None: None, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def parallelize(model: nn.Module, cfg: ParallelismConfig | DictConfig, env: DistEnv,
+def parallelize(model: nn.Module, cfg: ParallelismConfig, env: DistEnv,
                 precision: str = "fp32", fp8_recipe: str = "tensorwise") -> nn.Module:
     """Pipeline stages, tensor parallel, float8 layers, activation checkpointing, then DDP or FSDP2 for the chosen
     strategy; one process trains the model as is (float8 layers and checkpointing aside)."""
@@ -96,7 +95,7 @@ def _float8(model: nn.Module, precision: str, recipe: str, sharded: bool) -> Non
              ", float8 all-gather" * (sharded and recipe == "tensorwise"))
 
 
-def _wrap(model: nn.Module, cfg: ParallelismConfig | DictConfig, env: DistEnv, precision: str, recipe: str,
+def _wrap(model: nn.Module, cfg: ParallelismConfig, env: DistEnv, precision: str, recipe: str,
           found: MeshLayout, mesh: DeviceMesh) -> nn.Module:
     """The model (or one pipeline stage) split by TP, its linear layers in float8 (trainer.precision=fp8 with
     trainer.fp8_recipe), checkpointed, then wrapped for data parallel."""
@@ -166,7 +165,7 @@ def selective_context() -> Any:
     return create_selective_checkpoint_contexts(policy)
 
 
-def checkpoint_activations(model: nn.Module, cfg: ParallelismConfig | DictConfig) -> None:
+def checkpoint_activations(model: nn.Module, cfg: ParallelismConfig) -> None:
     """Activation checkpointing as parallelism.activation_checkpointing says (names and state dicts unchanged)."""
     mode = cfg.activation_checkpointing
     if mode == "budget":
@@ -230,7 +229,7 @@ def fsdp_dtypes(param_dtype: str | None, reduce_dtype: str | None, precision: st
     return param, reduce
 
 
-def shard(model: nn.Module, cfg: FSDPConfig | DictConfig, env: DistEnv, precision: str = "fp32",
+def shard(model: nn.Module, cfg: FSDPConfig, env: DistEnv, precision: str = "fp32",
           mesh: DeviceMesh | None = None) -> nn.Module:
     """FSDP2: `fully_shard` each unit (blocks, or modules by size), then the root, over one device mesh (FSDP: one
     dimension; HSDP: replicate x shard)."""

@@ -44,10 +44,11 @@ class ParityCheck(Stage):
     phase = Phase.OBSERVE
     summary_key = "parallelism.check"  # the parallel layout's part of the summary holds its verdict
 
-    def __init__(self, parallelism: ParallelismConfig, trainer: TrainerConfig, optim: dict[str, Any], data: Any,
+    def __init__(self, parallelism: ParallelismConfig, trainer: TrainerConfig, optim: dict[str, Any],
+                 data: dict[str, Any],
                  env: DistEnv, model: nn.Module, dataset: Any,
                  task: Callable[[nn.Module, Any], tuple[torch.Tensor, dict]]) -> None:
-        """`data`: the run's data section as composed (its loader keys: num_workers, seq_lens, ...)."""
+        """`data`: the run's data section (its loader keys: num_workers, seq_lens, ...)."""
         if is_parallelized(model):
             raise RuntimeError("ParityCheck copies the model before parallelize() wraps or shards it")
         p, t = parallelism, trainer

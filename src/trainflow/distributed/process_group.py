@@ -17,11 +17,10 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from omegaconf import DictConfig
 
-from trainflow.config.schema import WatchdogConfig
+from trainflow.config.schema import ParallelismConfig, RunConfig, WatchdogConfig, plain
 from trainflow.distributed.failures import linger_if_peer_lost, record_failure
-from trainflow.distributed.health import check_ranks_agree, composed_config
+from trainflow.distributed.health import check_ranks_agree
 from trainflow.distributed.mesh import (
     CPU_GROUP_RANKS,
     GROUP_STRATEGIES,
@@ -118,7 +117,7 @@ def cuda_index(local_rank: int, local_world_size: int, visible: int, bound_per_t
     return local_rank
 
 
-def resolve_backend(cfg: DictConfig, device: torch.device) -> str:
+def resolve_backend(cfg: ParallelismConfig, device: torch.device) -> str:
     if cfg.backend == "nccl" and device.type != "cuda":
         raise ConfigError(f"parallelism.backend: nccl needs CUDA GPUs, but this run is on {device.type}; "
                           "use parallelism.backend=gloo (or auto)")
@@ -134,14 +133,14 @@ def check_nproc(nproc: int, device_type: str, gpus: int) -> None:
                           f"{'is' if gpus == 1 else 'are'} visible; set parallelism.nproc_per_node={gpus} (or auto)")
 
 
-def resolve_nproc(cfg: DictConfig, device: torch.device) -> int:
+def resolve_nproc(cfg: ParallelismConfig, device: torch.device) -> int:
     gpus = torch.cuda.device_count() if device.type == "cuda" else 0
     nproc = local_ranks(cfg.strategy, cfg.nproc_per_node, gpus)
     check_nproc(nproc, device.type, gpus)
     return nproc
 
 
-def cpu_group_note(cfg: DictConfig, device: torch.device) -> str | None:
+def cpu_group_note(cfg: ParallelismConfig, device: torch.device) -> str | None:
     """Why an auto-sized group runs on CPU processes, said once by the process that starts them."""
     if cfg.nproc_per_node != "auto" or device.type != "cpu" or cfg.strategy not in GROUP_STRATEGIES:
         return None
@@ -150,7 +149,7 @@ def cpu_group_note(cfg: DictConfig, device: torch.device) -> str | None:
             "set parallelism.nproc_per_node=N for another number")
 
 
-def check_world_size(cfg: DictConfig, world_size: int, started_by: str) -> None:
+def check_world_size(cfg: ParallelismConfig, world_size: int, started_by: str) -> None:
     """single trains in exactly one process; ddp/fsdp/hsdp on one rank train in a group of one, and say so."""
     if cfg.strategy == "single" and world_size > 1:
         raise ConfigError(f"parallelism.strategy: single trains in one process, but {started_by} started "
@@ -162,7 +161,7 @@ def check_world_size(cfg: DictConfig, world_size: int, started_by: str) -> None:
                  "nothing to shard across" if cfg.strategy in SHARDED else "nothing to average with")
 
 
-def per_rank_batch(cfg: DictConfig, world_size: int) -> int:
+def per_rank_batch(cfg: RunConfig, world_size: int) -> int:
     """trainer.batch_size, or the share of parallelism.global_batch each rank takes per micro-step; `world_size`:
     the data-parallel ranks (a TP group shares one batch)."""
     global_batch = cfg.parallelism.global_batch
@@ -177,15 +176,16 @@ def per_rank_batch(cfg: DictConfig, world_size: int) -> int:
     return global_batch // parts
 
 
-def bf16_warning(cfg: DictConfig, device: torch.device, flags: frozenset[str] | None = None) -> str | None:
+def bf16_warning(cfg: RunConfig, device: torch.device, flags: frozenset[str] | None = None) -> str | None:
     """A warning when bf16 is asked for (the step's autocast, FSDP2's dtypes) on a CPU without native bf16."""
     keys = ["trainer.precision"] if cfg.trainer.precision == "bf16" else []
     if cfg.parallelism.strategy in SHARDED:
-        keys += [f"parallelism.fsdp.{k}" for k in ("param_dtype", "reduce_dtype") if cfg.parallelism.fsdp[k] == "bf16"]
+        keys += [f"parallelism.fsdp.{k}" for k in ("param_dtype", "reduce_dtype")
+                 if getattr(cfg.parallelism.fsdp, k) == "bf16"]
     return emulated_bf16_warning(keys, device, flags)
 
 
-def _preflight(cfg: DictConfig, device: torch.device, world_size: int, local_world_size: int, started_by: str) -> str:
+def _preflight(cfg: RunConfig, device: torch.device, world_size: int, local_world_size: int, started_by: str) -> str:
     """Every check that needs the world size or the hardware; returns the backend. Warnings once per run."""
     p = cfg.parallelism
     if cfg.trainer.precision == "fp8":
@@ -208,7 +208,7 @@ def _preflight(cfg: DictConfig, device: torch.device, world_size: int, local_wor
                 log.warning(warning)
         if p.check and cfg.model.get("dropout"):
             log.warning("parallelism.check: model.dropout=%s draws different masks on each rank than in one "
-                        "process, so the check cannot match; set model.dropout=0 for the check", cfg.model.dropout)
+                        "process, so the check cannot match; set model.dropout=0 for the check", cfg.model["dropout"])
     return backend
 
 
@@ -253,7 +253,7 @@ def _store(rank: int, world_size: int, timeout: timedelta) -> dist.Store:
     return dist.PrefixStore(f"trainflow/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", base)
 
 
-def setup(cfg: DictConfig) -> DistEnv:
+def setup(cfg: RunConfig) -> DistEnv:
     """Join the process group the launcher prepared (or stay a single process)."""
     p = cfg.parallelism
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
@@ -262,7 +262,7 @@ def setup(cfg: DictConfig) -> DistEnv:
     device = resolve_device(cfg.trainer.device, local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     started_by = "trainflow" if _self_launched else "the launcher"
     backend = _preflight(cfg, device, world_size, int(os.environ.get("LOCAL_WORLD_SIZE", "1")), started_by)
-    composed = composed_config(cfg) if world_size > 1 else {}
+    composed = plain(cfg) if world_size > 1 else {}  # as this rank composed it (before the run decides anything)
     if rank != 0:
         logging.getLogger("trainflow").setLevel(logging.WARNING)  # rank 0 speaks; the others only warn
     if device.type == "cuda":
@@ -288,7 +288,7 @@ def teardown(env: DistEnv) -> None:
 
 
 @contextlib.contextmanager
-def process_group(cfg: DictConfig) -> Iterator[DistEnv]:
+def process_group(cfg: RunConfig) -> Iterator[DistEnv]:
     """This process as one rank: set up, record any failure for the launcher, always tear down."""
     env = None
     try:

@@ -17,9 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import OmegaConf
 
-from trainflow.config.schema import TrainerConfig
+from trainflow.config.schema import RunConfig, TrainerConfig, plain
 from trainflow.config.targets import arguments, call, import_target
 from trainflow.loggers.process import ANSWER_TIMEOUT_S, LOGGER_CLASS, ProcessLogger
 from trainflow.util.rundir import run_identity
@@ -69,11 +69,10 @@ class Logger(Protocol):
         """The run ended as FINISHED, FAILED or KILLED; flush and close."""
 
 
-def build_loggers(section: DictConfig | dict) -> dict[str, Logger]:
+def build_loggers(section: Mapping[str, Any]) -> dict[str, Logger]:
     """Each `logger.<name>` section's `_target_` called with its other keys (imports only the chosen ones)."""
-    values = OmegaConf.to_container(section, resolve=True) if isinstance(section, DictConfig) else section
     loggers = {}
-    for name, keys in (values or {}).items():
+    for name, keys in (section or {}).items():
         kwargs = dict(keys or {})
         target = kwargs.pop("_target_", None)
         if not target:
@@ -100,17 +99,14 @@ def build_logger(name: str, target: str, kwargs: dict[str, Any]) -> Logger:
                           f"the logger.{name}.* values") from None
 
 
-def run_info(cfg: DictConfig, run_dir: Path, world_size: int, resumed_step: int | None, tracked_id: str | None,
+def run_info(cfg: RunConfig, run_dir: Path, world_size: int, resumed_step: int | None, tracked_id: str | None,
              source_checkpoint: Path | None = None, source_id: str | None = None) -> RunInfo:
     """What every logger is told at the start, from the config and what Hydra saved in the run directory."""
-    from trainflow.config.schema import typed
-
     mode, choices, overrides = saved_hydra(run_dir)
     job = job_name(overrides, run_dir) if mode == "MULTIRUN" else None
     sweep = next((d for d in run_dir.parents if (d / "multirun.yaml").exists()), None) if job else None
-    hparams = hyperparameters(headline(typed(cfg.trainer, TrainerConfig), float(cfg.optim.lr)), choices,
-                              overrides)
-    return RunInfo(run_dir, OmegaConf.to_container(cfg, resolve=True), (run_dir / "config.yaml").read_text(),
+    hparams = hyperparameters(headline(cfg.trainer, float(cfg.optim["lr"])), choices, overrides)
+    return RunInfo(run_dir, plain(cfg), (run_dir / "config.yaml").read_text(),
                    hparams, job or readable_name(run_dir, overrides), sweep, resumed_step, tracked_id, world_size,
                    source_checkpoint, source_id)
 
@@ -148,7 +144,7 @@ def kept_ids(run_dir: Path) -> dict[str, str]:
 def headline(trainer: TrainerConfig, lr: float) -> dict[str, HparamValue]:
     """The knobs runs are most often compared by, under their config keys."""
     return {"optim.lr": lr, "trainer.batch_size": trainer.batch_size, "trainer.max_steps": trainer.max_steps,
-            "trainer.precision": trainer.precision}
+            "trainer.precision": str(trainer.precision)}
 
 
 def hyperparameters(headline_values: dict[str, HparamValue], choices: dict[str, Any],

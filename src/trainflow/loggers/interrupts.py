@@ -13,7 +13,7 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from trainflow.config.schema import STOP_SIGNALS
+from trainflow.config.choices import STOP_SIGNALS
 
 
 class CutShort(BaseException):

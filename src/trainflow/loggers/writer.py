@@ -23,8 +23,7 @@ from trainflow.loggers.interrupts import CtrlC, CutShort, stops_cut_short
 from trainflow.util.files import run_dir_error, write_atomic, write_json_atomic
 
 if TYPE_CHECKING:
-    from omegaconf import DictConfig
-
+    from trainflow.config.schema import RunConfig
     from trainflow.loggers import Logger
 
 log = logging.getLogger(__name__)
@@ -48,7 +47,7 @@ class MetricsWriter:
         self._ctrl_c = CtrlC()
         self._cut_by: int | None = None  # the signal that cut the loggers' close short
 
-    def start(self, cfg: DictConfig, world_size: int, resumed_step: int | None,
+    def start(self, cfg: RunConfig, world_size: int, resumed_step: int | None,
               saved_ids: dict[str, str] | None = None, checkpoint: Path | None = None,
               checkpoint_dir: Path | None = None) -> dict[str, str]:
         """After the resume, before the first step: one step axis from here on (metrics.jsonl drops the lines a

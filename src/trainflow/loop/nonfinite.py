@@ -21,7 +21,6 @@ from typing import Any
 import torch
 
 from trainflow.checkpoint.store import list_committed, resolve_dir
-from trainflow.config.schema import CheckpointConfig
 from trainflow.distributed import DistEnv
 from trainflow.distributed.process_group import all_reduce_mean
 from trainflow.errors import NonFiniteError
@@ -64,7 +63,7 @@ class NonFiniteGuard(Stage):
 
     @classmethod
     def build(cls, ctx: StageContext) -> NonFiniteGuard:
-        checkpoint = ctx.section("checkpoint", CheckpointConfig)
+        checkpoint = ctx.cfg.checkpoint
         folder = resolve_dir(checkpoint.dir, ctx.run_dir) if checkpoint.enabled else None
         return cls(ctx.trainer.nonfinite, ctx.env, folder)
 

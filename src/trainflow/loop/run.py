@@ -12,18 +12,18 @@ import gc
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import OmegaConf
 from torch.profiler import record_function
 
 from trainflow.checkpoint import Checkpointer
 from trainflow.checkpoint.store import resolve_dir
 from trainflow.compile.compiler import Compiler
-from trainflow.config.schema import ParallelismConfig, TrainerConfig, decided, typed
+from trainflow.config.schema import CompileConfig, RunConfig, TrainerConfig, plain
 from trainflow.data import IterableBatches, StreamSampler, build_datasets, make_loader, to_device
 from trainflow.data.stream import STREAM_VERSION
 from trainflow.distributed import DistEnv, memory_plan
@@ -61,8 +61,8 @@ from trainflow.util.seeding import SEED_STRIDE, seed_everything
 log = logging.getLogger("trainflow")
 
 
-def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any] | None:
-    """Train as the validated `cfg` says, in this process as one rank (of one or of the launcher's many); return
+def run(cfg: RunConfig, run_dir: Path) -> dict[str, Any] | None:
+    """Train as the validated, typed `cfg` says, in this process as one rank (of one or of the launcher's many); return
     the summary on rank 0 (None on other ranks)."""
     with process_group(cfg) as env:
         summary = _train(cfg, run_dir, env)
@@ -70,7 +70,7 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any] | None:
         return summary
 
 
-def _train(cfg: DictConfig, run_dir: Path, env: DistEnv) -> dict[str, Any] | None:
+def _train(cfg: RunConfig, run_dir: Path, env: DistEnv) -> dict[str, Any] | None:
     """A function of its own so that the model is freed when it returns, before the process group is destroyed:
     a DDP reducer freed after that waits forever in gloo's destructor, and the worker never exits."""
     run = assemble(cfg, run_dir, env)
@@ -105,37 +105,37 @@ class Run:
     started: float  # time.monotonic() when the assembly began: the run's wall time is counted from there
 
 
-def assemble(cfg: DictConfig, run_dir: Path, env: DistEnv, stage_types: Sequence[type[Stage]] = STAGES) -> Run:
+def assemble(cfg: RunConfig, run_dir: Path, env: DistEnv, stage_types: Sequence[type[Stage]] = STAGES) -> Run:
     """Build everything, in the order the parts depend on each other. What the run decides (the per-rank batch,
-    parallelism=auto's layout) goes into a new, read-only config: nothing writes into a config after validation."""
+    parallelism=auto's layout) makes a new typed config: nothing writes into a config after validation."""
     started = time.monotonic()
     replicas = replica_groups(cfg.parallelism)  # torchft's replica groups share the data stream (1: none)
     auto = cfg.parallelism.strategy == "auto"  # measures memory and decides (below): its batch spans what it may pick
     ranks = memory_plan.probe_ranks(cfg, env.world_size) if auto else env.dp_size
-    cfg = decided(cfg, {"trainer": {"batch_size": per_rank_batch(cfg, ranks * replicas)}})
+    cfg = replace(cfg, trainer=replace(cfg.trainer, batch_size=per_rank_batch(cfg, ranks * replicas)))
     trainer = _prepare(cfg, run_dir, env)
     loggers = build_loggers(cfg.logger) if env.is_main else {}  # a missing extra stops the run here, in one line
-    data = build_datasets(cfg.data, cfg.model)
+    data = build_datasets(cfg.data, "vocab_size" in cfg.model)
     model = build_model(cfg.model).to(env.device)
     parameters = sum(p.numel() for p in model.parameters())
     task = build_task(cfg.task, data.is_lm)
     first_two = data.train[torch.arange(min(2, len(data.train)))]  # two: items the collate cannot batch show
-    metric_names = probe(task, model, to_device(first_two, env.device), data.name, cfg.model._target_)
+    metric_names = probe(task, model, to_device(first_two, env.device), data.name, cfg.model["_target_"])
     check_batch(cfg, trainer.batch_size, model, data.train, task, env.device)  # before a batch of that size
     example = data.train[torch.arange(trainer.batch_size)]
     auto_plan = None
     if auto:  # the layout, and with tensor parallel a TP group's batch (the global batch stays)
         env, auto_plan = memory_plan.apply_auto(cfg, env, model, example, task)
-        cfg = decided(cfg, {"parallelism": auto_plan.parallelism, "trainer": {"batch_size": auto_plan.batch_size}})
+        cfg = replace(cfg, parallelism=auto_plan.parallelism,
+                      trainer=replace(trainer, batch_size=auto_plan.batch_size))
         if auto_plan.batch_size != trainer.batch_size:  # a TP group's batch: checked as the first one was
-            trainer = typed(cfg.trainer, TrainerConfig)
+            trainer = cfg.trainer
             check_batch(cfg, trainer.batch_size, model, data.train, task, env.device)
             example = data.train[torch.arange(trainer.batch_size)]
     flops_per_step, flops_absent = count_train_flops(model, example, task)
     if flops_per_step is not None:  # per device: a TP group and a pipeline's stages share their batch's work
         flops_per_step = flops_per_step * trainer.grad_accum // (env.tp * env.pp)
-    parallelism = typed(cfg.parallelism, ParallelismConfig)  # after auto
-    optim = OmegaConf.to_container(cfg.optim, resolve=True)  # the optimizer's own keys: no schema holds them all
+    parallelism, optim = cfg.parallelism, cfg.optim  # after auto
     autocast = autocast_for(env.device, trainer.precision)
     meter = Throughput(trainer.warmup_steps, env.device, PeakMemory(env.device))
     ctx = StageContext(cfg, run_dir, env, trainer, parallelism, optim, data, task, model, example, autocast,
@@ -175,7 +175,7 @@ def assemble(cfg: DictConfig, run_dir: Path, env: DistEnv, stage_types: Sequence
             type(task).__name__, task.monitor, task.mode, str(env.device), env.world_size, parallelism.strategy,
             trainer.precision, _compiled(cfg.compile), global_batch, trainer.max_steps, resumed_from, run_dir,
             checkpoint_dir, tuple(cfg.logger))))
-    pin = cfg.data.pin_memory is not False and env.device.type == "cuda"  # null: pinned on CUDA
+    pin = cfg.data["pin_memory"] is not False and env.device.type == "cuda"  # null: pinned on CUDA
     sampler = StreamSampler(len(data.train), trainer.batch_size, *data_share(parallelism, env), trainer.seed,
                             state.samples_seen, version=state.stream_version)
     if state.stream_version != STREAM_VERSION and env.is_main:
@@ -191,7 +191,7 @@ def assemble(cfg: DictConfig, run_dir: Path, env: DistEnv, stage_types: Sequence
         trainer, state, task, iter(loader), trainable=list(model.parameters()), autocast=autocast,
         name_part=record_function if hooks.name_parts else unnamed, hooks=hooks,
         batch_device=env.device if env.device.type != "cpu" else None, pin=pin,
-        steps_schedule=schedule_changes_lr(optim), metrics_every_step=cfg.task.get("train_metrics") == "every_step",
+        steps_schedule=schedule_changes_lr(optim), metrics_every_step=cfg.task["train_metrics"] == "every_step",
         global_batch=global_batch, loss_context=loss_context_of(model), pipeline=pipeline)
     return Run(ctx, training, stages, metric_names, parameters, flops_absent, auto_plan, resumed_from, started)
 
@@ -200,7 +200,7 @@ def _length(dataset: Any) -> int | None:
     return len(dataset) if dataset is not None and hasattr(dataset, "__len__") else None
 
 
-def _compiled(compile_cfg: DictConfig) -> str:
+def _compiled(compile_cfg: CompileConfig) -> str:
     if not compile_cfg.enabled:
         return "eager"
     shapes = {None: "static shapes until one changes", True: "dynamic shapes", False: "a graph per shape"}
@@ -208,12 +208,13 @@ def _compiled(compile_cfg: DictConfig) -> str:
     return f"compiled ({compile_cfg.backend}{mode}, {shapes[compile_cfg.dynamic]})"
 
 
-def _prepare(cfg: DictConfig, run_dir: Path, env: DistEnv) -> TrainerConfig:
+def _prepare(cfg: RunConfig, run_dir: Path, env: DistEnv) -> TrainerConfig:
     """The run's config (logged and saved), determinism, matmul precision, and the seed every rank shares."""
-    trainer = typed(cfg.trainer, TrainerConfig)
+    trainer = cfg.trainer
     if env.is_main:
-        log.info("config:\n%s", OmegaConf.to_yaml(cfg, resolve=True), extra=None if trainer.print_config else FILE_ONLY)
-        (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+        text = OmegaConf.to_yaml(plain(cfg))
+        log.info("config:\n%s", text, extra=None if trainer.print_config else FILE_ONLY)
+        (run_dir / "config.yaml").write_text(text)
     if trainer.deterministic != torch.are_deterministic_algorithms_enabled():  # the call imports inductor: 1.5 s
         torch.use_deterministic_algorithms(trainer.deterministic)
     configure_matmul(env.device, trainer.precision, trainer.tf32)
@@ -286,7 +287,7 @@ def summarize(run: Run) -> dict[str, Any] | None:
                 place = place.setdefault(name, {})
             place[key] = stage.summary(steady)
     summary["host"] = host_load()  # a report warns of figures measured on an overloaded machine
-    summary["config"] = OmegaConf.to_container(ctx.cfg, resolve=True)
+    summary["config"] = plain(ctx.cfg)
     if run.training.pipeline:  # every rank takes part: the ranks' stages, time and memory are gathered
         summary["parallelism"]["pipeline"] = run.training.pipeline.summary(peak_memory["peak_memory_bytes"])
     if run.auto_plan:
@@ -295,7 +296,7 @@ def summarize(run: Run) -> dict[str, Any] | None:
     if not env.is_main:
         return None
     write_json_atomic(ctx.run_dir / "summary.json", summary)
-    ledger.record(ctx.cfg, ctx.run_dir, summary)  # the run's line, for trainflow ledger and compare
+    ledger.record(ctx.cfg.metrics, ctx.run_dir, summary)  # the run's line, for trainflow ledger and compare
     ctx.writer.finish(KILLED if (summary.get("checkpoint") or {}).get("stopped_by") else FINISHED, summary)
     committed = bool((summary.get("checkpoint") or {}).get("committed"))
     log.info("%s", end_lines(summary, ctx.run_dir, time.monotonic() - run.started, tuple(ctx.cfg.logger), committed))

@@ -23,14 +23,13 @@ import contextlib
 from dataclasses import dataclass
 from enum import IntEnum
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
-    from omegaconf import DictConfig
     from torch import nn
 
-    from trainflow.config.schema import ParallelismConfig, TrainerConfig
+    from trainflow.config.schema import ParallelismConfig, RunConfig, TrainerConfig
     from trainflow.data import DataBundle
     from trainflow.distributed import DistEnv
     from trainflow.loggers.writer import MetricsWriter
@@ -39,9 +38,6 @@ if TYPE_CHECKING:
     from trainflow.tasks import Task
 
 __all__ = ["Phase", "Stage", "StageContext", "StepHooks"]
-
-Schema = TypeVar("Schema")
-
 
 class Phase(IntEnum):
     """When a stage acts after each step; the loop calls the stages in this order (a stage declares its phase)."""
@@ -60,7 +56,7 @@ class Phase(IntEnum):
 class StageContext:
     """Everything a stage is built from, built once by the assembly before the model is parallelized."""
 
-    cfg: DictConfig  # the validated run config, read-only
+    cfg: RunConfig  # the typed run config, as the run decided it (its per-rank batch, parallelism=auto's layout)
     run_dir: Path
     env: DistEnv
     trainer: TrainerConfig
@@ -75,12 +71,6 @@ class StageContext:
     meter: Throughput  # its excluded steps are set once every stage is built
     flops_per_step: int | None
     peak_flops: float | None
-
-    def section(self, name: str, schema: type[Schema]) -> Schema:
-        """The config section `name` as its schema's dataclass (plain attributes: no DictConfig cost per read)."""
-        from trainflow.config.schema import typed  # the schema imports the models: not at the interface's import
-
-        return typed(self.cfg[name], schema)
 
 
 class Stage:

@@ -14,11 +14,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from omegaconf import DictConfig
 from torch import nn
 from torch.func import functional_call
 from torch.utils.data import Dataset
 
+from trainflow.config.schema import RunConfig
 from trainflow.data import apply_to_tensors
 from trainflow.errors import ConfigError
 from trainflow.metrics.activations import saved_for_backward
@@ -27,7 +27,7 @@ from trainflow.tasks import Task, tensors
 
 log = logging.getLogger(__name__)
 
-def check_batch(cfg: DictConfig, batch_size: int, model: nn.Module, dataset: Dataset, task: Task,
+def check_batch(cfg: RunConfig, batch_size: int, model: nn.Module, dataset: Dataset, task: Task,
                 device: torch.device) -> None:
     """Refuse a micro-batch the training set cannot fill or the memory cannot hold, naming the key to change."""
     key = "trainer.batch_size" if cfg.parallelism.global_batch is None else "parallelism.global_batch"

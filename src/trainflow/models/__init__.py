@@ -5,19 +5,17 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from trainflow.config.targets import WHAT, call_target
 from trainflow.errors import ConfigError
 
 
-def build_model(cfg: DictConfig) -> nn.Module:
+def build_model(section: Mapping[str, Any]) -> nn.Module:
     """`model._target_(**model)`, with a one-line error naming the key when the class or its arguments are wrong.
     A key that is itself a section with a `_target_` (a backbone, say) is instantiated first, as Hydra would."""
-    section = OmegaConf.to_container(cfg, resolve=True)
-    target = section.pop("_target_")
-    kwargs = {k: _built(f"model.{k}", v) for k, v in section.items()}
+    target = section["_target_"]
+    kwargs = {k: _built(f"model.{k}", v) for k, v in section.items() if k != "_target_"}
     model = call_target("model", target, kwargs, WHAT["model"])
     if not isinstance(model, nn.Module):
         raise ConfigError(f"model._target_: {target} is not an nn.Module (it made a {type(model).__name__} "

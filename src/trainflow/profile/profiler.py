@@ -87,7 +87,7 @@ class Profiler(Stage):
     def build(cls, ctx: StageContext) -> Profiler:
         applied = frozenset(name for name, used in (("bf16", ctx.trainer.precision == "bf16"),
                                                     ("compile", ctx.cfg.compile.enabled)) if used)
-        return cls(ctx.section("profiler", ProfilerConfig), ctx.env, ctx.run_dir, ctx.trainer.max_steps,
+        return cls(ctx.cfg.profiler, ctx.env, ctx.run_dir, ctx.trainer.max_steps,
                    meter=ctx.meter, applied=applied)
 
     def start(self, state: LoopState) -> None:

@@ -27,10 +27,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import OmegaConf
 
 from trainflow.checkpoint.state import fingerprint as model_fingerprint
 from trainflow.checkpoint.state import model_shapes
+from trainflow.config.schema import RunConfig, plain
 from trainflow.distributed.mesh import ranks_per_node
 from trainflow.distributed.process_group import DistEnv, node_count
 from trainflow.loop.stages import Phase, Stage, StageContext
@@ -56,7 +57,7 @@ class Fingerprint(Stage):
     phase = Phase.OBSERVE  # it only reads: the step as it was
     summary_key = "fingerprint"
 
-    def __init__(self, cfg: DictConfig, env: DistEnv, run_dir: Path, meter: Throughput) -> None:
+    def __init__(self, cfg: RunConfig, env: DistEnv, run_dir: Path, meter: Throughput) -> None:
         self.cfg, self.env, self.run_dir, self.meter = cfg, env, run_dir, meter
         self.code = code_state(Path.cwd()) if env.is_main else None  # when the code was imported, not at the end
         self.replay = replay_command(run_dir) if env.is_main else None
@@ -101,7 +102,7 @@ class Fingerprint(Stage):
         return {
             **environment(self.env.device, self.env.world_size),
             "code": self.code,
-            "config_hash": config_hash(OmegaConf.to_container(self.cfg, resolve=True)),
+            "config_hash": config_hash(plain(self.cfg)),
             "model_hash": self.model_hash,
             "load": machine_load(self._measured_from(), self._end, ranks_per_node(self.env.world_size)),
             "step_time": Band.of(times).as_dict() if times else None,

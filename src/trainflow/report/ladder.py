@@ -33,7 +33,8 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from trainflow.config.schema import LADDER_RUNGS, LadderConfig
+from trainflow.config.choices import LadderRung
+from trainflow.config.schema import LadderConfig
 from trainflow.errors import TrainflowError, user_error
 from trainflow.util.tolerance import TOLERANCE
 
@@ -160,7 +161,7 @@ class _LadderGates:
             rung = self.by_rung.get(rung_name)
             if rung is None:
                 return Gate(name, NOT_EVALUATED, f"not evaluated: the {rung_name} rung is not in this sweep "
-                            f"(add it: ladder={','.join(LADDER_RUNGS)})")
+                            f"(add it: ladder={','.join(LadderRung)})")
             if not rung.finished:
                 why = rung.error or "it wrote no summary.json (still running, or killed)"
                 if rung_name == "baseline" and name != "baseline.learns":  # the baseline's own gate fails for it

@@ -30,8 +30,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import OmegaConf
 
+from trainflow.config.schema import MetricsConfig
 from trainflow.errors import TrainflowError
 from trainflow.util.locks import flock_unsupported
 from trainflow.util.rundir import made_by_trainflow
@@ -112,12 +113,12 @@ def headline_figures(summary: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def record(cfg: DictConfig, run_dir: Path, summary: dict[str, Any]) -> Path | None:
+def record(metrics: MetricsConfig, run_dir: Path, summary: dict[str, Any]) -> Path | None:
     """Rank 0, once summary.json is written: append the run's line to its ledger. A ledger that cannot be written
     is said in one warning: the run itself finished, and its summary.json is whole."""
-    path = ledger_path(cfg.metrics.ledger, run_dir)
+    path = ledger_path(metrics.ledger, run_dir)
     if path is None:
-        if cfg.metrics.ledger == "auto":
+        if metrics.ledger == "auto":
             log.info("ledger: none written: the run directory lies outside the working folder, in a folder trainflow "
                      "did not make; name one with metrics.ledger=PATH (e.g. one shared by every run)")
         return None

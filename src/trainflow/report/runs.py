@@ -222,8 +222,9 @@ def _gate_settings(runs: list[RunRecord]) -> tuple[LadderConfig, str]:
     for r in runs:
         cfg = (r.summary or {}).get("config") or {}
         if r.rung and cfg:
-            trainer = typed(cfg.get("trainer") or {}, TrainerConfig)
-            return typed(cfg.get("ladder") or {}, LadderConfig), r.summary.get("matmul_math") or trainer.precision
+            trainer = typed(cfg.get("trainer") or {}, TrainerConfig, "trainer")
+            known = {k: v for k, v in (cfg.get("ladder") or {}).items() if k in LadderConfig.__dataclass_fields__}
+            return typed(known, LadderConfig, "ladder"), r.summary.get("matmul_math") or trainer.precision
     return LadderConfig(), TrainerConfig.precision
 
 

@@ -16,9 +16,9 @@ start in that folder would mix two histories, and keep_last would delete the oth
 
 from __future__ import annotations
 
-import copy
 import json
 from collections.abc import Iterable
+from dataclasses import replace
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -26,8 +26,9 @@ from typing import Any
 import yaml
 from hydra.errors import CompactHydraException
 from hydra.experimental.callback import Callback
-from omegaconf import DictConfig, OmegaConf, open_dict, read_write
+from omegaconf import DictConfig, OmegaConf
 
+from trainflow.config.schema import RunConfig, plain
 from trainflow.distributed.mesh import env_rank
 from trainflow.errors import ConfigError, TrainflowError, user_error
 from trainflow.util.files import write_atomic
@@ -124,16 +125,13 @@ def typed_checkpoint_dir(hydra_cfg: Any) -> bool:
     return is_sweep_job(hydra_cfg) and any(override_key(str(o)) == "checkpoint.dir" for o in hydra_cfg.overrides.task)
 
 
-def with_job_checkpoint_dir(cfg: DictConfig, hydra_cfg: Any) -> DictConfig:
+def with_job_checkpoint_dir(cfg: RunConfig, hydra_cfg: Any) -> RunConfig:
     """A sweep job's config with the checkpoint.dir typed for the sweep made the job's own folder under it."""
-    base = OmegaConf.select(cfg, "checkpoint.dir", default=None)
+    base = cfg.checkpoint.dir
     if base is None or not typed_checkpoint_dir(hydra_cfg):
         return cfg
-    cfg = copy.deepcopy(cfg)
     own = Path(str(base)) / Path(str(hydra_cfg.sweep.dir)).name / str(hydra_cfg.sweep.subdir)
-    with read_write(cfg), open_dict(cfg):
-        cfg.checkpoint.dir = str(own)
-    return cfg
+    return replace(cfg, checkpoint=replace(cfg.checkpoint, dir=str(own)))
 
 
 def job_identity(hydra_cfg: Any) -> str:
@@ -161,7 +159,7 @@ def claim_checkpoint_dir(ckpt_dir: Path, identity: str) -> None:
                               "at a writable folder") from None
 
 
-def finished(job_dir: Path, cfg: DictConfig) -> dict[str, Any] | None:
+def finished(job_dir: Path, cfg: RunConfig) -> dict[str, Any] | None:
     """The summary of a job that finished in `job_dir` with the config `cfg` (the validated one), else None: no
     summary, a cut-off one, a stop on a signal (it resumes), or another config (it runs again)."""
     try:
@@ -170,7 +168,7 @@ def finished(job_dir: Path, cfg: DictConfig) -> dict[str, Any] | None:
         return None
     if not isinstance(summary, dict) or (summary.get("checkpoint") or {}).get("stopped_by"):
         return None
-    return summary if summary.get("config") == OmegaConf.to_container(cfg, resolve=True) else None
+    return summary if summary.get("config") == plain(cfg) else None
 
 
 def skip_line(num: Any, job_dir: Path, summary: dict[str, Any]) -> str:
