@@ -66,7 +66,7 @@ from trainflow.loop.run import run
 
 ROOT = Path(__file__).resolve().parents[1]
 register_with_hydra()  # before composing configs, as train.py does
-COMMON = ["compile=off", "logger=none", "trainer.eval_every=0", "trainer.eval_steps=1", "trainer.warmup_steps=10",
+COMMON = ["compile=off", "logger=none", "trainer.eval_every=0", "trainer.eval_steps=1", "trainer.excluded_steps=10",
           "trainer.log_every=50"]
 WORKERS = {0: ["data.num_workers=0"], 2: ["data.num_workers=2", "data.persistent_workers=true"]}
 

@@ -167,7 +167,7 @@ def literal_comparison(rounds: int, steps: int, warmup: int, cpu_time: bool) -> 
     def cfg_of(length: int):
         with initialize_config_dir(str(CONFIG_DIR), version_base="1.3"):
             return validate(compose("train", overrides=["experiment=seed_mlp", *COMMON, f"trainer.max_steps={length}",
-                                                        f"trainer.warmup_steps={warmup}", "trainer.log_every=50"]))
+                                                        f"trainer.excluded_steps={warmup}", "trainer.log_every=50"]))
 
     cfg, clock = cfg_of(steps), time.thread_time if cpu_time else time.perf_counter
     trainflow_cpu_rate(cfg_of, warmup + 1, warmup) if cpu_time else trainflow_rate(cfg)  # imports, caches: not a round
@@ -373,7 +373,7 @@ def main() -> None:
         steps, warmup = args.steps * multiplier, args.warmup * multiplier
         with initialize_config_dir(str(CONFIG_DIR), version_base="1.3"):
             cfg = validate(compose("train", overrides=[*overrides, *COMMON, f"trainer.max_steps={steps}",
-                                                       f"trainer.warmup_steps={warmup}", f"trainer.log_every={steps}"]))
+                                                       f"trainer.excluded_steps={warmup}", f"trainer.log_every={steps}"]))
         ratios = []
         for _ in range(args.rounds):
             ours = trainflow_rate(cfg)

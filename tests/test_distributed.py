@@ -27,7 +27,7 @@ from trainflow.models.gpt import GPT
 # Random tokens: nothing to learn, but every parity comparison is as strict as on text, and no corpus to read.
 SMALL = [*TINY_GPT, "data=synthetic", "data.num_samples=4096", "trainer.eval_steps=2", "trainer.max_steps=4"]
 # The baseline MLP (experiment=seed_mlp): a model without `blocks`.
-MLP_SMALL = ["experiment=seed_mlp", "logger=none", "trainer.max_steps=4", "trainer.warmup_steps=0",
+MLP_SMALL = ["experiment=seed_mlp", "logger=none", "trainer.max_steps=4", "trainer.excluded_steps=0",
              "trainer.log_every=1", "data.num_samples=4096"]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 TOLERANCE = 1e-4
@@ -611,7 +611,7 @@ def test_bf16_on_a_cpu_without_native_bf16_warns_with_the_measured_slowdown() ->
 def test_bf16_warning_matches_this_cpu(run_dir: Path) -> None:
     from trainflow.util.device import cpu_flags
 
-    run = train(run_dir, *SMALL, "trainer.precision=bf16", "trainer.max_steps=1", "trainer.warmup_steps=0")
+    run = train(run_dir, *SMALL, "trainer.precision=bf16", "trainer.max_steps=1", "trainer.excluded_steps=0")
     assert run.returncode == 0, run.stderr
     native = bool((cpu_flags() or frozenset()) & {"avx512_bf16", "amx_bf16"})
     warned = "this CPU has no native bf16" in run.stdout + run.stderr

@@ -104,7 +104,7 @@ def test_refusal_names_what_is_needed_and_what_would_fit(roomy: Run, tmp_path: P
 def test_estimate_is_honest_in_one_process(tmp_path: Path) -> None:
     """The default gpt_tiny in one process: exact state, total within PEAK_FACTOR of the measured peak."""
     run = ok(train(tmp_path / "run", "model=gpt_tiny", "trainer.batch_size=8", "logger=none", "compile=off",
-                   "parallelism=auto", "trainer.max_steps=2", "trainer.warmup_steps=0", "trainer.eval_every=0",
+                   "parallelism=auto", "trainer.max_steps=2", "trainer.excluded_steps=0", "trainer.eval_every=0",
                    "trainer.eval_steps=1"))
     plan = run.summary["parallelism"]["plan"]
     assert plan["choice"] == "single" and "available RAM / 1 local rank" in plan["budget_source"]
@@ -294,7 +294,7 @@ def batch_forced(tmp_path_factory: pytest.TempPathFactory) -> Run:
     """2 ranks and parallelism.global_batch=1: one sample cannot split over 2 data-parallel ranks, so auto
     chooses TP 2 (one copy of the model over both ranks, which read the one sample together)."""
     return ok(train(tmp_path_factory.mktemp("tp") / "run", *BASE, "parallelism.memory_budget_gb=1",
-                    "parallelism.global_batch=1", "trainer.warmup_steps=0"))
+                    "parallelism.global_batch=1", "trainer.excluded_steps=0"))
 
 
 def test_tp_when_the_global_batch_is_smaller_than_the_world(batch_forced: Run, tmp_path: Path) -> None:

@@ -116,7 +116,7 @@ def validate_profiler(cfg: RunConfig) -> None:
     _require(profiler.memory_history_entries > 0, "profiler.memory_history_entries",
              f"must be > 0; got {profiler.memory_history_entries}")
     # A window past the end would profile nothing: refuse (compile steps are added at run time, in the Profiler).
-    skip, end = profiler.window(cfg.trainer.warmup_steps)
+    skip, end = profiler.window(cfg.trainer.excluded_steps)
     _require(end <= cfg.trainer.max_steps, "trainer.max_steps",
              f"is {cfg.trainer.max_steps} but the profiler window ends at step {end} (skip_first {skip} + "
              f"{max(profiler.repeat, 1)} x (wait {profiler.wait} + warmup {profiler.warmup} + "
@@ -424,7 +424,7 @@ def validate(cfg: DictConfig) -> RunConfig:
     for key in ("max_steps", "batch_size", "grad_accum", "log_every", "eval_steps"):
         value = getattr(trainer, key)
         _require(value > 0, f"trainer.{key}", f"must be a positive integer; got {value}")
-    _require(trainer.warmup_steps >= 0, "trainer.warmup_steps", f"must be >= 0; got {trainer.warmup_steps}")
+    _require(trainer.excluded_steps >= 0, "trainer.excluded_steps", f"must be >= 0; got {trainer.excluded_steps}")
     every = trainer.eval_every
     _require(every == "auto" or every >= 0, "trainer.eval_every",
              f"must be auto or a number of steps >= 0 (0: only at the end); got {every}")

@@ -137,12 +137,12 @@ def assemble(cfg: RunConfig, run_dir: Path, env: DistEnv, stage_types: Sequence[
         flops_per_step = flops_per_step * trainer.grad_accum // (env.tp * env.pp)
     parallelism, optim = cfg.parallelism, cfg.optim  # after auto
     autocast = autocast_for(env.device, trainer.precision)
-    meter = Throughput(trainer.warmup_steps, env.device, PeakMemory(env.device))
+    meter = Throughput(trainer.excluded_steps, env.device, PeakMemory(env.device))
     ctx = StageContext(cfg, run_dir, env, trainer, parallelism, optim, data, task, model, example, autocast,
                        MetricsWriter(run_dir, env.is_main, loggers), meter, flops_per_step,
                        peak_flops(env.device, trainer.precision, cfg.metrics.peak_flops))
     stages = in_phase_order([stage_type.build(ctx) for stage_type in stage_types])  # before parallelize: parity
-    meter.excluded_steps = max([trainer.warmup_steps, *(stage.excluded_steps() for stage in stages)])
+    meter.excluded_steps = max([trainer.excluded_steps, *(stage.excluded_steps() for stage in stages)])
     whole = model
     model = parallelize(model, parallelism, env, trainer.precision, trainer.fp8_recipe)
     for stage in stages:
