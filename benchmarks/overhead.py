@@ -373,7 +373,8 @@ def main() -> None:
         steps, warmup = args.steps * multiplier, args.warmup * multiplier
         with initialize_config_dir(str(CONFIG_DIR), version_base="1.3"):
             cfg = validate(compose("train", overrides=[*overrides, *COMMON, f"trainer.max_steps={steps}",
-                                                       f"trainer.excluded_steps={warmup}", f"trainer.log_every={steps}"]))
+                                                       f"trainer.excluded_steps={warmup}",
+                                                       f"trainer.log_every={steps}"]))
         ratios = []
         for _ in range(args.rounds):
             ours = trainflow_rate(cfg)
