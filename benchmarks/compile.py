@@ -35,7 +35,7 @@ from hydra.utils import instantiate
 
 from trainflow.cli import register_with_hydra
 from trainflow.conf import CONFIG_DIR
-from trainflow.config.checks import validate
+from trainflow.config.checks import check_config
 from trainflow.loop.run import run
 from trainflow.tasks import cross_entropy
 
@@ -51,7 +51,7 @@ WARMUP = 3  # steps left out before timing, in both loops (plus trainflow's own 
 def trainflow_step_time(model: list[str], overrides: list[str], steps: int, cache_dir: str) -> float:
     """trainflow's steady-state step time, as its summary reports it."""
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
-        cfg = validate(compose("train", overrides=[
+        cfg = check_config(compose("train", overrides=[
             *model, *COMMON, *overrides, f"compile.cache_dir={cache_dir}", f"trainer.excluded_steps={WARMUP}",
             f"trainer.max_steps={steps + WARMUP + 1}", f"trainer.log_every={steps + WARMUP + 1}"]))
     with tempfile.TemporaryDirectory() as tmp:

@@ -61,7 +61,7 @@ from hydra import compose, initialize_config_dir
 
 from trainflow.cli import register_with_hydra
 from trainflow.conf import CONFIG_DIR
-from trainflow.config.checks import validate
+from trainflow.config.checks import check_config
 from trainflow.loop.run import run
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -76,7 +76,7 @@ def steady(cfg_dir: Path, extra_dir: Path | None, overrides: list[str]) -> dict[
     with initialize_config_dir(str(cfg_dir), version_base="1.3"):
         cfg = compose("train", overrides=[*overrides, *([f"hydra.searchpath=[file://{extra_dir}]"] if extra_dir
                                                         else [])])
-    cfg = validate(cfg)
+    cfg = check_config(cfg)
     with tempfile.TemporaryDirectory() as tmp:
         summary = run(cfg, Path(tmp))
     return {"samples_per_sec": summary["steady_state"]["samples_per_sec"],

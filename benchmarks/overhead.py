@@ -45,7 +45,7 @@ from torch import nn
 
 from trainflow.cli import register_with_hydra
 from trainflow.conf import CONFIG_DIR
-from trainflow.config.checks import validate
+from trainflow.config.checks import check_config
 from trainflow.data import StreamSampler, build_datasets, make_loader
 from trainflow.distributed.process_group import process_group
 from trainflow.loop.run import assemble, run, train_loop, train_step
@@ -166,8 +166,9 @@ def literal_comparison(rounds: int, steps: int, warmup: int, cpu_time: bool) -> 
 
     def cfg_of(length: int):
         with initialize_config_dir(str(CONFIG_DIR), version_base="1.3"):
-            return validate(compose("train", overrides=["experiment=seed_mlp", *COMMON, f"trainer.max_steps={length}",
-                                                        f"trainer.excluded_steps={warmup}", "trainer.log_every=50"]))
+            overrides = ["experiment=seed_mlp", *COMMON, f"trainer.max_steps={length}",
+                         f"trainer.excluded_steps={warmup}", "trainer.log_every=50"]
+            return check_config(compose("train", overrides=overrides))
 
     cfg, clock = cfg_of(steps), time.thread_time if cpu_time else time.perf_counter
     trainflow_cpu_rate(cfg_of, warmup + 1, warmup) if cpu_time else trainflow_rate(cfg)  # imports, caches: not a round
@@ -372,7 +373,7 @@ def main() -> None:
     for name, (overrides, multiplier) in CASES.items():
         steps, warmup = args.steps * multiplier, args.warmup * multiplier
         with initialize_config_dir(str(CONFIG_DIR), version_base="1.3"):
-            cfg = validate(compose("train", overrides=[*overrides, *COMMON, f"trainer.max_steps={steps}",
+            cfg = check_config(compose("train", overrides=[*overrides, *COMMON, f"trainer.max_steps={steps}",
                                                        f"trainer.excluded_steps={warmup}",
                                                        f"trainer.log_every={steps}"]))
         ratios = []

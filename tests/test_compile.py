@@ -229,13 +229,13 @@ def test_dynamic_true_on_one_input_shape_says_what_it_cost(tmp_path: Path, run_d
 def test_validation_names_the_key(overrides: list[str], fragment: str) -> None:
     from hydra import compose, initialize_config_dir
 
-    from trainflow.config.checks import validate
+    from trainflow.config.checks import check_config
 
     base = [] if "model=mlp" in overrides else GPT
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
         cfg = compose("train", overrides=[*base, "compile=default", *overrides])
     with pytest.raises(ConfigError) as err:
-        validate(cfg)
+        check_config(cfg)
     assert str(err.value).startswith(fragment), str(err.value)
 
 

@@ -143,7 +143,7 @@ def test_self_launched_ddp_with_accumulation_equals_one_process_on_the_whole_bat
 @pytest.mark.parametrize(("preset", "strategy"), [("single", "single"), ("ddp", "ddp"), ("fsdp", "fsdp"),
                                                   ("hsdp", "hsdp"), ("auto", "ddp")])
 def test_every_preset_trains_on_a_read_only_config(run_dir: Path, preset: str, strategy: str) -> None:
-    """The loop gets its config read-only (validate, then run.assemble): a write into it anywhere fails the run.
+    """The loop gets its config read-only (check_config, then run.assemble): a write into it anywhere fails the run.
     The run's decisions are in the config it reports: the per-rank batch, parallelism=auto's choice."""
     ranks = [] if preset == "single" else ["parallelism.nproc_per_node=2"]
     run = train(run_dir, *MLP_SMALL, f"parallelism={preset}", *ranks, "parallelism.global_batch=32")
@@ -550,14 +550,14 @@ def test_bad_parallel_values_are_refused_before_any_worker_starts(overrides: lis
     """The same checks the launching process runs before it starts workers, on a composed config, in process."""
     from hydra import compose, initialize_config_dir
 
-    from trainflow.config.checks import validate
+    from trainflow.config.checks import check_config
     from trainflow.distributed.process_group import _preflight, resolve_nproc
     from trainflow.errors import ConfigError
 
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
         cfg = compose("train", overrides=[*SMALL, *overrides])
     with pytest.raises(ConfigError) as error:
-        validate(cfg)
+        check_config(cfg)
         cpu = torch.device("cpu")
         nproc = resolve_nproc(cfg.parallelism, cpu)
         _preflight(cfg, cpu, nproc, nproc, "trainflow")

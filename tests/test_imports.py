@@ -147,7 +147,7 @@ def test_a_cycle_through_a_package_init_is_named(tmp_path: Path) -> None:
     assert failed.returncode == 1 and "circular import" in failed.stderr
 
 
-# Past validation (trainflow.config.checks.validate) the run reads the typed config, never a DictConfig: these
+# Past validation (trainflow.config.checks.check_config) the run reads the typed config, never a DictConfig: these
 # packages and modules may not import it; Hydra's side (config, cli, the report and run-directory callbacks) may.
 TYPED_ONLY = ("checkpoint", "compile", "data", "distributed", "loggers", "loop", "metrics", "models", "profile",
               "optim", "tasks")

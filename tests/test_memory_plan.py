@@ -137,7 +137,7 @@ def test_slurm_four_nodes_of_eight_gpus_rendezvous_once_and_auto_picks_hsdp_8_by
     from submitit.helpers import TorchDistributedEnvironment
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from trainflow.config.checks import validate
+    from trainflow.config.checks import check_config
     from trainflow.config.schema import RunConfig, register_configs
     from trainflow.distributed import DistEnv
     from trainflow.distributed.memory_plan import apply_auto
@@ -169,7 +169,7 @@ def test_slurm_four_nodes_of_eight_gpus_rendezvous_once_and_auto_picks_hsdp_8_by
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
     register_configs()
     with initialize_config_dir(str(CONFIG_DIR), version_base=None):
-        cfg = validate(compose("train", overrides=[*TINY_GPT, "parallelism=auto"]))
+        cfg = check_config(compose("train", overrides=[*TINY_GPT, "parallelism=auto"]))
     model = build_model(cfg.model)
     example = (torch.zeros(1, cfg.model["block_size"], dtype=torch.long),) * 2
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=32)

@@ -332,12 +332,12 @@ def test_window_not_reached_after_resume_warns_instead_of_refusing(tmp_path: Pat
 def test_bad_profiler_values_are_refused_naming_the_key(overrides: list[str], expected: str) -> None:
     from hydra import compose, initialize_config_dir
 
-    from trainflow.config.checks import validate
+    from trainflow.config.checks import check_config
 
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
         cfg = compose("train", overrides=["profiler=schedule", *overrides])
     with pytest.raises(ConfigError) as err:
-        validate(cfg)
+        check_config(cfg)
     assert str(err.value).startswith(expected)
 
 
@@ -345,18 +345,18 @@ def test_bad_profiler_values_are_refused_naming_the_key(overrides: list[str], ex
 def test_every_profiler_option_composes_and_validates(option: str) -> None:
     from hydra import compose, initialize_config_dir
 
-    from trainflow.config.checks import validate
+    from trainflow.config.checks import check_config
 
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
         cfg = compose("train", overrides=[f"profiler={option}"])
-    validate(cfg)
+    check_config(cfg)
     p = cfg.profiler
     assert (p.enabled, p.wait, p.warmup, p.active, p.repeat, list(p.ranks)) == (option != "off", 5, 2, 3, 1, [0])
     assert p.with_stack == (option == "trace") and p.memory_snapshot == (option == "memory")
 
 
 def test_window_pushed_past_the_end_by_excluded_steps_is_refused(tmp_path: Path) -> None:
-    # validate() counts trainer.excluded_steps; compile steps are only known when the run starts.
+    # check_config() counts trainer.excluded_steps; compile steps are only known when the run starts.
     with pytest.raises(ConfigError, match=r"^trainer.max_steps: the profiler window ends at step 22 .* raise "
                                           r"trainer.max_steps to >= 22"):
         Profiler(profiler_cfg(), CPU_ENV, tmp_path, max_steps=20, skip_first=12)

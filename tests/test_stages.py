@@ -16,7 +16,7 @@ from torch import nn
 from trainflow.checkpoint import Checkpointer
 from trainflow.compile.compiler import Compiler
 from trainflow.conf import CONFIG_DIR
-from trainflow.config.checks import validate
+from trainflow.config.checks import check_config
 from trainflow.config.schema import RunConfig
 from trainflow.distributed.parity import ParityCheck
 from trainflow.loop.evaluation import Evaluation
@@ -32,7 +32,7 @@ CPU = torch.device("cpu")
 def seed_mlp_cfg(*overrides: str) -> RunConfig:
     """The typed config `run` gets (validation's), of the seed MLP with `overrides`."""
     with initialize_config_dir(str(CONFIG_DIR), version_base="1.3"):
-        return validate(compose("train", overrides=["experiment=seed_mlp", "logger=none", "trainer.eval_steps=1",
+        return check_config(compose("train", overrides=["experiment=seed_mlp", "logger=none", "trainer.eval_steps=1",
                                                     "trainer.progress=log", *overrides]))
 
 

@@ -18,7 +18,7 @@ from types import FrameType
 from omegaconf import DictConfig
 
 from trainflow.conf import CONFIG_PATH
-from trainflow.config.checks import validate
+from trainflow.config.checks import check_config
 from trainflow.config.command_line import EXIT_COMMAND_LINE, explain, raised_errors, single_run
 from trainflow.config.schema import register_configs
 from trainflow.distributed.mesh import env_rank
@@ -78,7 +78,8 @@ def run_from_hydra(cfg: DictConfig) -> float | None:
 
 
 def _run_job(cfg: DictConfig) -> float | None:
-    """The job: validate, catch the stop signals, train here or start the local workers; user errors as one line."""
+    """The job: check the config, catch the stop signals, train here or start the local workers; user errors as one
+    line."""
     from hydra.core.hydra_config import HydraConfig
 
     from trainflow.checkpoint.stopping import catch_stop_signals
@@ -88,7 +89,7 @@ def _run_job(cfg: DictConfig) -> float | None:
     hydra_cfg = HydraConfig.get()
     sweep_job = sweeps.is_sweep_job(hydra_cfg)
     try:
-        run_cfg = sweeps.with_job_checkpoint_dir(validate(cfg), hydra_cfg)  # typed once: the run reads this
+        run_cfg = sweeps.with_job_checkpoint_dir(check_config(cfg), hydra_cfg)  # typed once: the run reads this
         # from here on a stop signal says in one line what it did, whatever the run is doing (see stopping.py)
         catch_stop_signals(run_cfg.checkpoint.stop_signals, run_cfg.checkpoint.enabled, speak=env_rank() == 0)
         run_dir = Path(hydra_cfg.runtime.output_dir)

@@ -75,18 +75,18 @@ def register_resolvers() -> None:
 
 
 def check_rungs(jobs: Iterable[tuple[int, DictConfig]]) -> None:
-    """Validate every rung of a ladder sweep before the first starts: a rung that cannot run as composed (a
+    """Check every rung of a ladder sweep before the first starts: a rung that cannot run as composed (a
     profiler window past trainer.max_steps, say) fails the sweep at once, in one line naming the rung, rather
     than after the rungs before it trained. `jobs`: each job's number and task config; jobs that are no rung
     are left to themselves."""
-    from trainflow.config.checks import validate
+    from trainflow.config.checks import check_config
 
     for num, task in jobs:
         rung = OmegaConf.select(task, "ladder.rung")
         if not rung:
             continue
         try:
-            validate(task)
+            check_config(task)
         except TrainflowError as exc:
             user_error(f"ladder={rung} (job #{num}): {exc}")
 

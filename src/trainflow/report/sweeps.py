@@ -160,7 +160,7 @@ def claim_checkpoint_dir(ckpt_dir: Path, identity: str) -> None:
 
 
 def finished(job_dir: Path, cfg: RunConfig) -> dict[str, Any] | None:
-    """The summary of a job that finished in `job_dir` with the config `cfg` (the validated one), else None: no
+    """The summary of a job that finished in `job_dir` with the config `cfg` (the checked one), else None: no
     summary, a cut-off one, a stop on a signal (it resumes), or another config (it runs again)."""
     try:
         summary = json.loads((job_dir / "summary.json").read_text())
