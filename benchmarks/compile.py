@@ -36,7 +36,7 @@ from hydra.utils import instantiate
 from trainflow.cli import register_with_hydra
 from trainflow.conf import CONFIG_DIR
 from trainflow.config.checks import check_config
-from trainflow.loop.run import run
+from trainflow.loop.run import train
 from trainflow.tasks import cross_entropy
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -55,7 +55,7 @@ def trainflow_step_time(model: list[str], overrides: list[str], steps: int, cach
             *model, *COMMON, *overrides, f"compile.cache_dir={cache_dir}", f"trainer.excluded_steps={WARMUP}",
             f"trainer.max_steps={steps + WARMUP + 1}", f"trainer.log_every={steps + WARMUP + 1}"]))
     with tempfile.TemporaryDirectory() as tmp:
-        summary = run(cfg, Path(tmp))
+        summary = train(cfg, Path(tmp))
     compile_report = summary["compile"]
     assert not compile_report.get("recompile_limit_hit"), compile_report  # would time eager code as compiled
     return summary["steady_state"]["step_time_s"]

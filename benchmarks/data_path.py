@@ -62,7 +62,7 @@ from hydra import compose, initialize_config_dir
 from trainflow.cli import register_with_hydra
 from trainflow.conf import CONFIG_DIR
 from trainflow.config.checks import check_config
-from trainflow.loop.run import run
+from trainflow.loop.run import train
 
 ROOT = Path(__file__).resolve().parents[1]
 register_with_hydra()  # before composing configs, as train.py does
@@ -78,7 +78,7 @@ def steady(cfg_dir: Path, extra_dir: Path | None, overrides: list[str]) -> dict[
                                                         else [])])
     cfg = check_config(cfg)
     with tempfile.TemporaryDirectory() as tmp:
-        summary = run(cfg, Path(tmp))
+        summary = train(cfg, Path(tmp))
     return {"samples_per_sec": summary["steady_state"]["samples_per_sec"],
             "data_wait_fraction": summary["data_wait_fraction"]}
 

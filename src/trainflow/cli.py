@@ -84,7 +84,7 @@ def _run_job(cfg: DictConfig) -> float | None:
 
     from trainflow.checkpoint.stopping import catch_stop_signals
     from trainflow.distributed.launch import launch, should_launch
-    from trainflow.loop.run import run
+    from trainflow.loop.run import train
 
     hydra_cfg = HydraConfig.get()
     sweep_job = sweeps.is_sweep_job(hydra_cfg)
@@ -101,7 +101,7 @@ def _run_job(cfg: DictConfig) -> float | None:
             if sweeps.typed_checkpoint_dir(hydra_cfg) and run_cfg.checkpoint.enabled:
                 sweeps.claim_checkpoint_dir(Path(str(run_cfg.checkpoint.dir)), sweeps.job_identity(hydra_cfg))
         # ddp/fsdp typed without torchrun: start the local workers, which train through `run` themselves
-        summary = launch(run_cfg, run_dir) if should_launch(run_cfg) else run(run_cfg, run_dir)
+        summary = launch(run_cfg, run_dir) if should_launch(run_cfg) else train(run_cfg, run_dir)
     except TrainflowError as exc:
         if traceback_wanted():
             raise

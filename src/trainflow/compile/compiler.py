@@ -124,7 +124,7 @@ class Compiler(Stage):
         compiler._example = (ctx.example, ctx.task)
         return compiler
 
-    def prepare(self, model: nn.Module) -> nn.Module:
+    def wrap_model(self, model: nn.Module) -> nn.Module:
         return self.apply(model, *(self._example or ()))
 
     def apply(self, model: nn.Module, example: Any = None, task: Task | None = None) -> nn.Module:
