@@ -52,6 +52,7 @@ from trainflow.optim import build_optimizer, schedule_changes_lr
 from trainflow.profile.profiler import Profiler
 from trainflow.report import ledger
 from trainflow.report.fingerprint import Fingerprint
+from trainflow.report.summary_file import FORMAT as SUMMARY_FORMAT
 from trainflow.tasks import build_task, probe
 from trainflow.util.console import FILE_ONLY, RunFacts, end_lines, start_header
 from trainflow.util.device import autocast_for, configure_matmul, matmul_math
@@ -260,6 +261,7 @@ def summarize(assembly: Assembly) -> dict[str, Any] | None:
         peak = peak_flops(env.device, trainer.precision, ctx.cfg.metrics.peak_flops, at_least=achieved)
     peak_memory = ctx.meter.memory.summary()  # the training peak (CUDA: after the warm-up), also auto's check
     summary = {
+        "format": SUMMARY_FORMAT,  # readers tell the formats apart: trainflow.report.summary_file
         "steps": state.step,
         "steps_this_run": state.steps_this_run,
         "resumed_from_step": assembly.resumed_from,
