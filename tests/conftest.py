@@ -37,3 +37,17 @@ def _no_run_outlives_its_test() -> Iterator[None]:
 @pytest.fixture
 def run_dir(tmp_path: Path) -> Path:
     return tmp_path / "run"
+
+
+@pytest.fixture
+def hydra_version_unset() -> Iterator[None]:
+    """Hydra's own test suites as Hydra runs them: no version_base chosen yet. Composing with version_base="1.3"
+    earlier in the same process (any trainflow test that composes) stays Hydra's process-wide choice, under which
+    their apps would not change into the job's folder as the suites expect."""
+    from hydra.version import VersionBase
+
+    before, unset = VersionBase.instance(), VersionBase.__new__(VersionBase)  # the class hands out one instance
+    unset.__init__()
+    VersionBase.set_instance(unset)
+    yield
+    VersionBase.set_instance(before)

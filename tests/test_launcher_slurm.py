@@ -79,6 +79,7 @@ def sacct(job_id: str) -> tuple[str, int]:
 # settings, one task a job; a sweep's jobs run at once, as one array.
 @needs_cluster
 @pytest.mark.parametrize(("launcher_name", "overrides"), [("slurm", ["hydra.launcher.poll_interval_s=0.5"])])
+@pytest.mark.usefixtures("hydra_version_unset")
 class TestHydraLauncherSuite(LauncherTestSuite):
     pass
 

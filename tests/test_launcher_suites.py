@@ -18,16 +18,19 @@ from hydra.test_utils.launcher_common_tests import (
 
 
 @pytest.mark.parametrize(("launcher_name", "overrides"), [("process", []), ("torchrun", [])])
+@pytest.mark.usefixtures("hydra_version_unset")
 class TestLauncher(LauncherTestSuite):
     pass
 
 
 @pytest.mark.parametrize(("launcher_name", "overrides"), [("process", ["hydra.sweeper.max_batch_size=2"])])
+@pytest.mark.usefixtures("hydra_version_unset")
 class TestBatchedSweeps(BatchedSweeperTestSuite):
     pass
 
 
 @pytest.mark.parametrize(("task_launcher_cfg", "extra_flags"), [
     ({}, ["-m", "hydra/hydra_logging=disabled", "hydra/job_logging=disabled", "hydra/launcher=process"])])
+@pytest.mark.usefixtures("hydra_version_unset")
 class TestIntegration(IntegrationTestSuite):
     pass
