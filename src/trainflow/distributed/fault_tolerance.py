@@ -67,7 +67,7 @@ def torchft_installed() -> bool:
     """Whether torchft imports (its servers read RUST_LOG once, at import: quiet unless the user asks)."""
     os.environ.setdefault("RUST_LOG", "warn")  # they log every quorum and commit at info
     try:
-        import torchft  # noqa: F401
+        import torchft  # noqa: F401 (lazy: torchft is the ft extra)
     except ImportError:
         return False
     return True
