@@ -35,8 +35,8 @@ from hydra.utils import instantiate
 
 from trainflow.cli import register_with_hydra
 from trainflow.conf import CONFIG_DIR
-from trainflow.config.checks import validate
-from trainflow.loop.run import run
+from trainflow.config.checks import check_config
+from trainflow.loop.run import train
 from trainflow.tasks import cross_entropy
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -51,11 +51,11 @@ WARMUP = 3  # steps left out before timing, in both loops (plus trainflow's own 
 def trainflow_step_time(model: list[str], overrides: list[str], steps: int, cache_dir: str) -> float:
     """trainflow's steady-state step time, as its summary reports it."""
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
-        cfg = validate(compose("train", overrides=[
-            *model, *COMMON, *overrides, f"compile.cache_dir={cache_dir}", f"trainer.warmup_steps={WARMUP}",
+        cfg = check_config(compose("train", overrides=[
+            *model, *COMMON, *overrides, f"compile.cache_dir={cache_dir}", f"trainer.excluded_steps={WARMUP}",
             f"trainer.max_steps={steps + WARMUP + 1}", f"trainer.log_every={steps + WARMUP + 1}"]))
     with tempfile.TemporaryDirectory() as tmp:
-        summary = run(cfg, Path(tmp))
+        summary = train(cfg, Path(tmp))
     compile_report = summary["compile"]
     assert not compile_report.get("recompile_limit_hit"), compile_report  # would time eager code as compiled
     return summary["steady_state"]["step_time_s"]
@@ -138,7 +138,7 @@ def cold_vs_warm(model: list[str], cache_dir: str) -> dict[str, object]:
     for name in ("cold", "warm"):
         with tempfile.TemporaryDirectory() as tmp:
             cmd = [sys.executable, str(ROOT / "train.py"), *model, *COMMON, "compile=default",
-                   f"compile.cache_dir={cache_dir}", "trainer.max_steps=3", "trainer.warmup_steps=0",
+                   f"compile.cache_dir={cache_dir}", "trainer.max_steps=3", "trainer.excluded_steps=0",
                    f"hydra.run.dir={tmp}"]
             proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
             if proc.returncode:

@@ -61,12 +61,12 @@ from hydra import compose, initialize_config_dir
 
 from trainflow.cli import register_with_hydra
 from trainflow.conf import CONFIG_DIR
-from trainflow.config.checks import validate
-from trainflow.loop.run import run
+from trainflow.config.checks import check_config
+from trainflow.loop.run import train
 
 ROOT = Path(__file__).resolve().parents[1]
 register_with_hydra()  # before composing configs, as train.py does
-COMMON = ["compile=off", "logger=none", "trainer.eval_every=0", "trainer.eval_steps=1", "trainer.warmup_steps=10",
+COMMON = ["compile=off", "logger=none", "trainer.eval_every=0", "trainer.eval_steps=1", "trainer.excluded_steps=10",
           "trainer.log_every=50"]
 WORKERS = {0: ["data.num_workers=0"], 2: ["data.num_workers=2", "data.persistent_workers=true"]}
 
@@ -76,9 +76,9 @@ def steady(cfg_dir: Path, extra_dir: Path | None, overrides: list[str]) -> dict[
     with initialize_config_dir(str(cfg_dir), version_base="1.3"):
         cfg = compose("train", overrides=[*overrides, *([f"hydra.searchpath=[file://{extra_dir}]"] if extra_dir
                                                         else [])])
-    cfg = validate(cfg)
+    cfg = check_config(cfg)
     with tempfile.TemporaryDirectory() as tmp:
-        summary = run(cfg, Path(tmp))
+        summary = train(cfg, Path(tmp))
     return {"samples_per_sec": summary["steady_state"]["samples_per_sec"],
             "data_wait_fraction": summary["data_wait_fraction"]}
 

@@ -22,10 +22,10 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 GPU = ["model=gpt_small", "trainer.device=cuda", "trainer.batch_size=16", "trainer.max_steps=60",
-       "trainer.warmup_steps=10", "trainer.eval_every=0", "trainer.eval_steps=5", "trainer.log_every=20",
+       "trainer.excluded_steps=10", "trainer.eval_every=0", "trainer.eval_steps=5", "trainer.log_every=20",
        "logger=none", "compile=off"]
 SMOKE = ["model=gpt_tiny", "model.n_layer=2", "model.n_embd=64", "model.n_head=2", "model.block_size=32",
-         "trainer.batch_size=8", "trainer.max_steps=8", "trainer.warmup_steps=2", "trainer.eval_every=0",
+         "trainer.batch_size=8", "trainer.max_steps=8", "trainer.excluded_steps=2", "trainer.eval_every=0",
          "trainer.eval_steps=2", "trainer.log_every=4", "logger=none", "compile=off"]
 
 

@@ -50,7 +50,7 @@ if [[ $SMOKE == 1 ]]; then
   # backend traces and checks like inductor but skips its code generation (a minute of CPU on a cold cache).
   RUNGS="baseline,compile,profile,ddp,fsdp,checkpoint,resume"
   ARGS=(model=gpt_tiny model.n_layer=2 model.n_embd=64 model.n_head=2 model.block_size=32
-        trainer.batch_size=8 trainer.max_steps=12 trainer.warmup_steps=2 trainer.eval_steps=2
+        trainer.batch_size=8 trainer.max_steps=12 trainer.excluded_steps=2 trainer.eval_steps=2
         compile.backend=aot_eager profiler.wait=1 profiler.warmup=1 profiler.active=2 logger=none)
   # the scale rungs run one rank per visible GPU (parallelism.nproc_per_node=auto): two of them
   if [[ $GPUS -ge 2 ]]; then export CUDA_VISIBLE_DEVICES="${CUDA_VISIBLE_DEVICES:-0,1}"; fi
@@ -74,7 +74,7 @@ else
   # CUDA's atomics-based backward kernels are not bit-reproducible, so two uninterrupted runs differ too: the
   # resumed losses get a tolerance here (the first GPU ladder: 2.3e-4 at most over 100 steps).
   ARGS=(model=gpt_small trainer.precision=bf16 trainer.device=cuda trainer.batch_size=16 trainer.max_steps=200
-        trainer.warmup_steps=10 trainer.eval_steps=10 ladder.resume_atol=0.02
+        trainer.excluded_steps=10 trainer.eval_steps=10 ladder.resume_atol=0.02
         profiler.memory_snapshot=true profiler.record_shapes=true profiler.profile_memory=true
         checkpoint.mode=async logger=none)
 fi

@@ -5,7 +5,7 @@ process. The hand-written loop is the loop a user writes by hand for it: each st
 zero_grad, forward, loss, backward, step; no data path, no schedule, no log. The plain loop does the same work
 as the trainflow run it is compared with (model, optimizer, schedule, batches, threads) without trainflow.
 
-Throughput: trainflow's `run()` and the plain loop train the same model on the same batches with the same
+Throughput: trainflow's `train()` and the plain loop train the same model on the same batches with the same
 threads, alternating in one process; each round's steady state (after warm-up) is compared, and the median
 ratio trainflow / plain loop is reported.
 
@@ -45,10 +45,10 @@ from torch import nn
 
 from trainflow.cli import register_with_hydra
 from trainflow.conf import CONFIG_DIR
-from trainflow.config.checks import validate
+from trainflow.config.checks import check_config
 from trainflow.data import StreamSampler, build_datasets, make_loader
 from trainflow.distributed.process_group import process_group
-from trainflow.loop.run import assemble, run, train_loop, train_step
+from trainflow.loop.run import assemble, train, train_loop, train_step
 from trainflow.loop.stages import Stage
 from trainflow.optim import build_optimizer, schedule_changes_lr
 from trainflow.tasks import build_task, cross_entropy
@@ -67,7 +67,7 @@ COMMON = ["compile=off", "logger=none", "trainer.eval_every=0", "trainer.eval_st
 def trainflow_rate(cfg) -> float:
     """Steady-state samples/s of trainflow's own loop, as its summary reports it."""
     with tempfile.TemporaryDirectory() as tmp:
-        summary = run(cfg, Path(tmp))
+        summary = train(cfg, Path(tmp))
     return summary["steady_state"]["samples_per_sec"]
 
 
@@ -124,13 +124,13 @@ def literal_rate(cfg, steps: int, warmup: int, clock: Callable[[], float] = time
 
 
 def trainflow_cpu_rate(cfg_of: Callable[[int], Any], steps: int, warmup: int) -> float:
-    """Samples per second of this thread's CPU time in trainflow's steady state: `run()` for `steps` and for
+    """Samples per second of this thread's CPU time in trainflow's steady state: `train()` for `steps` and for
     `warmup` steps, the difference divided by the steps between (what both share, the set-up, cancels)."""
     cpu_s = []
     for length in (steps, warmup):
         with tempfile.TemporaryDirectory() as tmp:
             start = time.thread_time()
-            run(cfg_of(length), Path(tmp))
+            train(cfg_of(length), Path(tmp))
             cpu_s.append(time.thread_time() - start)
     return (steps - warmup) * cfg_of(steps).trainer.batch_size / (cpu_s[0] - cpu_s[1])
 
@@ -144,7 +144,7 @@ def step_breakdown(cfg, steps: int, clock: Callable[[], float], top: int = 14) -
     everything beneath it, and the loop functions' own lines ("(own lines)")."""
     profiler = cProfile.Profile(clock)
     with tempfile.TemporaryDirectory() as tmp:
-        profiler.runcall(run, cfg, Path(tmp))
+        profiler.runcall(train, cfg, Path(tmp))
     stats = pstats.Stats(profiler).stats
     by_cause: dict[str, float] = {}
     for (filename, line, name), (_, _, own, _, callers) in stats.items():
@@ -166,8 +166,9 @@ def literal_comparison(rounds: int, steps: int, warmup: int, cpu_time: bool) -> 
 
     def cfg_of(length: int):
         with initialize_config_dir(str(CONFIG_DIR), version_base="1.3"):
-            return validate(compose("train", overrides=["experiment=seed_mlp", *COMMON, f"trainer.max_steps={length}",
-                                                        f"trainer.warmup_steps={warmup}", "trainer.log_every=50"]))
+            overrides = ["experiment=seed_mlp", *COMMON, f"trainer.max_steps={length}",
+                         f"trainer.excluded_steps={warmup}", "trainer.log_every=50"]
+            return check_config(compose("train", overrides=overrides))
 
     cfg, clock = cfg_of(steps), time.thread_time if cpu_time else time.perf_counter
     trainflow_cpu_rate(cfg_of, warmup + 1, warmup) if cpu_time else trainflow_rate(cfg)  # imports, caches: not a round
@@ -372,8 +373,9 @@ def main() -> None:
     for name, (overrides, multiplier) in CASES.items():
         steps, warmup = args.steps * multiplier, args.warmup * multiplier
         with initialize_config_dir(str(CONFIG_DIR), version_base="1.3"):
-            cfg = validate(compose("train", overrides=[*overrides, *COMMON, f"trainer.max_steps={steps}",
-                                                       f"trainer.warmup_steps={warmup}", f"trainer.log_every={steps}"]))
+            cfg = check_config(compose("train", overrides=[*overrides, *COMMON, f"trainer.max_steps={steps}",
+                                                       f"trainer.excluded_steps={warmup}",
+                                                       f"trainer.log_every={steps}"]))
         ratios = []
         for _ in range(args.rounds):
             ours = trainflow_rate(cfg)

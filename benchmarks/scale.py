@@ -62,7 +62,7 @@ def main() -> None:
     args = parser.parse_args()
 
     base = [f"model={args.model}", "data=text", f"trainer.max_steps={args.steps}",
-            f"trainer.warmup_steps={args.warmup}", f"trainer.log_every={args.steps}", *COMMON]
+            f"trainer.excluded_steps={args.warmup}", f"trainer.log_every={args.steps}", *COMMON]
     samples: dict[str, list[float]] = {name: [] for name in VARIANTS}
     load_before = os.getloadavg()[0]
     comm: dict[str, float | None] = {}
@@ -77,7 +77,7 @@ def main() -> None:
             if ranks == 1 or args.no_profile:
                 continue
             profiled = [*base, *overrides, f"trainer.batch_size={args.batch * 2 // dp}", "profiler=schedule",
-                        "trainer.max_steps=12", "trainer.warmup_steps=1", "profiler.wait=1"]
+                        "trainer.max_steps=12", "trainer.excluded_steps=1", "profiler.wait=1"]
             verdict = (train(Path(tmp) / f"{name}-profiled", profiled, env).get("profiler") or {}).get("verdict") or {}
             comm[name] = verdict.get("shares", {}).get("communication")
 

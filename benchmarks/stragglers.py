@@ -65,7 +65,7 @@ def _rank(rank: int, args: argparse.Namespace, port: int) -> None:
     env = DistEnv(rank, 2, rank, CPU, "ddp")
     stage = Stragglers(StragglerConfig(factor=1e9), env, Throughput(0, CPU, PeakMemory(CPU)))  # measure, name no one
     state = LoopState(model, optimizer, None)
-    stage.prepare(model)
+    stage.wrap_model(model)
     stage.__enter__()
     _steps(model, optimizer, batch, 3, stage, state)  # warm-up; the first step keeps one hook
     ratios = []

@@ -520,6 +520,8 @@ CASES = [
          "'abc'", ("could not be converted to Integer",), exit=1),
     Case("misspelt-key", "config", "a misspelt key", ("trainer.max_step=30",),
          "trainer.max_step", ("Could not override", "did you mean trainer.max_steps=30?"), exit=1),
+    Case("renamed-key", "config", "a key by its former name", ("trainer.warmup_steps=3",),
+         "trainer.warmup_steps", ("the key is now trainer.excluded_steps", "optim.warmup_steps"), exit=1),
     Case("misspelt-key-added", "config", "a misspelt key added with Hydra's `+` (as its own hint suggests)",
          ("+trainer.max_step=30",), "trainer.max_step", ("has no such key", "did you mean trainer.max_steps?")),
     Case("misspelt-section", "config", "a misspelt section", ("tranier.max_steps=3",),

@@ -106,7 +106,7 @@ def test_gpt_flop_count_equals_the_analytic_count_at_other_sizes() -> None:
 
 
 def test_summary_has_sane_figures(run_dir: Path) -> None:
-    run = train(run_dir, *TINY_GPT, "trainer.max_steps=10", "trainer.warmup_steps=3", "trainer.log_every=5")
+    run = train(run_dir, *TINY_GPT, "trainer.max_steps=10", "trainer.excluded_steps=3", "trainer.log_every=5")
     assert run.returncode == 0, run.stderr
     s = run.summary
     steady = s["steady_state"]

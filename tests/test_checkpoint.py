@@ -316,7 +316,7 @@ def test_bad_values_are_refused_before_training(run_dir: Path) -> None:
 def test_each_bad_value_names_its_key(key: str, value, message: str) -> None:
     from hydra import compose, initialize_config_dir
 
-    from trainflow.config.checks import validate
+    from trainflow.config.checks import check_config
     from trainflow.errors import ConfigError
 
     overrides = ["checkpoint=dcp", f"checkpoint.{key}={value}"] + (["checkpoint.save_final=false"] if key == "export"
@@ -324,7 +324,7 @@ def test_each_bad_value_names_its_key(key: str, value, message: str) -> None:
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
         cfg = compose("train", overrides=overrides)
     with pytest.raises(ConfigError) as exc:
-        validate(cfg)
+        check_config(cfg)
     assert str(exc.value) == message
 
 

@@ -22,7 +22,7 @@ from trainflow.report.fingerprint import config_hash
 
 # a small MLP on synthetic data: the cheapest real run
 MLP = ["model=mlp", "model.hidden=32", "data=synthetic", "logger=none", "compile=off", "trainer.max_steps=12",
-       "trainer.log_every=2", "trainer.warmup_steps=2", "trainer.eval_every=0", "trainer.eval_steps=2"]
+       "trainer.log_every=2", "trainer.excluded_steps=2", "trainer.eval_every=0", "trainer.eval_steps=2"]
 
 
 @pytest.fixture(scope="module")
@@ -248,7 +248,7 @@ class Net(nn.Module):
 CHANGED = ("        scale = 1.0\n", "        scale = 1.0 if self.calls <= 6 else 2.0\n")  # from the 7th step on
 # 12 steps, a checkpoint every 4: steps 4, 8, 12
 DRIFT = ["model=custom", "model._target_=drift_net.Net", "data=synthetic", "logger=none", "compile=off",
-         "trainer.max_steps=12", "trainer.log_every=2", "trainer.warmup_steps=1", "trainer.eval_every=0",
+         "trainer.max_steps=12", "trainer.log_every=2", "trainer.excluded_steps=1", "trainer.eval_every=0",
          "trainer.eval_steps=2", "parallelism.global_batch=16", "checkpoint=dcp", "checkpoint.every_steps=4"]
 
 

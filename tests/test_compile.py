@@ -27,7 +27,7 @@ CPU_ENV = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu")
 HERE = Path(__file__).resolve().parent
 WITH_TEST_MODELS = {"PYTHONPATH": os.pathsep.join(p for p in (str(HERE), os.environ.get("PYTHONPATH")) if p)}
 GPT = [o for o in TINY_GPT if not o.startswith("compile=")]  # the tiny GPT, compile left to each test
-MLP = ["model=mlp", "data=synthetic", "trainer.batch_size=16", "trainer.log_every=1", "trainer.warmup_steps=1",
+MLP = ["model=mlp", "data=synthetic", "trainer.batch_size=16", "trainer.log_every=1", "trainer.excluded_steps=1",
        "trainer.eval_steps=2", "logger=none"]
 
 
@@ -129,7 +129,7 @@ def test_graph_break_report_names_the_reason_and_the_user_line(tmp_path: Path, r
     # the compile steps are timed apart and kept out of the steady state
     steady = run.summary["steady_state"]
     assert steady["excluded_steps"] == 1 + report["compile_steps_excluded"] == 2 and steady["steps"] == 4
-    assert report["first_step_s"] == report["warmup_step_times_s"][0] > 0
+    assert report["first_step_s"] == report["excluded_step_times_s"][0] > 0
     assert report["compile_time_s"] > 0 and report["steady_step_time_s"] == steady["step_time_s"]
     assert report["check"]["passed"] and report["check"]["grad_rel_error_max"] == 0.0  # eager backend: exact
     assert report["cache"]["state"] == "unused"  # no inductor, nothing cached
@@ -229,13 +229,13 @@ def test_dynamic_true_on_one_input_shape_says_what_it_cost(tmp_path: Path, run_d
 def test_validation_names_the_key(overrides: list[str], fragment: str) -> None:
     from hydra import compose, initialize_config_dir
 
-    from trainflow.config.checks import validate
+    from trainflow.config.checks import check_config
 
     base = [] if "model=mlp" in overrides else GPT
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
         cfg = compose("train", overrides=[*base, "compile=default", *overrides])
     with pytest.raises(ConfigError) as err:
-        validate(cfg)
+        check_config(cfg)
     assert str(err.value).startswith(fragment), str(err.value)
 
 
@@ -293,7 +293,7 @@ def make_compiler(tmp_path: Path, **compile_cfg: object):
     from trainflow.compile.compiler import Compiler
 
     compile_section = CompileConfig(**{"enabled": True, "backend": "eager", "cache_dir": str(tmp_path), **compile_cfg})
-    return Compiler(compile_section, TrainerConfig(precision="fp32", grad_accum=1, warmup_steps=0), None, CPU_ENV,
+    return Compiler(compile_section, TrainerConfig(precision="fp32", grad_accum=1, excluded_steps=0), None, CPU_ENV,
                     tmp_path)
 
 

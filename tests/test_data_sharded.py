@@ -77,7 +77,7 @@ def test_train_py_resumes_a_sharded_stream_exactly(tmp_path: Path) -> None:
     the same batches (equal losses), and the saved position is the items taken of each shard (JSON)."""
     args = [f"hydra.searchpath=[file://{ROOT}/tests/conf]", "model=mlp", "data=vector_stream", "data.size=32",
             "+data.shards=8", "data.num_workers=2", "trainer.batch_size=4", "trainer.max_steps=8",
-            "trainer.log_every=1", "trainer.warmup_steps=2", "trainer.eval_every=0", "trainer.eval_steps=2",
+            "trainer.log_every=1", "trainer.excluded_steps=2", "trainer.eval_every=0", "trainer.eval_steps=2",
             "logger=none", "compile=off", "checkpoint=dcp", "checkpoint.every_steps=3"]
     env = {"PYTHONPATH": str(ROOT / "tests")}
     whole = train(tmp_path / "whole", *args, f"checkpoint.dir={tmp_path / 'ck'}", env=env)

@@ -27,7 +27,7 @@ from trainflow.models.gpt import GPT
 # Random tokens: nothing to learn, but every parity comparison is as strict as on text, and no corpus to read.
 SMALL = [*TINY_GPT, "data=synthetic", "data.num_samples=4096", "trainer.eval_steps=2", "trainer.max_steps=4"]
 # The baseline MLP (experiment=seed_mlp): a model without `blocks`.
-MLP_SMALL = ["experiment=seed_mlp", "logger=none", "trainer.max_steps=4", "trainer.warmup_steps=0",
+MLP_SMALL = ["experiment=seed_mlp", "logger=none", "trainer.max_steps=4", "trainer.excluded_steps=0",
              "trainer.log_every=1", "data.num_samples=4096"]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 TOLERANCE = 1e-4
@@ -143,7 +143,7 @@ def test_self_launched_ddp_with_accumulation_equals_one_process_on_the_whole_bat
 @pytest.mark.parametrize(("preset", "strategy"), [("single", "single"), ("ddp", "ddp"), ("fsdp", "fsdp"),
                                                   ("hsdp", "hsdp"), ("auto", "ddp")])
 def test_every_preset_trains_on_a_read_only_config(run_dir: Path, preset: str, strategy: str) -> None:
-    """The loop gets its config read-only (validate, then run.assemble): a write into it anywhere fails the run.
+    """The loop gets its config read-only (check_config, then run.assemble): a write into it anywhere fails the run.
     The run's decisions are in the config it reports: the per-rank batch, parallelism=auto's choice."""
     ranks = [] if preset == "single" else ["parallelism.nproc_per_node=2"]
     run = train(run_dir, *MLP_SMALL, f"parallelism={preset}", *ranks, "parallelism.global_batch=32")
@@ -550,14 +550,14 @@ def test_bad_parallel_values_are_refused_before_any_worker_starts(overrides: lis
     """The same checks the launching process runs before it starts workers, on a composed config, in process."""
     from hydra import compose, initialize_config_dir
 
-    from trainflow.config.checks import validate
+    from trainflow.config.checks import check_config
     from trainflow.distributed.process_group import _preflight, resolve_nproc
     from trainflow.errors import ConfigError
 
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
         cfg = compose("train", overrides=[*SMALL, *overrides])
     with pytest.raises(ConfigError) as error:
-        validate(cfg)
+        check_config(cfg)
         cpu = torch.device("cpu")
         nproc = resolve_nproc(cfg.parallelism, cpu)
         _preflight(cfg, cpu, nproc, nproc, "trainflow")
@@ -611,7 +611,7 @@ def test_bf16_on_a_cpu_without_native_bf16_warns_with_the_measured_slowdown() ->
 def test_bf16_warning_matches_this_cpu(run_dir: Path) -> None:
     from trainflow.util.device import cpu_flags
 
-    run = train(run_dir, *SMALL, "trainer.precision=bf16", "trainer.max_steps=1", "trainer.warmup_steps=0")
+    run = train(run_dir, *SMALL, "trainer.precision=bf16", "trainer.max_steps=1", "trainer.excluded_steps=0")
     assert run.returncode == 0, run.stderr
     native = bool((cpu_flags() or frozenset()) & {"avx512_bf16", "amx_bf16"})
     warned = "this CPU has no native bf16" in run.stdout + run.stderr

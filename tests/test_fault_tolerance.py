@@ -35,7 +35,7 @@ IDLE_S = 3  # the lighthouse ends once no group has talked to it this long
 DATA = {"digits": ["experiment=digits", "data._target_=test_fault_tolerance.paced_digits"],
         "stream": [f"hydra.searchpath=[file://{ROOT}/tests/conf]", "model=mlp", "data=vector_stream",
                    "data._target_=test_fault_tolerance.paced_stream", "data.size=8192", "task=classify"]}
-GROUP = ["trainer.batch_size=16", "trainer.log_every=1", "trainer.warmup_steps=2", "logger=none",
+GROUP = ["trainer.batch_size=16", "trainer.log_every=1", "trainer.excluded_steps=2", "logger=none",
          "trainer.eval_every=0", "checkpoint=dcp", "checkpoint.every_steps=1000", "checkpoint.verify=false",
          "checkpoint.export=true",
          "parallelism.fault_tolerance=torchft", "parallelism.ft.timeout_s=20", "parallelism.ft.heartbeat_timeout_s=2",

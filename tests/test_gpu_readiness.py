@@ -14,7 +14,7 @@ from omegaconf import OmegaConf
 from torch import nn
 
 from trainflow.compile.compiler import effective_mode
-from trainflow.config.checks import validate_compile, validate_parallelism
+from trainflow.config.checks import check_compile, check_parallelism
 from trainflow.config.schema import FSDPConfig, RunConfig, typed_run
 from trainflow.data import Pinned, StreamSampler, SyntheticTokens, TokenWindows, VariableLengths, make_loader
 from trainflow.distributed import DistEnv
@@ -73,7 +73,7 @@ def test_max_autotune_drops_cuda_graphs_on_several_ranks_only() -> None:
 def test_reduce_overhead_under_ddp_or_fsdp_is_refused_in_one_line(strategy: str) -> None:
     config = cfg(compile={"enabled": True, "mode": "reduce-overhead"}, parallelism={"strategy": strategy})
     with pytest.raises(ConfigError) as err:
-        validate_compile(config)
+        check_compile(config)
     assert str(err.value) == (
         f"compile.mode: reduce-overhead captures CUDA graphs, which break under parallelism={strategy} (open "
         "PyTorch issues: cudagraph trees with DDP's hooks and FSDP's all-gathers); use "
@@ -122,7 +122,7 @@ def test_fsdp_dtypes_follow_torchtitan_under_bf16() -> None:
 @pytest.mark.parametrize("key", ["param_dtype", "reduce_dtype"])
 def test_fp16_without_a_loss_scaler_is_refused(key: str) -> None:
     with pytest.raises(ConfigError) as err:
-        validate_parallelism(cfg(parallelism={"strategy": "fsdp", "fsdp": {key: "fp16"}}))
+        check_parallelism(cfg(parallelism={"strategy": "fsdp", "fsdp": {key: "fp16"}}))
     assert str(err.value).startswith(f"parallelism.fsdp.{key}: fp16 gradients overflow without a loss scaler")
 
 

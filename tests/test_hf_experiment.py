@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from helpers.runs import losses_by_step, ok, train
 
-QUICK = ["logger=none", "trainer.log_every=1", "trainer.warmup_steps=1", "trainer.eval_steps=2"]
+QUICK = ["logger=none", "trainer.log_every=1", "trainer.excluded_steps=1", "trainer.eval_steps=2"]
 SMALL = ["model.n_embd=32", "model.n_layer=2", "model.n_head=2", "model.n_positions=32", "tokenizer.vocab_size=512",
          "trainer.batch_size=8"]
 TWO_RANKS = ["parallelism.nproc_per_node=2", "parallelism.global_batch=16"]

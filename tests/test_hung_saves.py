@@ -56,7 +56,7 @@ elif os.environ.get("TEST_HANG") == "disk":
     safe_io._ChecksummedFile.__init__ = stuck
 """
 
-RUN = [*TINY_GPT, "data=synthetic", "trainer.eval_every=0", "trainer.warmup_steps=0", "checkpoint.every_steps=5"]
+RUN = [*TINY_GPT, "data=synthetic", "trainer.eval_every=0", "trainer.excluded_steps=0", "checkpoint.every_steps=5"]
 TIMEOUT_S = 6  # parallelism.timeout_s of the 2-rank runs
 DDP = ["parallelism=ddp", "parallelism.nproc_per_node=2", f"parallelism.timeout_s={TIMEOUT_S}",
        "parallelism.watchdog.min_s=2", "parallelism.watchdog.factor=2"]

@@ -192,7 +192,7 @@ def test_an_unexplained_inner_import_is_named(tmp_path: Path) -> None:
     assert unexplained_inner_imports(pkg) == ["pkg/a.py:4", "pkg/a.py:11", "pkg/a.py:15"]
 
 
-# Past validation (trainflow.config.checks.validate) the run reads the typed config, never a DictConfig: these
+# Past validation (trainflow.config.checks.check_config) the run reads the typed config, never a DictConfig: these
 # packages and modules may not import it; Hydra's side (config, cli, the report and run-directory callbacks) may.
 TYPED_ONLY = ("checkpoint", "compile", "data", "distributed", "loggers", "loop", "metrics", "models", "profile",
               "optim", "tasks")

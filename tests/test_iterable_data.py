@@ -18,7 +18,7 @@ from trainflow.errors import ConfigError, DataError
 
 # 20 items a pass in micro-batches of 4: the 8 steps cross passes (5 batches a pass; 4 with 2 workers of 10 each)
 STREAM = [f"hydra.searchpath=[file://{ROOT}/tests/conf]", "model=mlp", "data=vector_stream", "trainer.batch_size=4",
-          "trainer.max_steps=8", "trainer.log_every=1", "trainer.warmup_steps=2", "trainer.eval_every=0",
+          "trainer.max_steps=8", "trainer.log_every=1", "trainer.excluded_steps=2", "trainer.eval_every=0",
           "trainer.eval_steps=2", "logger=none", "compile=off", "checkpoint=dcp", "checkpoint.every_steps=3"]
 ENV = {"PYTHONPATH": str(ROOT / "tests")}
 

@@ -104,7 +104,7 @@ def test_refusal_names_what_is_needed_and_what_would_fit(roomy: Run, tmp_path: P
 def test_estimate_is_honest_in_one_process(tmp_path: Path) -> None:
     """The default gpt_tiny in one process: exact state, total within PEAK_FACTOR of the measured peak."""
     run = ok(train(tmp_path / "run", "model=gpt_tiny", "trainer.batch_size=8", "logger=none", "compile=off",
-                   "parallelism=auto", "trainer.max_steps=2", "trainer.warmup_steps=0", "trainer.eval_every=0",
+                   "parallelism=auto", "trainer.max_steps=2", "trainer.excluded_steps=0", "trainer.eval_every=0",
                    "trainer.eval_steps=1"))
     plan = run.summary["parallelism"]["plan"]
     assert plan["choice"] == "single" and "available RAM / 1 local rank" in plan["budget_source"]
@@ -137,7 +137,7 @@ def test_slurm_four_nodes_of_eight_gpus_rendezvous_once_and_auto_picks_hsdp_8_by
     from submitit.helpers import TorchDistributedEnvironment
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from trainflow.config.checks import validate
+    from trainflow.config.checks import check_config
     from trainflow.config.schema import RunConfig, register_configs
     from trainflow.distributed import DistEnv
     from trainflow.distributed.memory_plan import apply_auto
@@ -169,7 +169,7 @@ def test_slurm_four_nodes_of_eight_gpus_rendezvous_once_and_auto_picks_hsdp_8_by
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
     register_configs()
     with initialize_config_dir(str(CONFIG_DIR), version_base=None):
-        cfg = validate(compose("train", overrides=[*TINY_GPT, "parallelism=auto"]))
+        cfg = check_config(compose("train", overrides=[*TINY_GPT, "parallelism=auto"]))
     model = build_model(cfg.model)
     example = (torch.zeros(1, cfg.model["block_size"], dtype=torch.long),) * 2
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=32)
@@ -294,7 +294,7 @@ def batch_forced(tmp_path_factory: pytest.TempPathFactory) -> Run:
     """2 ranks and parallelism.global_batch=1: one sample cannot split over 2 data-parallel ranks, so auto
     chooses TP 2 (one copy of the model over both ranks, which read the one sample together)."""
     return ok(train(tmp_path_factory.mktemp("tp") / "run", *BASE, "parallelism.memory_budget_gb=1",
-                    "parallelism.global_batch=1", "trainer.warmup_steps=0"))
+                    "parallelism.global_batch=1", "trainer.excluded_steps=0"))
 
 
 def test_tp_when_the_global_batch_is_smaller_than_the_world(batch_forced: Run, tmp_path: Path) -> None:

@@ -27,7 +27,7 @@ from trainflow.config.sections import OWN_KEYS, settled_sections
 from trainflow.errors import ConfigError
 
 QUICK = ["logger=none", "compile=off", "trainer.max_steps=30", "trainer.batch_size=16", "trainer.log_every=5",
-         "trainer.warmup_steps=1", "trainer.eval_every=0", "trainer.eval_steps=2", "optim.lr=3e-3"]
+         "trainer.excluded_steps=1", "trainer.eval_every=0", "trainer.eval_steps=2", "optim.lr=3e-3"]
 # the command, with the stand-in for torchvision.models.resnet18
 ONE_COMMAND = ["model=custom", "model._target_=shapes.resnet18", "+model.num_classes=10", "data=custom",
                "data._target_=shapes.make_datasets", "task=classify"]

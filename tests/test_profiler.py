@@ -74,7 +74,7 @@ def test_train_py_profile_writes_loadable_trace_ops_table_and_overhead_verdict(r
     # A GPT of width 16 at batch 1: every operator is a few microseconds, so dispatch overhead bounds the step.
     run = train(run_dir, "model=gpt_tiny", "model.n_layer=2", "model.n_embd=16", "model.n_head=2",
                 "model.block_size=8", "trainer.batch_size=1", "data=synthetic", "trainer.max_steps=12",
-                "trainer.warmup_steps=2", "trainer.log_every=4", "trainer.eval_steps=1", "logger=none",
+                "trainer.excluded_steps=2", "trainer.log_every=4", "trainer.eval_steps=1", "logger=none",
                 "trainer.progress=log", "compile=off", "profiler=schedule", env=ONE_THREAD)
     assert run.returncode == 0, run.stderr
     prof = run.summary["profiler"]
@@ -111,7 +111,7 @@ def test_ddp_on_gloo_shows_the_communication_share_on_every_rank(run_dir: Path) 
     run = train(run_dir, "parallelism=ddp", "parallelism.nproc_per_node=2", "model=mlp", "model.in_features=1024",
                 "model.hidden=4096", "model.out_features=1024", "data=synthetic", "trainer.batch_size=1",
                 "optim=sgd", "optim.momentum=0", "optim.weight_decay=0", "trainer.grad_clip=0", "compile=off",
-                "logger=none", "trainer.max_steps=12", "trainer.warmup_steps=2", "trainer.log_every=4",
+                "logger=none", "trainer.max_steps=12", "trainer.excluded_steps=2", "trainer.log_every=4",
                 "trainer.eval_steps=1", "profiler=schedule", "profiler.ranks=all")
     assert run.returncode == 0, run.stderr
     prof = run.summary["profiler"]
@@ -131,7 +131,7 @@ def test_ddp_on_gloo_shows_the_communication_share_on_every_rank(run_dir: Path) 
 def test_compiled_run_profiles_compiled_regions_after_the_compile_steps(run_dir: Path) -> None:
     run = train(run_dir, "model=gpt_tiny", "model.n_layer=2", "model.n_embd=64", "model.n_head=2",
                 "model.block_size=32", "trainer.batch_size=8", "data=synthetic", "compile=default", "logger=none",
-                "trainer.warmup_steps=2", "trainer.max_steps=20", "trainer.log_every=5", "trainer.eval_steps=1",
+                "trainer.excluded_steps=2", "trainer.max_steps=20", "trainer.log_every=5", "trainer.eval_steps=1",
                 "profiler=schedule")
     assert run.returncode == 0, run.stderr
     summary = run.summary
@@ -332,12 +332,12 @@ def test_window_not_reached_after_resume_warns_instead_of_refusing(tmp_path: Pat
 def test_bad_profiler_values_are_refused_naming_the_key(overrides: list[str], expected: str) -> None:
     from hydra import compose, initialize_config_dir
 
-    from trainflow.config.checks import validate
+    from trainflow.config.checks import check_config
 
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
         cfg = compose("train", overrides=["profiler=schedule", *overrides])
     with pytest.raises(ConfigError) as err:
-        validate(cfg)
+        check_config(cfg)
     assert str(err.value).startswith(expected)
 
 
@@ -345,18 +345,18 @@ def test_bad_profiler_values_are_refused_naming_the_key(overrides: list[str], ex
 def test_every_profiler_option_composes_and_validates(option: str) -> None:
     from hydra import compose, initialize_config_dir
 
-    from trainflow.config.checks import validate
+    from trainflow.config.checks import check_config
 
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
         cfg = compose("train", overrides=[f"profiler={option}"])
-    validate(cfg)
+    check_config(cfg)
     p = cfg.profiler
     assert (p.enabled, p.wait, p.warmup, p.active, p.repeat, list(p.ranks)) == (option != "off", 5, 2, 3, 1, [0])
     assert p.with_stack == (option == "trace") and p.memory_snapshot == (option == "memory")
 
 
 def test_window_pushed_past_the_end_by_excluded_steps_is_refused(tmp_path: Path) -> None:
-    # validate() counts trainer.warmup_steps; compile steps are only known when the run starts.
+    # check_config() counts trainer.excluded_steps; compile steps are only known when the run starts.
     with pytest.raises(ConfigError, match=r"^trainer.max_steps: the profiler window ends at step 22 .* raise "
                                           r"trainer.max_steps to >= 22"):
         Profiler(profiler_cfg(), CPU_ENV, tmp_path, max_steps=20, skip_first=12)

@@ -2,7 +2,8 @@
 
 The commands are taken from the pages' code blocks and inline code (`python train.py ...` and `torchrun ...
 train.py ...`), split as a shell splits them, parsed by Hydra's override parser, expanded into the jobs of a
-sweep, composed against conf/ and checked by trainflow.config.checks.validate: the checks a run does before any work.
+sweep, composed against conf/ and checked by trainflow.config.checks.check_config: the checks a run does before any
+work.
 Training each would need GPUs, a SLURM cluster or a user's corpus; the commands that train here on CPU are run
 for real by the other tests. A command that fails names itself and the reason.
 """
@@ -20,7 +21,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException
 
 from trainflow.conf import CONFIG_DIR
-from trainflow.config.checks import validate
+from trainflow.config.checks import check_config
 
 COMMAND = re.compile(r"^(?:python\s+(?:\S*/)?train\.py|torchrun\s.*?(?:\S*/)?train\.py)(?=\s|$)")
 
@@ -122,7 +123,7 @@ def test_page_command_parses_and_composes(page: str, command: str) -> None:
             try:
                 cfg = compose("train", overrides=job)
                 if importable_targets(job):  # validation checks the keys against the code it names
-                    validate(cfg)
+                    check_config(cfg)
             except Exception as exc:  # noqa: BLE001 (any failure is reported with the command that caused it)
                 pytest.fail(f"{page} command `{command}` (job {job}): {type(exc).__name__}: {exc}")
 

@@ -212,6 +212,32 @@ def test_one_run_folder_reports_itself(single_runs: tuple[Path, list[Run]], tmp_
     assert [r["name"] for r in report["runs"]] == ["."] and report["runs"][0]["speedup"] == 1.0
 
 
+def test_a_summary_of_the_first_format_reads_under_todays_names(single_runs: tuple[Path, list[Run]],
+                                                                 tmp_path: Path) -> None:
+    """summary.json carries its format; one written before the number (format 1, trainer.warmup_steps) is read with
+    today's names, so a report puts it beside today's runs of the same command."""
+    from trainflow.report.summary_file import FORMAT, read_summary
+
+    folder, runs = single_runs
+    today = runs[0].summary
+    assert today["format"] == FORMAT == 2 and today["config"]["trainer"]["excluded_steps"] == 2  # as TINY_GPT sets
+    old = tmp_path / "runs" / "old"
+    shutil.copytree(runs[0].run_dir, old)
+    shutil.copytree(runs[1].run_dir, tmp_path / "runs" / "new")
+    first = json.loads((old / "summary.json").read_text())
+    del first["format"]
+    first["config"]["trainer"]["warmup_steps"] = first["config"]["trainer"].pop("excluded_steps")
+    (old / "summary.json").write_text(json.dumps(first))
+    read = read_summary(old / "summary.json")
+    assert read["format"] == 2 and read["config"]["trainer"]["excluded_steps"] == 2
+    assert "warmup_steps" not in read["config"]["trainer"]
+    proc = report_cmd(tmp_path / "runs", "--out", tmp_path / "report")
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads((tmp_path / "report" / "report.json").read_text())
+    assert sorted(r["name"] for r in report["runs"]) == ["new", "old"]
+    assert all(r["speedup"] is not None for r in report["runs"])  # compared with each other, not listed apart
+
+
 def test_a_multirun_sweep_gets_its_report_from_the_callback(tmp_path: Path) -> None:
     """Hydra's own launcher, two jobs in one process: the callback writes the report into the sweep folder."""
     sweep = tmp_path / "sweep"

@@ -16,7 +16,7 @@ from torch import nn
 from trainflow.checkpoint import Checkpointer
 from trainflow.compile.compiler import Compiler
 from trainflow.conf import CONFIG_DIR
-from trainflow.config.checks import validate
+from trainflow.config.checks import check_config
 from trainflow.config.schema import RunConfig
 from trainflow.distributed.parity import ParityCheck
 from trainflow.loop.evaluation import Evaluation
@@ -32,7 +32,7 @@ CPU = torch.device("cpu")
 def seed_mlp_cfg(*overrides: str) -> RunConfig:
     """The typed config `run` gets (validation's), of the seed MLP with `overrides`."""
     with initialize_config_dir(str(CONFIG_DIR), version_base="1.3"):
-        return validate(compose("train", overrides=["experiment=seed_mlp", "logger=none", "trainer.eval_steps=1",
+        return check_config(compose("train", overrides=["experiment=seed_mlp", "logger=none", "trainer.eval_steps=1",
                                                     "trainer.progress=log", *overrides]))
 
 
@@ -53,7 +53,7 @@ class StopAndPause(Stage):
     @classmethod
     def build(cls, ctx: StageContext) -> StopAndPause:
         """Its settings from the run's config, as a stage of trainflow's own would read them."""
-        stage = cls(pause_at=6, pause_s=1.5, stop_at=12, excluded=ctx.trainer.warmup_steps + 3)
+        stage = cls(pause_at=6, pause_s=1.5, stop_at=12, excluded=ctx.trainer.excluded_steps + 3)
         cls.built.append(stage)
         return stage
 
@@ -108,7 +108,7 @@ def test_the_loop_calls_only_enabled_stages_and_any_stage_can_stop_it_and_pause_
     from trainflow.loop.run import assemble, summarize, train_loop
 
     register_with_hydra()
-    cfg = seed_mlp_cfg("trainer.max_steps=40", "trainer.warmup_steps=2", "trainer.log_every=5")
+    cfg = seed_mlp_cfg("trainer.max_steps=40", "trainer.excluded_steps=2", "trainer.log_every=5")
     StopAndPause.built.clear()
     with process_group(cfg) as env:
         run = assemble(cfg, tmp_path, env, [*STAGES, Off, StopAndPause])  # plugged in like trainflow's own
@@ -258,7 +258,7 @@ def test_stages_hold_their_typed_sections_in_a_launched_worker(tmp_path: Path) -
     from trainflow.loop.run import assemble, summarize, train_loop
 
     register_with_hydra()
-    validated = seed_mlp_cfg("trainer.max_steps=6", "trainer.eval_every=3", "trainer.warmup_steps=1",
+    validated = seed_mlp_cfg("trainer.max_steps=6", "trainer.eval_every=3", "trainer.excluded_steps=1",
                              "checkpoint.enabled=true", "checkpoint.every_steps=4", "checkpoint.keep_last=5",
                              "profiler.enabled=true", "profiler.skip_first=0", "profiler.wait=0", "profiler.warmup=1",
                              "profiler.active=2", "profiler.row_limit=7", "compile.backend=aot_eager",
@@ -319,7 +319,7 @@ def test_device_work_still_queued_counts_as_training_not_as_the_stages_pauses(
     monkeypatch.setattr(evaluation, "device_sync", drain_queue("evaluation"))
     monkeypatch.setattr(checkpointer, "device_sync", drain_queue("checkpoint"))
     register_with_hydra()
-    cfg = seed_mlp_cfg("trainer.max_steps=12", "trainer.warmup_steps=0", "trainer.log_every=100",
+    cfg = seed_mlp_cfg("trainer.max_steps=12", "trainer.excluded_steps=0", "trainer.log_every=100",
                        "trainer.eval_every=4", "checkpoint=dcp", "checkpoint.every_steps=4",
                        "checkpoint.save_final=false", f"checkpoint.dir={tmp_path / 'checkpoints'}")
     with process_group(cfg) as env:

@@ -67,7 +67,7 @@ def test_a_rank_slowed_in_its_data_path_is_named_once_with_its_host(run_dir) -> 
     straggler as the cause of its exposed communication."""
     run = train(run_dir, "experiment=digits", "data._target_=test_stragglers.slow_digits", "trainer.log_every=1",
                 "trainer.eval_every=0", "trainer.batch_size=8", "logger=none", "trainer.max_steps=12",
-                "trainer.warmup_steps=2", "profiler.enabled=true", *DDP,
+                "trainer.excluded_steps=2", "profiler.enabled=true", *DDP,
                 env={**_env(), "TEST_SLOW_RANK": "1", "TEST_SLOW_S": str(SLOW_READ_S)})
     assert run.returncode == 0, run.stderr[-3000:]
     stragglers = run.summary["stragglers"]

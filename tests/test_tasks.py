@@ -26,7 +26,7 @@ from trainflow.tasks import Classification, LanguageModel, UserTask, probe
 MY_PROJECT = ROOT / "examples" / "my_project"
 MY_PROJECT_ARGS = ["--config-dir", str(MY_PROJECT / "conf"), "experiment=my_project"]
 MY_PROJECT_ENV = {"PYTHONPATH": os.pathsep.join(filter(None, [str(MY_PROJECT), os.environ.get("PYTHONPATH")]))}
-QUICK = ["logger=none", "trainer.log_every=1", "trainer.warmup_steps=1", "trainer.eval_steps=2"]
+QUICK = ["logger=none", "trainer.log_every=1", "trainer.excluded_steps=1", "trainer.eval_steps=2"]
 TWO_RANKS = ["parallelism.nproc_per_node=2", "parallelism.global_batch=32"]
 PROFILED = ["profiler=schedule", "profiler.wait=0", "profiler.warmup=1", "profiler.active=2"]
 SAVED = ["checkpoint=dcp", "checkpoint.every_steps=4", "trainer.max_steps=8", "trainer.eval_every=0"]

@@ -233,17 +233,17 @@ def test_gpt_on_text_with_bpe_trains_end_to_end_and_reuses_its_caches(tmp_path: 
 def test_every_gpt_follows_the_tokenizers_vocabulary() -> None:
     from hydra import compose, initialize_config_dir
 
-    from trainflow.config.checks import validate
+    from trainflow.config.checks import check_config
 
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
         for model in ("gpt_tiny", "gpt_small", "gpt_medium"):
             default = compose("train", overrides=[f"model={model}"])
             assert default.model.vocab_size == 256 and default.tokenizer.kind == "bytes"
             cfg = compose("train", overrides=[f"model={model}", "tokenizer=bpe"])
-            validate(cfg)
+            check_config(cfg)
             assert cfg.model.vocab_size == cfg.tokenizer.vocab_size == 4096
         small = compose("train", overrides=["tokenizer=file", "tokenizer.path=/t.json", "tokenizer.vocab_size=100"])
-        validate(small)  # a small vocabulary of one's own is not held to the byte vocabulary of tokenizer=bytes
+        check_config(small)  # a small vocabulary of one's own is not held to the byte vocabulary of tokenizer=bytes
         assert small.model.vocab_size == 100
 
 

@@ -24,7 +24,7 @@ from trainflow.checkpoint import export_weights, stop_exit_code
 from trainflow.checkpoint.export import FORMATS
 from trainflow.checkpoint.stopping import catch_stop_signals, release_stop_signals
 from trainflow.conf import CONFIG_PATH
-from trainflow.config.checks import validate
+from trainflow.config.checks import check_config
 from trainflow.config.command_line import EXIT_COMMAND_LINE, explain, raised_errors, single_run
 from trainflow.config.compose import compose_run
 from trainflow.config.schema import FaultToleranceConfig, TextDataConfig, register_configs
@@ -85,14 +85,15 @@ def run_from_hydra(cfg: DictConfig) -> float | None:
 
 
 def _run_job(cfg: DictConfig) -> float | None:
-    """The job: validate, catch the stop signals, train here or start the local workers; user errors as one line."""
+    """The job: check the config, catch the stop signals, train here or start the local workers; user errors as one
+    line."""
     from trainflow.distributed.launch import launch, should_launch  # lazy: ~50 ms the other commands need not pay
-    from trainflow.loop.run import run  # lazy: the loop's modules, ~60 ms the other commands need not pay
+    from trainflow.loop.run import train  # lazy: the loop's modules, ~60 ms the other commands need not pay
 
     hydra_cfg = HydraConfig.get()
     sweep_job = sweeps.is_sweep_job(hydra_cfg)
     try:
-        run_cfg = sweeps.with_job_checkpoint_dir(validate(cfg), hydra_cfg)  # typed once: the run reads this
+        run_cfg = sweeps.with_job_checkpoint_dir(check_config(cfg), hydra_cfg)  # typed once: the run reads this
         # from here on a stop signal says in one line what it did, whatever the run is doing (see stopping.py)
         catch_stop_signals(run_cfg.checkpoint.stop_signals, run_cfg.checkpoint.enabled, speak=env_rank() == 0)
         run_dir = Path(hydra_cfg.runtime.output_dir)
@@ -104,7 +105,7 @@ def _run_job(cfg: DictConfig) -> float | None:
             if sweeps.typed_checkpoint_dir(hydra_cfg) and run_cfg.checkpoint.enabled:
                 sweeps.claim_checkpoint_dir(Path(str(run_cfg.checkpoint.dir)), sweeps.job_identity(hydra_cfg))
         # ddp/fsdp typed without torchrun: start the local workers, which train through `run` themselves
-        summary = launch(run_cfg, run_dir) if should_launch(run_cfg) else run(run_cfg, run_dir)
+        summary = launch(run_cfg, run_dir) if should_launch(run_cfg) else train(run_cfg, run_dir)
     except TrainflowError as exc:
         if traceback_wanted():
             raise

@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[2]
 # Small, fast settings for tests: a 2-layer byte-level GPT on a slice of the standard library.
 TINY_GPT = [
     "model=gpt_tiny", "model.n_layer=2", "model.n_embd=64", "model.n_head=2", "model.block_size=32",
-    "trainer.batch_size=8", "trainer.log_every=1", "trainer.warmup_steps=2", "logger=none", "compile=off",
+    "trainer.batch_size=8", "trainer.log_every=1", "trainer.excluded_steps=2", "logger=none", "compile=off",
 ]
 
 

@@ -96,13 +96,13 @@ def job_tasks(jobs: list[SweepJob]) -> Iterator[tuple[int, DictConfig]]:
 def finished_already(job: SweepJob) -> JobReturn | None:
     """A completed JobReturn for a job that finished in its directory with its config (the same -m command run
     again), said in one line; None for a job to run (trainflow.report.sweeps.finished says which)."""
-    from trainflow.config.checks import validate
+    from trainflow.config.checks import check_config
 
     if not (job.dir / "summary.json").exists():
         return None
     with as_job(job) as task:
         try:
-            cfg = sweeps.with_job_checkpoint_dir(validate(task), job.config.hydra)
+            cfg = sweeps.with_job_checkpoint_dir(check_config(task), job.config.hydra)
         except Exception:  # the job itself will say what is wrong with it
             return None
     summary = sweeps.finished(job.dir, cfg)
@@ -145,9 +145,9 @@ class SweepLauncher(Launcher):
         self.config = config
         self.hydra_context = hydra_context
         self.task_function = task_function
-        self.validate()
+        self.check()
 
-    def validate(self) -> None:
+    def check(self) -> None:
         """Refuse settings that cannot work, before any job is composed (launchers with settings override it)."""
 
     def compose(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> list[SweepJob]:
@@ -247,7 +247,7 @@ def job_shape(job: SweepJob, ranks_key: str, settings: dict[str, Any], gpus: Cal
     key: `ranks_key` and max_restarts where the launcher has it; null: 1 rank, no restart). One knob each: a
     trainflow job given the launcher's setting too is refused in one line naming the key to set instead. A job
     whose shape cannot be made fails the sweep; any other bad value fails only its job, which says why itself."""
-    from trainflow.config.checks import validate_launch
+    from trainflow.config.checks import check_launch
     from trainflow.config.schema import ParallelismConfig, typed
     from trainflow.distributed.mesh import local_ranks
 
@@ -261,7 +261,7 @@ def job_shape(job: SweepJob, ranks_key: str, settings: dict[str, Any], gpus: Cal
     with as_job(job) as task:
         try:
             p = typed(OmegaConf.to_container(task.parallelism, resolve=True), ParallelismConfig, "parallelism")
-            validate_launch(p)
+            check_launch(p)
         except TrainflowError as exc:
             user_error(str(exc))
     return JobShape(local_ranks(p.strategy, p.nproc_per_node, gpus()), p.max_restarts)

@@ -92,8 +92,8 @@ class SlurmLauncher(SweepLauncher):
     def __init__(self, **params: Any) -> None:
         super().__init__(SlurmLauncherConf(**params))
 
-    def validate(self) -> None:
-        validate(self.conf)
+    def check(self) -> None:
+        check_conf(self.conf)
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
         assert self.config is not None and self.hydra_context is not None and self.task_function is not None
@@ -191,7 +191,7 @@ def _stop_signal(job_dir: Path) -> str | None:
     return (summary.get("checkpoint") or {}).get("stopped_by")
 
 
-def validate(c: SlurmLauncherConf) -> None:
+def check_conf(c: SlurmLauncherConf) -> None:
     """Values SLURM would refuse or misread, named by their key."""
     checks = (
         ("nodes", c.nodes, 1), ("gpus_per_node", c.gpus_per_node, 0), ("tasks_per_node", c.tasks_per_node, 1),

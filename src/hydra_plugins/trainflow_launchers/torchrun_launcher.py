@@ -64,8 +64,8 @@ class TorchrunLauncher(SweepLauncher):
         super().__init__(TorchrunLauncherConf(**params))
         self.shapes: dict[int, JobShape] = {}  # each job's ranks per node and restarts, by job number
 
-    def validate(self) -> None:
-        validate(self.conf)
+    def check(self) -> None:
+        check_conf(self.conf)
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
         jobs = self.compose(job_overrides, initial_job_idx)
@@ -189,7 +189,7 @@ def _restarts(ranks_dir: Path) -> int:
     return max(attempts, default=0)
 
 
-def validate(c: TorchrunLauncherConf) -> None:
+def check_conf(c: TorchrunLauncherConf) -> None:
     """Reject settings torchrun would fail on later, or (a missing endpoint) hang on."""
     nproc = str(c.nproc_per_node)
     if c.nproc_per_node is not None and not (nproc in _NPROC_WORDS or (nproc.isdigit() and int(nproc) >= 1)):

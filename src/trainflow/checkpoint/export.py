@@ -69,7 +69,7 @@ from trainflow.checkpoint.store import (
     read_state,
     resolve_checkpoint,
 )
-from trainflow.config.schema import TextDataConfig, TokenizerConfig, typed
+from trainflow.config.schema import HFDataConfig, TextDataConfig, TokenizerConfig, typed
 from trainflow.data.hf import Split, _files
 from trainflow.data.text import Corpus
 from trainflow.data.tokenizers import END_TOKENS, bpe_cache_path, byte_tokenizer, import_hf
@@ -381,10 +381,11 @@ def run_tokenizer(run_cfg: dict[str, Any]) -> Any:
 def bpe_corpus_key(run_cfg: dict[str, Any]) -> str:
     """The key of the corpus the run's BPE was trained on, as the data code computes it (nothing is read)."""
     data = run_cfg.get("data") or {}
-    if data.get("_target_") == "trainflow.data.hf.token_windows":
-        cache = data.get("cache_dir", "~/.cache/trainflow/hf")
-        split = Split(_files(data.get("paths"), "data.paths"), data.get("format"), data.get("column", "text"),
-                      Path(cache).expanduser(), cache)
+    if data.get("_target_") == HFDataConfig._target_:
+        cache = data.get("cache_dir", HFDataConfig.cache_dir)  # a key the run's config.yaml lacks: the schema's default
+        column = data.get("column", HFDataConfig.column)
+        paths = _files(data.get("paths"), "data.paths")
+        split = Split(paths, data.get("format"), column, Path(cache).expanduser(), cache)
         return f"hf\0{split.key}"
     if data.get("_target_") == TextDataConfig._target_ or data.get("kind") == "text":  # as its config.yaml names it
         return f"text\0{Corpus.of(data).key}"

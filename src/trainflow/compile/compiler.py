@@ -95,7 +95,7 @@ class Compiler(Stage):
         self.precision = matmul_math(env.device, trainer.precision)
         # Every distinct input shape compiles (or recompiles) once: the steps until each was seen are compile steps.
         self._compile_steps = math.ceil(len(seq_lens) / trainer.grad_accum) if seq_lens else 1
-        self._warmup_total = trainer.warmup_steps + self._compile_steps
+        self._excluded_total = trainer.excluded_steps + self._compile_steps
         self._step_times: list[float] = []
         self._compiles: dict[tuple[str, bool], dict[str, Any]] = {}
         self._check: dict[str, Any] | None = None
@@ -126,7 +126,7 @@ class Compiler(Stage):
         compiler._example = (ctx.example, ctx.task)
         return compiler
 
-    def prepare(self, model: nn.Module) -> nn.Module:
+    def wrap_model(self, model: nn.Module) -> nn.Module:
         return self.apply(model, *(self._example or ()))
 
     def apply(self, model: nn.Module, example: Any = None, task: Task | None = None) -> nn.Module:
@@ -153,15 +153,15 @@ class Compiler(Stage):
         return model
 
     def excluded_steps(self) -> int:
-        """trainer.warmup_steps and then the steps that compile: out of the steady-state figures."""
-        return self._warmup_total if self.enabled else 0
+        """trainer.excluded_steps and then the steps that compile: out of the steady-state figures."""
+        return self._excluded_total if self.enabled else 0
 
     def after_step(self, state: LoopState) -> bool:
         """Keeps the excluded steps' synced wall times; reports once they are done."""
         if state.step_time_s is not None:
             self._step_times.append(state.step_time_s)
             self._poll()
-            if len(self._step_times) >= self._warmup_total and not self._logged:
+            if len(self._step_times) >= self._excluded_total and not self._logged:
                 self._log_report(self.report())
         return False
 
@@ -342,7 +342,7 @@ class Compiler(Stage):
             "recompile_limit": recompile_limit(),
             "compile_time_s": sum(c["seconds"] for c in self._compiles.values()),
             "first_step_s": first,
-            "warmup_step_times_s": list(self._step_times),
+            "excluded_step_times_s": list(self._step_times),
             "compile_steps_excluded": self._compile_steps,
             "cache": {"dir": self.cache_dir, "state": _cache_state(hits, misses), "hits": hits, "misses": misses},
             "check": self._check,

@@ -2,7 +2,7 @@
 any work starts: each failure is one line naming the key and the fix.
 
 The schemas (trainflow.config.schema) say what keys exist, their types and the closed choices; this module says
-which values make sense. `validate` is the boundary: it takes the composed config and returns the typed one the run
+which values make sense. `check_config` is the boundary: it takes the composed config and returns the typed one the run
 reads.
 """
 
@@ -37,7 +37,7 @@ def check_optimizer(optim: dict[str, Any]) -> None:
              f"{target} is not a torch.optim.Optimizer class; give {OPTIMIZER}")
 
 
-def validate_optim(optim: dict[str, Any]) -> None:
+def check_optim(optim: dict[str, Any]) -> None:
     """The schedule's and the optimizer's values a type cannot check."""
     _require(optim["lr"] > 0, "optim.lr", f"must be > 0; got {optim['lr']}")
     _require(optim["weight_decay"] >= 0, "optim.weight_decay", f"must be >= 0; got {optim['weight_decay']}")
@@ -52,7 +52,7 @@ def validate_optim(optim: dict[str, Any]) -> None:
     check_optimizer(optim)
 
 
-def validate_task(cfg: RunConfig) -> None:
+def check_task(cfg: RunConfig) -> None:
     """Task values a type cannot check; whether task.monitor exists is known once the task ran on a sample."""
     task = cfg.task
     if task.get("_target_"):
@@ -63,7 +63,7 @@ def validate_task(cfg: RunConfig) -> None:
              "is for language models (task=lm); set it to false, or task.kind=lm")
 
 
-def validate_compile(cfg: RunConfig) -> None:
+def check_compile(cfg: RunConfig) -> None:
     """Compile values a type cannot check (the backend name is checked where dynamo is imported)."""
     data = cfg.data
     if data.get("seq_lens") is not None:
@@ -93,7 +93,7 @@ def validate_compile(cfg: RunConfig) -> None:
                  "use compile=default (inductor without CUDA graphs)")
 
 
-def validate_profiler(cfg: RunConfig) -> None:
+def check_profiler(cfg: RunConfig) -> None:
     """Window and option checks; `ranks` against the world size happens in the Profiler, where it is known."""
     profiler = cfg.profiler
     if not profiler.enabled:
@@ -117,7 +117,7 @@ def validate_profiler(cfg: RunConfig) -> None:
     _require(profiler.memory_history_entries > 0, "profiler.memory_history_entries",
              f"must be > 0; got {profiler.memory_history_entries}")
     # A window past the end would profile nothing: refuse (compile steps are added at run time, in the Profiler).
-    skip, end = profiler.window(cfg.trainer.warmup_steps)
+    skip, end = profiler.window(cfg.trainer.excluded_steps)
     _require(end <= cfg.trainer.max_steps, "trainer.max_steps",
              f"is {cfg.trainer.max_steps} but the profiler window ends at step {end} (skip_first {skip} + "
              f"{max(profiler.repeat, 1)} x (wait {profiler.wait} + warmup {profiler.warmup} + "
@@ -125,7 +125,7 @@ def validate_profiler(cfg: RunConfig) -> None:
              f"trainer.max_steps to >= {end} or shorten the window (profiler.skip_first/wait/warmup/active)")
 
 
-def validate_parallelism(cfg: RunConfig) -> None:
+def check_parallelism(cfg: RunConfig) -> None:
     """Checks that need no process group; world-size-dependent ones happen where the world size is known."""
     parallelism = cfg.parallelism
     for key in ("dp_replicate", "dp_shard", "tp"):
@@ -135,15 +135,15 @@ def validate_parallelism(cfg: RunConfig) -> None:
     _require(parallelism.tp == 1 or parallelism.strategy != "auto", "parallelism.tp",
              f"is {parallelism.tp}, but parallelism=auto chooses the TP degree itself; to fix it, pick "
              "parallelism=fsdp, ddp or hsdp with parallelism.tp")
-    validate_tp_sizes(cfg)
+    check_tp_sizes(cfg)
     _require(parallelism.tp == 1 or parallelism.activation_checkpointing == "off" or not cfg.compile.enabled,
              "parallelism.activation_checkpointing",
              f"full with compile under parallelism.tp={parallelism.tp} fails inside torch (its compiled backward "
              "cannot save a checkpointed block's tensor-parallel mesh); set compile=off or "
              "parallelism.activation_checkpointing=off")
-    validate_activation_checkpointing(cfg)
-    validate_pipeline(cfg)
-    validate_launch(parallelism)
+    check_activation_checkpointing(cfg)
+    check_pipeline(cfg)
+    check_launch(parallelism)
     if parallelism.global_batch is not None:
         _require(parallelism.global_batch > 0, "parallelism.global_batch",
                  f"must be a positive integer or null; got {parallelism.global_batch}")
@@ -180,10 +180,10 @@ def validate_parallelism(cfg: RunConfig) -> None:
              f"must be > 0, or null for the device's free memory; got {parallelism.memory_budget_gb}")
     _require(0 < parallelism.memory_headroom <= 1, "parallelism.memory_headroom",
              f"must be in (0, 1]; got {parallelism.memory_headroom}")
-    validate_fault_tolerance(cfg)
+    check_fault_tolerance(cfg)
 
 
-def validate_activation_checkpointing(cfg: RunConfig) -> None:
+def check_activation_checkpointing(cfg: RunConfig) -> None:
     """How often the mode applies, and the budget that only compile's partitioner can meet."""
     p = cfg.parallelism
     _require(p.activation_checkpointing_every >= 1, "parallelism.activation_checkpointing_every",
@@ -197,7 +197,7 @@ def validate_activation_checkpointing(cfg: RunConfig) -> None:
              f"budget with parallelism.tp={p.tp} is untested with tensor parallel; use full or selective")
 
 
-def validate_pipeline(cfg: RunConfig) -> None:
+def check_pipeline(cfg: RunConfig) -> None:
     """Pipeline degrees a type cannot check; whether pp divides the world and the blocks, and the micro-batches the
     batch, is checked where those are known (trainflow.distributed.pipeline)."""
     p = cfg.parallelism
@@ -226,7 +226,7 @@ def validate_pipeline(cfg: RunConfig) -> None:
              "(task=lm or classify), and this task computes it from the model itself; use task=lm or task=classify")
 
 
-def validate_launch(parallelism: ParallelismConfig) -> None:
+def check_launch(parallelism: ParallelismConfig) -> None:
     """How the run's processes start (what a launcher reads of a trainflow job too): its ranks per node and
     restarts."""
     nproc = parallelism.nproc_per_node
@@ -238,7 +238,7 @@ def validate_launch(parallelism: ParallelismConfig) -> None:
     _require(parallelism.max_restarts >= 0, "parallelism.max_restarts", f"must be >= 0; got {parallelism.max_restarts}")
 
 
-def validate_fault_tolerance(cfg: RunConfig) -> None:
+def check_fault_tolerance(cfg: RunConfig) -> None:
     """parallelism.fault_tolerance=torchft: the extra installed, replica groups of one rank, DDP or FSDP ranks, a
     place in the groups."""
     parallelism = cfg.parallelism
@@ -265,7 +265,7 @@ def validate_fault_tolerance(cfg: RunConfig) -> None:
         _require(value > 0, f"parallelism.ft.{key}", f"must be > 0; got {value}")
 
 
-def validate_tp_sizes(cfg: RunConfig) -> None:
+def check_tp_sizes(cfg: RunConfig) -> None:
     """Tensor parallel splits trainflow's GPT by heads and hidden units: tp must divide each of them."""
     tp, model = cfg.parallelism.tp, cfg.model
     if tp in (1, -1) or "n_head" not in model or "n_embd" not in model:
@@ -275,7 +275,7 @@ def validate_tp_sizes(cfg: RunConfig) -> None:
              f"and an equal share of the hidden units; use a parallelism.tp that divides both, or change the model")
 
 
-def validate_checkpoint(cfg: RunConfig) -> None:
+def check_checkpoint(cfg: RunConfig) -> None:
     """Checkpoint values a type cannot check (paths are checked where they are used)."""
     checkpoint = cfg.checkpoint
     if not checkpoint.enabled:  # a checkpoint key typed for a run that saves and resumes nothing was meant for one
@@ -304,7 +304,7 @@ def validate_checkpoint(cfg: RunConfig) -> None:
              "set checkpoint.resume=<a step_N folder or run dir>")
 
 
-def validate_ledger(setting: str) -> None:
+def check_ledger(setting: str) -> None:
     """metrics.ledger (trainflow.report.ledger): a file path must not be a folder, and its folder, where it exists,
     must take files (auto and off need nothing)."""
     if setting in ("auto", "off"):
@@ -321,7 +321,7 @@ def validate_ledger(setting: str) -> None:
                           "metrics.ledger=off")
 
 
-def validate_ladder(cfg: RunConfig) -> None:
+def check_ladder(cfg: RunConfig) -> None:
     """Ladder knobs a type cannot check; only a ladder job has them."""
     if not isinstance(cfg, LadderRunConfig):
         return
@@ -369,7 +369,7 @@ def _non_finite(node: Any, key: str = "") -> tuple[str, Any] | None:
     return None
 
 
-def validate_model(cfg: RunConfig) -> None:
+def check_model(cfg: RunConfig) -> None:
     """Sizes of the built-in models, and what the data asks of them, checked before anything is built."""
     model, data = cfg.model, cfg.data
     if str(model["_target_"]).startswith("trainflow.models."):
@@ -388,7 +388,7 @@ def validate_model(cfg: RunConfig) -> None:
                  f"model.vocab_size={BYTE_VOCAB} or more")
 
 
-def validate_data(cfg: RunConfig) -> None:
+def check_data(cfg: RunConfig) -> None:
     """The loader's keys, and those of trainflow's own data options."""
     data = cfg.data
     if data.get("seq_len") is not None:
@@ -409,7 +409,7 @@ def validate_data(cfg: RunConfig) -> None:
         _require(data["num_samples"] > 0, "data.num_samples", f"must be > 0; got {data['num_samples']}")
 
 
-def validate(cfg: DictConfig) -> RunConfig:
+def check_config(cfg: DictConfig) -> RunConfig:
     """The composed config as the run reads it, typed once (trainflow.config.schema.typed_run), with the values a
     type cannot check checked; raise ConfigError naming the key and the fix."""
     check_targets_given(cfg)
@@ -423,7 +423,7 @@ def validate(cfg: DictConfig) -> RunConfig:
     for key in ("max_steps", "batch_size", "grad_accum", "log_every", "eval_steps"):
         value = getattr(trainer, key)
         _require(value > 0, f"trainer.{key}", f"must be a positive integer; got {value}")
-    _require(trainer.warmup_steps >= 0, "trainer.warmup_steps", f"must be >= 0; got {trainer.warmup_steps}")
+    _require(trainer.excluded_steps >= 0, "trainer.excluded_steps", f"must be >= 0; got {trainer.excluded_steps}")
     every = trainer.eval_every
     _require(every == "auto" or every >= 0, "trainer.eval_every",
              f"must be auto or a number of steps >= 0 (0: only at the end); got {every}")
@@ -433,19 +433,19 @@ def validate(cfg: DictConfig) -> RunConfig:
              f"must be an integer in [0, {SEED_RANGE - 1}]; got {trainer.seed}")
     if trainer.run_name is not None and (problem := run_name_problem(trainer.run_name)):
         raise ConfigError(f"trainer.run_name: {problem}")
-    validate_optim(run.optim)
+    check_optim(run.optim)
     if run.metrics.peak_flops is not None:
         _require(run.metrics.peak_flops > 0, "metrics.peak_flops", f"must be > 0; got {run.metrics.peak_flops}")
-    validate_ledger(run.metrics.ledger)
+    check_ledger(run.metrics.ledger)
     if trainer.cost_per_hour is not None:
         _require(trainer.cost_per_hour >= 0, "trainer.cost_per_hour",
                  f"must be >= 0 (the price of one device for an hour); got {trainer.cost_per_hour}")
-    validate_data(run)
-    validate_model(run)
-    validate_task(run)
-    validate_parallelism(run)
-    validate_profiler(run)
-    validate_compile(run)
-    validate_checkpoint(run)
-    validate_ladder(run)
+    check_data(run)
+    check_model(run)
+    check_task(run)
+    check_parallelism(run)
+    check_profiler(run)
+    check_compile(run)
+    check_checkpoint(run)
+    check_ladder(run)
     return run

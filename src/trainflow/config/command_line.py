@@ -63,6 +63,11 @@ class RunStarts(Callback):
         _take_back()
 
 
+# Keys that took another name, with what the new one means where the old name meant more than one thing.
+RENAMED = {"trainer.warmup_steps": "trainer.excluded_steps (the first steps, left out of the steady-state figures; "
+                                   "the learning rate's warm-up is optim.warmup_steps)"}
+
+
 def explain(exc: BaseException, overrides: list[str]) -> str | None:
     """One line for a command line that did not compose, or None when `exc` is not such a failure."""
     if isinstance(exc, MissingConfigException) and exc.missing_cfg_file and "/" in exc.missing_cfg_file:
@@ -74,6 +79,8 @@ def explain(exc: BaseException, overrides: list[str]) -> str | None:
                 f"{', '.join(options)} (python train.py --help describes them)")
     if isinstance(exc, ConfigCompositionException) and isinstance(exc.__cause__, ConfigAttributeError | ConfigKeyError):
         key = _quoted(str(exc)) or ""
+        if key in RENAMED:
+            return f"{key}: Could not override it: the key is now {RENAMED[key]}"
         given = next((o for o in overrides if o.lstrip("+~").split("=")[0] == key), key)
         close = _closest_key(key, [o for o in overrides if o != given])
         hint = f"did you mean {close}{given[len(given.split('=')[0]):]}?" if close else EVERY_KEY

@@ -79,7 +79,7 @@ class TrainerConfig:
     log_every: int = 10
     eval_every: int | Auto = Auto.auto  # steps between evaluations; 0: only at the end; auto: see eval_interval
     eval_steps: int = 10
-    warmup_steps: int = 5  # excluded from steady-state figures
+    excluded_steps: int = 5  # the first steps, left out of the steady-state figures (compiling steps come on top)
     deterministic: bool = False
     progress: Progress = Progress.auto  # auto: a bar when stdout is a terminal, else log lines
     print_config: bool = False  # the full config on the console too (it is always in config.yaml and train.log)

@@ -225,7 +225,7 @@ class FaultTolerance(Stage):
             connect_timeout=timeout, rank=env.rank, world_size=env.world_size, store_addr=store_addr,
             store_port=store_port, lighthouse_addr=lighthouse_address(ft), replica_id=f"trainflow_{ft.replica_id}")
 
-    def prepare(self, model: nn.Module) -> nn.Module:
+    def wrap_model(self, model: nn.Module) -> nn.Module:
         """FSDP groups: each shard unit's reduce-scattered gradient is averaged through the Manager with rank r of
         the groups present. Otherwise torchft's DDP in place of the group's own: each gradient bucket is averaged
         over the group's ranks, then through the Manager (its buckets never rebuilt: a restarted group's match)."""

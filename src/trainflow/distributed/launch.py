@@ -49,7 +49,7 @@ from trainflow.distributed.process_group import (
 )
 from trainflow.distributed.watchdog import hang_report
 from trainflow.errors import TrainflowError
-from trainflow.loop.run import run
+from trainflow.loop.run import train
 from trainflow.util.console import RunLogHandler
 
 log = logging.getLogger(__name__)
@@ -78,7 +78,7 @@ _AGENT_STOPPING_EVERY_S = 0.1  # how often a finished worker looks for that mark
 
 
 def launch(cfg: RunConfig, run_dir: Path) -> dict[str, Any] | None:
-    """Start parallelism.nproc_per_node workers running `run(cfg, run_dir)`; return rank 0's summary."""
+    """Start parallelism.nproc_per_node workers running `train(cfg, run_dir)`; return rank 0's summary."""
     p = cfg.parallelism
     device = resolve_device(cfg.trainer.device, 0)
     nproc = resolve_nproc(p, device)
@@ -246,7 +246,7 @@ def _worker(cfg: RunConfig, run_dir: str, pids: str) -> None:
         _configure_worker_logging(Path(run_dir), rank)
         if "OMP_NUM_THREADS" not in os.environ:  # share the cores, as torchrun does
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["LOCAL_WORLD_SIZE"])))
-        run(cfg, Path(run_dir))
+        train(cfg, Path(run_dir))
     except (KeyboardInterrupt, SystemExit):
         raise
     except BaseException as exc:

@@ -72,7 +72,7 @@ class Stragglers(Stage):
 
     # --- the marks, every step -------------------------------------------------------------------------------
 
-    def prepare(self, model: nn.Module) -> nn.Module:
+    def wrap_model(self, model: nn.Module) -> nn.Module:
         # a pipeline's stages reduce their gradients after the schedule's last backward, outside autograd: no wait
         # to mark there (its waits are the pipeline's bubble, summary.json["parallelism"]["pipeline"])
         if self.enabled and not isinstance(model, StageParts):

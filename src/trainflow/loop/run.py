@@ -52,6 +52,7 @@ from trainflow.optim import build_optimizer, schedule_changes_lr
 from trainflow.profile.profiler import Profiler
 from trainflow.report import ledger
 from trainflow.report.fingerprint import Fingerprint
+from trainflow.report.summary_file import FORMAT as SUMMARY_FORMAT
 from trainflow.tasks import build_task, probe
 from trainflow.util.console import FILE_ONLY, RunFacts, end_lines, start_header
 from trainflow.util.device import autocast_for, configure_matmul, matmul_math
@@ -61,27 +62,27 @@ from trainflow.util.seeding import SEED_STRIDE, seed_everything
 log = logging.getLogger("trainflow")
 
 
-def run(cfg: RunConfig, run_dir: Path) -> dict[str, Any] | None:
+def train(cfg: RunConfig, run_dir: Path) -> dict[str, Any] | None:
     """Train as the validated, typed `cfg` says, in this process as one rank (of one or of the launcher's many); return
     the summary on rank 0 (None on other ranks)."""
     with process_group(cfg) as env:
-        summary = _train(cfg, run_dir, env)
+        summary = _assemble_and_train(cfg, run_dir, env)
         gc.collect()  # whatever a reference cycle still holds goes too, while the process group lives
         return summary
 
 
-def _train(cfg: RunConfig, run_dir: Path, env: DistEnv) -> dict[str, Any] | None:
+def _assemble_and_train(cfg: RunConfig, run_dir: Path, env: DistEnv) -> dict[str, Any] | None:
     """A function of its own so that the model is freed when it returns, before the process group is destroyed:
     a DDP reducer freed after that waits forever in gloo's destructor, and the worker never exits."""
-    run = assemble(cfg, run_dir, env)
-    with contextlib.closing(run.ctx.writer):  # the assembly built it: the run closes it, not a stage
+    assembly = assemble(cfg, run_dir, env)
+    with contextlib.closing(assembly.ctx.writer):  # the assembly built it: the run closes it, not a stage
         try:
-            train_loop(run)
+            train_loop(assembly)
         except BaseException as exc:
-            note_step(exc, run.training.state.step + 1)  # the step it failed in, for the launcher's account of it
-            run.ctx.writer.finish(KILLED if isinstance(exc, KeyboardInterrupt) else FAILED)
+            note_step(exc, assembly.training.state.step + 1)  # the step it failed in, for the launcher's account of it
+            assembly.ctx.writer.finish(KILLED if isinstance(exc, KeyboardInterrupt) else FAILED)
             raise
-    return summarize(run)
+    return summarize(assembly)
 
 
 # Every stage of a run, each built from its own config section; the loop calls them in the order of the phase each
@@ -91,7 +92,7 @@ STAGES: tuple[type[Stage], ...] = (Watchdog, Compiler, ParityCheck, Profiler, No
 
 
 @dataclass
-class Run:
+class Assembly:
     """What the assembly built: the step's inputs, the stages and their context, and what the summary reports."""
 
     ctx: StageContext
@@ -105,7 +106,7 @@ class Run:
     started: float  # time.monotonic() when the assembly began: the run's wall time is counted from there
 
 
-def assemble(cfg: RunConfig, run_dir: Path, env: DistEnv, stage_types: Sequence[type[Stage]] = STAGES) -> Run:
+def assemble(cfg: RunConfig, run_dir: Path, env: DistEnv, stage_types: Sequence[type[Stage]] = STAGES) -> Assembly:
     """Build everything, in the order the parts depend on each other. What the run decides (the per-rank batch,
     parallelism=auto's layout) makes a new typed config: nothing writes into a config after validation."""
     started = time.monotonic()
@@ -113,7 +114,7 @@ def assemble(cfg: RunConfig, run_dir: Path, env: DistEnv, stage_types: Sequence[
     auto = cfg.parallelism.strategy == "auto"  # measures memory and decides (below): its batch spans what it may pick
     ranks = memory_plan.probe_ranks(cfg, env.world_size) if auto else env.dp_size
     cfg = replace(cfg, trainer=replace(cfg.trainer, batch_size=per_rank_batch(cfg, ranks * replicas)))
-    trainer = _prepare(cfg, run_dir, env)
+    trainer = _set_up_process(cfg, run_dir, env)
     loggers = build_loggers(cfg.logger) if env.is_main else {}  # a missing extra stops the run here, in one line
     data = build_datasets(cfg.data, "vocab_size" in cfg.model)
     model = build_model(cfg.model).to(env.device)
@@ -137,16 +138,16 @@ def assemble(cfg: RunConfig, run_dir: Path, env: DistEnv, stage_types: Sequence[
         flops_per_step = flops_per_step * trainer.grad_accum // (env.tp * env.pp)
     parallelism, optim = cfg.parallelism, cfg.optim  # after auto
     autocast = autocast_for(env.device, trainer.precision)
-    meter = Throughput(trainer.warmup_steps, env.device, PeakMemory(env.device))
+    meter = Throughput(trainer.excluded_steps, env.device, PeakMemory(env.device))
     ctx = StageContext(cfg, run_dir, env, trainer, parallelism, optim, data, task, model, example, autocast,
                        MetricsWriter(run_dir, env.is_main, loggers), meter, flops_per_step,
                        peak_flops(env.device, trainer.precision, cfg.metrics.peak_flops))
     stages = in_phase_order([stage_type.build(ctx) for stage_type in stage_types])  # before parallelize: parity
-    meter.excluded_steps = max([trainer.warmup_steps, *(stage.excluded_steps() for stage in stages)])
+    meter.excluded_steps = max([trainer.excluded_steps, *(stage.excluded_steps() for stage in stages)])
     whole = model
     model = parallelize(model, parallelism, env, trainer.precision, trainer.fp8_recipe)
     for stage in stages:
-        model = stage.prepare(model)  # compile; compile.check compares eager and compiled on `example`
+        model = stage.wrap_model(model)  # compile; compile.check compares eager and compiled on `example`
     pipeline = Pipeline(model, parallelism.pp_schedule, task, trainer.batch_size, trainer.grad_accum,
                         parallelism.microbatches, metric_names, env, whole, meter.excluded_steps) \
         if isinstance(model, StageParts) else None
@@ -193,7 +194,7 @@ def assemble(cfg: RunConfig, run_dir: Path, env: DistEnv, stage_types: Sequence[
         batch_device=env.device if env.device.type != "cpu" else None, pin=pin,
         steps_schedule=schedule_changes_lr(optim), metrics_every_step=cfg.task["train_metrics"] == "every_step",
         global_batch=global_batch, loss_context=loss_context_of(model), pipeline=pipeline)
-    return Run(ctx, training, stages, metric_names, parameters, flops_absent, auto_plan, resumed_from, started)
+    return Assembly(ctx, training, stages, metric_names, parameters, flops_absent, auto_plan, resumed_from, started)
 
 
 def _length(dataset: Any) -> int | None:
@@ -208,7 +209,7 @@ def _compiled(compile_cfg: CompileConfig) -> str:
     return f"compiled ({compile_cfg.backend}{mode}, {shapes[compile_cfg.dynamic]})"
 
 
-def _prepare(cfg: RunConfig, run_dir: Path, env: DistEnv) -> TrainerConfig:
+def _set_up_process(cfg: RunConfig, run_dir: Path, env: DistEnv) -> TrainerConfig:
     """The run's config (logged and saved), determinism, matmul precision, and the seed every rank shares."""
     trainer = cfg.trainer
     if env.is_main:
@@ -222,12 +223,12 @@ def _prepare(cfg: RunConfig, run_dir: Path, env: DistEnv) -> TrainerConfig:
     return trainer
 
 
-def train_loop(run: Run) -> None:
+def train_loop(assembly: Assembly) -> None:
     """Steps until trainer.max_steps or a stage stops the run; after each, the enabled stages in order; the
     meter times it all, less what the stages report as paused. Then the stages close."""
-    training, meter = run.training, run.ctx.meter
-    state, max_steps, world_size = training.state, training.trainer.max_steps, run.ctx.env.dp_size
-    enabled = [stage for stage in run.stages if stage.enabled]  # a stage that is off costs nothing per step
+    training, meter = assembly.training, assembly.ctx.meter
+    state, max_steps, world_size = training.state, training.trainer.max_steps, assembly.ctx.env.dp_size
+    enabled = [stage for stage in assembly.stages if stage.enabled]  # a stage that is off costs nothing per step
     pausing = [stage for stage in enabled if overrides(stage, "take_paused_s")]
     state.model.train()
     with contextlib.ExitStack() as entered:
@@ -249,9 +250,9 @@ def train_loop(run: Run) -> None:
         stage.close(state)
 
 
-def summarize(run: Run) -> dict[str, Any] | None:
+def summarize(assembly: Assembly) -> dict[str, Any] | None:
     """summary.json (rank 0; every rank takes part in the stages' summaries, some of which gather)."""
-    ctx, state = run.ctx, run.training.state
+    ctx, state = assembly.ctx, assembly.training.state
     env, trainer = ctx.env, ctx.trainer
     steady = ctx.meter.steady_state()
     peak, flops_per_step = ctx.peak_flops, ctx.flops_per_step
@@ -260,26 +261,27 @@ def summarize(run: Run) -> dict[str, Any] | None:
         peak = peak_flops(env.device, trainer.precision, ctx.cfg.metrics.peak_flops, at_least=achieved)
     peak_memory = ctx.meter.memory.summary()  # the training peak (CUDA: after the warm-up), also auto's check
     summary = {
+        "format": SUMMARY_FORMAT,  # readers tell the formats apart: trainflow.report.summary_file
         "steps": state.step,
         "steps_this_run": state.steps_this_run,
-        "resumed_from_step": run.resumed_from,
+        "resumed_from_step": assembly.resumed_from,
         "steady_state": steady,
         "mfu": mfu(flops_per_step, steady, peak),
-        "mfu_absent": run.flops_absent,  # why MFU is missing, when the FLOPs could not be counted
+        "mfu_absent": assembly.flops_absent,  # why MFU is missing, when the FLOPs could not be counted
         "data_wait_fraction": steady["data_wait_fraction"] if steady else None,
         **peak_memory,
         "task": {"name": type(ctx.task).__name__, "monitor": ctx.task.monitor, "mode": ctx.task.mode,
-                 "metrics": run.metric_names},
+                 "metrics": assembly.metric_names},
         "flops_per_step": flops_per_step,
         "peak_flops": peak,
-        "parameters": run.parameters,
+        "parameters": assembly.parameters,
         "world_size": env.world_size,
-        "global_batch": run.training.global_batch,
+        "global_batch": assembly.training.global_batch,
         "parallelism": parallelism_summary(ctx.parallelism, trainer, env, steady),
         "device": str(env.device),
         "matmul_math": matmul_math(env.device, trainer.precision),
     }
-    for stage in run.stages:  # every stage is asked, enabled or not: some gather from all ranks
+    for stage in assembly.stages:  # every stage is asked, enabled or not: some gather from all ranks
         if stage.summary_key:
             *outer, key = stage.summary_key.split(".")
             place = summary
@@ -288,16 +290,17 @@ def summarize(run: Run) -> dict[str, Any] | None:
             place[key] = stage.summary(steady)
     summary["host"] = host_load()  # a report warns of figures measured on an overloaded machine
     summary["config"] = plain(ctx.cfg)
-    if run.training.pipeline:  # every rank takes part: the ranks' stages, time and memory are gathered
-        summary["parallelism"]["pipeline"] = run.training.pipeline.summary(peak_memory["peak_memory_bytes"])
-    if run.auto_plan:
-        summary["parallelism"]["plan"] = memory_plan.finish(run.auto_plan, env.device, state.model, state.optimizer,
-                                                            peak_memory["peak_memory_bytes"])
+    if assembly.training.pipeline:  # every rank takes part: the ranks' stages, time and memory are gathered
+        summary["parallelism"]["pipeline"] = assembly.training.pipeline.summary(peak_memory["peak_memory_bytes"])
+    if assembly.auto_plan:
+        summary["parallelism"]["plan"] = memory_plan.finish(assembly.auto_plan, env.device, state.model,
+                                                            state.optimizer, peak_memory["peak_memory_bytes"])
     if not env.is_main:
         return None
     write_json_atomic(ctx.run_dir / "summary.json", summary)
     ledger.record(ctx.cfg.metrics, ctx.run_dir, summary)  # the run's line, for trainflow ledger and compare
     ctx.writer.finish(KILLED if (summary.get("checkpoint") or {}).get("stopped_by") else FINISHED, summary)
     committed = bool((summary.get("checkpoint") or {}).get("committed"))
-    log.info("%s", end_lines(summary, ctx.run_dir, time.monotonic() - run.started, tuple(ctx.cfg.logger), committed))
+    wall_s = time.monotonic() - assembly.started
+    log.info("%s", end_lines(summary, ctx.run_dir, wall_s, tuple(ctx.cfg.logger), committed))
     return summary

@@ -4,7 +4,7 @@ same names, and what a stage of your own answers.
 
 Each stage builds itself from one `StageContext` (`build(ctx)`), so the assembly builds the list in a loop and a
 new stage is one class added to it. The loop orders the stages by the phase each declares (`phase`), never by
-looking one up. Before training, every stage may change the parallelized model (`prepare`: compile does), may
+looking one up. Before training, every stage may change the parallelized model (`wrap_model`: compile does), may
 restore a saved run into the loop state (`resume`: the checkpointer) and then sees the state the run starts from
 (`start`). Inside each step, the step asks the enabled stages what only they know: whether to name the step's
 parts for a profiler (`names_step_parts`), the context the loss is computed in (`loss_context`), whether the
@@ -86,7 +86,7 @@ class Stage:
         """The stage as the run's config says, from the context alone."""
         raise NotImplementedError(f"{cls.__name__} has no build(ctx)")
 
-    def prepare(self, model: nn.Module) -> nn.Module:
+    def wrap_model(self, model: nn.Module) -> nn.Module:
         """The parallelized model before the optimizer is built; returns the model to train (compile changes it)."""
         return model
 

@@ -16,7 +16,6 @@ another environment) part, found by replaying them, not guessed.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal
@@ -31,6 +30,7 @@ from trainflow.errors import CheckpointError
 from trainflow.report.checkpoints import compare_sources, default_rtol
 from trainflow.report.fingerprint import git_state
 from trainflow.report.sides import CompareError
+from trainflow.report.summary_file import read_summary
 from trainflow.util.rundir import MARKER
 
 REPLAY_TIMEOUT_S = 3600.0
@@ -46,7 +46,7 @@ def _run(path: Path, name: str) -> dict[str, Any]:
     if not summary_path.is_file():
         raise CompareError(f"--bisect {name}: {path} holds no summary.json; give the folder of a finished, "
                            "checkpointed run")
-    summary = json.loads(summary_path.read_text())
+    summary = read_summary(summary_path)
     replay = (summary.get("fingerprint") or {}).get("replay")
     if not replay:
         raise CompareError(f"--bisect {name}: {path}'s summary.json records no replay command (a run of an older "

@@ -33,7 +33,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from trainflow.config.checks import validate
+from trainflow.config.checks import check_config
 from trainflow.config.choices import LadderRung
 from trainflow.config.schema import LadderConfig
 from trainflow.errors import TrainflowError, user_error
@@ -76,7 +76,7 @@ def register_resolvers() -> None:
 
 
 def check_rungs(jobs: Iterable[tuple[int, DictConfig]]) -> None:
-    """Validate every rung of a ladder sweep before the first starts: a rung that cannot run as composed (a
+    """Check every rung of a ladder sweep before the first starts: a rung that cannot run as composed (a
     profiler window past trainer.max_steps, say) fails the sweep at once, in one line naming the rung, rather
     than after the rungs before it trained. `jobs`: each job's number and task config; jobs that are no rung
     are left to themselves."""
@@ -85,7 +85,7 @@ def check_rungs(jobs: Iterable[tuple[int, DictConfig]]) -> None:
         if not rung:
             continue
         try:
-            validate(task)
+            check_config(task)
         except TrainflowError as exc:
             user_error(f"ladder={rung} (job #{num}): {exc}")
 

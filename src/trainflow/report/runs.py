@@ -41,6 +41,7 @@ from trainflow.errors import ConfigError, TrainflowError
 from trainflow.loggers.mlflow import finish_sweep
 from trainflow.report import ladder
 from trainflow.report.render import markdown, write_png
+from trainflow.report.summary_file import read_summary
 from trainflow.util.files import write_atomic
 from trainflow.util.locks import LOCK_FILE
 
@@ -113,7 +114,7 @@ def load_run(path: Path, root: Path) -> RunRecord:
     summary_path = path / "summary.json"
     if summary_path.exists():
         try:
-            summary = json.loads(summary_path.read_text())
+            summary = read_summary(summary_path)
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise ReportError(f"{summary_path}: not valid JSON ({exc}); the run was cut off while writing it: "
                               f"rerun it, or move {path} out of the folder") from None

@@ -16,7 +16,6 @@ start in that folder would mix two histories, and keep_last would delete the oth
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable
 from dataclasses import replace
 from datetime import datetime
@@ -33,6 +32,7 @@ from trainflow.config.schema import RunConfig, plain
 from trainflow.distributed.mesh import env_rank
 from trainflow.errors import ConfigError, TrainflowError, user_error
 from trainflow.report.ladder import check_rungs
+from trainflow.report.summary_file import read_summary
 from trainflow.util.files import write_atomic
 from trainflow.util.rundir import override_key, run_identity, run_name, run_name_problem
 
@@ -158,10 +158,10 @@ def claim_checkpoint_dir(ckpt_dir: Path, identity: str) -> None:
 
 
 def finished(job_dir: Path, cfg: RunConfig) -> dict[str, Any] | None:
-    """The summary of a job that finished in `job_dir` with the config `cfg` (the validated one), else None: no
+    """The summary of a job that finished in `job_dir` with the config `cfg` (the checked one), else None: no
     summary, a cut-off one, a stop on a signal (it resumes), or another config (it runs again)."""
     try:
-        summary = json.loads((job_dir / "summary.json").read_text())
+        summary = read_summary(job_dir / "summary.json")
     except (OSError, ValueError):
         return None
     if not isinstance(summary, dict) or (summary.get("checkpoint") or {}).get("stopped_by"):
