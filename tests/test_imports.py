@@ -1,7 +1,8 @@
 """No import cycles inside trainflow: imports run one way (entry point -> launch -> loop -> stages -> errors).
 
 The graph is read from the source (ast), not by importing it: every import counts, also one inside a function,
-because a cycle hidden behind a lazy import still ties the two modules together.
+because a cycle hidden behind a lazy import still ties the two modules together. An import inside a function is
+one kept lazy on purpose (an extra, a heavy torch submodule): a comment beside it says why.
 """
 
 from __future__ import annotations
@@ -145,6 +146,50 @@ def test_a_cycle_through_a_package_init_is_named(tmp_path: Path) -> None:
     failed = subprocess.run([sys.executable, "-c", "import pkg.interface"], cwd=tmp_path, capture_output=True,
                             text=True)
     assert failed.returncode == 1 and "circular import" in failed.stderr
+
+
+def unexplained_inner_imports(package: Path) -> list[str]:
+    """path:line of each import inside a function with no comment on its line or the line above: an import
+    belongs at the top of its module, unless it keeps a heavy or optional one lazy, and then the comment says so."""
+    found: dict[str, None] = {}  # a nested function's imports are walked twice: each is named once, in order
+    for path in sorted(package.rglob("*.py")):
+        lines = path.read_text().splitlines()
+        for function in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                for node in ast.walk(function):
+                    if isinstance(node, (ast.Import, ast.ImportFrom)) and "#" not in lines[node.lineno - 1] and not (
+                            node.lineno > 1 and lines[node.lineno - 2].lstrip().startswith("#")):
+                        found[f"{path.relative_to(package.parent)}:{node.lineno}"] = None
+    return list(found)
+
+
+def test_every_import_inside_a_function_says_why() -> None:
+    unexplained = unexplained_inner_imports(SRC / "trainflow")
+    assert unexplained == [], ("imports inside functions without a comment saying why they are not at the top of "
+                               "the module (move them there, or say why, e.g. '# lazy: mlflow is the mlflow "
+                               "extra'):\n" + "\n".join(unexplained))
+
+
+def test_an_unexplained_inner_import_is_named(tmp_path: Path) -> None:
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "a.py").write_text(
+        "import json  # the top of the module: nothing to say\n"
+        "\n"
+        "def f():\n"
+        "    import os\n"  # named
+        "    import sys  # lazy: a reason\n"
+        "    # lazy: the reason for the next line\n"
+        "    from math import (\n"
+        "        pi,\n"
+        "    )\n"
+        "    def inner():\n"
+        "        from re import compile\n"  # named, once
+        "\n"
+        "class C:\n"
+        "    async def method(self):\n"
+        "        import time\n")  # named
+    assert unexplained_inner_imports(pkg) == ["pkg/a.py:4", "pkg/a.py:11", "pkg/a.py:15"]
 
 
 # Past validation (trainflow.config.checks.check_config) the run reads the typed config, never a DictConfig: these

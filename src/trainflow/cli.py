@@ -15,15 +15,26 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 
-from omegaconf import DictConfig
+import hydra
+import yaml
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf
 
+from trainflow.checkpoint import export_weights, stop_exit_code
+from trainflow.checkpoint.export import FORMATS
+from trainflow.checkpoint.stopping import catch_stop_signals, release_stop_signals
 from trainflow.conf import CONFIG_PATH
 from trainflow.config.checks import check_config
 from trainflow.config.command_line import EXIT_COMMAND_LINE, explain, raised_errors, single_run
-from trainflow.config.schema import register_configs
+from trainflow.config.compose import compose_run
+from trainflow.config.schema import FaultToleranceConfig, TextDataConfig, register_configs
+from trainflow.data.shards import prepare
+from trainflow.data.text import Corpus
+from trainflow.distributed.fault_tolerance import serve_lighthouse, torchft_installed
 from trainflow.distributed.mesh import env_rank
-from trainflow.errors import EXIT_INTERRUPTED, TrainflowError, print_error, traceback_wanted, user_error
-from trainflow.report import sweeps
+from trainflow.errors import EXIT_INTERRUPTED, ConfigError, TrainflowError, print_error, traceback_wanted, user_error
+from trainflow.report import compare, ledger, sweeps
+from trainflow.report import runs as report
 from trainflow.report.ladder import register_resolvers as register_ladder_resolvers
 from trainflow.util.files import not_a_file
 from trainflow.util.rundir import RUN_DIR_ENV
@@ -43,8 +54,6 @@ def check_config_dir(argv: list[str]) -> None:
     """Before Hydra composes: every .yaml file under `--config-dir DIR` (Hydra's option for a folder of one's own
     configs) must be a regular file of valid YAML. Hydra prints a syntax error as a traceback of some 90 lines, and
     would open a FIFO and wait forever; here either is one line naming the file (and the line and column)."""
-    import yaml
-
     parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     parser.add_argument("--config-dir", "-cd")
     folder = parser.parse_known_args(argv)[0].config_dir
@@ -69,8 +78,6 @@ def check_config_dir(argv: list[str]) -> None:
 def run_from_hydra(cfg: DictConfig) -> float | None:
     """Run one training job for `train.py`; return the final validation value of task.monitor (what sweepers
     optimise, in the direction of task.mode)."""
-    from trainflow.checkpoint.stopping import release_stop_signals
-
     try:
         return _run_job(cfg)
     finally:
@@ -80,11 +87,8 @@ def run_from_hydra(cfg: DictConfig) -> float | None:
 def _run_job(cfg: DictConfig) -> float | None:
     """The job: check the config, catch the stop signals, train here or start the local workers; user errors as one
     line."""
-    from hydra.core.hydra_config import HydraConfig
-
-    from trainflow.checkpoint.stopping import catch_stop_signals
-    from trainflow.distributed.launch import launch, should_launch
-    from trainflow.loop.run import train
+    from trainflow.distributed.launch import launch, should_launch  # lazy: ~50 ms the other commands need not pay
+    from trainflow.loop.run import train  # lazy: the loop's modules, ~60 ms the other commands need not pay
 
     hydra_cfg = HydraConfig.get()
     sweep_job = sweeps.is_sweep_job(hydra_cfg)
@@ -118,8 +122,6 @@ def _run_job(cfg: DictConfig) -> float | None:
             print("Interrupted: stopped at once, without a save; committed checkpoints are untouched (a stop signal, "
                   "SIGTERM say, saves at the next step boundary, then stops)", file=sys.stderr)
         sys.exit(EXIT_INTERRUPTED)
-    from trainflow.checkpoint import stop_exit_code
-
     if (code := stop_exit_code(summary)) is not None:  # saved on a stop signal: tell the launcher to run us again
         if env_rank() == 0 and single_run():
             print(f"Stopped after a committed checkpoint; to resume, run the same command: {resume_command()}",
@@ -141,8 +143,6 @@ def resume_command() -> str:
 def train(overrides: list[str]) -> None:
     """`trainflow train [overrides]` and `python -m trainflow train ...`: what `python train.py` does in a checkout,
     from any folder (the configs ship inside the package; outputs go under the working directory)."""
-    import hydra
-
     check_config_dir(overrides)  # a broken YAML file or a FIFO of one's own: one line, before Hydra reads it
     register_with_hydra()
     sys.argv = [sys.argv[0], *overrides]  # Hydra reads its own options and the overrides from sys.argv
@@ -183,8 +183,6 @@ def _export(args: argparse.Namespace) -> int:
     """Consolidate the model weights of a committed checkpoint (saved on any number of ranks, by any strategy) into
     one file or folder. Never writes inside a checkpoint folder; an existing output needs --force, and only an
     earlier export is replaced."""
-    from trainflow.checkpoint import export_weights
-
     with stop_signals_raise():
         info = export_weights(args.checkpoint, args.out, args.format, force=args.force,
                               with_optimizer=args.with_optimizer, config=args.config)
@@ -194,8 +192,6 @@ def _export(args: argparse.Namespace) -> int:
 
 
 def _export_arguments(p: argparse.ArgumentParser) -> None:
-    from trainflow.checkpoint.export import FORMATS
-
     p.add_argument("checkpoint", type=Path, help="a step_N folder, or a checkpoint dir / run dir (its newest)")
     p.add_argument("out", help="the file (torch: model.pt) or folder to write")
     p.add_argument("--format", choices=FORMATS, default="torch",
@@ -213,8 +209,6 @@ def _compare(args: argparse.Namespace) -> int:
     checkpoints (a step_N folder, or a checkpoint dir for its newest). Writes compare.md, compare.json and compare.png
     to --out and prints every verdict; exit code 1 when a --fail-on gate fails. A stop signal ends a --bisect replay
     with it."""
-    from trainflow.report import compare
-
     with stop_signals_raise():
         return compare.command(args)
 
@@ -222,14 +216,6 @@ def _compare(args: argparse.Namespace) -> int:
 def _prepare(args: argparse.Namespace) -> int:
     """Tokenize the corpus of data=text (the same config keys as training) into memory-mapped token shards with a
     manifest of checksums; run again to finish an interrupted prepare, or to write damaged or missing shards again."""
-    from omegaconf import OmegaConf
-
-    from trainflow.config.compose import compose_run
-    from trainflow.config.schema import TextDataConfig
-    from trainflow.data.shards import prepare
-    from trainflow.data.text import Corpus
-    from trainflow.errors import ConfigError
-
     try:
         register_with_hydra()
         data = OmegaConf.to_container(compose_run(args.overrides, args.config_dir).data, resolve=True)
@@ -270,9 +256,6 @@ def _lighthouse(args: argparse.Namespace) -> int:
     """Run torchft's lighthouse here, in the foreground, for replica groups of parallelism.fault_tolerance=torchft on
     any hosts: give every job parallelism.ft.lighthouse=http://THIS_HOST:PORT. Ctrl-C stops it; with --idle-s it
     stops once no group has talked to it that long."""
-    from trainflow.distributed.fault_tolerance import serve_lighthouse, torchft_installed
-    from trainflow.errors import ConfigError
-
     if not torchft_installed():
         raise ConfigError("trainflow lighthouse: torchft is not installed: pip install 'trainflow[ft]'")
     try:
@@ -297,8 +280,6 @@ def _at_least_one(text: str) -> int:
 
 
 def _lighthouse_arguments(p: argparse.ArgumentParser) -> None:
-    from trainflow.config.schema import FaultToleranceConfig
-
     ft = FaultToleranceConfig()  # the defaults lighthouse=auto starts one with
     p.add_argument("--port", type=int, default=ft.lighthouse_port, help="where to listen (default %(default)s)")
     p.add_argument("--min-replicas", type=_at_least_one, default=ft.min_replicas,
@@ -324,9 +305,6 @@ class Subcommand:
 
 
 def subcommands() -> list[Subcommand]:
-    from trainflow.report import compare, ledger
-    from trainflow.report import runs as report
-
     return [Subcommand("export", "write a committed checkpoint's model weights for other tools", _export_arguments,
                        _export, "; the output is as it was, and nothing of this export is left"),
             Subcommand("report", "compare the runs under a folder: report.md, report.json, report.png",

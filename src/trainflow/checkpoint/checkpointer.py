@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch.profiler import record_function
 
 from trainflow.checkpoint import resume as resuming
@@ -269,8 +270,6 @@ class Checkpointer(Stage):
     # -- saving ------------------------------------------------------------------------------------------------
 
     def _save(self, state: TrainState, blocking: bool) -> None:
-        import torch.distributed.checkpoint as dcp
-
         with _saving(state.step):
             if self._pending is not None:  # at most one save in flight: the next one waits for it
                 self._finish_pending(wait=True)
@@ -304,8 +303,6 @@ class Checkpointer(Stage):
     def _save_now(self, state: TrainState, tensors: dict[str, Any], plain: dict[str, Any], tmp: Path,
                   started: float) -> None:
         """A sync save: the shards, and beside them (their fsyncs overlapping the shards' write) the JSON files."""
-        import torch.distributed.checkpoint as dcp
-
         writer = ChecksummingWriter(tmp)
         error = None
         with ThreadPoolExecutor(max_workers=1) as pool:
@@ -420,8 +417,6 @@ class Checkpointer(Stage):
         """Reload the checkpoint just committed into fresh tensors and compare with the live state exactly."""
         if self._verified:
             return
-        import torch.distributed.checkpoint as dcp
-
         path = self.dir / f"step_{state.step:08d}"
         live, _ = split_state(state)
         fresh = blank_like(live)

@@ -46,6 +46,9 @@ from types import ModuleType
 from typing import Any
 
 import torch
+import torch.distributed.checkpoint as dcp
+from omegaconf import OmegaConf
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from trainflow.checkpoint.hf_names import GPT_TARGET, HF_TARGET, TIED, as_stored, gpt2_config, hf_name, to_gpt2
 from trainflow.checkpoint.safe_io import (
@@ -67,8 +70,12 @@ from trainflow.checkpoint.store import (
     resolve_checkpoint,
 )
 from trainflow.config.schema import HFDataConfig, TextDataConfig, TokenizerConfig, typed
+from trainflow.data.hf import Split, _files
+from trainflow.data.text import Corpus
+from trainflow.data.tokenizers import END_TOKENS, bpe_cache_path, byte_tokenizer, import_hf
 from trainflow.errors import CheckpointError, ConfigError, unwritable_reason
 from trainflow.models.gpt import GPT
+from trainflow.models.hf import gpt2
 from trainflow.util.files import kind_of, not_a_file
 from trainflow.util.locks import pid_alive
 
@@ -86,8 +93,6 @@ class Source:
     """A committed, intact checkpoint and the tensors it holds, read on demand without running code."""
 
     def __init__(self, checkpoint: Path) -> None:
-        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
         self.ck: Committed = resolve_checkpoint(checkpoint)
         try:
             check_intact(self.ck, list_committed(self.ck.path.parent))
@@ -110,8 +115,6 @@ class Source:
 
     def read(self, keys: list[str]) -> dict[str, torch.Tensor]:
         """These DCP keys' tensors, whole (every rank's shards joined), in CPU memory."""
-        import torch.distributed.checkpoint as dcp
-
         out = {k: torch.empty(self.tensors[k].size, dtype=self.tensors[k].properties.dtype) for k in keys}
         reader = SafeReader(self.ck.path, set(self.ck.manifest["files"]), self.metadata)
         try:
@@ -195,8 +198,6 @@ def export_weights(checkpoint: Path, out: str | Path, fmt: str = "torch", force:
 def run_config(ck: Committed, given: Path | None) -> dict[str, Any] | None:
     """The config.yaml of the run that saved `ck`: the one given, or the one of the run dir holding its checkpoint
     dir (None when there is none, or when that run kept its checkpoints elsewhere)."""
-    from omegaconf import OmegaConf
-
     path = Path(given).expanduser() if given else ck.path.parent.parent / "config.yaml"
     if not path.is_file():
         if given:
@@ -279,8 +280,6 @@ class HfPlan:
 def plan_hf(source: Source, run_cfg: dict[str, Any] | None) -> HfPlan:
     """The Hugging Face model of the run's config, mapped tensor by tensor, and the run's tokenizer, or one line
     saying why it cannot be exported."""
-    from trainflow.data.tokenizers import import_hf
-
     if run_cfg is None or not isinstance(run_cfg.get("model"), dict):
         raise CheckpointError(f"export --format hf: needs the config of the run that saved {source.ck.path}, and "
                               f"{source.ck.path.parent.parent / 'config.yaml'} is not it; give --config <run dir>/"
@@ -303,8 +302,6 @@ def plan_hf(source: Source, run_cfg: dict[str, Any] | None) -> HfPlan:
         names = {k: hf_name(k) for k in source.model_keys if k != TIED}
         layout = functools.partial(to_gpt2, n_head=kwargs["n_head"])
     elif target == HF_TARGET:
-        from trainflow.models.hf import gpt2
-
         try:
             model = gpt2(**{k: v for k, v in model_cfg.items() if k != "_target_"})
         except ConfigError as exc:
@@ -343,8 +340,6 @@ def write_hf(source: Source, folder: Path, plan: HfPlan) -> None:
     plan.transformers.utils.logging.disable_progress_bar()  # one line per export is what trainflow prints
     plan.model.save_pretrained(folder)
     if plan.tokenizer is not None:
-        from trainflow.data.tokenizers import END_TOKENS
-
         end = next((t for t in END_TOKENS if plan.tokenizer.token_to_id(t) is not None), None)
         fast = plan.transformers.PreTrainedTokenizerFast(tokenizer_object=plan.tokenizer, bos_token=end,
                                                          eos_token=end)
@@ -356,8 +351,6 @@ def run_tokenizer(run_cfg: dict[str, Any]) -> Any:
     tokenizer.json (bpe, file). A BPE is never trained here and nothing is created: one no longer cached is refused
     in one line, and so is a file that is missing, not a regular file (never opened: a FIFO would hang) or no
     tokenizer.json."""
-    from trainflow.data.tokenizers import bpe_cache_path, byte_tokenizer, import_hf
-
     settings = run_cfg.get("tokenizer") or {}
     kind = settings.get("kind", "bytes")
     lib = import_hf("tokenizers", "export --format hf")
@@ -389,16 +382,12 @@ def bpe_corpus_key(run_cfg: dict[str, Any]) -> str:
     """The key of the corpus the run's BPE was trained on, as the data code computes it (nothing is read)."""
     data = run_cfg.get("data") or {}
     if data.get("_target_") == HFDataConfig._target_:
-        from trainflow.data.hf import Split, _files
-
         cache = data.get("cache_dir", HFDataConfig.cache_dir)  # a key the run's config.yaml lacks: the schema's default
         column = data.get("column", HFDataConfig.column)
         paths = _files(data.get("paths"), "data.paths")
         split = Split(paths, data.get("format"), column, Path(cache).expanduser(), cache)
         return f"hf\0{split.key}"
     if data.get("_target_") == TextDataConfig._target_ or data.get("kind") == "text":  # as its config.yaml names it
-        from trainflow.data.text import Corpus
-
         return f"text\0{Corpus.of(data).key}"
     raise CheckpointError("export --format hf: the run trained a BPE tokenizer on data trainflow cannot find "
                           "again here; export --format safetensors, and save the tokenizer yourself")
@@ -406,8 +395,6 @@ def bpe_corpus_key(run_cfg: dict[str, Any]) -> str:
 
 def write_dcp(source: Source, folder: Path, with_optimizer: bool) -> None:
     """A stock DCP folder of `{"model": ..., "optimizer": {"state": ..., "param_groups": ...}}`, torch's records."""
-    import torch.distributed.checkpoint as dcp
-
     keys = [k for k in source.tensors if k.startswith(MODEL_PREFIX) or (with_optimizer and k.startswith(OPTIM_PREFIX))]
     paths = source.metadata.planner_data or {}
     tree: dict[str, Any] = {}

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from trainflow.errors import CheckpointError
+from trainflow.models.gpt import GPT
 
 GPT_TARGET = "trainflow.models.gpt.GPT"
 HF_TARGET = "trainflow.models.hf.gpt2"
@@ -83,8 +84,6 @@ def as_stored(name: str, tensor: torch.Tensor, transposed: bool) -> torch.Tensor
 def gpt2_config(model_cfg: dict[str, Any]) -> tuple[dict[str, Any], dict[str, list[int]]]:
     """(GPT2Config keyword arguments for a GPT of this config, the shapes of the GPT's tensors); what cannot be
     mapped is refused in one line."""
-    from trainflow.models.gpt import GPT
-
     kwargs = {k: v for k, v in model_cfg.items() if k != "_target_"}
     with torch.device("meta"):
         model = GPT(**kwargs)

@@ -22,7 +22,16 @@ import logging
 from pathlib import Path
 from typing import Any
 
+import torch
+import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
 
 from trainflow.checkpoint.hf_names import as_stored, from_gpt2, gpt_names
 from trainflow.checkpoint.safe_io import (
@@ -125,8 +134,6 @@ def check_fits(target: Committed, model: nn.Module, model_fingerprint: str, layo
     if target.manifest.get("model_fingerprint") == model_fingerprint:
         return
     shapes = model_shapes(model)
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
     saved = {k.removeprefix(MODEL_PREFIX): (tuple(m.size), str(m.properties.dtype).removeprefix("torch."))
              for k, m in metadata.state_dict_metadata.items()
              if k.startswith(MODEL_PREFIX) and isinstance(m, TensorStorageMetadata)}
@@ -148,8 +155,6 @@ def check_fits(target: Committed, model: nn.Module, model_fingerprint: str, layo
 
 def load_tensors(target: Committed, tensors: dict[str, Any], group: Any) -> None:
     """Read the checkpoint's tensors into `tensors` in place (any world size; no pickle, no code)."""
-    import torch.distributed.checkpoint as dcp
-
     try:
         dcp.load({"app": tensors}, storage_reader=SafeReader(target.path, set(target.manifest["files"])),
                  process_group=group)
@@ -165,8 +170,6 @@ def load_all(target: Committed, state: TrainState, env: DistEnv, group: Any,
              on_data_change: str = "refuse") -> list[dict[str, Any]]:
     """Model, optimizer, LR schedule, step, data position and (same world size) every rank's RNG; what this run
     changes of the checkpoint's settings (optimizer hyperparameters, batch, world size, data), each said once."""
-    from torch.distributed.checkpoint.state_dict import set_state_dict
-
     plain = read_state(target.path)
     here = type(state.optimizer).__name__
     if plain.get("optimizer") != here:
@@ -259,8 +262,6 @@ def said(change: dict[str, Any]) -> str:
 
 def load_weights(target: Committed, state: TrainState, env: DistEnv, group: Any) -> None:
     """checkpoint.load=model: the model's weights only; optimizer, schedule, step and data start fresh."""
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
-
     tensors, _ = split_tensors({"model": get_model_state_dict(state.model)})
     load_tensors(target, tensors, group)
     set_model_state_dict(state.model, tensors["model"])
@@ -280,9 +281,7 @@ def exported_weights(path: Path) -> Path | None:
 
 def load_exported(path: Path, state: TrainState, env: DistEnv) -> None:
     """checkpoint.load=model from exported weights: every rank reads the file and keeps its own shard."""
-    import torch
-    from safetensors import SafetensorError, safe_open
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    from safetensors import SafetensorError, safe_open  # lazy: safetensors is the hf extra
 
     shapes = model_shapes(state.model)
     fix = "give weights exported from a model of this config, or set the model config they were trained with"

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
 from torch.distributed.checkpoint.staging import AsyncStager
 
 
@@ -19,8 +20,6 @@ def reused_buffers(device: torch.device) -> AsyncStager:
     accelerator for its default options; its caching variant pins memory, same.)
     """
     pin = device.type == "cuda"
-    from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
-
     class ReusedBuffers(AsyncStager):
         _synchronize_after_execute = False
 

@@ -16,6 +16,8 @@ from typing import Any
 import numpy as np
 import torch
 from torch import nn
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+from torch.distributed.tensor import DTensor
 
 from trainflow.data.stream import STREAM_VERSIONS
 from trainflow.distributed.pipeline import StageParts, shared_as_saved
@@ -38,8 +40,6 @@ def data_file(rank: int) -> str:
 
 def split_state(state: TrainState) -> tuple[dict[str, Any], dict[str, Any]]:
     """(the tensors, for the DCP shards; every other value, for state.json): nothing in a checkpoint is pickled."""
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-
     model_sd, optim_sd = get_state_dict(state.model, state.optimizer)
     optim_state = shared_as_saved(optim_sd["state"], state.model)
     tensors, aside = split_tensors({"model": model_sd, "optim": {"state": optim_state}})
@@ -121,8 +121,6 @@ def restore_schedule(state: TrainState, saved: dict[str, Any], live: dict[str, A
 def model_shapes(model: nn.Module) -> dict[str, tuple[tuple[int, ...], str]]:
     """Global shape and dtype of every model tensor, under the names a checkpoint uses (wrappers stripped); a
     pipeline stage answers for the whole model."""
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict
-
     if isinstance(model, StageParts):
         return model.whole_shapes
 
@@ -213,8 +211,6 @@ def blank_like(obj: Any) -> Any:
     device; sharded tensors stay sharded (the same mesh and placements, a CPU local shard).
     """
     if isinstance(obj, torch.Tensor):
-        from torch.distributed.tensor import DTensor
-
         if isinstance(obj, DTensor):
             local = torch.zeros(obj.to_local().shape, dtype=obj.dtype, device="cpu")
             return DTensor.from_local(local, obj.device_mesh, obj.placements, run_check=False, shape=obj.shape,

@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from trainflow import __version__
 from trainflow.checkpoint.safe_io import (
     check_files,
     file_checksum,
@@ -389,6 +390,4 @@ def _fsync_dir(path: Path) -> None:
 
 
 def _trainflow_version() -> str:
-    from trainflow import __version__
-
     return __version__

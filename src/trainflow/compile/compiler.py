@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.nn.parallel import DistributedDataParallel
 
 from trainflow.compile.diagnostics import (
     eager_frames,
@@ -183,8 +185,6 @@ class Compiler(Stage):
     def _targets(self, model: nn.Module) -> list[nn.Module]:
         """The whole model, or each block. Under DDP its wrapper's forward stays eager (it breaks the graph by design);
         the module inside still compiles with DDP's bucketed graph splitting, as it runs inside DDP's forward."""
-        from torch.nn.parallel import DistributedDataParallel
-
         inner = model.module if isinstance(model, DistributedDataParallel) else model
         if self.scope == "model":
             return [inner]
@@ -291,6 +291,7 @@ class Compiler(Stage):
 
     def _new_compiles(self) -> dict[tuple[str, bool], dict[str, Any]]:
         """dynamo's compilation records not yet copied, by (compile id, forward)."""
+        # lazy: torch._dynamo costs ~0.4 s at start; only compiled runs need it
         from torch._dynamo.utils import get_compilation_metrics
 
         new = {}
@@ -312,6 +313,7 @@ class Compiler(Stage):
 
     def report(self) -> dict[str, Any]:
         """Dynamo's view of this process so far: graphs, breaks, recompiles, the limit, compile time, cache."""
+        # lazy: torch._dynamo costs ~0.4 s at start; only compiled runs need it
         from torch._dynamo.utils import counters
 
         self._poll()
@@ -394,6 +396,7 @@ class Compiler(Stage):
     def _measure_static(self) -> dict[str, Any]:
         """The same model compiled static on the example batch (cut as data.seq_lens cuts it), against the run's
         dynamic graphs: the static compile's records and first pass, then alternating steady passes of both."""
+        # lazy: torch._dynamo costs ~0.4 s at start; only compiled runs need it
         from torch._dynamo import config as dynamo_config
 
         example, task = self._example
@@ -477,7 +480,7 @@ def _dynamic_cost_line(cost: dict[str, Any]) -> str:
 
 def _cache_counts() -> tuple[int, int]:
     """Hits and misses of inductor's and AOTAutograd's caches in this process so far."""
-    from torch._dynamo.utils import counters
+    from torch._dynamo.utils import counters  # lazy: torch._dynamo costs ~0.4 s at start; only compiled runs need it
 
     return (counters["inductor"]["fxgraph_cache_hit"] + counters["aot_autograd"]["autograd_cache_hit"],
             counters["inductor"]["fxgraph_cache_miss"] + counters["aot_autograd"]["autograd_cache_miss"])
@@ -490,8 +493,6 @@ def _cache_state(hits: int, misses: int) -> str:
 def _is_fsdp(model: nn.Module) -> bool:
     if not torch.distributed.is_available():
         return False
-    from torch.distributed.fsdp import FSDPModule
-
     return isinstance(model, FSDPModule)
 
 
@@ -505,6 +506,7 @@ def _configure_cache(cache_dir: str | None, backend: str) -> str:
         os.environ[CACHE_ENV] = str(Path(cache_dir).expanduser().resolve())  # inherited by ranks started from here
     elif backend != "inductor":
         return os.environ.get(CACHE_ENV) or "torch default (/tmp/torchinductor_<user>)"
+    # lazy: torch._inductor costs ~0.4 s at start; only compiled runs need it
     from torch._inductor.runtime.cache_dir_utils import cache_dir as inductor_cache_dir
 
     try:
@@ -523,7 +525,7 @@ def _unwritable_cache(path: Path, configured: str | None, exc: OSError) -> Confi
 
 def _resolve_backend(name: str) -> str | Callable[..., Any]:
     """A registered dynamo backend by name, or a backend function by dotted path (`pkg.module.fn`)."""
-    from torch._dynamo import list_backends
+    from torch._dynamo import list_backends  # lazy: torch._dynamo costs ~0.4 s at start; only compiled runs need it
 
     known = list_backends(exclude_tags=())
     if name in known:
@@ -542,7 +544,7 @@ def _resolve_backend(name: str) -> str | Callable[..., Any]:
 
 def _explain_compile_failure(exc: Exception, backend: str, hint: str | None = None) -> ConfigError | None:
     """A one-line ConfigError for compile failures a user can act on; None for anything else."""
-    from torch._dynamo import exc as dynamo_exc
+    from torch._dynamo import exc as dynamo_exc  # lazy: torch._dynamo costs ~0.4 s at start; only compiled runs need it
 
     if isinstance(exc, getattr(dynamo_exc, "FailOnRecompileLimitHit", ())):
         return ConfigError(f"compile.fullgraph: the recompile limit ({recompile_limit()}) was hit, which fullgraph "

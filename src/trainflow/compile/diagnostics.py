@@ -29,6 +29,7 @@ def eager_frames(compiles: Any, limit: int) -> list[dict[str, Any]]:
 
 def graph_breaks() -> list[dict[str, Any]]:
     """Distinct graph-break sites from dynamo's records, each with a short label, a user location and a hint."""
+    # lazy: torch._dynamo costs ~0.4 s at start; only compiled runs need it
     from torch._dynamo.utils import graph_break_reasons
 
     sites: dict[tuple[str, str], dict[str, Any]] = {}
@@ -92,6 +93,6 @@ def first_line(text: str) -> str:
 
 
 def recompile_limit() -> int:
-    from torch._dynamo import config
+    from torch._dynamo import config  # lazy: torch._dynamo costs ~0.4 s at start; only compiled runs need it
 
     return int(config.recompile_limit)

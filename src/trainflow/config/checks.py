@@ -22,6 +22,7 @@ from trainflow.config.schema import LadderRunConfig, ParallelismConfig, RunConfi
 from trainflow.config.sections import check_targets_given, settled_sections
 from trainflow.config.targets import import_target
 from trainflow.data.tokenizers import BYTE_VOCAB
+from trainflow.distributed.fault_tolerance import torchft_installed
 from trainflow.errors import ConfigError
 from trainflow.optim import OPTIMIZER
 from trainflow.util.files import cannot_write
@@ -243,8 +244,6 @@ def check_fault_tolerance(cfg: RunConfig) -> None:
     parallelism = cfg.parallelism
     if parallelism.fault_tolerance == "off":
         return
-    from trainflow.distributed.fault_tolerance import torchft_installed
-
     _require(torchft_installed(), "parallelism.fault_tolerance",
              "torchft is not installed: pip install 'trainflow[ft]', or set it to off")
     with_tp = f" with tp={parallelism.tp}" if parallelism.tp > 1 else ""

@@ -19,6 +19,7 @@ from typing import Any
 import yaml
 from hydra import initialize_config_module
 from hydra.core.global_hydra import GlobalHydra
+from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import ConfigCompositionException, MissingConfigException, OverrideParseException
 from hydra.experimental.callback import Callback
@@ -127,8 +128,6 @@ def group_options(group: str) -> list[str]:
 
 def command_line_keys() -> set[str]:
     """The keys this run's command line sets (model.dropout from `model.dropout=0.1` or `+model.dropout=0.1`)."""
-    from hydra.core.hydra_config import HydraConfig
-
     if not HydraConfig.initialized():
         return set()
     overrides = OmegaConf.to_container(HydraConfig.get().overrides.task, resolve=False)  # as typed: ${...} too
@@ -137,8 +136,6 @@ def command_line_keys() -> set[str]:
 
 def single_run() -> bool:
     """Whether this is one `python train.py` run (not a job of a -m sweep, whose typed keys are every job's)."""
-    from hydra.core.hydra_config import HydraConfig
-
     return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.RUN
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from hydra import compose, initialize_config_module
 from omegaconf import DictConfig
 
 from trainflow.errors import ConfigError
@@ -13,8 +14,6 @@ from trainflow.errors import ConfigError
 def compose_run(overrides: list[str], config_dir: Path | None = None) -> DictConfig:
     """`overrides` composed over trainflow's shipped groups and, first, those of `config_dir` (a project's own);
     the caller has registered trainflow's schemas (trainflow.cli.register_with_hydra)."""
-    from hydra import compose, initialize_config_module
-
     searchpath = []
     if config_dir is not None:
         if not config_dir.is_dir():

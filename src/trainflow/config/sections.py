@@ -25,6 +25,7 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
+from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from trainflow.config.command_line import group_options
@@ -110,8 +111,6 @@ def _taken_keys(obj: Any, own: str | None) -> set[str] | None:
 
 def _option(group: str, default: str = "") -> str:
     """The option of `group` this run composed (gpt_tiny), as Hydra recorded it."""
-    from hydra.core.hydra_config import HydraConfig
-
     if HydraConfig.initialized():
         return str(HydraConfig.get().runtime.choices.get(group) or default)
     return default or "<option>"

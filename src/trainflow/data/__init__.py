@@ -31,6 +31,7 @@ from trainflow.data.loaders import (
     make_loader,
     to_device,
 )
+from trainflow.data.shards import check_vocab, shard_datasets
 from trainflow.data.stream import StreamSampler
 from trainflow.data.synthetic import SyntheticClassification, SyntheticTokens
 from trainflow.data.text import Corpus, TokenWindows, load_tokens
@@ -119,8 +120,6 @@ def shards_data(path: str | None, seq_len: int, val_fraction: float,
                 model_vocab_size: int | None = None) -> DataBundle:
     """data=shards: the windows of the folder `trainflow prepare --out` wrote, its tokens checked against the
     model's vocabulary."""
-    from trainflow.data.shards import check_vocab, shard_datasets
-
     if not path:
         raise ConfigError("data.path: data=shards needs the folder `trainflow prepare --out` wrote; set data.path")
     train, val, manifest = shard_datasets(Path(path).expanduser(), seq_len, float(val_fraction))

@@ -17,7 +17,7 @@ MAX_PIXEL = 16.0  # load_digits' pixels are counts 0..16
 def digits(val_fraction: float = 0.2, split_seed: int = 0) -> tuple[TensorDataset, TensorDataset]:
     """(train, val): images as [1, 8, 8] floats in [0, 1], labels as int64; `val_fraction` of them held out."""
     try:
-        from sklearn.datasets import load_digits
+        from sklearn.datasets import load_digits  # lazy: scikit-learn is the vision extra
     except ImportError:
         raise DataError("data: data=digits reads scikit-learn's digits, and scikit-learn is not installed; run "
                         "pip install 'trainflow[vision]'") from None

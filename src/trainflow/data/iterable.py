@@ -53,7 +53,7 @@ class IterableSource(Dataset):
 
     def __init__(self, dataset: IterableDataset, collate: Callable[[list], Any], name: str) -> None:
         try:
-            import torchdata.stateful_dataloader  # noqa: F401
+            import torchdata.stateful_dataloader  # noqa: F401 (lazy: torchdata is the iterable extra)
         except ImportError:
             raise ConfigError(f"data._target_: {name} returned an IterableDataset, which trainflow reads through "
                               f"torchdata, and torchdata is not installed; run {INSTALL}") from None

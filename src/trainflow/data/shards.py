@@ -38,6 +38,7 @@ import numpy as np
 import torch
 import xxhash
 from torch.utils.data import Dataset, IterableDataset
+from tqdm import tqdm
 
 from trainflow.data.identity import checksum_of, file_checksum
 from trainflow.data.text import PIECES_AT_ONCE, Corpus, _pieces
@@ -207,8 +208,6 @@ class _Progress:
     """A tqdm bar of the corpus's bytes, with tokens/s and the ETA tqdm computes from the bytes' rate."""
 
     def __init__(self, total: int, shown: bool) -> None:
-        from tqdm import tqdm
-
         self.bar = tqdm(total=total, unit="B", unit_scale=True, desc="prepare", disable=not shown)
         self.tokens, self.started = 0, time.perf_counter()
 

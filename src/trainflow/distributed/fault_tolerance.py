@@ -47,6 +47,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed import TCPStore
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 
 from trainflow.config.schema import FaultToleranceConfig, ParallelismConfig
 from trainflow.distributed import DistEnv
@@ -64,7 +67,7 @@ def torchft_installed() -> bool:
     """Whether torchft imports (its servers read RUST_LOG once, at import: quiet unless the user asks)."""
     os.environ.setdefault("RUST_LOG", "warn")  # they log every quorum and commit at info
     try:
-        import torchft  # noqa: F401
+        import torchft  # noqa: F401 (lazy: torchft is the ft extra)
     except ImportError:
         return False
     return True
@@ -108,7 +111,7 @@ def serve_lighthouse(port: int, min_replicas: int, join_timeout_s: float, heartb
                      idle_s: float | None) -> None:
     """torchft's lighthouse in this process until no group has talked to it for `idle_s` (None: until stopped):
     the process a lighthouse=auto group starts, and `trainflow lighthouse`."""
-    from torchft.coordination import LighthouseServer
+    from torchft.coordination import LighthouseServer  # lazy: torchft is the ft extra
 
     try:
         server = LighthouseServer(bind=f"[::]:{port}", min_replicas=min_replicas,
@@ -201,8 +204,7 @@ class FaultTolerance(Stage):
         # traceback for a lost peer's collective (a user debugging torchft lowers these levels, and sets RUST_LOG)
         for name in ("torchft", "torchft_quorums", "torchft_commits", "torchft_errors"):
             logging.getLogger(name).setLevel(logging.CRITICAL)
-        from torch.distributed import TCPStore
-        from torchft import Manager, ProcessGroupGloo
+        from torchft import Manager, ProcessGroupGloo  # lazy: torchft is the ft extra
 
         ft, env = self.ft, self.env
         if env.rank == 0:  # the rank whose Manager talks to the lighthouse
@@ -229,14 +231,12 @@ class FaultTolerance(Stage):
         over the group's ranks, then through the Manager (its buckets never rebuilt: a restarted group's match)."""
         if not self.enabled:
             return model
-        from torch.distributed.fsdp import FSDPModule
-
         units = [m for m in model.modules() if isinstance(m, FSDPModule)]
         if units:
             for unit in units:
                 unit.set_all_reduce_hook(self.average_across_groups)
             return model
-        from torchft.ddp import DistributedDataParallel
+        from torchft.ddp import DistributedDataParallel  # lazy: torchft is the ft extra
 
         class Averaged(DistributedDataParallel):
             _comm_hook = staticmethod(_average)
@@ -412,8 +412,6 @@ _average.__annotations__.update(bucket=dist.GradBucket, **{"return": torch.futur
 
 def _local(obj: Any) -> Any:
     """`obj` with every DTensor in it replaced by this rank's local shard (plain tensors go over HTTP)."""
-    from torch.distributed.tensor import DTensor
-
     if isinstance(obj, DTensor):
         return obj.to_local()
     if isinstance(obj, dict):
@@ -426,8 +424,6 @@ def _local(obj: Any) -> Any:
 def _sharded_like(optimizer_state: dict[str, Any], optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """A peer's optimizer state (local shards) as DTensors sharded as their parameters are: a late group's
     optimizer may hold no state yet to copy into. A state tensor shaped as its parameter's shard is that shard."""
-    from torch.distributed.tensor import DTensor
-
     params = [p for group in optimizer.param_groups for p in group["params"]]
     state = {}
     for index, values in optimizer_state["state"].items():

@@ -31,6 +31,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from trainflow.checkpoint.stopping import EXIT_STOPPED, catch_stop_signals
 from trainflow.config.schema import RunConfig
@@ -76,10 +79,6 @@ _AGENT_STOPPING_EVERY_S = 0.1  # how often a finished worker looks for that mark
 
 def launch(cfg: RunConfig, run_dir: Path) -> dict[str, Any] | None:
     """Start parallelism.nproc_per_node workers running `train(cfg, run_dir)`; return rank 0's summary."""
-    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-
     p = cfg.parallelism
     device = resolve_device(cfg.trainer.device, 0)
     nproc = resolve_nproc(p, device)

@@ -40,6 +40,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from trainflow.config.schema import FSDPConfig
 from trainflow.distributed.mesh import SHARDED
@@ -48,6 +49,7 @@ from trainflow.distributed.tensor import gathered_inputs, shard_dims, tp_plan
 from trainflow.errors import ConfigError
 from trainflow.metrics.activations import Saved, saved_for_backward
 from trainflow.models import model_blocks
+from trainflow.optim import build_optimizer
 
 GB = 1024**3
 ITEMS = ("params", "grads", "optimizer", "buckets", "all_gather", "activations")
@@ -135,8 +137,6 @@ def sharded_bytes(shape: torch.Size, element_size: int, shard_size: int) -> int:
 def optimizer_state(model: nn.Module, optim_cfg: Mapping[str, Any]) -> tuple[list[int], int]:
     """Bytes of the optimizer state of each of `model.parameters()` that scale with it, and the scalar bytes,
     exactly: one step of the configured optimizer on a meta-device copy."""
-    from trainflow.optim import build_optimizer
-
     meta = copy.deepcopy(model).to("meta")
     for param in meta.parameters():
         param.grad = torch.zeros_like(param)
@@ -191,8 +191,6 @@ def kept_outputs(model: nn.Module, example: Any, task: Callable[[nn.Module, Any]
                  autocast: Any) -> list[int]:
     """Per block, the bytes of the outputs selective checkpointing keeps (trainflow.distributed.parallelism
     saved_ops: matmuls, attention), in one forward without grad."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     keep, kept, current = saved_ops(), [0] * len(blocks), []
 
     class Tally(TorchDispatchMode):

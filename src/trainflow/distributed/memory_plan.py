@@ -97,8 +97,6 @@ def candidates(world_size: int, ranks_per_node: int, can_checkpoint: bool, tp_de
 
 def pp_degrees(blocks: int, world_size: int, schedule: str) -> tuple[int, ...]:
     """The pipeline degrees auto may use: dividing the world, and the model's blocks into the schedule's stages."""
-    from trainflow.distributed.pipeline import stages_per_rank
-
     return tuple(p for p in range(2, world_size + 1)
                  if world_size % p == 0 and blocks and blocks % (p * stages_per_rank(schedule)) == 0)
 

@@ -24,6 +24,8 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from torch.distributed.device_mesh import init_device_mesh
+
 from trainflow.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -180,8 +182,6 @@ def build_mesh(device_type: str, world_size: int, shape: tuple[int, int] | None 
                pp: int = 1) -> DeviceMesh:
     """The run's named mesh. Without TP and PP its data-parallel dimensions only: FSDP (no shape) one "shard"
     dimension, HSDP the (replicate, shard) `shape`; with TP or PP all four (pp x replicate x shard x tp)."""
-    from torch.distributed.device_mesh import init_device_mesh
-
     if tp == 1 and pp == 1:
         if shape is None:
             return init_device_mesh(device_type, (world_size,), mesh_dim_names=("shard",))

@@ -40,14 +40,22 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+import torch._functorch.config
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.tensor.parallel import loss_parallel
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from trainflow.config.schema import FSDPConfig, ParallelismConfig
 from trainflow.distributed.mesh import MeshLayout, build_mesh, data_parallel_mesh, layout, mesh_for
+from trainflow.distributed.pipeline import ZERO_BUBBLE, split_model
 from trainflow.distributed.process_group import DistEnv
+from trainflow.distributed.tensor import apply_tensor_parallel
 from trainflow.errors import ConfigError
 from trainflow.models import model_blocks
+from trainflow.util.float8 import convert_to_float8
 
 log = logging.getLogger(__name__)
 
@@ -66,8 +74,6 @@ def parallelize(model: nn.Module, cfg: ParallelismConfig, env: DistEnv,
     found = layout(cfg, env.world_size)
     mesh = mesh_for(found, env.device.type)
     if found.pp > 1:
-        from trainflow.distributed.pipeline import ZERO_BUBBLE, split_model
-
         if found.tp > 1:
             raise ConfigError(f"parallelism.pp: {found.pp} stages with parallelism.tp={found.tp} fail in torch 2.13 "
                               "on the first step (the stages' sequence-parallel activations arrive in another size "
@@ -88,8 +94,6 @@ def _float8(model: nn.Module, precision: str, recipe: str, sharded: bool) -> Non
     """trainer.precision=fp8: torchao's float8 layers in place of the nn.Linear ones (trainflow.util.float8)."""
     if precision != "fp8":
         return
-    from trainflow.util.float8 import convert_to_float8
-
     swapped = convert_to_float8(model, recipe, sharded)
     log.info("fp8: %d linear layers train in float8 (%s scaling%s)", swapped, recipe,
              ", float8 all-gather" * (sharded and recipe == "tensorwise"))
@@ -100,8 +104,6 @@ def _wrap(model: nn.Module, cfg: ParallelismConfig, env: DistEnv, precision: str
     """The model (or one pipeline stage) split by TP, its linear layers in float8 (trainer.precision=fp8 with
     trainer.fp8_recipe), checkpointed, then wrapped for data parallel."""
     if found.tp > 1:
-        from trainflow.distributed.tensor import apply_tensor_parallel
-
         total = sum(p.numel() for p in model.parameters())
         apply_tensor_parallel(model, mesh["tp"], cfg.tp_plan)
         if env.is_main:
@@ -114,8 +116,6 @@ def _wrap(model: nn.Module, cfg: ParallelismConfig, env: DistEnv, precision: str
         return model
     if found.sharded or found.tp > 1 or found.pp > 1:  # DDP under TP or PP: FSDP2 over shard groups of one rank
         return shard(model, cfg.fsdp, env, precision, data_parallel_mesh(mesh))
-    from torch.nn.parallel import DistributedDataParallel
-
     d = cfg.ddp
     return DistributedDataParallel(
         model, device_ids=[env.device.index] if env.device.type == "cuda" else None, bucket_cap_mb=d.bucket_cap_mb,
@@ -125,14 +125,10 @@ def _wrap(model: nn.Module, cfg: ParallelismConfig, env: DistEnv, precision: str
 
 
 def _checkpointed_forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
-    from torch.utils.checkpoint import checkpoint
-
     return checkpoint(type(module).forward, module, *args, use_reentrant=False, **kwargs)
 
 
 def _selectively_checkpointed_forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
-    from torch.utils.checkpoint import checkpoint
-
     return checkpoint(type(module).forward, module, *args, use_reentrant=False, context_fn=selective_context,
                       **kwargs)
 
@@ -140,6 +136,7 @@ def _selectively_checkpointed_forward(module: nn.Module, *args: Any, **kwargs: A
 def saved_ops() -> set[Any]:
     """The ops whose outputs selective checkpointing keeps: the compute-intensive ones of torch's partitioner
     (matmuls, convolutions) and every scaled-dot-product attention kernel."""
+    # lazy: torch._functorch.partitioners costs ~0.9 s at start; only selective checkpointing needs it
     from torch._functorch.partitioners import get_default_op_list
 
     ops = {op.default for op in get_default_op_list().compute_intensive_ops if hasattr(op, "default")}
@@ -155,8 +152,6 @@ def saved_ops() -> set[Any]:
 def selective_context() -> Any:
     """The contexts of a selectively checkpointed forward: the saved ops' outputs kept, everything else
     recomputed in backward."""
-    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
-
     keep = saved_ops()
 
     def policy(_ctx: Any, op: Any, *_args: Any, **_kwargs: Any) -> CheckpointPolicy:
@@ -169,8 +164,6 @@ def checkpoint_activations(model: nn.Module, cfg: ParallelismConfig) -> None:
     """Activation checkpointing as parallelism.activation_checkpointing says (names and state dicts unchanged)."""
     mode = cfg.activation_checkpointing
     if mode == "budget":
-        import torch._functorch.config
-
         torch._functorch.config.activation_memory_budget = cfg.activation_budget
     if mode in ("full", "selective"):
         checkpoint_blocks(model, mode == "selective", cfg.activation_checkpointing_every)
@@ -233,8 +226,6 @@ def shard(model: nn.Module, cfg: FSDPConfig, env: DistEnv, precision: str = "fp3
           mesh: DeviceMesh | None = None) -> nn.Module:
     """FSDP2: `fully_shard` each unit (blocks, or modules by size), then the root, over one device mesh (FSDP: one
     dimension; HSDP: replicate x shard)."""
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-
     param_dtype, reduce_dtype = fsdp_dtypes(cfg.param_dtype, cfg.reduce_dtype, precision)
     mesh = data_parallel_mesh(mesh or build_mesh(env.device.type, env.world_size))
     options = {
@@ -256,8 +247,6 @@ def shard(model: nn.Module, cfg: FSDPConfig, env: DistEnv, precision: str = "fp3
 
 def is_parallelized(model: nn.Module) -> bool:
     """Whether parallelize() has wrapped (DDP) or sharded (FSDP2) the model already."""
-    from torch.distributed.fsdp import FSDPModule
-
     return unwrap(model) is not model or isinstance(model, FSDPModule)
 
 
@@ -311,8 +300,6 @@ def loss_context_of(model: nn.Module) -> Callable[[], contextlib.AbstractContext
     the model each time costs a few microseconds."""
     if not getattr(unwrap(model), "vocab_parallel_output", False):
         return contextlib.nullcontext
-    from torch.distributed.tensor.parallel import loss_parallel
-
     return loss_parallel
 
 

@@ -39,6 +39,7 @@ from torch import nn
 
 from trainflow.errors import ConfigError
 from trainflow.models import model_blocks
+from trainflow.optim import gradient_norm
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -267,6 +268,7 @@ class Pipeline:
 
     def _schedule(self) -> Any:
         """The schedule over stages of this rank's chunks, their forward and backward clocked."""
+        # lazy: torch.distributed.pipelining costs ~0.4 s at start; only pp > 1 needs it
         from torch.distributed import pipelining
 
         stages = [pipelining.PipelineStage(chunk, sid, self.parts.stages, self.env.device, group=self.group)
@@ -405,8 +407,6 @@ class Pipeline:
     def gradient_norm(self, clip: float) -> torch.Tensor:
         """The whole model's gradient norm (each stage's, summed in squares over the pipeline), every stage's
         gradients clipped by it when `clip` is set."""
-        from trainflow.optim import gradient_norm
-
         return gradient_norm(list(self.parts.parameters()), clip, counted=self.counted, group=self.group)
 
     def gather_to_first(self, named: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -471,8 +471,9 @@ def simulated_bubble(schedule: str, pp: int, microbatches: int, forward: float =
     if stages_per_rank(schedule) == 1:
         queues = _single_stage_order(schedule, pp, microbatches)
     else:
+        # lazy: torch.distributed.pipelining costs ~0.4 s at start; only the multi-stage schedules need it here
         from torch.distributed.pipelining import schedules
-        from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
+        from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops  # lazy: as the line above
 
         cls = getattr(schedules, SCHEDULES[schedule])
         queues = [[(a.computation_type.value, a.stage_index, a.microbatch_index) for a in actions if a is not None]

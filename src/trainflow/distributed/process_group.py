@@ -32,6 +32,7 @@ from trainflow.distributed.mesh import (
 )
 from trainflow.errors import ConfigError, TrainflowError
 from trainflow.util.device import emulated_bf16_warning
+from trainflow.util.float8 import check_fp8
 
 log = logging.getLogger(__name__)
 
@@ -189,8 +190,6 @@ def _preflight(cfg: RunConfig, device: torch.device, world_size: int, local_worl
     """Every check that needs the world size or the hardware; returns the backend. Warnings once per run."""
     p = cfg.parallelism
     if cfg.trainer.precision == "fp8":
-        from trainflow.util.float8 import check_fp8
-
         check_fp8(device)
     check_world_size(p, world_size, started_by)
     backend = resolve_backend(p, device)

@@ -14,8 +14,12 @@ from __future__ import annotations
 from fnmatch import fnmatch
 from typing import TYPE_CHECKING, Any
 
+import torch.distributed.tensor.parallel as styles
 from torch import nn
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
+from trainflow.config.targets import call_target
 from trainflow.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -43,9 +47,6 @@ def as_styles(model: nn.Module, plan: dict[str, Any]) -> dict[str, Any]:
         raise ConfigError(f"parallelism.tp: {type(model).__name__}'s TP plan uses {', '.join(unknown)}, which "
                           f"trainflow does not translate (it knows {', '.join(_HF_STYLES)}); give a plan of torch "
                           "ParallelStyles by parallelism.tp_plan._target_")
-    import torch.distributed.tensor.parallel as styles
-    from torch.distributed.tensor import Replicate
-
     return {name: _HF_STYLES[style](styles, Replicate) if isinstance(style, str) else style
             for name, style in plan.items()}
 
@@ -63,8 +64,6 @@ def hf_base_plan(model: nn.Module) -> dict[str, Any] | None:
 def tp_plan(model: nn.Module, target: Any, tp: int) -> dict[str, Any]:
     """The model's plan, from the first of: parallelism.tp_plan._target_, a `tp_plan`, a Hugging Face plan."""
     if target is not None and target.get("_target_"):
-        from trainflow.config.targets import call_target
-
         kwargs = {k: v for k, v in target.items() if k != "_target_"}
         return call_target("parallelism.tp_plan", target["_target_"], {"model": model, **kwargs}, "a TP plan")
     own = getattr(model, "tp_plan", None)  # trainflow's GPT: a method; a transformers model: a property
@@ -79,8 +78,6 @@ def tp_plan(model: nn.Module, target: Any, tp: int) -> dict[str, Any]:
 
 def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh, target: Any = None) -> nn.Module:
     """Split `model` in place over the 1-D TP `mesh` by its plan; tied parameters stay tied."""
-    from torch.distributed.tensor.parallel import parallelize_module
-
     plan = tp_plan(model, target, mesh.size())
     tied: dict[int, list[str]] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
@@ -114,8 +111,6 @@ def shard_dims(model: nn.Module, plan: dict[str, Any]) -> list[int | None]:
     by columns; row-wise, a Linear's weight by columns (its inputs, its bias replicated), an Embedding's by rows
     (the vocabulary). Any other style is counted as replicating its module's parameters (an over-estimate).
     What the memory plan (parallelism=auto) sizes TP layouts with, before any mesh exists."""
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
-
     dims: dict[int, int | None] = {}
     for module, style in styled_modules(model, as_styles(model, plan)):
         embedding = isinstance(module, nn.Embedding)
@@ -133,17 +128,12 @@ def shard_dims(model: nn.Module, plan: dict[str, Any]) -> list[int | None]:
 def gathered_inputs(model: nn.Module, plan: dict[str, Any]) -> list[nn.Module]:
     """The column-wise Linear modules: under sequence parallel their input is all-gathered whole (and saved so
     for backward) on every TP rank, the part of a block's activations tensor parallel does not split."""
-    from torch.distributed.tensor.parallel import ColwiseParallel
-
     return [m for m, style in styled_modules(model, as_styles(model, plan))
             if isinstance(style, ColwiseParallel) and isinstance(m, nn.Linear)]
 
 
 def _leaves_output_split(style: Any) -> bool:
     """A column-wise style that keeps its output a DTensor split over the last dimension (the logits by vocabulary)."""
-    from torch.distributed.tensor import Shard
-    from torch.distributed.tensor.parallel import ColwiseParallel
-
     return isinstance(style, ColwiseParallel) and not style.use_local_output and \
         tuple(style.output_layouts) in ((Shard(-1),), (Shard(2),))
 

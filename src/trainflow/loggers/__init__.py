@@ -17,10 +17,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import OmegaConf
 
 from trainflow.config.schema import RunConfig, TrainerConfig, plain
 from trainflow.config.targets import arguments, call, import_target
+from trainflow.errors import ConfigError
 from trainflow.loggers.process import ANSWER_TIMEOUT_S, LOGGER_CLASS, ProcessLogger
 from trainflow.util.rundir import run_identity
 
@@ -76,8 +78,6 @@ def build_loggers(section: Mapping[str, Any]) -> dict[str, Logger]:
         kwargs = dict(keys or {})
         target = kwargs.pop("_target_", None)
         if not target:
-            from trainflow.errors import ConfigError
-
             raise ConfigError(f"logger.{name}: no _target_; give logger.{name}._target_ the import path of a "
                               "logger class (see docs/loggers.md), or leave it out of logger=[...]")
         loggers[name] = build_logger(name, target, kwargs)
@@ -93,8 +93,6 @@ def build_logger(name: str, target: str, kwargs: dict[str, Any]) -> Logger:
     try:
         return call(f"logger.{name}", target, logger_class, kwargs)
     except (SystemExit, GeneratorExit) as exc:  # the logger's failure, not the run's end
-        from trainflow.errors import ConfigError
-
         raise ConfigError(f"logger.{name}: {target}({arguments(kwargs)}) failed: {type(exc).__name__}: {exc}; fix "
                           f"the logger.{name}.* values") from None
 
@@ -155,8 +153,6 @@ def hyperparameters(headline_values: dict[str, HparamValue], choices: dict[str, 
     learning rate still shows it next to one that changed it (TensorBoard compares only the values recorded).
     Overrides keep the type they were typed with; lists, dicts and null become their text.
     """
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
     values: dict[str, HparamValue] = {group: str(choice) for group, choice in choices.items()
                                       if choice is not None and not group.startswith("hydra/")}
     values.update(headline_values)
@@ -173,8 +169,6 @@ def hyperparameters(headline_values: dict[str, HparamValue], choices: dict[str, 
 
 def swept_keys(multirun_yaml: Path) -> list[str]:
     """The keys a sweep varies: its comma/range overrides and the sweeper's `params`."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
     sweep = OmegaConf.load(multirun_yaml)
     keys = [o.key_or_group for o in OverridesParser.create().parse_overrides(list(sweep.hydra.overrides.task))
             if o.is_sweep_override()]

@@ -86,7 +86,7 @@ class MLflowLogger:
         self._pending: list[Any] = []  # the last batches sent, still being written by MLflow's thread
 
     def start(self, run: RunInfo) -> str:
-        from mlflow.tracking import MlflowClient
+        from mlflow.tracking import MlflowClient  # lazy: mlflow is the mlflow extra
 
         _check_store(self.uri)
         self.client = MlflowClient(self.uri)
@@ -107,8 +107,8 @@ class MLflowLogger:
         return self.run_id
 
     def scalars(self, step: int, values: Mapping[str, float]) -> None:
-        from mlflow.entities import Metric
-        from mlflow.utils.validation import MAX_METRICS_PER_BATCH
+        from mlflow.entities import Metric  # lazy: mlflow is the mlflow extra
+        from mlflow.utils.validation import MAX_METRICS_PER_BATCH  # lazy: mlflow is the mlflow extra
 
         if step <= self._logged_to:
             return
@@ -121,7 +121,7 @@ class MLflowLogger:
     def _send(self) -> None:
         """The buffered metrics, in batches under MLflow's per-call limit, to its background thread (the batches
         sent before are waited for first: one that failed raises here)."""
-        from mlflow.utils.validation import MAX_METRICS_PER_BATCH
+        from mlflow.utils.validation import MAX_METRICS_PER_BATCH  # lazy: mlflow is the mlflow extra
 
         self._wait()
         metrics, self._buffer, self._buffered_since = self._buffer, [], None
@@ -177,7 +177,7 @@ class MLflowLogger:
     def _continue(self, run_id: str, run_dir: Path, resumed_step: int) -> bool:
         """Continue the tracked run of an earlier process of this run: the steps up to `resumed_step` that it does
         not hold (a crash lost the last batches) are logged again from metrics.jsonl, the later ones skipped."""
-        from mlflow.exceptions import MlflowException
+        from mlflow.exceptions import MlflowException  # lazy: mlflow is the mlflow extra
 
         try:
             tracked = self.client.get_run(run_id)
@@ -196,7 +196,9 @@ class MLflowLogger:
 
     def _log_params(self, params: dict[str, str]) -> None:
         """All params, values shortened to MLflow's limit (said once), in batches of its per-call limit."""
-        from mlflow.entities import Param
+        from mlflow.entities import Param  # lazy: mlflow is the mlflow extra
+
+        # lazy: mlflow is the mlflow extra
         from mlflow.utils.validation import MAX_PARAM_VAL_LENGTH, MAX_PARAMS_TAGS_PER_BATCH
 
         long = [key for key, value in params.items() if len(value) > MAX_PARAM_VAL_LENGTH]
@@ -241,7 +243,7 @@ def finish_sweep(sweep_dir: Path, files: list[Path]) -> None:
     kept = sweep_dir / PARENT_FILE
     if not kept.exists():
         return
-    from mlflow.tracking import MlflowClient
+    from mlflow.tracking import MlflowClient  # lazy: mlflow is the mlflow extra
 
     parent = json.loads(kept.read_text())
     client = MlflowClient(parent["tracking_uri"])
@@ -270,7 +272,7 @@ def flatten(config: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
 def _check_store(uri: str) -> None:
     """A store that cannot work is one line before training: a server that does not answer, an unwritable file."""
     if uri.startswith(("http://", "https://")):
-        import requests
+        import requests  # lazy: requests comes with the mlflow extra
 
         try:
             requests.get(f"{uri.rstrip('/')}/health", timeout=5).raise_for_status()

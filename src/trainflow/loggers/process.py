@@ -38,6 +38,8 @@ import time
 from collections.abc import Callable
 from typing import Any, BinaryIO
 
+from trainflow.config.targets import call_target
+
 LOGGER_CLASS = "a logger class (see docs/loggers.md)"  # what a logger's _target_ must name, as errors say it
 MAX_UNANSWERED = 1024  # calls in flight before the loop waits for the child (a log step's call: ~1 KB)
 ANSWER_TIMEOUT_S = 60.0  # a child silent this long with calls to answer has stopped answering
@@ -287,8 +289,6 @@ def _portable(exc: BaseException) -> Exception:
 def serve(requests: BinaryIO, answers: BinaryIO) -> None:
     """The child's loop: build the logger, then answer each call in order, until `finish`, or until the trainer
     closes the pipe or dies: then a buffering logger's `settle` sends what it holds, within ORPHAN_GRACE_S."""
-    from trainflow.config.targets import call_target
-
     lock = threading.Lock()
     gone = threading.Event()  # the trainer stopped reading: nothing more is sent
     finished = threading.Event()  # `finish` was answered: the trainer waits EXIT_S for this process to exit

@@ -21,6 +21,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from tensorboard.compat.proto.summary_pb2 import Summary
+from tensorboard.plugins.hparams import api_pb2, metadata, plugin_data_pb2
+from tensorboard.plugins.text.summary_v2 import text_pb
+
 from trainflow.errors import ConfigError, unwritable_reason
 from trainflow.loggers import FINISHED, MIB, HparamValue, RunInfo
 from trainflow.util.files import cannot_write
@@ -66,8 +70,6 @@ class TensorBoardLogger:
 
     def finish(self, status: str) -> None:
         """The HParams session ends (a success only if the run finished); the events reach the disk."""
-        from tensorboard.plugins.hparams import api_pb2
-
         self._add(_session_end(api_pb2.STATUS_SUCCESS if status == FINISHED else api_pb2.STATUS_FAILURE),
                   self._step)
         self._writer.close()
@@ -85,8 +87,6 @@ def _check_writable(folder: Path) -> None:
 
 def session_start_record(hparams: dict[str, HparamValue]) -> Any:
     """The HParams plugin's session start record: this run's hyperparameters."""
-    from tensorboard.plugins.hparams import metadata, plugin_data_pb2
-
     info = plugin_data_pb2.SessionStartInfo(start_time_secs=time.time())
     for key, value in hparams.items():
         if isinstance(value, bool):  # before int: a bool is an int in Python
@@ -100,23 +100,16 @@ def session_start_record(hparams: dict[str, HparamValue]) -> Any:
 
 def _session_end(status: int) -> Any:
     """The HParams plugin's session end record: the run ended with `status`."""
-    from tensorboard.plugins.hparams import metadata, plugin_data_pb2
-
     info = plugin_data_pb2.SessionEndInfo(status=status, end_time_secs=time.time())
     return _hparams_record(metadata.SESSION_END_INFO_TAG, plugin_data_pb2.HParamsPluginData(session_end_info=info))
 
 
 def _hparams_record(tag: str, data: Any) -> Any:
     """A record the HParams plugin reads, built with TensorBoard's own protos (its summary API needs TensorFlow)."""
-    from tensorboard.compat.proto.summary_pb2 import Summary
-    from tensorboard.plugins.hparams import metadata
-
     return Summary(value=[Summary.Value(tag=tag, metadata=metadata.create_summary_metadata(data),
                                         tensor=metadata.NULL_TENSOR)])
 
 
 def _text_summary(tag: str, markdown: str) -> Any:
     """A text record for TensorBoard's TEXT tab (rendered as Markdown), under exactly `tag`."""
-    from tensorboard.plugins.text.summary_v2 import text_pb
-
     return text_pb(tag, markdown)

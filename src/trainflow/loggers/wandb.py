@@ -54,7 +54,7 @@ class WandbLogger:
         self._logged_to = 0  # steps up to here are in the tracked run already
 
     def start(self, run: RunInfo) -> str:
-        import wandb
+        import wandb  # lazy: wandb is the wandb extra
 
         self._check_dir()
         mode = self._mode()
@@ -123,8 +123,8 @@ def _has_api_key() -> bool:
     """An API key W&B would use: its environment variables or the .netrc entry `wandb login` writes."""
     if os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_IDENTITY_TOKEN_FILE"):
         return True
-    from wandb.sdk.lib.wbauth.host_url import HostUrl
-    from wandb.sdk.lib.wbauth.wbnetrc import read_netrc_auth_with_source
+    from wandb.sdk.lib.wbauth.host_url import HostUrl  # lazy: wandb is the wandb extra
+    from wandb.sdk.lib.wbauth.wbnetrc import read_netrc_auth_with_source  # lazy: wandb is the wandb extra
 
     try:
         return read_netrc_auth_with_source(host=HostUrl(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")))\

@@ -19,7 +19,7 @@ FULL, FIRST, MIDDLE, LAST = 1, 2, 3, 4
 
 def records(path: Path) -> list[Any]:
     """The protobuf records of a .wandb file, in order; a chunk cut short at the end (a killed writer) is left out."""
-    from wandb.proto.wandb_internal_pb2 import Record
+    from wandb.proto.wandb_internal_pb2 import Record  # lazy: wandb is the wandb extra
 
     data, pos, pending, out = path.read_bytes(), HEADER, b"", []
     if data[:4] != b":W&B":

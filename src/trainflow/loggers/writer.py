@@ -19,7 +19,9 @@ from typing import TYPE_CHECKING, Any
 
 from trainflow.config.targets import first_line
 from trainflow.errors import ConfigError, TrainflowError
+from trainflow.loggers import FINISHED, IDS_FILE, KILLED, final_figures, finite, kept_ids, profiler_text, run_info
 from trainflow.loggers.interrupts import CtrlC, CutShort, stops_cut_short
+from trainflow.loggers.process import ProcessLogger
 from trainflow.util.files import run_dir_error, write_atomic, write_json_atomic
 
 if TYPE_CHECKING:
@@ -57,8 +59,6 @@ class MetricsWriter:
 
         A `checkpoint` outside this run's `checkpoint_dir` is another run's: its tracked runs (`saved_ids`) are
         never continued (that would write into another run's record); new ones start, naming it and them."""
-        from trainflow.loggers import IDS_FILE, kept_ids, run_info
-
         if not self.enabled:
             return {}
         if resumed_step is not None:
@@ -91,16 +91,11 @@ class MetricsWriter:
             return
         self._append_line(json.dumps({"step": step, **values}) + "\n")
         if self.loggers:
-            from trainflow.loggers import finite
-
             self._each("scalars", step, finite(values))
 
     def finish(self, status: str, summary: dict[str, Any] | None = None) -> None:
         """The run's end for every logger: its final figures, the profiler's text and the run's files (when it
         got to its summary), then its status. A stop signal or Ctrl-C meanwhile cuts it short (see above)."""
-        from trainflow.loggers import KILLED, final_figures, profiler_text
-        from trainflow.loggers.process import ProcessLogger
-
         if status == KILLED:
             for logger in self.loggers.values():
                 if isinstance(logger, ProcessLogger):
@@ -139,8 +134,6 @@ class MetricsWriter:
         self._cut_by = signum
 
     def _cut_line(self, status: str, summarized: bool) -> str:
-        from trainflow.loggers import FINISHED
-
         line = (f"{signal.Signals(self._cut_by).name} while the loggers closed: "
                 f"{', '.join(f'logger.{name}' for name in self.loggers)} left unfinished (a tracked run may lack its "
                 f"last figures, files and status; metrics.jsonl{' and summary.json' if summarized else ''} have them)")
@@ -150,8 +143,6 @@ class MetricsWriter:
 
     def _abandon(self, exit_within_s: float = 0.0) -> None:
         """The loggers still open are left as they are; a logger's process ends, killed after `exit_within_s`."""
-        from trainflow.loggers.process import ProcessLogger
-
         for logger in self.loggers.values():
             if isinstance(logger, ProcessLogger):
                 logger.close(exit_within_s)

@@ -46,7 +46,7 @@ class EnergyCounter:
         props = torch.cuda.get_device_properties(device)
         self._uuid = str(getattr(props, "uuid", "")).lower().removeprefix("gpu-")
         try:
-            import pynvml
+            import pynvml  # lazy: pynvml is the energy extra
 
             pynvml.nvmlInit()
             self._nvml = pynvml

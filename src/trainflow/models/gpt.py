@@ -13,6 +13,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+)
 
 
 class CausalSelfAttention(nn.Module):
@@ -100,14 +107,6 @@ class GPT(nn.Module):
         units) and the output projections by rows, whose reduce-scatter splits the sequence again. The
         embeddings are split by rows (vocabulary, positions); the tied output layer by vocabulary, its logits left
         split for the loss (loss parallel: distributed.parallelism.loss_context; docs/performance.md, Scale)."""
-        from torch.distributed.tensor import Replicate, Shard
-        from torch.distributed.tensor.parallel import (
-            ColwiseParallel,
-            PrepareModuleInput,
-            RowwiseParallel,
-            SequenceParallel,
-        )
-
         gather = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
                                     use_local_output=True)
         plan: dict[str, Any] = {

@@ -15,11 +15,15 @@ from __future__ import annotations
 import logging
 import math
 import os
+import pickle
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
+from torch.profiler import ProfilerActivity, profile, schedule
 
 from trainflow.config.schema import ProfilerConfig
 from trainflow.distributed import DistEnv
@@ -123,8 +127,6 @@ class Profiler(Stage):
     def __enter__(self) -> Profiler:
         if not self.enabled:
             return self
-        from torch.profiler import ProfilerActivity, profile, schedule
-
         c = self.cfg
         self.dir.mkdir(parents=True, exist_ok=True)
         if c.memory_snapshot:
@@ -235,9 +237,6 @@ class Profiler(Stage):
 
     def _write_memory_snapshot(self) -> None:
         """Pickle the snapshot for pytorch.org/memory_viz, after the loop."""
-        import pickle
-        import time
-
         path = self.dir / f"memory_rank{self.env.rank}.pickle"
         start = time.perf_counter()
         with path.open("wb") as f:
@@ -272,8 +271,6 @@ class Profiler(Stage):
         mine = self._finish()
         results: list[_RankResult | None] = [mine]
         if self.env.distributed:
-            import torch.distributed as dist
-
             results = [None] * self.env.world_size
             dist.all_gather_object(results, mine)
         profiled = [r for r in results if r is not None]

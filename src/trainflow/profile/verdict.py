@@ -28,6 +28,8 @@ import statistics
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from torch.autograd import DeviceType
+
 from trainflow.profile.regions import CHECKPOINT, DATA, FWD_BWD, OPTIMIZER
 
 SMALL_OP_US = 20.0  # on CPU, an operator whose self time is shorter than this is dispatch overhead
@@ -229,8 +231,6 @@ def analyze_window(events: list[Any], on_gpu: bool, last_step: int) -> dict[str,
     Steps after `last_step` are left out: when a run ends inside a window, the step marker opened by the last
     `step()` is closed empty.
     """
-    from torch.autograd import DeviceType
-
     numbered = [(int(e.trace_name.rpartition("#")[2]), e) for e in events if e.name.startswith("ProfilerStep")]
     numbers = [n for n, _ in numbered if n <= last_step]
     steps = [e for n, e in numbered if n <= last_step]

@@ -22,7 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from trainflow.config.schema import TrainerConfig
-from trainflow.report import ledger
+from trainflow.report import checkpoints, ledger, render_compare
+from trainflow.report.bisect import bisect
 from trainflow.report.causes import Note, likely_cause, notes
 from trainflow.report.gates import FAIL, Gate, evaluate_gate, parse_gate
 from trainflow.report.noise import Band, judge
@@ -273,13 +274,9 @@ def build(a_text: str, b_text: str, gates: list[Gate], default_ledger: Path | No
 
 def command(args: argparse.Namespace) -> int:
     """`trainflow compare` (see trainflow.cli): the report of the kind the sides are, its pages, its exit code."""
-    from trainflow.report import checkpoints, render_compare
-
     worse = {name: -1 if f.higher_is_better else 1 for name, f in FIGURE_NAMES.items()}
     gates = [parse_gate(g, worse) for text in args.fail_on or [] for g in text.split(",") if g.strip()]
     if args.bisect:
-        from trainflow.report.bisect import bisect
-
         if gates:
             raise CompareError("--fail-on: --bisect takes no gates (it names where two runs part); leave --fail-on "
                                "out, or gate the runs' checkpoints: trainflow compare A/checkpoints B/checkpoints "

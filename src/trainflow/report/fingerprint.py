@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from omegaconf import OmegaConf
 
+import trainflow
 from trainflow.checkpoint.state import fingerprint as model_fingerprint
 from trainflow.checkpoint.state import model_shapes
 from trainflow.config.schema import RunConfig, plain
@@ -112,8 +113,6 @@ class Fingerprint(Stage):
 
 def environment(device: torch.device, world_size: int) -> dict[str, Any]:
     """Versions, device and host."""
-    import trainflow
-
     cuda = device.type == "cuda"
     return {
         "trainflow": trainflow.__version__,
@@ -144,7 +143,7 @@ def device_name(device: torch.device) -> str:
 def driver_version() -> str | None:
     """The NVIDIA driver's version: NVML where pynvml is installed, else nvidia-smi; None when neither answers."""
     try:
-        import pynvml
+        import pynvml  # lazy: pynvml is the energy extra
 
         pynvml.nvmlInit()
         try:
@@ -164,8 +163,6 @@ def code_state(folder: Path) -> dict[str, Any]:
     it is not a checkout. trainflow's own checkout too, when it is another one (an editable install beside the
     user's project)."""
     project = git_state(folder)
-    import trainflow
-
     package = Path(trainflow.__file__).resolve().parent
     own = git_state(package)
     if own.get("root") is not None and own.get("root") != project.get("root"):

@@ -33,6 +33,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from trainflow.config.checks import check_config
 from trainflow.config.choices import LadderRung
 from trainflow.config.schema import LadderConfig
 from trainflow.errors import TrainflowError, user_error
@@ -79,8 +80,6 @@ def check_rungs(jobs: Iterable[tuple[int, DictConfig]]) -> None:
     profiler window past trainer.max_steps, say) fails the sweep at once, in one line naming the rung, rather
     than after the rungs before it trained. `jobs`: each job's number and task config; jobs that are no rung
     are left to themselves."""
-    from trainflow.config.checks import check_config
-
     for num, task in jobs:
         rung = OmegaConf.select(task, "ladder.rung")
         if not rung:

@@ -133,8 +133,8 @@ def figure(curves_of: list[tuple[str, dict[int, float]]], report: dict[str, Any]
     """Throughput bars (speedup on top) and every run's loss curve, drawn headless with Agg; `curves_of`: each run's
     label and losses by step, in the order of report["runs"]. A busy machine's runs are named in red."""
     require("matplotlib", "plots", "report.png")  # one line where it is missing: the Markdown and JSON need none
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
+    from matplotlib.backends.backend_agg import FigureCanvasAgg  # lazy: matplotlib is the plots extra
+    from matplotlib.figure import Figure  # lazy: matplotlib is the plots extra
 
     fig = Figure(figsize=(13, 5), layout="constrained")
     FigureCanvasAgg(fig)

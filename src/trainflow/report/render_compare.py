@@ -212,8 +212,8 @@ def figure(report: dict[str, Any]) -> Figure:
     """Runs: the curves aligned by step (A solid, B dashed) and B's change per figure with its band; checkpoints:
     each differing tensor's relative error; bisect: the largest relative error at each replayed step."""
     require("matplotlib", "plots", "compare.png")
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
+    from matplotlib.backends.backend_agg import FigureCanvasAgg  # lazy: matplotlib is the plots extra
+    from matplotlib.figure import Figure  # lazy: matplotlib is the plots extra
 
     fig = Figure(figsize=(13, 5), layout="constrained")
     FigureCanvasAgg(fig)

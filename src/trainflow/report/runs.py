@@ -30,12 +30,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hydra.core.utils import JobStatus
 from hydra.experimental.callback import Callback
+from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from trainflow.config.schema import LadderConfig, TrainerConfig, WorkerConfig, typed
 from trainflow.distributed.mesh import env_rank
 from trainflow.errors import ConfigError, TrainflowError
+from trainflow.loggers.mlflow import finish_sweep
 from trainflow.report import ladder
 from trainflow.report.render import markdown, write_png
 from trainflow.report.summary_file import read_summary
@@ -349,15 +352,10 @@ class ReportCallback(Callback):
         self.baseline = baseline
 
     def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
-        from hydra.types import RunMode
-
         if config.hydra.mode == RunMode.MULTIRUN and env_rank() == 0:  # a rerun of a failed job: not failed (yet)
             (_job_dir(config) / FAILURE_FILE).unlink(missing_ok=True)
 
     def on_job_end(self, config: DictConfig, job_return: Any, **kwargs: Any) -> None:
-        from hydra.core.utils import JobStatus
-        from hydra.types import RunMode
-
         if config.hydra.mode != RunMode.MULTIRUN or env_rank() != 0:
             return  # single runs have no sweep folder; other ranks of a job leave the report to rank 0
 
@@ -376,8 +374,6 @@ class ReportCallback(Callback):
         if not sweep.is_dir():
             return  # nothing ran (e.g. --info)
         report = write(sweep, baseline=self.baseline)
-        from trainflow.loggers.mlflow import finish_sweep
-
         finish_sweep(sweep, [sweep / f for f in REPORT_FILES])  # the report on the sweep's MLflow parent run
         for warning in report["warnings"]:
             log.warning(warning)

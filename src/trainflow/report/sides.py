@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from omegaconf import OmegaConf
+
 from trainflow.errors import TrainflowError
 from trainflow.report import ledger
 from trainflow.report.noise import read_metrics, steady_intervals
@@ -125,8 +127,6 @@ def _job_overrides(run: RunView) -> list[str]:
     path = run.dir / ".hydra" / "overrides.yaml" if run.dir else None
     if path is None or not path.is_file():
         return []
-    from omegaconf import OmegaConf
-
     return [str(o) for o in OmegaConf.load(path)]
 
 

@@ -25,11 +25,13 @@ from typing import Any
 import yaml
 from hydra.errors import CompactHydraException
 from hydra.experimental.callback import Callback
+from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from trainflow.config.schema import RunConfig, plain
 from trainflow.distributed.mesh import env_rank
 from trainflow.errors import ConfigError, TrainflowError, user_error
+from trainflow.report.ladder import check_rungs
 from trainflow.report.summary_file import read_summary
 from trainflow.util.files import write_atomic
 from trainflow.util.rundir import override_key, run_identity, run_name, run_name_problem
@@ -108,14 +110,10 @@ def check_before_start(jobs: Iterable[tuple[int, DictConfig]]) -> None:
     """What refuses a whole sweep before its first job starts, given each job's number and task config as it will
     run: a ladder rung that cannot run (trainflow.report.ladder). Other sweeps run their good jobs and report the
     bad."""
-    from trainflow.report.ladder import check_rungs
-
     check_rungs(jobs)
 
 
 def is_sweep_job(hydra_cfg: Any) -> bool:
-    from hydra.types import RunMode
-
     return hydra_cfg.mode == RunMode.MULTIRUN
 
 

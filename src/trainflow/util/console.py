@@ -9,6 +9,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from tqdm import tqdm
+
 from trainflow import __version__
 
 log = logging.getLogger(__name__)
@@ -46,8 +48,6 @@ def progress_reporter(max_steps: int, mode: str, is_main: bool, start: int) -> C
     use_bar = is_main and (mode == "bar" or (mode == "auto" and _terminal_columns() > 0))
     bar = None
     if use_bar:
-        from tqdm import tqdm
-
         bar = tqdm(total=max_steps, initial=start, unit="step", dynamic_ncols=True)
 
     def update(step: int | None, values: dict | None) -> None:

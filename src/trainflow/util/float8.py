@@ -50,7 +50,7 @@ def _float8_friendly(module: nn.Module, fqn: str) -> bool:
 def convert_to_float8(model: nn.Module, recipe: str, sharded: bool) -> int:
     """Swap the model's float8-friendly nn.Linear layers for torchao's Float8Linear, in place; returns how many.
     `sharded`: FSDP2 wraps the model next, and tensorwise scaling all-gathers its weights in float8."""
-    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training  # lazy: torchao is the fp8 extra
 
     config = Float8LinearConfig.from_recipe_name(recipe)
     if recipe == "tensorwise" and sharded:

@@ -37,7 +37,9 @@ from typing import Any
 
 import yaml
 from hydra.experimental.callback import Callback
+from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
+from torch.distributed import TCPStore
 
 from trainflow.distributed.mesh import env_rank
 from trainflow.errors import ConfigError, user_error
@@ -68,8 +70,6 @@ def _timestamp() -> str:
 
 def _agreed_under_torchrun() -> str:
     """The name rank 0's clock gives, shared through the elastic agent's store."""
-    from torch.distributed import TCPStore
-
     run_id = os.environ["TORCHELASTIC_RUN_ID"]
     mine = _timestamp()
     try:
@@ -255,8 +255,6 @@ class RunDirLock(Callback):
             check_same_run(folder, [str(o) for o in config.hydra.overrides.task])
 
     def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
-        from hydra.types import RunMode
-
         key = "hydra.run.dir" if config.hydra.mode == RunMode.RUN else "hydra.sweep.dir"
         claim_run_dir(Path(str(config.hydra.runtime.output_dir)), key)
 
