@@ -7,7 +7,6 @@ import copy
 import json
 import logging
 import math
-import platform
 import re
 import time
 from pathlib import Path
@@ -18,7 +17,7 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from trainflow.data.loaders import to_device
-from trainflow.util.device import matmul_math
+from trainflow.util.device import cpu_name, matmul_math
 from trainflow.util.files import write_atomic
 
 if TYPE_CHECKING:
@@ -75,16 +74,6 @@ def count_train_flops(model: nn.Module, batch: Any, task: Task) -> tuple[int | N
     return flops, None
 
 
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "cpu"
-
-
 def _measure_cpu_peak(threads: int) -> float:
     """Best of a few large fp32 matmuls: what this CPU really sustains with these threads."""
     n = 2048
@@ -113,7 +102,7 @@ def peak_flops(device: torch.device, precision: str, override: float | None, at_
             log.warning("no %s peak known for the GPU %r: set metrics.peak_flops to get MFU", math_used, name)
         return peak
     threads = torch.get_num_threads()
-    key = f"{_cpu_name()}|threads={threads}|torch={torch.__version__}"
+    key = f"{cpu_name()}|threads={threads}|torch={torch.__version__}"
     try:
         cache = json.loads(_PEAK_CACHE.read_text())
     except (OSError, ValueError):

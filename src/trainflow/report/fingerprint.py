@@ -39,6 +39,7 @@ from trainflow.loop.stages import Phase, Stage, StageContext
 from trainflow.loop.state import LoopState
 from trainflow.metrics.meter import Throughput
 from trainflow.report.noise import Band, read_metrics, steady_intervals
+from trainflow.util.device import cpu_name
 
 # Keys that say where outputs go or how they are shown (and priced): runs that differ only in them ran the same config.
 NOT_IN_CONFIG_HASH = ("logger", "trainer.run_name", "trainer.sweep_name", "trainer.progress", "trainer.print_config",
@@ -131,13 +132,7 @@ def device_name(device: torch.device) -> str:
     """The GPU's name, or the CPU's model."""
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    return cpu_name()
 
 
 def driver_version() -> str | None:

@@ -6,11 +6,21 @@ work only after a sync: the meter and the stages that pause its clocks use `devi
 from __future__ import annotations
 
 import contextlib
+import platform
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
+
+
+def cpu_name() -> str:
+    """The CPU's model as /proc/cpuinfo names it, else what Python's platform module knows."""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
 
 
 def device_sync(device: torch.device) -> None:
