@@ -84,13 +84,16 @@ def train_step(training: Training) -> None:
             add_metrics(step_metrics, metrics)
     with name_part(OPTIMIZER):
         step = state.step + 1
-        norm_due = trainer.grad_clip or state.log_due or any(s.wants_grad_norm(step) for s in hooks.grad_norm)
+        norm_due = trainer.grad_clip or state.log_due or bool(hooks.grad_norm) and any(
+            s.wants_grad_norm(step) for s in hooks.grad_norm)
         state.grad_norm = None
         if norm_due:  # a pipeline stage's norm is summed over the stages
             state.grad_norm = training.pipeline.gradient_norm(trainer.grad_clip) if training.pipeline \
                 else gradient_norm(training.trainable, trainer.grad_clip)
-        kept = [stage.keeps_update(step, state.grad_norm) for stage in hooks.updates]  # every one asked, always
-        state.skipped = not all(kept)
+        if hooks.updates:  # every one asked, always (a stage counts what it was asked)
+            state.skipped = not all([stage.keeps_update(step, state.grad_norm) for stage in hooks.updates])
+        else:
+            state.skipped = False
         if state.skipped:
             _drop_update(state.optimizer, state.scheduler)
         else:
@@ -102,7 +105,8 @@ def train_step(training: Training) -> None:
     state.samples_seen += training.global_batch
     state.steps_this_run += 1
     state.done = state.step >= trainer.max_steps
-    state.sync_due = state.log_due or state.steps_this_run == 1 or any(s.syncs_after(state.step) for s in hooks.syncs)
+    state.sync_due = state.log_due or state.steps_this_run == 1 or bool(hooks.syncs) and any(
+        s.syncs_after(state.step) for s in hooks.syncs)
     state.loss, state.step_loss, state.data_wait_s = loss, step_loss, data_wait
     state.samples, state.tokens, state.metrics = samples, tokens, step_metrics
 
