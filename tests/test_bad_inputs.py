@@ -496,6 +496,13 @@ def own_model_options(ctx: Ctx) -> None:
     (ctx.tmp / "conf" / "model" / "mine.yaml").write_text("hidden: 8\n")
 
 
+def own_experiments_with_old_and_misspelt_keys(ctx: Ctx) -> None:
+    """Experiments of one's own (--config-dir) written with a key's former name and with a misspelt key."""
+    (ctx.tmp / "conf" / "experiment").mkdir(parents=True)
+    (ctx.tmp / "conf" / "experiment" / "old.yaml").write_text("# @package _global_\ntrainer:\n  warmup_steps: 1\n")
+    (ctx.tmp / "conf" / "experiment" / "typo.yaml").write_text("# @package _global_\ntrainer:\n  max_step: 3\n")
+
+
 def narrower_weights(ctx: Ctx) -> None:
     """Exported weights of a GPT narrower than the base's (n_embd 32, not 64)."""
     from safetensors.torch import save_file
@@ -522,6 +529,14 @@ CASES = [
          "trainer.max_step", ("Could not override", "did you mean trainer.max_steps=30?"), exit=1),
     Case("renamed-key", "config", "a key by its former name", ("trainer.warmup_steps=3",),
          "trainer.warmup_steps", ("the key is now trainer.excluded_steps", "optim.warmup_steps"), exit=1),
+    Case("renamed-key-in-yaml", "config", "a key by its former name in an experiment of one's own",
+         ("--config-dir", "{tmp}/conf", "experiment=old"), "experiment/old",
+         ("trainer.warmup_steps: the key is now trainer.excluded_steps",), exit=1,
+         setup=own_experiments_with_old_and_misspelt_keys),
+    Case("misspelt-key-in-yaml", "config", "a misspelt key in an experiment of one's own",
+         ("--config-dir", "{tmp}/conf", "experiment=typo"), "experiment/typo",
+         ("trainer.max_step: the config has no such key", "did you mean trainer.max_steps?"), exit=1,
+         setup=own_experiments_with_old_and_misspelt_keys),
     Case("misspelt-key-added", "config", "a misspelt key added with Hydra's `+` (as its own hint suggests)",
          ("+trainer.max_step=30",), "trainer.max_step", ("has no such key", "did you mean trainer.max_steps?")),
     Case("misspelt-section", "config", "a misspelt section", ("tranier.max_steps=3",),

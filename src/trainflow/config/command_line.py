@@ -77,6 +77,14 @@ def explain(exc: BaseException, overrides: list[str]) -> str | None:
         hint = f"did you mean {group}={close[0]}? " if close else ""
         return (f"{group}={option}: Could not find {group}/{option}; {hint}the options of {group}: "
                 f"{', '.join(options)} (python train.py --help describes them)")
+    in_file = re.match(r"In '([^']+)'", str(exc))  # a key of a YAML file (an experiment of one's own) no schema has
+    if isinstance(exc, ConfigCompositionException) and in_file and isinstance(exc.__context__, ConfigKeyError):
+        key = exc.__context__.full_key or _quoted(str(exc.__context__)) or ""
+        if key in RENAMED:
+            return f"{in_file[1]}: {key}: the key is now {RENAMED[key]}"
+        close = _closest_key(key, overrides)
+        hint = f"did you mean {close}?" if close else EVERY_KEY
+        return f"{in_file[1]}: {key}: the config has no such key; {hint}"
     if isinstance(exc, ConfigCompositionException) and isinstance(exc.__cause__, ConfigAttributeError | ConfigKeyError):
         key = _quoted(str(exc)) or ""
         if key in RENAMED:
