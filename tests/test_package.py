@@ -65,8 +65,10 @@ def venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (site / "preinstalled_torch.pth").write_text(f"{tmp / 'torch'}\n")
     venv_pip = [bin_dir / "python", "-m", "pip", "-q", "--disable-pip-version-check"]
     subprocess.run([*venv_pip, "install", wheel], check=True)
-    subprocess.run([*venv_pip, "install", "--no-deps", "--no-build-isolation", ROOT / "examples" / "my_project"],
-                   check=True)
+    project = tmp / "my_project"  # likewise copied: its build would write beside its sources too
+    shutil.copytree(ROOT / "examples" / "my_project", project,
+                    ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
+    subprocess.run([*venv_pip, "install", "--no-deps", "--no-build-isolation", project], check=True)
     return bin_dir
 
 
