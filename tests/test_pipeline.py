@@ -16,7 +16,7 @@ import json
 from pathlib import Path
 
 import pytest
-from helpers.checkpoints import assert_close_losses
+from helpers.checkpoints import assert_close_losses, assert_parity_checked
 from helpers.runs import TINY_GPT, Run, logged_by_step, losses_by_step, ok, one_line_error, train
 
 BASE = [*TINY_GPT, "optim=sgd", "trainer.grad_accum=2", "parallelism.global_batch=8", "trainer.max_steps=4",
@@ -30,14 +30,6 @@ GRAD_NORM = "train/grad_norm"
 
 def step_dir(run: Run, step: int) -> Path:
     return run.run_dir / "checkpoints" / f"step_{step:08d}"
-
-
-def assert_checked(run: Run, layout: str, mesh: dict[str, int]) -> None:
-    parallelism = run.summary["parallelism"]
-    assert parallelism["layout"] == layout and parallelism["mesh"] == mesh, parallelism
-    check = parallelism["check"]
-    assert check["passed"] and check["steps"] == 3 and check["tolerance"] == 1e-5, check
-    assert check["param_rel_diff"] <= 1e-5 and check["loss_rel_diff"] <= 1e-5, check
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +46,7 @@ def single_from_pp(pp_fsdp: Run, tmp_path_factory: pytest.TempPathFactory) -> Ru
 
 
 def test_pp2_x_fsdp2_matches_one_process(pp_fsdp: Run) -> None:
-    assert_checked(pp_fsdp, "fsdp x pp 2", {"replicate": 1, "shard": 2, "pp": 2})
+    assert_parity_checked(pp_fsdp, "fsdp x pp 2", {"replicate": 1, "shard": 2, "pp": 2})
     assert pp_fsdp.summary["parallelism"]["per_rank_batch"] == 2  # 8 samples over 2 data-parallel ranks x 2 micro
     pipeline = pp_fsdp.summary["parallelism"]["pipeline"]
     assert (pipeline["schedule"], pipeline["stages"], pipeline["microbatches"]) == ("1f1b", 2, 2)
@@ -94,7 +86,7 @@ def test_two_stages_a_rank_match_one_process(schedule: str, compiled: bool, tmp_
     compile_ = ["compile=default", "compile.backend=aot_eager"] if compiled else []
     run = ok(train(tmp_path / "run", *BASE, *PP2, *CHECKED, *FOUR_BLOCKS, f"parallelism.pp_schedule={schedule}",
                    *compile_))
-    assert_checked(run, "pp 2", {"replicate": 1, "shard": 1, "pp": 2})
+    assert_parity_checked(run, "pp 2", {"replicate": 1, "shard": 1, "pp": 2})
     assert run.summary["compile"].get("scope") == ("blocks" if compiled else None)  # a stage compiles its blocks
     pipeline = run.summary["parallelism"]["pipeline"]
     stages = {"interleaved_1f1b": [[0, 2], [1, 3]], "zbv": [[0, 3], [1, 2]]}[schedule]

@@ -14,7 +14,7 @@ import re
 from pathlib import Path
 
 import pytest
-from helpers.checkpoints import assert_close_losses
+from helpers.checkpoints import assert_close_losses, assert_parity_checked
 from helpers.runs import TINY_GPT, Run, logged_by_step, losses_by_step, ok, train
 
 from trainflow.conf import CONFIG_DIR
@@ -48,11 +48,7 @@ def expected_rank0_parameters(tp: int) -> tuple[int, int]:
 
 
 def assert_checked(run: Run, layout: str, mesh: dict[str, int]) -> None:
-    parallelism = run.summary["parallelism"]
-    assert parallelism["layout"] == layout and parallelism["mesh"] == mesh, parallelism
-    check = parallelism["check"]
-    assert check["passed"] and check["steps"] == 3 and check["tolerance"] == 1e-5, check
-    assert check["param_rel_diff"] <= 1e-5 and check["loss_rel_diff"] <= 1e-5, check
+    assert_parity_checked(run, layout, mesh)
     local, total = expected_rank0_parameters(mesh["tp"])
     assert f"tensor parallel over {mesh['tp']} ranks: rank 0 holds {local} of the {total} parameters" in run.stdout
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -122,3 +123,12 @@ def rewrite_manifest(folder: Path) -> None:
     files = {p.name: p.stat().st_size for p in sorted(folder.iterdir()) if p.is_file() and p.name != "manifest.json"}
     path.write_text(json.dumps({**manifest, "files": files, "checksums": {n: file_checksum(folder / n) for n in files},
                                 "bytes": sum(files.values())}))
+
+
+def assert_parity_checked(run: Any, layout: str, mesh: dict[str, int]) -> None:
+    """The run's layout and mesh as given, and its parity check (parallelism.check: 3 steps) passed at 1e-5."""
+    parallelism = run.summary["parallelism"]
+    assert parallelism["layout"] == layout and parallelism["mesh"] == mesh, parallelism
+    check = parallelism["check"]
+    assert check["passed"] and check["steps"] == 3 and check["tolerance"] == 1e-5, check
+    assert check["param_rel_diff"] <= 1e-5 and check["loss_rel_diff"] <= 1e-5, check
