@@ -77,23 +77,25 @@ def simulate(name: str, world_size: int, strategy: str, tp: int = 1,
         if dp > 1:
             shard(model, fsdp_cfg, DistEnv(0, world_size, 0, torch.device("cpu"), strategy, tp), "fp32",
                   data_parallel_mesh(mesh))
-        optimizer, _ = build_optimizer(model, optim_cfg, 1, torch.device("meta"))
-        for param in model.parameters():
-            param.grad = torch.zeros_like(param)
-        optimizer.step()
-        state = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
-        measured = {
-            "params": local_bytes(model.parameters()),
-            "grads": local_bytes(p.grad for p in model.parameters()),
-            "optimizer": local_bytes(state),
-            "largest_unit": gather,
-        }
+        measured = {**stepped_bytes(model, optim_cfg), "largest_unit": gather}
     finally:
         dist.destroy_process_group()
     layout = Layout(strategy, shard_size, tp=tp)
     return {"model": name, "parameters": sum(p.numel() for p in meta_gpt(name).parameters()), "layout": layout.name,
             "strategy": strategy, "world_size": world_size, "shard_size": shard_size, "tp": tp, "measured": measured,
             "estimate": estimate(facts, layout)}
+
+
+def stepped_bytes(model: torch.nn.Module, optim_cfg: Any) -> dict[str, int]:
+    """This rank's bytes of parameters, gradients and optimizer state once the optimizer has taken a step (its state
+    exists only then), all on the meta device."""
+    optimizer, _ = build_optimizer(model, optim_cfg, 1, torch.device("meta"))
+    for param in model.parameters():
+        param.grad = torch.zeros_like(param)
+    optimizer.step()
+    state = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    return {"params": local_bytes(model.parameters()), "grads": local_bytes(p.grad for p in model.parameters()),
+            "optimizer": local_bytes(state)}
 
 
 def simulate_pp(name: str, world_size: int, pp: int) -> dict[str, Any]:
@@ -113,13 +115,7 @@ def simulate_pp(name: str, world_size: int, pp: int) -> dict[str, Any]:
             if dp > 1:
                 shard(part, fsdp_cfg, DistEnv(0, world_size, 0, torch.device("cpu"), "fsdp", 1, True, pp), "fp32",
                       data_parallel_mesh(mesh))
-            optimizer, _ = build_optimizer(part, optim_cfg, 1, torch.device("meta"))
-            for param in part.parameters():
-                param.grad = torch.zeros_like(param)
-            optimizer.step()
-            state = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
-            stages.append({"params": local_bytes(part.parameters()),
-                           "grads": local_bytes(p.grad for p in part.parameters()), "optimizer": local_bytes(state)})
+            stages.append(stepped_bytes(part, optim_cfg))
     finally:
         dist.destroy_process_group()
     measured = max(stages, key=lambda row: row["params"])
