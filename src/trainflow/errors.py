@@ -34,6 +34,11 @@ class CheckpointError(TrainflowError):
     """A checkpoint that cannot be written, read or used; the message names its path and the fix."""
 
 
+class ReceivedFileError(TrainflowError):
+    """A file of a run folder, ledger or checkpoint that is not what trainflow writes there (not a regular file, too
+    large, of the wrong shape); the message names the file, and the field where one is wrong."""
+
+
 class NonFiniteError(TrainflowError):
     """Training produced a non-finite loss or gradient norm; the message names the step and the way out."""
 

@@ -14,7 +14,13 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from trainflow.errors import RunDirError
+from trainflow.errors import ReceivedFileError, RunDirError
+from trainflow.util.shown import shown
+
+# What a reader of a received file takes at most: enough for any file trainflow writes, bounded so that a file
+# linked to /dev/zero or grown by someone else cannot exhaust memory.
+SMALL_FILE_BYTES = 16 << 20  # summary.json, overrides.yaml, a marker
+LOG_FILE_BYTES = 512 << 20  # metrics.jsonl, a ledger
 
 
 @contextlib.contextmanager
@@ -89,3 +95,29 @@ def run_dir_error(run_dir: Path, name: str, exc: OSError) -> RunDirError:
     """The one line for a file of the run directory that could not be written (a full disk, a read-only mount)."""
     return RunDirError(f"hydra.run.dir: writing {name} in {run_dir} failed ({exc.strerror or exc}); free space or "
                        "point hydra.run.dir at a writable disk")
+
+
+def read_regular(path: Path, limit: int = SMALL_FILE_BYTES) -> bytes:
+    """The bytes of `path` if it is a regular file (links followed) of at most `limit` bytes; anything else is one
+    ReceivedFileError naming it. Opened without blocking and checked on the open descriptor, so a FIFO never waits
+    for a writer, a device is never read, and a file swapped in after the check is not the one read."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        raise ReceivedFileError(f"{shown(path)}: cannot be read ({exc.strerror or exc})") from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_size > limit:
+        os.close(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ReceivedFileError(f"{shown(path)}: is {kind_of(st.st_mode)}, not a regular file; trainflow reads "
+                                    "only the files it writes (replace it with the run's own file, or leave it out)")
+        raise ReceivedFileError(f"{shown(path)}: is {st.st_size} bytes, more than the {limit} bytes trainflow ever "
+                                "writes there; it is not trainflow's file (leave it out)")
+    with open(fd, "rb", buffering=0) as f:
+        chunks, taken = [], 0
+        while taken <= limit and (chunk := f.read(limit + 1 - taken)):
+            chunks.append(chunk)
+            taken += len(chunk)
+    if taken > limit:
+        raise ReceivedFileError(f"{shown(path)}: grew past {limit} bytes while it was read; it is not trainflow's file")
+    return b"".join(chunks)
