@@ -71,6 +71,7 @@ from trainflow.distributed.failures import note_save, says_peer_lost
 from trainflow.errors import CheckpointError
 from trainflow.loop.stages import Phase, Stage, StageContext
 from trainflow.profile.regions import CHECKPOINT
+from trainflow.util.activity import Activity, doing
 from trainflow.util.device import device_sync
 from trainflow.util.locks import DirLock
 
@@ -192,18 +193,21 @@ class Checkpointer(Stage):
             return self._after_step(state)
 
     def _after_step(self, state: TrainState) -> bool:
-        stop_signal, uploaded = self._agreed_flags()
+        stop_signal, uploaded = self._agreed_flags()  # a collective of every step, not a save's
         due = self.save_due(state.step)
-        if stop_signal or due:  # a save: the steps still queued on the device are training, not the pause
-            device_sync(self.env.device)
-        start = time.perf_counter()
-        if uploaded:
-            self._finish_pending()
-        if stop_signal:
-            self._stop(state, signal.Signals(stop_signal).name)
-        elif due:
-            self._save(state, blocking=self._sync)
-        self._blocked_unreported += time.perf_counter() - start
+        if not (stop_signal or due or uploaded):
+            return False
+        with doing(Activity.SAVING):  # the watchdog judges what follows against a save's bound
+            if stop_signal or due:  # a save: the steps still queued on the device are training, not the pause
+                device_sync(self.env.device)
+            start = time.perf_counter()
+            if uploaded:
+                self._finish_pending()
+            if stop_signal:
+                self._stop(state, signal.Signals(stop_signal).name)
+            elif due:
+                self._save(state, blocking=self._sync)
+            self._blocked_unreported += time.perf_counter() - start
         return stop_signal is not None
 
     def __enter__(self) -> Checkpointer:
@@ -312,6 +316,8 @@ class Checkpointer(Stage):
             except BaseException as exc:
                 reraise_interrupt(exc)
                 error = exc
+            finally:
+                writer.end_upload()
         sums, plain_error = plain_files.result()
         self._raise_if_failed(plain_error or error, tmp, state.step)
         write_s = time.perf_counter() - started
@@ -358,10 +364,13 @@ class Checkpointer(Stage):
             waited = time.perf_counter()
             error = None
             try:
-                p.future.result()
+                with doing(Activity.WAITING_FOR_UPLOAD):
+                    p.future.result()
             except BaseException as exc:
                 reraise_interrupt(exc)
                 error = exc
+            finally:
+                p.writer.end_upload()
             waited = time.perf_counter() - waited if wait else 0.0
             self._raise_if_failed(error, p.tmp, p.step)
             done = p.done_at or time.perf_counter()

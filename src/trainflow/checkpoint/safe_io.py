@@ -48,6 +48,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from trainflow.errors import CheckpointError
+from trainflow.util.activity import Activity, ended, started
 
 _CHUNK = 8 << 20
 
@@ -136,10 +137,31 @@ class ChecksummingWriter(FileSystemWriter):
     def __init__(self, path: Path, **kwargs: Any) -> None:
         super().__init__(path, **kwargs)
         self.fs = _ChecksummingFileSystem()
+        self.upload_thread: int | None = None  # the thread writing it, while it does
 
     @property
     def checksums(self) -> dict[str, str]:
         return self.fs.checksums
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        """DCP's first call on the thread that writes this checkpoint (the async upload's, or the caller's): from
+        here to its end (finish, or the caller's `end_upload` after a failure) that thread declares an upload."""
+        self.upload_thread = threading.get_ident()
+        started(Activity.UPLOADING)
+        super().set_up_storage_writer(is_coordinator, *args, **kwargs)
+
+    def finish(self, *args: Any, **kwargs: Any) -> None:
+        try:
+            super().finish(*args, **kwargs)
+        finally:
+            self.end_upload()
+
+    def end_upload(self) -> None:
+        """The upload's thread no longer writes this checkpoint (called again once its result is known: a save
+        that failed before finish never ended it)."""
+        if self.upload_thread is not None:
+            ended(Activity.UPLOADING, self.upload_thread)
+            self.upload_thread = None
 
     def _write_data(self, planner: SavePlanner, file_queue: queue.Queue) -> Future[list[WriteResult]]:
         """Write the queued files on `thread_count` threads (this one included), as DCP's writer does."""

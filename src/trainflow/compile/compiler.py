@@ -48,6 +48,7 @@ from trainflow.loop.stages import Phase, Stage, StageContext
 from trainflow.loop.state import LoopState
 from trainflow.models import model_blocks
 from trainflow.tasks import Task
+from trainflow.util.activity import Activity, ended, started
 from trainflow.util.device import autocast_for, matmul_math
 from trainflow.util.files import cannot_write, write_atomic
 from trainflow.util.tolerance import TOLERANCE, relative_error
@@ -143,6 +144,7 @@ class Compiler(Stage):
                 log.warning("compile.scope=model on an FSDP-sharded model: dynamo cannot trace the calls into "
                             "sharded blocks, so the model's own forward runs eager and only the blocks compile; %s",
                             _FSDP_HINT)
+        _declare_compiles()
         self._model, self._compiled = model, self._targets(model)
         for i, module in enumerate(self._compiled):
             self._compile(module, record_shapes=i == 0)  # the others' inputs follow the first's
@@ -574,3 +576,20 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 def _yaml(value: Any) -> str:
     return "null" if value is None else str(value).lower()
+
+
+_compiles_declared = False
+
+
+def _declare_compiles() -> None:
+    """From now on, a compile (the first, and every recompile, on whichever step) declares itself to the watchdog,
+    through dynamo's own compile callbacks: it makes no step for a while and is not a hang."""
+    global _compiles_declared
+    if _compiles_declared:
+        return
+    # lazy: torch._dynamo costs ~0.4 s at start; only compiled runs need it
+    from torch._dynamo.callback import callback_handler
+
+    callback_handler.register_start_callback(lambda _: started(Activity.COMPILING))
+    callback_handler.register_end_callback(lambda _: ended(Activity.COMPILING))
+    _compiles_declared = True

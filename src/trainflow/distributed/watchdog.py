@@ -8,9 +8,11 @@ until there is a median), writes where its main thread is (the innermost
 frame of the user's code, else trainflow's) and every thread's stack (`faulthandler`). Rank 0 then says in one
 line which rank is stuck where, from those files: a rank whose beat went stale stopped answering (SIGSTOP, a
 frozen node), a rank stuck in the user's code is named with its file and line. An evaluation or a recompile in
-progress is not a hang. Each rank also dumps the last collectives it entered (torch's flight recorder,
-on gloo and NCCL alike; the process group sizes it for the watchdog), and rank 0's line says which ranks did not
-arrive at a collective the others entered. The report is also what the launcher adds to a collective timeout's line.
+progress is not a hang: each declares itself (trainflow.util.activity), as a save does, and the watchdog reads
+the declaration, never the file names on a stack. Each rank also dumps the last collectives it entered (torch's
+flight recorder, on gloo and NCCL alike; the process group sizes it for the watchdog), and rank 0's line says which
+ranks did not arrive at a collective the others entered. The report is also what the launcher adds to a collective
+timeout's line.
 
 A save is watched too, against a bound of its own: `watchdog.factor` times the longest step interval seen (the
 intervals that held the previous saves), at least the step's bound, and early enough for rank 0 to speak before
@@ -51,6 +53,7 @@ from trainflow.errors import print_error
 from trainflow.loop.stages import Phase, Stage, StageContext
 from trainflow.loop.state import LoopState
 from trainflow.metrics.meter import Throughput
+from trainflow.util.activity import BUSY_ACTIVITIES, SAVE_ACTIVITIES, Activity, current, threads_doing
 from trainflow.util.files import write_atomic
 
 log = logging.getLogger("trainflow")
@@ -67,17 +70,7 @@ _STALE_BEATS = 3
 _SETTLE_BEATS = 4
 _TRAINFLOW = os.path.dirname(trainflow.__file__)
 _LIBRARIES = (os.path.dirname(torch.__file__), _TRAINFLOW, sysconfig.get_paths()["stdlib"])
-# What a main thread does between steps, by the code it is in (innermost first). Work that legitimately makes no
-# step for a while and is never a hang: an evaluation, a recompile. A save: trainflow's checkpoint package and DCP,
-# judged against its own bound; but the per-step poll of the stop flags is a collective between steps, a step's.
-_BUSY = (os.sep + os.path.join("trainflow", "loop", "evaluation.py"),
-         os.sep + os.path.join("torch", "_dynamo") + os.sep, os.sep + os.path.join("torch", "_inductor") + os.sep)
-_DCP = os.sep + os.path.join("torch", "distributed", "checkpoint") + os.sep
-_SAVE = (os.sep + os.path.join("trainflow", "checkpoint") + os.sep, _DCP)
-_STOP_POLL = os.sep + os.path.join("trainflow", "checkpoint", "stopping.py")
-_COLLECTIVE = os.sep + os.path.join("torch", "distributed", "distributed_c10d.py")  # where a collective waits
-_FUTURE = os.sep + os.path.join("concurrent", "futures") + os.sep  # a wait for an async upload's future
-BUSY, SAVE = "busy", "save"
+_COLLECTIVES = "torch.distributed.distributed_c10d"  # the module whose frames wait in a collective (torch's own code)
 
 
 class Watchdog(Stage):
@@ -152,12 +145,13 @@ class Watchdog(Stage):
     def _watch(self) -> None:
         reported_at = None  # the step a report was made in: one report per stall
         while not self._done.wait(self.beat_s):
-            frame = sys._current_frames().get(threading.main_thread().ident)
-            doing = activity(frame) if frame is not None else BUSY
-            self._saving = doing == SAVE
+            main = threading.main_thread().ident
+            frame = sys._current_frames().get(main)
+            doing = current(main) if frame is not None else Activity.COMPILING  # no frame: between two bytecodes
+            self._saving = doing in SAVE_ACTIVITIES
             self._beat()
             stalled = time.monotonic() - self._last
-            if doing == BUSY:
+            if doing in BUSY_ACTIVITIES:
                 continue
             bound = self.save_bound_s() if self._saving else self.bound_s()
             if stalled >= bound and reported_at != self._step:
@@ -180,7 +174,7 @@ class Watchdog(Stage):
         place = save_place(frame) if self._saving else frame
         _write(self.dir / f"rank_{rank}.json", {"rank": rank, "step": self._step + 1, "where": where(place),
                                                 "users": _users_frame(place) is not None, "save": self._saving,
-                                                "waiting": place.f_code.co_filename.endswith(_COLLECTIVE),
+                                                "waiting": place.f_globals.get("__name__") == _COLLECTIVES,
                                                 "time": time.time(),
                                                 "collectives": last_collectives(record["entries"])})
         self.reports += 1
@@ -337,42 +331,14 @@ def _frame_in(frame: FrameType, folder: str) -> FrameType | None:
     return current
 
 
-def activity(frame: FrameType) -> str | None:
-    """What a main thread stalled at `frame` is doing, by the innermost code that says: SAVE, BUSY (evaluating,
-    compiling), or None (a step, the stop flags' poll between steps included)."""
-    current: FrameType | None = frame
-    while current is not None:
-        name = current.f_code.co_filename
-        if name.endswith(_STOP_POLL):
-            return None
-        if any(part in name for part in _SAVE):
-            return SAVE
-        if any(part in name for part in _BUSY):
-            return BUSY
-        current = current.f_back
-    return None
-
-
 def save_place(frame: FrameType) -> FrameType:
     """Where a save stands: the main thread's frame, or, while it waits for an async upload, the upload's own (the
-    thread in DCP's code), which is where a disk or a collective holds it."""
-    current: FrameType | None = frame
-    while current is not None and not current.f_code.co_filename.startswith(_TRAINFLOW):
-        if _FUTURE in current.f_code.co_filename:
-            main = threading.main_thread().ident
-            uploads = [f for ident, f in sys._current_frames().items() if ident != main and _in_save_code(f)]
-            return uploads[0] if uploads else frame
-        current = current.f_back
-    return frame
-
-
-def _in_save_code(frame: FrameType) -> bool:
-    current: FrameType | None = frame
-    while current is not None:
-        if _DCP in current.f_code.co_filename:
-            return True
-        current = current.f_back
-    return False
+    thread that declared it uploads), which is where a disk or a collective holds it."""
+    if current(threading.main_thread().ident) is not Activity.WAITING_FOR_UPLOAD:
+        return frame
+    frames = sys._current_frames()
+    uploads = [frames[ident] for ident in threads_doing(Activity.UPLOADING) if ident in frames]
+    return uploads[0] if uploads else frame
 
 
 def _group(waiting: list[tuple[int, str]]) -> dict[str, list[int]]:

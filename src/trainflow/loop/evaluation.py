@@ -20,6 +20,7 @@ from trainflow.loggers.writer import MetricsWriter
 from trainflow.loop.stages import Phase, Stage, StageContext
 from trainflow.loop.state import LoopState
 from trainflow.tasks import Task, add_metrics
+from trainflow.util.activity import Activity, doing
 from trainflow.util.device import device_sync
 
 log = logging.getLogger("trainflow")
@@ -50,7 +51,8 @@ class Evaluation(Stage):
             return False
         device_sync(self.env.device)  # the steps still queued on the device are training, not the pause
         start = time.perf_counter()
-        self.result = evaluate(state.model, self.data.val, self.task, self.trainer, self.env, self.autocast)
+        with doing(Activity.EVALUATING):  # no step for a while, and no hang: the watchdog waits it out
+            self.result = evaluate(state.model, self.data.val, self.task, self.trainer, self.env, self.autocast)
         self.writer.write(state.step, {f"val/{k}": v for k, v in self.result.items()})
         if self.env.is_main:
             log.info("step %d: val %s", state.step, ", ".join(f"{k} {v:.4g}" for k, v in self.result.items()))
