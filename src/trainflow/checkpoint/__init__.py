@@ -2,7 +2,7 @@
 
 What is saved (FSDP/DDP-aware via get_state_dict/set_state_dict): the model and optimizer tensors as DCP shards;
 as JSON beside them (nothing is pickled, nothing loaded runs code) the optimizer's type and hyperparameters, the
-LR scheduler, step, samples_seen (the position in data.py's world-size-independent sample stream), and the RNG
+LR scheduler, step, samples_seen (the position in data/stream.py's world-size-independent sample stream), and the RNG
 state of every rank (torch CPU and CUDA, Python, NumPy), one file per rank.
 
 One module per concern:

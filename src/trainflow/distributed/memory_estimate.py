@@ -42,6 +42,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from trainflow.config.choices import Strategy
 from trainflow.config.schema import FSDPConfig
 from trainflow.distributed.mesh import SHARDED
 from trainflow.distributed.parallelism import saved_ops, shard_units
@@ -59,7 +60,7 @@ ITEMS = ("params", "grads", "optimizer", "buckets", "all_gather", "activations")
 class Layout:
     """One candidate: a strategy, how many ranks shard one copy of the model, activation checkpointing."""
 
-    strategy: str  # one of trainflow.distributed.mesh.STRATEGIES
+    strategy: Strategy  # one of trainflow.distributed.mesh.STRATEGIES
     shard_size: int
     checkpointing: bool = False
     tp: int = 1  # ranks each layer is split over
@@ -72,7 +73,7 @@ class Layout:
     def tp_alone(self) -> bool:
         """One copy of the model spans the world (FSDP over one rank): TP and PP without any data-parallel
         wrapper."""
-        return (self.tp > 1 or self.pp > 1) and (self.strategy, self.shard_size) == ("fsdp", 1)
+        return (self.tp > 1 or self.pp > 1) and (self.strategy, self.shard_size) == (Strategy.fsdp, 1)
 
     @property
     def name(self) -> str:
@@ -291,7 +292,7 @@ def estimate(facts: ModelFacts, layout: Layout, gather_factor: float = 1.0, buck
         "all_gather": 0,
         "activations": int(facts.activations(tp, layout.checkpointing, layout.selective, pp) * batch),
     }
-    if layout.strategy == "ddp" and tp == 1 and bucket_copy:
+    if layout.strategy == Strategy.ddp and tp == 1 and bucket_copy:
         row["buckets"] = row["grads"]
     if sharded:
         def gathered(members: list[int]) -> int:  # the unit's parameters gathered over the data-parallel ranks

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from trainflow.config.choices import Strategy
 from trainflow.config.schema import ParallelismConfig, RunConfig
 from trainflow.distributed.memory_estimate import GB, ITEMS, Layout, ModelFacts, estimate, local_bytes, model_facts
 from trainflow.distributed.parallelism import fsdp_dtypes
@@ -72,17 +73,17 @@ def candidates(world_size: int, ranks_per_node: int, can_checkpoint: bool, tp_de
         for tp in (1, *(t for t in tp_degrees if pp == 1)):  # TP x PP fails in torch 2.13 (parallelism.py)
             dp, per_node = world_size // tp // pp, max(ranks_per_node // tp, 1)
             if world_size == 1:
-                level = [Layout("single", 1)]
+                level = [Layout(Strategy.single, 1)]
             elif dp == 1:  # one copy of the model spans the world
-                level = [Layout("fsdp", 1, tp=tp, pp=pp, microbatches=microbatches(pp))]
+                level = [Layout(Strategy.fsdp, 1, tp=tp, pp=pp, microbatches=microbatches(pp))]
             elif pp > 1:
-                level = [Layout("fsdp", dp, tp=tp, pp=pp, microbatches=microbatches(pp))]
+                level = [Layout(Strategy.fsdp, dp, tp=tp, pp=pp, microbatches=microbatches(pp))]
             else:
-                hsdp = [Layout("hsdp", per_node, tp=tp)] if world_size > ranks_per_node and per_node > 1 else []
-                level = [Layout("ddp", 1, tp=tp), *hsdp, Layout("fsdp", dp, tp=tp)]
+                hsdp = [Layout(Strategy.hsdp, per_node, tp=tp)] if world_size > ranks_per_node and per_node > 1 else []
+                level = [Layout(Strategy.ddp, 1, tp=tp), *hsdp, Layout(Strategy.fsdp, dp, tp=tp)]
             if can_checkpoint and (tp == 1 or checkpoint_under_tp):
                 level += [replace(c, checkpointing=True, selective=selective) for selective in (True, False)
-                          for c in level if c.strategy != "ddp"]
+                          for c in level if c.strategy != Strategy.ddp]
             order += level
     if global_batch is None:
         return order, []
@@ -151,10 +152,10 @@ def refusal(facts: ModelFacts, plan: Plan, batch_size: int, precision: str) -> s
     key = "parallelism.memory_budget_gb" if plan.budget_source.startswith("parallelism") else "parallelism.strategy"
     fixes = []
     fixed = row["all_gather"] + row["activations"]
-    state = sum(estimate(facts, Layout("fsdp", 1))[k] for k in ("params", "grads", "optimizer"))
+    state = sum(estimate(facts, Layout(Strategy.fsdp, 1))[k] for k in ("params", "grads", "optimizer"))
     if plan.budget_bytes > fixed and leanest.strategy != "single":
         fixes.append(f"{math.ceil(state / (plan.budget_bytes - fixed))} ranks")
-    elif leanest.strategy == "single" and plan.budget_bytes > row["activations"]:
+    elif leanest.strategy == Strategy.single and plan.budget_bytes > row["activations"]:
         fixes.append("2 or more ranks (parallelism.nproc_per_node) to shard it")
     other = row["total"] - row["activations"]
     if plan.budget_bytes > other and row["activations"]:
@@ -287,7 +288,7 @@ def apply_auto(cfg: RunConfig, env: Any, model: nn.Module, example: Any, task: C
     plan.reason = why_pipeline(plan) or why_tensor_parallel(plan, excluded, global_batch, t.grad_accum)
     mode = ("selective" if choice.selective else "full") if choice.checkpointing else "off"
     decision = replace(p, strategy=choice.strategy, tp=choice.tp, pp=choice.pp, activation_checkpointing=mode)
-    if choice.strategy == "hsdp":
+    if choice.strategy == Strategy.hsdp:
         decision.hsdp = replace(p.hsdp, shard_size=choice.shard_size,
                                 replicate_size=env.world_size // choice.tp // choice.shard_size)
     if env.is_main:

@@ -26,15 +26,16 @@ from typing import TYPE_CHECKING, Any
 
 from torch.distributed.device_mesh import init_device_mesh
 
+from trainflow.config.choices import Strategy
 from trainflow.errors import ConfigError
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
 DIMS = ("pp", "replicate", "shard", "tp")  # the named mesh, outermost first
-STRATEGIES = ("single", "ddp", "fsdp", "hsdp")  # the presets; `auto` chooses one of them
-SHARDED = ("fsdp", "hsdp")  # the strategies that shard with FSDP2 (over one mesh dimension, or two)
-GROUP_STRATEGIES = ("ddp", "fsdp", "hsdp")  # the strategies that need a process group of 2 or more ranks
+STRATEGIES = tuple(s for s in Strategy if s is not Strategy.auto)  # the presets; `auto` chooses one of them
+SHARDED = (Strategy.fsdp, Strategy.hsdp)  # the strategies that shard with FSDP2 (over one mesh dimension, or two)
+GROUP_STRATEGIES = (Strategy.ddp, *SHARDED)  # the strategies that need a process group of 2 or more ranks
 MESH_DIMS = ("replicate", "shard")  # the data-parallel dimensions FSDP2 shards over
 
 
@@ -72,20 +73,20 @@ class MeshLayout:
         return self.strategy in SHARDED
 
     @property
-    def data_parallel(self) -> int:
+    def dp_size(self) -> int:
         """Ranks that read different batches (a TP group reads one batch together)."""
         return self.replicate * self.shard
 
     @property
     def world_size(self) -> int:
-        return self.data_parallel * self.tp * self.pp
+        return self.dp_size * self.tp * self.pp
 
     @property
     def name(self) -> str:
         """fsdp, fsdp x tp 2, fsdp x pp 2, fsdp x tp 2 x pp 2; a model parallel degree alone (tp 2, pp 2, tp 2 x pp 2)
         when one copy of the model spans the world."""
         split = [f"{dim} {size}" for dim, size in (("tp", self.tp), ("pp", self.pp)) if size > 1]
-        if split and self.data_parallel == 1:
+        if split and self.dp_size == 1:
             return " x ".join(split)
         return " x ".join([self.strategy, *split])
 
@@ -151,7 +152,7 @@ def layout(cfg: Any, world_size: int, per_node: int | None = None) -> MeshLayout
         raise ConfigError(f"parallelism.tp: {tp} does not divide the world size {world_size}; use one of "
                           f"{_divisors(world_size)}")
     dp = world_size // tp
-    if strategy == "hsdp" and cfg.dp_replicate is None and cfg.dp_shard is None:
+    if strategy == Strategy.hsdp and cfg.dp_replicate is None and cfg.dp_shard is None:
         replicate, shard = mesh_shape(dp, max(per_node // tp, 1), cfg.hsdp.shard_size, cfg.hsdp.replicate_size)
     else:
         default = {"fsdp": (1, -1), "hsdp": (-1, -1)}.get(strategy, (-1, 1))
@@ -194,7 +195,7 @@ def build_mesh(device_type: str, world_size: int, shape: tuple[int, int] | None 
 
 def mesh_for(found: MeshLayout, device_type: str) -> DeviceMesh:
     """The mesh of `found`, as build_mesh makes it."""
-    both = found.strategy == "hsdp" or ((found.tp > 1 or found.pp > 1) and found.strategy == "ddp")
+    both = found.strategy == Strategy.hsdp or ((found.tp > 1 or found.pp > 1) and found.strategy == Strategy.ddp)
     return build_mesh(device_type, found.world_size, (found.replicate, found.shard) if both else None, found.tp,
                       found.pp)
 

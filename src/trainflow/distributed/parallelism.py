@@ -79,8 +79,8 @@ def parallelize(model: nn.Module, cfg: ParallelismConfig, env: DistEnv,
                               "on the first step (the stages' sequence-parallel activations arrive in another size "
                               "than the schedule's shape inference expects: gloo 'Received data size doesn't match "
                               "expected size, 16384 vs 8192'); use parallelism.tp=1 with pp, or pp=1 with tp")
-        if found.data_parallel > 1 and cfg.pp_schedule in ZERO_BUBBLE:
-            raise ConfigError(f"parallelism.pp_schedule: {cfg.pp_schedule} with {found.data_parallel} data-parallel "
+        if found.dp_size > 1 and cfg.pp_schedule in ZERO_BUBBLE:
+            raise ConfigError(f"parallelism.pp_schedule: {cfg.pp_schedule} with {found.dp_size} data-parallel "
                               "ranks leaves the last stage's weight gradients unset in torch 2.13 (None after "
                               "the step: its split backward and FSDP2 miss each other); use 1f1b or "
                               "interleaved_1f1b, or "
@@ -110,9 +110,9 @@ def _wrap(model: nn.Module, cfg: ParallelismConfig, env: DistEnv, precision: str
             local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in model.parameters())
             log.info("tensor parallel over %d ranks: rank 0 holds %d of the %d parameters%s", found.tp, local, total,
                      "; loss parallel: the logits stay split by vocabulary" * model.vocab_parallel_output)
-    _float8(model, precision, recipe, sharded=found.data_parallel > 1)
+    _float8(model, precision, recipe, sharded=found.dp_size > 1)
     checkpoint_activations(model, cfg)
-    if found.data_parallel == 1 and (found.tp > 1 or found.pp > 1):  # one copy spans the world: nothing to replicate
+    if found.dp_size == 1 and (found.tp > 1 or found.pp > 1):  # one copy spans the world: nothing to replicate
         return model
     if found.sharded or found.tp > 1 or found.pp > 1:  # DDP under TP or PP: FSDP2 over shard groups of one rank
         return shard(model, cfg.fsdp, env, precision, data_parallel_mesh(mesh))

@@ -18,6 +18,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from trainflow.config.choices import Strategy
 from trainflow.config.schema import ParallelismConfig, RunConfig, WatchdogConfig, plain
 from trainflow.distributed.failures import linger_if_peer_lost, record_failure
 from trainflow.distributed.health import check_ranks_agree
@@ -152,7 +153,7 @@ def cpu_group_note(cfg: ParallelismConfig, device: torch.device) -> str | None:
 
 def check_world_size(cfg: ParallelismConfig, world_size: int, started_by: str) -> None:
     """single trains in exactly one process; ddp/fsdp/hsdp on one rank train in a group of one, and say so."""
-    if cfg.strategy == "single" and world_size > 1:
+    if cfg.strategy == Strategy.single and world_size > 1:
         raise ConfigError(f"parallelism.strategy: single trains in one process, but {started_by} started "
                           f"{world_size}; use parallelism=ddp or parallelism=fsdp")
     if cfg.strategy in GROUP_STRATEGIES and world_size == 1 and env_rank() == 0:
@@ -198,7 +199,7 @@ def _preflight(cfg: RunConfig, device: torch.device, world_size: int, local_worl
                           "to; set it to false")
     found = layout(p, world_size, local_world_size)  # raises: degrees that do not fit this world
     if p.strategy != "auto":  # auto picks its data-parallel ranks (fewer under TP) for the batch: memory_plan
-        per_rank_batch(cfg, found.data_parallel)
+        per_rank_batch(cfg, found.dp_size)
     if device.type == "cuda" and not gpus_bound_per_task():
         check_nproc(local_world_size, "cuda", torch.cuda.device_count())
     if env_rank() == 0 and not _self_launched:
