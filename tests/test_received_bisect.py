@@ -92,6 +92,7 @@ TAG = "!!python/object/apply:subprocess.call [[touch, {marker}]]"
     (["hydra/launcher=basic"], None, None, "hydra/launcher=basic sets Hydra itself (what runs, where, with which "
                                            "launcher); bisect replays only trainflow's config"),
     (["hydra.callbacks.x._target_=subprocess.call"], None, None, "sets Hydra itself"),
+    (["model@hydra.callbacks.x=mlp"], None, None, "sets Hydra itself"),  # trainflow's own config, put under hydra
     (["model._target_=subprocess.call"], None, None,
      "model._target_=subprocess.call names code to import and call (a _target_); bisect runs it only when you trust "
      "the run: add --trust-targets"),

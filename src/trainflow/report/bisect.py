@@ -62,6 +62,8 @@ THREAD_ENV = {"OMP_NUM_THREADS": re.compile(r"[1-9][0-9]{0,3}"), "MKL_NUM_THREAD
 # A plain override of trainflow's config: an optional +, ++ or ~, a dotted key (or a group), `=` and a value of one
 # line; nothing that starts with `-` (Hydra's options: --config-dir, -m, --cfg ...).
 OVERRIDE = re.compile(r"(\+\+|\+|~)?([A-Za-z_][A-Za-z0-9_.\-/@]*)(=[^\x00-\x1f\x7f]*)?")
+# a `_target_` key inside a value ({_target_: ...}, quoted or not): a section that would be called
+TARGET_IN_VALUE = re.compile(r"_target_['\"]?\s*:")
 TRUST_FLAG = "--trust-targets"
 
 
@@ -88,7 +90,7 @@ def overrides_of(path: Path, name: str, trust_targets: bool) -> list[str]:
     try:
         typed = yaml.safe_load(read_regular(file))  # a YAML tag (!!python/...) is an error here, never an object
     except yaml.YAMLError as exc:
-        raise _refused(name, file, f"is not the list of overrides trainflow saves ({str(exc).splitlines()[0]}); "
+        raise _refused(name, file, f"is not the list of overrides trainflow saves ({shown(str(exc).splitlines()[0])}); "
                        "bisect only runs with the overrides as a run saves them") from None
     if typed is None:
         typed = []
@@ -107,10 +109,12 @@ def check_override(text: str, name: str, file: Path, trust_targets: bool) -> Non
         raise _refused(name, file, f"{shell_quoted(text)} is not a plain key=value override of trainflow's config; "
                        "bisect replays nothing else")
     key = match.group(2)
-    if key == "hydra" or key.startswith(("hydra.", "hydra/")):
+    group, _, package = key.partition("@")  # a group's config placed at a package: under hydra too is Hydra's
+    if any(re.match(r"(_global_\.)?hydra([./]|$)", part) for part in (group, package)):
         raise _refused(name, file, f"{shell_quoted(text)} sets Hydra itself (what runs, where, with which "
                        "launcher); bisect replays only trainflow's config")
-    if "_target_" in text and not trust_targets:
+    names_code = key.rsplit(".", 1)[-1] == "_target_" or TARGET_IN_VALUE.search(match.group(3) or "")
+    if names_code and not trust_targets:
         raise _refused(name, file, f"{shell_quoted(text)} names code to import and call (a _target_); bisect runs "
                        f"it only when you trust the run: add {TRUST_FLAG}")
 
