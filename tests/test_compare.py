@@ -19,6 +19,7 @@ from helpers.runs import ROOT, Run, losses_by_step, ok, train, trainflow, wait_f
 
 from trainflow.report import ledger
 from trainflow.report.fingerprint import config_hash
+from trainflow.util.shown import shell_quoted
 
 # a small MLP on synthetic data: the cheapest real run
 MLP = ["model=mlp", "model.hidden=32", "data=synthetic", "logger=none", "compile=off", "trainer.max_steps=12",
@@ -304,10 +305,19 @@ def test_a_checkpoint_of_two_ranks_compares_with_one_of_one(drift: Path, tmp_pat
 
 
 def test_bisect_names_the_step_and_tensor_where_one_changed_line_parts_two_runs(drift: Path, tmp_path: Path) -> None:
-    """The runs agree at step 4 and differ at step 8; each is replayed from step 4 with its own PYTHONPATH, a
-    checkpoint a step, and the first step that differs is 7, the first the changed line acts on."""
+    """The runs agree at step 4 and differ at step 8; each is replayed from step 4 with the PYTHONPATH the user names
+    for it, a checkpoint a step, and the first step that differs is 7, the first the changed line acts on. The runs'
+    model is code of their own (model._target_): replayed only with --trust-targets, and each replay's command is
+    printed before it runs."""
+    refused = trainflow("compare", "--bisect", drift / "a", drift / "b", "--out", tmp_path, cwd=tmp_path)
+    assert refused.returncode == 2 and refused.stdout == "", refused.stdout + refused.stderr
+    assert refused.stderr.strip() == (f"Error: --bisect A: {drift / 'a' / '.hydra' / 'overrides.yaml'}: "
+                                      "model._target_=drift_net.Net names code to import and call (a _target_); "
+                                      "bisect runs it only when you trust the run: add --trust-targets")
+    assert list(tmp_path.iterdir()) == []  # nothing written
     began = time.monotonic()
-    proc = trainflow("compare", "--bisect", drift / "a", drift / "b", "--out", tmp_path, cwd=tmp_path)
+    proc = trainflow("compare", "--bisect", drift / "a", drift / "b", "--out", tmp_path, "--trust-targets",
+                     "--pythonpath-a", drift / "code_a", "--pythonpath-b", drift / "code_b", cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert time.monotonic() - began < 300
     report = json.loads((tmp_path / "compare.json").read_text())
@@ -317,7 +327,19 @@ def test_bisect_names_the_step_and_tensor_where_one_changed_line_parts_two_runs(
     assert report["faithful"]["a"]["same"] and report["faithful"]["b"]["same"]  # the replays reproduce the runs
     assert report["replays"]["b"]["pythonpath"] == str(drift / "code_b")
     assert report["replays"]["a"]["saved"][:4] == [5, 6, 7, 8]
-    assert proc.stdout.startswith("A and B part at step 7: first tensor app.model.net.0.weight")
+    replay_a, replay_b, conclusion = proc.stdout.splitlines()[:3]
+    assert conclusion.startswith("A and B part at step 7: first tensor app.model.net.0.weight")
+    for line, name, code in ((replay_a, "a", "code_a"), (replay_b, "b", "code_b")):
+        out = tmp_path / "bisect" / name
+        pythonpath = os.pathsep.join([str(drift / code), *filter(None, [os.environ.get("PYTHONPATH")])])
+        assert line == (f"replay {name.upper()}: {shell_quoted('cd', tmp_path / 'bisect')} && " + shell_quoted(
+            "env", f"OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}", f"PYTHONPATH={pythonpath}", sys.executable,
+            "-P", "-m", "trainflow", "train", *(o for o in DRIFT if not o.startswith(("logger=", "checkpoint"))),
+            f"hydra.run.dir={out}", "checkpoint=dcp",
+            f"checkpoint.dir={out / 'checkpoints'}", "checkpoint.every_steps=1", "checkpoint.keep_last=8",
+            f"checkpoint.resume={drift / name / 'checkpoints' / 'step_00000004'}", "logger=none",
+            "metrics.ledger=off"))
+        assert report["replays"][name]["shown"] == line.split(": ", 1)[1]
     md = (tmp_path / "compare.md").read_text()
     assert "**A and B part at step 7" in md and f"with PYTHONPATH={drift / 'code_b'}" in md
 
@@ -329,7 +351,7 @@ def test_a_stop_signal_ends_a_bisect_and_its_replay(drift: Path, tmp_path: Path)
     env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
     with left_behind() as leftovers:
         command = [str(Path(sys.executable).parent / "trainflow"), "compare", "--bisect", str(drift / "a"),
-                   str(drift / "b"), "--out", str(out)]
+                   str(drift / "b"), "--out", str(out), "--trust-targets"]
         proc = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 text=True)
         wait_for(lambda: (out / "bisect" / "a" / "train.log").exists(), proc, "the first replay to start")

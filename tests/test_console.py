@@ -82,3 +82,16 @@ def test_a_terminal_gets_a_bar_with_the_speed_and_one_without_columns_gets_log_l
     assert "step 5/10: loss" not in bar
     narrow = _on_a_terminal(tmp_path / "none", 0)
     assert "step 5/10: loss" in narrow and "step 10/10: loss" in narrow
+
+
+def test_the_next_hint_is_a_command_to_paste_for_a_run_dir_with_a_space(tmp_path: Path) -> None:
+    """A run dir holding a space: the `next` line quotes it, and the line pasted into a shell runs the export."""
+    run_dir = tmp_path / "my runs" / "run 1"
+    run = ok(train(run_dir, "model=mlp", "data=synthetic", "logger=none", "compile=off", "trainer.max_steps=2",
+                   "trainer.eval_every=0", "checkpoint=dcp"))
+    (hint,) = [line for line in (run.stdout + run.stderr).splitlines() if line.startswith("  next")]
+    assert hint == f"  next     trainflow export '{run_dir}' model.pt"
+    pasted = subprocess.run(["bash", "-c", hint.split("next", 1)[1].replace("trainflow", str(Path(
+        sys.executable).parent / "trainflow"), 1)], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert pasted.returncode == 0, pasted.stderr
+    assert (tmp_path / "model.pt").stat().st_size > 0

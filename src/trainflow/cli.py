@@ -207,8 +207,9 @@ def _export_arguments(p: argparse.ArgumentParser) -> None:
 def _compare(args: argparse.Namespace) -> int:
     """Compare B with A: two run folders, two sweep folders, two ledger selections (ledger:config=HASH,last=5) or two
     checkpoints (a step_N folder, or a checkpoint dir for its newest). Writes compare.md, compare.json and compare.png
-    to --out and prints every verdict; exit code 1 when a --fail-on gate fails. A stop signal ends a --bisect replay
-    with it."""
+    to --out (default: the next free outputs/compare/N here; an earlier comparison is replaced only with --force) and
+    prints every verdict; exit code 1 when a --fail-on gate fails. --bisect replays the runs with trainflow train in
+    this Python and their overrides, printing each command first; a stop signal ends a replay with it."""
     with stop_signals_raise():
         return compare.command(args)
 

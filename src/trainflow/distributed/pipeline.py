@@ -95,10 +95,12 @@ def microbatches(requested: int | None, batch_size: int, pp: int, schedule: str)
                           f"{stages} stages (pp_schedule={schedule}), and torch's schedules need one per stage at "
                           f"least; set parallelism.microbatches={stages} or more (null: {stages})")
     if batch_size % count:
-        fits = [d for d in range(1, batch_size + 1) if batch_size % d == 0]
+        # only the counts that also pass the check above: one per stage at least
+        fits = [d for d in range(stages, batch_size + 1) if batch_size % d == 0]
+        use = f"use one of {', '.join(map(str, fits))}, or " if fits else ""
         raise ConfigError(f"parallelism.microbatches: {count} pipeline micro-batches do not divide the per-rank "
-                          f"batch of {batch_size} (trainer.batch_size); use one of {', '.join(map(str, fits))}, or "
-                          f"a trainer.batch_size that is a multiple of {count}")
+                          f"batch of {batch_size} (trainer.batch_size); {use}a trainer.batch_size that is a multiple "
+                          f"of {count}")
     return count
 
 

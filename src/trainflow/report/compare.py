@@ -281,7 +281,9 @@ def command(args: argparse.Namespace) -> int:
             raise CompareError("--fail-on: --bisect takes no gates (it names where two runs part); leave --fail-on "
                                "out, or gate the runs' checkpoints: trainflow compare A/checkpoints B/checkpoints "
                                "--fail-on tensors=1e-5")
-        report = bisect(Path(args.a), Path(args.b), args.out, args.rtol)
+        out = render_compare.out_folder(args.out, args.force)  # the replays go there: settled first
+        report = bisect(Path(args.a), Path(args.b), out, args.rtol, args.trust_targets,
+                        (args.pythonpath_a, args.pythonpath_b))
     elif checkpoints.is_checkpoint(args.a) or checkpoints.is_checkpoint(args.b):
         if not (checkpoints.is_checkpoint(args.a) and checkpoints.is_checkpoint(args.b)):
             one, other = (args.a, args.b) if checkpoints.is_checkpoint(args.a) else (args.b, args.a)
@@ -293,7 +295,9 @@ def command(args: argparse.Namespace) -> int:
         report["passed"] = not any(r["status"] == FAIL for r in report["gates"])
     else:
         report = build(args.a, args.b, gates, args.ledger, args.min_band)
-    written = render_compare.write(report, args.out)
+    if not args.bisect:  # a bisect's was settled before its replays
+        out = render_compare.out_folder(args.out, args.force)
+    written = render_compare.write(report, out)
     for line in render_compare.console_lines(report):
         print(line)
     print(f"wrote {', '.join(str(p) for p in written)}")
@@ -304,8 +308,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("a", help="A, the reference: a run folder, a sweep folder, ledger:<filters> (e.g. "
                              "ledger:config=3f2a9c01d4e5,last=5) or a checkpoint (step_N, or a checkpoint dir)")
     p.add_argument("b", help="B, compared with A: the same kinds")
-    p.add_argument("--out", type=Path, default=Path("compare"),
-                   help="where to write compare.md, compare.json, compare.png (default: ./compare)")
+    p.add_argument("--out", type=Path, default=None,
+                   help="the folder to write compare.md, compare.json, compare.png to (default: the next free "
+                        "outputs/compare/N here); one that holds an earlier comparison is refused without --force")
+    p.add_argument("--force", action="store_true", help="replace the earlier comparison in --out")
     p.add_argument("--fail-on", action="append", metavar="FIGURE=THRESHOLD",
                    help="a gate, e.g. step_time=+5%% (B's step time more than 5%% above A's, beyond the noise), "
                         "val_loss=+0.01, mfu=-10%%, tensors=1e-5 (checkpoints); repeat or separate with commas")
@@ -318,9 +324,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="checkpoints and --bisect: the relative difference of a tensor that counts (default: "
                         "tolerance.py's compare table, by the runs' arithmetic)")
     p.add_argument("--bisect", action="store_true",
-                   help="A and B are checkpointed runs that should agree: replay each from their last equal "
-                        "checkpoint with its own command and environment, and name the first step and tensor "
-                        "where they part")
+                   help="A and B are checkpointed runs that should agree: replay each (trainflow train in this "
+                        "Python, with the run's overrides) from their last equal checkpoint, and name the first step "
+                        "and tensor where they part")
+    p.add_argument("--trust-targets", action="store_true",
+                   help="--bisect: replay runs whose overrides name code (a _target_) or configs of their own "
+                        "(--config-dir): only for runs you trust")
+    p.add_argument("--pythonpath-a", metavar="DIR", default=None,
+                   help="--bisect: the code folder(s) A's replay imports first (put before your PYTHONPATH)")
+    p.add_argument("--pythonpath-b", metavar="DIR", default=None, help="--bisect: the same for B's replay")
 
 
 def _share(text: str) -> float:

@@ -6,7 +6,8 @@ project's git commit (and whether the checkout was dirty) when the run starts in
 config (less the keys that only say where outputs go) and of the model's tensor shapes (the checkpoints' model
 fingerprint), the machine's load during the steady state, the steady log intervals' step-time band
 (trainflow.report.noise), and what a replay needs: the interpreter, the trainflow command of this job with its
-overrides, the working directory and the environment variables that change the code or the arithmetic.
+overrides, the working directory and the environment variables that change the code or the arithmetic (information:
+bisect takes only the thread counts from it).
 
 The machine's load is measured, not guessed: the CPU time the whole machine spent busy during the steady state
 (/proc/stat, steal included: a noisy neighbour counts), less this run's own (this process's, times the ranks of this
@@ -44,7 +45,7 @@ from trainflow.util.device import cpu_name
 # Keys that say where outputs go or how they are shown (and priced): runs that differ only in them ran the same config.
 NOT_IN_CONFIG_HASH = ("logger", "trainer.run_name", "trainer.sweep_name", "trainer.progress", "trainer.print_config",
                       "checkpoint.dir", "checkpoint.resume", "metrics.ledger", "trainer.cost_per_hour")
-# The environment a replay sets as the run had it: where the code comes from and how the arithmetic is threaded.
+# The environment recorded as the run had it: where the code came from and how the arithmetic was threaded.
 REPLAY_ENV = ("PYTHONPATH", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "CUDA_VISIBLE_DEVICES", "CUBLAS_WORKSPACE_CONFIG")
 BUSY_SHARE = 0.25  # other processes kept at least this share of the cores busy: the run was timed on a busy machine
 MIN_LOAD_S = 1.0  # a steady state shorter than this is too short to measure the load over: the whole loop is used
@@ -210,7 +211,8 @@ def replay_command(run_dir: Path) -> dict[str, Any] | None:
     overrides (as Hydra saved them in <run dir>/.hydra, so a sweep's job replays alone), the working directory and
     the environment of REPLAY_ENV; beside them the command line this process was given (a sweep's, a launcher's).
     The code's commit is the fingerprint's `code`. None when Hydra saved nothing (the run did not start through
-    train.py or trainflow train)."""
+    train.py or trainflow train). A record to read, never to execute: a run folder may come from someone else, and
+    `compare --bisect` rebuilds its replay from the run's overrides instead (trainflow.report.bisect)."""
     hydra_file = run_dir / ".hydra" / "hydra.yaml"
     if not hydra_file.is_file():
         return None

@@ -14,11 +14,13 @@ from trainflow.errors import ConfigError
 from trainflow.report.sides import CompareError
 from trainflow.util.files import atomic_path, write_atomic
 from trainflow.util.optional import require
+from trainflow.util.shown import shown
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
 FILES = ("compare.md", "compare.json", "compare.png")
+DEFAULT_OUT = Path("outputs") / "compare"  # under the working folder, beside the runs trainflow train writes there
 MAX_BARS = 40  # differing tensors drawn
 
 
@@ -87,10 +89,16 @@ def _checkpoint_lines(report: dict[str, Any]) -> list[str]:
                  f"checksum, {report['read']} read), {report['differing']} differ beyond {report['rtol']:.3g}")
     for label in ("first", "largest"):
         if report[label]:
-            lines.append(f"  {label} differing tensor: {report[label]['tensor']} (relative {report[label]['rel']:.3g}, "
-                         f"max |diff| {report[label]['max_abs']:.3g})")
+            lines.append(f"  {label} differing tensor: {report[label]['tensor']} ({_difference(report[label])})")
     lines += [f"  only in {x.upper()[-1]}: {', '.join(report[x][:6])}" for x in ("only_in_a", "only_in_b") if report[x]]
     return lines
+
+
+def _difference(row: dict[str, Any]) -> str:
+    """A differing tensor's relative error and largest difference, or why it has none (shapes that differ)."""
+    if row.get("why") and math.isinf(row["rel"]):
+        return row["why"]
+    return f"relative {row['rel']:.3g}, max |diff| {row['max_abs']:.3g}"
 
 
 def _bisect_lines(report: dict[str, Any]) -> list[str]:
@@ -177,8 +185,7 @@ def _checkpoint_markdown(report: dict[str, Any]) -> list[str]:
                   f"{report['rtol']:g} (relative error: the norm of the difference over the norm of A's).", ""]
     for label in ("first", "largest"):
         if report[label]:
-            lines.append(f"- {label} differing tensor: `{report[label]['tensor']}`: relative "
-                         f"{report[label]['rel']:.3g}, max |diff| {report[label]['max_abs']:.3g}")
+            lines.append(f"- {label} differing tensor: `{report[label]['tensor']}`: {_difference(report[label])}")
     lines += [f"- only in {x[-1].upper()}: " + ", ".join(f"`{k}`" for k in report[x])
               for x in ("only_in_a", "only_in_b") if report[x]]
     differing = [r for r in report["rows"] if r["rel"] > 0]
@@ -198,8 +205,7 @@ def _bisect_markdown(report: dict[str, Any]) -> list[str]:
         first = f"`{s['first']['tensor']}`" if s["first"] else "-"
         lines.append(f"| {s['step']} | {s['differing']} | {first} | {s['largest_rel']:.3g} |")
     lines += ["", "Replayed with:", ""]
-    lines += [f"- {name}: `{' '.join(r['command'])}` in `{r['cwd']}`" + (f" with PYTHONPATH={r['pythonpath']}"
-                                                                        if r["pythonpath"] else "")
+    lines += [f"- {name}: `{r['shown']}`" + (f" (with PYTHONPATH={r['pythonpath']} first)" if r["pythonpath"] else "")
               for name, r in report["replays"].items()]
     lines.append("")
     return lines
@@ -292,6 +298,21 @@ def as_json(report: dict[str, Any]) -> str:
 
 
 # --- writing -----------------------------------------------------------------------------------------------------
+
+
+def out_folder(given: Path | None, replace: bool) -> Path:
+    """Where a comparison goes, absolute: --out against the working folder, else the next free outputs/compare/N
+    here (a comparison never replaces an earlier one unasked); an --out holding one is refused without --force."""
+    if given is None:
+        root = Path.cwd() / DEFAULT_OUT
+        taken = [int(p.name) for p in root.iterdir() if p.name.isdigit()] if root.is_dir() else []
+        return root / str(max(taken, default=0) + 1)
+    out = Path.cwd() / given
+    held = [name for name in (*FILES, "bisect") if (out / name).exists() or (out / name).is_symlink()]
+    if held and not replace:
+        raise CompareError(f"--out {shown(out)}: holds an earlier comparison ({held[0]}); nothing was changed: give "
+                           "another --out, or add --force to replace it")
+    return out
 
 
 def write(report: dict[str, Any], out: Path) -> list[Path]:

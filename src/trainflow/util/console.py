@@ -12,6 +12,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from trainflow import __version__
+from trainflow.util.shown import shell_quoted
 
 log = logging.getLogger(__name__)
 
@@ -153,10 +154,10 @@ def end_lines(summary: dict, run_dir: Path, wall_s: float, loggers: tuple[str, .
     task, validation = summary["task"], summary.get("validation") or {}
     if task["monitor"] in validation:
         figures.append(f"val {task['monitor']} {validation[task['monitor']]:.4g}")
-    nexts = []
+    nexts = []  # commands to paste, one a line (quoted: a run dir may hold a space)
     if "tensorboard" in loggers:
-        nexts.append(f"tensorboard --logdir {shown(run_dir)}")
+        nexts.append(shell_quoted("tensorboard", "--logdir", shown(run_dir)))
     if export_ready:
-        nexts.append(f"trainflow export {shown(run_dir)} model.pt")
+        nexts.append(shell_quoted("trainflow", "export", shown(run_dir), "model.pt"))
     return "\n".join([f"done: {'; '.join(figures)}", f"  results  {shown(run_dir / 'summary.json')}",
-                      *([f"  next     {' | '.join(nexts)}"] if nexts else [])])
+                      *(f"  {'next' if i == 0 else '':<8} {command}" for i, command in enumerate(nexts))])
