@@ -72,7 +72,7 @@ def test_a_run_refuses_a_planted_lock_link_and_leaves_its_target_as_it_was(share
     (shared / LOCK_FILE).symlink_to(target)
     run = train(tmp_path / "run", *TINY_RUN, "checkpoint=dcp", f"checkpoint.dir={shared}")
     one_line_error(run, f"checkpoint.dir: {shared / LOCK_FILE} is a symbolic link, not trainflow's lock file",
-                   "nothing was changed", "point checkpoint.dir at another folder", alone=False)
+                   "nothing was changed", "point checkpoint.dir at another folder")
     assert target.read_bytes() == RC_TEXT
     assert (shared / LOCK_FILE).readlink() == target and not list((tmp_path / "run").glob("step_*"))
 
