@@ -30,6 +30,7 @@ from trainflow.checkpoint import store
 from trainflow.checkpoint.export import check_output
 from trainflow.errors import CheckpointError, ConfigError
 from trainflow.report import ledger
+from trainflow.report.sweeps import IDENTITY_FILE, claim_checkpoint_dir
 from trainflow.util.locks import LOCK_FILE, OWNER_FILE, DirLock
 from trainflow.util.rundir import MARKER, mark
 
@@ -151,6 +152,19 @@ def test_a_marker_link_is_refused_and_nothing_is_created_through_it(shared: Path
     assert not (tmp_path / "created-through-the-link").exists() and (shared / MARKER).is_symlink()
 
 
+@pytest.mark.parametrize("dangling", [False, True])
+def test_a_sweep_jobs_identity_link_is_refused(shared: Path, tmp_path: Path, dangling: bool) -> None:
+    """A sweep job's checkpoint folder names the job's identity (run_identity): a link there is neither read through
+    nor replaced."""
+    target = tmp_path / "not-yet" if dangling else victim(tmp_path)
+    (shared / IDENTITY_FILE).symlink_to(target)
+    with pytest.raises(ConfigError) as exc:
+        claim_checkpoint_dir(shared, "optim.lr=0.001")
+    assert str(exc.value).startswith(f"checkpoint.dir: {shared / IDENTITY_FILE} is a symbolic link, not trainflow's")
+    assert (shared / IDENTITY_FILE).readlink() == target
+    assert not target.exists() if dangling else target.read_bytes() == RC_TEXT
+
+
 def test_retention_never_follows_a_linked_step_folder_out_of_checkpoint_dir(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """A step folder of checkpoint.dir that is a link to a folder elsewhere: retention neither marks, renames nor
@@ -264,6 +278,7 @@ WRITE_UNDER_A_LIMIT = """
 import resource, sys
 from pathlib import Path
 from trainflow.report import ledger
+from trainflow.report.sweeps import IDENTITY_FILE, claim_checkpoint_dir
 resource.setrlimit(resource.RLIMIT_FSIZE, (int(sys.argv[2]), resource.RLIM_INFINITY))
 try:
     ledger.append(Path(sys.argv[1]), {**ledger.read(Path(sys.argv[1]))[0][0], "run": "too-big", "pad": "x" * 6000})
