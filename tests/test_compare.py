@@ -4,6 +4,7 @@ machine) are in test_compare_honesty.py, which runs alone."""
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
@@ -101,8 +102,10 @@ path, name, n, go = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]), Path(sys.a
 (go.parent / f"ready-{name}").touch()
 while not go.exists():  # both writers start together
     time.sleep(0.001)
+line = {"ledger": VERSION, "run_dir": "", "time": "", "status": "finished", "model": "", "overrides": [],
+        "fingerprint": None, "figures": {}, "config": {}}  # the fields of every line (ledger.LINE)
 for i in range(n):
-    append(path, {"ledger": VERSION, "run": f"{name}-{i}", "pad": "x" * 6000})
+    append(path, {**line, "run": f"{name}-{i}", "pad": "x" * 6000})
 """
 
 
@@ -126,6 +129,46 @@ def test_concurrent_writers_lose_no_line(tmp_path: Path) -> None:
     expected = {f"{w}-{i}" for w in ("w1", "w2") for i in range(300)} | {"r1", "r2"}  # runs: beside the ledger
     assert sorted(names) == sorted(expected)
     assert all(line["pad"] == "x" * 6000 for line in lines if "pad" in line)
+
+
+APPEND_ONE = """
+import json, sys
+from pathlib import Path
+from trainflow.report.ledger import append
+append(Path(sys.argv[1]), json.loads(sys.argv[2]))
+"""
+
+
+def waits_for_a_lock(pid: int) -> bool:
+    """Whether process `pid` waits for a flock (a blocked request is listed with `->` in /proc/locks)."""
+    return any(line.split()[1:2] == ["->"] and str(pid) in line.split()
+               for line in Path("/proc/locks").read_text().splitlines())
+
+
+def test_an_append_waits_for_a_writer_inside_its_line(tmp_path: Path) -> None:
+    """Why an append holds the ledger's lock, though one O_APPEND write is atomic on a local disk: a writer may be
+    inside its line (a short write on a filling disk goes on with the rest, a failed one is taken back), and another
+    writer must not end that line as a cut one and append between. This test is that writer: it holds the lock with
+    half its line written while a real appender starts; the appender waits for the lock (seen in /proc/locks), and
+    both lines are whole. Without the lock, the half line is taken for a cut one: the first line is lost."""
+    path = tmp_path / "ledger.jsonl"
+    whole = {"ledger": ledger.VERSION, "run_dir": "", "time": "", "status": "finished", "model": "", "overrides": [],
+             "fingerprint": None, "figures": {}, "config": {}}
+    first = (json.dumps({**whole, "run": "first"}) + "\n").encode()
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        os.write(fd, first[:len(first) // 2])
+        appender = subprocess.Popen([sys.executable, "-c", APPEND_ONE, str(path), json.dumps({**whole, "run": "next"})])
+        deadline = time.monotonic() + 120
+        while appender.poll() is None and not waits_for_a_lock(appender.pid) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        os.write(fd, first[len(first) // 2:])
+    finally:
+        os.close(fd)  # the lock goes with the descriptor
+    assert appender.wait(timeout=120) == 0
+    lines, skipped = ledger.read(path)
+    assert [line["run"] for line in lines] == ["first", "next"] and skipped == 0
 
 
 def test_trainflow_ledger_lists_and_filters(two_runs: tuple[Path, list[Run]], tmp_path: Path) -> None:

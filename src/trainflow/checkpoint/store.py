@@ -46,6 +46,7 @@ from trainflow.checkpoint.state import FORMAT, STATE_FILE
 from trainflow.errors import CheckpointError, ConfigError
 from trainflow.util.files import kind_of
 from trainflow.util.locks import DirLock
+from trainflow.util.shown import shown
 
 log = logging.getLogger(__package__)  # one name for the package: lines read [trainflow.checkpoint]
 
@@ -56,6 +57,7 @@ _TMP_DIR = re.compile(r"\.tmp-(deleting-)?step_\d+")  # the names trainflow give
 MODEL_PREFIX = "app.model."  # where the model's tensors live in the flattened DCP keys
 MAX_LISTED = 6  # mismatched keys named in an error before "and N more"
 _STEP_DIR = re.compile(r"step_(\d+)")
+_links_said: set[Path] = set()  # symbolically linked step folders retention has warned of (once each per process)
 
 
 @dataclass(frozen=True)
@@ -289,7 +291,13 @@ def retain(ckpt_dir: Path, keep_last: int, resumed_from: Committed | None) -> li
         keep.add(resumed_from.path)
     retired = []
     for c in committed:
-        if c.path not in keep:
+        if c.path not in keep and c.path.is_symlink():  # its files lie elsewhere: never marked, renamed or deleted
+            if c.path not in _links_said:
+                _links_said.add(c.path)
+                log.warning("checkpoint: retention left %s alone: it is a symbolic link (to %s), and trainflow "
+                            "deletes nothing through a link; remove it yourself once it is not needed",
+                            shown(c.path), shown(os.readlink(c.path)))
+        elif c.path not in keep:
             doomed = c.path.with_name(f"{TMP_PREFIX}deleting-{c.path.name}")
             try:
                 _mark(c.path)  # so that the next start may remove it, should it stay
@@ -368,8 +376,11 @@ def remove_leftovers(ckpt_dir: Path) -> None:
 
 
 def _mark(folder: Path) -> None:
-    (folder / TMP_MARKER).write_text(f"made by trainflow, pid {os.getpid()}: a save that has not finished, or a "
-                                     "retired checkpoint being deleted\n")
+    """Write TMP_MARKER into a folder of trainflow's; never through a link planted in its place (ELOOP)."""
+    fd = os.open(folder / TMP_MARKER, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    with os.fdopen(fd, "w") as f:
+        f.write(f"made by trainflow, pid {os.getpid()}: a save that has not finished, or a retired checkpoint being "
+                "deleted\n")
 
 
 def _ours(path: Path) -> bool:

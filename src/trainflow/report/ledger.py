@@ -9,21 +9,34 @@ filesystem). `off` writes none.
 
 A line: the run's name and folder, when it ended, its status, the model, the overrides, the fingerprint
 (trainflow.report.fingerprint: versions, device, host, commit, config and model hashes, the machine's load, the
-step-time band, the replay command), the resolved config, and the headline figures. Many writers append at once (a
-sweep's jobs, the rank 0s of runs on several nodes): each line is one write() to a file opened with O_APPEND, under
-an exclusive flock of the file, so no two lines interleave and none is lost, on a local disk and on NFS (whose
-O_APPEND alone is not atomic; its flock is a lock of the server's). A reader skips a line that does not parse (a
-writer killed inside its write) and says how many it skipped.
+step-time band, the replay command), the resolved config, and the headline figures.
+
+A ledger loses only what was cut. Many writers append at once (a sweep's jobs, the rank 0s of runs on several
+nodes): each append holds an exclusive flock of the file while it ends a cut last line (a full disk, a writer killed
+inside its write: the fragment then stays alone and the new line is whole), writes its line in one write() to a file
+opened with O_APPEND, and, should the write fail (a full disk, a file-size limit), truncates the file back to where
+it was, so the line is whole or absent. The lock is what makes these steps one: without it another writer's line
+lands between a check and a write (glued to a line still being written, or cut by another's truncation); on NFS,
+whose O_APPEND alone is not atomic, its flock is a lock of the server's.
+
+A ledger may be shared, and received: a line is appended only to a regular file that is empty or begins with a
+ledger line, never through a link (O_NOFOLLOW): a file of something else (a shell's rc file named by mistake) is
+left byte for byte as it was, and the run says so in one warning. A reader takes the file as data: a regular file of
+bounded size (LOG_FILE_BYTES), each line checked against the shape trainflow writes (LINE), what does not fit
+skipped and counted, and every field printed through `shown` (a run name holding a terminal escape or a newline
+prints as its escaped text).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import fcntl
 import json
 import logging
 import os
+import stat
 from collections.abc import Iterator
 from dataclasses import dataclass, fields
 from datetime import datetime, timezone
@@ -33,14 +46,50 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from trainflow.config.schema import MetricsConfig
-from trainflow.errors import TrainflowError
+from trainflow.errors import ReceivedFileError, TrainflowError
+from trainflow.util.files import LOG_FILE_BYTES, SMALL_FILE_BYTES, kind_of, read_regular
 from trainflow.util.locks import flock_unsupported
 from trainflow.util.rundir import made_by_trainflow
+from trainflow.util.shown import shown
 
 log = logging.getLogger(__name__)
 
 LEDGER_FILE = "ledger.jsonl"
 VERSION = 1  # of a line's layout
+_LINE_START = b'{"ledger":'  # how every line trainflow writes begins, whole or cut
+_HEAD_BYTES = 1 << 20  # of a ledger's first line read to tell a ledger from a file of something else
+
+NUMBER = "number"  # in a shape: an int or a float, never a bool
+
+
+class MapOf:
+    """In a shape: a dict of string keys whose every value fits `values`."""
+
+    def __init__(self, values: Any) -> None:
+        self.values = values
+
+
+_OPTIONAL_NUMBER = (NUMBER, None)
+_OPTIONAL_STR = (str, None)
+# The shape of a line as trainflow writes it (entry): a dict's keys are checked where present, a tuple is "one of",
+# a list holds items of its one shape. The top level's keys must all be there.
+LINE: dict[str, Any] = {
+    "ledger": int, "run": str, "run_dir": str, "time": str, "status": str, "model": str, "overrides": [str],
+    "fingerprint": (None, {
+        "trainflow": _OPTIONAL_STR, "torch": _OPTIONAL_STR, "cuda": _OPTIONAL_STR, "driver": _OPTIONAL_STR,
+        "python": _OPTIONAL_STR, "host": str, "cpu_cores": (int, None), "config_hash": str, "model_hash": _OPTIONAL_STR,
+        "device": {"type": str, "name": str, "count": int, "nodes": int},
+        "code": (None, {"commit": _OPTIONAL_STR, "dirty": (bool, None)}),
+        "load": (None, {"busy": (bool, None), "other_cores": _OPTIONAL_NUMBER, "cpu_cores": (int, None),
+                        "load_average": (None, [NUMBER])}),
+        "step_time": (None, {"n": int, "median": NUMBER, "p10": NUMBER, "p90": NUMBER, "spread": _OPTIONAL_NUMBER}),
+        "replay": (None, dict),
+    }),
+    "figures": {"validation": (None, MapOf(_OPTIONAL_NUMBER)), "monitor": _OPTIONAL_STR, "mode": _OPTIONAL_STR,
+                "cost": (None, dict)},
+    "config": dict,
+}
+_FIGURE = _OPTIONAL_NUMBER  # every figure that LINE does not name (steps, step_time_s, mfu, ...)
 
 
 class LedgerError(TrainflowError):
@@ -124,65 +173,143 @@ def record(metrics: MetricsConfig, run_dir: Path, summary: dict[str, Any]) -> Pa
         return None
     try:
         append(path, entry(summary, run_dir, path))
+    except LedgerError as exc:
+        log.warning("metrics.ledger: %s; this run's summary.json is whole", exc)
+        return None
     except OSError as exc:
-        log.warning("metrics.ledger: could not append this run to %s (%s); its summary.json is whole: point "
-                    "metrics.ledger at a writable file, or set it to off", path, exc.strerror or exc)
+        log.warning("metrics.ledger: could not append this run to %s (%s); nothing of it was left there and its "
+                    "summary.json is whole: point metrics.ledger at a writable file, or set it to off", shown(path),
+                    exc.strerror or exc)
         return None
     return path
 
 
 def append(path: Path, line: dict[str, Any]) -> None:
-    """One line, in one write under an exclusive lock of the file, then fsync'd."""
+    """Append one line, whole or not at all, to the ledger at `path` (created when absent): see the module's
+    docstring. A path that is no ledger is a LedgerError naming it, with nothing written."""
     data = (json.dumps(line, separators=(",", ":"), default=str) + "\n").encode()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    fd = _open_ledger(path)
     try:
-        with _locked(fd):
-            written = 0
-            while written < len(data):  # a regular file takes it whole; a short write continues under the lock
-                written += os.write(fd, data[written:])
-            os.fsync(fd)
+        with _locked(fd) as locked:
+            size = os.fstat(fd).st_size
+            if not _begins_as_ledger(os.pread(fd, _HEAD_BYTES, 0)):
+                raise LedgerError(f"{shown(path)}: is not a ledger (a file of something else: its first line is no "
+                                  "ledger line); nothing was written to it: point metrics.ledger at a ledger or a new "
+                                  "file, or set it to off")
+            if size and os.pread(fd, 1, size - 1) != b"\n":
+                data = b"\n" + data  # a cut last line ends alone: the new line is not glued to it
+            try:
+                written = 0
+                while written < len(data):  # a short write (a filling disk) continues under the lock
+                    written += os.write(fd, data[written:])
+                os.fsync(fd)
+            except OSError:
+                if locked:  # the line is whole or absent; without the lock another writer's line may follow it
+                    with contextlib.suppress(OSError):
+                        os.ftruncate(fd, size)
+                raise
     finally:
         os.close(fd)
 
 
+def _open_ledger(path: Path) -> int:
+    """The ledger opened to read and append (created when absent), never through a link, only a regular file."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
+    except OSError as exc:
+        if exc.errno != errno.ELOOP:
+            raise
+        raise LedgerError(f"{shown(path)}: is a symbolic link; trainflow appends to a ledger file itself, never "
+                          "through a link it did not make, and nothing was written: give the ledger's own path "
+                          "(metrics.ledger=<the file>), or remove the link") from None
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        raise LedgerError(f"{shown(path)}: is {kind_of(mode)}, not a ledger file; nothing was written: point "
+                          "metrics.ledger at a file, or set it to off")
+    return fd
+
+
+def _begins_as_ledger(head: bytes) -> bool:
+    """Whether a file's first bytes are a ledger's: none, or a first line that is a ledger line (whole, or cut)."""
+    first = head.split(b"\n", 1)[0]
+    if not head or first.startswith(_LINE_START):
+        return True
+    try:
+        line = json.loads(first)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return False
+    return isinstance(line, dict) and "ledger" in line
+
+
 @contextlib.contextmanager
-def _locked(fd: int) -> Iterator[None]:
-    """An exclusive flock of the open file, where the filesystem has flock (else O_APPEND alone: a local disk)."""
+def _locked(fd: int) -> Iterator[bool]:
+    """An exclusive flock of the open file, where the filesystem has flock (else False: O_APPEND alone)."""
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
     except OSError as exc:
         if not flock_unsupported(exc):
             raise
-        yield
+        yield False
         return
     try:
-        yield
+        yield True
     finally:
         fcntl.flock(fd, fcntl.LOCK_UN)
 
 
 def read(path: Path) -> tuple[list[dict[str, Any]], int]:
-    """The ledger's lines in the order they were written, and how many lines did not parse (left out)."""
-    if not path.exists():
-        raise LedgerError(f"{path}: no ledger there; each finished run appends to one (metrics.ledger, by default "
-                          f"outputs/{LEDGER_FILE} under the folder it ran from): run from that folder or give the "
-                          "ledger's path")
-    if not path.is_file():
-        raise LedgerError(f"{path}: not a file; give the ledger file (outputs/{LEDGER_FILE}), not its folder")
+    """The ledger's lines in the order they were written, and how many lines were left out: those that do not
+    parse (a writer killed inside its line) or do not fit LINE (a line of a newer trainflow, or edited)."""
+    if not (path.exists() or path.is_symlink()):
+        raise LedgerError(f"{shown(path)}: no ledger there; each finished run appends to one (metrics.ledger, by "
+                          f"default outputs/{LEDGER_FILE} under the folder it ran from): run from that folder or give "
+                          "the ledger's path")
+    if path.is_dir():
+        raise LedgerError(f"{shown(path)}: is a folder; give the ledger file (outputs/{LEDGER_FILE}), not its folder")
+    try:
+        data = read_regular(path, LOG_FILE_BYTES)
+    except ReceivedFileError as exc:
+        raise LedgerError(str(exc)) from None
     lines, skipped = [], 0
-    with open(path, "rb") as f:
-        for raw in f:
-            try:
-                line = json.loads(raw)
-            except (json.JSONDecodeError, UnicodeDecodeError):
-                skipped += 1
-                continue
-            if isinstance(line, dict) and line.get("ledger") == VERSION:
-                lines.append(line)
-            else:
-                skipped += 1
+    for raw in data.split(b"\n"):
+        if not raw.strip():
+            continue
+        try:
+            line = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            skipped += 1
+            continue
+        if well_formed(line):
+            lines.append(line)
+        else:
+            skipped += 1
     return lines, skipped
+
+
+def well_formed(line: Any) -> bool:
+    """Whether a parsed line has the shape and types trainflow writes (LINE): every reader may then take its fields
+    as they are."""
+    if not (isinstance(line, dict) and _fits(line, LINE) and line["ledger"] == VERSION and LINE.keys() <= line.keys()):
+        return False
+    return all(_fits(value, _FIGURE) for key, value in line["figures"].items() if key not in LINE["figures"])
+
+
+def _fits(value: Any, shape: Any) -> bool:
+    if isinstance(shape, tuple):
+        return any(_fits(value, one) for one in shape)
+    if isinstance(shape, dict):
+        return isinstance(value, dict) and all(_fits(value[key], one) for key, one in shape.items() if key in value)
+    if isinstance(shape, list):
+        return isinstance(value, list) and all(_fits(item, shape[0]) for item in value)
+    if isinstance(shape, MapOf):
+        return isinstance(value, dict) and all(_fits(item, shape.values) for item in value.values())
+    if shape is None:
+        return value is None
+    if shape is NUMBER:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    return isinstance(value, shape) and not (shape is int and isinstance(value, bool))
 
 
 @dataclass
@@ -228,15 +355,23 @@ def select(lines: list[dict[str, Any]], filters: Filters) -> list[dict[str, Any]
 
 
 def config_of(text: str) -> str:
-    """A config hash as given, or the hash of the run whose folder is named."""
-    folder = Path(text).expanduser()
-    if (folder / "summary.json").is_file():
-        try:
-            return json.loads((folder / "summary.json").read_text())["fingerprint"]["config_hash"]
-        except (ValueError, KeyError, TypeError):
-            raise LedgerError(f"config={text}: that run's summary.json holds no fingerprint (a run of an older "
-                              "trainflow); give a config hash instead (trainflow ledger lists them)") from None
-    return text
+    """A config hash as given, or the hash of the run whose folder is named (its summary.json read as data)."""
+    summary = Path(text).expanduser() / "summary.json"
+    if not (summary.exists() or summary.is_symlink()):
+        return text
+    try:
+        found = json.loads(read_regular(summary, SMALL_FILE_BYTES))
+    except ReceivedFileError as exc:
+        raise LedgerError(f"config={shown(text)}: {exc}") from None
+    except (ValueError, UnicodeDecodeError):
+        found = None
+    fingerprint = found.get("fingerprint") if isinstance(found, dict) else None
+    config_hash = fingerprint.get("config_hash") if isinstance(fingerprint, dict) else None
+    if not isinstance(config_hash, str):
+        raise LedgerError(f"config={shown(text)}: that run's summary.json holds no fingerprint.config_hash (a run of "
+                          "an older trainflow, or not a summary.json); give a config hash instead (trainflow ledger "
+                          "lists them)")
+    return config_hash
 
 
 def _moment(text: str, end_of_day: bool, key: str | None = None) -> datetime | None:
@@ -283,6 +418,7 @@ def _ms(seconds: float | None) -> str:
 
 
 def table_row(line: dict[str, Any]) -> list[str]:
+    """A well-formed line's cells, each as shown (a field holding a terminal escape or a newline prints escaped)."""
     fp, figures = line.get("fingerprint") or {}, line.get("figures") or {}
     band = fp.get("step_time") or {}
     spread = f" ±{band['spread'] * 100:.0f}%" if band.get("spread") is not None else ""
@@ -291,14 +427,16 @@ def table_row(line: dict[str, Any]) -> list[str]:
     device = fp.get("device") or {}
     validation = figures.get("validation") or {}
     monitor = figures.get("monitor") or "loss"
-    return [line.get("time", "")[:19].replace("T", " "), line.get("run", ""), line.get("model", "").rsplit(".", 1)[-1],
-            f"{device.get('type', '?')} x{device.get('count', '?')}", str(fp.get("config_hash", "-")),
-            (commit[:8] + ("+" if (fp.get("code") or {}).get("dirty") else "")) if commit else "-",
-            _ms(figures.get("step_time_s")) + spread,
-            "-" if figures.get("samples_per_sec") is None else f"{figures['samples_per_sec']:.1f}",
-            "-" if figures.get("mfu") is None else f"{figures['mfu'] * 100:.2f}%",
-            f"{monitor} {validation[monitor]:.4f}" if monitor in validation else "-",
-            "busy" if load.get("busy") else "", line.get("status", "")]
+    value = validation.get(monitor)
+    cells = [line["time"][:19].replace("T", " "), line["run"], line["model"].rsplit(".", 1)[-1],
+             f"{device.get('type', '?')} x{device.get('count', '?')}", str(fp.get("config_hash", "-")),
+             (commit[:8] + ("+" if (fp.get("code") or {}).get("dirty") else "")) if commit else "-",
+             _ms(figures.get("step_time_s")) + spread,
+             "-" if figures.get("samples_per_sec") is None else f"{figures['samples_per_sec']:.1f}",
+             "-" if figures.get("mfu") is None else f"{figures['mfu'] * 100:.2f}%",
+             f"{monitor} {value:.4f}" if value is not None else "-",
+             "busy" if load.get("busy") else "", line["status"]]
+    return [shown(cell) for cell in cells]
 
 
 HEADER = ["time (UTC)", "run", "model", "device", "config", "commit", "step time", "samples/s", "MFU", "val",
@@ -323,11 +461,11 @@ def command(args: argparse.Namespace) -> int:
             print(json.dumps(line))
     else:
         print(render_table(kept))
-        print(f"{len(kept)} of {len(lines)} run(s) in {path}" + (f" ({filters.describe()})" if filters.describe()
-                                                                  else ""))
+        described = shown(filters.describe())
+        print(f"{len(kept)} of {len(lines)} run(s) in {shown(path)}" + (f" ({described})" if described else ""))
     if skipped:
-        print(f"WARNING {path}: {skipped} line(s) did not parse and were left out (a writer killed mid-line, or a line "
-              "of a newer trainflow)")
+        print(f"WARNING {shown(path)}: {skipped} line(s) did not parse and were left out (a writer killed mid-line, "
+              "or a line of a newer trainflow or of another shape)")
     return 0
 
 

@@ -140,6 +140,9 @@ def claim_checkpoint_dir(ckpt_dir: Path, identity: str) -> None:
     """A sweep job's own checkpoint folder: refuse it (one line, nothing changed) when it belongs to a run of
     another identity; else name this job's identity there (rank 0)."""
     marker = ckpt_dir / IDENTITY_FILE
+    if marker.is_symlink():  # never read nor replaced: trainflow did not make it
+        raise ConfigError(f"checkpoint.dir: {marker} is a symbolic link, not trainflow's; nothing was changed: remove "
+                          "it if it is yours, or point checkpoint.dir at another folder")
     try:
         theirs = marker.read_text().strip() if marker.exists() else None
     except OSError:

@@ -8,6 +8,10 @@ Cluster filesystems mounted without flock support (ENOLCK, EOPNOTSUPP) get a loc
 instead (`<folder>/.lock.owner`, naming host and pid). A crash leaves that file behind: on the same host a holder
 whose pid is gone is stale and the lock is taken over; a holder on another host cannot be checked from here, so
 the refusal says which file to delete once that run is known to be gone.
+
+The lock folder may be a shared, world-writable one: its `.lock` and `.lock.owner` are opened without following a
+link (O_NOFOLLOW), and only a regular file that is empty or names a holder (HOLDER) is taken and rewritten; a link,
+a FIFO, a hard link to another file or a file of other content is refused in one line naming it, never truncated.
 """
 
 from __future__ import annotations
@@ -16,17 +20,24 @@ import errno
 import fcntl
 import logging
 import os
+import re
 import socket
+import stat
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
 from trainflow.errors import ConfigError
+from trainflow.util.files import kind_of
+from trainflow.util.shown import shown
 
 log = logging.getLogger(__name__)
 
 LOCK_FILE = ".lock"
 OWNER_FILE = ".lock.owner"  # the O_EXCL lock where flock is not supported
+# what a lock file of trainflow's holds: its holder (a run dir's name may hold any character, a newline included)
+HOLDER = re.compile(r"pid \d+ on \S+(, run dir .+)?, since \d{4}-\d\d-\d\d \d\d:\d\d:\d\d UTC\n?", re.DOTALL)
+_HOLDER_BYTES = 8192  # more than any holder line: a longer file is not a lock file of trainflow's
 _NO_FLOCK = frozenset({errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS, errno.EINVAL})
 
 
@@ -72,13 +83,13 @@ class DirLock:
         started = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
         run = f", run dir {run_dir.resolve()}" if run_dir else ""
         holder = f"pid {os.getpid()} on {socket.gethostname()}{run}, since {started}\n"
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = _open_lock_file(self.path, key, fix)
         try:
             if not use_flock:
                 raise OSError(errno.ENOLCK, "flock not used")
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            other = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "a process"
+            other = shown(os.pread(fd, 4096, 0).decode(errors="replace").strip()) or "a process"
             os.close(fd)
             raise ConfigError(f"{key}: {folder} is in use by another run ({other}); wait for it to end, "
                               f"or {fix}") from None
@@ -88,6 +99,10 @@ class DirLock:
                 raise
             _held[self.path] = _Held(-1, 1, _take_owner_file(folder, holder, key, fix))
             return
+        if not _holder_or_empty(os.pread(fd, _HOLDER_BYTES + 1, 0)):  # read under the flock: no writer is inside
+            os.close(fd)
+            raise ConfigError(_foreign(self.path, "holds something other than the line of a run holding the lock",
+                                       key, fix))
         os.ftruncate(fd, 0)
         os.pwrite(fd, holder.encode(), 0)
         _held[self.path] = _Held(fd, 1)
@@ -106,6 +121,57 @@ class DirLock:
                 os.close(held.fd)  # closing the last descriptor drops the flock
 
 
+def _open_lock_file(path: Path, key: str, fix: str) -> int:
+    """`path` opened for reading and writing (created when absent) if it can be trainflow's lock file: never
+    through a link, and a regular file of its own (no other name links to it); else one line naming it."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
+    except OSError as exc:
+        if exc.errno != errno.ELOOP:
+            raise
+        raise ConfigError(_foreign(path, "is a symbolic link", key, fix)) from None
+    st = os.fstat(fd)
+    problem = (f"is {kind_of(st.st_mode)}" if not stat.S_ISREG(st.st_mode) else
+               f"is a hard link to a file of {st.st_nlink} names" if st.st_nlink > 1 else None)
+    if problem is not None:
+        os.close(fd)
+        raise ConfigError(_foreign(path, problem, key, fix))
+    return fd
+
+
+def _holder_or_empty(data: bytes) -> bool:
+    """Whether a lock file's bytes are trainflow's: nothing yet, or the line naming a holder."""
+    return not data or (len(data) <= _HOLDER_BYTES and HOLDER.fullmatch(data.decode(errors="replace")) is not None)
+
+
+def _foreign(path: Path, problem: str, key: str, fix: str) -> str:
+    return (f"{key}: {shown(path)} {problem}, not trainflow's lock file; trainflow never writes through a link or "
+            f"into a file it did not make, and nothing was changed: remove it if it is yours, or {fix}")
+
+
+def _read_owner_file(path: Path, key: str, fix: str) -> str:
+    """The holder `.lock.owner` names ("" when it is gone or empty), read without following a link; a link, a
+    FIFO or a file that names no holder is one line naming it (never removed: it is not trainflow's)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return ""
+    except OSError as exc:
+        if exc.errno != errno.ELOOP:
+            raise
+        raise ConfigError(_foreign(path, "is a symbolic link", key, fix)) from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ConfigError(_foreign(path, f"is {kind_of(st.st_mode)}", key, fix))
+        data = os.pread(fd, _HOLDER_BYTES + 1, 0)
+    finally:
+        os.close(fd)
+    if not _holder_or_empty(data):
+        raise ConfigError(_foreign(path, "holds something other than the line of a run holding the lock", key, fix))
+    return data.decode(errors="replace").strip()
+
+
 def _take_owner_file(folder: Path, holder: str, key: str, fix: str) -> Path:
     """The O_EXCL lock: create `.lock.owner` or find who holds it (a dead pid on this host is taken over)."""
     path = (folder / OWNER_FILE).absolute()
@@ -114,7 +180,7 @@ def _take_owner_file(folder: Path, holder: str, key: str, fix: str) -> Path:
         try:
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         except FileExistsError:
-            other = path.read_text(errors="replace").strip() if path.exists() else ""
+            other = shown(_read_owner_file(path, key, fix))
             pid, _, other_host = other.removeprefix("pid ").partition(" on ")
             other_host = other_host.split(",")[0]
             if other_host == host and pid.isdigit() and not pid_alive(int(pid)):

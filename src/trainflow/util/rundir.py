@@ -208,9 +208,13 @@ def made_by_trainflow(folder: Path) -> bool:
 def mark(folder: Path, key: str) -> None:
     """Leave MARKER in `folder` (a run, job or sweep directory trainflow writes into), unless it is there."""
     marker = folder / MARKER
+    if marker.is_symlink():  # never written through, never taken for trainflow's
+        user_error(f"{key}: {marker} is a symbolic link, not trainflow's marker; nothing was changed: remove it if it "
+                   f"is yours, or point {key} at another folder")
     if not marker.is_file():
-        try:
-            marker.write_text(_MARKER_TEXT)
+        try:  # created, never opened through a link planted after the check
+            with os.fdopen(os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644), "w") as f:
+                f.write(_MARKER_TEXT)
         except OSError as exc:
             user_error(f"{key}: cannot write {marker} ({exc.strerror}); point {key} at a writable folder")
 
