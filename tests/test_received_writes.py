@@ -31,6 +31,7 @@ from trainflow.checkpoint.export import check_output
 from trainflow.errors import CheckpointError, ConfigError
 from trainflow.report import ledger
 from trainflow.report.sweeps import IDENTITY_FILE, claim_checkpoint_dir
+from trainflow.util.files import write_atomic
 from trainflow.util.locks import LOCK_FILE, OWNER_FILE, DirLock
 from trainflow.util.rundir import MARKER, mark
 
@@ -358,3 +359,18 @@ def test_a_run_folder_given_as_config_reads_its_summary_bounded(tmp_path: Path) 
     (tmp_path / "run" / "summary.json").write_text("[]")
     proc = trainflow("ledger", path, "--config", tmp_path / "run")
     one_line_error(proc, "holds no fingerprint.config_hash")
+
+
+def test_a_whole_file_write_never_follows_a_link_planted_under_its_temporary_name(tmp_path: Path) -> None:
+    """The temporary file of an atomic write is new and unpredictable: a link planted where a predictable name would
+    be (the folder is world-writable) is never written through, and the file lands whole."""
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o1777)
+    victim = tmp_path / "victim"
+    victim.write_text("precious\n")
+    for name in (f".summary.json.tmp{os.getpid()}.json", f".summary.json.tmp{os.getpid()}"):
+        (shared / name).symlink_to(victim)
+    write_atomic(shared / "summary.json", "{}\n")
+    assert victim.read_text() == "precious\n"
+    assert (shared / "summary.json").read_text() == "{}\n" and not (shared / "summary.json").is_symlink()
+    assert sorted(p.name for p in shared.iterdir() if not p.is_symlink()) == ["summary.json"]

@@ -27,10 +27,14 @@ LOG_FILE_BYTES = 512 << 20  # metrics.jsonl, a ledger
 def atomic_path(path: Path) -> Iterator[Path]:
     """A temporary path beside `path` to write to: renamed over `path` when the block succeeds, removed when not.
 
-    The temporary name holds the process id (concurrent writers of one file each rename a whole file of their own)
-    and ends in `path`'s suffix (writers such as matplotlib choose the format from it).
+    The temporary file is created here, new and unpredictable (O_EXCL: a link or file planted under its name is never
+    followed or reused), so concurrent writers of one file each rename a whole file of their own; its name ends in
+    `path`'s suffix (writers such as matplotlib choose the format from it). The rename replaces a link at `path`
+    itself, never the file it points to.
     """
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}{path.suffix}")
+    fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=f".tmp{path.suffix}")
+    os.close(fd)
+    tmp = Path(name)
     try:
         yield tmp
         os.replace(tmp, path)
