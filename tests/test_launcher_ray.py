@@ -28,7 +28,7 @@ NODE = {"num_cpus": 2, "object_store_memory": 100 * 1024 * 1024}
 RAY = ["hydra/launcher=ray", "hydra.launcher.poll_interval_s=0.1"]
 # one job = 2 ranks, one on each node of the cluster, on gloo
 TWO_NODES = ["parallelism=ddp", "parallelism.nproc_per_node=1", "hydra.launcher.nodes=2", "data=synthetic"]
-STEPS = 40
+STEPS = 30
 RESUMABLE = [f"trainer.max_steps={STEPS}", "checkpoint=dcp", "checkpoint.every_steps=10", "checkpoint.verify=false"]
 
 
@@ -66,11 +66,28 @@ def multirun(sweep_dir: Path, *overrides: str, timeout: float = 300) -> subproce
 
 
 # Hydra's own launcher suite on the cluster: Hydra's test apps (no trainflow config) run with the launcher's own
-# settings, one rank a job; a sweep's jobs run side by side.
+# settings, one rank a job; a sweep's jobs run side by side. Each job costs a Ray actor and a worker process (~10 s on
+# two busy cores): the default run keeps the suite's one- and two-job sweeps, its strict config and its overrides
+# of Hydra's own keys; the five that sweep other overrides through the same path run with -m slow.
+def _slow(name: str) -> object:
+    """Hydra's suite test `name`, marked slow here only (marking the inherited function would mark it for the
+    process and torchrun launchers' suites too)."""
+    @pytest.mark.slow
+    def test(self, hydra_sweep_runner: object, launcher_name: str, overrides: list[str], tmpdir: Path) -> None:
+        getattr(LauncherTestSuite, name)(self, hydra_sweep_runner, launcher_name, overrides, tmpdir)
+
+    test.__name__ = name
+    return test
+
+
 @pytest.mark.parametrize(("launcher_name", "overrides"), [("ray", ["hydra.launcher.poll_interval_s=0.1"])])
 @pytest.mark.usefixtures("hydra_version_unset", "cluster")
 class TestHydraLauncherSuite(LauncherTestSuite):
-    pass
+    test_sweep_1_job_strict = _slow("test_sweep_1_job_strict")
+    test_sweep_2_optimizers = _slow("test_sweep_2_optimizers")
+    test_sweep_over_unspecified_mandatory_default = _slow("test_sweep_over_unspecified_mandatory_default")
+    test_sweep_and_override = _slow("test_sweep_and_override")
+    test_sweep_with_custom_resolver = _slow("test_sweep_with_custom_resolver")
 
 
 @dataclass
@@ -134,14 +151,14 @@ def test_sweep_of_two_jobs_runs_each_as_a_gang_over_both_nodes_side_by_side(swee
         assert [r["rank"] for r in placement] == [0, 1]
         assert len({r["node_id"] for r in placement}) == 2  # STRICT_SPREAD: one rank on each node
         assert (job / "ray" / "attempt_0" / "rank_1.log").is_file()  # every rank's output came back into the job
-        assert "step 1/40" in (job / "ray" / "attempt_0" / "rank_0.log").read_text()
+        assert f"step 1/{STEPS}" in (job / "ray" / "attempt_0" / "rank_0.log").read_text()
         assert (job / ".hydra" / "config.yaml").is_file() and (job / "train.log").is_file()
         assert len(losses_by_step(job)) == STEPS
         spans.append(((job / "ray" / "attempt_0" / "placement.json").stat().st_mtime,
                       (job / "summary.json").stat().st_mtime))
     assert spans[1][0] < spans[0][1] and spans[0][0] < spans[1][1]  # the two gangs ran at the same time
     assert re.findall(r"#(\d) COMPLETED", sweep.output) == ["0", "1"]
-    assert re.search(r"^\[#0 rank0\]:.*step 40/40", sweep.output, re.MULTILINE)  # streamed back as it ran
+    assert re.search(rf"^\[#0 rank0\]:.*step {STEPS}/{STEPS}", sweep.output, re.MULTILINE)  # streamed back as it ran
 
 
 def test_a_lost_rank_restarts_its_gang_from_the_last_checkpoint_with_the_same_losses(sweep: Sweep) -> None:
@@ -199,7 +216,9 @@ def _cluster_state(address: str) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+# SIGTERM takes the same path once its handler turned it into Ctrl-C's KeyboardInterrupt: with -m slow
+@pytest.mark.parametrize("stop", [signal.SIGINT, pytest.param(signal.SIGTERM, marks=pytest.mark.slow)],
+                         ids=["ctrl-c", "sigterm"])
 def test_stopping_the_sweep_leaves_no_rank_actor_or_placement_behind(cluster: str, tmp_path: Path,
                                                                      stop: signal.Signals) -> None:
     """Two gangs train; Ctrl-C (or SIGTERM) to the launcher stops both: every rank saves and ends, the actors are

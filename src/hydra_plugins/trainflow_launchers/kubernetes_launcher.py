@@ -237,7 +237,8 @@ class KubernetesApi:
 
     def node_log(self, name: str) -> str | None:
         """The log of node 0's container (its pod of the replicated job `node`, completion index 0)."""
-        selector = f"jobset.sigs.k8s.io/jobset-name={name},batch.kubernetes.io/job-completion-index=0"
+        selector = (f"jobset.sigs.k8s.io/jobset-name={name},jobset.sigs.k8s.io/replicatedjob-name={CONTAINER},"
+                    "batch.kubernetes.io/job-completion-index=0")
         pods = self.core.list_namespaced_pod(self.conf.namespace, label_selector=selector).items
         if not pods:
             return None
