@@ -56,6 +56,7 @@ def cluster() -> Iterator[str]:
             else:
                 os.environ["RAY_ADDRESS"] = before
         nodes.shutdown()
+        os.environ.pop("RAY_memory_monitor_refresh_ms", None)
 
 
 def multirun(sweep_dir: Path, *overrides: str, timeout: float = 300) -> subprocess.CompletedProcess:

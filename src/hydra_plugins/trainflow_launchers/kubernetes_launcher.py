@@ -114,8 +114,13 @@ class KubernetesLauncher(SweepLauncher):
         text = console.read_text() if console.exists() else ""
         summary = summary_from_log(text)
         if condition == "Complete" and summary is not None:
-            (job.dir / "summary.json").write_text(summary)
-            return job_return(job, summary)
+            try:
+                ret = job_return(job, summary)  # the log is the cluster's: JSON, read as data, or no result
+            except ValueError:
+                ret = None
+            if ret is not None:
+                (job.dir / "summary.json").write_text(summary)
+                return ret
         reason = failure_reason(text) or "see its log"
         return self.failed(job, None, f"job #{job.num} failed on Kubernetes (TrainJob {self.conf.namespace}/{name}, "
                                       f"{condition}): {reason} [log: {console}]")
@@ -124,6 +129,8 @@ class KubernetesLauncher(SweepLauncher):
 def job_return(job: SweepJob, summary_text: str) -> JobReturn:
     """A completed job's JobReturn from its summary.json, as Hydra's sweepers take it (the monitored value)."""
     summary = json.loads(summary_text)
+    if not isinstance(summary, dict):
+        raise ValueError("a summary is a JSON object")
     return JobReturn(overrides=job.overrides, cfg=job.config, working_dir=str(job.dir), status=JobStatus.COMPLETED,
                      _return_value=sweeps.monitor_value(summary))
 
