@@ -280,3 +280,37 @@ def test_ray_launcher_without_multirun_is_refused(tmp_path: Path) -> None:
                         f"hydra.run.dir={tmp_path / 'run'}"], cwd=ROOT, timeout=60)
     assert "add -m" in one_line_error(proc)
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow
+def test_a_rank_whose_actor_dies_is_named_and_its_gang_restarts(cluster: str, tmp_path: Path) -> None:
+    """The actor of rank 0 is SIGKILLed at step 7 (as when its node goes away): Ray reports the actor dead and its
+    worker dies with it; the launcher names the rank and restarts the gang, which resumes from the checkpoint of
+    step 5 (or a later one)."""
+    cmd = [sys.executable, str(ROOT / "train.py"), "-m", *TINY_GPT, *RAY, "parallelism=single", "data=synthetic",
+           "trainer.max_steps=20", "checkpoint=dcp", "checkpoint.every_steps=5", "checkpoint.verify=false",
+           "parallelism.max_restarts=1", f"hydra.sweep.dir={tmp_path}"]
+    env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    job = tmp_path / "0"
+    actor = None
+    try:
+        deadline = time.monotonic() + 240
+        while actor is None:
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0][-3000:]
+            worker = _rank_pid(job, rank=0, attempt=0)
+            if worker is not None and (job / "metrics.jsonl").exists() and max(losses_by_step(job), default=0) >= 7:
+                actor = int(Path(f"/proc/{worker}/stat").read_text().rsplit(")", 1)[1].split()[1])  # its parent
+                assert b"RankActor" in Path(f"/proc/{actor}/cmdline").read_bytes()
+                os.kill(actor, signal.SIGKILL)
+            time.sleep(0.1)
+        out, _ = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out[-3000:]
+    assert re.search(r"#0: rank 0 \(pid \d+\) was lost: its Ray actor on node \S+ died \(.*\); restarting the gang "
+                     r"\(restart 1 of 1\)$", out, re.MULTILINE), out[-3000:]
+    summary = json.loads((job / "summary.json").read_text())
+    assert summary["steps"] == 20 and summary["resumed_from_step"] in (5, 10, 15)  # its last committed checkpoint
+    assert _job_processes(tmp_path) == []

@@ -20,11 +20,13 @@ side by side up to `max_concurrent`, each waiting for room on the cluster.
 Ctrl-C or SIGTERM stops every gang (the ranks get SIGTERM: trainflow saves at
 its next step boundary), kills the actors and removes the placement groups;
 if this process dies outright, Ray kills the actors it owns and each actor's
-worker gets SIGTERM as its parent dies. The same sweep command resumes.
+worker is killed with it (a rank whose actor died is as lost as its node: it
+must not train on beside the next attempt). The same sweep command resumes.
 """
 
 
 import contextlib
+import ctypes
 import json
 import logging
 import os
@@ -46,11 +48,11 @@ from hydra.core.singleton import Singleton
 from hydra.core.utils import JobReturn, JobStatus
 
 from hydra_plugins.trainflow_launchers.common import (
+    PR_SET_PDEATHSIG,
     RESULT_NAME,
     JobShape,
     SweepJob,
     SweepLauncher,
-    die_with_parent,
     failure_reason,
     finished_already,
     job_shape,
@@ -81,9 +83,16 @@ def _ray() -> Any:
     return ray
 
 
+def _killed_with_actor() -> None:
+    """In a rank's worker before it runs: SIGKILL it when its actor dies (PR_SET_PDEATHSIG), as the loss of its node
+    would. A worker left to save on a SIGTERM would outlive the attempt, holding the job's folder, while the next
+    attempt starts; the launcher's own stops (Ctrl-C, a failed peer) go through the live actor, with SIGTERM."""
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
 class RankActor:
     """One rank of a gang, as a Ray actor in its bundle: starts trainflow's worker on its node, hands its output
-    lines, exit code, error record and (rank 0) JobReturn back. Its worker gets SIGTERM when the actor dies."""
+    lines, exit code, error record and (rank 0) JobReturn back. Its worker is killed when the actor dies."""
 
     def __init__(self) -> None:
         self.folder = Path(tempfile.mkdtemp(prefix="trainflow-rank-"))
@@ -111,7 +120,7 @@ class RankActor:
             [sys.executable, "-u", "-m", "hydra_plugins.trainflow_launchers._worker", str(path)],
             env={**os.environ, **env, "TORCHELASTIC_ERROR_FILE": str(error_file)},
             cwd=cwd if Path(cwd).is_dir() else None, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-            bufsize=1, preexec_fn=die_with_parent())
+            bufsize=1, preexec_fn=_killed_with_actor)
         self.reader = threading.Thread(target=self._read, args=(self.proc,), daemon=True)
         self.reader.start()
         return self.proc.pid
