@@ -311,12 +311,22 @@ def read_text(path: Path) -> str:
 
 
 class RunModeGuard(Callback):
-    """Refuses `hydra/launcher=torchrun|slurm` without `-m`: Hydra would silently train here in one process."""
+    """Refuses `hydra/launcher=torchrun|slurm|ray|kubernetes` without `-m`: Hydra would silently train here in one
+    process."""
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
         target = OmegaConf.select(config, "hydra.launcher._target_", default="")
-        from hydra_plugins.trainflow_launchers.config import SlurmLauncherConf, TorchrunLauncherConf
+        from hydra_plugins.trainflow_launchers.config import (
+            KubernetesLauncherConf,
+            RayLauncherConf,
+            SlurmLauncherConf,
+            TorchrunLauncherConf,
+        )
 
+        for conf, name in ((RayLauncherConf, "ray"), (KubernetesLauncherConf, "kubernetes")):
+            if target == conf._target_:
+                user_error(f"hydra/launcher={name}: the {name} launcher runs sweeps, and this is a single run; add -m "
+                           f"(python train.py -m hydra/launcher={name} ...) to run it as a one-job sweep")
         if target == SlurmLauncherConf._target_:
             user_error("hydra/launcher=slurm: the SLURM launcher submits sweeps, and this is a single run; "
                        "add -m (python train.py -m hydra/launcher=slurm ...) to submit it as a one-job sweep")
