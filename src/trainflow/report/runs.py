@@ -349,7 +349,8 @@ def write(root: Path, out: Path | None = None, baseline: str | None = None) -> d
         out.mkdir(parents=True, exist_ok=True)
         report["picture"] = None  # report.md links report.png only when this report drew it
         try:
-            write_png([(r.label, r.losses) for r in runs], report, out / "report.png")
+            write_png([(plot_name(row), r.losses) for r, row in zip(runs, report["runs"], strict=True)], report,
+                      out / "report.png")
             report["picture"] = "report.png"
         except ConfigError as exc:  # no matplotlib: the Markdown and JSON say so, and are written all the same
             report["warnings"].append(str(exc))
@@ -359,6 +360,13 @@ def write(root: Path, out: Path | None = None, baseline: str | None = None) -> d
         raise ReportError(f"{out}: cannot write the report ({exc.strerror or exc}); give a writable folder "
                           "with --out") from None
     return report
+
+
+def plot_name(row: dict[str, Any]) -> str:
+    """A run as the picture names it: its folder (a sweep's job number), its rung, and the overrides that set it
+    apart from the others (a sweep's swept values, e.g. `1: optim.lr=3e-4`), so a legend says what each curve is."""
+    name = f"{row['name']} ({row['rung']})" if row["rung"] else row["name"]
+    return f"{name}: {' '.join(row['overrides'])}" if row["overrides"] else name
 
 
 def failed_gates(report: dict[str, Any]) -> list[dict[str, Any]]:
