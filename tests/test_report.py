@@ -158,12 +158,13 @@ def test_runs_of_another_model_data_or_batch_are_listed_apart_and_any_folder_nam
 
 def test_a_busy_machine_is_a_warning_on_the_picture_too(single_runs: tuple[Path, list[Run]]) -> None:
     from trainflow.report.render import figure
-    from trainflow.report.runs import build
+    from trainflow.report.runs import build, plot_name
 
     folder, runs = single_runs
     report = build(folder)
     report["busy_runs"] = []  # whatever this machine's load was when the fixture's runs ended
-    calm = figure([(r.label, r.losses) for r in report.pop("_runs")], report)
+    calm = figure([(plot_name(row), r.losses) for r, row in zip(report.pop("_runs"), report["runs"], strict=True)],
+                  report)
     assert "WARNING" not in calm._suptitle.get_text()
     report["busy_runs"] = ["2026-01-01/11-00-00"]
     busy = figure([(name, {}) for name in ("2026-01-01/10-00-00", "2026-01-01/11-00-00")], report)

@@ -73,10 +73,6 @@ class RunRecord:
     status: str = "finished"  # finished | failed | running | interrupted (run_status)
     skipped_lines: int = 0  # lines of its metrics.jsonl left out (cut off, or of another shape)
 
-    @property
-    def label(self) -> str:
-        return f"{self.name} {self.rung}" if self.rung else self.name
-
     def figure(self, *keys: str) -> Any:
         """summary[k1][k2]..., None where any level is missing."""
         value: Any = self.summary
@@ -363,10 +359,12 @@ def write(root: Path, out: Path | None = None, baseline: str | None = None) -> d
 
 
 def plot_name(row: dict[str, Any]) -> str:
-    """A run as the picture names it: its folder (a sweep's job number), its rung, and the overrides that set it
-    apart from the others (a sweep's swept values, e.g. `1: optim.lr=3e-4`), so a legend says what each curve is."""
-    name = f"{row['name']} ({row['rung']})" if row["rung"] else row["name"]
-    return f"{name}: {' '.join(row['overrides'])}" if row["overrides"] else name
+    """A run as the picture names it: its folder (a sweep's job number) and what sets it apart from the others, its
+    ladder rung or else its own overrides (a sweep's swept values, e.g. `1: optim.lr=3e-4`), so that a legend says
+    what each curve is."""
+    if row["rung"]:
+        return f"{row['name']} {row['rung']}"
+    return f"{row['name']}: {' '.join(row['overrides'])}" if row["overrides"] else row["name"]
 
 
 def failed_gates(report: dict[str, Any]) -> list[dict[str, Any]]:
@@ -407,7 +405,7 @@ class ReportCallback(Callback):
             if not reason.startswith("job #"):
                 reason = f"{type(error).__name__}: {reason}"
             job_dir.mkdir(parents=True, exist_ok=True)
-            (job_dir / FAILURE_FILE).write_text(reason + "\n")
+            write_atomic(job_dir / FAILURE_FILE, reason + "\n")  # replaces a link there, never writes through it
         write(Path(str(config.hydra.sweep.dir)), baseline=self.baseline)  # Hydra warns if this raises
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
