@@ -17,6 +17,7 @@ import json
 import os
 import re
 import shutil
+import socket
 import stat
 import subprocess
 import sys
@@ -146,6 +147,11 @@ def lock_fifo(tmp: Path) -> None:
     os.mkfifo(tmp / "b" / ".lock")
 
 
+def lock_of_an_impossible_pid(tmp: Path) -> None:
+    unfinished(tmp)
+    (tmp / "b" / ".lock").write_text(f"pid {2**70} on {socket.gethostname()}, since 2026-01-01 00:00:00 UTC\n")
+
+
 def config_with_a_tag(tmp: Path) -> None:
     unfinished(tmp)
     (tmp / "b" / ".hydra" / "config.yaml").write_text(
@@ -220,6 +226,9 @@ RECEIVED: list[Received | Cited] = [
     Received("lock-fifo", "`.lock` of an unfinished job is a FIFO", "not read: no live process holds the run, which "
              "is listed as interrupted", REPORT, "wrote {tmp}/out/report.md", ("1 run(s)",), lock_fifo, exit=0,
              writes=True, after=listed_as_interrupted),
+    Received("lock-impossible-pid", "`.lock` of an unfinished job naming a pid beyond any (2**70) on this host",
+             "no such process: the run is listed as interrupted", REPORT, "wrote {tmp}/out/report.md", ("1 run(s)",),
+             lock_of_an_impossible_pid, exit=0, writes=True, after=listed_as_interrupted),
     Received("forged-line-compare", f"job folders named `x\\n{FORGED}` in two sweeps", "compared; the name is printed "
              "with `\\n` escaped: no forged line on the console or in compare.md", ("compare", "{tmp}/s1", "{tmp}/s2",
                                                                                    "--out", "{tmp}/out"),

@@ -187,8 +187,8 @@ def _lock_holder_alive(path: Path) -> bool:
     except ReceivedFileError:
         return False
     match = re.match(r"pid (\d+) on (\S+?),", text)
-    if match is None or match.group(2) != socket.gethostname():
-        return False
+    if match is None or match.group(2) != socket.gethostname() or not 0 < int(match.group(1)) < 2**31:
+        return False  # pid 0 would ask about this process group, a larger one overflows kill(2)
     try:
         os.kill(int(match.group(1)), 0)
     except ProcessLookupError:
