@@ -22,6 +22,10 @@ def _num(value: float | None, fmt: str, suffix: str = "") -> str:
     return "-" if value is None else f"{value:{fmt}}{suffix}"
 
 
+def _mib(n: float | None) -> str:
+    return _num(n / 2**20 if n is not None else None, ".1f")
+
+
 def _gib(n: int | None) -> str:
     return "-" if n is None else f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
 
@@ -91,10 +95,10 @@ def markdown(report: dict[str, Any]) -> str:
     if plans:
         lines += ["", "## parallelism=auto: per-rank memory (MiB) of each layout, the chosen one in bold", ""]
         lines += [f"- `{_cell(name)}`: " + ", ".join(
-            (f"**{layout} {t['total'] / 2**20:.1f}**" if layout == plan["choice"] else f"{layout} "
-             f"{t['total'] / 2**20:.1f}") for layout, t in plan["table"].items())
-            + f"; budget {plan['budget_bytes'] / 2**20:.1f} ({plan['budget_source']}); measured peak / estimate "
-            + _num((plan["check"] or {}).get("peak_over_estimate"), ".2f")
+            (f"**{layout} {_mib(t.get('total'))}**" if layout == plan.get("choice") else
+             f"{layout} {_mib(t.get('total'))}") for layout, t in (plan.get("table") or {}).items())
+            + f"; budget {_mib(plan.get('budget_bytes'))} ({plan.get('budget_source')}); measured peak / estimate "
+            + _num((plan.get("check") or {}).get("peak_over_estimate"), ".2f")
             + (f"; {plan['reason']}" if plan.get("reason") else "") for name, plan in plans]
     if report.get("picture"):
         lines += ["", "![throughput and loss curves](report.png)", ""]
