@@ -16,6 +16,8 @@ sys.path.insert(0, str(TESTS))
 
 from test_bad_inputs import CASES, markdown_rows  # noqa: E402
 from test_faults import FAULTS  # noqa: E402
+from test_received_files import RECEIVED, Cited  # noqa: E402
+from test_received_files import markdown_rows as received_rows  # noqa: E402
 
 README = TESTS.parent / "README.md"
 RELIABILITY = TESTS.parent / "docs" / "reliability.md"
@@ -66,7 +68,13 @@ def rendered() -> str:
         "The test asserts the exit code and one line that names the key or path shown and then says the words "
         "shown, in their order (… stands for the rest of the sentence):",
         "", *markdown_rows(), "",
-        f"{len(FAULTS)} faults injected into real runs:", "", *faults, END,
+        f"{len(FAULTS)} faults injected into real runs:", "", *faults, "",
+        f"{len(RECEIVED)} hostile files a user may receive (a colleague's run folder, a CI artifact, a shared outputs "
+        "folder), each tried as a real `trainflow` process by `tests/test_received_files.py` (`<dir>` holds `a` and "
+        "`b`, two copies of one finished run, and the row's change) or by the test the row names. A row asserts the "
+        "exit code within 90 s (a hang fails it), no traceback, one line naming the file or option shown and then "
+        "saying the words shown, no forged line and no terminal escape on the console or in the pages, nothing the "
+        "files name run, and nothing written unless its pages are the point:", "", *received_rows(cited), END,
     ])
 
 
@@ -84,30 +92,37 @@ def test_readme_links_to_the_reliability_page() -> None:
     assert "(docs/reliability.md)" in README.read_text()
 
 
-def test_every_fault_names_a_test_that_exists() -> None:
-    for fault in FAULTS:
-        file, name = fault.test.split("::")
+def cited_tests() -> list[str]:
+    """Every test a table cites: the faults' and the received inputs' tried in another file."""
+    return [f.test for f in FAULTS] + [r.test for r in RECEIVED if isinstance(r, Cited)]
+
+
+def test_every_cited_test_exists() -> None:
+    """Each fault's and each cited received input's test is defined, and a row of a table it names is in it."""
+    rows = {c.id for c in CASES} | {r.id for r in RECEIVED if not isinstance(r, Cited)}
+    for test in cited_tests():
+        file, name = test.split("::")
         function = name.split("[")[0]
-        assert f"def {function}(" in (TESTS / file).read_text(), fault.test
+        assert f"def {function}(" in (TESTS / file).read_text(), test
         if "[" in name:
-            assert name.split("[")[1].rstrip("]") in {c.id for c in CASES}, fault.test
+            assert name.split("[")[1].rstrip("]") in rows, test
 
 
 def test_every_cited_test_is_in_the_default_suite_or_says_slow() -> None:
     """Collected by a plain `pytest` (what `make test` runs) exactly when its row does not say "slow"."""
-    files = sorted({f"tests/{f.test.split('::')[0]}" for f in FAULTS})
+    files = sorted({f"tests/{test.split('::')[0]}" for test in cited_tests()})
     proc = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *files],
                           cwd=TESTS.parent, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     collected = {line.removeprefix("tests/") for line in proc.stdout.splitlines() if "::" in line}
-    for fault in FAULTS:
-        slow = (why_not_by_default(fault.test) or "").startswith("slow")
-        runs = any(test == fault.test or test.startswith(f"{fault.test}[") for test in collected)  # or a param of it
-        assert runs is not slow, (fault.test, "slow" if slow else "not collected")
-        assert ("(slow" in cited(fault.test)) == slow
+    for test in cited_tests():
+        slow = (why_not_by_default(test) or "").startswith("slow")
+        runs = any(found == test or found.startswith(f"{test}[") for found in collected)  # or a param of it
+        assert runs is not slow, (test, "slow" if slow else "not collected")
+        assert ("(slow" in cited(test)) == slow
 
 
 if __name__ == "__main__":
     text = RELIABILITY.read_text()
     RELIABILITY.write_text(text.replace(section(text), rendered()))
-    print(f"docs/reliability.md: {len(CASES)} bad inputs, {len(FAULTS)} faults")
+    print(f"docs/reliability.md: {len(CASES)} bad inputs, {len(FAULTS)} faults, {len(RECEIVED)} received inputs")

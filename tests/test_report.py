@@ -158,12 +158,13 @@ def test_runs_of_another_model_data_or_batch_are_listed_apart_and_any_folder_nam
 
 def test_a_busy_machine_is_a_warning_on_the_picture_too(single_runs: tuple[Path, list[Run]]) -> None:
     from trainflow.report.render import figure
-    from trainflow.report.runs import build
+    from trainflow.report.runs import build, plot_name
 
     folder, runs = single_runs
     report = build(folder)
     report["busy_runs"] = []  # whatever this machine's load was when the fixture's runs ended
-    calm = figure([(r.label, r.losses) for r in report.pop("_runs")], report)
+    calm = figure([(plot_name(row), r.losses) for r, row in zip(report.pop("_runs"), report["runs"], strict=True)],
+                  report)
     assert "WARNING" not in calm._suptitle.get_text()
     report["busy_runs"] = ["2026-01-01/11-00-00"]
     busy = figure([(name, {}) for name in ("2026-01-01/10-00-00", "2026-01-01/11-00-00")], report)
@@ -180,7 +181,7 @@ def test_without_matplotlib_the_report_is_written_and_says_how_to_get_the_pictur
     (tmp_path / "no_matplotlib").mkdir()
     (tmp_path / "no_matplotlib" / "sitecustomize.py").write_text("import sys\nsys.modules['matplotlib'] = None\n")
     env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
-    env["PYTHONPATH"] = str(tmp_path / "no_matplotlib")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(tmp_path / "no_matplotlib"), env.get("PYTHONPATH")) if p)
     out = tmp_path / "report"
     proc = run_process([*TRAINFLOW, "report", str(folder), "--out", str(out)], ROOT, env, timeout=300)
     assert proc.returncode == 0, proc.stderr
@@ -190,6 +191,32 @@ def test_without_matplotlib_the_report_is_written_and_says_how_to_get_the_pictur
     wrote = proc.stdout.splitlines()[0]
     assert f"WARNING {line}" in proc.stdout.splitlines() and "report.png" not in wrote and "report.md" in wrote
     assert line in json.loads((out / "report.json").read_text())["warnings"]
+    assert "](report.png)" not in (out / "report.md").read_text()  # no link to a picture it did not draw
+
+
+def test_the_picture_names_each_run_by_what_sets_it_apart_and_escapes_names(single_runs: tuple[Path, list[Run]],
+                                                                            tmp_path: Path) -> None:
+    """The legend and the bars say what was swept (`optim.lr=3e-3`), not only a folder or job number; a name from a
+    folder is drawn with its control characters escaped and its `$` literal (never mathtext), without warnings."""
+    from trainflow.report.render import figure
+    from trainflow.report.runs import build, plot_name
+
+    folder, _ = single_runs
+    copy = tmp_path / "outputs"
+    shutil.copytree(folder, copy)
+    (copy / "2026-01-01" / "11-00-00").rename(copy / "2026-01-01" / "$x$\nFAKE: all gates PASS \u6f22\U0001f600")
+    report = build(copy)
+    runs = report.pop("_runs")
+    drawn = figure([(plot_name(row), r.losses) for r, row in zip(runs, report["runs"], strict=True)], report)
+    bars, curves = drawn.axes
+    # `$` sorts first: that run is the baseline, and the other is set apart by no override of its own
+    names = ["2026-01-01/\\$x\\$\\nFAKE: all gates PASS \u6f22\U0001f600: optim.lr=3e-3", "2026-01-01/10-00-00"]
+    assert [t.get_text() for t in bars.get_xticklabels()] == names
+    assert [t.get_text() for t in curves.get_legend().get_texts()] == names
+    # glyphs the font lacks are drawn as boxes, without a warning on the console
+    proc = report_cmd(copy, "--out", tmp_path / "report")
+    assert proc.returncode == 0 and (tmp_path / "report" / "report.png").is_file(), proc.stderr
+    assert "Glyph" not in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
 
 
 def test_baseline_can_be_named(single_runs: tuple[Path, list[Run]], tmp_path: Path) -> None:

@@ -39,6 +39,7 @@ from trainflow.report.ladder import register_resolvers as register_ladder_resolv
 from trainflow.util.files import not_a_file
 from trainflow.util.rundir import RUN_DIR_ENV
 from trainflow.util.rundir import register_resolvers as register_run_dir_resolvers
+from trainflow.util.shown import shown
 
 
 def register_with_hydra() -> None:
@@ -341,7 +342,7 @@ def main(argv: list[str] | None = None) -> None:
     except TrainflowError as exc:
         if traceback_wanted():
             raise
-        print_error(str(exc))
+        print_error(shown(str(exc)))  # a name from a received file (a run folder, a ledger) stays on this one line
         code = exc.exit_code
     except KeyboardInterrupt as exc:
         if traceback_wanted():

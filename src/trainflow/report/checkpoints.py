@@ -12,7 +12,6 @@ data positions.
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import re
 import time
@@ -24,8 +23,9 @@ import torch
 
 from trainflow.checkpoint.export import BATCH_BYTES, Source
 from trainflow.checkpoint.store import MANIFEST, list_committed, read_state
-from trainflow.errors import CheckpointError
+from trainflow.errors import CheckpointError, ReceivedFileError
 from trainflow.report.gates import FAIL, NOT_EVALUATED, PASS, Gate
+from trainflow.report.summary_file import read_summary
 from trainflow.util.tolerance import TOLERANCE, relative_error
 
 _STEP_DIR = re.compile(r"step_\d+")
@@ -44,9 +44,8 @@ def default_rtol(source: Source) -> float:
     fp32's where that is unknown."""
     summary = source.ck.path.parent.parent / "summary.json"
     math_of = "fp32"
-    if summary.is_file():
-        with contextlib.suppress(ValueError):
-            math_of = json.loads(summary.read_text()).get("matmul_math") or "fp32"
+    with contextlib.suppress(OSError, ReceivedFileError):  # none, or not one trainflow wrote whole: fp32's
+        math_of = read_summary(summary).get("matmul_math") or "fp32"
     table = TOLERANCE["compare.rtol"]
     return table.get(math_of, table["fp32"])
 

@@ -25,7 +25,7 @@ from trainflow.config.schema import TrainerConfig
 from trainflow.report import checkpoints, ledger, render_compare
 from trainflow.report.bisect import bisect
 from trainflow.report.causes import Note, likely_cause, notes
-from trainflow.report.gates import FAIL, Gate, evaluate_gate, parse_gate
+from trainflow.report.gates import FAIL, Gate, check_kind, check_validation, evaluate_gate, parse_gate
 from trainflow.report.noise import Band, judge
 from trainflow.report.runs import EXIT_GATE_FAILED
 from trainflow.report.sides import CompareError, RunView, Side, pairs, resolve_side
@@ -181,9 +181,9 @@ def profiler_rows(a: RunView, b: RunView) -> dict[str, Any] | None:
     va, vb = ((r.profiler or {}).get("verdict") for r in (a, b))
     if not va or not vb:
         return None
-    shares = {k: {"a": va["shares"].get(k), "b": vb["shares"].get(k),
-                  "points": round((vb["shares"].get(k) or 0) - (va["shares"].get(k) or 0), 4)}
-              for k in va["shares"].keys() | vb["shares"].keys()}
+    sa, sb = va.get("shares") or {}, vb.get("shares") or {}
+    shares = {k: {"a": sa.get(k), "b": sb.get(k), "points": round((sb.get(k) or 0) - (sa.get(k) or 0), 4)}
+              for k in sa.keys() | sb.keys()}
     ops_a = {o["name"]: o["self_ms_per_step"] for o in a.profiler.get("top_ops") or []}
     ops_b = {o["name"]: o["self_ms_per_step"] for o in b.profiler.get("top_ops") or []}
     ops = sorted(({"name": n, "a_ms": ops_a.get(n), "b_ms": ops_b.get(n),
@@ -257,13 +257,17 @@ def history_of(sides: list[Side], given: Path | None) -> list[dict[str, Any]]:
 
 
 def build(a_text: str, b_text: str, gates: list[Gate], default_ledger: Path | None,
-          min_band: float | None = None) -> dict[str, Any]:
-    """The comparison of two run-like sides: every pair's figures, curves, profiler and notes, and the gates."""
+          min_band: float | None = None, allow_missing: bool = False) -> dict[str, Any]:
+    """The comparison of two run-like sides: every pair's figures, curves, profiler and notes, and the gates (a
+    val_<metric> gate on a metric neither side has is refused once the runs are read, before any work)."""
     a, b = (resolve_side(text, name, default_ledger) for text, name in ((a_text, "compare A"), (b_text, "compare B")))
+    check_validation(gates, {m for r in (*a.runs, *b.runs) for m in r.figures.get("validation") or {}})
     matched = pairs(a, b)
     history = history_of([a, b], default_ledger)
     compared = [compare_pair(ra, rb, history, min_band) for ra, rb in matched]
-    results = [evaluate_gate(g, p) for g in gates for p in compared]
+    for pair, (ra, rb) in zip(compared, matched, strict=True):
+        pair["lacking"] = {g.name: who for g in gates if (who := lacking(g.name, ra, rb))}
+    results = [evaluate_gate(g, p, allow_missing) for g in gates for p in compared]
     return {"kind": "runs", "written": time.strftime("%Y-%m-%d %H:%M:%S"), "title": f"{a.text} -> {b.text}",
             "a": {"text": a.text, "kind": a.kind, "runs": [r.name for r in a.runs]},
             "b": {"text": b.text, "kind": b.kind, "runs": [r.name for r in b.runs]},
@@ -272,10 +276,19 @@ def build(a_text: str, b_text: str, gates: list[Gate], default_ledger: Path | No
             "_curves": [(ra[0].curves, rb[0].curves) for ra, rb in matched]}
 
 
+def lacking(name: str, a: list[RunView], b: list[RunView]) -> str | None:
+    """Which side has no value of the figure `name` (A, B, A and B), or None when both have one."""
+    figure = FIGURE_NAMES.get(name) or dataclasses.replace(LOSS, name=name)  # val_<metric>: read by its name
+    without = [side for side, runs in (("A", a), ("B", b)) if not samples(runs, figure)[0]]
+    return " and ".join(without) or None
+
+
 def command(args: argparse.Namespace) -> int:
     """`trainflow compare` (see trainflow.cli): the report of the kind the sides are, its pages, its exit code."""
     worse = {name: -1 if f.higher_is_better else 1 for name, f in FIGURE_NAMES.items()}
     gates = [parse_gate(g, worse) for text in args.fail_on or [] for g in text.split(",") if g.strip()]
+    if not args.bisect:
+        check_kind(gates, checkpoints.is_checkpoint(args.a) or checkpoints.is_checkpoint(args.b))
     if args.bisect:
         if gates:
             raise CompareError("--fail-on: --bisect takes no gates (it names where two runs part); leave --fail-on "
@@ -294,7 +307,7 @@ def command(args: argparse.Namespace) -> int:
         report["gates"] = [checkpoints.evaluate_gate(g, report) for g in gates]
         report["passed"] = not any(r["status"] == FAIL for r in report["gates"])
     else:
-        report = build(args.a, args.b, gates, args.ledger, args.min_band)
+        report = build(args.a, args.b, gates, args.ledger, args.min_band, args.allow_missing)
     if not args.bisect:  # a bisect's was settled before its replays
         out = render_compare.out_folder(args.out, args.force)
     written = render_compare.write(report, out)
@@ -315,6 +328,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fail-on", action="append", metavar="FIGURE=THRESHOLD",
                    help="a gate, e.g. step_time=+5%% (B's step time more than 5%% above A's, beyond the noise), "
                         "val_loss=+0.01, mfu=-10%%, tensors=1e-5 (checkpoints); repeat or separate with commas")
+    p.add_argument("--allow-missing", action="store_true",
+                   help="a --fail-on gate on a figure one side lacks (e.g. mfu of a run without a peak FLOPs figure) "
+                        "is NOT EVALUATED instead of failing")
     p.add_argument("--ledger", type=Path, default=None,
                    help=f"the ledger ledger: selections read (default: outputs/{ledger.LEDGER_FILE} here)")
     p.add_argument("--min-band", type=_share, default=None, metavar="SHARE",

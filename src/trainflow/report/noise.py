@@ -16,10 +16,13 @@ from __future__ import annotations
 import bisect
 import json
 import math
+import os
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from trainflow.util.files import LOG_FILE_BYTES, read_regular
 
 MIN_BAND = 0.02  # a change below 2% is never called: timing a log interval is no finer than that here
 CONFIDENT = 0.9  # the share of interval pairs in which one run must beat the other
@@ -31,19 +34,50 @@ INTERVAL_KEYS = {"step_time_s": "perf/step_time_s", "samples_per_sec": "perf/sam
                  "data_wait_fraction": "perf/data_wait_fraction"}
 
 
-def read_metrics(path: Path) -> list[dict[str, Any]]:
-    """metrics.jsonl's entries; a line cut off by a killed run is left out."""
-    entries = []
-    if not path.is_file():
-        return entries
-    for line in path.read_text(errors="replace").splitlines():
+@dataclass(frozen=True)
+class MetricsLog:
+    """metrics.jsonl's entries, and how many of its lines were left out (see read_metrics_log)."""
+
+    entries: list[dict[str, Any]]
+    skipped: int
+
+
+def read_metrics_log(path: Path) -> MetricsLog:
+    """metrics.jsonl's entries (none when there is no file). Read only when it is a regular file of bounded size (a
+    FIFO or a link to /dev/zero is one ReceivedFileError naming it). A line is kept when it is a JSON object with an
+    integer `step` whose figures trainflow reads (FIGURE_PREFIXES) are numbers (or null); any other line is left out
+    and counted: the log is appended to line by line, so one line cut off by a killed run, or of another shape, says
+    nothing about the others, and the reader says how many it left out instead of refusing the run."""
+    if not os.path.lexists(path):
+        return MetricsLog([], 0)
+    entries, skipped = [], 0
+    for line in read_regular(path, LOG_FILE_BYTES).decode(errors="replace").splitlines():
+        if not line.strip():
+            continue
         try:
             entry = json.loads(line)
         except json.JSONDecodeError:
-            continue
-        if isinstance(entry, dict) and isinstance(entry.get("step"), int):
+            entry = None
+        if _well_formed(entry):
             entries.append(entry)
-    return entries
+        else:
+            skipped += 1
+    return MetricsLog(entries, skipped)
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    """metrics.jsonl's well-formed entries (see read_metrics_log)."""
+    return read_metrics_log(path).entries
+
+
+FIGURE_PREFIXES = ("train/", "val/", "perf/")  # the figures of a metrics line that trainflow's readers take
+
+
+def _well_formed(entry: Any) -> bool:
+    if not isinstance(entry, dict) or not isinstance(entry.get("step"), int) or isinstance(entry["step"], bool):
+        return False
+    return all(value is None or (isinstance(value, int | float) and not isinstance(value, bool))
+               for key, value in entry.items() if key.startswith(FIGURE_PREFIXES))
 
 
 def steady_intervals(entries: list[dict[str, Any]], start_step: int, excluded_steps: int) -> dict[str, list[float]]:

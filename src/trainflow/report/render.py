@@ -3,12 +3,16 @@ and loss curves), drawn from the report that trainflow.report.runs builds."""
 
 from __future__ import annotations
 
+import contextlib
+import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from trainflow.report import ladder
 from trainflow.util.files import atomic_path
 from trainflow.util.optional import require
+from trainflow.util.shown import shown
 
 if TYPE_CHECKING:  # matplotlib loads when a picture is drawn, not when a run imports the report
     from matplotlib.figure import Figure
@@ -16,6 +20,10 @@ if TYPE_CHECKING:  # matplotlib loads when a picture is drawn, not when a run im
 
 def _num(value: float | None, fmt: str, suffix: str = "") -> str:
     return "-" if value is None else f"{value:{fmt}}{suffix}"
+
+
+def _mib(n: float | None) -> str:
+    return _num(n / 2**20 if n is not None else None, ".1f")
 
 
 def _gib(n: int | None) -> str:
@@ -45,8 +53,8 @@ def markdown(report: dict[str, Any]) -> str:
     apart = [row for row in report["runs"] if row["not_compared"]]
     if apart:
         lines += ["## Not compared with the baseline", "", "Speedups compare runs of the same model, data and "
-                  "global batch only:", "", *(f"- `{row['name']}`: {_cell(row['not_compared'])}" for row in apart),
-                  ""]
+                  "global batch only:", "",
+                  *(f"- `{_cell(row['name'])}`: {_cell(row['not_compared'])}" for row in apart), ""]
     if report["gates"] is not None:
         lines += ["## Gates", "", "| gate | status | numbers |", "| --- | --- | --- |"]
         lines += [f"| {g['name']} | **{g['status']}** | {_cell(g['detail'])} |" for g in report["gates"]]
@@ -64,8 +72,8 @@ def markdown(report: dict[str, Any]) -> str:
         status = "finished" if row["status"] == "finished" else f"{row['status'].upper()}: {_cell(row['error'] or '')}"
         world = f" x{row['world_size']}" if row["world_size"] and row["world_size"] > 1 else ""
         lines.append(" | ".join([
-            f"| {row['name']}" + (f" ({row['rung']})" if row["rung"] else ""),
-            f"`{' '.join(row['overrides'])}`" if row["overrides"] else "",
+            f"| {_cell(row['name'])}" + (f" ({_cell(row['rung'])})" if row["rung"] else ""),
+            f"`{_cell(' '.join(row['overrides']))}`" if row["overrides"] else "",
             status + world,
             _num(row["samples_per_sec"], ".1f"),
             _num(row["speedup"], ".2f", "x") if not row["not_compared"] else "not compared",
@@ -73,26 +81,28 @@ def markdown(report: dict[str, Any]) -> str:
             _gib(row["peak_memory_bytes"]),
             f"{_num(row['loss_first'], '.4f')} -> {_num(row['loss_last'], '.4f')}",
             _monitored(row),
-            f"{c['graphs']} / {c['graph_breaks']} / {c['recompiles']} / {c['compile_time_s']:.1f} s" if c else "off",
-            p["bound"] if p else "off",
-            f"{k['saves']} / {k['blocked_s']:.3f} s / {k['write_s']:.3f} s" if k else "off",
+            f"{c['graphs']} / {c['graph_breaks']} / {c['recompiles']} / {_num(c['compile_time_s'], '.1f', ' s')}"
+            if c else "off",
+            _cell(p["bound"]) if p else "off",
+            f"{k['saves']} / {_num(k['blocked_s'], '.3f', ' s')} / {_num(k['write_s'], '.3f', ' s')}" if k else "off",
         ]) + " |")
     lines += cost_lines(report["runs"])
     advice = [(row["name"], row["profiler"]) for row in report["runs"] if row["profiler"]]
     if advice:
         lines += ["", "## What the profiler recommends", ""]
-        lines += [f"- `{name}`: **{p['bound']}**: {p['action']}" for name, p in advice]
+        lines += [f"- `{_cell(name)}`: **{_cell(p['bound'])}**: {_cell(p['action'])}" for name, p in advice]
     plans = [(row["name"], row["plan"]) for row in report["runs"] if row.get("plan")]
     if plans:
         lines += ["", "## parallelism=auto: per-rank memory (MiB) of each layout, the chosen one in bold", ""]
-        lines += [f"- `{name}`: " + ", ".join(
-            (f"**{layout} {t['total'] / 2**20:.1f}**" if layout == plan["choice"] else f"{layout} "
-             f"{t['total'] / 2**20:.1f}") for layout, t in plan["table"].items())
-            + f"; budget {plan['budget_bytes'] / 2**20:.1f} ({plan['budget_source']}); measured peak / estimate "
-            + _num((plan["check"] or {}).get("peak_over_estimate"), ".2f")
+        lines += [f"- `{_cell(name)}`: " + ", ".join(
+            (f"**{layout} {_mib(t.get('total'))}**" if layout == plan.get("choice") else
+             f"{layout} {_mib(t.get('total'))}") for layout, t in (plan.get("table") or {}).items())
+            + f"; budget {_mib(plan.get('budget_bytes'))} ({plan.get('budget_source')}); measured peak / estimate "
+            + _num((plan.get("check") or {}).get("peak_over_estimate"), ".2f")
             + (f"; {plan['reason']}" if plan.get("reason") else "") for name, plan in plans]
-    lines += ["", "![throughput and loss curves](report.png)", ""]
-    return "\n".join(lines)
+    if report.get("picture"):
+        lines += ["", "![throughput and loss curves](report.png)", ""]
+    return "\n".join(shown(line) for line in lines)  # a name holding a newline stays on its line
 
 
 def cost_lines(rows: list[dict[str, Any]]) -> list[str]:
@@ -103,29 +113,45 @@ def cost_lines(rows: list[dict[str, Any]]) -> list[str]:
         return []
     lines = ["", "## Energy and cost", ""]
     for part, absent_word in (("energy", "Energy"), ("money", "Cost")):
-        reasons = {c[part].get("absent") for _, c in costs}
+        reasons = {(c.get(part) or {}).get("absent") for _, c in costs}
         if len(reasons) == 1 and None not in reasons:
             lines.append(f"- {absent_word}: absent on every run: {_cell(reasons.pop())}.")
-    shown = [(name, c) for name, c in costs if "absent" not in c["energy"] or "absent" not in c["money"]]
-    if shown:
+    measured = [(name, c) for name, c in costs
+                if any("absent" not in (c.get(part) or {}) for part in ("energy", "money"))]
+    if measured:
         lines += ["", "| run | power | J/sample | J/token | cost of the run | per M tokens | per M samples |",
                   "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
-        for name, c in shown:
-            e, m = c["energy"], c["money"]
+        for name, c in measured:
+            e, m = c.get("energy") or {}, c.get("money") or {}
             values = (e.get("joules_per_sample"), e.get("joules_per_token"), m.get("run"), m.get("per_million_tokens"),
                       m.get("per_million_samples"))
             cells = [_num(e.get("watts"), ".1f", " W"), *(_num(v, ".4g") for v in values)]
-            lines.append(f"| {name} | " + " | ".join(cells) + " |")
+            lines.append(f"| {_cell(name)} | " + " | ".join(cells) + " |")
     return lines
 
 
-def _cell(text: str) -> str:
-    return text.replace("|", "\\|").replace("\n", " ")
+def _cell(text: object) -> str:
+    """Text from a file in a Markdown table cell: control characters escaped (shown), and `|`, which would end the
+    cell."""
+    return shown(text).replace("|", "\\|")
+
+
+def plot_label(text: object) -> str:
+    """Text from a file as a matplotlib label: control characters escaped, and `$`, which would start mathtext."""
+    return shown(text).replace("$", "\\$")
+
+
+@contextlib.contextmanager
+def quiet_glyphs() -> Iterator[None]:
+    """Drawing a name in a script the font lacks draws a box, not a warning on the console."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"Glyph .* missing from font", category=UserWarning)
+        yield
 
 
 def write_png(curves_of: list[tuple[str, dict[int, float]]], report: dict[str, Any], path: Path) -> None:
     """report.png: the figure below, written atomically."""
-    with atomic_path(path) as tmp:
+    with atomic_path(path) as tmp, quiet_glyphs():
         figure(curves_of, report).savefig(tmp, dpi=100)
 
 
@@ -139,7 +165,7 @@ def figure(curves_of: list[tuple[str, dict[int, float]]], report: dict[str, Any]
     fig = Figure(figsize=(13, 5), layout="constrained")
     FigureCanvasAgg(fig)
     bars, curves = fig.subplots(1, 2, width_ratios=[1, 1.3])
-    labels = [label for label, _ in curves_of]
+    labels = [plot_label(name) for name, _ in curves_of]
     rows = report["runs"]
     values = [row["samples_per_sec"] or 0.0 for row in rows]
     colors = [{"finished": "tab:blue", "failed": "tab:red"}.get(row["status"], "tab:gray") for row in rows]
@@ -153,12 +179,12 @@ def figure(curves_of: list[tuple[str, dict[int, float]]], report: dict[str, Any]
                       fontsize=8, xytext=(0, 2), textcoords="offset points")
     bars.set_xticks(range(len(labels)), labels, rotation=30, ha="right", fontsize=8)
     bars.set_ylabel("samples/s (steady state)")
-    bars.set_title(f"throughput; speedup vs {report['baseline']}")
+    bars.set_title(plot_label(f"throughput; speedup vs {report['baseline']}"))
     styles = ("-", "--", "-.", ":")  # curves that coincide (a resumed run) stay visible
-    for i, (label, losses) in enumerate(curves_of):
+    for i, (name, losses) in enumerate(curves_of):
         if losses:
             steps = sorted(losses)
-            curves.plot(steps, [losses[s] for s in steps], styles[i % len(styles)], label=label,
+            curves.plot(steps, [losses[s] for s in steps], styles[i % len(styles)], label=plot_label(name),
                         linewidth=1.4, marker="." if len(steps) == 1 else None)
     curves.set_xlabel("step")
     curves.set_ylabel("train loss")
@@ -166,12 +192,12 @@ def figure(curves_of: list[tuple[str, dict[int, float]]], report: dict[str, Any]
     if any(losses for _, losses in curves_of):
         curves.legend(fontsize=8)
     folder = Path(report["folder"])  # relative where it can be: the picture is often shown away from this machine
-    title = str(folder.relative_to(Path.cwd()) if folder.is_relative_to(Path.cwd()) else folder)
+    title = plot_label(folder.relative_to(Path.cwd()) if folder.is_relative_to(Path.cwd()) else folder)
     if report["gates"] is not None:
         counts = {s: sum(g["status"] == s for g in report["gates"]) for s in (ladder.PASS, ladder.WARN, ladder.FAIL)}
         title += "   gates: " + ", ".join(f"{n} {s}" for s, n in counts.items())
     if report["busy_runs"]:
         title += (f"\nWARNING: {len(report['busy_runs'])} run(s) measured on a busy machine "
-                  f"({', '.join(report['busy_runs'])}): do not trust their speed")
+                  f"({plot_label(', '.join(report['busy_runs']))}): do not trust their speed")
     fig.suptitle(title, fontsize=10, color="tab:red" if report["busy_runs"] else "black")
     return fig

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from trainflow.errors import ConfigError
+from trainflow.report.render import plot_label, quiet_glyphs
 from trainflow.report.sides import CompareError
 from trainflow.util.files import atomic_path, write_atomic
 from trainflow.util.optional import require
@@ -56,7 +57,7 @@ def console_lines(report: dict[str, Any]) -> list[str]:
     lines = {"runs": _run_lines, "checkpoints": _checkpoint_lines, "bisect": _bisect_lines}[report["kind"]](report)
     lines += [f"WARNING {w}" for w in report.get("warnings", [])]
     lines += [f"GATE {g['status']} {g['gate']} ({g['pair']}): {g['detail']}" for g in report.get("gates", [])]
-    return lines
+    return [shown(line) for line in lines]  # a run name holding a newline or an escape stays on its line, inert
 
 
 def _run_lines(report: dict[str, Any]) -> list[str]:
@@ -109,7 +110,8 @@ def _bisect_lines(report: dict[str, Any]) -> list[str]:
 
 
 def _cell(text: Any) -> str:
-    return str(text).replace("|", "\\|").replace("\n", " ")
+    """Text from a file in a Markdown table cell or list item: control characters escaped, `|` too."""
+    return shown(text).replace("|", "\\|")
 
 
 def markdown(report: dict[str, Any]) -> str:
@@ -119,11 +121,12 @@ def markdown(report: dict[str, Any]) -> str:
         lines += ["## Warnings", "", *(f"- {_cell(w)}" for w in report["warnings"]), ""]
     if report.get("gates"):
         lines += ["## Gates", "", "| gate | pair | status | numbers |", "| --- | --- | --- | --- |"]
-        lines += [f"| `{g['gate']}` | {_cell(g['pair'])} | **{g['status']}** | {_cell(g['detail'])} |"
+        lines += [f"| `{_cell(g['gate'])}` | {_cell(g['pair'])} | **{g['status']}** | {_cell(g['detail'])} |"
                   for g in report["gates"]]
         lines += ["", f"Result: {'a gate FAILED: exit code 1' if not report['passed'] else 'no gate failed'}.", ""]
-    lines += ["![compare](compare.png)", ""]
-    return "\n".join(lines)
+    if report.get("picture"):
+        lines += ["![compare](compare.png)", ""]
+    return "\n".join(shown(line) for line in lines)  # a name holding a newline stays on its line
 
 
 def _run_markdown(report: dict[str, Any]) -> list[str]:
@@ -142,24 +145,24 @@ def _run_markdown(report: dict[str, Any]) -> list[str]:
                   "| --- | ---: | ---: | ---: | ---: | ---: | --- | --- |"]
         for row in pair["figures"]:
             band = f"±{row['band'] * 100:.1f}%" + (f" ({row['band_from']})" if row["band_from"] else "")
-            lines.append(f"| {row['label']} | {value(row['a'], row['unit'])} | {value(row['b'], row['unit'])} | "
+            lines.append(f"| {_cell(row['label'])} | {value(row['a'], row['unit'])} | {value(row['b'], row['unit'])} | "
                          f"{change(row)} | {band} | {confidence(row)} | **{row['verdict']}** | "
                          f"{_cell(row['likely_cause'] or '')} |")
         if pair["curves"]:
             lines += ["", f"Curves aligned by step (apart: beyond {pair['loss_rtol']:g} of A's value):", "",
                       "| curve | common steps | max abs diff | at step | final diff | verdict |",
                       "| --- | ---: | ---: | ---: | ---: | --- |"]
-            lines += [f"| {c['curve']} | {c['steps']} | {c['max_abs_diff']:.4g} | {c['at_step']} | "
+            lines += [f"| {_cell(c['curve'])} | {c['steps']} | {c['max_abs_diff']:.4g} | {c['at_step']} | "
                       f"{c['final_diff']:+.4g} | {c['verdict']} |" for c in pair["curves"]]
         if pair["profiler"]:
             p = pair["profiler"]
             lines += ["", f"Profiler verdict: {p['bound'][0]} -> {p['bound'][1]}.", "",
                       "| share of the step | A | B | change (points) |", "| --- | ---: | ---: | ---: |"]
-            lines += [f"| {k} | {_pct(v['a'])} | {_pct(v['b'])} | {v['points'] * 100:+.1f} |"
+            lines += [f"| {_cell(k)} | {_pct(v['a'])} | {_pct(v['b'])} | {v['points'] * 100:+.1f} |"
                       for k, v in p["shares"].items()]
             lines += ["", "| operator (self time per step) | A (ms) | B (ms) | change (ms) |",
                       "| --- | ---: | ---: | ---: |"]
-            lines += [f"| `{o['name']}` | {_num(o['a_ms'])} | {_num(o['b_ms'])} | {o['change_ms']:+.3f} |"
+            lines += [f"| `{_cell(o['name'])}` | {_num(o['a_ms'])} | {_num(o['b_ms'])} | {o['change_ms']:+.3f} |"
                       for o in p["ops"]]
         lines.append("")
     return lines
@@ -178,20 +181,21 @@ def _checkpoint_markdown(report: dict[str, Any]) -> list[str]:
     lines = [f"# Compare checkpoints: {a['path']} -> {b['path']}", "", f"Written {report['written']}.", "",
              "| | step | samples seen | world size | model hash | trainflow | torch |",
              "| --- | ---: | ---: | ---: | --- | --- | --- |"]
-    lines += [f"| {n} | {s['step']} | {s['samples_seen']} | {s['world_size']} | `{s['model_hash']}` | "
-              f"{s['trainflow']} | {s['torch']} |" for n, s in (("A", a), ("B", b))]
+    lines += [f"| {n} | {s['step']} | {s['samples_seen']} | {s['world_size']} | `{_cell(s['model_hash'])}` | "
+              f"{_cell(s['trainflow'])} | {_cell(s['torch'])} |" for n, s in (("A", a), ("B", b))]
     lines += ["", f"**{report['verdict']}**: {report['tensors']} tensors compared, {report['equal_by_checksum']} equal "
                   f"by their files' checksums, {report['read']} read; {report['differing']} differ by more than "
                   f"{report['rtol']:g} (relative error: the norm of the difference over the norm of A's).", ""]
     for label in ("first", "largest"):
         if report[label]:
-            lines.append(f"- {label} differing tensor: `{report[label]['tensor']}`: {_difference(report[label])}")
-    lines += [f"- only in {x[-1].upper()}: " + ", ".join(f"`{k}`" for k in report[x])
+            lines.append(f"- {label} differing tensor: `{_cell(report[label]['tensor'])}`: "
+                         f"{_difference(report[label])}")
+    lines += [f"- only in {x[-1].upper()}: " + ", ".join(f"`{_cell(k)}`" for k in report[x])
               for x in ("only_in_a", "only_in_b") if report[x]]
     differing = [r for r in report["rows"] if r["rel"] > 0]
     if differing:
         lines += ["", "| tensor | relative error | max abs diff |", "| --- | ---: | ---: |"]
-        lines += [f"| `{r['tensor']}` | {r['rel']:.3g} | {r['max_abs']:.3g} |" for r in differing]
+        lines += [f"| `{_cell(r['tensor'])}` | {r['rel']:.3g} | {r['max_abs']:.3g} |" for r in differing]
     lines.append("")
     return lines
 
@@ -202,7 +206,7 @@ def _bisect_markdown(report: dict[str, Any]) -> list[str]:
              "| step | tensors differing | first differing tensor | largest relative error |",
              "| ---: | ---: | --- | ---: |"]
     for s in report["steps"]:
-        first = f"`{s['first']['tensor']}`" if s["first"] else "-"
+        first = f"`{_cell(s['first']['tensor'])}`" if s["first"] else "-"
         lines.append(f"| {s['step']} | {s['differing']} | {first} | {s['largest_rel']:.3g} |")
     lines += ["", "Replayed with:", ""]
     lines += [f"- {name}: `{r['shown']}`" + (f" (with PYTHONPATH={r['pythonpath']} first)" if r["pythonpath"] else "")
@@ -237,7 +241,7 @@ def figure(report: dict[str, Any]) -> Figure:
         _draw_errors(fig.subplots(), [str(s["step"]) for s in steps], [s["largest_rel"] for s in steps],
                      report["rtol"], "replayed step (the largest of its tensors)")
         title = report["conclusion"]
-    fig.suptitle(textwrap.fill(title, 160), fontsize=9)
+    fig.suptitle(textwrap.fill(plot_label(title), 160), fontsize=9)
     return fig
 
 
@@ -250,7 +254,7 @@ def _draw_curves(ax: Any, report: dict[str, Any]) -> None:
             if losses:
                 steps = sorted(losses)
                 ax.plot(steps, [losses[s] for s in steps], style, color=styles[i % len(styles)], linewidth=1.3,
-                        label=f"{side} {', '.join(report['pairs'][i][side.lower()])}")
+                        label=plot_label(f"{side} {', '.join(report['pairs'][i][side.lower()])}"))
                 drawn = True
     ax.set_xlabel("step")
     ax.set_ylabel("train loss")
@@ -271,7 +275,7 @@ def _draw_changes(ax: Any, report: dict[str, Any]) -> None:
     colors = {None: "tab:gray", True: "tab:green", False: "tab:red"}
     ax.barh(range(len(rows)), [r["change"] * 100 for r in rows], xerr=[r["band"] * 100 for r in rows],
             color=[colors[r["better"]] for r in rows], capsize=3)
-    ax.set_yticks(range(len(rows)), labels, fontsize=8)
+    ax.set_yticks(range(len(rows)), [plot_label(text) for text in labels], fontsize=8)
     ax.axvline(0, color="black", linewidth=0.8)
     ax.invert_yaxis()
     ax.set_xlabel("B against A (%), with the noise band: green better, red worse, gray the same or no direction")
@@ -285,7 +289,7 @@ def _draw_errors(ax: Any, labels: list[str], errors: list[float], rtol: float, w
     ax.barh(range(len(shown)), shown, left=floor / 10, color=["tab:red" if e > rtol else "tab:gray" for e in errors])
     ax.axvline(rtol, color="black", linestyle="--", linewidth=0.8, label=f"tolerance {rtol:g}")
     ax.set_xscale("log")
-    ax.set_yticks(range(len(labels)), [label.removeprefix("app.") for label in labels], fontsize=7)
+    ax.set_yticks(range(len(labels)), [plot_label(text.removeprefix("app.")) for text in labels], fontsize=7)
     ax.invert_yaxis()
     ax.set_xlabel(f"relative error (bit-equal: drawn at {floor:g})")
     ax.set_ylabel(what)
@@ -321,9 +325,10 @@ def write(report: dict[str, Any], out: Path) -> list[Path]:
     try:
         out.mkdir(parents=True, exist_ok=True)
         try:
-            with atomic_path(out / "compare.png") as tmp:
+            with atomic_path(out / "compare.png") as tmp, quiet_glyphs():
                 figure(report).savefig(tmp, dpi=100)
             written.append(out / "compare.png")
+            report["picture"] = "compare.png"
         except ConfigError as exc:
             report.setdefault("warnings", []).append(str(exc))
         write_atomic(out / "compare.json", as_json(report))

@@ -30,20 +30,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import yaml
 from hydra.core.utils import JobStatus
 from hydra.experimental.callback import Callback
 from hydra.types import RunMode
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from trainflow.config.schema import LadderConfig, TrainerConfig, WorkerConfig, typed
 from trainflow.distributed.mesh import env_rank
-from trainflow.errors import ConfigError, TrainflowError
+from trainflow.errors import ConfigError, ReceivedFileError, TrainflowError
 from trainflow.loggers.mlflow import finish_sweep
 from trainflow.report import ladder
+from trainflow.report.noise import read_metrics_log
 from trainflow.report.render import markdown, write_png
 from trainflow.report.summary_file import read_summary
-from trainflow.util.files import write_atomic
+from trainflow.util.files import SMALL_FILE_BYTES, read_regular, write_atomic
 from trainflow.util.locks import LOCK_FILE
+from trainflow.util.shown import shown
 
 log = logging.getLogger(__name__)
 
@@ -68,10 +71,7 @@ class RunRecord:
     losses: dict[int, float] = field(default_factory=dict)
     error: str | None = None
     status: str = "finished"  # finished | failed | running | interrupted (run_status)
-
-    @property
-    def label(self) -> str:
-        return f"{self.name} {self.rung}" if self.rung else self.name
+    skipped_lines: int = 0  # lines of its metrics.jsonl left out (cut off, or of another shape)
 
     def figure(self, *keys: str) -> Any:
         """summary[k1][k2]..., None where any level is missing."""
@@ -109,25 +109,56 @@ def _order(rel: Path) -> tuple:
 
 
 def load_run(path: Path, root: Path) -> RunRecord:
-    """Read a run's summary, loss curve, overrides, ladder rung and (if it failed) the reason."""
+    """Read a run's summary, loss curve, overrides, ladder rung and (if it failed) the reason. Each file is read only
+    when it is a regular file of bounded size and has the shape trainflow writes; anything else is one
+    ReceivedFileError naming the file (and the field)."""
     summary = None
     summary_path = path / "summary.json"
-    if summary_path.exists():
-        try:
-            summary = read_summary(summary_path)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise ReportError(f"{summary_path}: not valid JSON ({exc}); the run was cut off while writing it: "
-                              f"rerun it, or move {path} out of the folder") from None
-    overrides: list[str] = []
-    overrides_path = path / ".hydra" / "overrides.yaml"
-    if overrides_path.exists():
-        overrides = [str(o) for o in OmegaConf.load(overrides_path)]
-    rung = (summary.get("config") or {}).get("ladder", {}).get("rung") if summary else None
+    if os.path.lexists(summary_path):
+        summary = read_summary(summary_path)
+    overrides = read_overrides(path / ".hydra" / "overrides.yaml")
+    rung = ((summary.get("config") or {}).get("ladder") or {}).get("rung") if summary else None
     if summary is None and (path / ".hydra" / "config.yaml").exists():
-        rung = OmegaConf.select(OmegaConf.load(path / ".hydra" / "config.yaml"), "ladder.rung", default=None)
+        rung = _saved_rung(path / ".hydra" / "config.yaml")
     status, error = run_status(path, summary)
+    log_file = read_metrics_log(path / "metrics.jsonl")
     name = str(path.relative_to(root)) if path != root else "."
-    return RunRecord(name, path, overrides, rung, summary, read_losses(path / "metrics.jsonl"), error, status)
+    return RunRecord(name, path, overrides, rung, summary, losses_of(log_file.entries), error, status,
+                     log_file.skipped)
+
+
+def read_overrides(path: Path) -> list[str]:
+    """A run's `.hydra/overrides.yaml`: the list of strings Hydra writes there (none when there is no file), read
+    with a safe YAML loader (a tag in a received file constructs nothing); anything else is one ReceivedFileError."""
+    if not os.path.lexists(path):
+        return []
+    loaded = _safe_yaml(path)
+    if not isinstance(loaded, list) or not all(isinstance(o, str) for o in loaded):
+        held = "items that are not text" if isinstance(loaded, list) else f"a {type(loaded).__name__}"
+        raise ReceivedFileError(f"{shown(path)}: is not the list of overrides Hydra writes (it holds {held}); rerun "
+                                "the run, or leave its folder out")
+    return loaded
+
+
+def _saved_rung(path: Path) -> str | None:
+    """ladder.rung of a run's `.hydra/config.yaml` (the rung of a job that wrote no summary yet)."""
+    config = _safe_yaml(path)
+    ladder = config.get("ladder") if isinstance(config, dict) else None
+    rung = ladder.get("rung") if isinstance(ladder, dict) else None
+    if rung is not None and not isinstance(rung, str):
+        raise ReceivedFileError(f"{shown(path)}: ladder.rung is not text; rerun the run, or leave its folder out")
+    return rung
+
+
+def _safe_yaml(path: Path) -> Any:
+    """A YAML file of a run folder, read by yaml.safe_load (plain data only: a tag such as !!python/object is
+    refused, never constructed), as a regular file of bounded size."""
+    try:
+        return yaml.safe_load(read_regular(path, SMALL_FILE_BYTES))
+    except yaml.YAMLError as exc:
+        problem = " ".join(str(getattr(exc, "problem", None) or exc).split())
+        raise ReceivedFileError(f"{shown(path)}: not the plain YAML Hydra writes ({shown(problem)}); rerun the run, "
+                                "or leave its folder out") from None
 
 
 def run_status(path: Path, summary: dict[str, Any] | None) -> tuple[str, str | None]:
@@ -140,8 +171,8 @@ def run_status(path: Path, summary: dict[str, Any] | None) -> tuple[str, str | N
         return "interrupted", (f"stopped by {stopped} at step {summary.get('steps')} after a committed checkpoint; "
                                "the same command resumes it")
     failure = path / FAILURE_FILE
-    if failure.exists():
-        return "failed", failure.read_text().strip()
+    if os.path.lexists(failure):
+        return "failed", read_regular(failure, SMALL_FILE_BYTES).decode(errors="replace").strip()
     if _lock_holder_alive(path):
         return "running", "still training (no summary.json yet)"
     return "interrupted", "no summary.json and no process at work on it: it was killed or never finished; the same " \
@@ -149,13 +180,15 @@ def run_status(path: Path, summary: dict[str, Any] | None) -> tuple[str, str | N
 
 
 def _lock_holder_alive(path: Path) -> bool:
-    """Whether the process named in the run's lock file (trainflow.util.locks: "pid N on HOST, ...") is alive here."""
+    """Whether the process named in the run's lock file (trainflow.util.locks: "pid N on HOST, ...") is alive here;
+    a lock that is no regular file of a lock's size is nobody's."""
     try:
-        match = re.match(r"pid (\d+) on (\S+?),", (path / LOCK_FILE).read_text())
-    except OSError:
+        text = read_regular(path / LOCK_FILE, SMALL_FILE_BYTES).decode(errors="replace")
+    except ReceivedFileError:
         return False
-    if match is None or match.group(2) != socket.gethostname():
-        return False
+    match = re.match(r"pid (\d+) on (\S+?),", text)
+    if match is None or match.group(2) != socket.gethostname() or not 0 < int(match.group(1)) < 2**31:
+        return False  # pid 0 would ask about this process group, a larger one overflows kill(2)
     try:
         os.kill(int(match.group(1)), 0)
     except ProcessLookupError:
@@ -165,19 +198,9 @@ def _lock_holder_alive(path: Path) -> bool:
     return True
 
 
-def read_losses(path: Path) -> dict[int, float]:
+def losses_of(entries: list[dict[str, Any]]) -> dict[int, float]:
     """The train loss by step; a step logged twice (a run resumed in place) keeps its last value."""
-    losses: dict[int, float] = {}
-    if not path.exists():
-        return losses
-    for line in path.read_text().splitlines():
-        try:
-            entry = json.loads(line)
-        except json.JSONDecodeError:
-            continue  # a line cut off by a killed run
-        if "train/loss" in entry:
-            losses[int(entry["step"])] = float(entry["train/loss"])
-    return losses
+    return {entry["step"]: float(entry["train/loss"]) for entry in entries if entry.get("train/loss") is not None}
 
 
 def build(root: Path, baseline: str | None = None) -> dict[str, Any]:
@@ -202,7 +225,9 @@ def build(root: Path, baseline: str | None = None) -> dict[str, Any]:
         report["gates"] = gates
         report["passed"] = not any(g["status"] == ladder.FAIL for g in gates)
     busy = {r.name: w for r in runs if (w := load_warning(r))}
-    report["warnings"] = list(busy.values())
+    report["warnings"] = [*busy.values(), *(f"{r.dir / 'metrics.jsonl'}: {r.skipped_lines} line(s) left out (cut "
+                                            "off, or not of the shape trainflow writes)" for r in runs
+                                            if r.skipped_lines)]
     report["busy_runs"] = list(busy)  # their speed measured the machine's load too
     report["_runs"] = runs  # for the picture; dropped before writing JSON
     return report
@@ -293,12 +318,14 @@ def _row(r: RunRecord, common: list[str], base_sps: float | None, not_compared: 
         "validation": r.figure("validation"),  # every metric of the task, at the last evaluation
         "monitor": r.figure("task", "monitor"),  # the one train.py returns to sweepers, improving in direction `mode`
         "mode": r.figure("task", "mode"),
-        "compile": {"graphs": comp.get("graphs"), "graph_breaks": comp["graph_breaks"]["count"],
-                    "recompiles": comp["recompiles"]["count"], "compile_time_s": comp.get("compile_time_s")}
+        "compile": {"graphs": comp.get("graphs"), "graph_breaks": r.figure("compile", "graph_breaks", "count"),
+                    "recompiles": r.figure("compile", "recompiles", "count"),
+                    "compile_time_s": comp.get("compile_time_s")}
         if comp.get("enabled") else None,
         "profiler": {"bound": verdict.get("bound"), "action": verdict.get("action")} if verdict else None,
-        "checkpoint": {"saves": ckpt.get("saves"), "blocked_s": ckpt["blocked_s"]["total"],
-                       "write_s": ckpt["write_s"]["total"], "resumed_from_step": r.figure("resumed_from_step")}
+        "checkpoint": {"saves": ckpt.get("saves"), "blocked_s": r.figure("checkpoint", "blocked_s", "total"),
+                       "write_s": r.figure("checkpoint", "write_s", "total"),
+                       "resumed_from_step": r.figure("resumed_from_step")}
         if ckpt else None,
         "cost": r.figure("cost"),  # energy (NVIDIA GPUs) and money (trainer.cost_per_hour), or why each is absent
         "metrics": str(r.dir / "metrics.jsonl") if r.losses else None,
@@ -316,8 +343,11 @@ def write(root: Path, out: Path | None = None, baseline: str | None = None) -> d
     runs = report.pop("_runs")
     try:
         out.mkdir(parents=True, exist_ok=True)
+        report["picture"] = None  # report.md links report.png only when this report drew it
         try:
-            write_png([(r.label, r.losses) for r in runs], report, out / "report.png")
+            write_png([(plot_name(row), r.losses) for r, row in zip(runs, report["runs"], strict=True)], report,
+                      out / "report.png")
+            report["picture"] = "report.png"
         except ConfigError as exc:  # no matplotlib: the Markdown and JSON say so, and are written all the same
             report["warnings"].append(str(exc))
         write_atomic(out / "report.json", json.dumps(report, indent=2, default=str))
@@ -326,6 +356,15 @@ def write(root: Path, out: Path | None = None, baseline: str | None = None) -> d
         raise ReportError(f"{out}: cannot write the report ({exc.strerror or exc}); give a writable folder "
                           "with --out") from None
     return report
+
+
+def plot_name(row: dict[str, Any]) -> str:
+    """A run as the picture names it: its folder (a sweep's job number) and what sets it apart from the others, its
+    ladder rung or else its own overrides (a sweep's swept values, e.g. `1: optim.lr=3e-4`), so that a legend says
+    what each curve is."""
+    if row["rung"]:
+        return f"{row['name']} {row['rung']}"
+    return f"{row['name']}: {' '.join(row['overrides'])}" if row["overrides"] else row["name"]
 
 
 def failed_gates(report: dict[str, Any]) -> list[dict[str, Any]]:
@@ -366,7 +405,7 @@ class ReportCallback(Callback):
             if not reason.startswith("job #"):
                 reason = f"{type(error).__name__}: {reason}"
             job_dir.mkdir(parents=True, exist_ok=True)
-            (job_dir / FAILURE_FILE).write_text(reason + "\n")
+            write_atomic(job_dir / FAILURE_FILE, reason + "\n")  # replaces a link there, never writes through it
         write(Path(str(config.hydra.sweep.dir)), baseline=self.baseline)  # Hydra warns if this raises
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
@@ -376,12 +415,13 @@ class ReportCallback(Callback):
         report = write(sweep, baseline=self.baseline)
         finish_sweep(sweep, [sweep / f for f in REPORT_FILES])  # the report on the sweep's MLflow parent run
         for warning in report["warnings"]:
-            log.warning(warning)
+            log.warning(shown(warning))
         log.info("sweep report: %s", sweep / "report.md")
         failed = failed_gates(report)
         if failed:
-            print(f"ladder: {len(failed)} gate(s) FAILED: " + "; ".join(f"{g['name']}: {g['detail']}" for g in failed)
-                  + f" (see {sweep / 'report.md'})", file=sys.stderr)
+            print(shown(f"ladder: {len(failed)} gate(s) FAILED: " + "; ".join(f"{g['name']}: {g['detail']}"
+                                                                              for g in failed)
+                        + f" (see {sweep / 'report.md'})"), file=sys.stderr)
             sys.exit(EXIT_GATE_FAILED)
 
 
@@ -395,16 +435,22 @@ def command(args: argparse.Namespace) -> int:
                                                                    ladder.NOT_EVALUATED)}
     tally = ", ".join(f"{n} {s}" for s, n in counts.items() if n)
     apart = [r for r in report["runs"] if r["not_compared"]]
-    written = [str(out / f) for f in REPORT_FILES if (out / f).is_file()]
-    print(f"wrote {', '.join(written)}: {len(report['runs'])} run(s)"
-          + (f", {len(apart)} not compared with the baseline ("
-             + "; ".join(f"{r['name']}: {r['not_compared']}" for r in apart) + ")" if apart else "")
-          + (f"; gates: {tally}" if gates else ""))
+    written = [str(out / f) for f in REPORT_FILES if f != "report.png" or report["picture"]]
+    print_shown(f"wrote {', '.join(written)}: {len(report['runs'])} run(s)"
+                + (f", {len(apart)} not compared with the baseline ("
+                   + "; ".join(f"{r['name']}: {r['not_compared']}" for r in apart) + ")" if apart else "")
+                + (f"; gates: {tally}" if gates else ""))
     for warning in report["warnings"]:
-        print(f"WARNING {warning}")
+        print_shown(f"WARNING {warning}")
     for g in failed_gates(report):
-        print(f"FAIL {g['name']}: {g['detail']}")
+        print_shown(f"FAIL {g['name']}: {g['detail']}")
     return EXIT_GATE_FAILED if failed_gates(report) else 0
+
+
+def print_shown(line: str) -> None:
+    """Print one line of a report's console output: what it took from files (run and folder names, failure lines)
+    cannot start another line or move the cursor."""
+    print(shown(line))
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

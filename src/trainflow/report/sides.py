@@ -9,12 +9,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from omegaconf import OmegaConf
-
 from trainflow.errors import TrainflowError
 from trainflow.report import ledger
-from trainflow.report.noise import read_metrics, steady_intervals
-from trainflow.report.runs import find_runs, load_run
+from trainflow.report.noise import read_metrics_log, steady_intervals
+from trainflow.report.runs import find_runs, load_run, read_overrides
+from trainflow.util.shown import shown
 
 LEDGER_PREFIX = "ledger:"
 
@@ -35,6 +34,7 @@ class RunView:
     intervals: dict[str, list[float]] = field(default_factory=dict)
     curves: dict[str, dict[int, float]] = field(default_factory=dict)  # train/loss, val/<metric> by step
     profiler: dict[str, Any] | None = None
+    note: str = ""  # what its reading left out
 
 
 @dataclass
@@ -54,17 +54,19 @@ def run_view(path: Path, root: Path) -> RunView:
         raise CompareError(f"{path}: the run has not finished ({record.status}: {record.error}); compare finished "
                            "runs (they hold summary.json)")
     summary = record.summary
-    entries = read_metrics(path / "metrics.jsonl")
+    log_file = read_metrics_log(path / "metrics.jsonl")
     start = summary.get("resumed_from_step") or 0
-    excluded = (summary.get("steady_state") or {}).get("excluded_steps", 0)
+    excluded = (summary.get("steady_state") or {}).get("excluded_steps") or 0
     curves: dict[str, dict[int, float]] = {}
-    for entry in entries:
+    for entry in log_file.entries:
         for key, value in entry.items():
-            if (key == "train/loss" or key.startswith("val/")) and isinstance(value, int | float):
+            if (key == "train/loss" or key.startswith("val/")) and value is not None:
                 curves.setdefault(key, {})[entry["step"]] = float(value)
+    note = (f"{shown(path / 'metrics.jsonl')}: {log_file.skipped} line(s) left out (cut off, or not of the shape "
+            "trainflow writes)" if log_file.skipped else "")
     return RunView(record.name, path, ledger.headline_figures(summary), summary.get("fingerprint") or {},
-                   summary.get("config") or {}, steady_intervals(entries, start, excluded), curves,
-                   summary.get("profiler"))
+                   summary.get("config") or {}, steady_intervals(log_file.entries, start, excluded), curves,
+                   summary.get("profiler"), note)
 
 
 def ledger_view(line: dict[str, Any]) -> RunView:
@@ -95,9 +97,8 @@ def _side(text: str, where: str, default_ledger: Path | None) -> Side:
         return Side(text, "ledger", [ledger_view(line) for line in chosen], note)
     root = Path(text).expanduser()
     found = find_runs(root)
-    if found == [root]:
-        return Side(text, "run", [run_view(root, root.parent)])
-    return Side(text, "sweep", [run_view(p, root) for p in found])
+    runs = [run_view(root, root.parent)] if found == [root] else [run_view(p, root) for p in found]
+    return Side(text, "run" if found == [root] else "sweep", runs, "; ".join(r.note for r in runs if r.note))
 
 
 def pairs(a: Side, b: Side) -> list[tuple[list[RunView], list[RunView]]]:
@@ -124,10 +125,7 @@ def _overrides(run: RunView) -> tuple[str, ...]:
 
 
 def _job_overrides(run: RunView) -> list[str]:
-    path = run.dir / ".hydra" / "overrides.yaml" if run.dir else None
-    if path is None or not path.is_file():
-        return []
-    return [str(o) for o in OmegaConf.load(path)]
+    return read_overrides(run.dir / ".hydra" / "overrides.yaml") if run.dir else []
 
 
 def _varied(side: Side) -> Callable[[RunView], tuple[str, ...]]:

@@ -30,7 +30,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from trainflow.config.schema import RunConfig, plain
 from trainflow.distributed.mesh import env_rank
-from trainflow.errors import ConfigError, TrainflowError, user_error
+from trainflow.errors import ConfigError, ReceivedFileError, TrainflowError, user_error
 from trainflow.report.ladder import check_rungs
 from trainflow.report.summary_file import read_summary
 from trainflow.util.files import write_atomic
@@ -165,7 +165,7 @@ def finished(job_dir: Path, cfg: RunConfig) -> dict[str, Any] | None:
     summary, a cut-off one, a stop on a signal (it resumes), or another config (it runs again)."""
     try:
         summary = read_summary(job_dir / "summary.json")
-    except (OSError, ValueError):
+    except (OSError, ReceivedFileError):  # none, cut off, or not one trainflow wrote: the job runs again
         return None
     if not isinstance(summary, dict) or (summary.get("checkpoint") or {}).get("stopped_by"):
         return None
