@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from trainflow.config.targets import call, first_line, import_target
-from trainflow.errors import StageError, TrainflowError
+from trainflow.errors import ConfigError, StageError, TrainflowError
 from trainflow.loop.stages import Stage, StageContext
 
 WHAT = "a trainflow.loop.stages.Stage subclass, e.g. mypackage.MyStage"
@@ -31,7 +31,7 @@ def configured_stages(section: Mapping[str, Any] | None, ctx: StageContext, take
     stages = []
     for name, keys in (section or {}).items():
         if name in taken_names:
-            raise StageError(f"stages.{name}: trainflow has a stage of that name; name yours otherwise")
+            raise ConfigError(f"stages.{name}: trainflow has a stage of that name; name yours otherwise")
         stage = make_stage(str(name), dict(keys or {}))
         stage.setup(ctx)
         stages.append(stage)
@@ -43,12 +43,12 @@ def make_stage(name: str, kwargs: dict[str, Any]) -> Stage:
     section = f"stages.{name}"
     target = kwargs.pop("_target_", None)
     if not target:
-        raise StageError(f"{section}: no _target_; give {section}._target_ the import path of {WHAT}, or leave it "
+        raise ConfigError(f"{section}: no _target_; give {section}._target_ the import path of {WHAT}, or leave it "
                          "out of stages=[...]")
     order = {key: _names(section, key, kwargs.pop(key)) for key in ORDER_KEYS if key in kwargs}
     stage_class = import_target(f"{section}._target_", str(target), WHAT)
     if not (inspect.isclass(stage_class) and issubclass(stage_class, Stage)):
-        raise StageError(f"{section}._target_: {target} is not a trainflow stage; give {WHAT}")
+        raise ConfigError(f"{section}._target_: {target} is not a trainflow stage; give {WHAT}")
     _check_keys(section, str(target), stage_class, kwargs)
     stage = call(section, str(target), stage_class, kwargs)
     stage.name = name
@@ -63,7 +63,7 @@ def make_stage(name: str, kwargs: dict[str, Any]) -> Stage:
 def _names(section: str, key: str, value: Any) -> tuple[str, ...]:
     names = [value] if isinstance(value, str) else list(value or [])
     if not all(isinstance(n, str) for n in names):
-        raise StageError(f"{section}.{key}: {value!r} is not a stage's name or a list of them")
+        raise ConfigError(f"{section}.{key}: {value!r} is not a stage's name or a list of them")
     return tuple(names)
 
 
@@ -78,7 +78,7 @@ def _check_keys(section: str, target: str, stage_class: type, kwargs: Mapping[st
         if key not in taken:
             close = difflib.get_close_matches(key, taken, n=1)
             hint = f"did you mean {section}.{close[0]}? " if close else ""
-            raise StageError(f"{section}.{key}: {target} takes no such argument; {hint}it takes "
+            raise ConfigError(f"{section}.{key}: {target} takes no such argument; {hint}it takes "
                              f"{', '.join([*taken, *ORDER_KEYS])}")
 
 
