@@ -95,7 +95,8 @@ def test_a_stage_of_your_own_runs_from_yaml_and_the_command_line_through_every_h
     assert cli_stage["calls"] == [[name, step] for step in range(1, 7) for name in ("cli", "recorder")]
 
 
-def test_a_key_the_stage_does_not_take_and_a_target_that_is_no_stage_are_one_line_each(tmp_path: Path) -> None:
+def test_a_key_the_stage_does_not_take_a_target_that_is_no_stage_and_an_order_against_the_phases_are_one_line(
+        tmp_path: Path) -> None:
     one_line_error(train(tmp_path / "key", *SEED_MLP, "trainer.max_steps=2", "stages=[early_stopping]",
                          "+stages.early_stopping.patiense=2"),
                    "stages.early_stopping.patiense: trainflow.stages.early_stopping.EarlyStopping takes no such "
@@ -103,6 +104,9 @@ def test_a_key_the_stage_does_not_take_and_a_target_that_is_no_stage_are_one_lin
     one_line_error(train(tmp_path / "target", *SEED_MLP, "trainer.max_steps=2",
                          "+stages.mine._target_=collections.OrderedDict"),
                    "stages.mine._target_: collections.OrderedDict is not a trainflow stage")
+    one_line_error(train(tmp_path / "order", *SEED_MLP, "trainer.max_steps=2", "stages=[early_stopping]",
+                         "+stages.early_stopping.before=watchdog"),
+                   "stages.early_stopping.before: early_stopping (OWN) cannot act before watchdog (TIME)")
 
 
 def test_a_stage_that_raises_is_one_line_naming_it_and_the_committed_checkpoints_resume(tmp_path: Path) -> None:
