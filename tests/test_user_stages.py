@@ -120,8 +120,12 @@ def test_a_stage_that_raises_is_one_line_naming_it_and_the_committed_checkpoints
     checkpoints = tmp_path / "run" / "checkpoints"
     assert [c.path.name for c in list_committed(checkpoints)] == ["step_00000002", "step_00000004"]
     assert not any(p.name.startswith(".tmp") for p in checkpoints.iterdir())  # nothing half-written
-    resumed = ok(train(tmp_path / "run", *overrides)).summary  # the same run without the stage
-    assert resumed["resumed_from_step"] == 4 and resumed["steps"] == 6
+    # the same run without the stage, and with one its checkpoints were saved without: that one starts afresh
+    resumed = ok(train(tmp_path / "run", *overrides, "stages=[ema]"))
+    assert resumed.summary["resumed_from_step"] == 4 and resumed.summary["steps"] == 6
+    assert resumed.summary["ema"]["updates"] == 2  # steps 5 and 6
+    log = (tmp_path / "run" / "train.log").read_text()
+    assert "holds no state of stage ema (saved without it): it starts afresh" in log
 
 
 def test_early_stopping_stops_when_val_loss_stops_improving_and_keeps_the_best_checkpoint(tmp_path: Path) -> None:
