@@ -63,7 +63,8 @@ def test_train_yaml_leaves_the_trainer_defaults_to_the_schema() -> None:
 
 
 OPEN_SECTIONS = {"model": {"_target_": "trainflow.models.mlp.MLP", "hidden": 8}, "data": {"_target_": "mine.data"},
-                 "task": {"monitor": "loss"}, "optim": {"_target_": "torch.optim.SGD", "lr": 0.1}, "logger": {}}
+                 "task": {"monitor": "loss"}, "optim": {"_target_": "torch.optim.SGD", "lr": 0.1}, "logger": {},
+                 "stages": {}}
 
 
 def test_the_run_config_is_typed_once_from_plain_values() -> None:

@@ -111,7 +111,8 @@ def test_the_loop_calls_only_enabled_stages_and_any_stage_can_stop_it_and_pause_
     cfg = seed_mlp_cfg("trainer.max_steps=40", "trainer.excluded_steps=2", "trainer.log_every=5")
     StopAndPause.built.clear()
     with process_group(cfg) as env:
-        run = assemble(cfg, tmp_path, env, [*STAGES, Off, StopAndPause])  # plugged in like trainflow's own
+        # plugged in like trainflow's own
+        run = assemble(cfg, tmp_path, env, {**STAGES, "off": Off, "stop_and_pause": StopAndPause})
         enabled = [type(stage).__name__ for stage in run.stages if stage.enabled]
         # compile, the profiler, the parity check and checkpoints are off in this experiment, and a CPU has no
         # energy counter for the cost stage: never called
@@ -186,7 +187,7 @@ def test_a_stage_of_your_own_answers_every_hook_of_the_step_and_acts_in_its_decl
     cfg = seed_mlp_cfg("trainer.max_steps=6", "trainer.grad_accum=2", "trainer.grad_clip=0",
                        "trainer.log_every=100", "parallelism.global_batch=null")
     with process_group(cfg) as env:
-        run = assemble(cfg, tmp_path, env, [*STAGES, EveryHook])
+        run = assemble(cfg, tmp_path, env, {**STAGES, "every_hook": EveryHook})
         names = [type(stage).__name__ for stage in run.stages if stage.enabled]
         assert names == ["Fingerprint", "NonFiniteGuard", "EveryHook", "TrainMetrics", "Evaluation"]  # by phase
         assert run.training.name_part is not unnamed  # it names the step's parts: the profiler's hook

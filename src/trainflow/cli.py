@@ -186,7 +186,7 @@ def _export(args: argparse.Namespace) -> int:
     earlier export is replaced."""
     with stop_signals_raise():
         info = export_weights(args.checkpoint, args.out, args.format, force=args.force,
-                              with_optimizer=args.with_optimizer, config=args.config)
+                              with_optimizer=args.with_optimizer, config=args.config, ema=args.ema)
     print(f"wrote {info['path']} ({info['format']}): {info['tensors']} tensors, {info['bytes'] / 1e6:.1f} MB, "
           f"the model of step {info['step']} ({info['checkpoint']})")
     return 0
@@ -201,6 +201,7 @@ def _export_arguments(p: argparse.ArgumentParser) -> None:
                         "torch.distributed.checkpoint folder")
     p.add_argument("--force", action="store_true", help="replace an existing file or earlier export at OUT")
     p.add_argument("--with-optimizer", action="store_true", help="dcp: the optimizer state too")
+    p.add_argument("--ema", action="store_true", help="the average of the weights (stages=[ema]) in their place")
     p.add_argument("--config", type=Path, help="the run's config.yaml (default: <run dir>/config.yaml beside the "
                                                 "checkpoint dir); hf needs it")
 

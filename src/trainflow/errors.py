@@ -34,6 +34,12 @@ class CheckpointError(TrainflowError):
     """A checkpoint that cannot be written, read or used; the message names its path and the fix."""
 
 
+class StageError(TrainflowError):
+    """A stage of the config's `stages` list raised; the message names the stage, its hook and the step."""
+
+    exit_code = 1  # the run failed; what it committed stays
+
+
 class ReceivedFileError(TrainflowError):
     """A file of a run folder, ledger or checkpoint that is not what trainflow writes there (not a regular file, too
     large, of the wrong shape); the message names the file, and the field where one is wrong."""

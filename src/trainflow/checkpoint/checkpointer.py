@@ -145,6 +145,7 @@ class Checkpointer(Stage):
         self._stopped_by: str | None = None
         self._lock: DirLock | None = None  # rank 0, from resume() to close()
         self._deleter = store.Deleter()  # rank 0: removes the checkpoints retention retired
+        self._best_step: int | None = None  # the step whose checkpoint a stage keeps as the best
 
     # -- the stage interface -------------------------------------------------------------------------------------
 
@@ -194,7 +195,9 @@ class Checkpointer(Stage):
 
     def _after_step(self, state: TrainState) -> bool:
         stop_signal, uploaded = self._agreed_flags()  # a collective of every step, not a save's
-        due = self.save_due(state.step)
+        # a stage's best step (early stopping; a bare TrainState has none): saved now, and kept by retention
+        self._best_step = getattr(state, "best_step", None)
+        due = self.save_due(state.step) or self._best_step == state.step != self._last_saved_step
         if not (stop_signal or due or uploaded):
             return False
         with doing(Activity.SAVING):  # the watchdog judges what follows against a save's bound
@@ -419,8 +422,8 @@ class Checkpointer(Stage):
                      nbytes / 1e6, blocked_s, write_s)
 
     def _retain(self) -> None:
-        """Rank 0: retention (store.retain) never deletes the checkpoint this run resumed from."""
-        self._deleter.delete(store.retain(self.dir, self.cfg.keep_last, self._resumed_from))
+        """Rank 0: retention (store.retain) never deletes the checkpoint this run resumed from, nor the best."""
+        self._deleter.delete(store.retain(self.dir, self.cfg.keep_last, self._resumed_from, self._best_step))
 
     def _verify(self, state: TrainState) -> None:
         """Reload the checkpoint just committed into fresh tensors and compare with the live state exactly."""

@@ -85,6 +85,7 @@ BATCH_BYTES = 256 << 20  # tensors read at once by a safetensors or hf export (a
 OPTIM_PREFIX = "app.optim."
 EXPORT_INFO = "trainflow_export.json"  # in an export (folder, or torch archive): what it was exported from
 STAGING = "trainflow_export_staging"  # the first file of a staging folder: "<host> <pid>" of the export writing it
+EMA_PREFIX = "app.stages.ema.weights."  # where stages=[ema] keeps the average of each weight, by the weight's name
 _STAGED = re.compile(r"\.(.+)\.tmp(\d+)")  # a staging folder's name: .<output name>.tmp<pid>
 _OLD = "old"  # in a staging folder: the earlier output, stepped aside until the new one is in place
 
@@ -92,8 +93,9 @@ _OLD = "old"  # in a staging folder: the earlier output, stepped aside until the
 class Source:
     """A committed, intact checkpoint and the tensors it holds, read on demand without running code."""
 
-    def __init__(self, checkpoint: Path) -> None:
+    def __init__(self, checkpoint: Path, ema: bool = False) -> None:
         self.ck: Committed = resolve_checkpoint(checkpoint)
+        self.ema = ema  # the average of the weights (stages=[ema]) in place of the trained weights
         try:
             check_intact(self.ck, list_committed(self.ck.path.parent))
             self.metadata = read_metadata(self.ck.path)
@@ -107,11 +109,18 @@ class Source:
                                   "does not load (it could run code); the checkpoint was tampered with or is not "
                                   "trainflow's")
         self.tensors = dict(entries)  # DCP key (app.model.<name>, app.optim.state.<name>.<slot>) -> metadata
+        if ema and not any(k.startswith(EMA_PREFIX) for k in self.tensors):
+            raise CheckpointError(f"export --ema: {self.ck.path} holds no average of the weights (its run had no "
+                                  "stages=[ema]); export without --ema")
 
     @property
     def model_keys(self) -> dict[str, str]:
-        """The model's tensor names -> their DCP keys."""
-        return {k.removeprefix(MODEL_PREFIX): k for k in self.tensors if k.startswith(MODEL_PREFIX)}
+        """The model's tensor names -> their DCP keys (with `ema`: the average's, for the weights it averages; the
+        buffers are the model's)."""
+        keys = {k.removeprefix(MODEL_PREFIX): k for k in self.tensors if k.startswith(MODEL_PREFIX)}
+        if self.ema:
+            keys.update({name: EMA_PREFIX + name for name in keys if EMA_PREFIX + name in self.tensors})
+        return keys
 
     def read(self, keys: list[str]) -> dict[str, torch.Tensor]:
         """These DCP keys' tensors, whole (every rank's shards joined), in CPU memory."""
@@ -161,18 +170,22 @@ class Source:
 
 
 def export_weights(checkpoint: Path, out: str | Path, fmt: str = "torch", force: bool = False,
-                   with_optimizer: bool = False, config: Path | None = None) -> dict[str, Any]:
+                   with_optimizer: bool = False, config: Path | None = None, ema: bool = False) -> dict[str, Any]:
     """Write the checkpoint's weights to `out` in format `fmt`; return what was written. `config`: the run's
-    config.yaml, when it is not beside the checkpoint dir (<run dir>/config.yaml)."""
+    config.yaml, when it is not beside the checkpoint dir (<run dir>/config.yaml). `ema`: the average of the
+    weights that stages=[ema] kept, in their place."""
     if fmt not in FORMATS:
         raise CheckpointError(f"export --format: must be one of {', '.join(FORMATS)}; got {fmt!r}")
     if with_optimizer and fmt != "dcp":
         raise CheckpointError(f"export --with-optimizer: only --format dcp holds the optimizer state; got --format "
                               f"{fmt}: drop --with-optimizer, or use --format dcp")
-    source = Source(Path(checkpoint))
+    if ema and fmt == "dcp":
+        raise CheckpointError("export --ema: --format dcp copies the checkpoint's tensors as saved; use --format "
+                              "torch, safetensors or hf for the average of the weights")
+    source = Source(Path(checkpoint), ema)
     target = check_output(out, force)
     run_cfg = run_config(source.ck, config)
-    info = {"format": fmt, "checkpoint": str(source.ck.path), "step": source.ck.step,
+    info = {"format": fmt, "checkpoint": str(source.ck.path), "step": source.ck.step, "ema": ema,
             "world_size": source.ck.manifest.get("world_size"),
             "trainflow_version": source.ck.manifest.get("trainflow_version"), "config": run_cfg}
     if fmt == "torch":
@@ -328,9 +341,10 @@ def write_hf(source: Source, folder: Path, plan: HfPlan) -> None:
     """A Hugging Face folder (config.json, model.safetensors) by save_pretrained, and the run's tokenizer."""
     params = plan.model.state_dict()
     with torch.no_grad():
+        names = {key: name for name, key in source.model_keys.items()}
         for batch in source.batches([source.model_keys[k] for k in plan.names]):
             for key, tensor in batch.items():
-                name = key.removeprefix(MODEL_PREFIX)
+                name = names[key]
                 hf_key, transposed = plan.names[name]
                 params[hf_key].copy_(plan.layout(name, tensor, transposed))
         filled = {hf_key for hf_key, _ in plan.names.values()}

@@ -180,8 +180,12 @@ def load_all(target: Committed, state: TrainState, env: DistEnv, group: Any,
             f"checkpoint.resume={target.path} and checkpoint.dir at a new folder, or set optim._target_ back")
     data_changes = data_changed(plain, state, target, on_data_change)
     tensors, live = split_state(state)
+    saved_stages = (plain.get("non_tensor") or {}).get("stages") or {}
+    if "stages" in tensors:  # only what the checkpoint holds: a stage added since starts afresh
+        tensors["stages"] = {name: v for name, v in tensors["stages"].items() if name in saved_stages}
     load_tensors(target, tensors, group)
     loaded = merge_tensors(tensors, plain.get("non_tensor") or {})
+    restore_stages(state, loaded.get("stages") or {}, target, env)
     changes = hyperparameter_changes(plain["param_groups"], live["param_groups"])
     # the config's groups (their number follows optim.weight_decay); the optimizer state is keyed by parameter
     # name, so it fits either way; the LR is the schedule's, recomputed at the step by restore_schedule
@@ -219,6 +223,17 @@ def load_all(target: Committed, state: TrainState, env: DistEnv, group: Any,
         for c in changes:
             log.warning("resume: %s", said(c))
     return changes
+
+
+def restore_stages(state: TrainState, saved: dict[str, Any], target: Committed, env: DistEnv) -> None:
+    """Each stage's own state (its tensors already read into the live ones); a stage the checkpoint was saved
+    without starts afresh, and a line says so."""
+    for name, stage in state.stage_states.items():
+        if name in saved:
+            stage.load_state_dict(saved[name])
+        elif env.is_main:
+            log.warning("resume: %s holds no state of stage %s (saved without it): it starts afresh", target.path,
+                        name)
 
 
 def data_changed(plain: dict[str, Any], state: TrainState, target: Committed,

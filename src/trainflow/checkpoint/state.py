@@ -42,7 +42,9 @@ def split_state(state: TrainState) -> tuple[dict[str, Any], dict[str, Any]]:
     """(the tensors, for the DCP shards; every other value, for state.json): nothing in a checkpoint is pickled."""
     model_sd, optim_sd = get_state_dict(state.model, state.optimizer)
     optim_state = shared_as_saved(optim_sd["state"], state.model)
-    tensors, aside = split_tensors({"model": model_sd, "optim": {"state": optim_state}})
+    own = {name: stage.state_dict() for name, stage in state.stage_states.items()}  # an EMA's weights, sharded
+    tensors, aside = split_tensors({"model": model_sd, "optim": {"state": optim_state},
+                                    **({"stages": own} if own else {})})
     plain = {"format": FORMAT, "step": state.step, "samples_seen": state.samples_seen,
              "stream_version": state.stream_version, "tracked_runs": state.tracked_runs,
              "data": state.data_identity, "layout": state.layout,

@@ -275,9 +275,10 @@ def commit(tmp: Path, final: Path, manifest: dict[str, Any], checksums: dict[str
     return manifest["bytes"] + (final / MANIFEST).stat().st_size
 
 
-def retain(ckpt_dir: Path, keep_last: int, resumed_from: Committed | None) -> list[Path]:
+def retain(ckpt_dir: Path, keep_last: int, resumed_from: Committed | None, best_step: int | None = None) -> list[Path]:
     """Retire the oldest committed checkpoints beyond keep_last; never the newest, the newest finite, the resumed
-    one, nor a folder whose name and manifest disagree (renamed by hand: left alone).
+    one, the best (`best_step`: early stopping's), nor a folder whose name and manifest disagree (renamed by hand:
+    left alone).
 
     A retired folder is renamed to a `.tmp-` name at once (from then on it is no checkpoint: never listed, removed
     at the next start if it is still there) and returned, for Deleter to remove its files.
@@ -289,6 +290,7 @@ def retain(ckpt_dir: Path, keep_last: int, resumed_from: Committed | None) -> li
         keep.add(finite[-1].path)
     if resumed_from is not None:
         keep.add(resumed_from.path)
+    keep.update(c.path for c in committed if c.step == best_step)
     retired = []
     for c in committed:
         if c.path not in keep and c.path.is_symlink():  # its files lie elsewhere: never marked, renamed or deleted

@@ -495,6 +495,9 @@ class RunConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     # logger=[tensorboard,mlflow]: each chosen logger's keys under logger.<name>, its class by `_target_`
     logger: Any = field(default_factory=dict)
+    # stages=[early_stopping,ema] or +stages.mine._target_=...: each stage's keys under stages.<name>, its class by
+    # `_target_` (trainflow.loop.configured)
+    stages: Any = field(default_factory=dict)
 
 
 @dataclass

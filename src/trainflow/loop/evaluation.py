@@ -18,7 +18,7 @@ from trainflow.distributed.pipeline import pipeline_of
 from trainflow.distributed.process_group import all_reduce_mean
 from trainflow.loggers.writer import MetricsWriter
 from trainflow.loop.stages import Phase, Stage, StageContext
-from trainflow.loop.state import LoopState
+from trainflow.loop.state import LoopState, Validation
 from trainflow.tasks import Task, add_metrics
 from trainflow.util.activity import Activity, doing
 from trainflow.util.device import device_sync
@@ -53,6 +53,7 @@ class Evaluation(Stage):
         start = time.perf_counter()
         with doing(Activity.EVALUATING):  # no step for a while, and no hang: the watchdog waits it out
             self.result = evaluate(state.model, self.data.val, self.task, self.trainer, self.env, self.autocast)
+        state.validation = Validation(state.step, self.result)  # early stopping, the EMA's evaluation read it
         self.writer.write(state.step, {f"val/{k}": v for k, v in self.result.items()})
         if self.env.is_main:
             log.info("step %d: val %s", state.step, ", ".join(f"{k} {v:.4g}" for k, v in self.result.items()))

@@ -11,7 +11,7 @@ import contextlib
 import gc
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -37,9 +37,10 @@ from trainflow.distributed.stragglers import Stragglers
 from trainflow.distributed.watchdog import Watchdog
 from trainflow.loggers import FAILED, FINISHED, KILLED, build_loggers
 from trainflow.loggers.writer import MetricsWriter
+from trainflow.loop.configured import configured_stages
 from trainflow.loop.evaluation import Evaluation
 from trainflow.loop.nonfinite import NonFiniteGuard
-from trainflow.loop.stages import Stage, StageContext, StepHooks, in_phase_order, overrides
+from trainflow.loop.stages import Stage, StageContext, StepHooks, ordered, overrides
 from trainflow.loop.state import LoopState
 from trainflow.loop.step import Training, train_step, unnamed
 from trainflow.loop.train_metrics import TrainMetrics
@@ -85,10 +86,13 @@ def _assemble_and_train(cfg: RunConfig, run_dir: Path, env: DistEnv) -> dict[str
     return summarize(assembly)
 
 
-# Every stage of a run, each built from its own config section; the loop calls them in the order of the phase each
-# declares (trainflow.loop.stages.Phase). A new stage is a class with build(ctx) added here.
-STAGES: tuple[type[Stage], ...] = (Watchdog, Compiler, ParityCheck, Profiler, NonFiniteGuard, Stragglers,
-                                   TrainMetrics, Evaluation, Checkpointer, FaultTolerance, Fingerprint, Cost)
+# trainflow's own stages by name, each built from its own config section; the loop calls them in the order of the
+# phase each declares (trainflow.loop.stages.Phase), then of their before/after declarations. The config's `stages`
+# list adds yours (trainflow.loop.configured).
+STAGES: dict[str, type[Stage]] = {
+    "watchdog": Watchdog, "compile": Compiler, "parity": ParityCheck, "profiler": Profiler,
+    "nonfinite": NonFiniteGuard, "stragglers": Stragglers, "train_metrics": TrainMetrics, "evaluation": Evaluation,
+    "checkpoint": Checkpointer, "fault_tolerance": FaultTolerance, "fingerprint": Fingerprint, "cost": Cost}
 
 
 @dataclass
@@ -106,7 +110,8 @@ class Assembly:
     started: float  # time.monotonic() when the assembly began: the run's wall time is counted from there
 
 
-def assemble(cfg: RunConfig, run_dir: Path, env: DistEnv, stage_types: Sequence[type[Stage]] = STAGES) -> Assembly:
+def assemble(cfg: RunConfig, run_dir: Path, env: DistEnv,
+             stage_types: Mapping[str, type[Stage]] = STAGES) -> Assembly:
     """Build everything, in the order the parts depend on each other. What the run decides (the per-rank batch,
     parallelism=auto's layout) makes a new typed config: nothing writes into a config after validation."""
     started = time.monotonic()
@@ -142,7 +147,7 @@ def assemble(cfg: RunConfig, run_dir: Path, env: DistEnv, stage_types: Sequence[
     ctx = StageContext(cfg, run_dir, env, trainer, parallelism, optim, data, task, model, example, autocast,
                        MetricsWriter(run_dir, env.is_main, loggers), meter, flops_per_step,
                        peak_flops(env.device, trainer.precision, cfg.metrics.peak_flops))
-    stages = in_phase_order([stage_type.build(ctx) for stage_type in stage_types])  # before parallelize: parity
+    stages = ordered([*_built(stage_types, ctx), *configured_stages(cfg.stages, ctx, set(stage_types))])
     meter.excluded_steps = max([trainer.excluded_steps, *(stage.excluded_steps() for stage in stages)])
     whole = model
     model = parallelize(model, parallelism, env, trainer.precision, trainer.fp8_recipe)
@@ -154,6 +159,7 @@ def assemble(cfg: RunConfig, run_dir: Path, env: DistEnv, stage_types: Sequence[
     optimizer, scheduler = build_optimizer(model, optim, trainer.max_steps, env.device)
     global_batch = trainer.batch_size * env.dp_size * replicas * trainer.grad_accum  # a TP group reads one batch
     state = LoopState(model, optimizer, scheduler, data_identity=data.identity,  # a resume compares them
+                      stage_states={stage.name: stage for stage in stages if overrides(stage, "state_dict")},
                       layout={"trainer.batch_size": trainer.batch_size, "trainer.grad_accum": trainer.grad_accum,
                               "global batch": global_batch})
     # per-rank randomness (dropout) from here on; then a resume restores every rank's saved generators
@@ -195,6 +201,16 @@ def assemble(cfg: RunConfig, run_dir: Path, env: DistEnv, stage_types: Sequence[
         steps_schedule=schedule_changes_lr(optim), metrics_every_step=cfg.task["train_metrics"] == "every_step",
         global_batch=global_batch, loss_context=loss_context_of(model), pipeline=pipeline)
     return Assembly(ctx, training, stages, metric_names, parameters, flops_absent, auto_plan, resumed_from, started)
+
+
+def _built(stage_types: Mapping[str, type[Stage]], ctx: StageContext) -> list[Stage]:
+    """trainflow's own stages, each named by its key (before parallelize: the parity check copies the model)."""
+    stages = []
+    for name, stage_type in stage_types.items():
+        stage = stage_type.build(ctx)
+        stage.name = name
+        stages.append(stage)
+    return stages
 
 
 def _length(dataset: Any) -> int | None:

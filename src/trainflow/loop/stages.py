@@ -15,15 +15,27 @@ ones, in phase order; the throughput meter leaves out of the steady state the mo
 (`syncs_after`: a save) are the loop's too. At the end each stage is closed and gives its part of summary.json
 under `summary_key` (a dotted key nests it: `parallelism.check`). Stages tell each other things only through the
 loop state (trainflow.loop.state).
+
+Every stage has a `name` (trainflow's own: their key in trainflow.loop.run.STAGES; a stage of the config's
+`stages` list: its key there) and may declare the stages it acts `before` and `after`: `ordered` sorts by phase,
+then by those declarations, then as listed, and refuses in one line a declaration that contradicts the phases or
+another. A stage from the config (trainflow.loop.configured) is made by calling its `_target_` with its keys and is
+handed the run's context once (`setup(ctx)`), before the model is parallelized. A stage whose own state a
+checkpoint must hold answers `state_dict()` (tensors go to the shards, other values to state.json) and gets it back
+by `load_state_dict(saved)` on a resume, before `start`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import heapq
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import IntEnum
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from trainflow.errors import ConfigError
 
 if TYPE_CHECKING:
     import torch
@@ -37,7 +49,8 @@ if TYPE_CHECKING:
     from trainflow.metrics.meter import Throughput
     from trainflow.tasks import Task
 
-__all__ = ["Phase", "Stage", "StageContext", "StepHooks"]
+__all__ = ["Phase", "Stage", "StageContext", "StepHooks", "ordered"]
+
 
 class Phase(IntEnum):
     """When a stage acts after each step; the loop calls the stages in this order (a stage declares its phase)."""
@@ -80,11 +93,25 @@ class Stage:
     phase: Phase = Phase.OWN  # where it acts after each step
     summary_key: str | None = None  # its part of summary.json (None: it reports nothing; dotted: nested)
     names_step_parts: bool = False  # the step's parts (data, forward-backward, optimizer) are named for a profiler
+    name: str = ""  # its key in STAGES or in the config's `stages` (set by the assembly)
+    before: tuple[str, ...] = ()  # stages of its phase it acts before (by name)
+    after: tuple[str, ...] = ()  # stages of its phase it acts after (by name)
 
     @classmethod
     def build(cls, ctx: StageContext) -> Stage:
         """The stage as the run's config says, from the context alone."""
         raise NotImplementedError(f"{cls.__name__} has no build(ctx)")
+
+    def setup(self, ctx: StageContext) -> None:
+        """A stage from the config (made by its `_target_`): the run's context, once, before the model is
+        parallelized."""
+
+    def state_dict(self) -> dict[str, Any] | None:
+        """Its own state for each checkpoint (None: it keeps none); tensors go to the shards (sharded as they are)."""
+        return None
+
+    def load_state_dict(self, saved: dict[str, Any]) -> None:
+        """A resume: the state `state_dict()` gave at the save (its tensors already read into the live ones)."""
 
     def wrap_model(self, model: nn.Module) -> nn.Module:
         """The parallelized model before the optimizer is built; returns the model to train (compile changes it)."""
@@ -169,6 +196,36 @@ class StepHooks:
                    answering["wants_grad_norm"], answering["keeps_update"], answering["syncs_after"])
 
 
-def in_phase_order(stages: list[Stage]) -> list[Stage]:
-    """The stages in the order they act after each step: by phase, then as listed."""
-    return sorted(stages, key=lambda stage: stage.phase)
+def ordered(stages: Sequence[Stage]) -> list[Stage]:
+    """The stages in the order they act: by phase, then by their `before`/`after` declarations, then as listed.
+    A declaration naming no stage, one across phases the other way round, or a cycle is one line."""
+    by_name = {stage.name: i for i, stage in enumerate(stages)}
+    follows: list[set[int]] = [set() for _ in stages]  # follows[i]: the stages that must act before stage i
+    for i, stage in enumerate(stages):
+        for word, names in (("before", stage.before), ("after", stage.after)):
+            for name in names:
+                if name not in by_name:
+                    raise ConfigError(f"stages.{stage.name}.{word}: no stage is named {name!r}; the stages are "
+                                      f"{', '.join(s.name for s in stages)}")
+                first, then = (i, by_name[name]) if word == "before" else (by_name[name], i)
+                if stages[first].phase > stages[then].phase:
+                    raise ConfigError(f"stages.{stage.name}.{word}: {stage.name} ({stage.phase.name}) cannot act "
+                                      f"{word} {name} ({stages[by_name[name]].phase.name}): the phases order them "
+                                      f"the other way; drop the declaration or give {stage.name} another phase")
+                follows[then].add(first)
+    order: list[int] = []
+    ready = [(stage.phase, i) for i, stage in enumerate(stages) if not follows[i]]
+    heapq.heapify(ready)
+    while ready:
+        _, i = heapq.heappop(ready)
+        order.append(i)
+        for j, before in enumerate(follows):
+            if i in before:
+                before.discard(i)
+                if not before:
+                    heapq.heappush(ready, (stages[j].phase, j))
+    if len(order) < len(stages):
+        cycle = [stages[i].name for i in range(len(stages)) if i not in order]
+        raise ConfigError(f"stages: {', '.join(cycle)} declare before/after each other in a cycle; drop one of "
+                          "those declarations")
+    return [stages[i] for i in order]

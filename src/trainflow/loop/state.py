@@ -5,12 +5,28 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
 from trainflow.data.stream import STREAM_VERSION
+
+
+class KeepsState(Protocol):
+    """A stage whose own state a checkpoint holds (trainflow.loop.stages.Stage.state_dict)."""
+
+    def state_dict(self) -> dict[str, Any] | None: ...
+
+    def load_state_dict(self, saved: dict[str, Any]) -> None: ...
+
+
+@dataclass(frozen=True)
+class Validation:
+    """An evaluation's figures (the task's loss and metrics, means over the validation batches) and its step."""
+
+    step: int
+    figures: dict[str, float]
 
 
 @dataclass
@@ -34,6 +50,8 @@ class TrainState:
     # how many samples a step takes, by the key that sets it (trainer.batch_size, trainer.grad_accum, global batch):
     # a resume lists what changed (None: not known)
     layout: dict[str, int] | None = None
+    # the stages whose own state each checkpoint holds, by name (an EMA of the weights): saved and resumed with it
+    stage_states: dict[str, KeepsState] = field(default_factory=dict)
 
 
 @dataclass
@@ -62,3 +80,7 @@ class LoopState(TrainState):
     resumed_checkpoint: Path | None = None  # the committed checkpoint the run started from (None: a fresh start)
     # why a stage stopped the run (fault tolerance: no quorum): the checkpointer saves and stops as on a stop signal
     stop_reason: str | None = None
+    validation: Validation | None = None  # the latest evaluation (the evaluation stage writes it)
+    # the step whose checkpoint is kept as the best (early stopping writes it at a best evaluation): the checkpointer
+    # saves that step and retention never deletes it
+    best_step: int | None = None
