@@ -28,11 +28,11 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from trainflow.config.schema import RunConfig, plain
+from trainflow.config.schema import RunConfig
 from trainflow.distributed.mesh import env_rank
 from trainflow.errors import ConfigError, TrainflowError, user_error
+from trainflow.report import kept
 from trainflow.report.ladder import check_rungs
-from trainflow.report.summary_file import read_summary
 from trainflow.util.files import write_atomic
 from trainflow.util.rundir import override_key, run_identity, run_name, run_name_problem
 
@@ -159,14 +159,8 @@ def claim_checkpoint_dir(ckpt_dir: Path, identity: str) -> None:
 
 def finished(job_dir: Path, cfg: RunConfig) -> dict[str, Any] | None:
     """The summary of a job that finished in `job_dir` with the config `cfg` (the checked one), else None: no
-    summary, a cut-off one, a stop on a signal (it resumes), or another config (it runs again)."""
-    try:
-        summary = read_summary(job_dir / "summary.json")
-    except (OSError, ValueError):
-        return None
-    if not isinstance(summary, dict) or (summary.get("checkpoint") or {}).get("stopped_by"):
-        return None
-    return summary if summary.get("config") == plain(cfg) else None
+    summary, a cut-off one, a stop on a signal (it resumes), or another config (see trainflow.report.kept)."""
+    return kept.finished(kept.read_earlier(job_dir), cfg)
 
 
 def skip_line(num: Any, job_dir: Path, summary: dict[str, Any]) -> str:

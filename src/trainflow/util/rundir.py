@@ -24,6 +24,11 @@ Hydra writes anything into it, so a second run there is refused without touching
 the first one's files. One run per directory, too: a run directory that holds the
 results (config.yaml, summary.json) of a run of another identity (run_identity) is
 refused before anything is written there; the same run may continue in it.
+
+A refused command leaves nothing on disk. Rank 0 notes the run directory as it was before anything is made there
+(note_before); a refusal before training (results_begin marks its start) puts it back (undo_refused): a folder this
+process made goes, with the parents it made; one that was there gets back the bytes of every file the start
+rewrote (Hydra's .hydra/, config.yaml, the lock's holder line), its log cut to its length, and loses what was added.
 """
 
 from __future__ import annotations
@@ -31,6 +36,9 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import shutil
+import stat
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -42,8 +50,8 @@ from omegaconf import DictConfig, OmegaConf
 from torch.distributed import TCPStore
 
 from trainflow.distributed.mesh import env_rank
-from trainflow.errors import ConfigError, user_error
-from trainflow.util.files import cannot_write, not_a_file
+from trainflow.errors import ConfigError, TrainflowError, user_error
+from trainflow.util.files import SMALL_FILE_BYTES, cannot_write, not_a_file, read_regular
 from trainflow.util.locks import LOCK_FILE, DirLock
 
 RUN_DIR_ENV = "TRAINFLOW_RUN_DIR"  # set by our launchers for the processes they start
@@ -177,6 +185,8 @@ def own_dir(folder: str, key: str) -> None:
         user_error(f"{key}: is empty (an unset environment variable?), which would make the current folder "
                    f"{Path.cwd()} the output directory; nothing was written: {fix}, or leave {key} out")
     path = Path(folder).expanduser()
+    if key == "hydra.run.dir":
+        note_before(path)
     if path.is_dir() and not made_by_trainflow(path):
         try:
             entries = sorted(p.name for p in path.iterdir())
@@ -276,6 +286,7 @@ def check_same_run(folder: Path, overrides: list[str]) -> None:
     ours = run_identity(overrides)
     if theirs == ours:
         return
+    undo_refused()  # the lock's holder line goes back to what it said
     held = f"holds the {' and '.join(results)} of"
     if theirs is None:
         user_error(f"hydra.run.dir: {folder} {held} a run trainflow cannot identify (no readable "
@@ -289,3 +300,102 @@ def check_same_run(folder: Path, overrides: list[str]) -> None:
 def _check_writable(key: str, folder: str) -> None:
     if (exc := cannot_write(folder)) is not None:
         user_error(f"{key}: cannot create {folder} ({exc.strerror}); point {key} at a writable folder")
+
+
+_DEPTH = 2  # how deep a start writes into a run directory: .hydra/*, checkpoints/.lock, tensorboard/<events>
+
+
+@dataclass
+class _Before:
+    """A run directory as it was before this process made or claimed it."""
+
+    folder: Path
+    made: list[Path]  # the folder and the parents this process makes, innermost first (empty: it was there)
+    entries: dict[Path, bytes | int | None]  # what it held: a file's bytes (a bigger one: its size), else None
+
+    def restore(self) -> None:
+        if self.made:
+            shutil.rmtree(self.folder, ignore_errors=True)
+            for parent in self.made[1:]:
+                try:
+                    parent.rmdir()  # only while empty: another run may have made its own folder there meanwhile
+                except OSError:
+                    break
+            return
+        now = _entries(self.folder)
+        for path in sorted(now.keys() - self.entries.keys(), key=lambda p: len(p.parts), reverse=True):
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
+        for path, was in self.entries.items():
+            if was is None or now.get(path) == was or not _regular(path):
+                continue
+            try:
+                if isinstance(was, bytes):
+                    path.write_bytes(was)
+                elif path.stat().st_size > was:  # a log too big to keep whole only grows: cut it back
+                    os.truncate(path, was)
+            except OSError:
+                continue
+
+
+def _regular(path: Path) -> bool:
+    try:
+        return stat.S_ISREG(os.lstat(path).st_mode)
+    except OSError:
+        return False
+
+
+def _entries(folder: Path, depth: int = _DEPTH) -> dict[Path, bytes | int | None]:
+    """Everything in `folder` down to `depth` levels, links not followed: a regular file's bytes (one bigger than
+    SMALL_FILE_BYTES: its size), None for anything else."""
+    found: dict[Path, bytes | int | None] = {}
+    try:
+        children = list(folder.iterdir())
+    except OSError:
+        return found
+    for child in children:
+        if _regular(child):
+            try:
+                size = child.stat().st_size
+                found[child] = read_regular(child) if size <= SMALL_FILE_BYTES else size
+            except (OSError, TrainflowError):  # gone or swapped meanwhile: nothing to put back
+                found[child] = None
+            continue
+        found[child] = None
+        if depth > 1 and child.is_dir() and not child.is_symlink():
+            found.update(_entries(child, depth - 1))
+    return found
+
+
+_noted: dict[Path, _Before] = {}  # rank 0's run directories as they were, until training begins
+_began: list[bool] = []  # set once training began (or workers took over): a failure keeps what is there
+
+
+def note_before(folder: Path) -> None:
+    """Rank 0, before anything is made in `folder`: note it as it is, for undo_refused."""
+    folder = folder.absolute()
+    if folder in _noted or _began:
+        return
+    made, missing = [], folder
+    while not missing.exists() and not missing.is_symlink() and missing != missing.parent:
+        made.append(missing)
+        missing = missing.parent
+    _noted[folder] = _Before(folder, made, {} if made else _entries(folder))
+
+
+def results_begin() -> None:
+    """Training begins (or workers this process cannot see begin it): from here on a failure keeps the run
+    directory as it is, with what the run wrote."""
+    _began.append(True)
+    _noted.clear()
+
+
+def undo_refused() -> None:
+    """A command refused before training: every folder noted is as it was before this process (see note_before)."""
+    if _began:
+        return
+    for before in _noted.values():
+        before.restore()
+    _noted.clear()
