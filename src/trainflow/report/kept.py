@@ -124,7 +124,7 @@ def check_may_write(earlier: Earlier, cfg: RunConfig, key: str, fix: str) -> str
         return None
     ours = plain(cfg)
     found = ["its config.yaml is missing or unreadable"] if earlier.last_config is None else \
-        differences(earlier.last_config, ours)
+        [d for d in differences(earlier.last_config, ours) if not d.startswith(_derived(cfg))]
     step = continued_step(cfg, earlier.folder)
     held = f"{shown(earlier.folder)} holds the {' and '.join(earlier.results)} of an earlier run"
     summary = earlier.summary
@@ -140,6 +140,13 @@ def check_may_write(earlier: Earlier, cfg: RunConfig, key: str, fix: str) -> str
                           f"step 0 over its figures; nothing was changed: {fix}")
     return f"this run continues {shown(earlier.folder)} from step {step}, with other settings than its last run: " \
            f"{said(found)}"
+
+
+def _derived(cfg: RunConfig) -> tuple[str, ...]:
+    """The keys a run decides itself and config.yaml holds as decided: the per-rank batch of a global batch,
+    parallelism=auto's layout."""
+    keys = ("trainer.batch_size:",) if cfg.parallelism.global_batch is not None else ()
+    return keys + (("parallelism.",) if cfg.parallelism.strategy == "auto" else ())
 
 
 def keep_summary_aside(folder: Path, config: dict[str, Any]) -> Path | None:
