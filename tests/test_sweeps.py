@@ -20,7 +20,7 @@ from helpers.runs import ROOT, TINY_GPT, losses_by_step, wait_for
 
 from trainflow.errors import ConfigError
 from trainflow.report import runs as report
-from trainflow.report.sweeps import IDENTITY_FILE, claim_checkpoint_dir
+from trainflow.report.sweeps import FRESH, IDENTITY_FILE, claim_checkpoint_dir
 from trainflow.util.rundir import run_name
 
 STEPS = 8
@@ -214,3 +214,32 @@ def test_a_failed_optuna_trial_is_told_to_optuna_as_failed(tmp_path: Path) -> No
     assert len(rows) == 3 and [r["overrides"] for r in failed] == [["trainer.batch_size=0"]]
     assert f"Failed experiment: job #{failed[0]['name']} failed (exit code 2): trainer.batch_size:" in proc.stdout
     assert "best_params:\n  trainer.batch_size: 8" in (sweep / "optimization_results.yaml").read_text()
+
+
+def test_a_sweep_with_another_setting_never_writes_over_the_earlier_sweeps_results(tmp_path: Path) -> None:
+    """`-m compile=off optim.lr=...`, then the same sweep without compile=off: compile is left out of the sweep's
+    name, so both land in one folder. On main the second sweep reran both jobs there, replaced their eager
+    summary.json and logged their steps into metrics.jsonl a second time. Here each job is refused in one line
+    naming the difference (Hydra's own launcher), or the whole sweep before its first job (the process launcher),
+    and the eager figures stay byte for byte."""
+    lr = [*TINY_GPT, "trainer.max_steps=2", "trainer.eval_every=0", "trainer.eval_steps=1", "optim.lr=1e-3,3e-4"]
+    eager = [o for o in lr if o != "compile=off"]  # TINY_GPT has compile=off
+    first = multirun(tmp_path, *lr)
+    assert first.returncode == 0, first.stderr[-3000:]
+    sweep = tmp_path / "multirun" / run_name(lr)
+    assert sweep == tmp_path / "multirun" / run_name(eager)  # the same folder: what the rule is for
+    results = {p: p.read_bytes() for n in ("0", "1") for p in (sweep / n / "summary.json", sweep / n / "metrics.jsonl")}
+
+    compiled = multirun(tmp_path, *eager)
+    assert compiled.returncode == 1, compiled.stderr[-3000:]
+    refusals = [line for line in compiled.stderr.splitlines() if line.startswith("Error: hydra.sweep.dir: job #")]
+    assert refusals == [f"Error: hydra.sweep.dir: job #{n}: {sweep / str(n)} holds the summary.json and metrics.jsonl "
+                        "of an earlier run with other settings (compile.enabled: False -> True), and this run would "
+                        f"start again at step 0 over its figures; nothing was changed: {FRESH}" for n in (0, 1)]
+    assert {p: p.read_bytes() for p in results} == results
+
+    process = multirun(tmp_path, *eager, "hydra/launcher=process")
+    assert process.returncode == 2, process.stderr[-3000:]
+    assert [line for line in process.stderr.splitlines() if line.strip()] == [refusals[0]]
+    assert "#0 :" not in process.stdout  # refused before its first job
+    assert {p: p.read_bytes() for p in results} == results
