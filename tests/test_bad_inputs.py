@@ -1,7 +1,9 @@
 """Every bad input we know of, tried in a real process, as a table.
 
 For each row: one line of stderr names the key (or path) and says the row's decisive words (the cause, the fix) in
-their order; the exit code; no traceback; and every committed checkpoint on disk byte-identical afterwards. A row
+their order; the exit code; no traceback; every committed checkpoint on disk byte-identical afterwards; and nothing
+new left on disk: the row's folder, the repository's outputs/ and multirun/ hold what they held before, byte for byte
+(a row whose point is an existing folder finds it as it was), unless the row says why it `leaves` files. A row
 holds only those words, not the whole message, so rewording a message is one edit, in the source. Every
 `train.py` row runs beside two committed checkpoints of an earlier run (steps 2 and 4) in `checkpoint.dir`, so a bad
 input that got as far as touching them would show. docs/reliability.md is rendered from this table (see
@@ -69,6 +71,10 @@ class Case:
     needs: str | None = None  # "mount": a filesystem of our own; "no-gpu": a machine without CUDA
     after: Callable[[Ctx], None] | None = None  # checks on what the run left behind
     cwd: str | None = None  # where the command runs (placeholders filled); None: the repository's root
+    # what the row may leave in its folder (paths under {tmp}; each row says why): a run directory whose training
+    # began (it keeps what the run wrote and the log saying why it stopped), a cache the next run reuses; all else
+    # is a refusal's, which leaves nothing on disk
+    leaves: tuple[str, ...] = ()
 
 
 OTHER_SWEEP = "hydra:\n  overrides:\n    task:\n    - optim.lr=1e-3,2e-3\n"  # the multirun.yaml of another sweep
@@ -311,7 +317,7 @@ def users_model_in_the_run_dir(ctx: Ctx) -> None:
 
 def users_model_kept(ctx: Ctx) -> None:
     assert (ctx.tmp / "run" / "model.pt").read_text() == PRECIOUS
-    assert (ctx.tmp / "run" / "metrics.jsonl").read_text() == ""  # refused before the first step
+    assert not (ctx.tmp / "run" / "metrics.jsonl").exists()  # refused before the first step: nothing added
 
 
 def mlflow_not_installed(ctx: Ctx) -> None:
@@ -667,7 +673,8 @@ CASES = [
     Case("fsdp-blocks-without-blocks", "scale", "FSDP per-block wrapping of a model without blocks",
          ("model=mlp", "data=synthetic", "parallelism=fsdp", "parallelism.nproc_per_node=2",
           "parallelism.fsdp.wrap=blocks"),
-         "parallelism.fsdp.wrap", ("MLP has none", "parallelism.fsdp.wrap=size", "(rank {n})")),  # found in the workers
+         "parallelism.fsdp.wrap", ("MLP has none", "parallelism.fsdp.wrap=size", "(rank {n})"),
+         leaves=("run",)),  # found by the workers the run started: the run directory keeps their logs
     Case("zero-keep-last", "checkpoint", "retention that keeps nothing", ("checkpoint.keep_last=0",),
          "checkpoint.keep_last", (">= 1", "got 0")),
     Case("export-without-final-save", "checkpoint", "export without a final save",
@@ -706,17 +713,20 @@ CASES = [
          setup=empty_corpus),
     Case("corpus-too-short", "data", "a corpus shorter than one sequence",
          ("data.paths=[{tmp}/tiny.txt]", "data.cache_dir={tmp}/cache"),
-         "data.paths", ("12 bytes", "33 bytes", "add text or lower data.seq_len"), setup=tiny_corpus),
+         "data.paths", ("12 bytes", "33 bytes", "add text or lower data.seq_len"), setup=tiny_corpus,
+         leaves=("cache",)),  # the corpus's token cache, which the next run reuses
     Case("resume-on-other-data", "data", "resuming a checkpoint on another corpus than it was saved on",
          ("data.paths=[{tmp}/corpus]", "data.cache_dir={tmp}/cache"),
          "data.paths", ("2 files added (a.py, b.py)", "{n} files removed", "since step 4",
                         "(the files are under {tmp}/corpus here", "{ckpts}/step_00000004 was saved on the data as it "
-                        "was then", "checkpoint.on_data_change=restart"), setup=another_corpus),
+                        "was then", "checkpoint.on_data_change=restart"), setup=another_corpus,
+         leaves=("cache",)),  # the corpus's token cache, which the next run reuses
     Case("tokenizer-larger-than-model", "data", "a tokenizer with more tokens than the model's vocabulary",
          ("tokenizer=bpe", "tokenizer.vocab_size=400", "model.vocab_size=300", "data.paths=[{tmp}/source.py]",
           "data.cache_dir={tmp}/cache", "tokenizer.cache_dir={tmp}/tokenizers"),
          "model.vocab_size", ("is 300", "{n} tokens", "set model.vocab_size to {n} or more"),
-         setup=source_corpus),
+         setup=source_corpus,
+         leaves=("cache", "tokenizers")),  # the trained tokenizer and token caches, reused next
     Case("bpe-vocab-too-small", "config", "a BPE vocabulary smaller than the bytes it starts from",
          ("tokenizer=bpe", "tokenizer.vocab_size=100", "data.paths=[{tmp}/source.py]"),
          "tokenizer.vocab_size", ("is 100", "257 or more"), setup=source_corpus),
@@ -811,7 +821,8 @@ CASES = [
          "model.vocab_size", ("is 100", "model.vocab_size=256 or more")),
     Case("batch-over-dataset", "data", "a micro-batch larger than the training set",
          ("data.paths=[{tmp}/small.txt]", "data.cache_dir={tmp}/cache", "trainer.batch_size=64"),
-         "trainer.batch_size", ("64 samples", "59 samples", "lower trainer.batch_size"), setup=small_corpus),
+         "trainer.batch_size", ("64 samples", "59 samples", "lower trainer.batch_size"), setup=small_corpus,
+         leaves=("cache",)),  # the corpus's token cache, which the next run reuses
     Case("batch-over-memory", "data", "a micro-batch whose activations cannot fit in memory",
          ("trainer.batch_size=100000", "model.vocab_size=262144"),
          "trainer.batch_size", ("100000 samples", "memory is available",
@@ -849,7 +860,8 @@ CASES = [
          "WANDB_DIR", ("cannot write W&B's files in {tmp}/notes/wandb", "{tmp}/notes is a file",
                        "point WANDB_DIR at a writable folder", "unset it"),
          setup=file_in_the_way_of_wandb, after=nothing_in_the_system_temporary_folder,
-         env=(("WANDB_DIR", "{tmp}/notes"), ("WANDB_MODE", "offline"), ("TMPDIR", "{tmp}/systmp"))),
+         env=(("WANDB_DIR", "{tmp}/notes"), ("WANDB_MODE", "offline"), ("TMPDIR", "{tmp}/systmp")),
+         leaves=("systmp/torchinductor_",)),  # torch's own compile cache in the temporary folder
     Case("logger-target-unknown", "config", "a logger of one's own whose _target_ cannot be imported",
          ("+logger.mine._target_=nowhere.Logger",),
          "logger.mine._target_", ("cannot import 'nowhere.Logger'", "import path of a logger class")),
@@ -876,11 +888,13 @@ CASES = [
          ("compile=default", "data.cache_dir={tmp}/cache"),
          "compile.cache_dir", ("HOME={tmp}/ro", "Read-only file system",
                                "point compile.cache_dir at a writable folder"),
-         setup=read_only_disk, env=(("HOME", "{tmp}/ro"),), needs="mount"),
+         setup=read_only_disk, env=(("HOME", "{tmp}/ro"),), needs="mount",
+         leaves=("cache",)),  # the corpus's token cache, which the next run reuses
     Case("disk-fills-while-training", "environment", "a run directory whose disk fills during training",
          ("hydra.run.dir={tmp}/small/run", "trainer.max_steps=600", "checkpoint.every_steps=1000"),
          "hydra.run.dir", ("metrics.jsonl", "No space left on device", "free space"), setup=disk_filling_under_the_run,
-         after=metrics_lines_are_whole, needs="mount"),
+         after=metrics_lines_are_whole, needs="mount",
+         leaves=("small/run",)),  # training began: the run directory keeps what the run wrote
     # checkpoints
     Case("resume-missing", "checkpoint", "a resume path that does not exist", ("checkpoint.resume={tmp}/nope",),
          "checkpoint.resume", ("{tmp}/nope does not exist", "a committed checkpoint")),
@@ -975,12 +989,14 @@ CASES = [
          ("checkpoint.dir={tmp}/small/ckpts",),
          "checkpoint.dir", ("saving step 6", "the disk is full", "free space",
                             "committed checkpoints are untouched (newest: step_00000004)"),
-         setup=nearly_full_disk, needs="mount"),
+         setup=nearly_full_disk, needs="mount",
+         leaves=("run", "small/ckpts")),  # training began: the run directory keeps what the run wrote
     Case("full-disk-async", "environment", "a disk that fills up during an async save",
          ("checkpoint.dir={tmp}/small/ckpts", "checkpoint.mode=async"),
          "checkpoint.dir", ("saving step 6", "the disk is full", "free space",
                             "committed checkpoints are untouched (newest: step_00000004)"),
-         setup=nearly_full_disk, needs="mount"),
+         setup=nearly_full_disk, needs="mount",
+         leaves=("run", "small/ckpts")),  # training began: the run directory keeps what the run wrote
     Case("read-only-output-dir", "environment", "a run directory on a read-only filesystem",
          ("hydra.run.dir={tmp}/ro/run",),
          "hydra.run.dir", ("{tmp}/ro/run", "Read-only file system", "a writable folder"),
@@ -1218,6 +1234,27 @@ CASES = [
 # -- running a row ----------------------------------------------------------------------------------------------
 
 
+def everything(root: Path) -> dict[str, str]:
+    """Every entry under `root`, links not followed: a regular file's sha256, a link's target, else its kind."""
+    found = {}
+    for folder, folders, files in os.walk(root):
+        for name in folders + files:
+            path = Path(folder) / name
+            if path.is_symlink():
+                kind = f"link to {os.readlink(path)}"
+            elif path.is_file():
+                kind = hashlib.sha256(path.read_bytes()).hexdigest()
+            else:
+                kind = "folder" if path.is_dir() else "other"
+            found[str(path.relative_to(root))] = kind
+    return found
+
+
+def on_disk(ctx: Ctx) -> dict[str, dict[str, str]]:
+    """What a row could leave behind: its own folder, and the outputs of a run or sweep that ignored the row's."""
+    return {str(root): everything(root) for root in (ctx.tmp, ROOT / "outputs", ROOT / "multirun")}
+
+
 def committed_hashes(root: Path) -> dict[str, str]:
     """sha256 of every file of every committed checkpoint (a step_N folder with a manifest) under `root`."""
     return {str(f.relative_to(root)): hashlib.sha256(f.read_bytes()).hexdigest()
@@ -1281,12 +1318,16 @@ def test_bad_input(case: Case, reference_checkpoints: Path, tmp_path: Path) -> N
         if case.setup:
             case.setup(ctx)
         before = committed_hashes(tmp_path)
+        disk_before = on_disk(ctx)
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **{k: ctx.fill(v) for k, v in case.env}}
+        if "PYTHONPATH" in dict(case.env) and os.environ.get("PYTHONPATH"):  # the row's folder first, then ours
+            env["PYTHONPATH"] += os.pathsep + os.environ["PYTHONPATH"]
         for key in ("HYDRA_FULL_ERROR", *(k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
                                           if k not in dict(case.env))):
             env.pop(key, None)
         proc = run_process(command(case, ctx), ctx.fill(case.cwd) if case.cwd else ROOT, env, timeout=300)
         after = committed_hashes(tmp_path)
+        disk_after = on_disk(ctx)
         if case.after:
             case.after(ctx)
     lines = proc.stderr.splitlines()
@@ -1300,6 +1341,12 @@ def test_bad_input(case: Case, reference_checkpoints: Path, tmp_path: Path) -> N
     assert any(name.startswith("ckpts/step_00000002/") for name in before)  # the hashes cover the reference run's
     assert after == before
     assert not (tmp_path / "ran").exists()  # no row's checkpoint ran code
+    for root, entries in disk_after.items():  # a refused command leaves nothing on disk
+        was = disk_before[root]
+        allowed = tuple(str(ctx.tmp / path) for path in case.leaves) if root == str(ctx.tmp) else ()
+        left = {k: v for k, v in entries.items() if was.get(k) != v and not str(Path(root, k)).startswith(allowed)}
+        assert left == {}, f"left in {root}"
+        assert sorted(was.keys() - entries.keys()) == [], f"removed from {root}"
 
 
 def test_full_error_shows_the_traceback_when_asked(tmp_path: Path) -> None:

@@ -23,6 +23,7 @@ from omegaconf import DictConfig, OmegaConf
 from trainflow.checkpoint import export_weights, stop_exit_code
 from trainflow.checkpoint.export import FORMATS
 from trainflow.checkpoint.stopping import catch_stop_signals, release_stop_signals
+from trainflow.checkpoint.store import resolve_dir
 from trainflow.conf import CONFIG_PATH
 from trainflow.config.checks import check_config
 from trainflow.config.command_line import EXIT_COMMAND_LINE, explain, raised_errors, single_run
@@ -45,7 +46,7 @@ from trainflow.report import compare, kept, ledger, sweeps
 from trainflow.report import runs as report
 from trainflow.report.ladder import register_resolvers as register_ladder_resolvers
 from trainflow.util.files import not_a_file
-from trainflow.util.rundir import RUN_DIR_ENV, results_begin, undo_refused
+from trainflow.util.rundir import RUN_DIR_ENV, note_before, undo_refused
 from trainflow.util.rundir import register_resolvers as register_run_dir_resolvers
 
 
@@ -105,6 +106,8 @@ def _run_job(cfg: DictConfig) -> float | None:
         # from here on a stop signal says in one line what it did, whatever the run is doing (see stopping.py)
         catch_stop_signals(run_cfg.checkpoint.stop_signals, run_cfg.checkpoint.enabled, speak=env_rank() == 0)
         run_dir = Path(hydra_cfg.runtime.output_dir)
+        if env_rank() == 0 and run_cfg.checkpoint.enabled:  # its lock's holder line goes back if this is refused
+            note_before(resolve_dir(run_cfg.checkpoint.dir, run_dir), depth=1)
         earlier = kept.read_earlier(run_dir)
         if (done := kept.finished(earlier, run_cfg)) is not None:  # the same command again: its results stay
             if env_rank() == 0:
@@ -120,11 +123,7 @@ def _run_job(cfg: DictConfig) -> float | None:
         if sweep_job and sweeps.typed_checkpoint_dir(hydra_cfg) and run_cfg.checkpoint.enabled:
             sweeps.claim_checkpoint_dir(Path(str(run_cfg.checkpoint.dir)), sweeps.job_identity(hydra_cfg))
         # ddp/fsdp typed without torchrun: start the local workers, which train through `run` themselves
-        if should_launch(run_cfg):
-            results_begin()  # the workers' progress is theirs: a failure from here on keeps the run directory
-            summary = launch(run_cfg, run_dir)
-        else:
-            summary = train(run_cfg, run_dir)
+        summary = launch(run_cfg, run_dir) if should_launch(run_cfg) else train(run_cfg, run_dir)
     except TrainflowError as exc:
         if traceback_wanted():
             raise
@@ -173,6 +172,10 @@ def train(overrides: list[str]) -> None:
     try:
         with raised_errors():
             hydra.main(version_base="1.3", config_path=CONFIG_PATH, config_name="train")(run_from_hydra)()
+    except SystemExit as exc:
+        if exc.code == EXIT_USER_ERROR:  # a sweep refused in one line (its launcher's settings, a ladder rung)
+            undo_refused()
+        raise
     except Exception as exc:
         if (line := None if traceback_wanted() else explain(exc, overrides)) is None:
             raise

@@ -32,7 +32,7 @@ from trainflow.cli import register_with_hydra
 from trainflow.errors import TrainflowError, user_error
 from trainflow.report import kept, sweeps
 from trainflow.report.sweeps import JobFailed
-from trainflow.util.rundir import RUN_DIR_ENV, claim_run_dir
+from trainflow.util.rundir import RUN_DIR_ENV, claim_run_dir, results_begin
 
 log = logging.getLogger(__name__)
 
@@ -120,12 +120,12 @@ def check_results_kept(jobs: list[SweepJob]) -> None:
 
     for job in jobs:
         earlier = kept.read_earlier(job.dir)
-        if not earlier.results:
+        if not earlier.results or not trainflow_job(job):
             continue
         with as_job(job) as task:
             try:
                 cfg = sweeps.with_job_checkpoint_dir(check_config(task), job.config.hydra)
-            except TrainflowError:  # the job itself will say what is wrong with it
+            except Exception:  # the job itself will say what is wrong with it
                 continue
         try:
             kept.check_may_write(earlier, cfg, f"hydra.sweep.dir: job #{job.num}", sweeps.FRESH)
@@ -186,6 +186,7 @@ class SweepLauncher(Launcher):
         """Run the jobs one after the other, each given Hydra's global state to take along; a job that finished
         already (the same sweep run again) is skipped."""
         state = Singleton.get_state()
+        results_begin()  # the jobs start: a failure from here on keeps the sweep folder with what they wrote
         results = []
         for job in jobs:
             log.info("\t%s", job.describe())

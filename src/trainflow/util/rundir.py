@@ -185,8 +185,7 @@ def own_dir(folder: str, key: str) -> None:
         user_error(f"{key}: is empty (an unset environment variable?), which would make the current folder "
                    f"{Path.cwd()} the output directory; nothing was written: {fix}, or leave {key} out")
     path = Path(folder).expanduser()
-    if key == "hydra.run.dir":
-        note_before(path)
+    note_before(path) if key == "hydra.run.dir" else note_before(path, depth=1, sweep=True)
     if path.is_dir() and not made_by_trainflow(path):
         try:
             entries = sorted(p.name for p in path.iterdir())
@@ -245,8 +244,10 @@ def claim_run_dir(folder: Path, key: str) -> None:
         folder.mkdir(parents=True, exist_ok=True)
         _claimed[folder] = DirLock(folder, key=key, fix=fix)
     except ConfigError as exc:
+        undo_refused()
         user_error(str(exc))
     except OSError as exc:
+        undo_refused()
         user_error(f"{key}: cannot create {folder} ({exc.strerror}); point {key} at a writable folder")
     mark(folder, key)
 
@@ -312,8 +313,14 @@ class _Before:
     folder: Path
     made: list[Path]  # the folder and the parents this process makes, innermost first (empty: it was there)
     entries: dict[Path, bytes | int | None]  # what it held: a file's bytes (a bigger one: its size), else None
+    depth: int  # how deep it was noted
+    sweep: bool  # a sweep folder: once a job's folder appeared there, what the jobs did is kept
 
     def restore(self) -> None:
+        now = _entries(self.folder, self.depth)
+        added = now.keys() - self.entries.keys()
+        if self.sweep and any(path.is_dir() and not path.is_symlink() for path in added):
+            return  # a job's folder: the jobs began
         if self.made:
             shutil.rmtree(self.folder, ignore_errors=True)
             for parent in self.made[1:]:
@@ -322,8 +329,7 @@ class _Before:
                 except OSError:
                     break
             return
-        now = _entries(self.folder)
-        for path in sorted(now.keys() - self.entries.keys(), key=lambda p: len(p.parts), reverse=True):
+        for path in sorted(added, key=lambda p: len(p.parts), reverse=True):
             if path.is_dir() and not path.is_symlink():
                 shutil.rmtree(path, ignore_errors=True)
             else:
@@ -373,8 +379,9 @@ _noted: dict[Path, _Before] = {}  # rank 0's run directories as they were, until
 _began: list[bool] = []  # set once training began (or workers took over): a failure keeps what is there
 
 
-def note_before(folder: Path) -> None:
-    """Rank 0, before anything is made in `folder`: note it as it is, for undo_refused."""
+def note_before(folder: Path, depth: int = _DEPTH, sweep: bool = False) -> None:
+    """Rank 0, before anything is made in `folder`: note it as it is, `depth` levels deep, for undo_refused (a
+    checkpoint folder: 1, its lock and markers; its checkpoints a start never writes)."""
     folder = folder.absolute()
     if folder in _noted or _began:
         return
@@ -382,7 +389,7 @@ def note_before(folder: Path) -> None:
     while not missing.exists() and not missing.is_symlink() and missing != missing.parent:
         made.append(missing)
         missing = missing.parent
-    _noted[folder] = _Before(folder, made, {} if made else _entries(folder))
+    _noted[folder] = _Before(folder, made, {} if made else _entries(folder, depth), depth, sweep)
 
 
 def results_begin() -> None:
@@ -396,6 +403,6 @@ def undo_refused() -> None:
     """A command refused before training: every folder noted is as it was before this process (see note_before)."""
     if _began:
         return
-    for before in _noted.values():
+    for before in reversed(_noted.values()):  # a folder noted inside another (checkpoints/) first
         before.restore()
     _noted.clear()
