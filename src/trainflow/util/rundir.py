@@ -9,8 +9,9 @@ directory. Only rank 0 writes Hydra's saved config and the log file.
 
 A checkpointed run (or one given `trainer.run_name`) has a stable identity instead:
 `outputs/runs/<run name>`, the name made from the overrides that change what is
-trained. The same command therefore finds the same directory and resumes from its
-checkpoints, on every rank, after any stop or crash.
+trained (folder_name: short and shell-safe; the identity itself is run_name's). The
+same command therefore finds the same directory and resumes from its checkpoints, on
+every rank, after any stop or crash.
 
 trainflow writes only into what it owns: a run or sweep directory it made holds its
 marker file (MARKER), written before anything else; a folder that holds anything
@@ -70,6 +71,8 @@ _NOT_IN_RUN_NAME = ("hydra", "checkpoint", "compile", "parallelism", "profiler",
                     "trainer.sweep_name")
 _IN_RUN_NAME = ("checkpoint.dir",)  # another checkpoint folder is another history
 _READABLE_CHARS = 160  # a folder name may have 255 bytes
+FOLDER_CHARS = 80  # a run or sweep folder's name: at most this long, of characters a shell takes as they are
+_NOT_IN_FOLDER = re.compile(r"[^A-Za-z0-9._-]+")
 
 
 def _timestamp() -> str:
@@ -113,11 +116,43 @@ def run_name_problem(name: str) -> str | None:
 
 
 def run_name(overrides: list[str]) -> str:
-    """The default trainer.run_name: the overrides that change what is trained, readable, plus a short hash of
-    them all; their order does not matter."""
+    """The default trainer.run_name, a run's identity: the overrides that change what is trained, readable, plus a
+    short hash of them all; their order does not matter."""
     kept = sorted(o for o in overrides if _names_the_run(o))
     readable = re.sub(r"[^A-Za-z0-9._=,+-]", "_", ",".join(kept))[:_READABLE_CHARS] or "default"
-    return f"{readable}-{hashlib.sha256(chr(10).join(kept).encode()).hexdigest()[:8]}"
+    return f"{readable}-{_digest(kept)}"
+
+
+def _digest(kept: list[str]) -> str:
+    return hashlib.sha256(chr(10).join(kept).encode()).hexdigest()[:8]
+
+
+def folder_name(overrides: list[str]) -> str:
+    """The folder of a run or sweep named by its overrides (those run_name keeps), for a shell: at most
+    FOLDER_CHARS of [A-Za-z0-9._-], swept keys first, each as `<last part of the key>-<values>` (`lr-1e-3_3e-4`),
+    joined by `__` and cut to fit, then run_name's hash (`lr-1e-3_3e-4__n_embd-64-9f3a1c2e`): the same overrides,
+    in any order, give the same folder."""
+    kept = sorted(o for o in overrides if _names_the_run(o))
+    swept_first = sorted(kept, key=lambda o: ("," not in o.partition("=")[2], o))
+    digest = _digest(kept)
+    readable = "__".join(_short(o) for o in swept_first)[:FOLDER_CHARS - len(digest) - 1].rstrip("._-")
+    return f"{readable or 'default'}-{digest}"
+
+
+def _short(override: str) -> str:
+    """`lr-1e-3_3e-4` of `optim.lr=1e-3,3e-4`, `model-gpt_small` of `model=gpt_small`, `no-dropout` of `~x.dropout`."""
+    key, _, value = override.partition("=")
+    leaf = re.split(r"[./]", override_key(key))[-1]
+    if key.startswith("~"):
+        return f"no-{leaf}"
+    return f"{_NOT_IN_FOLDER.sub('_', leaf)}-{_NOT_IN_FOLDER.sub('_', value.replace(',', '_')).strip('_')}"
+
+
+def existing_or_new(parent: str, overrides: list[str]) -> str:
+    """`parent/<folder_name>`, or the folder an earlier trainflow named `parent/<run_name>` for the same overrides
+    when only that one exists: the same command finds its folder across the change of names."""
+    new, earlier = f"{parent}/{folder_name(overrides)}", f"{parent}/{run_name(overrides)}"
+    return earlier if not Path(new).exists() and Path(earlier).is_dir() else new
 
 
 def run_identity(overrides: list[str]) -> str:
@@ -137,7 +172,7 @@ def run_dir(checkpointed: bool = False, name: str | None = None, overrides: Any 
             user_error(f"trainer.run_name: {problem}")
         return f"{RUNS_DIR}/{name}"
     if checkpointed:
-        return f"{RUNS_DIR}/{run_name([str(o) for o in overrides])}"
+        return existing_or_new(RUNS_DIR, [str(o) for o in overrides])
     if "TORCHELASTIC_RUN_ID" in os.environ and "MASTER_ADDR" in os.environ:
         return f"outputs/{_agreed_under_torchrun()}"
     return f"outputs/{_timestamp()}"
