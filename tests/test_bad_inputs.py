@@ -91,8 +91,8 @@ def other_sweep_untouched(ctx: Ctx) -> None:
 
 
 def no_rung_ran(ctx: Ctx) -> None:
-    """The ladder stopped before its first rung: no job folder, no training (trainflow's marker of the folder aside)."""
-    assert sorted(p.name for p in (ctx.tmp / "sweep").iterdir() if p.name != MARKER) == ["multirun.yaml"]
+    """The ladder stopped before its first rung: no job folder, no training; the sweep folder it made is gone."""
+    assert not (ctx.tmp / "sweep").exists()
 
 
 # -- setups -----------------------------------------------------------------------------------------------------
@@ -616,7 +616,8 @@ CASES = [
          ("model=mlp", "data=synthetic", "parallelism=auto", "parallelism.nproc_per_node=2",
           "parallelism.global_batch=3"),
          "parallelism.global_batch", ("does not split over the data-parallel ranks of any layout of 2 ranks",
-                                      "left out: ddp, fsdp", "a multiple of 2")),
+                                      "left out: ddp, fsdp", "a multiple of 2"),
+         leaves=("run",)),  # found by the workers the run started: the run directory keeps their logs
     Case("watchdog-after-timeout", "scale", "a hang watchdog that would speak after the collective timeout",
          ("parallelism=ddp", "parallelism.nproc_per_node=2", "parallelism.timeout_s=30",
           "parallelism.watchdog.min_s=60"),
@@ -761,7 +762,8 @@ CASES = [
          (*STREAM, "data.size=6", "trainer.batch_size=4", "data.num_workers=2"),
          "trainer.batch_size", ("no micro-batch of 4 items", "2 workers",
                                 "lower trainer.batch_size or data.num_workers"),
-         env=(("PYTHONPATH", str(ROOT / "tests")),)),
+         env=(("PYTHONPATH", str(ROOT / "tests")),),
+         leaves=("run", "own")),  # found as the first batch is read: training began
     Case("iterable-extra-missing", "data", "an iterable dataset without torchdata installed", STREAM,
          "data._target_", ("torchdata is not installed", "pip install 'trainflow[iterable]'"), setup=hide_torchdata,
          env=(("PYTHONPATH", f"{{tmp}}/site{os.pathsep}{ROOT / 'tests'}"),)),
@@ -894,7 +896,7 @@ CASES = [
          ("hydra.run.dir={tmp}/small/run", "trainer.max_steps=600", "checkpoint.every_steps=1000"),
          "hydra.run.dir", ("metrics.jsonl", "No space left on device", "free space"), setup=disk_filling_under_the_run,
          after=metrics_lines_are_whole, needs="mount",
-         leaves=("small/run",)),  # training began: the run directory keeps what the run wrote
+         leaves=("small/run", "ckpts/.lock")),  # training began: the run directory keeps what the run wrote
     # checkpoints
     Case("resume-missing", "checkpoint", "a resume path that does not exist", ("checkpoint.resume={tmp}/nope",),
          "checkpoint.resume", ("{tmp}/nope does not exist", "a committed checkpoint")),
@@ -977,7 +979,8 @@ CASES = [
          setup=file_in_the_way),
     Case("foreign-folder-in-the-way", "checkpoint", "a folder trainflow did not make where a save must go", (),
          "checkpoint.dir", ("{ckpts}/.tmp-step_00000006", "did not make it", "nothing was changed", "move it away"),
-         setup=foreign_folder_where_a_save_goes, after=foreign_folder_kept),
+         setup=foreign_folder_where_a_save_goes, after=foreign_folder_kept,
+         leaves=("run", "ckpts/.lock")),  # found at the save of step 6: training began
     Case("checkpoint-dir-in-use", "checkpoint", "a checkpoint dir another run holds", (),
          "checkpoint.dir", ("{ckpts} is in use by another run (pid {n}", "wait for it to end", "another folder"),
          setup=lock_checkpoint_dir),
@@ -1040,7 +1043,8 @@ CASES = [
     Case("tp-no-plan", "scale", "tensor parallel for a model without a TP plan",
          ("model=mlp", "data=synthetic", "parallelism=fsdp", "parallelism.tp=2", "parallelism.nproc_per_node=2"),
          "parallelism.tp", ("MLP has none", "tp_plan", "parallelism.tp_plan._target_", "parallelism.tp=1",
-                            "(rank {n})")),
+                            "(rank {n})"),
+         leaves=("run",)),  # found by the workers the run started: the run directory keeps their logs
     Case("tp-larger-than-node", "scale", "a tensor-parallel degree larger than the ranks of one node",
          ("parallelism=fsdp", "parallelism.tp=4", "model.n_head=4", "parallelism.nproc_per_node=2"),
          "parallelism.tp", ("the 2 ranks of one node", "parallelism.tp to 2 or less")),
@@ -1052,28 +1056,33 @@ CASES = [
     Case("pp-not-dividing-blocks", "scale", "pipeline stages that do not divide the model's blocks",
          ("parallelism=fsdp", "parallelism.pp=2", "parallelism.nproc_per_node=2", "model.n_layer=3"),
          "parallelism.pp", ("2 stages do not divide the model's 3 blocks", "parallelism.pp in 1, 3",
-                            "(rank {n})")),
+                            "(rank {n})"),
+         leaves=("run",)),  # found by the workers the run started: the run directory keeps their logs
     Case("pp-not-dividing-world", "scale", "a pipeline degree that does not divide the world size",
          ("parallelism=fsdp", "parallelism.pp=2", "parallelism.nproc_per_node=3"),
          "parallelism.pp", ("2 does not divide the world size 3", "1 or 3", "a multiple of 2")),
     Case("pp-microbatches-not-dividing", "scale", "pipeline micro-batches that do not divide the per-rank batch",
          ("parallelism=fsdp", "parallelism.pp=2", "parallelism.nproc_per_node=2", "parallelism.microbatches=3"),
          "parallelism.microbatches", ("3 pipeline micro-batches do not divide the per-rank batch of 8",
-                                      "1, 2, 4, 8", "(rank {n})")),
+                                      "1, 2, 4, 8", "(rank {n})"),
+         leaves=("run",)),  # found by the workers the run started: the run directory keeps their logs
     Case("pp-without-blocks", "scale", "pipeline parallel for a model without `blocks`",
          ("model=mlp", "data=synthetic", "parallelism=fsdp", "parallelism.pp=2", "parallelism.nproc_per_node=2"),
-         "parallelism.pp", ("MLP has no `blocks` list", "parallelism.pp=1", "(rank {n})")),
+         "parallelism.pp", ("MLP has no `blocks` list", "parallelism.pp=1", "(rank {n})"),
+         leaves=("run",)),  # found by the workers the run started: the run directory keeps their logs
     Case("pp-with-tp", "scale", "pipeline parallel with tensor parallel (fails inside torch 2.13)",
          ("parallelism=fsdp", "parallelism.pp=2", "parallelism.tp=2", "parallelism.nproc_per_node=4"),
          "parallelism.pp", ("parallelism.tp=2 fail in torch 2.13", "16384 vs 8192", "parallelism.tp=1 with pp",
-                            "(rank {n})")),
+                            "(rank {n})"),
+         leaves=("run",)),  # found by the workers the run started: the run directory keeps their logs
     Case("pp-single", "scale", "a pipeline degree with parallelism=single", ("parallelism.pp=2",),
          "parallelism.pp", ("parallelism=single trains one process", "parallelism=fsdp with parallelism.pp=2")),
     Case("pp-zero-bubble-fsdp", "scale", "a zero-bubble schedule with data-parallel ranks (FSDP)",
          ("parallelism=fsdp", "parallelism.pp=2", "parallelism.nproc_per_node=4", "model.n_layer=4",
           "parallelism.pp_schedule=zbv"),
          "parallelism.pp_schedule", ("zbv with 2 data-parallel ranks", "weight gradients unset", "1f1b",
-                                     "(rank {n})")),
+                                     "(rank {n})"),
+         leaves=("run",)),  # found by the workers the run started: the run directory keeps their logs
     Case("pp-compile-check", "scale", "compile.check on a pipelined model",
          ("parallelism=fsdp", "parallelism.pp=2", "compile=default", "compile.check=true"),
          "compile.check", ("parallelism.pp=2 runs the model as stages", "compile.check=false",
