@@ -130,13 +130,14 @@ def _digest(kept: list[str]) -> str:
 def folder_name(overrides: list[str]) -> str:
     """The folder of a run or sweep named by its overrides (those run_name keeps), for a shell: at most
     FOLDER_CHARS of [A-Za-z0-9._-], swept keys first, each as `<last part of the key>-<values>` (`lr-1e-3_3e-4`),
-    joined by `__` and cut to fit, then run_name's hash (`lr-1e-3_3e-4__n_embd-64-9f3a1c2e`): the same overrides,
+    joined by `__`, as many as fit, then run_name's hash (`lr-1e-3_3e-4__n_embd-64-9f3a1c2e`): the same overrides,
     in any order, give the same folder."""
     kept = sorted(o for o in overrides if _names_the_run(o))
     swept_first = sorted(kept, key=lambda o: ("," not in o.partition("=")[2], o))
     digest = _digest(kept)
-    readable = "__".join(_short(o) for o in swept_first)[:FOLDER_CHARS - len(digest) - 1].rstrip("._-")
-    return f"{readable or 'default'}-{digest}"
+    joined, room = "__".join(_short(o) for o in swept_first), FOLDER_CHARS - len(digest) - 1
+    readable = joined if len(joined) <= room else (joined[:room].rpartition("__")[0] or joined[:room])  # whole items
+    return f"{readable.rstrip('._-') or 'default'}-{digest}"
 
 
 def _short(override: str) -> str:
