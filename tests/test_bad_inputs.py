@@ -1,7 +1,9 @@
 """Every bad input we know of, tried in a real process, as a table.
 
 For each row: one line of stderr names the key (or path) and says the row's decisive words (the cause, the fix) in
-their order; the exit code; no traceback; and every committed checkpoint on disk byte-identical afterwards. A row
+their order; the exit code; no traceback; every committed checkpoint on disk byte-identical afterwards; and nothing
+new left on disk: the row's folder, the repository's outputs/ and multirun/ hold what they held before, byte for byte
+(a row whose point is an existing folder finds it as it was), unless the row says why it `leaves` files. A row
 holds only those words, not the whole message, so rewording a message is one edit, in the source. Every
 `train.py` row runs beside two committed checkpoints of an earlier run (steps 2 and 4) in `checkpoint.dir`, so a bad
 input that got as far as touching them would show. docs/reliability.md is rendered from this table (see
@@ -69,6 +71,10 @@ class Case:
     needs: str | None = None  # "mount": a filesystem of our own; "no-gpu": a machine without CUDA
     after: Callable[[Ctx], None] | None = None  # checks on what the run left behind
     cwd: str | None = None  # where the command runs (placeholders filled); None: the repository's root
+    # what the row may leave in its folder (paths under {tmp}; each row says why): a run directory whose training
+    # began (it keeps what the run wrote and the log saying why it stopped), a cache the next run reuses; all else
+    # is a refusal's, which leaves nothing on disk
+    leaves: tuple[str, ...] = ()
 
 
 OTHER_SWEEP = "hydra:\n  overrides:\n    task:\n    - optim.lr=1e-3,2e-3\n"  # the multirun.yaml of another sweep
@@ -85,8 +91,8 @@ def other_sweep_untouched(ctx: Ctx) -> None:
 
 
 def no_rung_ran(ctx: Ctx) -> None:
-    """The ladder stopped before its first rung: no job folder, no training (trainflow's marker of the folder aside)."""
-    assert sorted(p.name for p in (ctx.tmp / "sweep").iterdir() if p.name != MARKER) == ["multirun.yaml"]
+    """The ladder stopped before its first rung: no job folder, no training; the sweep folder it made is gone."""
+    assert not (ctx.tmp / "sweep").exists()
 
 
 # -- setups -----------------------------------------------------------------------------------------------------
@@ -311,7 +317,7 @@ def users_model_in_the_run_dir(ctx: Ctx) -> None:
 
 def users_model_kept(ctx: Ctx) -> None:
     assert (ctx.tmp / "run" / "model.pt").read_text() == PRECIOUS
-    assert (ctx.tmp / "run" / "metrics.jsonl").read_text() == ""  # refused before the first step
+    assert not (ctx.tmp / "run" / "metrics.jsonl").exists()  # refused before the first step: nothing added
 
 
 def mlflow_not_installed(ctx: Ctx) -> None:
@@ -610,7 +616,8 @@ CASES = [
          ("model=mlp", "data=synthetic", "parallelism=auto", "parallelism.nproc_per_node=2",
           "parallelism.global_batch=3"),
          "parallelism.global_batch", ("does not split over the data-parallel ranks of any layout of 2 ranks",
-                                      "left out: ddp, fsdp", "a multiple of 2")),
+                                      "left out: ddp, fsdp", "a multiple of 2"),
+         leaves=("run",)),  # found by the workers the run started: the run directory keeps their logs
     Case("watchdog-after-timeout", "scale", "a hang watchdog that would speak after the collective timeout",
          ("parallelism=ddp", "parallelism.nproc_per_node=2", "parallelism.timeout_s=30",
           "parallelism.watchdog.min_s=60"),
@@ -667,7 +674,8 @@ CASES = [
     Case("fsdp-blocks-without-blocks", "scale", "FSDP per-block wrapping of a model without blocks",
          ("model=mlp", "data=synthetic", "parallelism=fsdp", "parallelism.nproc_per_node=2",
           "parallelism.fsdp.wrap=blocks"),
-         "parallelism.fsdp.wrap", ("MLP has none", "parallelism.fsdp.wrap=size", "(rank {n})")),  # found in the workers
+         "parallelism.fsdp.wrap", ("MLP has none", "parallelism.fsdp.wrap=size", "(rank {n})"),
+         leaves=("run",)),  # found by the workers the run started: the run directory keeps their logs
     Case("zero-keep-last", "checkpoint", "retention that keeps nothing", ("checkpoint.keep_last=0",),
          "checkpoint.keep_last", (">= 1", "got 0")),
     Case("export-without-final-save", "checkpoint", "export without a final save",
@@ -706,17 +714,20 @@ CASES = [
          setup=empty_corpus),
     Case("corpus-too-short", "data", "a corpus shorter than one sequence",
          ("data.paths=[{tmp}/tiny.txt]", "data.cache_dir={tmp}/cache"),
-         "data.paths", ("12 bytes", "33 bytes", "add text or lower data.seq_len"), setup=tiny_corpus),
+         "data.paths", ("12 bytes", "33 bytes", "add text or lower data.seq_len"), setup=tiny_corpus,
+         leaves=("cache",)),  # the corpus's token cache, which the next run reuses
     Case("resume-on-other-data", "data", "resuming a checkpoint on another corpus than it was saved on",
          ("data.paths=[{tmp}/corpus]", "data.cache_dir={tmp}/cache"),
          "data.paths", ("2 files added (a.py, b.py)", "{n} files removed", "since step 4",
                         "(the files are under {tmp}/corpus here", "{ckpts}/step_00000004 was saved on the data as it "
-                        "was then", "checkpoint.on_data_change=restart"), setup=another_corpus),
+                        "was then", "checkpoint.on_data_change=restart"), setup=another_corpus,
+         leaves=("cache",)),  # the corpus's token cache, which the next run reuses
     Case("tokenizer-larger-than-model", "data", "a tokenizer with more tokens than the model's vocabulary",
          ("tokenizer=bpe", "tokenizer.vocab_size=400", "model.vocab_size=300", "data.paths=[{tmp}/source.py]",
           "data.cache_dir={tmp}/cache", "tokenizer.cache_dir={tmp}/tokenizers"),
          "model.vocab_size", ("is 300", "{n} tokens", "set model.vocab_size to {n} or more"),
-         setup=source_corpus),
+         setup=source_corpus,
+         leaves=("cache", "tokenizers")),  # the trained tokenizer and token caches, reused next
     Case("bpe-vocab-too-small", "config", "a BPE vocabulary smaller than the bytes it starts from",
          ("tokenizer=bpe", "tokenizer.vocab_size=100", "data.paths=[{tmp}/source.py]"),
          "tokenizer.vocab_size", ("is 100", "257 or more"), setup=source_corpus),
@@ -751,7 +762,8 @@ CASES = [
          (*STREAM, "data.size=6", "trainer.batch_size=4", "data.num_workers=2"),
          "trainer.batch_size", ("no micro-batch of 4 items", "2 workers",
                                 "lower trainer.batch_size or data.num_workers"),
-         env=(("PYTHONPATH", str(ROOT / "tests")),)),
+         env=(("PYTHONPATH", str(ROOT / "tests")),),
+         leaves=("run", "own")),  # found as the first batch is read: training began
     Case("iterable-extra-missing", "data", "an iterable dataset without torchdata installed", STREAM,
          "data._target_", ("torchdata is not installed", "pip install 'trainflow[iterable]'"), setup=hide_torchdata,
          env=(("PYTHONPATH", f"{{tmp}}/site{os.pathsep}{ROOT / 'tests'}"),)),
@@ -811,7 +823,8 @@ CASES = [
          "model.vocab_size", ("is 100", "model.vocab_size=256 or more")),
     Case("batch-over-dataset", "data", "a micro-batch larger than the training set",
          ("data.paths=[{tmp}/small.txt]", "data.cache_dir={tmp}/cache", "trainer.batch_size=64"),
-         "trainer.batch_size", ("64 samples", "59 samples", "lower trainer.batch_size"), setup=small_corpus),
+         "trainer.batch_size", ("64 samples", "59 samples", "lower trainer.batch_size"), setup=small_corpus,
+         leaves=("cache",)),  # the corpus's token cache, which the next run reuses
     Case("batch-over-memory", "data", "a micro-batch whose activations cannot fit in memory",
          ("trainer.batch_size=100000", "model.vocab_size=262144"),
          "trainer.batch_size", ("100000 samples", "memory is available",
@@ -849,7 +862,8 @@ CASES = [
          "WANDB_DIR", ("cannot write W&B's files in {tmp}/notes/wandb", "{tmp}/notes is a file",
                        "point WANDB_DIR at a writable folder", "unset it"),
          setup=file_in_the_way_of_wandb, after=nothing_in_the_system_temporary_folder,
-         env=(("WANDB_DIR", "{tmp}/notes"), ("WANDB_MODE", "offline"), ("TMPDIR", "{tmp}/systmp"))),
+         env=(("WANDB_DIR", "{tmp}/notes"), ("WANDB_MODE", "offline"), ("TMPDIR", "{tmp}/systmp")),
+         leaves=("systmp/torchinductor_",)),  # torch's own compile cache in the temporary folder
     Case("logger-target-unknown", "config", "a logger of one's own whose _target_ cannot be imported",
          ("+logger.mine._target_=nowhere.Logger",),
          "logger.mine._target_", ("cannot import 'nowhere.Logger'", "import path of a logger class")),
@@ -876,11 +890,13 @@ CASES = [
          ("compile=default", "data.cache_dir={tmp}/cache"),
          "compile.cache_dir", ("HOME={tmp}/ro", "Read-only file system",
                                "point compile.cache_dir at a writable folder"),
-         setup=read_only_disk, env=(("HOME", "{tmp}/ro"),), needs="mount"),
+         setup=read_only_disk, env=(("HOME", "{tmp}/ro"),), needs="mount",
+         leaves=("cache",)),  # the corpus's token cache, which the next run reuses
     Case("disk-fills-while-training", "environment", "a run directory whose disk fills during training",
          ("hydra.run.dir={tmp}/small/run", "trainer.max_steps=600", "checkpoint.every_steps=1000"),
          "hydra.run.dir", ("metrics.jsonl", "No space left on device", "free space"), setup=disk_filling_under_the_run,
-         after=metrics_lines_are_whole, needs="mount"),
+         after=metrics_lines_are_whole, needs="mount",
+         leaves=("small/run", "ckpts/.lock")),  # training began: the run directory keeps what the run wrote
     # checkpoints
     Case("resume-missing", "checkpoint", "a resume path that does not exist", ("checkpoint.resume={tmp}/nope",),
          "checkpoint.resume", ("{tmp}/nope does not exist", "a committed checkpoint")),
@@ -963,7 +979,8 @@ CASES = [
          setup=file_in_the_way),
     Case("foreign-folder-in-the-way", "checkpoint", "a folder trainflow did not make where a save must go", (),
          "checkpoint.dir", ("{ckpts}/.tmp-step_00000006", "did not make it", "nothing was changed", "move it away"),
-         setup=foreign_folder_where_a_save_goes, after=foreign_folder_kept),
+         setup=foreign_folder_where_a_save_goes, after=foreign_folder_kept,
+         leaves=("run", "ckpts/.lock")),  # found at the save of step 6: training began
     Case("checkpoint-dir-in-use", "checkpoint", "a checkpoint dir another run holds", (),
          "checkpoint.dir", ("{ckpts} is in use by another run (pid {n}", "wait for it to end", "another folder"),
          setup=lock_checkpoint_dir),
@@ -975,12 +992,14 @@ CASES = [
          ("checkpoint.dir={tmp}/small/ckpts",),
          "checkpoint.dir", ("saving step 6", "the disk is full", "free space",
                             "committed checkpoints are untouched (newest: step_00000004)"),
-         setup=nearly_full_disk, needs="mount"),
+         setup=nearly_full_disk, needs="mount",
+         leaves=("run", "small/ckpts")),  # training began: the run directory keeps what the run wrote
     Case("full-disk-async", "environment", "a disk that fills up during an async save",
          ("checkpoint.dir={tmp}/small/ckpts", "checkpoint.mode=async"),
          "checkpoint.dir", ("saving step 6", "the disk is full", "free space",
                             "committed checkpoints are untouched (newest: step_00000004)"),
-         setup=nearly_full_disk, needs="mount"),
+         setup=nearly_full_disk, needs="mount",
+         leaves=("run", "small/ckpts")),  # training began: the run directory keeps what the run wrote
     Case("read-only-output-dir", "environment", "a run directory on a read-only filesystem",
          ("hydra.run.dir={tmp}/ro/run",),
          "hydra.run.dir", ("{tmp}/ro/run", "Read-only file system", "a writable folder"),
@@ -1024,7 +1043,8 @@ CASES = [
     Case("tp-no-plan", "scale", "tensor parallel for a model without a TP plan",
          ("model=mlp", "data=synthetic", "parallelism=fsdp", "parallelism.tp=2", "parallelism.nproc_per_node=2"),
          "parallelism.tp", ("MLP has none", "tp_plan", "parallelism.tp_plan._target_", "parallelism.tp=1",
-                            "(rank {n})")),
+                            "(rank {n})"),
+         leaves=("run",)),  # found by the workers the run started: the run directory keeps their logs
     Case("tp-larger-than-node", "scale", "a tensor-parallel degree larger than the ranks of one node",
          ("parallelism=fsdp", "parallelism.tp=4", "model.n_head=4", "parallelism.nproc_per_node=2"),
          "parallelism.tp", ("the 2 ranks of one node", "parallelism.tp to 2 or less")),
@@ -1036,28 +1056,33 @@ CASES = [
     Case("pp-not-dividing-blocks", "scale", "pipeline stages that do not divide the model's blocks",
          ("parallelism=fsdp", "parallelism.pp=2", "parallelism.nproc_per_node=2", "model.n_layer=3"),
          "parallelism.pp", ("2 stages do not divide the model's 3 blocks", "parallelism.pp in 1, 3",
-                            "(rank {n})")),
+                            "(rank {n})"),
+         leaves=("run",)),  # found by the workers the run started: the run directory keeps their logs
     Case("pp-not-dividing-world", "scale", "a pipeline degree that does not divide the world size",
          ("parallelism=fsdp", "parallelism.pp=2", "parallelism.nproc_per_node=3"),
          "parallelism.pp", ("2 does not divide the world size 3", "1 or 3", "a multiple of 2")),
     Case("pp-microbatches-not-dividing", "scale", "pipeline micro-batches that do not divide the per-rank batch",
          ("parallelism=fsdp", "parallelism.pp=2", "parallelism.nproc_per_node=2", "parallelism.microbatches=3"),
          "parallelism.microbatches", ("3 pipeline micro-batches do not divide the per-rank batch of 8",
-                                      "use one of 2, 4, 8, or", "(rank {n})")),
+                                      "use one of 2, 4, 8, or", "(rank {n})"),
+         leaves=("run",)),  # found by the workers the run started: the run directory keeps their logs
     Case("pp-without-blocks", "scale", "pipeline parallel for a model without `blocks`",
          ("model=mlp", "data=synthetic", "parallelism=fsdp", "parallelism.pp=2", "parallelism.nproc_per_node=2"),
-         "parallelism.pp", ("MLP has no `blocks` list", "parallelism.pp=1", "(rank {n})")),
+         "parallelism.pp", ("MLP has no `blocks` list", "parallelism.pp=1", "(rank {n})"),
+         leaves=("run",)),  # found by the workers the run started: the run directory keeps their logs
     Case("pp-with-tp", "scale", "pipeline parallel with tensor parallel (fails inside torch 2.13)",
          ("parallelism=fsdp", "parallelism.pp=2", "parallelism.tp=2", "parallelism.nproc_per_node=4"),
          "parallelism.pp", ("parallelism.tp=2 fail in torch 2.13", "16384 vs 8192", "parallelism.tp=1 with pp",
-                            "(rank {n})")),
+                            "(rank {n})"),
+         leaves=("run",)),  # found by the workers the run started: the run directory keeps their logs
     Case("pp-single", "scale", "a pipeline degree with parallelism=single", ("parallelism.pp=2",),
          "parallelism.pp", ("parallelism=single trains one process", "parallelism=fsdp with parallelism.pp=2")),
     Case("pp-zero-bubble-fsdp", "scale", "a zero-bubble schedule with data-parallel ranks (FSDP)",
          ("parallelism=fsdp", "parallelism.pp=2", "parallelism.nproc_per_node=4", "model.n_layer=4",
           "parallelism.pp_schedule=zbv"),
          "parallelism.pp_schedule", ("zbv with 2 data-parallel ranks", "weight gradients unset", "1f1b",
-                                     "(rank {n})")),
+                                     "(rank {n})"),
+         leaves=("run",)),  # found by the workers the run started: the run directory keeps their logs
     Case("pp-compile-check", "scale", "compile.check on a pipelined model",
          ("parallelism=fsdp", "parallelism.pp=2", "compile=default", "compile.check=true"),
          "compile.check", ("parallelism.pp=2 runs the model as stages", "compile.check=false",
@@ -1218,6 +1243,27 @@ CASES = [
 # -- running a row ----------------------------------------------------------------------------------------------
 
 
+def everything(root: Path) -> dict[str, str]:
+    """Every entry under `root`, links not followed: a regular file's sha256, a link's target, else its kind."""
+    found = {}
+    for folder, folders, files in os.walk(root):
+        for name in folders + files:
+            path = Path(folder) / name
+            if path.is_symlink():
+                kind = f"link to {os.readlink(path)}"
+            elif path.is_file():
+                kind = hashlib.sha256(path.read_bytes()).hexdigest()
+            else:
+                kind = "folder" if path.is_dir() else "other"
+            found[str(path.relative_to(root))] = kind
+    return found
+
+
+def on_disk(ctx: Ctx) -> dict[str, dict[str, str]]:
+    """What a row could leave behind: its own folder, and the outputs of a run or sweep that ignored the row's."""
+    return {str(root): everything(root) for root in (ctx.tmp, ROOT / "outputs", ROOT / "multirun")}
+
+
 def committed_hashes(root: Path) -> dict[str, str]:
     """sha256 of every file of every committed checkpoint (a step_N folder with a manifest) under `root`."""
     return {str(f.relative_to(root)): hashlib.sha256(f.read_bytes()).hexdigest()
@@ -1281,12 +1327,16 @@ def test_bad_input(case: Case, reference_checkpoints: Path, tmp_path: Path) -> N
         if case.setup:
             case.setup(ctx)
         before = committed_hashes(tmp_path)
+        disk_before = on_disk(ctx)
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **{k: ctx.fill(v) for k, v in case.env}}
+        if "PYTHONPATH" in dict(case.env) and os.environ.get("PYTHONPATH"):  # the row's folder first, then ours
+            env["PYTHONPATH"] += os.pathsep + os.environ["PYTHONPATH"]
         for key in ("HYDRA_FULL_ERROR", *(k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
                                           if k not in dict(case.env))):
             env.pop(key, None)
         proc = run_process(command(case, ctx), ctx.fill(case.cwd) if case.cwd else ROOT, env, timeout=300)
         after = committed_hashes(tmp_path)
+        disk_after = on_disk(ctx)
         if case.after:
             case.after(ctx)
     lines = proc.stderr.splitlines()
@@ -1300,6 +1350,12 @@ def test_bad_input(case: Case, reference_checkpoints: Path, tmp_path: Path) -> N
     assert any(name.startswith("ckpts/step_00000002/") for name in before)  # the hashes cover the reference run's
     assert after == before
     assert not (tmp_path / "ran").exists()  # no row's checkpoint ran code
+    for root, entries in disk_after.items():  # a refused command leaves nothing on disk
+        was = disk_before[root]
+        allowed = tuple(str(ctx.tmp / path) for path in case.leaves) if root == str(ctx.tmp) else ()
+        left = {k: v for k, v in entries.items() if was.get(k) != v and not str(Path(root, k)).startswith(allowed)}
+        assert left == {}, f"left in {root}"
+        assert sorted(was.keys() - entries.keys()) == [], f"removed from {root}"
 
 
 def test_full_error_shows_the_traceback_when_asked(tmp_path: Path) -> None:

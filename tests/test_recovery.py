@@ -127,8 +127,7 @@ def test_the_same_command_resumes_a_stopped_checkpointed_run(tmp_path: Path) -> 
         _, stderr = proc.communicate(timeout=300)
     assert proc.returncode == 75, stderr[-3000:]
     (run,) = list(runs.iterdir())
-    assert re.fullmatch(r"model.block_size=32,model.n_embd=64,model.n_head=2,model.n_layer=2,model=gpt_tiny,"
-                        r"trainer.batch_size=8,trainer.excluded_steps=2-[0-9a-f]{8}", run.name)
+    assert re.fullmatch(r"block_size-32__n_embd-64__n_head-2__n_layer-2__model-gpt_tiny-[0-9a-f]{8}", run.name)
     stopped_at = json.loads((run / "summary.json").read_text())["steps"]
     assert 2 <= stopped_at < 60
     hint = [line for line in stderr.splitlines() if "to resume, run the same command" in line]

@@ -65,8 +65,10 @@ def rendered() -> str:
         BEGIN,
         f"{len(CASES)} bad inputs, each run as a real process by `tests/test_bad_inputs.py` (`<dir>` is a test "
         "folder, `<ckpts>` a checkpoint folder holding two committed checkpoints that must stay byte-identical). "
-        "The test asserts the exit code and one line that names the key or path shown and then says the words "
-        "shown, in their order (… stands for the rest of the sentence):",
+        "The test asserts the exit code, one line that names the key or path shown and then says the words "
+        "shown, in their order (… stands for the rest of the sentence), and that nothing new is left on disk: no "
+        "run folder, lock or log, and a folder that was there as it was (a row whose error comes once training "
+        "began, or that fills a cache the next run reuses, keeps those):",
         "", *markdown_rows(), "",
         f"{len(FAULTS)} faults injected into real runs:", "", *faults, "",
         f"{len(RECEIVED)} hostile files a user may receive (a colleague's run folder, a CI artifact, a shared outputs "

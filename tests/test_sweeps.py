@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -20,8 +21,8 @@ from helpers.runs import ROOT, TINY_GPT, losses_by_step, wait_for
 
 from trainflow.errors import ConfigError
 from trainflow.report import runs as report
-from trainflow.report.sweeps import IDENTITY_FILE, claim_checkpoint_dir
-from trainflow.util.rundir import run_name
+from trainflow.report.sweeps import FRESH, IDENTITY_FILE, claim_checkpoint_dir
+from trainflow.util.rundir import FOLDER_CHARS, existing_or_new, folder_name, run_name
 
 STEPS = 8
 # 4 jobs: seeds 1,1,2,2; keep_last changes no loss, so job 0 is an uninterrupted twin of job 1
@@ -65,7 +66,7 @@ def resumed(tmp_path_factory: pytest.TempPathFactory) -> Resumed:
     cwd = tmp_path_factory.mktemp("sweeps")
     ckpt_root = cwd / "ck"
     overrides = [*SWEEP, f"checkpoint.dir={ckpt_root}"]  # one explicit folder for the whole sweep
-    sweep = cwd / "multirun" / run_name(overrides)  # named by the sweep's overrides: the same command, the same one
+    sweep = cwd / "multirun" / folder_name(overrides)  # named by the sweep's overrides: the same command, the same one
     out = cwd / "first.out"
     proc = start_process(command(*overrides), cwd, _env(), out)
     try:
@@ -214,3 +215,52 @@ def test_a_failed_optuna_trial_is_told_to_optuna_as_failed(tmp_path: Path) -> No
     assert len(rows) == 3 and [r["overrides"] for r in failed] == [["trainer.batch_size=0"]]
     assert f"Failed experiment: job #{failed[0]['name']} failed (exit code 2): trainer.batch_size:" in proc.stdout
     assert "best_params:\n  trainer.batch_size: 8" in (sweep / "optimization_results.yaml").read_text()
+
+
+def test_a_sweep_with_another_setting_never_writes_over_the_earlier_sweeps_results(tmp_path: Path) -> None:
+    """`-m compile=off optim.lr=...`, then the same sweep without compile=off: compile is left out of the sweep's
+    name, so both land in one folder. On main the second sweep reran both jobs there, replaced their eager
+    summary.json and logged their steps into metrics.jsonl a second time. Here each job is refused in one line
+    naming the difference (Hydra's own launcher), or the whole sweep before its first job (the process launcher),
+    and the eager figures stay byte for byte."""
+    lr = [*TINY_GPT, "trainer.max_steps=2", "trainer.eval_every=0", "trainer.eval_steps=1", "optim.lr=1e-3,3e-4"]
+    eager = [o for o in lr if o != "compile=off"]  # TINY_GPT has compile=off
+    first = multirun(tmp_path, *lr)
+    assert first.returncode == 0, first.stderr[-3000:]
+    sweep = tmp_path / "multirun" / folder_name(lr)
+    assert sweep.is_dir() and sweep == tmp_path / "multirun" / folder_name(eager)  # one folder: what the rule is for
+    results = {p: p.read_bytes() for n in ("0", "1") for p in (sweep / n / "summary.json", sweep / n / "metrics.jsonl")}
+
+    compiled = multirun(tmp_path, *eager)
+    assert compiled.returncode == 1, compiled.stderr[-3000:]
+    refusals = [line for line in compiled.stderr.splitlines() if line.startswith("Error: hydra.sweep.dir: job #")]
+    assert refusals == [f"Error: hydra.sweep.dir: job #{n}: {sweep / str(n)} holds the summary.json and metrics.jsonl "
+                        "of an earlier run with other settings (compile.enabled: False -> True), and this run would "
+                        f"start again at step 0 over its figures; nothing was changed: {FRESH}" for n in (0, 1)]
+    assert {p: p.read_bytes() for p in results} == results
+
+    process = multirun(tmp_path, *eager, "hydra/launcher=process")
+    assert process.returncode == 2, process.stderr[-3000:]
+    assert [line for line in process.stderr.splitlines() if line.strip()] == [refusals[0]]
+    assert "#0 :" not in process.stdout  # refused before its first job
+    assert {p: p.read_bytes() for p in results} == results
+
+
+def test_folder_names_are_short_shell_safe_readable_and_stable(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Sweep and run folders a shell takes as they are (on main: `model.block_size=32,...,optim.lr=1e-3,3e-4,...`,
+    commas and equals signs, 160 characters and more): the swept keys first, in a short form, then the hash."""
+    swept = [*TINY_GPT, "optim.lr=1e-3,3e-4"]
+    name = folder_name(swept)
+    assert len(name) <= FOLDER_CHARS and re.fullmatch(r"[A-Za-z0-9._-]+", name), name
+    assert name.startswith("lr-1e-3_3e-4__block_size-32__n_embd-64") and name.endswith(run_name(swept)[-9:])
+    assert folder_name(list(reversed(swept))) == name  # the order fixed overrides are typed in does not matter
+    assert folder_name([*swept, "trainer.max_steps=9", "compile=default"]) == name  # what a resume may change
+    assert folder_name([*TINY_GPT, "optim.lr=1e-3,1e-4"]) != name
+    odd = ["data.paths=[/data/my corpus.txt]", "~model.dropout", "+x.y='a=b'"]
+    assert folder_name(odd) == f"y-a_b__paths-data_my_corpus.txt__no-dropout-{run_name(odd)[-8:]}"
+    monkeypatch.chdir(tmp_path)  # a folder an earlier trainflow named is still found by the same command
+    assert existing_or_new("multirun", swept) == f"multirun/{name}"
+    (tmp_path / "multirun" / run_name(swept)).mkdir(parents=True)
+    assert existing_or_new("multirun", swept) == f"multirun/{run_name(swept)}"
+    (tmp_path / "multirun" / name).mkdir()
+    assert existing_or_new("multirun", swept) == f"multirun/{name}"

@@ -23,6 +23,7 @@ from omegaconf import DictConfig, OmegaConf
 from trainflow.checkpoint import export_weights, stop_exit_code
 from trainflow.checkpoint.export import FORMATS
 from trainflow.checkpoint.stopping import catch_stop_signals, release_stop_signals
+from trainflow.checkpoint.store import resolve_dir
 from trainflow.conf import CONFIG_PATH
 from trainflow.config.checks import check_config
 from trainflow.config.command_line import EXIT_COMMAND_LINE, explain, raised_errors, single_run
@@ -32,12 +33,20 @@ from trainflow.data.shards import prepare
 from trainflow.data.text import Corpus
 from trainflow.distributed.fault_tolerance import serve_lighthouse, torchft_installed
 from trainflow.distributed.mesh import env_rank
-from trainflow.errors import EXIT_INTERRUPTED, ConfigError, TrainflowError, print_error, traceback_wanted, user_error
-from trainflow.report import compare, ledger, sweeps
+from trainflow.errors import (
+    EXIT_INTERRUPTED,
+    EXIT_USER_ERROR,
+    ConfigError,
+    TrainflowError,
+    print_error,
+    traceback_wanted,
+    user_error,
+)
+from trainflow.report import compare, kept, ledger, sweeps
 from trainflow.report import runs as report
 from trainflow.report.ladder import register_resolvers as register_ladder_resolvers
 from trainflow.util.files import not_a_file
-from trainflow.util.rundir import RUN_DIR_ENV
+from trainflow.util.rundir import RUN_DIR_ENV, note_before, undo_refused
 from trainflow.util.rundir import register_resolvers as register_run_dir_resolvers
 from trainflow.util.shown import shown
 
@@ -98,24 +107,38 @@ def _run_job(cfg: DictConfig) -> float | None:
         # from here on a stop signal says in one line what it did, whatever the run is doing (see stopping.py)
         catch_stop_signals(run_cfg.checkpoint.stop_signals, run_cfg.checkpoint.enabled, speak=env_rank() == 0)
         run_dir = Path(hydra_cfg.runtime.output_dir)
-        if sweep_job:
-            if (done := sweeps.finished(run_dir, run_cfg)) is not None:  # the same -m command again: keep its results
-                if env_rank() == 0:
-                    print(sweeps.skip_line(hydra_cfg.job.num, run_dir, done), flush=True)
-                return sweeps.monitor_value(done)
-            if sweeps.typed_checkpoint_dir(hydra_cfg) and run_cfg.checkpoint.enabled:
-                sweeps.claim_checkpoint_dir(Path(str(run_cfg.checkpoint.dir)), sweeps.job_identity(hydra_cfg))
+        if env_rank() == 0 and run_cfg.checkpoint.enabled:  # its lock's holder line goes back if this is refused
+            note_before(resolve_dir(run_cfg.checkpoint.dir, run_dir), depth=1)
+        earlier = kept.read_earlier(run_dir)
+        if (done := kept.finished(earlier, run_cfg)) is not None:  # the same command again: its results stay
+            if env_rank() == 0:
+                line = sweeps.skip_line(hydra_cfg.job.num, run_dir, done) if sweep_job else \
+                    kept.finished_line(run_dir, done)
+                print(line, flush=True)
+            return sweeps.monitor_value(done)
+        fix = sweeps.FRESH if sweep_job else \
+            "give this run its own folder (trainer.run_name=<new name> or hydra.run.dir=<new folder>)"
+        key = f"hydra.sweep.dir: job #{hydra_cfg.job.num}" if sweep_job else "hydra.run.dir"
+        if (continued := kept.check_may_write(earlier, run_cfg, key, fix)) and env_rank() == 0:
+            print(continued, flush=True)
+        if sweep_job and sweeps.typed_checkpoint_dir(hydra_cfg) and run_cfg.checkpoint.enabled:
+            sweeps.claim_checkpoint_dir(Path(str(run_cfg.checkpoint.dir)), sweeps.job_identity(hydra_cfg))
         # ddp/fsdp typed without torchrun: start the local workers, which train through `run` themselves
         summary = launch(run_cfg, run_dir) if should_launch(run_cfg) else train(run_cfg, run_dir)
     except TrainflowError as exc:
         if traceback_wanted():
             raise
+        undo_refused()  # refused before training: nothing left on disk
         print_error(str(exc))
         if sweep_job and not os.environ.get(RUN_DIR_ENV):
             # Hydra's own launcher runs every job in this process: fail this job, not the sweep (Hydra runs the
             # rest, then exits non-zero naming the first failure)
             raise sweeps.JobFailed(f"job #{hydra_cfg.job.num} failed (exit code {exc.exit_code}): {exc}") from None
         sys.exit(exc.exit_code)
+    except SystemExit as exc:
+        if exc.code == EXIT_USER_ERROR:  # a one-line refusal (user_error)
+            undo_refused()
+        raise
     except KeyboardInterrupt:
         if traceback_wanted():
             raise
@@ -150,6 +173,10 @@ def train(overrides: list[str]) -> None:
     try:
         with raised_errors():
             hydra.main(version_base="1.3", config_path=CONFIG_PATH, config_name="train")(run_from_hydra)()
+    except SystemExit as exc:
+        if exc.code == EXIT_USER_ERROR:  # a sweep refused in one line (its launcher's settings, a ladder rung)
+            undo_refused()
+        raise
     except Exception as exc:
         if (line := None if traceback_wanted() else explain(exc, overrides)) is None:
             raise

@@ -30,9 +30,9 @@ from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
 from trainflow.cli import register_with_hydra
 from trainflow.errors import TrainflowError, user_error
-from trainflow.report import sweeps
+from trainflow.report import kept, sweeps
 from trainflow.report.sweeps import JobFailed
-from trainflow.util.rundir import RUN_DIR_ENV, claim_run_dir
+from trainflow.util.rundir import RUN_DIR_ENV, claim_run_dir, results_begin
 
 log = logging.getLogger(__name__)
 
@@ -113,6 +113,26 @@ def finished_already(job: SweepJob) -> JobReturn | None:
                      _return_value=sweeps.monitor_value(summary))
 
 
+def check_results_kept(jobs: list[SweepJob]) -> None:
+    """Refuse the sweep before its first job when a job would start again over the results of another config in
+    its folder (trainflow.report.kept): one line naming the job and the difference, nothing changed."""
+    from trainflow.config.checks import check_config
+
+    for job in jobs:
+        earlier = kept.read_earlier(job.dir)
+        if not earlier.results or not trainflow_job(job):
+            continue
+        with as_job(job) as task:
+            try:
+                cfg = sweeps.with_job_checkpoint_dir(check_config(task), job.config.hydra)
+            except Exception:  # the job itself will say what is wrong with it
+                continue
+        try:
+            kept.check_may_write(earlier, cfg, f"hydra.sweep.dir: job #{job.num}", sweeps.FRESH)
+        except TrainflowError as exc:
+            user_error(str(exc))
+
+
 def run_job_here(hydra_context: HydraContext, task_function: TaskFunction, job: SweepJob) -> JobReturn:
     """Run `job` in this process (one rank), in the job's directory, with Hydra's logging and saved config.
 
@@ -159,12 +179,14 @@ class SweepLauncher(Launcher):
         jobs = compose_jobs(self.hydra_context, self.config, job_overrides, initial_job_idx)
         with contextlib.closing(job_tasks(jobs)) as tasks:  # Hydra's config is the sweep's again, even on a refusal
             sweeps.check_before_start(tasks)
+        check_results_kept(jobs)
         return jobs
 
     def run_in_turn(self, jobs: list[SweepJob], run_one: Callable[[SweepJob, Any], JobReturn]) -> list[JobReturn]:
         """Run the jobs one after the other, each given Hydra's global state to take along; a job that finished
         already (the same sweep run again) is skipped."""
         state = Singleton.get_state()
+        results_begin()  # the jobs start: a failure from here on keeps the sweep folder with what they wrote
         results = []
         for job in jobs:
             log.info("\t%s", job.describe())

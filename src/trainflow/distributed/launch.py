@@ -51,6 +51,7 @@ from trainflow.distributed.watchdog import hang_report
 from trainflow.errors import TrainflowError
 from trainflow.loop.run import train
 from trainflow.util.console import RunLogHandler
+from trainflow.util.rundir import results_begin
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +84,7 @@ def launch(cfg: RunConfig, run_dir: Path) -> dict[str, Any] | None:
     device = resolve_device(cfg.trainer.device, 0)
     nproc = resolve_nproc(p, device)
     _preflight(cfg, device, nproc, nproc, "trainflow")
+    results_begin()  # what the workers do is theirs to say: a failure from here on keeps the run directory
     if note := cpu_group_note(p, device):
         log.info(note)
     log.info("starting %d %s workers on %s (%s)", nproc, p.strategy, device.type, resolve_backend(p, device))

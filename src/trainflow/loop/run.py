@@ -53,11 +53,13 @@ from trainflow.optim import build_optimizer, schedule_changes_lr
 from trainflow.profile.profiler import Profiler
 from trainflow.report import ledger
 from trainflow.report.fingerprint import Fingerprint
+from trainflow.report.kept import keep_summary_aside
 from trainflow.report.summary_file import FORMAT as SUMMARY_FORMAT
 from trainflow.tasks import build_task, probe
 from trainflow.util.console import FILE_ONLY, RunFacts, end_lines, start_header
 from trainflow.util.device import autocast_for, configure_matmul, matmul_math
 from trainflow.util.files import write_json_atomic
+from trainflow.util.rundir import results_begin
 from trainflow.util.seeding import SEED_STRIDE, seed_everything
 
 log = logging.getLogger("trainflow")
@@ -250,6 +252,7 @@ def train_loop(assembly: Assembly) -> None:
     with contextlib.ExitStack() as entered:
         for stage in enabled:
             entered.enter_context(stage)
+        results_begin()  # a failure from here on keeps the run directory with what the run wrote
         meter.begin()
         while state.step < max_steps:
             train_step(training)
@@ -313,6 +316,8 @@ def summarize(assembly: Assembly) -> dict[str, Any] | None:
                                                             state.optimizer, peak_memory["peak_memory_bytes"])
     if not env.is_main:
         return None
+    if aside := keep_summary_aside(ctx.run_dir, summary["config"]):  # an earlier config's figures stay
+        log.info("the earlier summary.json of this folder (another config) is kept as %s", aside)
     write_json_atomic(ctx.run_dir / "summary.json", summary)
     ledger.record(ctx.cfg.metrics, ctx.run_dir, summary)  # the run's line, for trainflow ledger and compare
     ctx.writer.finish(KILLED if (summary.get("checkpoint") or {}).get("stopped_by") else FINISHED, summary)

@@ -2,11 +2,12 @@
 has a checkpoint folder of its own.
 
 The sweep folder is `multirun/<sweep name>`: trainer.sweep_name, else a name made from the sweep's overrides
-(swept and fixed, as trainer.run_name is for runs; SweepFolder, a Hydra callback, notes it at the sweep's start),
-so running the same `-m` command again finds the same folder. In it a job whose summary.json is complete (not a
-stop on a signal) and whose config equals the job's is skipped with one line; any other job runs, resuming from its
-committed checkpoint when it has one. A sweep folder that holds another sweep (its multirun.yaml names other
-overrides) is refused in one line.
+(swept and fixed, short and shell-safe as a run's folder is: rundir.folder_name; SweepFolder, a Hydra callback,
+notes it at the sweep's start), so running the same `-m` command again finds the same folder. In it a job whose
+summary.json is complete (not a stop on a signal) and whose config equals the job's is skipped with one line; any
+other job runs, resuming from its committed checkpoint when it has one (trainflow.report.kept: never over the
+results of another config). A sweep folder that holds another sweep (its multirun.yaml names other overrides) is
+refused in one line.
 
 A checkpoint.dir typed for a sweep is one folder per job: `<checkpoint.dir>/<sweep folder name>/<job number>`, as
 the job directories are, so that jobs never resume each other's checkpoints. The folder names the run identity it
@@ -28,13 +29,13 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from trainflow.config.schema import RunConfig, plain
+from trainflow.config.schema import RunConfig
 from trainflow.distributed.mesh import env_rank
-from trainflow.errors import ConfigError, ReceivedFileError, TrainflowError, user_error
+from trainflow.errors import ConfigError, TrainflowError, user_error
+from trainflow.report import kept
 from trainflow.report.ladder import check_rungs
-from trainflow.report.summary_file import read_summary
 from trainflow.util.files import write_atomic
-from trainflow.util.rundir import override_key, run_identity, run_name, run_name_problem
+from trainflow.util.rundir import existing_or_new, override_key, run_identity, run_name, run_name_problem
 
 SWEEPS_DIR = "multirun"  # where sweeps without hydra.sweep.dir live, one folder per sweep name
 IDENTITY_FILE = "run_identity"  # in a sweep job's checkpoint folder: the identity of the run it belongs to
@@ -62,8 +63,8 @@ _sweep: list[str] = []  # the name made from this process's sweep, set by begin(
 
 
 def begin(config: DictConfig) -> None:
-    """At the start of a sweep, in the launching process (SweepFolder): note the name its overrides make."""
-    _sweep[:] = [sweep_name(config.hydra)]
+    """At the start of a sweep, in the launching process (SweepFolder): note the folder name its overrides make."""
+    _sweep[:] = [existing_or_new(SWEEPS_DIR, sweep_overrides(config.hydra)).removeprefix(f"{SWEEPS_DIR}/")]
 
 
 def sweep_dir(name: str | None) -> str:
@@ -162,14 +163,8 @@ def claim_checkpoint_dir(ckpt_dir: Path, identity: str) -> None:
 
 def finished(job_dir: Path, cfg: RunConfig) -> dict[str, Any] | None:
     """The summary of a job that finished in `job_dir` with the config `cfg` (the checked one), else None: no
-    summary, a cut-off one, a stop on a signal (it resumes), or another config (it runs again)."""
-    try:
-        summary = read_summary(job_dir / "summary.json")
-    except (OSError, ReceivedFileError):  # none, cut off, or not one trainflow wrote: the job runs again
-        return None
-    if not isinstance(summary, dict) or (summary.get("checkpoint") or {}).get("stopped_by"):
-        return None
-    return summary if summary.get("config") == plain(cfg) else None
+    summary, a cut-off one, a stop on a signal (it resumes), or another config (see trainflow.report.kept)."""
+    return kept.finished(kept.read_earlier(job_dir), cfg)
 
 
 def skip_line(num: Any, job_dir: Path, summary: dict[str, Any]) -> str:

@@ -9,8 +9,9 @@ directory. Only rank 0 writes Hydra's saved config and the log file.
 
 A checkpointed run (or one given `trainer.run_name`) has a stable identity instead:
 `outputs/runs/<run name>`, the name made from the overrides that change what is
-trained. The same command therefore finds the same directory and resumes from its
-checkpoints, on every rank, after any stop or crash.
+trained (folder_name: short and shell-safe; the identity itself is run_name's). The
+same command therefore finds the same directory and resumes from its checkpoints, on
+every rank, after any stop or crash.
 
 trainflow writes only into what it owns: a run or sweep directory it made holds its
 marker file (MARKER), written before anything else; a folder that holds anything
@@ -24,6 +25,11 @@ Hydra writes anything into it, so a second run there is refused without touching
 the first one's files. One run per directory, too: a run directory that holds the
 results (config.yaml, summary.json) of a run of another identity (run_identity) is
 refused before anything is written there; the same run may continue in it.
+
+A refused command leaves nothing on disk. Rank 0 notes the run directory as it was before anything is made there
+(note_before); a refusal before training (results_begin marks its start) puts it back (undo_refused): a folder this
+process made goes, with the parents it made; one that was there gets back the bytes of every file the start
+rewrote (Hydra's .hydra/, config.yaml, the lock's holder line), its log cut to its length, and loses what was added.
 """
 
 from __future__ import annotations
@@ -31,6 +37,9 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import shutil
+import stat
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -42,8 +51,8 @@ from omegaconf import DictConfig, OmegaConf
 from torch.distributed import TCPStore
 
 from trainflow.distributed.mesh import env_rank
-from trainflow.errors import ConfigError, user_error
-from trainflow.util.files import cannot_write, not_a_file
+from trainflow.errors import ConfigError, TrainflowError, user_error
+from trainflow.util.files import SMALL_FILE_BYTES, cannot_write, not_a_file, read_regular
 from trainflow.util.locks import LOCK_FILE, DirLock
 
 RUN_DIR_ENV = "TRAINFLOW_RUN_DIR"  # set by our launchers for the processes they start
@@ -62,6 +71,8 @@ _NOT_IN_RUN_NAME = ("hydra", "checkpoint", "compile", "parallelism", "profiler",
                     "trainer.sweep_name")
 _IN_RUN_NAME = ("checkpoint.dir",)  # another checkpoint folder is another history
 _READABLE_CHARS = 160  # a folder name may have 255 bytes
+FOLDER_CHARS = 80  # a run or sweep folder's name: at most this long, of characters a shell takes as they are
+_NOT_IN_FOLDER = re.compile(r"[^A-Za-z0-9._-]+")
 
 
 def _timestamp() -> str:
@@ -105,11 +116,44 @@ def run_name_problem(name: str) -> str | None:
 
 
 def run_name(overrides: list[str]) -> str:
-    """The default trainer.run_name: the overrides that change what is trained, readable, plus a short hash of
-    them all; their order does not matter."""
+    """The default trainer.run_name, a run's identity: the overrides that change what is trained, readable, plus a
+    short hash of them all; their order does not matter."""
     kept = sorted(o for o in overrides if _names_the_run(o))
     readable = re.sub(r"[^A-Za-z0-9._=,+-]", "_", ",".join(kept))[:_READABLE_CHARS] or "default"
-    return f"{readable}-{hashlib.sha256(chr(10).join(kept).encode()).hexdigest()[:8]}"
+    return f"{readable}-{_digest(kept)}"
+
+
+def _digest(kept: list[str]) -> str:
+    return hashlib.sha256(chr(10).join(kept).encode()).hexdigest()[:8]
+
+
+def folder_name(overrides: list[str]) -> str:
+    """The folder of a run or sweep named by its overrides (those run_name keeps), for a shell: at most
+    FOLDER_CHARS of [A-Za-z0-9._-], swept keys first, each as `<last part of the key>-<values>` (`lr-1e-3_3e-4`),
+    joined by `__`, as many as fit, then run_name's hash (`lr-1e-3_3e-4__n_embd-64-9f3a1c2e`): the same overrides,
+    in any order, give the same folder."""
+    kept = sorted(o for o in overrides if _names_the_run(o))
+    swept_first = sorted(kept, key=lambda o: ("," not in o.partition("=")[2], o))
+    digest = _digest(kept)
+    joined, room = "__".join(_short(o) for o in swept_first), FOLDER_CHARS - len(digest) - 1
+    readable = joined if len(joined) <= room else (joined[:room].rpartition("__")[0] or joined[:room])  # whole items
+    return f"{readable.rstrip('._-') or 'default'}-{digest}"
+
+
+def _short(override: str) -> str:
+    """`lr-1e-3_3e-4` of `optim.lr=1e-3,3e-4`, `model-gpt_small` of `model=gpt_small`, `no-dropout` of `~x.dropout`."""
+    key, _, value = override.partition("=")
+    leaf = re.split(r"[./]", override_key(key))[-1]
+    if key.startswith("~"):
+        return f"no-{leaf}"
+    return f"{_NOT_IN_FOLDER.sub('_', leaf)}-{_NOT_IN_FOLDER.sub('_', value.replace(',', '_')).strip('_')}"
+
+
+def existing_or_new(parent: str, overrides: list[str]) -> str:
+    """`parent/<folder_name>`, or the folder an earlier trainflow named `parent/<run_name>` for the same overrides
+    when only that one exists: the same command finds its folder across the change of names."""
+    new, earlier = f"{parent}/{folder_name(overrides)}", f"{parent}/{run_name(overrides)}"
+    return earlier if not Path(new).exists() and Path(earlier).is_dir() else new
 
 
 def run_identity(overrides: list[str]) -> str:
@@ -129,7 +173,7 @@ def run_dir(checkpointed: bool = False, name: str | None = None, overrides: Any 
             user_error(f"trainer.run_name: {problem}")
         return f"{RUNS_DIR}/{name}"
     if checkpointed:
-        return f"{RUNS_DIR}/{run_name([str(o) for o in overrides])}"
+        return existing_or_new(RUNS_DIR, [str(o) for o in overrides])
     if "TORCHELASTIC_RUN_ID" in os.environ and "MASTER_ADDR" in os.environ:
         return f"outputs/{_agreed_under_torchrun()}"
     return f"outputs/{_timestamp()}"
@@ -177,6 +221,7 @@ def own_dir(folder: str, key: str) -> None:
         user_error(f"{key}: is empty (an unset environment variable?), which would make the current folder "
                    f"{Path.cwd()} the output directory; nothing was written: {fix}, or leave {key} out")
     path = Path(folder).expanduser()
+    note_before(path) if key == "hydra.run.dir" else note_before(path, depth=1, sweep=True)
     if path.is_dir() and not made_by_trainflow(path):
         try:
             entries = sorted(p.name for p in path.iterdir())
@@ -239,8 +284,10 @@ def claim_run_dir(folder: Path, key: str) -> None:
         folder.mkdir(parents=True, exist_ok=True)
         _claimed[folder] = DirLock(folder, key=key, fix=fix)
     except ConfigError as exc:
+        undo_refused()
         user_error(str(exc))
     except OSError as exc:
+        undo_refused()
         user_error(f"{key}: cannot create {folder} ({exc.strerror}); point {key} at a writable folder")
     mark(folder, key)
 
@@ -280,6 +327,7 @@ def check_same_run(folder: Path, overrides: list[str]) -> None:
     ours = run_identity(overrides)
     if theirs == ours:
         return
+    undo_refused()  # the lock's holder line goes back to what it said
     held = f"holds the {' and '.join(results)} of"
     if theirs is None:
         user_error(f"hydra.run.dir: {folder} {held} a run trainflow cannot identify (no readable "
@@ -293,3 +341,108 @@ def check_same_run(folder: Path, overrides: list[str]) -> None:
 def _check_writable(key: str, folder: str) -> None:
     if (exc := cannot_write(folder)) is not None:
         user_error(f"{key}: cannot create {folder} ({exc.strerror}); point {key} at a writable folder")
+
+
+_DEPTH = 2  # how deep a start writes into a run directory: .hydra/*, checkpoints/.lock, tensorboard/<events>
+
+
+@dataclass
+class _Before:
+    """A run directory as it was before this process made or claimed it."""
+
+    folder: Path
+    made: list[Path]  # the folder and the parents this process makes, innermost first (empty: it was there)
+    entries: dict[Path, bytes | int | None]  # what it held: a file's bytes (a bigger one: its size), else None
+    depth: int  # how deep it was noted
+    sweep: bool  # a sweep folder: once a job's folder appeared there, what the jobs did is kept
+
+    def restore(self) -> None:
+        now = _entries(self.folder, self.depth)
+        added = now.keys() - self.entries.keys()
+        if self.sweep and any(path.is_dir() and not path.is_symlink() for path in added):
+            return  # a job's folder: the jobs began
+        if self.made:
+            shutil.rmtree(self.folder, ignore_errors=True)
+            for parent in self.made[1:]:
+                try:
+                    parent.rmdir()  # only while empty: another run may have made its own folder there meanwhile
+                except OSError:
+                    break
+            return
+        for path in sorted(added, key=lambda p: len(p.parts), reverse=True):
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
+        for path, was in self.entries.items():
+            if was is None or now.get(path) == was or not _regular(path):
+                continue
+            try:
+                if isinstance(was, bytes):
+                    path.write_bytes(was)
+                elif path.stat().st_size > was:  # a log too big to keep whole only grows: cut it back
+                    os.truncate(path, was)
+            except OSError:
+                continue
+
+
+def _regular(path: Path) -> bool:
+    try:
+        return stat.S_ISREG(os.lstat(path).st_mode)
+    except OSError:
+        return False
+
+
+def _entries(folder: Path, depth: int = _DEPTH) -> dict[Path, bytes | int | None]:
+    """Everything in `folder` down to `depth` levels, links not followed: a regular file's bytes (one bigger than
+    SMALL_FILE_BYTES: its size), None for anything else."""
+    found: dict[Path, bytes | int | None] = {}
+    try:
+        children = list(folder.iterdir())
+    except OSError:
+        return found
+    for child in children:
+        if _regular(child):
+            try:
+                size = child.stat().st_size
+                found[child] = read_regular(child) if size <= SMALL_FILE_BYTES else size
+            except (OSError, TrainflowError):  # gone or swapped meanwhile: nothing to put back
+                found[child] = None
+            continue
+        found[child] = None
+        if depth > 1 and child.is_dir() and not child.is_symlink():
+            found.update(_entries(child, depth - 1))
+    return found
+
+
+_noted: dict[Path, _Before] = {}  # rank 0's run directories as they were, until training begins
+_began: list[bool] = []  # set once training began (or workers took over): a failure keeps what is there
+
+
+def note_before(folder: Path, depth: int = _DEPTH, sweep: bool = False) -> None:
+    """Rank 0, before anything is made in `folder`: note it as it is, `depth` levels deep, for undo_refused (a
+    checkpoint folder: 1, its lock and markers; its checkpoints a start never writes)."""
+    folder = folder.absolute()
+    if folder in _noted or _began:
+        return
+    made, missing = [], folder
+    while not missing.exists() and not missing.is_symlink() and missing != missing.parent:
+        made.append(missing)
+        missing = missing.parent
+    _noted[folder] = _Before(folder, made, {} if made else _entries(folder, depth), depth, sweep)
+
+
+def results_begin() -> None:
+    """Training begins (or workers this process cannot see begin it): from here on a failure keeps the run
+    directory as it is, with what the run wrote."""
+    _began.append(True)
+    _noted.clear()
+
+
+def undo_refused() -> None:
+    """A command refused before training: every folder noted is as it was before this process (see note_before)."""
+    if _began:
+        return
+    for before in reversed(_noted.values()):  # a folder noted inside another (checkpoints/) first
+        before.restore()
+    _noted.clear()
