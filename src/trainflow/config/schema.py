@@ -539,7 +539,8 @@ def typed_run(values: Mapping[str, Any]) -> RunConfig:
     if parallelism.get("fault_tolerance", FaultTolerance.off) == FaultTolerance.off:
         values = {**values, "parallelism": {**parallelism, "ft": None}}
     return schema(**{f.name: typed(values.get(f.name) or {}, hints[f.name], f.name) if is_dataclass(hints[f.name])
-                     else values[f.name] for f in fields(schema)})
+                     else values[f.name] if f.name in values or f.default_factory is MISSING  # type: ignore[misc]
+                     else f.default_factory() for f in fields(schema)})  # a section of yours left out: none
 
 
 def with_own_keys(section: Mapping[str, Any], schema: type, name: str) -> dict[str, Any]:
