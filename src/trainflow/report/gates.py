@@ -49,7 +49,8 @@ def parse_gate(text: str, figures: dict[str, int]) -> Gate:
 
 def evaluate_gate(gate: Gate, pair: dict[str, Any]) -> dict[str, Any]:
     """PASS, FAIL (past the threshold, beyond the noise, not a busy machine's doing), WARN (past it, but a busy
-    machine is the likely cause) or NOT EVALUATED (a side lacks the figure)."""
+    machine is the likely cause, or compare could not tell: too few intervals) or NOT EVALUATED (a side lacks the
+    figure)."""
     row = next((r for r in pair["figures"] if r["figure"] == gate.name), None)
     where = f"{', '.join(pair['a'])} -> {', '.join(pair['b'])}"
     if row is None:
@@ -63,8 +64,9 @@ def evaluate_gate(gate: Gate, pair: dict[str, Any]) -> dict[str, Any]:
     elif row["verdict"] == "same":
         status, detail = PASS, (f"{row['label']} {shown}, past {gate.text.split('=', 1)[1]} but within the noise "
                                 f"(band ±{row['band'] * 100:.1f}%)")
-    elif row["busy_only"]:
-        status, detail = WARN, f"{row['label']} {shown}, but {row['likely_cause']}"
+    elif row.get("undecided"):
+        status, detail = WARN, f"{row['label']} {shown}, but {row['undecided']}" + (
+            f"; {row['likely_cause']}" if row["likely_cause"] else "")
     else:
         status, detail = FAIL, f"{row['label']} {shown} ({row['verdict']}), past {gate.text.split('=', 1)[1]}" + (
             f"; likely cause: {row['likely_cause']}" if row["likely_cause"] else "")

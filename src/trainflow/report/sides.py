@@ -35,6 +35,7 @@ class RunView:
     intervals: dict[str, list[float]] = field(default_factory=dict)
     curves: dict[str, dict[int, float]] = field(default_factory=dict)  # train/loss, val/<metric> by step
     profiler: dict[str, Any] | None = None
+    steady_from: int = 0  # the step after which its steady state began (its start or resume, then excluded steps)
 
 
 @dataclass
@@ -64,7 +65,7 @@ def run_view(path: Path, root: Path) -> RunView:
                 curves.setdefault(key, {})[entry["step"]] = float(value)
     return RunView(record.name, path, ledger.headline_figures(summary), summary.get("fingerprint") or {},
                    summary.get("config") or {}, steady_intervals(entries, start, excluded), curves,
-                   summary.get("profiler"))
+                   summary.get("profiler"), start + excluded)
 
 
 def ledger_view(line: dict[str, Any]) -> RunView:
