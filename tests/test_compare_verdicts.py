@@ -1,14 +1,20 @@
-"""compare's judgement on real numbers, without a run: `superiority`, `judge` (the least band, the confidence, the
-run-to-run floor), the ledger's run-to-run floor, and one figure's row (which way is better, the runs' own figures,
-"cannot tell" with too few intervals, a busy machine judged on the robust step time, a change only the load
-explains). Each test fails when one line of what it covers changes (a constant, a comparison, a direction)."""
+"""compare's judgement on real numbers, without a run: the steps' own time as the meter takes it, `superiority`,
+`judge` (the least band, the confidence, the run-to-run floor), the ledger's run-to-run floor, and one figure's row
+(which way is better, the runs' own figures, "cannot tell" with too few intervals, a busy machine judged on the own
+step time, a change only the load explains). Each test fails when one line of what it covers changes (a constant,
+a comparison, a direction)."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
+import torch
+from torch import nn
 
+from trainflow.loop.state import LoopState
+from trainflow.metrics.meter import PeakMemory, Throughput
 from trainflow.report.causes import Note
 from trainflow.report.compare import FIGURE_NAMES, NOT_JUDGED_BUSY, ONLY_LOAD, RUN_TO_RUN, judge_figure, run_to_run
 from trainflow.report.gates import WARN, evaluate_gate, parse_gate
@@ -21,6 +27,39 @@ STEADY = [0.0099, 0.0100, 0.0100, 0.0101, 0.0100]
 
 def scaled(values: list[float], factor: float) -> list[float]:
     return [v * factor for v in values]
+
+
+def spin(cpu_s: float) -> None:
+    """Work: `cpu_s` of this process's CPU time."""
+    start = time.process_time()
+    while time.process_time() - start < cpu_s:
+        pass
+
+
+def test_the_own_time_counts_a_steps_cpu_and_not_its_waits_nor_a_stage_that_paused() -> None:
+    """Steady steps that compute 20 ms (odd) or wait 20 ms (even); a stage computes 50 ms after step 4 and says
+    so (a pause): the own time is the mean CPU time of the steps less step 5 (which holds the stage's work); each
+    step's wall time is at least the 20 ms it took."""
+    cpu = torch.device("cpu")
+    meter = Throughput(1, cpu, PeakMemory(cpu))
+    state = LoopState(nn.Linear(1, 1), None, None)
+    meter.begin()
+    for step in range(1, 8):
+        state.steps_this_run, state.data_wait_s = step, 0.0
+        spin(0.02) if step % 2 else time.sleep(0.02)
+        meter.end_step(state, samples=64, tokens=0)
+        if step == 4:
+            start = time.perf_counter()
+            spin(0.05)
+            meter.pause(time.perf_counter() - start)
+    meter.stop()
+    steady = meter.steady_state()
+    assert steady["steps"] == 6 and steady["step_time_own_of"] == "process CPU time"
+    own = meter.single.take()
+    assert len(own) == 5  # steps 2, 3, 4, 6, 7
+    assert [value > 0.015 for value in own] == [False, True, False, False, True]
+    assert 0.04 / 5 <= steady["step_time_own_s"] < 0.04 / 5 * 1.5 and steady["step_time_own_s"] == sum(own) / 5
+    assert steady["step_time_p10_s"] >= 0.02
 
 
 def test_superiority_counts_the_pairs_b_wins_and_half_the_ties() -> None:
