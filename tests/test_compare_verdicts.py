@@ -16,7 +16,15 @@ from torch import nn
 from trainflow.loop.state import LoopState
 from trainflow.metrics.meter import PeakMemory, Throughput
 from trainflow.report.causes import Note
-from trainflow.report.compare import FIGURE_NAMES, NOT_JUDGED_BUSY, ONLY_LOAD, RUN_TO_RUN, judge_figure, run_to_run
+from trainflow.report.compare import (
+    FIGURE_NAMES,
+    NOT_JUDGED_BUSY,
+    ONLY_LOAD,
+    OTHER_THREADS,
+    RUN_TO_RUN,
+    judge_figure,
+    run_to_run,
+)
 from trainflow.report.gates import WARN, evaluate_gate, parse_gate
 from trainflow.report.noise import judge, superiority
 from trainflow.report.sides import RunView
@@ -176,6 +184,10 @@ def test_a_busy_machine_judges_the_step_time_on_its_own_time_and_not_the_wall_fi
     b.fingerprint["replay"] = {"env": {"OMP_NUM_THREADS": "1"}}
     threads = row(a, b, "step_time")
     assert threads["judged_on"] == "step_time" and threads["verdict"] == NOT_JUDGED_BUSY
+    assert row(a, b, "step_time_own")["verdict"] == OTHER_THREADS
+    for run in (a, b):
+        run.fingerprint["device"] = {"type": "cuda"}  # the device's own time: threads do not count
+    assert row(a, b, "step_time")["judged_on"] == "step_time_own"
 
 
 def test_a_change_only_the_load_explains_is_neither_slower_nor_faster() -> None:

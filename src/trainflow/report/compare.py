@@ -13,9 +13,9 @@ the noise; a change that only a busy machine explains warns instead, and says to
 Honest on a busy machine: when either run was timed while other processes kept BUSY_SHARE of the cores busy, the
 step time is judged on the steps' own time (the process's CPU time per step on CPU, the device's from CUDA events on
 a GPU: the figure the load moves least, docs/compare.md) and the row says so; the figures made of wall time
-(samples/s, tokens/s, MFU, data wait) are then not judged. A
-change that only the machine's load explains is never called slower or faster, and a run with fewer than
-MIN_SAMPLES steady log intervals gives "cannot tell" and the steps it needs, not a verdict.
+(samples/s, tokens/s, MFU, data wait) are then not judged. A change that only the machine's load explains is never
+called slower or faster, and a run with fewer than MIN_SAMPLES steady log intervals gives "cannot tell" and the
+steps it needs, not a verdict.
 """
 
 from __future__ import annotations
@@ -72,6 +72,7 @@ class Figure:
 OWN_STEP_TIME = "step_time_own"
 NOT_JUDGED_BUSY = "not judged: a busy machine (its wall time carries the load; see step time)"
 ONLY_LOAD = "cannot tell: only the machine's load explains the change"
+OTHER_THREADS = "not judged: other OMP_NUM_THREADS (a process's CPU time counts every thread's)"
 
 
 FIGURES = (
@@ -156,10 +157,12 @@ def was_busy(runs: list[RunView]) -> bool:
 
 
 def same_threads(a: list[RunView], b: list[RunView]) -> bool:
-    """Whether every run had the same OMP_NUM_THREADS: a process's CPU time per step counts each of its threads
-    (torch's spin while they wait), so it compares only runs with as many threads."""
-    threads = {((r.fingerprint.get("replay") or {}).get("env") or {}).get("OMP_NUM_THREADS") for r in (*a, *b)}
-    return len(threads) == 1
+    """Whether the runs' own times compare: on a GPU (the device's time), or on CPU with the same OMP_NUM_THREADS
+    (a process's CPU time per step counts each of its threads, and torch's spin while they wait)."""
+    runs = (*a, *b)
+    if all((r.fingerprint.get("device") or {}).get("type") == "cuda" for r in runs):
+        return True
+    return len({((r.fingerprint.get("replay") or {}).get("env") or {}).get("OMP_NUM_THREADS") for r in runs}) == 1
 
 
 def too_few_intervals(runs: list[RunView], figure: Figure) -> str | None:
@@ -207,6 +210,7 @@ def judge_figure(figure: Figure, a: list[RunView], b: list[RunView], found: list
     only_load = bool(cause and cause.kind == "machine load")
     # what keeps a verdict back: the wall time of a busy machine, too few intervals, a change only the load explains
     undecided = NOT_JUDGED_BUSY if busy and figure.wall and judged_as is figure \
+        else OTHER_THREADS if judged_as.name == OWN_STEP_TIME and not same_threads(a, b) \
         else too_few if figure.speed and too_few else ONLY_LOAD if only_load else None
     if undecided is not None:
         direction, cause = 0, cause if only_load else None
