@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # The seed MLP for 600 steps: 550 steady steps, 22 log intervals (a busy run of it takes about a minute here)
 DEFAULT = ["experiment=seed_mlp", "logger=none", "trainer.max_steps=600", "trainer.log_every=25",
            "trainer.excluded_steps=50"]
-CANDIDATES = {"mean step (wall / steps)": "step_time_s", "own time per step (process CPU)": "step_time_own_s",
+CANDIDATES = {"mean step (wall / steps)": "step_time_s", "device time per step (process CPU)": "step_time_device_s",
               "p10 of single steps": "step_time_p10_s", "median of interval means": "interval_median_s"}
 
 

@@ -2,7 +2,7 @@
 the default, and a model twice as wide, compare as different with the right sign; a CPU hog beside one run is named
 and never called a slowdown; with two spinning processes beside the runs, the same command twice is never slower or
 faster and a model of 4x the FLOPs is slower, every time. On a busy machine (this one, most of the time) the step
-time is judged on the steps' own time and the wall-time figures are not judged. Timing verdicts: these tests run
+time is judged on the steps' device time and the wall-time figures are not judged. Timing verdicts: these tests run
 alone (serial), on runs they make themselves."""
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ def test_the_same_command_twice_is_the_same(runs: dict[str, Run], tmp_path: Path
     proc, rows = compare(runs["base"].run_dir, runs["again"].run_dir, tmp_path, "step_time=+5%")
     assert proc.returncode == 0, proc.stdout
     judged = ("step_time",) if busy(runs["base"], runs["again"]) else SPEED
-    assert rows["step_time"]["judged_on"] == ("step_time_own" if judged == ("step_time",) else "step_time")
+    assert rows["step_time"]["judged_on"] == ("step_time_device" if judged == ("step_time",) else "step_time")
     for name in judged:
         assert rows[name]["verdict"] == "same", rows[name]
         assert abs(rows[name]["change"]) <= rows[name]["band"]
@@ -100,7 +100,7 @@ def test_a_model_twice_as_wide_is_slower(runs: dict[str, Run], tmp_path: Path) -
 
 def test_a_cpu_hog_beside_one_run_is_named_as_the_likely_cause(runs: dict[str, Run], tmp_path: Path) -> None:
     """Two busy loops per core run beside the second run of the base command: its steps are slower, its fingerprint
-    counts the cores the hogs kept busy, and compare judges the step time on the steps' own time: the same, or a
+    counts the cores the hogs kept busy, and compare judges the step time on the steps' device time: the same, or a
     change only the load explains, never slower; a gate on the step time does not fail."""
     hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2 * (os.cpu_count() or 1))]
     try:
@@ -112,7 +112,7 @@ def test_a_cpu_hog_beside_one_run_is_named_as_the_likely_cause(runs: dict[str, R
     base_load, busy_load = runs["base"].summary["fingerprint"]["load"], busy.summary["fingerprint"]["load"]
     assert busy_load["busy"] is True and busy_load["other_cores"] > base_load["other_cores"] - 0.1
     proc, rows = compare(runs["base"].run_dir, busy.run_dir, tmp_path / "out", "step_time=+5%")
-    assert rows["step_time"]["judged_on"] == "step_time_own"
+    assert rows["step_time"]["judged_on"] == "step_time_device"
     assert rows["step_time"]["verdict"] in ("same", ONLY_LOAD), rows["step_time"]
     if rows["step_time"]["verdict"] == ONLY_LOAD:
         assert rows["step_time"]["likely_cause"].startswith("B ran on a busier machine: other processes kept")
@@ -147,7 +147,7 @@ def repeated_verdicts(folder: Path, repetitions: int) -> list[tuple[dict, dict]]
 
 def assert_honest(verdicts: list[tuple[dict, dict]]) -> None:
     for same, four in verdicts:
-        assert same["judged_on"] == four["judged_on"] == "step_time_own"  # two spinners: a busy machine
+        assert same["judged_on"] == four["judged_on"] == "step_time_device"  # two spinners: a busy machine
         assert same["verdict"] not in ("slower", "faster"), same
         assert four["verdict"] == "slower" and four["better"] is False and four["confidence"] >= 0.9, four
         assert four["likely_cause"] == "another config: model.hidden: 1024 -> 4096"

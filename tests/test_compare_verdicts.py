@@ -1,4 +1,4 @@
-"""compare's judgement on real numbers, without a run: the steps' own time as the meter takes it, `superiority`,
+"""compare's judgement on real numbers, without a run: the steps' device time as the meter takes it, `superiority`,
 `judge` (the least band, the confidence, the run-to-run floor), the ledger's run-to-run floor, and one figure's row
 (which way is better, the runs' own figures, "cannot tell" with too few intervals, a busy machine judged on the own
 step time, a change only the load explains). Each test fails when one line of what it covers changes (a constant,
@@ -44,9 +44,9 @@ def spin(cpu_s: float) -> None:
         pass
 
 
-def test_the_own_time_counts_a_steps_cpu_and_not_its_waits_nor_a_stage_that_paused() -> None:
+def test_the_device_time_counts_a_steps_cpu_and_not_its_waits_nor_a_stage_that_paused() -> None:
     """Steady steps that compute 20 ms (odd) or wait 20 ms (even); a stage computes 50 ms after step 4 and says
-    so (a pause): the own time is the mean CPU time of the steps less step 5 (which holds the stage's work); each
+    so (a pause): the device time is the mean CPU time of the steps less step 5 (which holds the stage's work); each
     step's wall time is at least the 20 ms it took."""
     cpu = torch.device("cpu")
     meter = Throughput(1, cpu, PeakMemory(cpu))
@@ -62,11 +62,12 @@ def test_the_own_time_counts_a_steps_cpu_and_not_its_waits_nor_a_stage_that_paus
             meter.pause(time.perf_counter() - start)
     meter.stop()
     steady = meter.steady_state()
-    assert steady["steps"] == 6 and steady["step_time_own_of"] == "process CPU time"
-    own = meter.single.take()
-    assert len(own) == 5  # steps 2, 3, 4, 6, 7
-    assert [value > 0.015 for value in own] == [False, True, False, False, True]
-    assert 0.04 / 5 <= steady["step_time_own_s"] < 0.04 / 5 * 1.5 and steady["step_time_own_s"] == sum(own) / 5
+    assert steady["steps"] == 6 and steady["step_time_device_of"] == "process CPU time"
+    device = meter.single.take()
+    assert len(device) == 5  # steps 2, 3, 4, 6, 7
+    assert [value > 0.015 for value in device] == [False, True, False, False, True]
+    assert 0.04 / 5 <= steady["step_time_device_s"] < 0.04 / 5 * 1.5
+    assert steady["step_time_device_s"] == sum(device) / 5
     assert steady["step_time_p10_s"] >= 0.02
 
 
@@ -117,16 +118,17 @@ def line(median: float, busy: bool = False, host: str = "h", config: str = "c1")
                             "load": {"busy": busy}, "step_time": {"median": median}}}
 
 
-def view(step_time: float, own: float | None = None, busy: bool = False, intervals: int = 5, spread: float = 1.0,
+def view(step_time: float, device: float | None = None, busy: bool = False, intervals: int = 5, spread: float = 1.0,
          tmp: Path | None = None, other_cores: float = 0.0, config: str = "c1") -> RunView:
     """A run from its folder: its summary's figures, a fingerprint, and `intervals` log intervals about its figures."""
-    own = own if own is not None else step_time * 0.9
+    device = device if device is not None else step_time * 0.9
     wobble = [1 - 0.01 * spread, 1.0, 1.0, 1 + 0.01 * spread, 1.0][:intervals]
-    figures = {"step_time_s": step_time, "step_time_own_s": own, "samples_per_sec": 64 / step_time, "steps": 100}
+    figures = {"step_time_s": step_time, "step_time_device_s": device, "samples_per_sec": 64 / step_time,
+               "steps": 100}
     fingerprint = {"config_hash": config, "host": "h", "device": {"type": "cpu"},
                    "load": {"busy": busy, "other_cores": other_cores, "cpu_cores": 2}}
     return RunView("run", tmp or Path("run"), figures, fingerprint, {"trainer": {"log_every": 10}},
-                   {"step_time_s": scaled(wobble, step_time), "step_time_own_s": scaled(wobble, own),
+                   {"step_time_s": scaled(wobble, step_time), "step_time_device_s": scaled(wobble, device),
                     "samples_per_sec": scaled(wobble, 64 / step_time)}, steady_from=5)
 
 
@@ -170,30 +172,30 @@ def test_too_few_intervals_cannot_tell(tmp_path: Path) -> None:
     assert gate["status"] == WARN and "cannot tell: 2 intervals" in gate["detail"]
 
 
-def test_a_busy_machine_judges_the_step_time_on_its_own_time_and_not_the_wall_figures() -> None:
-    """A busy B: its wall step time doubled, its own time did not move: the step time is the same (judged on its
-    own time, and its label says so); samples/s (wall time) is not judged. Runs with other thread counts have
+def test_a_busy_machine_judges_the_step_time_on_its_device_time_and_not_the_wall_figures() -> None:
+    """A busy B: its wall step time doubled, its device time did not move: the step time is the same (judged on its
+    device time, and its label says so); samples/s (wall time) is not judged. Runs with other thread counts have
     CPU times that do not compare: their step time is not judged either."""
-    a, b = view(0.010, own=0.008), view(0.020, own=0.008, busy=True, other_cores=1.0)
+    a, b = view(0.010, device=0.008), view(0.020, device=0.008, busy=True, other_cores=1.0)
     step = row(a, b, "step_time")
-    assert step["judged_on"] == "step_time_own" and (step["a"], step["b"]) == (0.008, 0.008)
-    assert step["verdict"] == "same" and "its own time: a busy machine" in step["label"]
+    assert step["judged_on"] == "step_time_device" and (step["a"], step["b"]) == (0.008, 0.008)
+    assert step["verdict"] == "same" and "its device time: a busy machine" in step["label"]
     throughput = row(a, b, "samples_per_sec")
     assert throughput["verdict"] == NOT_JUDGED_BUSY and throughput["better"] is None and throughput["busy_only"]
-    assert row(view(0.010, own=0.008), view(0.020, own=0.008), "step_time")["judged_on"] == "step_time"  # idle
+    assert row(view(0.010, device=0.008), view(0.020, device=0.008), "step_time")["judged_on"] == "step_time"  # idle
     b.fingerprint["replay"] = {"env": {"OMP_NUM_THREADS": "1"}}
     threads = row(a, b, "step_time")
     assert threads["judged_on"] == "step_time" and threads["verdict"] == NOT_JUDGED_BUSY
-    assert row(a, b, "step_time_own")["verdict"] == OTHER_THREADS
+    assert row(a, b, "step_time_device")["verdict"] == OTHER_THREADS
     for run in (a, b):
-        run.fingerprint["device"] = {"type": "cuda"}  # the device's own time: threads do not count
-    assert row(a, b, "step_time")["judged_on"] == "step_time_own"
+        run.fingerprint["device"] = {"type": "cuda"}  # a GPU's time: threads do not count
+    assert row(a, b, "step_time")["judged_on"] == "step_time_device"
 
 
 def test_a_change_only_the_load_explains_is_neither_slower_nor_faster() -> None:
-    """Its own time moved too, and the fingerprints differ only in the load: no verdict, the load named; another
+    """Its device time moved too, and the fingerprints differ only in the load: no verdict, the load named; another
     config beside it is the cause, and the verdict stands."""
-    a, b = view(0.010, own=0.008), view(0.030, own=0.016, busy=True, other_cores=1.5)
+    a, b = view(0.010, device=0.008), view(0.030, device=0.016, busy=True, other_cores=1.5)
     load = Note("machine load", "B ran on a busier machine: ...", speed_only=True)
     step = row(a, b, "step_time", [load])
     assert step["verdict"] == ONLY_LOAD and step["better"] is None and step["busy_only"]

@@ -1,7 +1,7 @@
 """The throughput meter: step times, samples and tokens per second, peak memory, the machine's load.
 
 The wall-time figures are read at log boundaries only (with a device sync there), so measuring does not put a sync
-in every step. Beside them the meter keeps each steady step's own time, the figure another process's load moves
+in every step. Beside them the meter keeps each steady step's device time, the figure another process's load moves
 least (docs/compare.md measures it): on CPU the process's CPU seconds (all its threads) of the step, which grow
 only a little when other processes take turns on the cores, while the wall time grows with every turn they take;
 on a GPU the device's time of the step, from CUDA events on its stream (read when the meter syncs anyway). It also
@@ -178,13 +178,13 @@ class Throughput:
         if self.start is None or steady.steps == 0:
             return None
         elapsed = self.stopped_at - self.start
-        wall, own = self.single.all()
+        wall, device = self.single.all()
         return {
             "steps": steady.steps,
             "excluded_steps": self.excluded_steps,
             "step_time_s": elapsed / steady.steps,
-            "step_time_own_s": sum(own) / len(own) if own else None,
-            "step_time_own_of": self.single.own_of,
+            "step_time_device_s": sum(device) / len(device) if device else None,
+            "step_time_device_of": self.single.device_of,
             "step_time_p10_s": percentile(list(wall), LOW_PERCENTILE) if wall else None,
             "samples_per_sec": steady.samples / elapsed,
             "tokens_per_sec": steady.tokens / elapsed,
@@ -193,7 +193,7 @@ class Throughput:
 
 
 class SingleSteps:
-    """Each steady step's times: its wall time and its own time. CPU: the host's clock between the ends of two
+    """Each steady step's times: its wall time and its device time. CPU: the host's clock between the ends of two
     steps (a CPU step is done when its call returns; the stages' pauses left out), and the process's CPU seconds
     between them (all its threads; a step a stage paused in is left out: they hold the stage's work). CUDA: both
     are the device's time between two events recorded on its stream at the ends of two steps, read when the meter
@@ -202,10 +202,10 @@ class SingleSteps:
 
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
-        self.own_of = "CUDA events" if self.cuda else "process CPU time"
+        self.device_of = "CUDA events" if self.cuda else "process CPU time"
         self._wall = array("d")  # every steady step's wall seconds, in order
-        self._own = array("d")  # every steady step's own seconds (less those a stage paused in)
-        self._taken = 0  # how many own times the log intervals have taken
+        self._device = array("d")  # every steady step's device seconds (less those a stage paused in)
+        self._taken = 0  # how many device times the log intervals have taken
         self._cpu_at = 0.0  # CPU: the process's CPU seconds at the end of the previous step
         self._last_event: Any = None  # CUDA: the event at the end of the previous step
         self._pending: list[tuple[Any, Any]] = []  # CUDA: (start, end) events not yet read
@@ -230,7 +230,7 @@ class SingleSteps:
         cpu = time.process_time()
         self._wall.append(now - step_start)
         if not paused:
-            self._own.append(cpu - self._cpu_at)
+            self._device.append(cpu - self._cpu_at)
         self._cpu_at = cpu
         return now
 
@@ -245,19 +245,19 @@ class SingleSteps:
         for start, end in self._pending:
             seconds = start.elapsed_time(end) / 1e3
             self._wall.append(seconds)
-            self._own.append(seconds)
+            self._device.append(seconds)
         self._pending.clear()
 
     def take(self) -> list[float]:
-        """The own times of the steady steps since the previous take (a log interval's), after a device sync."""
+        """The device times of the steady steps since the previous take (a log interval's), after a device sync."""
         self._read()
-        taken, self._taken = self._own[self._taken:], len(self._own)
+        taken, self._taken = self._device[self._taken:], len(self._device)
         return list(taken)
 
     def all(self) -> tuple[array, array]:
-        """Every steady step's wall and own seconds (after the meter's final device sync)."""
+        """Every steady step's wall and device seconds (after the meter's final device sync)."""
         self._read()
-        return self._wall, self._own
+        return self._wall, self._device
 
 
 def host_load() -> dict[str, Any]:

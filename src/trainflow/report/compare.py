@@ -11,8 +11,8 @@ machine, the host). `--fail-on step_time=+5%` fails (exit 1) when B's step time 
 the noise; a change that only a busy machine explains warns instead, and says to rerun on an idle one.
 
 Honest on a busy machine: when either run was timed while other processes kept BUSY_SHARE of the cores busy, the
-step time is judged on the steps' own time (the process's CPU time per step on CPU, the device's from CUDA events on
-a GPU: the figure the load moves least, docs/compare.md) and the row says so; the figures made of wall time
+step time is judged on the steps' device time (the process's CPU time per step on CPU, the GPU's from CUDA events:
+the figure the load moves least, docs/compare.md) and the row says so; the figures made of wall time
 (samples/s, tokens/s, MFU, data wait) are then not judged. A change that only the machine's load explains is never
 called slower or faster, and a run with fewer than MIN_SAMPLES steady log intervals gives "cannot tell" and the
 steps it needs, not a verdict.
@@ -69,7 +69,7 @@ class Figure:
     robust: str | None = None  # the figure judged in its place when a run was timed on a busy machine
 
 
-OWN_STEP_TIME = "step_time_own"
+DEVICE_STEP_TIME = "step_time_device"
 NOT_JUDGED_BUSY = "not judged: a busy machine (its wall time carries the load; see step time)"
 ONLY_LOAD = "cannot tell: only the machine's load explains the change"
 OTHER_THREADS = "not judged: other OMP_NUM_THREADS (a process's CPU time counts every thread's)"
@@ -77,8 +77,9 @@ OTHER_THREADS = "not judged: other OMP_NUM_THREADS (a process's CPU time counts 
 
 FIGURES = (
     Figure("step_time", "step time", "s", False, ("slower", "faster"), 0.05, interval="step_time_s", wall=True,
-           robust=OWN_STEP_TIME),
-    Figure(OWN_STEP_TIME, "step time, own", "s", False, ("slower", "faster"), 0.05, interval="step_time_own_s"),
+           robust=DEVICE_STEP_TIME),
+    Figure(DEVICE_STEP_TIME, "step time on its device", "s", False, ("slower", "faster"), 0.05,
+           interval="step_time_device_s"),
     Figure("samples_per_sec", "samples/s", "", True, ("faster", "slower"), 0.05, interval="samples_per_sec",
            wall=True),
     Figure("tokens_per_sec", "tokens/s", "", True, ("faster", "slower"), 0.05, interval="tokens_per_sec", wall=True),
@@ -97,7 +98,7 @@ FIGURE_NAMES = {f.name: f for f in (*FIGURES, LOSS)}
 def headline(run: RunView, figure: Figure) -> float | None:
     """A run's whole-run value of `figure` (None where it has none)."""
     s = run.figures
-    value = {"step_time": s.get("step_time_s"), OWN_STEP_TIME: s.get("step_time_own_s"),
+    value = {"step_time": s.get("step_time_s"), DEVICE_STEP_TIME: s.get("step_time_device_s"),
              "samples_per_sec": s.get("samples_per_sec"),
              "tokens_per_sec": s.get("tokens_per_sec") or None, "mfu": s.get("mfu"),
              "data_wait": s.get("data_wait_fraction"), "peak_memory": s.get("peak_memory_bytes"),
@@ -147,8 +148,8 @@ def samples(runs: list[RunView], figure: Figure) -> tuple[list[float], float | N
 def own_value(runs: list[RunView], figure: Figure, values: list[float]) -> float | None:
     """A side's figure: one run's own (its summary's, as its `done:` line gives it), else the median of `values`
     (pooled runs, or a run whose summary lacks it)."""
-    own = headline(runs[0], figure) if len(runs) == 1 else None
-    return own if own is not None else Band.of(values).median if values else None
+    value = headline(runs[0], figure) if len(runs) == 1 else None
+    return value if value is not None else Band.of(values).median if values else None
 
 
 def was_busy(runs: list[RunView]) -> bool:
@@ -157,7 +158,7 @@ def was_busy(runs: list[RunView]) -> bool:
 
 
 def same_threads(a: list[RunView], b: list[RunView]) -> bool:
-    """Whether the runs' own times compare: on a GPU (the device's time), or on CPU with the same OMP_NUM_THREADS
+    """Whether the runs' device times compare: on a GPU (the device's time), or on CPU with the same OMP_NUM_THREADS
     (a process's CPU time per step counts each of its threads, and torch's spin while they wait)."""
     runs = (*a, *b)
     if all((r.fingerprint.get("device") or {}).get("type") == "cuda" for r in runs):
@@ -187,7 +188,7 @@ def judge_figure(figure: Figure, a: list[RunView], b: list[RunView], found: list
     busy = was_busy(a) or was_busy(b)
     judged_as = FIGURE_NAMES[figure.robust] if busy and figure.robust and same_threads(a, b) else figure
     (sa, known_a), (sb, known_b) = samples(a, judged_as), samples(b, judged_as)
-    if judged_as is not figure and not (sa and sb):  # runs from before the own time: the wall time, not judged
+    if judged_as is not figure and not (sa and sb):  # runs from before the device time: the wall time, not judged
         judged_as = figure
         (sa, known_a), (sb, known_b) = samples(a, figure), samples(b, figure)
     va, vb = own_value(a, judged_as, sa), own_value(b, judged_as, sb)
@@ -210,13 +211,13 @@ def judge_figure(figure: Figure, a: list[RunView], b: list[RunView], found: list
     only_load = bool(cause and cause.kind == "machine load")
     # what keeps a verdict back: the wall time of a busy machine, too few intervals, a change only the load explains
     undecided = NOT_JUDGED_BUSY if busy and figure.wall and judged_as is figure \
-        else OTHER_THREADS if judged_as.name == OWN_STEP_TIME and not same_threads(a, b) \
+        else OTHER_THREADS if judged_as.name == DEVICE_STEP_TIME and not same_threads(a, b) \
         else too_few if figure.speed and too_few else ONLY_LOAD if only_load else None
     if undecided is not None:
         direction, cause = 0, cause if only_load else None
     verdict = undecided or ("same" if direction == 0 else figure.words[0] if direction > 0 else figure.words[1])
     better = None if direction == 0 or not figure.directed else (direction > 0) == figure.higher_is_better
-    label = f"{figure.label} (its own time: a busy machine)" if judged_as is not figure else figure.label
+    label = f"{figure.label} (its device time: a busy machine)" if judged_as is not figure else figure.label
     return {"figure": figure.name, "label": label, "unit": figure.unit, "a": va, "b": vb,
             "judged_on": judged_as.name, "a_samples": len(sa), "b_samples": len(sb), "diff": diff, "change": change,
             "band": band,

@@ -26,7 +26,7 @@ CONFIDENT = 0.9  # the share of interval pairs in which one run must beat the ot
 MIN_SAMPLES = 3  # fewer intervals than this give no band: the figure is judged as one value per run
 
 # metrics.jsonl's interval figures, by the name compare gives them
-INTERVAL_KEYS = {"step_time_s": "perf/step_time_s", "step_time_own_s": "perf/step_time_own_s",
+INTERVAL_KEYS = {"step_time_s": "perf/step_time_s", "step_time_device_s": "perf/step_time_device_s",
                  "samples_per_sec": "perf/samples_per_sec",
                  "tokens_per_sec": "perf/tokens_per_sec", "mfu": "perf/mfu",
                  "data_wait_fraction": "perf/data_wait_fraction"}
