@@ -126,7 +126,7 @@ class Throughput:
 
     def end_step(self, state: LoopState, samples: int, tokens: int) -> None:
         """After each optimizer step: an excluded step's synced wall time goes into `state.step_time_s`; a steady
-        one is counted (`tokens`: of every rank)."""
+        one is counted (`tokens`: of every rank) and its own times go into `single`, without a sync."""
         self._steps += 1
         self._samples += samples
         self._tokens += tokens
