@@ -17,6 +17,7 @@ from trainflow.loop.state import LoopState
 from trainflow.metrics.meter import PeakMemory, Throughput
 from trainflow.report.causes import Note
 from trainflow.report.compare import (
+    BUSY_RUN_TO_RUN,
     FIGURE_NAMES,
     NOT_JUDGED_BUSY,
     ONLY_LOAD,
@@ -180,6 +181,11 @@ def test_a_busy_machine_judges_the_step_time_on_its_device_time_and_not_the_wall
     step = row(a, b, "step_time")
     assert step["judged_on"] == "step_time_device" and (step["a"], step["b"]) == (0.008, 0.008)
     assert step["verdict"] == "same" and "its device time: a busy machine" in step["label"]
+    # the device time's floor on a busy machine: 25% more is within it, 40% more is not
+    assert row(a, view(0.020, device=0.010, busy=True), "step_time")["verdict"] == "same"
+    slower = row(a, view(0.020, device=0.0112, busy=True), "step_time")
+    assert slower["verdict"] == "slower" and slower["band"] == BUSY_RUN_TO_RUN
+    assert slower["band_from"] == "run to run on a busy machine"
     throughput = row(a, b, "samples_per_sec")
     assert throughput["verdict"] == NOT_JUDGED_BUSY and throughput["better"] is None and throughput["busy_only"]
     assert row(view(0.010, device=0.008), view(0.020, device=0.008), "step_time")["judged_on"] == "step_time"  # idle

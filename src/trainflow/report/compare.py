@@ -42,6 +42,11 @@ from trainflow.util.tolerance import TOLERANCE
 # of one command on a 2-core VM: medians 3.94-4.49 ms at a like load, docs/compare.md). The ledger's runs of a config
 # measure it for that config (MIN_HISTORY of them), and --min-band sets it.
 RUN_TO_RUN = 0.15
+# On a busy machine the steps' device time swings further from run to run than on an idle one (the process loses its
+# caches at each turn other processes take, and more often the more of them there are): the same command twice
+# beside two spinning processes moved it by up to 15.2% in 7 pairs, at load averages of 14-19 (docs/compare.md);
+# twice that is its floor there.
+BUSY_RUN_TO_RUN = 0.30
 MIN_HISTORY = 3
 TOP_OPS = 8  # operators listed whose self time changed most
 
@@ -191,6 +196,8 @@ def judge_figure(figure: Figure, a: list[RunView], b: list[RunView], found: list
     if judged_as is not figure and not (sa and sb):  # runs from before the device time: the wall time, not judged
         judged_as = figure
         (sa, known_a), (sb, known_b) = samples(a, figure), samples(b, figure)
+    if busy and judged_as.name == DEVICE_STEP_TIME and floor[0] < BUSY_RUN_TO_RUN:
+        floor = (BUSY_RUN_TO_RUN, "run to run on a busy machine")
     va, vb = own_value(a, judged_as, sa), own_value(b, judged_as, sb)
     if va is None or vb is None:
         return None
