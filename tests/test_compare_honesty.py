@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from helpers.runs import TINY_GPT, Run, ok, train, trainflow
 
-from trainflow.report.compare import NOT_JUDGED_BUSY, ONLY_LOAD
+from trainflow.report.compare import BUSY_RUN_TO_RUN, NOT_JUDGED_BUSY, ONLY_LOAD
 
 pytestmark = pytest.mark.serial
 
@@ -84,9 +84,15 @@ def test_compile_against_eager_differs_with_the_right_sign(runs: dict[str, Run],
 
 
 def test_a_model_twice_as_wide_is_slower(runs: dict[str, Run], tmp_path: Path) -> None:
+    """Idle, twice as wide is slower beyond the noise. On a busy machine its device time rose 28% where the same
+    command's swung up to 24% (docs/compare.md): slower where it left the busy floor, else the same, never faster."""
     proc, rows = compare(runs["base"].run_dir, runs["wide"].run_dir, tmp_path, "step_time=+5%")
-    assert rows["step_time"]["verdict"] == "slower" and rows["step_time"]["change"] > rows["step_time"]["band"]
     on_busy = busy(runs["base"], runs["wide"])
+    if on_busy and rows["step_time"]["change"] <= rows["step_time"]["band"]:
+        assert rows["step_time"]["band"] >= BUSY_RUN_TO_RUN and rows["step_time"]["change"] > 0
+        assert rows["step_time"]["verdict"] == "same" and proc.returncode == 0
+        return
+    assert rows["step_time"]["verdict"] == "slower" and rows["step_time"]["change"] > rows["step_time"]["band"]
     assert rows["step_time"]["confidence"] >= 0.9
     assert rows["samples_per_sec"]["verdict"] == (NOT_JUDGED_BUSY if on_busy else "slower")
     assert rows["step_time"]["likely_cause"] == "another config: model.n_embd: 64 -> 128"
