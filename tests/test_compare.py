@@ -19,6 +19,7 @@ from helpers.processes import left_behind, run_process
 from helpers.runs import ROOT, Run, losses_by_step, ok, train, trainflow, wait_for
 
 from trainflow.report import ledger
+from trainflow.report.compare import NOT_JUDGED_BUSY
 from trainflow.report.fingerprint import config_hash
 from trainflow.util.shown import shell_quoted
 
@@ -57,6 +58,14 @@ def test_every_run_leaves_a_fingerprint_and_a_ledger_line(two_runs: tuple[Path, 
     band = fp["step_time"]
     assert band["n"] == 5  # intervals ending at steps 4..12: the first (steps 1-2) holds the warm-up
     assert band["p10"] <= band["median"] <= band["p90"]
+    # the steps' device time (the process's CPU time on CPU): each steady interval's mean, and the steady state's
+    steady = fast.summary["steady_state"]
+    device = [m["perf/step_time_device_s"] for m in fast.metrics() if m["step"] > 2 and "perf/step_time_s" in m]
+    assert len(device) == 5 and all(value > 0 for value in device)
+    assert steady["step_time_device_of"] == "process CPU time"
+    assert steady["step_time_device_s"] == pytest.approx(sum(device) / 5)  # two steps an interval, none paused
+    assert "perf/step_time_device_s" not in fast.metrics()[0]  # steps 1-2: excluded, not timed
+    assert 0 < steady["step_time_p10_s"] <= steady["step_time_s"] * 1.5
     assert fp["replay"]["args"][:3] == ["-m", "trainflow", "train"] and "optim.lr=1e-2" in fp["replay"]["args"]
     assert fp["replay"]["cwd"] == str(ROOT) and fp["replay"]["env"]["OMP_NUM_THREADS"] == "1"
     # energy: absent on a CPU, with the reason; money: from trainer.cost_per_hour
@@ -74,6 +83,7 @@ def test_every_run_leaves_a_fingerprint_and_a_ledger_line(two_runs: tuple[Path, 
     line = lines[1]
     assert line["fingerprint"] == fp and line["status"] == "finished" and line["model"] == "trainflow.models.mlp.MLP"
     assert line["figures"]["step_time_s"] == fast.summary["steady_state"]["step_time_s"]
+    assert line["figures"]["step_time_device_s"] == fast.summary["steady_state"]["step_time_device_s"]
     assert line["figures"]["validation"] == fast.summary["validation"] and "optim.lr=1e-2" in line["overrides"]
 
 
@@ -218,8 +228,13 @@ def test_compare_two_runs_writes_its_pages_from_any_folder(two_runs: tuple[Path,
                                                      slow.summary["validation"]["loss"])
     assert rows["val_loss"]["verdict"] in ("higher", "lower") and rows["val_loss"]["likely_cause"].startswith(
         "another config: optim.lr")
-    assert rows["step_time"]["a_samples"] == 5
-    assert rows["step_time"]["a"] == slow.summary["fingerprint"]["step_time"]["median"]
+    # the runs' own figures, as their summaries and `done:` lines give them; on a busy machine their device time
+    busy = any(r.summary["fingerprint"]["load"]["busy"] for r in (slow, fast))
+    judged_on = "step_time_device" if busy else "step_time"
+    assert rows["step_time"]["a_samples"] == 5 and rows["step_time"]["judged_on"] == judged_on
+    assert rows["step_time"]["a"] == slow.summary["steady_state"][f"{judged_on}_s"]
+    assert (rows["step_time_device"]["a"], rows["step_time_device"]["b"]) == (
+        slow.summary["steady_state"]["step_time_device_s"], fast.summary["steady_state"]["step_time_device_s"])
     curve = next(c for c in pair["curves"] if c["curve"] == "train/loss")
     a_loss, b_loss = (losses_by_step(run.run_dir) for run in (slow, fast))
     apart = [s for s in sorted(a_loss) if abs(b_loss[s] - a_loss[s]) > 1e-3 * abs(a_loss[s])]  # fp32's tolerance
@@ -250,7 +265,8 @@ def test_compare_a_ledger_selection_with_a_run(two_runs: tuple[Path, list[Run]],
     report = json.loads((tmp_path / "compare.json").read_text())
     assert report["a"] == {"text": selection, "kind": "ledger", "runs": ["slow"]}
     rows = {row["figure"]: row for row in report["pairs"][0]["figures"]}
-    assert rows["step_time"]["a"] == slow.summary["steady_state"]["step_time_s"]  # a ledger line: its headline
+    judged_on = rows["step_time"]["judged_on"]
+    assert rows["step_time"]["a"] == slow.summary["steady_state"][f"{judged_on}_s"]  # a ledger line: its headline
     assert rows["step_time"]["b_samples"] == 5
 
 
@@ -453,15 +469,20 @@ def test_the_fingerprints_name_another_torch_device_and_host(two_runs: tuple[Pat
         ("environment", f"another torch: {torch_version} -> 2.12.0"),
         ("device", f"another device: 1 x {slow.summary['fingerprint']['device']['name']} (cpu) -> 1 x Other CPU (cpu)"),
         ("host", f"another host: {slow.summary['fingerprint']['host']} -> elsewhere")]
-    assert all(row["verdict"] == "same" and row["likely_cause"] is None for row in pair["figures"])
+    # the wall-time figures of a busy machine are not judged at all (trainflow.report.compare: NOT_JUDGED_BUSY)
+    assert all(row["verdict"] in ("same", NOT_JUDGED_BUSY) and row["likely_cause"] is None for row in pair["figures"])
+    assert {row["figure"] for row in pair["figures"] if row["verdict"] == "same"} >= {"step_time", "loss", "val_loss"}
 
 
 def test_two_profiled_runs_compare_their_verdicts_and_operators(tmp_path: Path) -> None:
     """A wider MLP, both profiled: the verdicts' shares side by side (B's less A's, in points) and the operators
-    whose self time per step changed most, the matmuls first."""
-    window = ["profiler=schedule", "profiler.wait=1", "profiler.warmup=1", "profiler.active=2"]
+    whose self time per step changed most, the matmuls first. The wide model's matmuls take milliseconds a step
+    (batch 256, 4096 hidden units: 128x the narrow one's FLOPs), and four steps are profiled: a preemption on a busy
+    machine stretches whichever operator runs, by a millisecond or so a step over the window, never by that much."""
+    window = ["profiler=schedule", "profiler.wait=1", "profiler.warmup=1", "profiler.active=4",
+              "trainer.batch_size=256"]
     narrow = ok(train(tmp_path / "narrow", *MLP, *window))
-    wide = ok(train(tmp_path / "wide", *MLP, *window, "model.hidden=1024"))
+    wide = ok(train(tmp_path / "wide", *MLP, *window, "model.hidden=4096"))
     proc = trainflow("compare", narrow.run_dir, wide.run_dir, "--out", tmp_path / "out")
     assert proc.returncode == 0, proc.stderr
     profiler = json.loads((tmp_path / "out" / "compare.json").read_text())["pairs"][0]["profiler"]

@@ -149,8 +149,9 @@ FAULTS = [
     Fault("a ledger line cut off by a writer killed inside its write", "`trainflow ledger` lists the other lines "
           "and says how many it left out", "test_compare.py::test_trainflow_ledger_lists_and_filters"),
     Fault("two busy loops per core beside one of two runs of the same command",
-          "its fingerprint counts the cores they kept busy; compare names the busier machine as the likely cause of "
-          "its slower steps, and a --fail-on gate on them warns instead of failing",
+          "its fingerprint counts the cores they kept busy; compare judges the step time on the steps' device time "
+          "(CPU time), never calls it slower, names the busier machine where only the load explains a change, and "
+          "a --fail-on gate on it does not fail",
           "test_compare_honesty.py::test_a_cpu_hog_beside_one_run_is_named_as_the_likely_cause"),
     Fault("a sweep whose non-ASCII swept values make a job name longer than a file name's 255 bytes",
           "each job's TensorBoard folder is named by the first 200 bytes of it, cut between characters; the jobs run",

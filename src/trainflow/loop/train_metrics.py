@@ -2,6 +2,8 @@
 metrics.jsonl (and TensorBoard) and the progress line; the run's first and last loss for summary.json.
 
 Between log steps nothing is read from the device: the step losses stay there, in a list, until the log step.
+Beside the interval's mean step time (its wall time over its steps) goes the mean of its steady steps' device time,
+the figure another process's load moves least (trainflow.metrics.meter).
 """
 
 from __future__ import annotations
@@ -69,6 +71,9 @@ class TrainMetrics(Stage):
         elapsed = self.meter.interval_s()
         counts = self.meter.counts().since(self._counts_at_start)
         self.last = self._interval_figures(elapsed, counts, state.grad_norm, self.meter.memory.take())
+        device = self.meter.single.take()  # the interval's steady steps (none while excluded steps run)
+        if device:
+            self.last["perf/step_time_device_s"] = sum(device) / len(device)
         self.last.update(state.figures)  # what stages before this one gathered at this log step (the ranks' times)
         self.writer.write(state.step, self.last)
         self.progress(state.step, self.last)

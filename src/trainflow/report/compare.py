@@ -9,6 +9,13 @@ slower or the same, with the confidence the intervals give), and a figure that c
 first difference of the fingerprints that can explain it (the config, the code, the versions, the device, a busy
 machine, the host). `--fail-on step_time=+5%` fails (exit 1) when B's step time is more than 5% above A's and beyond
 the noise; a change that only a busy machine explains warns instead, and says to rerun on an idle one.
+
+Honest on a busy machine: when either run was timed while other processes kept BUSY_SHARE of the cores busy, the
+step time is judged on the steps' device time (the process's CPU time per step on CPU, the GPU's from CUDA events:
+the figure the load moves least, docs/compare.md) and the row says so; the figures made of wall time
+(samples/s, tokens/s, MFU, data wait) are then not judged. A change that only the machine's load explains is never
+called slower or faster, and a run with fewer than MIN_SAMPLES steady log intervals gives "cannot tell" and the
+steps it needs, not a verdict.
 """
 
 from __future__ import annotations
@@ -26,7 +33,7 @@ from trainflow.report import checkpoints, ledger, render_compare
 from trainflow.report.bisect import bisect
 from trainflow.report.causes import Note, likely_cause, notes
 from trainflow.report.gates import FAIL, Gate, check_kind, check_validation, evaluate_gate, parse_gate
-from trainflow.report.noise import Band, judge
+from trainflow.report.noise import MIN_SAMPLES, Band, judge
 from trainflow.report.runs import EXIT_GATE_FAILED
 from trainflow.report.sides import CompareError, RunView, Side, pairs, resolve_side
 from trainflow.util.tolerance import TOLERANCE
@@ -35,6 +42,12 @@ from trainflow.util.tolerance import TOLERANCE
 # of one command on a 2-core VM: medians 3.94-4.49 ms at a like load, docs/compare.md). The ledger's runs of a config
 # measure it for that config (MIN_HISTORY of them), and --min-band sets it.
 RUN_TO_RUN = 0.15
+# On a busy machine the steps' device time swings further from run to run than on an idle one (the process loses its
+# caches at each turn other processes take, and more often the more of them there are): the same command twice
+# beside two spinning processes moved it by up to 23.9% in 11 pairs, at load averages of 9-20 (docs/compare.md):
+# twice that is its floor there. A model of 4x the FLOPs moved it by 190-330%; the tiny GPT twice as wide by 28%,
+# which a busy machine cannot tell from its noise.
+BUSY_RUN_TO_RUN = 0.50
 MIN_HISTORY = 3
 TOP_OPS = 8  # operators listed whose self time changed most
 
@@ -58,15 +71,27 @@ class Figure:
     speed: bool = True
     interval: str | None = None  # the name of its log-interval samples (trainflow.report.noise.INTERVAL_KEYS)
     directed: bool = True  # False: neither way is better (a validation metric the task does not monitor)
+    wall: bool = False  # made of wall time: a busy machine's load moves it (judged then on `robust`, or not at all)
+    robust: str | None = None  # the figure judged in its place when a run was timed on a busy machine
+
+
+DEVICE_STEP_TIME = "step_time_device"
+NOT_JUDGED_BUSY = "not judged: a busy machine (its wall time carries the load; see step time)"
+ONLY_LOAD = "cannot tell: only the machine's load explains the change"
+OTHER_THREADS = "not judged: other OMP_NUM_THREADS (a process's CPU time counts every thread's)"
 
 
 FIGURES = (
-    Figure("step_time", "step time", "s", False, ("slower", "faster"), 0.05, interval="step_time_s"),
-    Figure("samples_per_sec", "samples/s", "", True, ("faster", "slower"), 0.05, interval="samples_per_sec"),
-    Figure("tokens_per_sec", "tokens/s", "", True, ("faster", "slower"), 0.05, interval="tokens_per_sec"),
-    Figure("mfu", "MFU", "", True, ("higher", "lower"), 0.05, interval="mfu"),
+    Figure("step_time", "step time", "s", False, ("slower", "faster"), 0.05, interval="step_time_s", wall=True,
+           robust=DEVICE_STEP_TIME),
+    Figure(DEVICE_STEP_TIME, "step time on its device", "s", False, ("slower", "faster"), 0.05,
+           interval="step_time_device_s"),
+    Figure("samples_per_sec", "samples/s", "", True, ("faster", "slower"), 0.05, interval="samples_per_sec",
+           wall=True),
+    Figure("tokens_per_sec", "tokens/s", "", True, ("faster", "slower"), 0.05, interval="tokens_per_sec", wall=True),
+    Figure("mfu", "MFU", "", True, ("higher", "lower"), 0.05, interval="mfu", wall=True),
     Figure("data_wait", "data wait", "of the step", False, ("waits more", "waits less"), 0.25, min_abs=0.01,
-           interval="data_wait_fraction"),
+           interval="data_wait_fraction", wall=True),
     Figure("peak_memory", "peak memory", "B", False, ("more", "less"), 0.10, speed=False),  # CPU: the RSS wanders
     Figure("compile_time", "compile time", "s", False, ("slower", "faster"), 0.25, min_abs=0.5),
     Figure("energy_per_sample", "energy per sample", "J", False, ("more", "less"), 0.05),
@@ -79,7 +104,8 @@ FIGURE_NAMES = {f.name: f for f in (*FIGURES, LOSS)}
 def headline(run: RunView, figure: Figure) -> float | None:
     """A run's whole-run value of `figure` (None where it has none)."""
     s = run.figures
-    value = {"step_time": s.get("step_time_s"), "samples_per_sec": s.get("samples_per_sec"),
+    value = {"step_time": s.get("step_time_s"), DEVICE_STEP_TIME: s.get("step_time_device_s"),
+             "samples_per_sec": s.get("samples_per_sec"),
              "tokens_per_sec": s.get("tokens_per_sec") or None, "mfu": s.get("mfu"),
              "data_wait": s.get("data_wait_fraction"), "peak_memory": s.get("peak_memory_bytes"),
              "compile_time": s.get("compile_time_s") or (0.0 if s.get("steps") else None),  # not compiled: none spent
@@ -125,36 +151,89 @@ def samples(runs: list[RunView], figure: Figure) -> tuple[list[float], float | N
     return values, known
 
 
+def own_value(runs: list[RunView], figure: Figure, values: list[float]) -> float | None:
+    """A side's figure: one run's own (its summary's, as its `done:` line gives it), else the median of `values`
+    (pooled runs, or a run whose summary lacks it)."""
+    value = headline(runs[0], figure) if len(runs) == 1 else None
+    return value if value is not None else Band.of(values).median if values else None
+
+
+def was_busy(runs: list[RunView]) -> bool:
+    """Whether a side's runs were timed on a busy machine (trainflow.report.fingerprint.machine_load)."""
+    return any((r.fingerprint.get("load") or {}).get("busy") for r in runs)
+
+
+def same_threads(a: list[RunView], b: list[RunView]) -> bool:
+    """Whether the runs' device times compare: on a GPU (the device's time), or on CPU with the same OMP_NUM_THREADS
+    (a process's CPU time per step counts each of its threads, and torch's spin while they wait)."""
+    runs = (*a, *b)
+    if all((r.fingerprint.get("device") or {}).get("type") == "cuda" for r in runs):
+        return True
+    return len({((r.fingerprint.get("replay") or {}).get("env") or {}).get("OMP_NUM_THREADS") for r in runs}) == 1
+
+
+def too_few_intervals(runs: list[RunView], figure: Figure) -> str | None:
+    """`cannot tell: N intervals; run at least M steps` for one run from its folder whose steady log intervals are
+    fewer than MIN_SAMPLES: two intervals cannot tell a change from noise."""
+    run = runs[0]
+    if len(runs) != 1 or run.dir is None or not figure.interval:
+        return None
+    found = len(run.intervals.get(figure.interval, []))
+    if found >= MIN_SAMPLES:
+        return None
+    every = max(int((run.config.get("trainer") or {}).get("log_every") or 1), 1)
+    first = -(-run.steady_from // every) * every  # the first log step at or after the steady state's start
+    return f"cannot tell: {found} intervals; run at least {first + MIN_SAMPLES * every} steps"
+
+
 def judge_figure(figure: Figure, a: list[RunView], b: list[RunView], found: list[Note],
                  floor: tuple[float, str]) -> dict[str, Any] | None:
-    """One figure's row: both sides' values, the change, the band (a speed figure's never below the run-to-run
-    `floor`), the confidence and the verdict (None when a side lacks the figure)."""
-    (sa, known_a), (sb, known_b) = samples(a, figure), samples(b, figure)
-    if not sa or not sb:
+    """One figure's row: both sides' values (the runs' own), the change, the band (a speed figure's never below the
+    run-to-run `floor`), the confidence and the verdict (None when a side lacks the figure). On a busy machine a
+    wall-time figure is judged on its robust one, or not at all."""
+    busy = was_busy(a) or was_busy(b)
+    judged_as = FIGURE_NAMES[figure.robust] if busy and figure.robust and same_threads(a, b) else figure
+    (sa, known_a), (sb, known_b) = samples(a, judged_as), samples(b, judged_as)
+    if judged_as is not figure and not (sa and sb):  # runs from before the device time: the wall time, not judged
+        judged_as = figure
+        (sa, known_a), (sb, known_b) = samples(a, figure), samples(b, figure)
+    if busy and judged_as.name == DEVICE_STEP_TIME and floor[0] < BUSY_RUN_TO_RUN:
+        floor = (BUSY_RUN_TO_RUN, "run to run on a busy machine")
+    va, vb = own_value(a, judged_as, sa), own_value(b, judged_as, sb)
+    if va is None or vb is None:
         return None
-    ba, bb = Band.of(sa), Band.of(sb)
-    if ba.median == bb.median == 0:
+    if va == vb == 0:
         return None  # neither has any (a compile time of runs that did not compile)
-    diff = bb.median - ba.median
-    if ba.median == 0:
+    diff = vb - va
+    too_few = too_few_intervals(a, judged_as) or too_few_intervals(b, judged_as)
+    if va == 0:
         judged = None
         change = math.inf if diff > 0 else -math.inf if diff < 0 else 0.0
         direction = (1 if diff > 0 else -1) if abs(diff) > figure.min_abs else 0
         band, confidence = figure.tolerance, None
     else:
-        judged = judge(sa, sb, figure.tolerance, (known_a, known_b), floor[0] if figure.speed else 0.0)
+        judged = judge(sa, sb, figure.tolerance, (known_a, known_b), floor[0] if figure.speed else 0.0, (va, vb))
         change, band, confidence = judged.change, judged.band, judged.confidence
         direction = judged.direction if abs(diff) > figure.min_abs else 0
-    verdict = "same" if direction == 0 else figure.words[0] if direction > 0 else figure.words[1]
-    better = None if direction == 0 or not figure.directed else (direction > 0) == figure.higher_is_better
     cause = likely_cause(figure.speed, found) if direction else None
-    return {"figure": figure.name, "label": figure.label, "unit": figure.unit, "a": ba.median, "b": bb.median,
-            "a_samples": ba.n, "b_samples": bb.n, "diff": diff, "change": change, "band": band,
+    only_load = bool(cause and cause.kind == "machine load")
+    # what keeps a verdict back: the wall time of a busy machine, too few intervals, a change only the load explains
+    undecided = NOT_JUDGED_BUSY if busy and figure.wall and judged_as is figure \
+        else OTHER_THREADS if judged_as.name == DEVICE_STEP_TIME and not same_threads(a, b) \
+        else too_few if figure.speed and too_few else ONLY_LOAD if only_load else None
+    if undecided is not None:
+        direction, cause = 0, cause if only_load else None
+    verdict = undecided or ("same" if direction == 0 else figure.words[0] if direction > 0 else figure.words[1])
+    better = None if direction == 0 or not figure.directed else (direction > 0) == figure.higher_is_better
+    label = f"{figure.label} (its device time: a busy machine)" if judged_as is not figure else figure.label
+    return {"figure": figure.name, "label": label, "unit": figure.unit, "a": va, "b": vb,
+            "judged_on": judged_as.name, "a_samples": len(sa), "b_samples": len(sb), "diff": diff, "change": change,
+            "band": band,
             "band_from": floor[1] if figure.speed and judged is not None and band == floor[0] else None,
             "confidence": confidence, "verdict": verdict, "better": better,
             "likely_cause": cause.text if cause else ("no difference of the fingerprints explains it: rerun both "
                                                       "to see whether it holds" if direction else None),
-            "busy_only": bool(cause and cause.kind == "machine load")}
+            "busy_only": undecided in (NOT_JUDGED_BUSY, ONLY_LOAD), "undecided": undecided}
 
 
 def curve_rows(a: RunView, b: RunView, rtol: float) -> list[dict[str, Any]]:

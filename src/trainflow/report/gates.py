@@ -85,8 +85,8 @@ def _closest(name: str, names: list[str]) -> str:
 
 def evaluate_gate(gate: Gate, pair: dict[str, Any], allow_missing: bool = False) -> dict[str, Any]:
     """PASS, FAIL (past the threshold, beyond the noise, not a busy machine's doing), WARN (past it, but a busy
-    machine is the likely cause); a figure a side lacks (pair["lacking"]: which side) FAILs, or is NOT EVALUATED with
-    `allow_missing` (--allow-missing)."""
+    machine is the likely cause, or compare could not tell: too few intervals); a figure a side lacks
+    (pair["lacking"]: which side) FAILs, or is NOT EVALUATED with `allow_missing` (--allow-missing)."""
     row = next((r for r in pair["figures"] if r["figure"] == gate.name), None)
     where = f"{', '.join(pair['a'])} -> {', '.join(pair['b'])}"
     if row is None:
@@ -107,8 +107,9 @@ def evaluate_gate(gate: Gate, pair: dict[str, Any], allow_missing: bool = False)
     elif row["verdict"] == "same":
         status, detail = PASS, (f"{row['label']} {shown}, past {gate.text.split('=', 1)[1]} but within the noise "
                                 f"(band ±{row['band'] * 100:.1f}%)")
-    elif row["busy_only"]:
-        status, detail = WARN, f"{row['label']} {shown}, but {row['likely_cause']}"
+    elif row.get("undecided"):
+        status, detail = WARN, f"{row['label']} {shown}, but {row['undecided']}" + (
+            f"; {row['likely_cause']}" if row["likely_cause"] else "")
     else:
         status, detail = FAIL, f"{row['label']} {shown} ({row['verdict']}), past {gate.text.split('=', 1)[1]}" + (
             f"; likely cause: {row['likely_cause']}" if row["likely_cause"] else "")

@@ -146,6 +146,7 @@ def headline_figures(summary: dict[str, Any]) -> dict[str, Any]:
     return {
         "steps": summary.get("steps"),
         "step_time_s": steady.get("step_time_s"),
+        "step_time_device_s": steady.get("step_time_device_s"),
         "samples_per_sec": steady.get("samples_per_sec"),
         "tokens_per_sec": steady.get("tokens_per_sec"),
         "mfu": summary.get("mfu"),

@@ -29,7 +29,8 @@ CONFIDENT = 0.9  # the share of interval pairs in which one run must beat the ot
 MIN_SAMPLES = 3  # fewer intervals than this give no band: the figure is judged as one value per run
 
 # metrics.jsonl's interval figures, by the name compare gives them
-INTERVAL_KEYS = {"step_time_s": "perf/step_time_s", "samples_per_sec": "perf/samples_per_sec",
+INTERVAL_KEYS = {"step_time_s": "perf/step_time_s", "step_time_device_s": "perf/step_time_device_s",
+                 "samples_per_sec": "perf/samples_per_sec",
                  "tokens_per_sec": "perf/tokens_per_sec", "mfu": "perf/mfu",
                  "data_wait_fraction": "perf/data_wait_fraction"}
 
@@ -160,15 +161,17 @@ class Judgement:
 
 
 def judge(a: list[float], b: list[float], tolerance: float, spreads: tuple[float | None, float | None] = (None, None),
-          floor: float = 0.0) -> Judgement | None:
+          floor: float = 0.0, values: tuple[float, float] | None = None) -> Judgement | None:
     """B's samples against A's (see the module's docstring). `tolerance`: the band of a figure without samples
     enough for one of its own; `spreads`: bands known beyond the samples (a ledger line keeps its run's, not its
-    intervals); `floor`: the run-to-run noise the band never goes below. None when A's median is 0 (no relative
-    change)."""
+    intervals); `floor`: the run-to-run noise the band never goes below; `values`: the sides' own figures when
+    they are not the samples' medians (a run's step time is its steady state's, the figure its summary gives; its
+    intervals tell the noise). None when A's figure is 0 (no relative change)."""
     base, other = Band.of(a), Band.of(b)
-    if base.median == 0:
+    centre_a, centre_b = values if values is not None else (base.median, other.median)
+    if centre_a == 0:
         return None
-    change = other.median / base.median - 1
+    change = centre_b / centre_a - 1
     own = [s if s is not None else known for s, known in zip((base.spread, other.spread), spreads, strict=True)]
     band = max(sum(s for s in own if s is not None), MIN_BAND, floor) if all(s is not None for s in own) \
         else max(tolerance, floor)
@@ -178,6 +181,6 @@ def judge(a: list[float], b: list[float], tolerance: float, spreads: tuple[float
         confidence = above if change >= 0 else 1 - above
     # a ratio of positive values is judged on its logarithm: a step 13% shorter is a throughput 15% higher, and the
     # two verdicts agree
-    moved = abs(math.log1p(change)) > math.log1p(band) if base.median > 0 and other.median > 0 else abs(change) > band
+    moved = abs(math.log1p(change)) > math.log1p(band) if centre_a > 0 and centre_b > 0 else abs(change) > band
     beyond = moved and (confidence is None or confidence >= CONFIDENT)
     return Judgement(change, band, confidence, (1 if change > 0 else -1) if beyond else 0)

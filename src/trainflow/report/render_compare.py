@@ -132,8 +132,9 @@ def markdown(report: dict[str, Any]) -> str:
 def _run_markdown(report: dict[str, Any]) -> list[str]:
     a, b = report["a"], report["b"]
     lines = [f"# Compare: {a['text']} -> {b['text']}", "",
-             f"Written {report['written']}. A is the reference. Each figure: the medians of A's and B's samples (a "
-             "run's steady log intervals, or a ledger selection's runs), B's change, the band it must leave to count "
+             f"Written {report['written']}. A is the reference. Each figure: A's and B's own (a run's, as its summary "
+             "gives it; a ledger selection's median), its samples (a run's steady log intervals, or a selection's "
+             "runs), B's change, the band it must leave to count "
              "(both runs' own spread; for speed, at least the run-to-run noise: the ledger's runs of the config, "
              "else 15%) and the confidence (the share of interval pairs in which one run beats the other).", ""]
     for pair in report["pairs"]:

@@ -35,6 +35,7 @@ class RunView:
     curves: dict[str, dict[int, float]] = field(default_factory=dict)  # train/loss, val/<metric> by step
     profiler: dict[str, Any] | None = None
     note: str = ""  # what its reading left out
+    steady_from: int = 0  # the step after which its steady state began (its start or resume, then excluded steps)
 
 
 @dataclass
@@ -66,7 +67,7 @@ def run_view(path: Path, root: Path) -> RunView:
             "trainflow writes)" if log_file.skipped else "")
     return RunView(record.name, path, ledger.headline_figures(summary), summary.get("fingerprint") or {},
                    summary.get("config") or {}, steady_intervals(log_file.entries, start, excluded), curves,
-                   summary.get("profiler"), note)
+                   summary.get("profiler"), note, start + excluded)
 
 
 def ledger_view(line: dict[str, Any]) -> RunView:
