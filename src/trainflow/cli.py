@@ -25,14 +25,22 @@ from trainflow.checkpoint.export import FORMATS
 from trainflow.checkpoint.stopping import catch_stop_signals, release_stop_signals
 from trainflow.conf import CONFIG_PATH
 from trainflow.config.checks import check_config
-from trainflow.config.command_line import EXIT_COMMAND_LINE, explain, raised_errors, single_run
+from trainflow.config.command_line import explain, raised_errors, single_run
 from trainflow.config.compose import compose_run
 from trainflow.config.schema import FaultToleranceConfig, TextDataConfig, register_configs
 from trainflow.data.shards import prepare
 from trainflow.data.text import Corpus
 from trainflow.distributed.fault_tolerance import serve_lighthouse, torchft_installed
 from trainflow.distributed.mesh import env_rank
-from trainflow.errors import EXIT_INTERRUPTED, ConfigError, TrainflowError, print_error, traceback_wanted, user_error
+from trainflow.errors import (
+    EXIT_COMMAND_LINE,
+    EXIT_INTERRUPTED,
+    ConfigError,
+    TrainflowError,
+    print_error,
+    traceback_wanted,
+    user_error,
+)
 from trainflow.report import compare, ledger, sweeps
 from trainflow.report import runs as report
 from trainflow.report.ladder import register_resolvers as register_ladder_resolvers

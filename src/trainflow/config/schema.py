@@ -55,7 +55,7 @@ from trainflow.config.choices import (
     schema_node,
 )
 from trainflow.config.targets import first_line
-from trainflow.errors import ConfigError
+from trainflow.errors import ConfigError, UnknownKeyError, typed_command
 from trainflow.models.cnn import CNN
 from trainflow.models.gpt import GPT
 from trainflow.models.mlp import MLP
@@ -517,8 +517,8 @@ def typed(values: Mapping[str, Any], schema: type[Schema], section: str) -> Sche
         parent, _, leaf = key.rpartition(".")
         close = difflib.get_close_matches(leaf, list(schema.__dataclass_fields__), n=1)
         hint = f"did you mean {section}.{parent + '.' if parent else ''}{close[0]}?" if close \
-            else "python train.py --cfg job lists every key"
-        raise ConfigError(f"{section}.{key}: {section} has no such key; {hint}") from None
+            else f"{typed_command()} --cfg job lists every key"
+        raise UnknownKeyError(f"{section}.{key}: {section} has no such key; {hint}") from None
 
 
 # trainflow's own keys of the sections of your code (the loader's, the task's, the schedule's), by section
