@@ -120,6 +120,9 @@ def _dataclass_of(hint: Any) -> type | None:
     return next((c for c in candidates if dataclasses.is_dataclass(c)), None)
 
 
+_ONE_MODE = "Only one of --run, --multirun, --cfg"  # how Hydra refuses two of its modes in one command
+
+
 def every_key() -> str:
     """The hint for a key with no close valid name."""
     return f"{typed_command()} --cfg job lists every key"
@@ -163,6 +166,12 @@ def explain(exc: BaseException, overrides: list[str]) -> str | None:
         reason = str(exc).splitlines()[0]
         return (f"{bad or 'the command line'}: Hydra cannot parse it ({reason}); write key=value, group=option or "
                 "key=[a,b], quoting values with spaces or brackets: 'key=[1, 2]'")
+    if isinstance(exc, ValueError) and str(exc).startswith(_ONE_MODE):  # e.g. -m with --cfg job
+        given = [o for o in overrides if o in ("-m", "--multirun", "-c", "--cfg", "-i", "--info", "--run", "-r")
+                 or o.startswith("--shell-completion")]
+        return (f"{' and '.join(given) or 'the command line'}: Hydra takes one of -m, --cfg, --info at a time; to see "
+                f"a job's config, drop -m and give each swept key one value ({typed_command()} --cfg job "
+                "optim.lr=1e-3)")
     if isinstance(exc, yaml.MarkedYAMLError) and exc.problem_mark is not None:
         mark = exc.problem_mark
         return (f"{mark.name}:{mark.line + 1}:{mark.column + 1}: not valid YAML ({exc.problem}); fix the file, or "
