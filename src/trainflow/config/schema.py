@@ -279,7 +279,8 @@ class CompileConfig:
     cache_dir: str | None = "~/.cache/trainflow/inductor"  # persistent inductor cache; null: torch's default
     check: bool = False  # before training: compiled vs eager loss and gradients on one batch, same weights
     # dynamic=true on a run whose input shape never changed: at its end, a static compile timed against the dynamic one
-    measure_static: bool = True
+    # (a second compile: asked for, not by default; the run's line says the shape never changed either way)
+    measure_static: bool = False
 
 
 @dataclass
