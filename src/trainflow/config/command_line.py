@@ -120,6 +120,7 @@ def _dataclass_of(hint: Any) -> type | None:
     return next((c for c in candidates if dataclasses.is_dataclass(c)), None)
 
 
+_TWICE = re.compile(r"Multiple values for ([\w/.]+)\. To override a value use 'override \1: ([^']+)'")
 _ONE_MODE = "Only one of --run, --multirun, --cfg"  # how Hydra refuses two of its modes in one command
 
 
@@ -158,6 +159,10 @@ def explain(exc: BaseException, overrides: list[str]) -> str | None:
         close = _closest_key(key, [o for o in overrides if o != given])
         hint = f"did you mean {close}{given[len(given.split('=')[0]):]}?" if close else every_key()
         return f"{key}: Could not override it: the config has no such key; {hint}"
+    if isinstance(exc, ConfigCompositionException) and (twice := _TWICE.match(str(exc))):  # +experiment=x
+        group, option = twice[1], twice[2]
+        return (f"+{group}={option}: {group} is a group of the defaults already, and + adds a second one; write "
+                f"{group}={option}")
     if isinstance(exc, ConfigCompositionException) and isinstance(exc.__cause__, ValidationError):
         override = str(exc).removeprefix("Error merging override ").strip()
         return refused_choice(exc.__cause__) or f"{override}: {str(exc.__cause__).splitlines()[0]}"
