@@ -2,6 +2,9 @@
 valid name ("did you mean trainer.max_steps?"), never Hydra's report (a `+key` hint that leads to a traceback, the
 config search path, a stack).
 
+A key that `+` or `++` would add where no schema has it (`+optimizer.lr=1e-3`) is the same error as the key without
+the `+`: RunStarts refuses it before any run directory exists, with the same exit code (errors.EXIT_COMMAND_LINE).
+
 Hydra reports composition errors itself and exits, unless HYDRA_FULL_ERROR=1 makes it raise them. `raised_errors`
 sets it while Hydra composes; the RunStarts callback takes it back as soon as a run or sweep starts, so that nothing
 after composition (the task, a launcher's workers) sees it unless the user set it.
@@ -65,14 +68,14 @@ class RunStarts(Callback):
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
         _take_back()
-        _refused_or_on(config)
+        _refuse_in_one_line(config)
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         _take_back()
-        _refused_or_on(config)
+        _refuse_in_one_line(config)
 
 
-def _refused_or_on(config: DictConfig) -> None:
+def _refuse_in_one_line(config: DictConfig) -> None:
     """One line and exit 1 for a key no schema has (Hydra turns a callback's exception into a warning and goes on,
     so this exits itself, before any run directory exists)."""
     try:
