@@ -17,6 +17,7 @@ from helpers.runs import TINY_GPT, Run, one_line_error, train
 from omegaconf import OmegaConf
 from torch import nn
 
+from trainflow.compile.compiler import NOT_ASKED
 from trainflow.conf import CONFIG_DIR
 from trainflow.config.schema import CompileConfig, TrainerConfig
 from trainflow.data import StreamSampler, SyntheticTokens, make_loader
@@ -183,8 +184,8 @@ def test_recompiles_with_varying_lengths(tmp_path: Path, run_dir: Path, dynamic:
 
 
 @pytest.mark.parametrize(("overrides", "measured"), [
-    ([], True),  # one shape: a static compile measured at the end against the run's dynamic one, and said
-    (["compile.measure_static=false"], False),  # said, not measured
+    (["compile.measure_static=true"], True),  # one shape: a static compile measured at the end, and said
+    ([], False),  # by default: said, not measured (a second compile is asked for), with how to ask
     (["data.seq_lens=[16,32]"], None),  # two shapes: what dynamic=true is for; nothing measured or said
 ])
 def test_dynamic_true_on_one_input_shape_says_what_it_cost(tmp_path: Path, run_dir: Path, overrides: list[str],
@@ -204,9 +205,10 @@ def test_dynamic_true_on_one_input_shape_says_what_it_cost(tmp_path: Path, run_d
     said = "compile: dynamic=true compiled for one input shape (8 x 32) that never changed"
     fix = "; set compile.dynamic=false (or null) for fixed shapes"
     if not measured:
-        assert cost["skipped"] == "compile.measure_static=false" and cost["static_compile_s"] is None
-        assert log.count(f"{said} (its cost against a static compile was not measured: "
-                         f"compile.measure_static=false){fix}") == 1
+        assert cost["skipped"] == NOT_ASKED and cost["static_compile_s"] is None
+        assert log.count(f"{said} (its cost against a static compile was not measured: compile.measure_static=true "
+                         "times a static compile of the same model against this one at the end of the run, one more "
+                         f"compile){fix}") == 1
         return
     assert cost["skipped"] is None and cost["static_compile_s"] > 0 and cost["static_first_pass_s"] > 0
     assert cost["dynamic_pass_ms"] > 0 and cost["static_pass_ms"] > 0 and cost["passes"] == 5

@@ -51,6 +51,18 @@ def test_print_config_shows_the_config_and_a_checkpointed_run_names_its_folder_a
     assert f"next     trainflow export {run_dir} model.pt" in console
 
 
+def test_launched_workers_print_like_a_single_run(run_dir: Path) -> None:
+    """parallelism=fsdp on CPU starts two workers (trainflow's own launcher): the console shows the short header
+    once (rank 0) and not the config, as one process does; trainer.print_config=false reaches the workers."""
+    run = ok(train(run_dir, *TINY_GPT, "parallelism=fsdp", "parallelism.nproc_per_node=2", *SHORT))
+    console = (run.stdout + run.stderr).splitlines()
+    first_step = next(i for i, line in enumerate(console) if "step 5/10" in line)
+    assert first_step <= 15, "\n".join(console[:first_step])
+    assert sum(" trains model " in line for line in console) == 1, "\n".join(console)
+    assert sum("run dir  " in line for line in console) == 1
+    assert "max_steps: 10" not in "\n".join(console) and "max_steps: 10" in (run_dir / "train.log").read_text()
+
+
 def _on_a_terminal(run_dir: Path, columns: int) -> str:
     """The console of a short run whose stdout and stderr are a terminal `columns` wide (0: one that reports no
     width, as a bare pty does)."""

@@ -104,6 +104,7 @@ def test_sbatch_script_for_four_nodes_of_eight_gpus(tmp_path: Path) -> None:
     assert "--unbuffered" in srun and "%A_%a_%t_log.out" in srun  # one log per task (rank)
     assert srun.endswith(f"-u -m submitit.core._submit {tmp_path}/.submitit/%j")
     assert not (tmp_path / ".submitit").exists()  # nothing submitted
+    assert "Warning" not in proc.stderr and "no runs found" not in proc.stderr  # no report of a sweep that never ran
 
 
 @pytest.mark.parametrize(("signals", "warned"), [("[SIGTERM,SIGUSR1]", True), ("[SIGTERM,SIGUSR2]", False)])
@@ -159,6 +160,7 @@ def test_ranks_per_node_that_disagree_fail_in_one_line(tmp_path: Path, overrides
     proc = multirun(tmp_path, *SLURM, *overrides, timeout=60)
     assert one_line_error(proc) == expected
     assert not (tmp_path / ".submitit").exists()  # nothing submitted
+    assert "Warning" not in proc.stderr and "no runs found" not in proc.stderr  # no report of a sweep that never ran
 
 
 @dataclass

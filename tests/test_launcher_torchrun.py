@@ -80,6 +80,10 @@ def test_sweep_runs_each_job_on_two_ranks_in_one_directory(sweep: Sweep) -> None
         assert (job / ".hydra" / "config.yaml").is_file() and (job / "train.log").is_file()
         assert "--nproc-per-node=2" in (job / "torchrun" / "agent.log").read_text().splitlines()[0]
         assert len(losses_by_step(job)) == STEPS
+        # each rank's console prints as a single run does: rank 0 the short header once and no config, rank 1 neither
+        consoles = {p.parent.name: p.read_text() for p in (job / "torchrun" / "ranks").rglob("attempt_0/*/stdout.log")}
+        assert consoles["0"].count(" trains model ") == 1 and "max_steps: " not in consoles["0"], consoles["0"]
+        assert " trains model " not in consoles["1"] and "max_steps: " not in consoles["1"]
     assert re.findall(r"#(\d) COMPLETED", sweep.output) == ["0", "1"]  # the launcher's report of each job
 
 

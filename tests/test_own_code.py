@@ -11,12 +11,15 @@ resnet18 runs where torchvision imports.
 
 from __future__ import annotations
 
+import json
 import os
+import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 import yaml
+from helpers.processes import run_process
 from helpers.runs import ROOT, Run, train
 from hydra import compose, initialize_config_dir
 from hydra.core.hydra_config import HydraConfig
@@ -133,10 +136,30 @@ def test_a_target_on_a_built_in_option_drops_the_keys_it_does_not_take(tmp_path:
 def test_a_key_added_that_the_target_does_not_take_is_refused(tmp_path: Path, user: dict[str, str]) -> None:
     """The same rule whoever adds the key (the command line here): one line, before anything is built."""
     run = train(tmp_path / "run", "model._target_=shapes.SmallCNN", "model.num_clases=10", *QUICK, env=user)
-    assert run.returncode == 2 and [line for line in run.stderr.splitlines() if line.strip()] == [
+    assert run.returncode == 1 and [line for line in run.stderr.splitlines() if line.strip()] == [
         "Error: model.num_clases: shapes.SmallCNN takes no such argument; did you mean model.num_classes? it takes "
         "num_classes, width"], run.stderr[-3000:]
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_your_folder_is_importable_by_the_installed_command_and_its_workers(tmp_path: Path) -> None:
+    """`trainflow train model=custom model._target_=mymodels.TinyNet` with mymodels.py in the folder it runs in, as
+    `python -m` would import it, no PYTHONPATH: in the command and in the two workers it starts; the header says
+    what it imported and from where."""
+    (tmp_path / "shapes").mkdir()
+    (tmp_path / "shapes" / "__init__.py").write_text(SHAPES)  # a package of the folder, and a module beside it
+    (tmp_path / "mymodels.py").write_text("from shapes import SmallCNN as TinyNet  # noqa: F401\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("HYDRA_FULL_ERROR", "TRAINFLOW_USER_FOLDER")}
+    env["PYTHONPATH"] = str(ROOT / "src")  # trainflow's code only: nothing of the folder
+    args = [a.replace("shapes.resnet18", "mymodels.TinyNet") for a in ONE_COMMAND]
+    proc = run_process([str(Path(sys.executable).parent / "trainflow"), "train", *args, *QUICK,
+                        "parallelism=ddp", "parallelism.nproc_per_node=2", f"hydra.run.dir={tmp_path / 'run'}"],
+                       tmp_path, env, 600)
+    run = learned(Run(proc.returncode, proc.stdout, proc.stderr, tmp_path / "run"))
+    console = run.stdout + run.stderr
+    assert "model SmallCNN: " in console and "parameters (mymodels.TinyNet from ./mymodels.py); task" in console
+    assert "(shapes.make_datasets from ./shapes/__init__.py)" in console
+    assert json.loads((run.run_dir / "summary.json").read_text())["world_size"] == 2
 
 
 def experiment(tmp_path: Path, text: str) -> list[str]:

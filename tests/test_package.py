@@ -16,6 +16,19 @@ from pathlib import Path
 import pytest
 from helpers.runs import ROOT
 
+# a model of one's own, in a file of the folder the command runs in (no package, no PYTHONPATH)
+MYMODELS = """import torch
+from torch import nn
+
+
+class TinyNet(nn.Module):
+    def __init__(self, vocab_size: int, width: int = 16) -> None:
+        super().__init__()
+        self.embed, self.head = nn.Embedding(vocab_size, width), nn.Linear(width, vocab_size)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.head(self.embed(idx))
+"""
 TINY = ["model.n_layer=1", "model.n_embd=32", "model.n_head=2", "model.block_size=16", "trainer.batch_size=4",
         "trainer.max_steps=4", "trainer.log_every=2", "compile=off", "logger=none"]
 
@@ -106,6 +119,21 @@ def test_the_wheel_trains_from_an_empty_folder_with_a_projects_own_config_and_ex
 
     exported = run(venv, tmp_path, "trainflow", "export", str(run_dir), "model.pt")
     assert "the model of step 4" in exported.stdout and (tmp_path / "model.pt").stat().st_size > 0
+
+
+def test_a_model_of_ones_own_trains_from_its_folder_and_the_help_names_the_command(venv: Path,
+                                                                                  tmp_path: Path) -> None:
+    """mymodels.py in the folder `trainflow train` runs in imports as `python -m` would import it; the header says
+    from where. The installed command's help and errors name `trainflow train`, not a checkout's train.py."""
+    (tmp_path / "mymodels.py").write_text(MYMODELS)
+    own = run(venv, tmp_path, "trainflow", "train", "model=custom", "model._target_=mymodels.TinyNet",
+              "model.vocab_size=256", "task=lm", *TINY[4:], "trainer.run_name=own", "checkpoint=dcp")
+    assert "model TinyNet: 8,448 parameters (mymodels.TinyNet from ./mymodels.py); task LanguageModel" in own.stdout
+    summary = json.loads((tmp_path / "outputs" / "runs" / "own" / "summary.json").read_text())
+    assert summary["steps"] == 4 and summary["config"]["model"] == {"_target_": "mymodels.TinyNet", "vocab_size": 256}
+
+    usage = run(venv, tmp_path, "trainflow", "train", "--help").stdout
+    assert "  trainflow train --cfg job [overrides]" in usage and "train.py" not in usage
 
 
 def test_my_project_is_a_project_that_depends_on_trainflow(venv: Path, tmp_path: Path) -> None:

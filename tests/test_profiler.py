@@ -104,6 +104,7 @@ def test_train_py_profile_writes_loadable_trace_ops_table_and_overhead_verdict(r
     assert "trainer.batch_size" in v["action"]
     assert run.stdout.count("profiler verdict (rank 0, steps 10-12") == 1  # printed once, at the end
     assert run.stdout.index("profiler verdict") > run.stdout.index("step 12/12")
+    assert "USDT" not in run.stdout + run.stderr  # torch's profiler_start/stop lines stay off the console
 
 
 def test_ddp_on_gloo_shows_the_communication_share_on_every_rank(run_dir: Path) -> None:

@@ -1,9 +1,9 @@
-"""Every `train.py` command README and the docs/ pages show is one trainflow accepts.
+"""Every training command README and the docs/ pages show is one trainflow accepts.
 
-The commands are taken from the pages' code blocks and inline code (`python train.py ...` and `torchrun ...
-train.py ...`), split as a shell splits them, parsed by Hydra's override parser, expanded into the jobs of a
-sweep, composed against conf/ and checked by trainflow.config.checks.check_config: the checks a run does before any
-work.
+The commands are taken from the pages' code blocks and inline code (`trainflow train ...`, `python -m trainflow
+train ...`, a checkout's `python train.py ...` and `torchrun ... train.py ...`), split as a shell splits them,
+parsed by Hydra's override parser, expanded into the jobs of a sweep, composed against conf/ and checked by
+trainflow.config.checks.check_config: the checks a run does before any work.
 Training each would need GPUs, a SLURM cluster or a user's corpus; the commands that train here on CPU are run
 for real by the other tests. A command that fails names itself and the reason.
 """
@@ -23,7 +23,8 @@ from hydra.errors import HydraException
 from trainflow.conf import CONFIG_DIR
 from trainflow.config.checks import check_config
 
-COMMAND = re.compile(r"^(?:python\s+(?:\S*/)?train\.py|torchrun\s.*?(?:\S*/)?train\.py)(?=\s|$)")
+COMMAND = re.compile(r"^(?:python\s+(?:\S*/)?train\.py|torchrun\s.*?(?:\S*/)?train\.py"
+                     r"|(?:python\s+-m\s+)?trainflow\s+train)(?=\s|$)")
 
 
 def commands_in(text: str) -> list[str]:
@@ -44,7 +45,7 @@ def commands_in(text: str) -> list[str]:
 def overrides_of(command: str) -> tuple[list[str], bool]:
     """(the Hydra overrides, whether it is a -m sweep) of a command line; Hydra's own flags are set aside."""
     words = shlex.split(command)
-    words = words[next(i for i, w in enumerate(words) if w.endswith("train.py")) + 1:]
+    words = words[next(i for i, w in enumerate(words) if w.endswith("train.py") or w == "train") + 1:]
     multirun = False
     overrides, skip = [], False
     for word in words:
@@ -93,16 +94,18 @@ def test_the_pages_show_commands_of_every_stage() -> None:
 
 def test_the_extractor_finds_wrapped_and_continued_commands() -> None:
     text = ("Inline `python train.py a=1\nb=2` and `trainflow export x`.\n\n"
-            "    python train.py -m c=3 \\\n        d=4   # a comment\n    torchrun --nproc_per_node=2 train.py e=5\n")
+            "    python train.py -m c=3 \\\n        d=4   # a comment\n    torchrun --nproc_per_node=2 train.py e=5\n"
+            "    trainflow train f=6\n    python -m trainflow train g=7\n")
     assert commands_in(text) == ["python train.py -m c=3 d=4", "torchrun --nproc_per_node=2 train.py e=5",
-                                     "python train.py a=1 b=2"]
+                                     "trainflow train f=6", "python -m trainflow train g=7", "python train.py a=1 b=2"]
+    assert overrides_of("trainflow train -m f=6,7") == (["f=6,7"], True)
     assert overrides_of("python train.py -m --cfg job 'x=[\"~/a\"]' y=1,2") == (['x=["~/a"]', "y=1,2"], True)
     assert jobs_of(["y=1,2", "z=3"]) == [["y=1", "z=3"], ["y=2", "z=3"]]
 
 
 def test_readme_shows_one_command_per_stage_and_stays_narrow() -> None:
     readme = [command for page, command in PAGE_COMMANDS if page == "README"]
-    assert "python train.py" in readme  # compile: the default
+    assert "trainflow train" in readme  # compile: the default
     for fragment in ("compile=off", "profiler=schedule", "parallelism=", "checkpoint=dcp", "experiment=ladder"):
         assert any(fragment in c for c in readme), fragment
     wide = [n for n, line in enumerate((ROOT / "README.md").read_text().splitlines(), 1)

@@ -26,14 +26,16 @@ from trainflow.checkpoint.stopping import catch_stop_signals, release_stop_signa
 from trainflow.checkpoint.store import resolve_dir
 from trainflow.conf import CONFIG_PATH
 from trainflow.config.checks import check_config
-from trainflow.config.command_line import EXIT_COMMAND_LINE, explain, raised_errors, single_run
+from trainflow.config.command_line import explain, raised_errors, single_run
 from trainflow.config.compose import compose_run
 from trainflow.config.schema import FaultToleranceConfig, TextDataConfig, register_configs
+from trainflow.config.targets import user_folder_importable
 from trainflow.data.shards import prepare
 from trainflow.data.text import Corpus
 from trainflow.distributed.fault_tolerance import serve_lighthouse, torchft_installed
 from trainflow.distributed.mesh import env_rank
 from trainflow.errors import (
+    EXIT_COMMAND_LINE,
     EXIT_INTERRUPTED,
     EXIT_USER_ERROR,
     ConfigError,
@@ -100,6 +102,7 @@ def _run_job(cfg: DictConfig) -> float | None:
     from trainflow.distributed.launch import launch, should_launch  # lazy: ~50 ms the other commands need not pay
     from trainflow.loop.run import train  # lazy: the loop's modules, ~60 ms the other commands need not pay
 
+    user_folder_importable()  # a launcher's worker imports from the folder its sweep was started in
     hydra_cfg = HydraConfig.get()
     sweep_job = sweeps.is_sweep_job(hydra_cfg)
     try:
@@ -352,6 +355,8 @@ def subcommands() -> list[Subcommand]:
 def main(argv: list[str] | None = None) -> None:
     """The `trainflow` console command and `python -m trainflow`."""
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] in (["train"], ["export"], ["prepare"]):  # the commands that build your code import it from here
+        user_folder_importable()
     if argv[:1] == ["train"]:  # Hydra owns every argument after `train` (-m, --cfg, --config-dir, overrides)
         train(argv[1:])
         return

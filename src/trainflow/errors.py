@@ -9,6 +9,9 @@ from pathlib import Path
 from typing import NoReturn
 
 EXIT_USER_ERROR = 2
+# A command line that names a key, option or group no config has, or a value not of its key's type: nothing ran.
+# Exit 1 as Hydra exits for a command line it rejects, whether Hydra or trainflow found it (README: exit codes).
+EXIT_COMMAND_LINE = 1
 EXIT_INTERRUPTED = 130  # the shell's code for a process ended by Ctrl-C (128 + SIGINT)
 
 
@@ -20,6 +23,13 @@ class TrainflowError(Exception):
 
 class ConfigError(TrainflowError):
     """A config value that cannot work; the message starts with the key."""
+
+
+class UnknownKeyError(ConfigError):
+    """A key that no schema has and no `_target_` of yours takes, however it was given (`key=`, `+key=`, `++key=`,
+    an experiment file): one kind, one exit code, Hydra's for its own "Could not override"."""
+
+    exit_code = EXIT_COMMAND_LINE
 
 
 class DataError(TrainflowError):
@@ -58,6 +68,14 @@ def unwritable_reason(folder: Path, exc: OSError) -> str:
 def home_note(configured: str) -> str:
     """For a configured path starting with ~: which home it expanded to (HOME may be the thing to fix)."""
     return f" (~ is HOME={Path.home()})" if configured.startswith("~") else ""
+
+
+def typed_command() -> str:
+    """The command this process was started as, for a message to quote back: `python train.py` in a checkout,
+    `python -m trainflow train`, else the installed `trainflow train`."""
+    started_as = Path(sys.argv[0]).name if sys.argv else ""
+    return {"train.py": "python train.py", "__main__.py": "python -m trainflow train"}.get(started_as,
+                                                                                            "trainflow train")
 
 
 def traceback_wanted() -> bool:

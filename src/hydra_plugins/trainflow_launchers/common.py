@@ -29,7 +29,7 @@ from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
 from trainflow.cli import register_with_hydra
-from trainflow.errors import TrainflowError, user_error
+from trainflow.errors import TrainflowError, typed_command, user_error
 from trainflow.report import kept, sweeps
 from trainflow.report.sweeps import JobFailed
 from trainflow.util.rundir import RUN_DIR_ENV, claim_run_dir, results_begin
@@ -351,7 +351,7 @@ class RunModeGuard(Callback):
                            f"(python train.py -m hydra/launcher={name} ...) to run it as a one-job sweep")
         if target == SlurmLauncherConf._target_:
             user_error("hydra/launcher=slurm: the SLURM launcher submits sweeps, and this is a single run; "
-                       "add -m (python train.py -m hydra/launcher=slurm ...) to submit it as a one-job sweep")
+                       f"add -m ({typed_command()} -m hydra/launcher=slurm ...) to submit it as a one-job sweep")
         if target == TorchrunLauncherConf._target_:
             user_error("hydra/launcher=torchrun: the torchrun launcher runs sweeps, and this is a single run; "
-                       "add -m (python train.py -m hydra/launcher=torchrun ...) to run it as a one-job sweep")
+                       f"add -m ({typed_command()} -m hydra/launcher=torchrun ...) to run it as a one-job sweep")

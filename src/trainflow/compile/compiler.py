@@ -388,7 +388,7 @@ class Compiler(Stage):
 
     def _why_not_measured(self) -> str | None:
         if not self.cfg.measure_static:
-            return "compile.measure_static=false"
+            return NOT_ASKED
         if isinstance(self._model, StageParts):
             return "a pipeline's stages run by its schedule, not by one forward"
         if self._example is None:
@@ -466,6 +466,11 @@ def _shapes(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Shapes:
     """The shapes of a call's tensor arguments, positional then named."""
     return (*(a.shape for a in args if isinstance(a, torch.Tensor)),
             *(v.shape for v in kwargs.values() if isinstance(v, torch.Tensor)))
+
+
+# why the static compile was not timed, by default: what it would tell, and how to ask for it
+NOT_ASKED = ("compile.measure_static=true times a static compile of the same model against this one at the end of "
+             "the run, one more compile")
 
 
 def _dynamic_cost_line(cost: dict[str, Any]) -> str:

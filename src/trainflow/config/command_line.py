@@ -2,6 +2,9 @@
 valid name ("did you mean trainer.max_steps?"), never Hydra's report (a `+key` hint that leads to a traceback, the
 config search path, a stack).
 
+A key that `+` or `++` would add where no schema has it (`+optimizer.lr=1e-3`) is the same error as the key without
+the `+`: RunStarts refuses it before any run directory exists, with the same exit code (errors.EXIT_COMMAND_LINE).
+
 Hydra reports composition errors itself and exits, unless HYDRA_FULL_ERROR=1 makes it raise them. `raised_errors`
 sets it while Hydra composes; the RunStarts callback takes it back as soon as a run or sweep starts, so that nothing
 after composition (the task, a launcher's workers) sees it unless the user set it.
@@ -10,9 +13,13 @@ after composition (the task, a launcher's workers) sees it unless the user set i
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import difflib
 import os
 import re
+import sys
+import types
+import typing
 from collections.abc import Iterator
 from typing import Any
 
@@ -28,11 +35,14 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
 
 from trainflow.config.choices import refused_choice
+from trainflow.config.schema import LadderConfig, LadderRunConfig, RunConfig
+from trainflow.errors import UnknownKeyError, print_error, typed_command
 
 FULL_ERROR = "HYDRA_FULL_ERROR"
 _SET_BY_US = "TRAINFLOW_RAISED_HYDRA_ERRORS"  # marks a FULL_ERROR that raised_errors set, not the user
-EVERY_KEY = "python train.py --cfg job lists every key"
-EXIT_COMMAND_LINE = 1  # as Hydra exits for a command line it rejects
+# The sections a `+key` may add to: the keys of your own code's `_target_` (trainflow.config.sections decides which
+# it takes) and of your own loggers. Every other key comes from a schema.
+OPEN_SECTIONS = ("model", "data", "task", "optim", "logger")
 
 
 @contextlib.contextmanager
@@ -58,9 +68,68 @@ class RunStarts(Callback):
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
         _take_back()
+        _refuse_in_one_line(config)
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         _take_back()
+        _refuse_in_one_line(config)
+
+
+def _refuse_in_one_line(config: DictConfig) -> None:
+    """One line and exit 1 for a key no schema has (Hydra turns a callback's exception into a warning and goes on,
+    so this exits itself, before any run directory exists)."""
+    try:
+        refuse_unknown_keys(config)
+    except UnknownKeyError as exc:
+        print_error(str(exc))
+        sys.exit(exc.exit_code)
+
+
+def refuse_unknown_keys(config: DictConfig) -> None:
+    """Before any run directory exists: a key that `+` or `++` adds where no schema has it (a new top-level section
+    such as `+optimizer.lr`, a misspelt `+trainer.max_stpes`), in a run or a sweep, is refused in one line with the
+    closest valid key, as Hydra refuses the same key without the `+`. The sections of your own code take new keys
+    (OPEN_SECTIONS); `+group=option` is Hydra's to check."""
+    typed_ladder = "ladder" in config and OmegaConf.get_type(config, "ladder") is LadderConfig
+    schema = LadderRunConfig if typed_ladder else RunConfig
+    overrides = [str(o) for o in OmegaConf.to_container(config.hydra.overrides.task, resolve=False)]
+    groups = set(_loader().list_groups(""))
+    for given in overrides:
+        key = given.lstrip("+").split("=")[0]
+        if not given.startswith("+") or "/" in key or "@" in key or key in groups:
+            continue
+        if _unknown(key.split("."), schema):
+            close = _closest_key(key, [o for o in overrides if not o.startswith("+")])
+            hint = f"did you mean {close}{given[len(given.split('=')[0]):]}?" if close else every_key()
+            raise UnknownKeyError(f"{key}: the config has no such key (+ adds keys only to the sections of your own "
+                                  f"code: {', '.join(OPEN_SECTIONS)}); {hint}")
+
+
+def _unknown(path: list[str], schema: type) -> bool:
+    """Whether the dotted `path` leaves the dataclass `schema`'s fields; a section of your own code (typed Any or
+    a mapping) takes any key below it."""
+    name, *rest = path
+    hints = typing.get_type_hints(schema)
+    if name not in hints:
+        return True
+    inner = _dataclass_of(hints[name])
+    return bool(rest) and inner is not None and _unknown(rest, inner)
+
+
+def _dataclass_of(hint: Any) -> type | None:
+    """The dataclass a field holds (through Optional), or None for a plain value or an open mapping."""
+    candidates = typing.get_args(hint) if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union \
+        else (hint,)
+    return next((c for c in candidates if dataclasses.is_dataclass(c)), None)
+
+
+_TWICE = re.compile(r"Multiple values for ([\w/.]+)\. To override a value use 'override \1: ([^']+)'")
+_ONE_MODE = "Only one of --run, --multirun, --cfg"  # how Hydra refuses two of its modes in one command
+
+
+def every_key() -> str:
+    """The hint for a key with no close valid name."""
+    return f"{typed_command()} --cfg job lists every key"
 
 
 # Keys that took another name, with what the new one means where the old name meant more than one thing.
@@ -76,14 +145,14 @@ def explain(exc: BaseException, overrides: list[str]) -> str | None:
         close = difflib.get_close_matches(option, options, n=1)
         hint = f"did you mean {group}={close[0]}? " if close else ""
         return (f"{group}={option}: Could not find {group}/{option}; {hint}the options of {group}: "
-                f"{', '.join(options)} (python train.py --help describes them)")
+                f"{', '.join(options)} ({typed_command()} --help describes them)")
     in_file = re.match(r"In '([^']+)'", str(exc))  # a key of a YAML file (an experiment of one's own) no schema has
     if isinstance(exc, ConfigCompositionException) and in_file and isinstance(exc.__context__, ConfigKeyError):
         key = exc.__context__.full_key or _quoted(str(exc.__context__)) or ""
         if key in RENAMED:
             return f"{in_file[1]}: {key}: the key is now {RENAMED[key]}"
         close = _closest_key(key, overrides)
-        hint = f"did you mean {close}?" if close else EVERY_KEY
+        hint = f"did you mean {close}?" if close else every_key()
         return f"{in_file[1]}: {key}: the config has no such key; {hint}"
     if isinstance(exc, ConfigCompositionException) and isinstance(exc.__cause__, ConfigAttributeError | ConfigKeyError):
         key = _quoted(str(exc)) or ""
@@ -91,8 +160,12 @@ def explain(exc: BaseException, overrides: list[str]) -> str | None:
             return f"{key}: Could not override it: the key is now {RENAMED[key]}"
         given = next((o for o in overrides if o.lstrip("+~").split("=")[0] == key), key)
         close = _closest_key(key, [o for o in overrides if o != given])
-        hint = f"did you mean {close}{given[len(given.split('=')[0]):]}?" if close else EVERY_KEY
+        hint = f"did you mean {close}{given[len(given.split('=')[0]):]}?" if close else every_key()
         return f"{key}: Could not override it: the config has no such key; {hint}"
+    if isinstance(exc, ConfigCompositionException) and (twice := _TWICE.match(str(exc))):  # +experiment=x
+        group, option = twice[1], twice[2]
+        return (f"+{group}={option}: {group} is a group of the defaults already, and + adds a second one; write "
+                f"{group}={option}")
     if isinstance(exc, ConfigCompositionException) and isinstance(exc.__cause__, ValidationError):
         override = str(exc).removeprefix("Error merging override ").strip()
         return refused_choice(exc.__cause__) or f"{override}: {str(exc.__cause__).splitlines()[0]}"
@@ -101,6 +174,12 @@ def explain(exc: BaseException, overrides: list[str]) -> str | None:
         reason = str(exc).splitlines()[0]
         return (f"{bad or 'the command line'}: Hydra cannot parse it ({reason}); write key=value, group=option or "
                 "key=[a,b], quoting values with spaces or brackets: 'key=[1, 2]'")
+    if isinstance(exc, ValueError) and str(exc).startswith(_ONE_MODE):  # e.g. -m with --cfg job
+        given = [o for o in overrides if o in ("-m", "--multirun", "-c", "--cfg", "-i", "--info", "--run", "-r")
+                 or o.startswith("--shell-completion")]
+        return (f"{' and '.join(given) or 'the command line'}: Hydra takes one of -m, --cfg, --info at a time; to see "
+                f"a job's config, drop -m and give each swept key one value ({typed_command()} --cfg job "
+                "optim.lr=1e-3)")
     if isinstance(exc, yaml.MarkedYAMLError) and exc.problem_mark is not None:
         mark = exc.problem_mark
         return (f"{mark.name}:{mark.line + 1}:{mark.column + 1}: not valid YAML ({exc.problem}); fix the file, or "

@@ -15,6 +15,7 @@ from omegaconf import OmegaConf
 
 import hydra_plugins.trainflow_launchers  # noqa: F401 (registers the torchrun and slurm launchers' configs)
 from trainflow.conf import CONFIG_DIR
+from trainflow.errors import typed_command
 
 SHOWN_HYDRA_GROUPS = ("hydra/launcher",)  # trainflow's launchers; Hydra's own groups are in --hydra-help
 GROUP_WIDTH, OPTION_WIDTH = 15, 16
@@ -83,7 +84,7 @@ def print_help(argv: list[str]) -> None:
             room = max(width - len(head), 20)
             rows.append(head + (about if len(about) <= room else about[:room - 1] + "…"))
     try:
-        print(USAGE.format(groups="\n".join(rows)), flush=True)
+        print(USAGE.format(command=typed_command(), groups="\n".join(rows)), flush=True)
     except BrokenPipeError:  # `--help | head`: the reader has what it wanted
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nor a complaint at exit
 
@@ -103,10 +104,10 @@ def _given(argv: list[str]) -> dict[str, list[str]]:
 
 USAGE = """trainflow: train a model, every stage measured: baseline -> compile -> profile -> scale -> checkpoint.
 
-  python train.py [group=option ...] [key=value ...]   installed: trainflow train ... (from any folder)
-  python train.py -m key=a,b [...]                      a sweep: one job per value, then a report
-  python train.py --cfg job [overrides]                 the composed config: every key and its value
-  python train.py --config-dir DIR [overrides]          your own groups and experiments, from DIR
+  {command} [group=option ...] [key=value ...]
+  {command} -m key=a,b [...]                 a sweep: one job per value, then a report
+  {command} --cfg job [overrides]            the composed config: every key and its value
+  {command} --config-dir DIR [overrides]     your own groups and experiments, from DIR
 
 Groups: group=option (* the default, or the option given)
 {groups}

@@ -31,7 +31,7 @@ from omegaconf import DictConfig, OmegaConf
 from trainflow.config.command_line import group_options
 from trainflow.config.schema import LOADER_KEYS, SCHEDULE_KEYS, BuiltinTaskConfig
 from trainflow.config.targets import WHAT, import_target
-from trainflow.errors import ConfigError
+from trainflow.errors import ConfigError, UnknownKeyError
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +72,7 @@ def _settle(group: str, section: dict[str, Any], option: dict[str, Any]) -> dict
     if target == own_target:  # the option's own code: it takes the option's keys, and no other
         if yours:
             known = ", ".join(k for k in option if k != "_target_")
-            raise ConfigError(f"{group}.{yours[0]}: {group}={_option(group)} has no such key (it has {known}); fix "
+            raise UnknownKeyError(f"{group}.{yours[0]}: {group}={_option(group)} has no such key (it has {known}); fix "
                               f"the name, or for your own code use {group}=custom {group}._target_=<import path> "
                               f"{group}.{yours[0]}=<value>")
         return section
@@ -83,7 +83,7 @@ def _settle(group: str, section: dict[str, Any], option: dict[str, Any]) -> dict
         if key not in taken:
             close = difflib.get_close_matches(key, sorted(taken), n=1)
             hint = f"did you mean {group}.{close[0]}? " if close else ""
-            raise ConfigError(f"{group}.{key}: {target} takes no such argument; {hint}it takes "
+            raise UnknownKeyError(f"{group}.{key}: {target} takes no such argument; {hint}it takes "
                               f"{', '.join(sorted(taken)) or 'none'}")
     dropped = [k for k in option if k in section and k != "_target_" and k not in OWN_KEYS[group] and k not in taken]
     if dropped:

@@ -13,7 +13,10 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
+import os
+import sys
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 from trainflow.errors import ConfigError, TrainflowError
@@ -25,14 +28,54 @@ WHAT = {"model": "an nn.Module class, e.g. mypackage.models.MyNet",
         "optim": "a torch.optim.Optimizer class, e.g. torch.optim.AdamW or mypackage.MyOptimizer"}
 
 
+# The folder a command that builds your code ran in (trainflow train, export, prepare): set once by the command,
+# inherited by every process it launches (trainflow's workers, torchrun's, SLURM's), which import from it too.
+USER_FOLDER_ENV = "TRAINFLOW_USER_FOLDER"
+# Whose `_target_` the header does not name a file for: trainflow's own options and torch's optimizers.
+_NOT_YOURS = ("trainflow", "torch")
+
+
+def user_folder_importable() -> None:
+    """Your folder on the import path, as `python -m` and `python train.py` put theirs: a `_target_` such as
+    mymodels.TinyNet imports from mymodels.py in the folder the command runs in. It goes after the installed
+    packages, so that a file of the folder named like one of them (torch.py) does not replace it."""
+    folder = os.environ.setdefault(USER_FOLDER_ENV, os.getcwd())
+    if folder not in sys.path:
+        sys.path.append(folder)
+
+
+def origin(target: str) -> str | None:
+    """`target` and the file its module was imported from, as the start header says it (`mymodels.TinyNet from
+    ./mymodels.py`); None for trainflow's and torch's own, or before the target was imported."""
+    parts = str(target).split(".")
+    if parts[0] in _NOT_YOURS:
+        return None
+    for end in range(len(parts) - 1, 0, -1):
+        module = sys.modules.get(".".join(parts[:end]))
+        if module is not None and getattr(module, "__file__", None):
+            path = Path(module.__file__).resolve()
+            with_cwd = Path.cwd().resolve()
+            shown = f"./{path.relative_to(with_cwd)}" if path.is_relative_to(with_cwd) else str(path)
+            return f"{target} from {shown}"
+    return None
+
+
+def origins(cfg: Any) -> dict[str, str]:
+    """Per section of your code in the run's config (model, data, task), what its `_target_` imported and from
+    where (`origin`)."""
+    found = {name: origin(str(getattr(cfg, name).get("_target_") or "")) for name in ("model", "data", "task")}
+    return {name: text for name, text in found.items() if text}
+
+
 def import_target(key: str, target: str, what: str) -> Any:
     """The object at dotted path `target`; a one-line error naming `key` when it cannot be imported."""
     try:
         return _locate(target)
     except Exception as exc:  # ImportError, AttributeError, or an error inside the user's module
         detail = "" if isinstance(exc, ImportError | AttributeError) else f" ({type(exc).__name__}: {exc})"
-        raise ConfigError(f"{key}: cannot import {target!r}{detail}; give the import path of {what} (its folder on "
-                          "PYTHONPATH)") from None
+        folder = os.environ.get(USER_FOLDER_ENV, os.getcwd())
+        raise ConfigError(f"{key}: cannot import {target!r}{detail}; give the import path of {what} (a module of "
+                          f"{folder}, the folder the command runs in, or of a folder on PYTHONPATH)") from None
 
 
 def _locate(path: str) -> Any:

@@ -37,6 +37,7 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from trainflow.checkpoint.stopping import EXIT_STOPPED, catch_stop_signals
 from trainflow.config.schema import RunConfig
+from trainflow.config.targets import user_folder_importable
 from trainflow.distributed.failures import WorkerError, explain_worker_failure, record_failure
 from trainflow.distributed.mesh import env_rank
 from trainflow.distributed.process_group import (
@@ -50,7 +51,7 @@ from trainflow.distributed.process_group import (
 from trainflow.distributed.watchdog import hang_report
 from trainflow.errors import TrainflowError
 from trainflow.loop.run import train
-from trainflow.util.console import RunLogHandler
+from trainflow.util.console import FileOnly, RunLogHandler
 from trainflow.util.rundir import results_begin
 
 log = logging.getLogger(__name__)
@@ -235,6 +236,7 @@ def _interrupt_once(_signum: int, _frame: Any) -> None:
 def _worker(cfg: RunConfig, run_dir: str, pids: str) -> None:
     """One self-launched rank: the parent's typed config and run directory, no Hydra."""
     Path(pids, str(os.getpid())).touch()  # for _workers_watched
+    user_folder_importable()  # a spawned worker (CUDA) imports your code from the launching command's folder too
     signal.set_wakeup_fd(-1)  # a forked worker's own signals are not the agent's (see _workers_watched)
     mark_self_launched()
     # A forked worker inherits the agent's handlers (they raise in Python, which a rank blocked in a collective
@@ -276,13 +278,15 @@ def _leave_once_the_agent_stops(mark: Path) -> None:
 
 
 def _configure_worker_logging(run_dir: Path, rank: int) -> None:
-    """Rank 0 logs like a Hydra job (console + train.log); the others print warnings and errors only."""
+    """Rank 0 logs like a Hydra job of train.yaml (console + train.log, what is for train.log only kept off the
+    console: trainer.print_config); the others print warnings and errors only."""
     root = logging.getLogger()
     for handler in list(root.handlers):
         root.removeHandler(handler)
     if rank == 0:
-        handlers: list[logging.Handler] = [logging.StreamHandler(sys.stdout),
-                                           RunLogHandler(run_dir / "train.log")]
+        console = logging.StreamHandler(sys.stdout)
+        console.addFilter(FileOnly())
+        handlers: list[logging.Handler] = [console, RunLogHandler(run_dir / "train.log")]
         fmt, level = _LOG_FORMAT, logging.INFO
     else:
         handlers, fmt, level = [logging.StreamHandler(sys.stderr)], f"[rank {rank}]{_LOG_FORMAT}", logging.WARNING

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
+from trainflow.config.choices import Auto
 from trainflow.config.schema import TrainerConfig
 from trainflow.data import DataBundle, StreamSampler, to_device
 from trainflow.distributed import DistEnv
@@ -26,9 +27,18 @@ from trainflow.util.device import device_sync
 log = logging.getLogger("trainflow")
 
 
+# trainer.eval_every=auto keeps evaluation within this share of the run's wall time (the final one comes on top)
+EVAL_SHARE = 0.10
+
+
 class Evaluation(Stage):
     """Evaluates every trainer.eval_interval() steps (0: only at the end) and at the last step; its time is not
-    training time."""
+    training time.
+
+    With trainer.eval_every=auto those steps are candidates: one is evaluated only while the evaluations so far,
+    and one more of the last one's measured cost, stay within EVAL_SHARE of the run's wall time so far (the first
+    candidate measures that cost). A validation curve for a run whose evaluation is cheap, a few points for one
+    whose evaluation is dear; every rank decides alike (rank 0's clock decides)."""
 
     phase = Phase.REPORT
     summary_key = "validation"
@@ -37,17 +47,25 @@ class Evaluation(Stage):
                  writer: MetricsWriter) -> None:
         self.trainer, self.env, self.data, self.autocast = trainer, env, data, autocast
         self.every = trainer.eval_interval()
+        self.budgeted = trainer.eval_every == Auto.auto
         self.task, self.writer = task, writer
         self.enabled = data.val is not None  # a data factory may give no validation set
         self.result: dict[str, float] | None = None  # the latest evaluation
         self._paused_s = 0.0
+        self._started = time.perf_counter()
+        self._spent_s = 0.0  # every evaluation of this run so far
+        self._last_s: float | None = None  # the latest evaluation's cost; None: none measured yet
+        self.skipped = 0  # candidate steps of eval_every=auto left out to keep within EVAL_SHARE
 
     @classmethod
     def build(cls, ctx: StageContext) -> Evaluation:
         return cls(ctx.trainer, ctx.env, ctx.data, ctx.autocast, ctx.task, ctx.writer)
 
+    def start(self, state: LoopState) -> None:
+        self._started = time.perf_counter()
+
     def after_step(self, state: LoopState) -> bool:
-        if not (state.done or (self.every and state.step % self.every == 0)):
+        if not (state.done or (self.every and state.step % self.every == 0 and self._within_budget())):
             return False
         device_sync(self.env.device)  # the steps still queued on the device are training, not the pause
         start = time.perf_counter()
@@ -58,8 +76,28 @@ class Evaluation(Stage):
         if self.env.is_main:
             log.info("step %d: val %s", state.step, ", ".join(f"{k} {v:.4g}" for k, v in self.result.items()))
         state.model.train()
-        self._paused_s += time.perf_counter() - start
+        self._last_s = time.perf_counter() - start
+        self._spent_s += self._last_s
+        self._paused_s += self._last_s
         return False
+
+    def _within_budget(self) -> bool:
+        """Whether an evaluation now keeps eval_every=auto within EVAL_SHARE of the wall time (always, for a number
+        of steps the user chose)."""
+        if not self.budgeted or self._last_s is None:
+            return True
+        elapsed = time.perf_counter() - self._started
+        fits = self._spent_s + self._last_s <= EVAL_SHARE * (elapsed + self._last_s)
+        decided = torch.tensor([float(fits and self.env.rank == 0)], device=self.env.device)
+        within = bool(all_reduce_mean(decided, self.env).item() > 0)  # rank 0's answer, on every rank
+        self.skipped += not within
+        return within
+
+    def close(self, state: LoopState) -> None:
+        if self.skipped and self.env.is_main:
+            log.info("evaluation: %d of the validation points of trainer.eval_every=auto left out, to keep "
+                     "evaluation within %d%% of the run's time; trainer.eval_every=%d evaluates at every one",
+                     self.skipped, EVAL_SHARE * 100, self.every)
 
     def take_paused_s(self) -> float:
         paused, self._paused_s = self._paused_s, 0.0

@@ -24,6 +24,7 @@ from trainflow.checkpoint import Checkpointer
 from trainflow.checkpoint.store import resolve_dir
 from trainflow.compile.compiler import Compiler
 from trainflow.config.schema import CompileConfig, RunConfig, TrainerConfig, plain
+from trainflow.config.targets import origins
 from trainflow.data import IterableBatches, StreamSampler, build_datasets, make_loader, to_device
 from trainflow.data.stream import STREAM_VERSION
 from trainflow.distributed import DistEnv, memory_plan
@@ -183,7 +184,7 @@ def assemble(cfg: RunConfig, run_dir: Path, env: DistEnv,
             type(unwrap(whole)).__name__, parameters, data.name, len(data.train), _length(data.val), data.seq_len,
             type(task).__name__, task.monitor, task.mode, str(env.device), env.world_size, parallelism.strategy,
             trainer.precision, _compiled(cfg.compile), global_batch, trainer.max_steps, resumed_from, run_dir,
-            checkpoint_dir, tuple(cfg.logger))))
+            checkpoint_dir, tuple(cfg.logger), origins(cfg))))
     pin = cfg.data["pin_memory"] is not False and env.device.type == "cuda"  # null: pinned on CUDA
     sampler = StreamSampler(len(data.train), trainer.batch_size, *data_share(parallelism, env), trainer.seed,
                             state.samples_seen, version=state.stream_version)

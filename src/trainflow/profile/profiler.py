@@ -33,6 +33,11 @@ from trainflow.loop.state import LoopState
 from trainflow.metrics.meter import Throughput
 from trainflow.profile.verdict import analyze_window, format_verdict, verdict
 
+# torch's profiler (kineto) prints `USDT: ... profiler_start` and `profiler_stop` on stderr around each recording,
+# at a level above its errors: its log level 6 keeps them (and its own messages) off the console, unless the user
+# set one (KINETO_LOG_LEVEL=0 shows all of kineto's messages).
+KINETO_LOG_LEVEL, QUIET = "KINETO_LOG_LEVEL", "6"
+
 log = logging.getLogger("trainflow")
 
 TOP_OPS_IN_SUMMARY = 5
@@ -139,6 +144,7 @@ class Profiler(Stage):
                             "continuing without a memory snapshot (traces, profile_memory and the verdict still "
                             "work)", self.device)
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device == "cuda" else [])
+        os.environ.setdefault(KINETO_LOG_LEVEL, QUIET)  # read when the profiler first starts: before profile()
         by_run_step = schedule(skip_first=self.skip, wait=c.wait, warmup=c.warmup, active=c.active, repeat=c.repeat)
         first = self.start_step + 1  # torch numbers steps from its step_num: make ProfilerStep#N our step N
         self._prof = profile(

@@ -410,8 +410,8 @@ class ReportCallback(Callback):
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         sweep = Path(str(config.hydra.sweep.dir))
-        if not sweep.is_dir():
-            return  # nothing ran (e.g. --info)
+        if not sweep.is_dir() or not any((job / ".hydra").is_dir() for job in sweep.iterdir()):
+            return  # no job ran (--info, a SLURM dry run): nothing to report
         report = write(sweep, baseline=self.baseline)
         finish_sweep(sweep, [sweep / f for f in REPORT_FILES])  # the report on the sweep's MLflow parent run
         for warning in report["warnings"]:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from tqdm import tqdm
@@ -105,6 +105,8 @@ class RunFacts:
     run_dir: Path
     checkpoint_dir: Path | None  # None: checkpointing is off
     loggers: tuple[str, ...]
+    # what a section of your code imported and from where, by section: {"model": "mymodels.TinyNet from ./mymodels.py"}
+    origins: Mapping[str, str] = field(default_factory=dict)
 
 
 def start_header(f: RunFacts) -> str:
@@ -114,10 +116,11 @@ def start_header(f: RunFacts) -> str:
     held_out = f"{f.val_items:,} held out" if f.val_items else f"{f.data} gives no validation set: no evaluation"
     start = f"resumes at step {f.resumed_from}" if f.resumed_from else "from step 0"
     ranks = f"{f.world_size} process{'es' if f.world_size > 1 else ''} ({f.strategy})"
+    model, data, task = (f" ({f.origins[name]})" if name in f.origins else "" for name in ("model", "data", "task"))
     return "\n".join([
-        f"trainflow {__version__} trains model {f.model}: {_count(f.parameters)} parameters; task {f.task} "
-        f"(monitor: val {f.monitor}, {f.mode})",
-        f"  data     {f.data}: {f.train_items:,} training items{tokens}; {held_out}",
+        f"trainflow {__version__} trains model {f.model}: {_count(f.parameters)} parameters{model}; task {f.task} "
+        f"(monitor: val {f.monitor}, {f.mode}){task}",
+        f"  data     {f.data}: {f.train_items:,} training items{tokens}; {held_out}{data}",
         f"  how      {f.device}, {ranks}, {f.precision}, {f.compiled}; global batch {f.global_batch}{tokens}; "
         f"{f.max_steps} steps, {start}",
         f"  run dir  {shown(f.run_dir)}  (config.yaml, train.log, metrics.jsonl, summary.json"
