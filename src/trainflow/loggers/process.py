@@ -134,8 +134,8 @@ class ProcessLogger:
             self._reader.join(EXIT_S)
 
     def _call(self, method: str, *args: Any, wait: bool = False, droppable: bool = False) -> Any:
-        """Send one call; wait for its answer when `wait`. A `droppable` call finds no room among MAX_UNANSWERED
-        calls: it is counted in `missed`, not sent, and False is returned (else True)."""
+        """Send one call; wait for its answer when `wait`. A `droppable` call that finds MAX_UNANSWERED calls
+        unanswered is not sent but counted in `missed`, and False is returned (True when it was sent)."""
         self._check()
         with self._lock:
             if droppable and self._sent - self._answered >= MAX_UNANSWERED:
