@@ -229,20 +229,45 @@ def test_ctrl_c_during_prepare_is_one_line_and_the_same_command_finishes(tmp_pat
     assert len(read_manifest(out)["shards"]) == 4 and not list(out.glob(".*"))
 
 
+def children(pid: int) -> dict[int, str]:
+    """The child processes of `pid`, by pid, with their command lines."""
+    found = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        for child in (task / "children").read_text().split():
+            found[int(child)] = Path(f"/proc/{child}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    return found
+
+
+def exit_code_of_adopted(pid: int, timeout: float = 120) -> int:
+    """The exit code of `pid`, a process this one adopted (left_behind), once it has ended (negative: the signal
+    that ended it); it is reaped here."""
+    deadline = time.monotonic() + timeout
+    while (ended := os.waitpid(pid, os.WNOHANG))[0] == 0:
+        assert time.monotonic() < deadline, f"process {pid} still runs {timeout:.0f} s after its parent died"
+        time.sleep(0.01)
+    return os.waitstatus_to_exitcode(ended[1])
+
+
 def test_sigkill_of_prepare_leaves_no_worker_behind(tmp_path: Path) -> None:
-    """prepare --workers 2 SIGKILLed as its workers begin shards of 12 MB (seconds of work each): both die with it at
-    once (counted: this process adopts whatever outlives its parent and waits 1 s for it to end), and none writes a
-    traceback on the way (a worker that went on would fail to hand its shard to the dead parent)."""
+    """prepare --workers 2 SIGKILLed as a worker begins a shard of 12 MB (seconds of work): each worker dies with it,
+    killed by the SIGKILL the kernel sends it as its parent dies, or, one still starting, ending itself (exit code 1)
+    as it finds its parent gone; none ends after a shard it went on with (it would fail to hand it to the dead parent,
+    with a traceback). Multiprocessing's resource tracker exits as its pipe closes. Each end is waited for as an
+    event, not for a fixed time (on a busy machine the tracker's takes more than a second): nothing is left."""
     corpus, out = big_corpus(tmp_path / "corpus", files=16), tmp_path / "prepared"
     command = prepare_command(corpus, out, "--workers", "2", "--shard-mb", "12", "data.suffixes=[.txt]")
     with left_behind() as leftovers, open(tmp_path / "stderr", "w") as stderr:
         proc = subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=stderr)
         try:
             wait_for_a_shard_being_written(proc, out)
+            workers = [pid for pid, line in children(proc.pid).items() if "multiprocessing.spawn" in line]
         finally:
             proc.kill()
             proc.wait()
-        assert leftovers(1) == {}
+        assert len(workers) == 2
+        codes = [exit_code_of_adopted(pid) for pid in workers]
+        assert -signal.SIGKILL in codes and set(codes) <= {-signal.SIGKILL, 1}, codes  # the one writing: killed
+        assert leftovers(120) == {}  # returns as soon as none is left (the tracker's exit)
     assert "Traceback" not in (tmp_path / "stderr").read_text()
 
 

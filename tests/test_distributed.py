@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 import torch
+from helpers.checkpoints import model_tensors
 from helpers.processes import run_process
 from helpers.runs import ROOT, TINY_GPT, Run, losses_by_step, start, train, wait_for, wait_for_log
 
@@ -85,12 +86,16 @@ def _the_one_run_dir(cwd: Path) -> Run:
     return Run(0, "", "", dirs[0])
 
 
-def _check(summary: dict, world_size: int) -> dict:
-    """The run's own parity check against one process passed, with numbers."""
+def _check(run: Run, world_size: int) -> dict:
+    """The run's own parity check against one process passed, with numbers, having compared every tensor of the
+    model: the parameters within TOLERANCE of what training moved them (and so of the weights too)."""
+    summary = run.summary
     par = summary["parallelism"]
     check = par["check"]
     assert check["passed"] is True, check
-    assert check["loss_rel_diff"] <= TOLERANCE and check["param_rel_diff"] <= TOLERANCE
+    assert check["loss_rel_diff"] <= TOLERANCE and check["update_rel_diff"] <= TOLERANCE, check
+    assert check["param_rel_diff"] <= check["update_rel_diff"], check  # a few steps move the weights by far less
+    assert check["tensors"] == check["model_tensors"] == model_tensors(run.run_dir) > 0, check
     assert check["steps"] == 3 and len(check["losses"]) == 3
     assert par["world_size"] == summary["world_size"] == world_size
     assert par["global_batch"] == summary["global_batch"] == par["per_rank_batch"] * world_size * par["grad_accum"]
@@ -124,7 +129,7 @@ def test_self_launched_ddp_with_accumulation_equals_one_process_on_the_whole_bat
                                   "trainer.grad_accum=2"])
     assert launched.returncode == 0, launched.stderr
     ddp = _the_one_run_dir(tmp_path)
-    par = _check(ddp.summary, 2)
+    par = _check(ddp, 2)
     assert (par["strategy"], par["per_rank_batch"], par["grad_accum"], par["global_batch"]) == ("ddp", 4, 2, 16)
     log = (ddp.run_dir / "train.log").read_text()
     assert log.count("step 1/4") == 1 and "starting 2 ddp workers" in log  # rank 0 speaks, once
@@ -164,7 +169,7 @@ def test_three_ranks_match_one_process(run_dir: Path, strategy: str, extra: list
     run = train(run_dir, *SMALL, f"parallelism={strategy}", "parallelism.nproc_per_node=3", "parallelism.check=true",
                 *extra)
     assert run.returncode == 0, run.stderr
-    par = _check(run.summary, 3)
+    par = _check(run, 3)
     assert par["strategy"] == strategy and par["global_batch"] == 24
     assert run.summary["config"]["trainer"]["batch_size"] == par["per_rank_batch"] == 24 // 3 // par["grad_accum"]
 
@@ -174,7 +179,7 @@ def test_torchrun_fsdp_shares_one_run_directory(tmp_path: Path) -> None:
                               "parallelism=fsdp", "parallelism.check=true"])
     assert proc.returncode == 0, proc.stderr
     run = _the_one_run_dir(tmp_path)
-    par = _check(run.summary, 2)
+    par = _check(run, 2)
     assert par["strategy"] == "fsdp" and par["nodes"] == 1
     assert (run.run_dir / ".hydra" / "config.yaml").exists() and (run.run_dir / "config.yaml").exists()
     log = (run.run_dir / "train.log").read_text()
@@ -194,7 +199,7 @@ def test_two_nodes_rendezvous_on_loopback(tmp_path: Path) -> None:
     outputs = [p.communicate(timeout=300) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outputs
     run = _the_one_run_dir(tmp_path)
-    par = _check(run.summary, 2)
+    par = _check(run, 2)
     assert par["nodes"] == 2
 
 
@@ -209,7 +214,9 @@ def test_parity_check_fails_on_a_skewed_rank(run_dir: Path) -> None:
     # random tokens keep the logits near uniform: the loss moves less (7e-5 measured) than the parameters (7e-3)
     assert check["param_rel_diff"] > 10 * TOLERANCE and check["loss_rel_diff"] > 0, check
     log = (run_dir / "train.log").read_text()
-    assert "parity check FAILED: fsdp on 2 ranks vs one process after 3 steps: loss rel diff" in log
+    tensors = model_tensors(run_dir)
+    assert f"parity check FAILED: fsdp on 2 ranks vs one process after 3 steps, {tensors} of the model's {tensors} " \
+           "tensors compared: loss rel diff" in log
 
 
 # --- failures ----------------------------------------------------------------------------------------------------
@@ -723,6 +730,6 @@ def test_fsdp_size_wrapped_user_model_matches_one_process(run_dir: Path) -> None
                 "parallelism.fsdp.min_params=2000", "parallelism.fsdp.reshard_after_forward=false",
                 "parallelism.check=true")
     assert run.returncode == 0, run.stderr
-    _check(run.summary, 2)
+    _check(run, 2)
     assert "fsdp: 2 shard units + root over 2 ranks" in (run_dir / "train.log").read_text()
     assert json.loads(json.dumps(run.summary["config"]["parallelism"]["fsdp"]))["min_params"] == 2000

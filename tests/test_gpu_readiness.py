@@ -25,6 +25,7 @@ from trainflow.errors import ConfigError
 from trainflow.metrics.flops import gpu_peak_flops
 from trainflow.profile.verdict import verdict
 from trainflow.util.device import configure_matmul, matmul_math
+from trainflow.util.float8 import fp8_refusal
 from trainflow.util.tolerance import TOLERANCE
 
 
@@ -210,6 +211,32 @@ def test_tolerances_follow_the_arithmetic() -> None:
     config = cfg(parallelism={"strategy": "ddp", "check": True, "check_tolerance": 0.5})
     assert parity_check(config, DistEnv(1, 2, 1, torch.device("cpu"), "ddp")).tolerance == 0.5
     assert parity["bf16"] >= 5 * 4e-3  # bf16 gradients of 2-sample shards differ by ~4e-3
+
+
+# -- float8: which GPUs train in fp8 --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("capability", "name", "refused"), [
+    ((7, 0), "Tesla V100-SXM2-16GB", True), ((8, 0), "NVIDIA A100-SXM4-80GB", True),
+    ((8, 6), "NVIDIA GeForce RTX 3090", True), ((8, 9), "NVIDIA L40S", False), ((9, 0), "NVIDIA H100 80GB HBM3", False),
+    ((10, 0), "NVIDIA B200", False), ((12, 0), "NVIDIA GeForce RTX 5090", False)])
+def test_fp8_needs_compute_capability_8_9_or_newer(capability: tuple[int, int], name: str, refused: bool) -> None:
+    """The GPUs before Ada (8.9) have no float8 tensor cores: refused in one line naming the GPU and its capability;
+    Ada, Hopper and Blackwell pass on to the torchao check."""
+    refusal = fp8_refusal("cuda", capability, name, torchao_installed=True)
+    if refused:
+        assert refusal == (f"trainer.precision: fp8 needs float8 tensor cores (compute capability 8.9 or newer: "
+                           f"Ada, Hopper), and {name} is {capability[0]}.{capability[1]}; use "
+                           "trainer.precision=bf16")
+    else:
+        assert refusal is None
+        assert "torchao is not installed: pip install 'trainflow[fp8]'" in fp8_refusal("cuda", capability, name, False)
+
+
+def test_fp8_off_a_gpu_is_refused_whatever_is_installed() -> None:
+    for torchao_installed in (True, False):
+        assert fp8_refusal("cpu", None, None, torchao_installed).endswith("and this run is on cpu; use "
+                                                                          "trainer.precision=bf16 or fp32")
 
 
 # -- batches ready for asynchronous copies ----------------------------------------------------------------------

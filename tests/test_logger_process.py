@@ -11,7 +11,9 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -24,7 +26,7 @@ from omegaconf import OmegaConf
 
 from trainflow.config.schema import plain, typed_run
 from trainflow.loggers import RunInfo, build_loggers
-from trainflow.loggers.process import MAX_UNANSWERED, ProcessLogger
+from trainflow.loggers.process import ANSWER_TIMEOUT_S, MAX_UNANSWERED, ProcessLogger
 from trainflow.loggers.writer import STOPPED_FINISH_S, MetricsWriter
 
 TARGET = "helpers.recording_logger.RecordingLogger"
@@ -73,6 +75,46 @@ def test_calls_arrive_in_order_in_another_process_and_cost_the_loop_microseconds
         ["start", "a-run"], *[["scalars", s, {"train/loss": 1.0 / s}] for s in range(1, 101)],
         ["text", "profiler", "verdict", 100], ["artifacts", ["summary.json"]], ["finish", "KILLED"]]
     assert sorted(took)[50] < 1e-3  # a pipe write, not the logger's work (its median call)
+
+
+def test_a_child_that_stops_reading_never_holds_the_loop_its_missed_calls_are_counted(tmp_path: Path) -> None:
+    """The child is stopped (SIGSTOP: it reads and answers nothing): MAX_UNANSWERED calls are sent, each one past
+    them is dropped at once and counted, with the steps of the figures it carried."""
+    logger = build(tmp_path / "calls.jsonl")
+    logger.start(run_info(tmp_path))
+    os.kill(logger._child.pid, signal.SIGSTOP)
+    try:
+        took = []
+        for step in range(1, MAX_UNANSWERED + 31):
+            began = time.perf_counter()
+            logger.scalars(step, {"train/loss": 1.0 / step})
+            took.append(time.perf_counter() - began)
+        logger.text("profiler", "verdict", MAX_UNANSWERED + 30)
+        assert (logger.missed, logger.missed_steps) == (31, (MAX_UNANSWERED + 1, MAX_UNANSWERED + 30))
+        assert sorted(took)[-1] < 0.1 * ANSWER_TIMEOUT_S  # no call waited for the child (the last one, dropped)
+    finally:
+        os.kill(logger._child.pid, signal.SIGCONT)
+    logger.finish("FINISHED")  # awake again, it answers what it got, in order
+    assert [call[2] for call in calls(tmp_path / "calls.jsonl") if call[1] == "scalars"] == list(
+        range(1, MAX_UNANSWERED + 1))
+
+
+def test_a_run_stopped_on_a_signal_does_not_wait_again_for_a_child_silent_that_long(tmp_path: Path) -> None:
+    """A child stopped (SIGSTOP) with a call to answer for longer than the stop's limit: `finish` is given up at
+    once, not after the limit counted anew, and the child is killed."""
+    logger = build(tmp_path / "calls.jsonl")
+    logger.start(run_info(tmp_path))
+    os.kill(logger._child.pid, signal.SIGSTOP)
+    logger.scalars(1, {"train/loss": 1.0})
+    limit_s = 2.0
+    time.sleep(limit_s + 0.5)
+    logger.limit(limit_s)
+    began = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"did not answer finish within the 2 s a run stopped on a signal gives "
+                                           r"it$"):
+        logger.finish("KILLED")
+    assert time.monotonic() - began < limit_s
+    assert logger._child.wait(10) == -signal.SIGKILL
 
 
 def test_a_failed_call_is_raised_by_the_next_and_the_child_goes(tmp_path: Path) -> None:
@@ -171,6 +213,73 @@ def test_a_logger_that_stops_answering_is_dropped_in_one_line_and_the_run_trains
     log = (run_dir / "train.log").read_text()
     assert log.index(line) < log.index(f"step {MAX_UNANSWERED + 10}/{steps}: ")  # mid-run
     assert took < 180  # seconds of training, not the hour the logger sleeps
+
+
+def last_step(run_dir: Path) -> int:
+    """The step of metrics.jsonl's last whole line (its tail only: the file grows by a line a step)."""
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return 0
+    with path.open("rb") as f:
+        f.seek(max(0, f.seek(0, os.SEEK_END) - 4096))
+        lines = f.read().split(b"\n")[:-1]  # the last, unfinished or empty, is left out
+    return json.loads(lines[-1])["step"] if lines and lines[-1].startswith(b"{") else 0
+
+
+def chunk_times(run_dir: Path, proc: subprocess.Popen, steps: int, longest_s: float = 600.0,
+                chunk: int = 50) -> tuple[list[float], int]:
+    """The seconds each `chunk` steps of the next `steps` took, as a reader of metrics.jsonl sees them (polled every
+    50 ms), none longer than `longest_s`; and the last step."""
+    wait_for(lambda: last_step(run_dir) > 0, proc, "a first step", interval=0.05)
+    first = last_step(run_dir)
+    reached = [time.monotonic()]  # when the step count reached first + k * chunk
+    while (step := last_step(run_dir)) < first + steps:
+        assert proc.poll() is None, f"the run exited ({proc.returncode})"
+        reached += [time.monotonic()] * max(0, (step - first) // chunk + 1 - len(reached))
+        assert time.monotonic() - reached[-1] < longest_s, f"{chunk} steps from step {step} took over {longest_s} s"
+        time.sleep(0.05)
+    return [b - a for a, b in zip(reached, reached[1:], strict=False)], step
+
+
+@pytest.mark.serial
+def test_a_stuck_logger_holds_neither_the_steps_nor_a_stop(tmp_path: Path) -> None:
+    """The logger's process stops (SIGSTOP: it reads and answers nothing, for good; its answer timeout is an hour,
+    so that only the stop gives it up, however slow a busy machine makes the steps): the loop steps on at its pace,
+    through the MAX_UNANSWERED calls queued for the logger and past them (then its figures are dropped and
+    counted): no 50 steps take 20 times as long as the usual 50 steps did while it answered (a busy machine slows
+    both alike; before, the loop stood still until the logger's answer timeout). A SIGTERM then saves and ends the run,
+    exit 75, within seconds, without waiting on the logger (silent longer than a stop gives it). metrics.jsonl has
+    every step; one line says what the logger missed."""
+    run_dir, calls_file = tmp_path / "run", tmp_path / "calls.jsonl"
+    with left_behind() as leftovers:
+        proc = start(run_dir, *TINY_GPT, "trainer.max_steps=1000000", "trainer.eval_every=0", "checkpoint=dcp",
+                     "checkpoint.every_steps=1000000", *probe(calls_file, "PatientRecordingLogger"))
+        wait_for(lambda: last_step(run_dir) >= 50, proc, "step 50", interval=0.05)
+        answering, _ = chunk_times(run_dir, proc, 500)
+        usual = statistics.median(answering)
+        os.kill(calls(calls_file)[0][0], signal.SIGSTOP)
+        stopped = time.monotonic()
+        # before: the loop stood still once 1,024 calls queued, until the logger's answer timeout (an hour here)
+        _, stuck_at = chunk_times(run_dir, proc, MAX_UNANSWERED + 500, longest_s=20 * usual)
+        time.sleep(max(0.0, STOPPED_FINISH_S - (time.monotonic() - stopped)))
+        proc.send_signal(signal.SIGTERM)
+        signalled = time.monotonic()
+        code = proc.wait(timeout=120)
+        took = time.monotonic() - signalled
+        assert leftovers(15) == {}
+    assert code == 75 and took < 15, (code, took)
+    steps = json.loads((run_dir / "summary.json").read_text())["steps"]
+    assert (run_dir / "checkpoints" / f"step_{steps:08d}" / "manifest.json").is_file()
+    assert [m["step"] for m in json.loads(f"[{','.join((run_dir / 'metrics.jsonl').read_text().splitlines())}]")
+            if "train/loss" in m] == list(range(1, steps + 1))
+    (line,) = log_lines(run_dir, "logger.probe")
+    match = re.search(r"logger.probe failed \(TimeoutError: the probe logger's process did not answer finish within "
+                      rf"the {STOPPED_FINISH_S:.0f} s a run stopped on a signal gives it\); "
+                      rf"(\d+) call\(s\) dropped while its process had {MAX_UNANSWERED} unanswered \(the figures of "
+                      r"steps (\d+)-(\d+)\); the run goes on without it, metrics.jsonl keeps every value$", line)
+    assert match, line
+    missed, first, last = map(int, match.groups())
+    assert first < stuck_at <= last <= steps and missed >= last - first + 1, (missed, first, last, stuck_at, steps)
 
 
 @pytest.mark.serial

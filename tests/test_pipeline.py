@@ -2,9 +2,10 @@
 check: parameters after 3 SGD steps within 1e-5 relative, fp32, the tied head compared too), the gradient norm is
 the whole model's (clipped at 0.5 on every step), evaluation runs through the schedule, and checkpoints reshard
 between the layouts (PP 2 x FSDP 2 -> one process -> PP 2) with the losses of the uninterrupted run. The
-interleaved and zero-bubble schedules train like one process too (zbv holds the first and the last stage, both
-ends of the tied embedding, on one rank), a NaN in a stage stops the run in one line, and the summary reports the
-bubble, measured and simulated.
+interleaved and zero-bubble schedules train like one process too, unclipped (a clip below the gradient's norm would
+give a gradient 4x too large the same update; zbv holds the first and the last stage, both ends of the tied
+embedding, on one rank), a NaN in a stage stops the run in one line, and the summary and the printed verdict report
+the bubble, measured and simulated.
 
 Every run keeps the global batch at 8 samples (parallelism.global_batch), so all layouts consume the same global
 sample stream: the stages of a pipeline read one batch, the data-parallel ranks split it.
@@ -13,6 +14,7 @@ sample stream: the stages of a pipeline read one batch, the data-parallel ranks 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -76,7 +78,8 @@ def test_checkpoint_reshards_pp_fsdp_to_one_process_to_pp(pp_fsdp: Run, single_f
     assert_close_losses(losses_by_step(pp.run_dir), reference, range(4, 5))
 
 
-FOUR_BLOCKS = ["model.n_layer=4", "trainer.max_steps=3", "trainer.grad_accum=1"]
+# unclipped: a clip below the norm (0.5, every step here) scales any gradient to the same update, a wrong one too
+FOUR_BLOCKS = ["model.n_layer=4", "trainer.max_steps=3", "trainer.grad_accum=1", "trainer.grad_clip=0"]
 
 
 @pytest.mark.parametrize(("schedule", "compiled"), [("interleaved_1f1b", True), ("zbv", False)])
@@ -114,4 +117,7 @@ def test_the_profiler_verdict_names_the_pipeline_bubble(tmp_path: Path) -> None:
     verdict = run.summary["profiler"]["verdict"]
     assert verdict["shares"]["pipeline_bubble"] > 0.1, verdict
     assert sum(verdict["shares"].values()) == pytest.approx(1.0, abs=0.01)
-    assert "pipeline bubble" in run.stdout
+    # the printed verdict's shares line gives the bubble its measured share (every run's line names it, at 0%)
+    (shares,) = [line for line in run.stdout.splitlines() if line.startswith("  shares of step time: ")]
+    assert f" | pipeline bubble {verdict['shares']['pipeline_bubble'] * 100:.0f}% | " in shares, shares
+    assert int(re.search(r" \| pipeline bubble (\d+)% \| ", shares).group(1)) >= 10, shares

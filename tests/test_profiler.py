@@ -105,6 +105,9 @@ def test_train_py_profile_writes_loadable_trace_ops_table_and_overhead_verdict(r
     assert run.stdout.count("profiler verdict (rank 0, steps 10-12") == 1  # printed once, at the end
     assert run.stdout.index("profiler verdict") > run.stdout.index("step 12/12")
     assert "USDT" not in run.stdout + run.stderr  # torch's profiler_start/stop lines stay off the console
+    # no pipeline, no bubble: its share is named, at 0% (a pipeline run's is its measured share: test_pipeline.py)
+    (shares,) = [line for line in run.stdout.splitlines() if line.startswith("  shares of step time: ")]
+    assert v["shares"]["pipeline_bubble"] == 0 and " | pipeline bubble 0% | " in shares, shares
 
 
 def test_ddp_on_gloo_shows_the_communication_share_on_every_rank(run_dir: Path) -> None:

@@ -8,6 +8,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from hydra.utils import instantiate
+from omegaconf import OmegaConf
 
 from trainflow.checkpoint import Checkpointer, TrainState
 from trainflow.checkpoint.safe_io import read_metadata
@@ -125,10 +127,22 @@ def rewrite_manifest(folder: Path) -> None:
                                 "bytes": sum(files.values())}))
 
 
+def model_tensors(run_dir: Path) -> int:
+    """How many parameter tensors the run's model has (a tied one once), counted on a model built here from the
+    run's config.yaml, apart from what the run says it compared."""
+    return len(list(instantiate(OmegaConf.load(run_dir / "config.yaml").model).parameters()))
+
+
 def assert_parity_checked(run: Any, layout: str, mesh: dict[str, int]) -> None:
-    """The run's layout and mesh as given, and its parity check (parallelism.check: 3 steps) passed at 1e-5."""
+    """The run's layout and mesh as given, and its parity check (parallelism.check: 3 steps) passed at 1e-5 of
+    what training moved the parameters, having compared every tensor of the model (said in its line too)."""
     parallelism = run.summary["parallelism"]
     assert parallelism["layout"] == layout and parallelism["mesh"] == mesh, parallelism
     check = parallelism["check"]
     assert check["passed"] and check["steps"] == 3 and check["tolerance"] == 1e-5, check
-    assert check["param_rel_diff"] <= 1e-5 and check["loss_rel_diff"] <= 1e-5, check
+    assert check["update_rel_diff"] <= 1e-5 and check["loss_rel_diff"] <= 1e-5, check
+    assert check["param_rel_diff"] <= 1e-5, check
+    tensors = model_tensors(run.run_dir)
+    assert check["tensors"] == check["model_tensors"] == tensors > 0, (check, tensors)
+    assert f"after 3 steps, {tensors} of the model's {tensors} tensors compared: " in (
+        run.run_dir / "train.log").read_text()

@@ -75,3 +75,9 @@ class ImpatientRecordingLogger(RecordingLogger):
     """The same, whose process is given up after 2 s without an answer."""
 
     answer_timeout_s = 2.0
+
+
+class PatientRecordingLogger(RecordingLogger):
+    """The same, whose process is given up only after an hour without an answer: a stop, not its timeout, ends it."""
+
+    answer_timeout_s = 3600.0

@@ -35,10 +35,13 @@ class ParityCheck(Stage):
     The reference starts from a copy of the model taken before wrapping (the same initial weights every rank
     has), reads the global stream with one rank and micro-batches of batch_size x world_size (the union of the
     ranks' micro-batches: see data.py), and takes the same optimizer steps. Each step's loss (of the last
-    micro-step, averaged over ranks) and, after check_steps, the parameters are compared by relative
-    difference: the norm of the difference over the norm of the reference, all parameters as one vector.
-    The worst single tensor is reported too, not gated: a zero-initialised bias under Adam turns the
-    rounding of a differently ordered all-reduce into a visibly different update (~1e-4 of its small norm).
+    micro-step, averaged over ranks) and, after check_steps, the parameters: the norm of the difference over the
+    norm of what training moved the reference (its weights after the steps less its initial ones), all parameters
+    as one vector. Relative to the weights instead, a few steps move them by a thousandth of their norm, so a
+    gradient ten times too large would still pass. Every tensor of the model is compared (their count is said),
+    else the check fails. The difference relative to the weights, and the worst single tensor, are reported too,
+    not gated: a zero-initialised bias under Adam turns the rounding of a differently ordered all-reduce into a
+    visibly different update (~1e-4 of its small norm).
     """
 
     phase = Phase.OBSERVE
@@ -63,6 +66,9 @@ class ParityCheck(Stage):
         if not (self.enabled and env.is_main):
             return
         self.reference = copy.deepcopy(model)
+        # what training moves is measured from here (a copy: the reference's own tensors are updated in place)
+        self._initial = {name: p.detach().clone() for name, p in self.reference.named_parameters(
+            remove_duplicate=False)}
         optimizer, scheduler = build_optimizer(self.reference, optim, t.max_steps, env.device)
         sampler = StreamSampler(len(dataset), t.batch_size * env.dp_size, 0, 1, t.seed)
         # the loop's own step on the reference: one process, the union of the ranks' micro-batches
@@ -104,7 +110,7 @@ class ParityCheck(Stage):
             self._losses.append((mean_loss, self._reference_step()))
         if step < self.steps:
             return
-        diff_sq, ref_sq, worst, worst_name = 0.0, 0.0, 0.0, ""
+        diff_sq, ref_sq, moved_sq, worst, worst_name = 0.0, 0.0, 0.0, 0.0, ""
         gathered = dict(full_parameters(model))  # every rank takes part in the gathers
         if pipeline := pipeline_of(model):  # each stage holds its own parameters: all of them to rank 0
             gathered = pipeline.gather_to_first(gathered)
@@ -116,30 +122,37 @@ class ParityCheck(Stage):
                 a, b = gathered[name].double(), ref.detach().double()
                 diff_sq += float((a - b).square().sum())
                 ref_sq += float(b.square().sum())
+                moved_sq += float((b - self._initial[name].double()).square().sum())
                 tensor_diff = relative_error(a, b)
                 if tensor_diff >= worst:
                     worst, worst_name = tensor_diff, name
         if self.env.is_main:
             loss_diff = max(abs(a - b) / max(abs(b), 1e-12) for a, b in self._losses)
             param_diff = math.sqrt(diff_sq / max(ref_sq, 1e-24))
-            passed = loss_diff <= self.tolerance and param_diff <= self.tolerance
+            update_diff = math.sqrt(diff_sq / max(moved_sq, 1e-24))
+            # a tied tensor counts once, whether the run holds it under one name (DDP, FSDP) or each (a pipeline)
+            tensors = len({id(p) for p in reference.values()})
+            model_tensors = len(list(self.reference.parameters()))
+            passed = (loss_diff <= self.tolerance and update_diff <= self.tolerance
+                      and 0 < tensors == model_tensors)
             self.result = {
                 "steps": step, "tolerance": self.tolerance, "passed": passed,
+                "tensors": tensors, "model_tensors": model_tensors,
                 "losses": [a for a, _ in self._losses], "reference_losses": [b for _, b in self._losses],
-                "loss_rel_diff": loss_diff, "param_rel_diff": param_diff,
+                "loss_rel_diff": loss_diff, "update_rel_diff": update_diff, "param_rel_diff": param_diff,
                 "worst_tensor": worst_name, "worst_tensor_rel_diff": worst,
             }
             (log.info if passed else log.error)(
-                "parity check %s: %s on %d ranks vs one process after %d steps: loss rel diff %.1e, "
-                "parameter rel diff %.1e (worst tensor %s: %.1e), tolerance %.0e", "passed" if passed else "FAILED",
-                self.name, self.env.world_size, step, loss_diff, param_diff, worst_name, worst,
-                self.tolerance)
+                "parity check %s: %s on %d ranks vs one process after %d steps, %d of the model's %d tensors "
+                "compared: loss rel diff %.1e, parameter diff %.1e of the update (%.1e of the weights; worst tensor "
+                "%s: %.1e), tolerance %.0e", "passed" if passed else "FAILED", self.name, self.env.world_size, step,
+                tensors, model_tensors, loss_diff, update_diff, param_diff, worst_name, worst, self.tolerance)
         else:
             self.result = {}
         self._release()
 
     def _release(self) -> None:
-        for name in ("reference", "_reference_training"):
+        for name in ("reference", "_reference_training", "_initial"):
             self.__dict__.pop(name, None)
 
     def summary(self, steady: dict[str, Any] | None = None) -> dict[str, Any] | None:

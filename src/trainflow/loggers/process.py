@@ -6,13 +6,17 @@ step (docs/performance.md). `ProcessLogger` runs such a logger in a child proces
 pickles each call and hands it to a thread that writes the pipe. A logger class asks for this with
 `in_own_process = True`.
 
-- Nothing the child does holds the run for long. `scalars`, `text` and `artifacts` do not wait (only a backlog
-  of MAX_UNANSWERED calls waits for room); `start` and `finish` wait for the child's answer. A child that has had
+- Nothing the child does holds the loop. `scalars`, `text` and `artifacts` never wait: while MAX_UNANSWERED calls
+  are unanswered (a child that stopped reading, one that cannot keep up) a new one is dropped and counted
+  (`missed`, `missed_steps`; the metrics writer says the count once, metrics.jsonl has every value). `start` and
+  `finish` wait for the child's answer. A child that has had
   calls to answer for `answer_timeout_s` (a class attribute of the logger, ANSWER_TIMEOUT_S unless it says
   otherwise) without answering any has stopped answering: the waiting call, or the next call, raises
   TimeoutError and the child is killed. A failed call's error is raised by the next call, and the child's pipe
   closes (it sends what it holds and exits). Either way the writer drops the logger in one line, as it drops an
-  in-process logger that raised. A run that stopped on a signal gives its loggers a time `limit` to finish.
+  in-process logger that raised. A run that stopped on a signal gives its loggers a time `limit` to finish,
+  counted from the child's last answer when it has calls to answer: a child silent that long already is not
+  waited for at all, so that the stop ends the run within seconds.
 - A failure the child sends back is always an Exception: a logger's SystemExit or KeyboardInterrupt is its own
   failure, so a KeyboardInterrupt in the trainer is a Ctrl-C.
 - The child's log records come back to the loop's process and are logged there (the run's log has them).
@@ -41,7 +45,7 @@ from typing import Any, BinaryIO
 from trainflow.config.targets import call_target
 
 LOGGER_CLASS = "a logger class (see docs/loggers.md)"  # what a logger's _target_ must name, as errors say it
-MAX_UNANSWERED = 1024  # calls in flight before the loop waits for the child (a log step's call: ~1 KB)
+MAX_UNANSWERED = 1024  # calls in flight before a new one is dropped (a log step's call: ~1 KB)
 ANSWER_TIMEOUT_S = 60.0  # a child silent this long with calls to answer has stopped answering
 STARTUP_S = 60.0  # until its first answer (an interpreter starts, imports the logger) the child gets at least this
 EXIT_S = 30.0  # after answering `finish`, the child exits (a tracker's client may write out at exit)
@@ -68,6 +72,8 @@ class ProcessLogger:
         self._failure: BaseException | None = None  # of a call nobody waits for: raised by the next call
         self._ended = False  # the child's answers stopped (it exited)
         self._limit: tuple[float, float] | None = None  # (seconds given, the deadline) for what is left
+        self.missed = 0  # calls dropped while MAX_UNANSWERED were unanswered
+        self.missed_steps: tuple[int, int] | None = None  # the first and last step of the scalars dropped
         self._outbox: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
         threading.Thread(target=self._write, name=f"trainflow-{name}-logger-out", daemon=True).start()
         self._reader = threading.Thread(target=self._read, name=f"trainflow-{name}-logger", daemon=True)
@@ -78,13 +84,15 @@ class ProcessLogger:
         return self._call("start", run, wait=True)
 
     def scalars(self, step: int, values: Any) -> None:
-        self._call("scalars", step, dict(values))
+        if not self._call("scalars", step, dict(values), droppable=True):
+            first, _ = self.missed_steps or (step, step)
+            self.missed_steps = (first, step)
 
     def text(self, tag: str, text: str, step: int) -> None:
-        self._call("text", tag, text, step)
+        self._call("text", tag, text, step, droppable=True)
 
     def artifacts(self, paths: list[Any]) -> None:
-        self._call("artifacts", paths)
+        self._call("artifacts", paths, droppable=True)
 
     def finish(self, status: str) -> None:
         try:
@@ -95,8 +103,13 @@ class ProcessLogger:
         self.close(self._exit_within())
 
     def limit(self, seconds: float) -> None:
-        """From now on, what the child is waited for (its answers, its exit) takes `seconds` at most, in all."""
-        self._limit = (seconds, time.monotonic() + seconds)
+        """From now on, what the child is waited for (its answers, its exit) takes `seconds` at most, in all, and
+        no longer than `seconds` after its last answer while it has calls to answer (a stuck child gets no more)."""
+        with self._lock:
+            deadline = time.monotonic() + seconds
+            if self._busy_since is not None:
+                deadline = min(deadline, self._busy_since + seconds)
+            self._limit = (seconds, deadline)
 
     def _exit_within(self) -> float:
         return EXIT_S if self._limit is None else self._limit[1] - time.monotonic()
@@ -120,9 +133,14 @@ class ProcessLogger:
             self._child.wait()
             self._reader.join(EXIT_S)
 
-    def _call(self, method: str, *args: Any, wait: bool = False) -> Any:
+    def _call(self, method: str, *args: Any, wait: bool = False, droppable: bool = False) -> Any:
+        """Send one call; wait for its answer when `wait`. A `droppable` call that finds MAX_UNANSWERED calls
+        unanswered is not sent but counted in `missed`, and False is returned (True when it was sent)."""
         self._check()
         with self._lock:
+            if droppable and self._sent - self._answered >= MAX_UNANSWERED:
+                self.missed += 1
+                return False
             self._wait_until(lambda: self._sent - self._answered < MAX_UNANSWERED, method)
             number = self._sent
             self._outbox.put(frame((number, method, args)))  # may not pickle: then nothing was counted
@@ -132,7 +150,7 @@ class ProcessLogger:
             if wait:
                 self._waited.add(number)
         if not wait:
-            return None
+            return True
         with self._lock:
             self._wait_until(lambda: number in self._answers, method)
             failure, value = self._answers.pop(number)

@@ -2,7 +2,8 @@
 
 Nothing a logger does ends the run: whatever it raises (SystemExit and KeyboardInterrupt too, unless the user
 pressed Ctrl-C: loggers/interrupts.py) drops it, in one line. A logger in a process of its own is bounded in time
-as well (loggers/process.py). A stop signal or Ctrl-C while the loggers close cuts their close short: the loggers
+as well, and never holds the loop: the calls it cannot take are dropped and counted (loggers/process.py), said once,
+when it is dropped or finishes. A stop signal or Ctrl-C while the loggers close cuts their close short: the loggers
 still open are left as they are (their processes killed), said in one line, and the run ends as it would have
 (one that had finished training: exit code 0, its results are saved; one that stopped after a save: 75).
 """
@@ -21,7 +22,7 @@ from trainflow.config.targets import first_line
 from trainflow.errors import ConfigError, TrainflowError
 from trainflow.loggers import FINISHED, IDS_FILE, KILLED, final_figures, finite, kept_ids, profiler_text, run_info
 from trainflow.loggers.interrupts import CtrlC, CutShort, stops_cut_short
-from trainflow.loggers.process import ProcessLogger
+from trainflow.loggers.process import MAX_UNANSWERED, ProcessLogger
 from trainflow.util.files import run_dir_error, write_atomic, write_json_atomic
 
 if TYPE_CHECKING:
@@ -123,12 +124,15 @@ class MetricsWriter:
             except BaseException as exc:  # noqa: BLE001 (a logger's SystemExit is its failure, not the run's end)
                 if isinstance(exc, CutShort) or self._cut_by is not None or self._ctrl_c.pressed(exc):
                     raise
-                log.warning("logger.%s failed (%s: %s); the run goes on without it, metrics.jsonl keeps every "
-                            "value", name, type(exc).__name__, first_line(exc))
+                missed = _missed(logger)
+                log.warning("logger.%s failed (%s: %s)%s; the run goes on without it, metrics.jsonl keeps every "
+                            "value", name, type(exc).__name__, first_line(exc), f"; {missed}" if missed else "")
                 del self.loggers[name]
                 continue
             if method == "finish":
                 del self.loggers[name]
+                if missed := _missed(logger):
+                    log.warning("logger.%s fell behind: %s; metrics.jsonl keeps every value", name, missed)
 
     def _cut(self, signum: int) -> None:
         self._cut_by = signum
@@ -181,6 +185,15 @@ class MetricsWriter:
         if self._jsonl is not None:
             self._jsonl.close()
         self._ctrl_c.unwatch()
+
+
+def _missed(logger: Logger) -> str:
+    """What a logger in its own process missed while it was too far behind (loggers/process.py), in words; "" if
+    nothing."""
+    if not isinstance(logger, ProcessLogger) or not logger.missed:
+        return ""
+    steps = f" (the figures of steps {logger.missed_steps[0]}-{logger.missed_steps[1]})" if logger.missed_steps else ""
+    return f"{logger.missed} call(s) dropped while its process had {MAX_UNANSWERED} unanswered{steps}"
 
 
 def _inside(path: Path, folder: Path | None) -> bool:

@@ -23,21 +23,32 @@ MIN_CAPABILITY = (8, 9)  # float8 tensor cores: Ada (8.9), Hopper (9.0), Blackwe
 
 def check_fp8(device: torch.device) -> None:
     """One line when this run cannot train in float8: no GPU, an older GPU, or torchao missing."""
-    if device.type != "cuda":
-        raise ConfigError(f"trainer.precision: fp8 runs float8 matmuls on NVIDIA GPUs of compute capability "
-                          f"{MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]} or newer (Ada, Hopper: H100, H200) with torchao "
-                          f"(pip install 'trainflow[fp8]'), and this run is on {device.type}; use "
-                          "trainer.precision=bf16 or fp32")
-    capability = torch.cuda.get_device_capability(device)
-    if capability < MIN_CAPABILITY:
-        raise ConfigError(f"trainer.precision: fp8 needs float8 tensor cores (compute capability "
-                          f"{MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]} or newer: Ada, Hopper), and "
-                          f"{torch.cuda.get_device_name(device)} is {capability[0]}.{capability[1]}; use "
-                          "trainer.precision=bf16")
-    if importlib.util.find_spec("torchao") is None:
-        raise ConfigError("trainer.precision: fp8 trains with torchao's float8 layers, and torchao is not "
-                          "installed: pip install 'trainflow[fp8]' (a torchao built for this torch), or use "
-                          "trainer.precision=bf16")
+    cuda = device.type == "cuda"
+    refusal = fp8_refusal(device.type, torch.cuda.get_device_capability(device) if cuda else None,
+                          torch.cuda.get_device_name(device) if cuda else None,
+                          importlib.util.find_spec("torchao") is not None)
+    if refusal:
+        raise ConfigError(refusal)
+
+
+def fp8_refusal(device_type: str, capability: tuple[int, int] | None, device_name: str | None,
+                torchao_installed: bool) -> str | None:
+    """Why a run on this device cannot train in float8 (the error's text), or None when it can: a function of what
+    check_fp8 reads from the machine, so that every branch is tested on any machine."""
+    if device_type != "cuda" or capability is None:
+        return (f"trainer.precision: fp8 runs float8 matmuls on NVIDIA GPUs of compute capability "
+                f"{MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]} or newer (Ada, Hopper: H100, H200) with torchao "
+                f"(pip install 'trainflow[fp8]'), and this run is on {device_type}; use "
+                "trainer.precision=bf16 or fp32")
+    if tuple(capability) < MIN_CAPABILITY:
+        return (f"trainer.precision: fp8 needs float8 tensor cores (compute capability "
+                f"{MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]} or newer: Ada, Hopper), and "
+                f"{device_name} is {capability[0]}.{capability[1]}; use trainer.precision=bf16")
+    if not torchao_installed:
+        return ("trainer.precision: fp8 trains with torchao's float8 layers, and torchao is not "
+                "installed: pip install 'trainflow[fp8]' (a torchao built for this torch), or use "
+                "trainer.precision=bf16")
+    return None
 
 
 def _float8_friendly(module: nn.Module, fqn: str) -> bool:
