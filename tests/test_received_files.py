@@ -275,6 +275,12 @@ RECEIVED: list[Received | Cited] = [
           "recorded one", BISECT + "test_a_hostile_summary_runs_nothing_it_names_and_a_relative_out_is_the_users"),
     Cited("`compare --out` over an earlier comparison", "refused in one line naming --force, the earlier one kept "
           "byte for byte", BISECT + "test_compare_writes_a_new_folder_each_time_and_replaces_only_when_asked"),
+    Cited("`outputs/compare` that is a link (planted in a shared working folder), for compare without --out",
+          "refused in one line, exit 2: nothing written through it", BISECT + "test_a_link_planted_at_outputs_compare_"
+          "is_refused_and_never_written_through"),
+    Cited("links at `outputs/compare/N` (to someone's folder, dangling, named by a non-ASCII digit)", "passed over: "
+          "the next comparison goes past every name there; nothing written through them",
+          BISECT + "test_a_link_planted_at_outputs_compare_n_is_passed_over"),
     Cited("checkpoints of tensors of other shapes", "compared; the line names both shapes, never `relative inf`",
           BISECT + "test_checkpoints_of_tensors_of_other_shapes_name_the_shapes"),
     Cited("`.lock` in a shared checkpoint.dir that is a link to someone's file", "the run stops in one line naming "
