@@ -186,6 +186,41 @@ def test_compare_writes_a_new_folder_each_time_and_replaces_only_when_asked(runs
     assert replaced["a"]["runs"] == ["b"]
 
 
+def test_a_link_planted_at_outputs_compare_is_refused_and_never_written_through(runs: Path, tmp_path: Path) -> None:
+    """`outputs/compare` is a folder compare makes: a link there (a shared working folder) is refused in one line,
+    exit 2, its target left empty and the link as it was."""
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    (tmp_path / "work" / "outputs").mkdir(parents=True)
+    link = tmp_path / "work" / "outputs" / "compare"
+    link.symlink_to(theirs)
+    proc = trainflow("compare", runs / "a", runs / "b", cwd=tmp_path / "work")
+    assert proc.returncode == 2 and proc.stdout == "", proc.stdout + proc.stderr
+    assert proc.stderr.strip() == (f"Error: {link}: is a symbolic link; compare writes its pages into folders it "
+                                   "makes, never through a link it did not make, and nothing was written: remove the "
+                                   "link, or give --out DIR")
+    assert list(theirs.iterdir()) == [] and link.readlink() == theirs
+    assert os.listdir(tmp_path / "work" / "outputs") == ["compare"]
+
+
+def test_a_link_planted_at_outputs_compare_n_is_passed_over(runs: Path, tmp_path: Path) -> None:
+    """Links named as the next comparisons would be (one to a folder of someone else's, one dangling, one named by a
+    digit that is not ASCII): the next comparison goes past every name there, and nothing is written through them."""
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    folder = tmp_path / "outputs" / "compare"
+    folder.mkdir(parents=True)
+    (folder / "1").symlink_to(theirs)
+    (folder / "2").symlink_to(tmp_path / "not-yet")
+    (folder / "\u00b2").symlink_to(theirs)  # `²`: a digit to str.isdigit, not to int()
+    proc = trainflow("compare", runs / "a", runs / "b", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert f"wrote {folder / '3' / 'compare.md'}, {folder / '3' / 'compare.json'}" in proc.stdout
+    assert json.loads((folder / "3" / "compare.json").read_text())["a"]["runs"] == ["a"]
+    assert list(theirs.iterdir()) == [] and not (tmp_path / "not-yet").exists()
+    assert sorted(os.listdir(folder)) == ["1", "2", "3", "\u00b2"]
+
+
 def test_checkpoints_of_tensors_of_other_shapes_name_the_shapes(runs: Path, tmp_path: Path) -> None:
     """A model half as wide: its tensors cannot be subtracted, and the line says their shapes, not `relative inf`."""
     ok(train(tmp_path / "narrow", *[o for o in MLP if o != "model.hidden=32"], "model.hidden=16",

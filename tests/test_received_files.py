@@ -178,6 +178,8 @@ ESCAPING = (f"y{ESCAPES}",)
 COMPARE = ("compare", "{tmp}/a", "{tmp}/b", "--out", "{tmp}/out")
 REPORT = ("report", "{tmp}/b", "--out", "{tmp}/out")
 NOT_TRAINFLOWS = "not a regular file"
+BISECT = "test_received_bisect.py::"  # bisect's replay, compare's --out
+WRITES = "test_received_writes.py::"  # what a run, the ledger and an export write, and how the ledger is read
 
 RECEIVED: list[Received | Cited] = [
     Received("summary-fifo", "summary.json is a FIFO", "refused at once (never opened for a blocking read)",
@@ -257,6 +259,78 @@ RECEIVED: list[Received | Cited] = [
              "the gate FAILs (exit 1) and says --allow-missing; with it, NOT EVALUATED",
              (*COMPARE, "--fail-on", "cost_per_mtok=+5%"), "GATE FAIL cost_per_mtok=+5%",
              ("A and B have no cost_per_mtok", "--allow-missing"), exit=1, writes=True),
+    # -- tried their own way by other files: bisect's replay, and what a run, the ledger and an export write --------
+    Cited("summary.json whose replay names `/bin/sh -c 'touch …'` with PYTHONPATH to a sitecustomize.py and "
+          "LD_PRELOAD (`compare --bisect`)", "nothing it names runs: each replay is `trainflow train` in this Python, "
+          "its command printed first; of the recorded environment only the thread counts are taken, the rest named "
+          "in a warning", BISECT + "test_a_hostile_summary_runs_nothing_it_names_and_a_relative_out_is_the_users"),
+    Cited("`.hydra/overrides.yaml` that sets Hydra itself, names a `_target_`, is no plain override or holds a YAML "
+          "tag; a recorded environment value not of its form (`compare --bisect`)", "refused in one line naming the "
+          "file, exit 2, nothing run or written; a `_target_` is replayed only with `--trust-targets`",
+          BISECT + "test_bisect_refuses_a_run_whose_record_names_code"),
+    Cited("a run folder whose every file names code (replay, `_target_`s, YAML tags), given to compare, report, "
+          "ledger and export", "nothing it names runs, nothing is written into it",
+          BISECT + "test_no_command_runs_what_a_hostile_folder_names"),
+    Cited("`compare --bisect` with a relative `--out`", "the folder is the user's working folder's, not the run's "
+          "recorded one", BISECT + "test_a_hostile_summary_runs_nothing_it_names_and_a_relative_out_is_the_users"),
+    Cited("`compare --out` over an earlier comparison", "refused in one line naming --force, the earlier one kept "
+          "byte for byte", BISECT + "test_compare_writes_a_new_folder_each_time_and_replaces_only_when_asked"),
+    Cited("`outputs/compare` that is a link (planted in a shared working folder), for compare without --out",
+          "refused in one line, exit 2: nothing written through it", BISECT + "test_a_link_planted_at_outputs_compare_"
+          "is_refused_and_never_written_through"),
+    Cited("links at `outputs/compare/N` (to someone's folder, dangling, named by a non-ASCII digit)", "passed over: "
+          "the next comparison goes past every name there; nothing written through them",
+          BISECT + "test_a_link_planted_at_outputs_compare_n_is_passed_over"),
+    Cited("checkpoints of tensors of other shapes", "compared; the line names both shapes, never `relative inf`",
+          BISECT + "test_checkpoints_of_tensors_of_other_shapes_name_the_shapes"),
+    Cited("`.lock` in a shared checkpoint.dir that is a link to someone's file", "the run stops in one line naming "
+          "the link; the file it points to is byte for byte what it was",
+          WRITES + "test_a_run_refuses_a_planted_lock_link_and_leaves_its_target_as_it_was"),
+    Cited("`.lock` that is a dangling link, a FIFO, a file of other content or a hard link",
+          "refused in one line naming it, never opened through, truncated or waited on",
+          WRITES + "test_a_lock_file_that_is_not_trainflows_is_refused_untouched"),
+    Cited("`.lock.owner` (the lock where a filesystem has no flock) that is a link or a FIFO",
+          "refused in one line; never read through, removed or waited on",
+          WRITES + "test_a_planted_lock_owner_file_is_refused_untouched"),
+    Cited("a `.trainflow` marker that is a dangling link", "refused; nothing is created through it",
+          WRITES + "test_a_marker_link_is_refused_and_nothing_is_created_through_it"),
+    Cited("a sweep job's identity file that is a link", "refused; neither read through nor replaced",
+          WRITES + "test_a_sweep_jobs_identity_link_is_refused"),
+    Cited("a step folder of checkpoint.dir that is a link to a folder elsewhere", "retention neither marks, renames "
+          "nor deletes through it, says so once, and logs no deletion that did not happen",
+          WRITES + "test_retention_never_follows_a_linked_step_folder_out_of_checkpoint_dir"),
+    Cited("an export path that is a link or a file trainflow did not export", "refused, with --force too; the file "
+          "is byte for byte what it was",
+          WRITES + "test_an_export_never_replaces_a_link_or_a_foreign_file_even_with_force"),
+    Cited("`metrics.ledger=<a shell's rc file>`", "the run finishes, one warning (`is not a ledger`), the file byte "
+          "for byte what it was", WRITES + "test_a_run_never_appends_to_a_file_that_is_not_a_ledger"),
+    Cited("`outputs/ledger.jsonl` that is a link; a ledger whose last line was cut", "the link is refused in one "
+          "warning, its target unchanged; the next line is not glued to the fragment, and `trainflow ledger` lists "
+          "it, counting the fragment",
+          WRITES + "test_a_linked_ledger_in_outputs_is_refused_and_a_cut_line_loses_only_itself"),
+    Cited("a ledger on a disk that fills mid-line", "the line is whole or absent",
+          WRITES + "test_a_full_disk_leaves_the_ledger_whole"),
+    Cited("a ledger under a file-size limit reached mid-line", "the line is whole or absent",
+          WRITES + "test_a_file_size_limit_leaves_the_ledger_whole"),
+    Cited('ledger lines of the wrong shape or type (`"model": null`, figures as a list or as text)',
+          "skipped and counted in one warning; the others listed",
+          WRITES + "test_a_line_of_the_wrong_shape_is_skipped_and_counted"),
+    Cited("a ledger that is a FIFO or a link to /dev/zero (`trainflow ledger`, compare's `ledger:`)",
+          "one line naming it: never waited on, never read",
+          WRITES + "test_a_ledger_that_is_no_regular_file_is_one_line"),
+    Cited("a ledger run name holding terminal escapes and a newline", "printed with `\\x1b` and `\\n` escaped: "
+          "no escape, no forged line", WRITES + "test_a_run_name_with_terminal_escapes_is_printed_escaped"),
+    Cited("`trainflow ledger --config <run folder>` whose summary.json is a FIFO", "one line naming it",
+          WRITES + "test_a_run_folder_given_as_config_reads_its_summary_bounded"),
+    Cited("a link planted where an atomic write's temporary file would go (a world-writable folder)", "never written "
+          "through: the temporary name is new and unpredictable, and the file lands whole",
+          WRITES + "test_a_whole_file_write_never_follows_a_link_planted_under_its_temporary_name"),
+    Cited("a run dir holding a space", "the `next` hint is shell-quoted: pasted, it runs",
+          "test_console.py::test_the_next_hint_is_a_command_to_paste_for_a_run_dir_with_a_space"),
+    Cited("run names with glyphs the font lacks", "drawn as boxes, no glyph warning on the console",
+          "test_report.py::test_the_picture_names_each_run_by_what_sets_it_apart_and_escapes_names"),
+    Cited("pipeline micro-batches that do not divide the per-rank batch", "refused, suggesting only counts it "
+          "accepts", "test_bad_inputs.py::test_bad_input[pp-microbatches-not-dividing]"),
 ]
 
 

@@ -18,6 +18,9 @@ import pytest
 from helpers.processes import run_process
 from helpers.runs import ROOT, TINY_GPT, Run, one_line_error, train
 
+from trainflow.report.render import figure
+from trainflow.report.runs import plot_name, read_overrides
+
 STEPS = ["trainer.max_steps=6", "trainer.eval_steps=2"]
 TRAINFLOW = [str(Path(sys.executable).parent / "trainflow")]
 
@@ -40,7 +43,7 @@ def png_size(path: Path) -> tuple[int, int]:
 @pytest.fixture(scope="module")
 def single_runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[Run]]:
     """Two single runs side by side, as `python train.py` leaves them under outputs/: the same model, data and batch,
-    at two learning rates (their speeds compare)."""
+    at two learning rates (other work: their speeds do not compare)."""
     folder = tmp_path_factory.mktemp("outputs")
     runs = [train(folder / "2026-01-01" / "10-00-00", *TINY_GPT, *STEPS),
             train(folder / "2026-01-01" / "11-00-00", *TINY_GPT, *STEPS, "optim.lr=3e-3")]
@@ -68,11 +71,16 @@ def test_report_on_a_folder_of_single_runs(single_runs: tuple[Path, list[Run]], 
         assert row["loss_first"] == s["train_loss"]["first"] and row["loss_last"] == s["train_loss"]["last"]
         assert row["mfu"] == s["mfu"] and row["peak_memory_bytes"] == s["peak_memory_bytes"]
         assert row["compile"] is None and row["profiler"] is None and row["checkpoint"] is None
-    assert first["speedup"] == 1.0
-    assert second["speedup"] == pytest.approx(second["samples_per_sec"] / first["samples_per_sec"])
+    # another learning rate is other work, not the same work faster: no speedup, and the note says so
+    assert first["speedup"] == 1.0 and first["not_compared"] is None
+    assert second["speedup"] is None
+    note = "another optim.lr than the baseline 2026-01-01/10-00-00: other work, not the same work at another speed"
+    assert second["not_compared"] == note
+    assert f"2 run(s), 1 not compared with the baseline (2026-01-01/11-00-00: {note})" in proc.stdout
     md = (out / "report.md").read_text()
     assert "| 2026-01-01/11-00-00 | `optim.lr=3e-3` | finished |" in md
-    assert f"{second['speedup']:.2f}x" in md and "![throughput and loss curves](report.png)" in md
+    assert f"- `2026-01-01/11-00-00`: {note}" in md and "| not compared |" in md
+    assert "![throughput and loss curves](report.png)" in md
     width, height = png_size(out / "report.png")
     assert (width, height) == (1300, 500)
     assert (out / "report.png").stat().st_size > 20_000  # two panels with bars, curves and labels, not a blank
@@ -125,7 +133,7 @@ def test_runs_of_another_model_data_or_batch_are_listed_apart_and_any_folder_nam
     folder, _ = single_runs
     copy = tmp_path / "outputs"
     shutil.copytree(folder, copy)
-    source = copy / "2026-01-01" / "11-00-00"
+    source = copy / "2026-01-01" / "10-00-00"  # the baseline's overrides: only the summary's change sets each apart
     changes = {"profile": ("model", "n_layer", 4), "wider": ("data", "seq_len", 16), "bigger": ("global", None, 16)}
     for name, (section, key, value) in changes.items():
         shutil.copytree(source, copy / name)
@@ -147,11 +155,13 @@ def test_runs_of_another_model_data_or_batch_are_listed_apart_and_any_folder_nam
     apart = {name: row["not_compared"] for name, row in rows.items() if row["not_compared"]}
     base = "than the baseline 2026-01-01/10-00-00"
     assert apart == {"profile": f"another model {base}", "wider": f"another data {base}",
-                     "bigger": f"another global batch {base}"}
+                     "bigger": f"another global batch {base}",
+                     "2026-01-01/11-00-00": f"another optim.lr {base}: other work, not the same work at another speed"}
     assert all(rows[name]["speedup"] is None for name in apart)
     assert rows["workers"]["speedup"] == pytest.approx(rows["workers"]["samples_per_sec"] /
                                                        rows["2026-01-01/10-00-00"]["samples_per_sec"])
-    assert "6 run(s), 3 not compared with the baseline (bigger: another global batch" in proc.stdout
+    assert "6 run(s), 4 not compared with the baseline (2026-01-01/11-00-00: another optim.lr" in proc.stdout
+    assert "; bigger: another global batch" in proc.stdout
     md = (copy / "report.md").read_text()
     assert "## Not compared with the baseline" in md and f"- `profile`: another model {base}" in md
 
@@ -226,7 +236,8 @@ def test_baseline_can_be_named(single_runs: tuple[Path, list[Run]], tmp_path: Pa
     report = json.loads((tmp_path / "report.json").read_text())
     first, second = report["runs"]
     assert report["baseline"] == "2026-01-01/11-00-00" and second["speedup"] == 1.0
-    assert first["speedup"] == pytest.approx(first["samples_per_sec"] / second["samples_per_sec"])
+    assert first["speedup"] is None and first["not_compared"] == (
+        "another optim.lr than the baseline 2026-01-01/11-00-00: other work, not the same work at another speed")
 
 
 def test_one_run_folder_reports_itself(single_runs: tuple[Path, list[Run]], tmp_path: Path) -> None:
@@ -250,7 +261,7 @@ def test_a_summary_of_the_first_format_reads_under_todays_names(single_runs: tup
     assert today["format"] == FORMAT == 2 and today["config"]["trainer"]["excluded_steps"] == 2  # as TINY_GPT sets
     old = tmp_path / "runs" / "old"
     shutil.copytree(runs[0].run_dir, old)
-    shutil.copytree(runs[1].run_dir, tmp_path / "runs" / "new")
+    shutil.copytree(runs[0].run_dir, tmp_path / "runs" / "new")  # the same command today
     first = json.loads((old / "summary.json").read_text())
     del first["format"]
     first["config"]["trainer"]["warmup_steps"] = first["config"]["trainer"].pop("excluded_steps")
@@ -275,11 +286,83 @@ def test_a_multirun_sweep_gets_its_report_from_the_callback(tmp_path: Path) -> N
     rows = report["runs"]
     assert [r["name"] for r in rows] == ["0", "1"] and [r["steps"] for r in rows] == [4, 6]
     assert [r["overrides"] for r in rows] == [["trainer.max_steps=4"], ["trainer.max_steps=6"]]
-    assert report["baseline"] == "0" and rows[0]["speedup"] == 1.0 and rows[1]["speedup"] > 0
+    # more steps is more work, not the same work faster: no speedup, and the note says why
+    assert report["baseline"] == "0" and rows[0]["speedup"] == 1.0 and rows[1]["speedup"] is None
+    assert rows[1]["not_compared"] == ("another trainer.max_steps than the baseline 0: other work, not the same work "
+                                       "at another speed")
     summaries = [json.loads((sweep / n / "summary.json").read_text()) for n in ("0", "1")]
     assert [r["loss_last"] for r in rows] == [s["train_loss"]["last"] for s in summaries]
     png_size(sweep / "report.png")
     assert "| 1 | `trainer.max_steps=6` | finished |" in (sweep / "report.md").read_text()
+
+
+def test_a_sweep_shows_speedups_only_where_the_swept_key_changes_the_speed_of_the_same_work(tmp_path: Path) -> None:
+    """precision x learning rate: the bf16 job of the baseline's learning rate is the same work at another precision
+    (a speedup); the other learning rate is other work at either precision (none, and the note says why)."""
+    sweep = tmp_path / "sweep"
+    proc = run_process([sys.executable, str(ROOT / "train.py"), "-m", *TINY_GPT, *STEPS,
+                        "trainer.precision=fp32,bf16", "optim.lr=0.001,0.003", f"hydra.sweep.dir={sweep}"], ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads((sweep / "report.json").read_text())
+    rows = report["runs"]
+    assert [r["overrides"] for r in rows] == [["trainer.precision=fp32", "optim.lr=0.001"],
+                                              ["trainer.precision=fp32", "optim.lr=0.003"],
+                                              ["trainer.precision=bf16", "optim.lr=0.001"],
+                                              ["trainer.precision=bf16", "optim.lr=0.003"]]
+    assert report["baseline"] == "0" and rows[0]["speedup"] == 1.0
+    assert rows[2]["not_compared"] is None and rows[2]["samples_per_sec"] > 0
+    assert rows[2]["speedup"] == pytest.approx(rows[2]["samples_per_sec"] / rows[0]["samples_per_sec"])
+    note = "another optim.lr than the baseline 0: other work, not the same work at another speed"
+    assert [(r["speedup"], r["not_compared"]) for r in (rows[1], rows[3])] == [(None, note)] * 2
+    md = (sweep / "report.md").read_text()
+    assert f"| 2 | `trainer.precision=bf16 optim.lr=0.001` | finished | {rows[2]['samples_per_sec']:.1f} | " \
+           f"{rows[2]['speedup']:.2f}x |" in md
+    assert f"- `1`: {note}" in md and f"- `3`: {note}" in md
+    title = figure([(plot_name(row), {}) for row in rows], report).axes[0].get_title()
+    assert title == "throughput; speedup vs 0"
+
+
+@pytest.mark.parametrize(("changed", "note"), [
+    ({"compile=off": "compile=default"}, None),
+    ({"": "parallelism=ddp parallelism.nproc_per_node=2"}, None),
+    ({"": "trainer.precision=bf16"}, None),
+    ({"trainer.batch_size=8": "trainer.batch_size=4 trainer.grad_accum=2"}, None),  # the same global batch (8)
+    ({"": "profiler=schedule checkpoint=dcp logger=tensorboard hydra/launcher=process data.num_workers=2"}, None),
+    ({"": "ladder=compile"}, None),  # a ladder's rungs: each sets only the settings above
+    ({"": "optim.lr=3e-3"}, "another optim.lr"),
+    ({"": "model.n_embd=96"}, "another model.n_embd"),
+    ({"trainer.max_steps=6": "trainer.max_steps=8"}, "another trainer.max_steps"),
+    ({"compile=off": "compile=default optim.lr=1e-2 +trainer.seed=7"}, "another optim.lr, trainer.seed"),
+], ids=["compile", "parallelism", "precision", "batch-layout", "tools", "ladder-rung", "lr", "model", "steps",
+        "lr-and-compile"])
+def test_a_run_has_a_speedup_only_where_its_overrides_differ_in_speed_settings(
+        single_runs: tuple[Path, list[Run]], tmp_path: Path, changed: dict[str, str], note: str | None) -> None:
+    """The baseline's run, its overrides changed: compile, parallelism, precision, the batch's layout, the profiler,
+    checkpoints, loggers, the launcher and the loader's workers leave the work as it was (a speedup); any other key
+    changes it (none, and the note names the key). The picture says "speedup vs" only where a run has one."""
+    folder, _ = single_runs
+    base = folder / "2026-01-01" / "10-00-00"
+    copy = tmp_path / "runs"
+    shutil.copytree(base, copy / "a")
+    shutil.copytree(base, copy / "b")
+    overrides = read_overrides(copy / "b" / ".hydra" / "overrides.yaml")
+    (old, new), = changed.items()
+    overrides = [o for o in overrides if o != old] + new.split()
+    (copy / "b" / ".hydra" / "overrides.yaml").write_text(json.dumps(overrides))
+    proc = report_cmd(copy, "--out", tmp_path / "out")
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    a, b = report["runs"]
+    assert report["baseline"] == "a" and a["speedup"] == 1.0
+    if note is None:
+        assert b["not_compared"] is None and b["speedup"] == pytest.approx(b["samples_per_sec"] / a["samples_per_sec"])
+    else:
+        assert b["speedup"] is None
+        assert b["not_compared"] == f"{note} than the baseline a: other work, not the same work at another speed"
+        assert f"1 not compared with the baseline (b: {note} than the baseline a" in proc.stdout
+    title = figure([("a", {}), ("b", {})], report).axes[0].get_title()
+    assert title == ("throughput; speedup vs a" if note is None
+                     else "throughput (no run does the baseline's work at other settings: no speedup)")
 
 
 # --- bad inputs: one line naming the path and the fix, exit 2 ------------------------------------------------

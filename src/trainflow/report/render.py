@@ -52,8 +52,9 @@ def markdown(report: dict[str, Any]) -> str:
         lines += ["## Warnings", "", *(f"- {_cell(w)}" for w in report["warnings"]), ""]
     apart = [row for row in report["runs"] if row["not_compared"]]
     if apart:
-        lines += ["## Not compared with the baseline", "", "Speedups compare runs of the same model, data and "
-                  "global batch only:", "",
+        lines += ["## Not compared with the baseline", "", "Speedups compare runs doing the same work (the same "
+                  "model, data, global batch and overrides) at other speed settings only (compile, parallelism, "
+                  "precision, batch layout, profiler, checkpoint, logger):", "",
                   *(f"- `{_cell(row['name'])}`: {_cell(row['not_compared'])}" for row in apart), ""]
     if report["gates"] is not None:
         lines += ["## Gates", "", "| gate | status | numbers |", "| --- | --- | --- |"]
@@ -179,7 +180,9 @@ def figure(curves_of: list[tuple[str, dict[int, float]]], report: dict[str, Any]
                       fontsize=8, xytext=(0, 2), textcoords="offset points")
     bars.set_xticks(range(len(labels)), labels, rotation=30, ha="right", fontsize=8)
     bars.set_ylabel("samples/s (steady state)")
-    bars.set_title(plot_label(f"throughput; speedup vs {report['baseline']}"))
+    compared = any(row["speedup"] is not None and row["name"] != report["baseline"] for row in rows)
+    bars.set_title(plot_label(f"throughput; speedup vs {report['baseline']}" if compared
+                              else "throughput (no run does the baseline's work at other settings: no speedup)"))
     styles = ("-", "--", "-.", ":")  # curves that coincide (a resumed run) stay visible
     for i, (name, losses) in enumerate(curves_of):
         if losses:

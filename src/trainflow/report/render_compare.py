@@ -307,10 +307,16 @@ def as_json(report: dict[str, Any]) -> str:
 
 def out_folder(given: Path | None, replace: bool) -> Path:
     """Where a comparison goes, absolute: --out against the working folder, else the next free outputs/compare/N
-    here (a comparison never replaces an earlier one unasked); an --out holding one is refused without --force."""
+    here (a comparison never replaces an earlier one unasked); an --out holding one is refused without --force.
+    outputs/compare is a folder trainflow makes: a link there (planted in a shared working folder) is refused, and N
+    is past every name there, a link's too, so no page is written through one."""
     if given is None:
         root = Path.cwd() / DEFAULT_OUT
-        taken = [int(p.name) for p in root.iterdir() if p.name.isdigit()] if root.is_dir() else []
+        if root.is_symlink():
+            raise CompareError(f"{shown(root)}: is a symbolic link; compare writes its pages into folders it makes, "
+                               "never through a link it did not make, and nothing was written: remove the link, or "
+                               "give --out DIR")
+        taken = [int(p.name) for p in root.iterdir() if p.name.isascii() and p.name.isdigit()] if root.is_dir() else []
         return root / str(max(taken, default=0) + 1)
     out = Path.cwd() / given
     held = [name for name in (*FILES, "bisect") if (out / name).exists() or (out / name).is_symlink()]

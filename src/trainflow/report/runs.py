@@ -4,7 +4,9 @@ A run is a folder holding a summary.json (it finished) or a `.hydra/` folder
 without one (a sweep job that failed or is still running: it appears with the
 line that says why). Each row: the run's overrides, steady-state throughput and
 its speedup against the baseline run (the ladder's baseline rung, the one named,
-or else the first), MFU, peak memory, first/last loss, the compile figures, the
+or else the first) where it does the baseline's work, only at other speed
+settings (SPEED_KEYS: a learning-rate or step-count sweep gets no speedup, and
+says why), MFU, peak memory, first/last loss, the compile figures, the
 profiler verdict and the checkpoint times. The picture: throughput per run as
 bars, and every run's loss curve from its metrics.jsonl.
 
@@ -272,9 +274,19 @@ def load_warning(r: RunRecord) -> str | None:
             "before trusting its speed")
 
 
+# The settings that change how fast a run does its work, never the work (what it computes, on what, for how long):
+# a run whose overrides differ from the baseline's only in these has a speedup against it. A ladder's rungs differ in
+# exactly these (`ladder=<rung>` sets them); trainer.batch_size and grad_accum are the batch's layout, compared only
+# at the same global batch (_not_comparable).
+SPEED_KEYS = ("compile", "parallelism", "trainer.precision", "trainer.batch_size", "trainer.grad_accum",
+              "trainer.device", "trainer.log_every", "profiler", "checkpoint", "logger", "metrics", "hydra", "ladder",
+              *(f"data.{key}" for key in WorkerConfig.__dataclass_fields__))
+
+
 def _not_comparable(r: RunRecord, base: RunRecord | None) -> str | None:
     """Why `r`'s speed does not compare with the baseline's: another model, other data (its loader's worker
-    settings aside: they are speed knobs), or another global batch; None when it compares (or either is unknown)."""
+    settings aside: they are speed knobs), another global batch, or an override that changes the work (SPEED_KEYS
+    aside); None when it compares (or either is unknown)."""
     if base is None or r is base or r.summary is None or base.summary is None:
         return None
     differ = [what for what, keys in (("model", ("config", "model")), ("tokenizer", ("config", "tokenizer")),
@@ -283,7 +295,23 @@ def _not_comparable(r: RunRecord, base: RunRecord | None) -> str | None:
     data, base_data = (_data_identity(x.figure("config", "data")) for x in (r, base))
     if data != base_data:
         differ.insert(1, "data")
-    return f"another {', '.join(differ)} than the baseline {base.name}" if differ else None
+    if differ:
+        return f"another {', '.join(differ)} than the baseline {base.name}"
+    work = _work_keys(r.overrides, base.overrides)
+    return (f"another {', '.join(work)} than the baseline {base.name}: other work, not the same work at another "
+            "speed" if work else None)
+
+
+def _work_keys(overrides: list[str], base_overrides: list[str]) -> list[str]:
+    """The keys, other than SPEED_KEYS, that one list of overrides sets and the other does not set alike."""
+    keys = {_override_key(o) for o in set(overrides) ^ set(base_overrides)}
+    return sorted(k for k in keys if not any(k == s or k.startswith(f"{s}.") for s in SPEED_KEYS))
+
+
+def _override_key(override: str) -> str:
+    """The config key an override sets: `+trainer.x=1` -> trainer.x, `hydra/launcher=process` -> hydra.launcher,
+    `model@sub=mlp` -> model."""
+    return override.split("=", 1)[0].lstrip("+~").split("@", 1)[0].replace("/", ".")
 
 
 def _data_identity(data: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -309,7 +337,7 @@ def _row(r: RunRecord, common: list[str], base_sps: float | None, not_compared: 
         "tokens_per_sec": r.figure("steady_state", "tokens_per_sec"),
         "step_time_s": r.figure("steady_state", "step_time_s"),
         "speedup": sps / base_sps if sps and base_sps and not not_compared else None,
-        "not_compared": not_compared,  # why no speedup: not the same model, data and global batch as the baseline
+        "not_compared": not_compared,  # why no speedup: not the baseline's work (model, data, global batch, overrides)
         "mfu": r.figure("mfu"),
         "peak_memory_bytes": r.figure("peak_memory_bytes"),
         "loss_first": r.figure("train_loss", "first"),
