@@ -76,6 +76,8 @@ def test_smoke_ladder_runs_every_rung_and_passes_every_gate(smoke) -> None:
     assert report["passed"] is True
     assert [r["rung"] for r in report["runs"]] == RUNGS and report["baseline"] == "0"
     assert all(r["status"] == "finished" for r in report["runs"])
+    # every rung is the baseline's work at another speed: each has its speedup, none is listed apart
+    assert all(r["not_compared"] is None and r["speedup"] is not None for r in report["runs"]), report["runs"]
     gates = gates_of(report)
     assert list(gates) == GATES
     for name, gate in gates.items():
