@@ -150,6 +150,13 @@ class ChecksummingWriter(FileSystemWriter):
         started(Activity.UPLOADING)
         super().set_up_storage_writer(is_coordinator, *args, **kwargs)
 
+    def write_data(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().write_data(*args, **kwargs)
+        except BaseException:
+            self.end_upload()  # a refused entry, a full disk: DCP raises without calling finish
+            raise
+
     def finish(self, *args: Any, **kwargs: Any) -> None:
         try:
             super().finish(*args, **kwargs)

@@ -144,15 +144,18 @@ class Watchdog(Stage):
 
     def _watch(self) -> None:
         reported_at = None  # the step a report was made in: one report per stall
+        busy_seen = 0.0  # when the main thread was last seen evaluating or compiling: no stall before that
         while not self._done.wait(self.beat_s):
             main = threading.main_thread().ident
             frame = sys._current_frames().get(main)
             doing = current(main) if frame is not None else Activity.COMPILING  # no frame: between two bytecodes
             self._saving = doing in SAVE_ACTIVITIES
             self._beat()
-            stalled = time.monotonic() - self._last
+            now = time.monotonic()
             if doing in BUSY_ACTIVITIES:
+                busy_seen = now
                 continue
+            stalled = now - max(self._last, busy_seen)  # a long evaluation just over is not a stall of its length
             bound = self.save_bound_s() if self._saving else self.bound_s()
             if stalled >= bound and reported_at != self._step:
                 reported_at = self._step
