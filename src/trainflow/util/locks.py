@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 LOCK_FILE = ".lock"
 OWNER_FILE = ".lock.owner"  # the O_EXCL lock where flock is not supported
 # what a lock file of trainflow's holds: its holder (a run dir's name may hold any character, a newline included)
-HOLDER = re.compile(r"pid \d+ on \S+(, run dir .+)?, since \d{4}-\d\d-\d\d \d\d:\d\d:\d\d UTC\n?", re.DOTALL)
+HOLDER = re.compile(r"pid \d+ on \S+(, run dir .+)?, since [^\n]+\n?", re.DOTALL)
 _HOLDER_BYTES = 8192  # more than any holder line: a longer file is not a lock file of trainflow's
 _NO_FLOCK = frozenset({errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS, errno.EINVAL})
 
