@@ -361,7 +361,8 @@ def test_measuring_the_static_compile_leaves_the_training_state_as_it_was(fresh_
     torch.manual_seed(0)
     model = NormedMLP()
     batch = (torch.randn(16, 100), torch.randint(10, (16,)))
-    compiler = make_compiler(tmp_path, dynamic=True, backend="test_compile.symbolic_recording_backend")
+    compiler = make_compiler(tmp_path, dynamic=True, backend="test_compile.symbolic_recording_backend",
+                              measure_static=True)
     compiler.apply(model, batch, Classification())
     GRAPHS_SYMBOLIC.clear()
     model(batch[0]).sum().backward()  # a training step's compile, on the example's own tensor
@@ -385,7 +386,8 @@ def test_a_failing_static_compile_is_reported_and_the_run_keeps_its_summary(fres
 
     model = NormedMLP()
     batch = (torch.randn(16, 100), torch.randint(10, (16,)))
-    compiler = make_compiler(tmp_path, dynamic=True, backend="test_compile.dynamic_only_backend")
+    compiler = make_compiler(tmp_path, dynamic=True, backend="test_compile.dynamic_only_backend",
+                              measure_static=True)
     compiler.apply(model, batch, Classification())
     model(batch[0]).sum().backward()
     model.zero_grad(set_to_none=True)

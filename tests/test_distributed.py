@@ -469,9 +469,11 @@ def test_finished_workers_wait_for_an_agent_that_reads_them_late(run_dir: Path) 
 def test_headline_command_runs_unchanged_on_a_machine_without_gpus(run_dir: Path) -> None:
     """The design's headline command, `python train.py parallelism=fsdp compile.dynamic=true`, with only
     trainer.max_steps lowered (time): auto starts 2 CPU ranks on gloo and says why once; the compile scope follows
-    FSDP to the blocks, so no warning asks the user to set it. Its shapes never change: at the end both ranks
-    compile the blocks static (collective passes, no deadlock) and the run says what dynamic=true cost."""
-    run = train(run_dir, "parallelism=fsdp", "compile.dynamic=true", "trainer.max_steps=8", timeout=900)
+    FSDP to the blocks, so no warning asks the user to set it. Its shapes never change: asked for (the opt-in
+    compile.measure_static=true), at the end both ranks compile the blocks static (collective passes, no deadlock) and
+    the run says what dynamic=true cost."""
+    run = train(run_dir, "parallelism=fsdp", "compile.dynamic=true", "compile.measure_static=true",
+                "trainer.max_steps=8", timeout=900)
     assert run.returncode == 0, run.stderr[-3000:]
     summary = run.summary
     assert summary["world_size"] == 2 and summary["steps"] == 8

@@ -101,9 +101,11 @@ def test_a_refused_command_leaves_no_folder_behind(tmp_path: Path) -> None:
     """From an empty folder, as a user types it: on main a misspelt key left outputs/<date>/<time> with .hydra,
     .lock and an empty train.log, which `trainflow report outputs` listed as INTERRUPTED."""
     env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
-    for bad in ("optim.learning_rate=1e-3", "trainer.max_steps=-1", "data.paths=[/no/such/corpus]"):
+    # a key no schema has exits 1, a value that cannot work 2 (README's exit codes)
+    for bad, code in (("optim.learning_rate=1e-3", 1), ("trainer.max_steps=-1", 2),
+                      ("data.paths=[/no/such/corpus]", 2)):
         proc = run_process([sys.executable, str(ROOT / "train.py"), *PLAIN, bad], tmp_path, env, 300)
-        one_line_error(proc)
+        one_line_error(proc, exit_code=code)
         assert sorted(p.name for p in tmp_path.iterdir()) == [], bad
 
 

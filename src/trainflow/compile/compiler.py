@@ -51,6 +51,7 @@ from trainflow.tasks import Task
 from trainflow.util.activity import Activity, ended, started
 from trainflow.util.device import autocast_for, matmul_math
 from trainflow.util.files import cannot_write, write_atomic
+from trainflow.util.rundir import results_begin
 from trainflow.util.tolerance import TOLERANCE, relative_error
 
 log = logging.getLogger(__name__)
@@ -276,6 +277,7 @@ class Compiler(Stage):
         if not result["passed"]:
             self._check = result
             if self.env.is_main:
+                results_begin()  # the check's finding is a result: its report stays in the run directory
                 self._write(self.report())
             raise ConfigError(
                 f"compile.check: compiled and eager results differ beyond the {self.precision} tolerance "

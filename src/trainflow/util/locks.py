@@ -67,6 +67,29 @@ class _Held:
 _held: dict[Path, _Held] = {}  # this process's locks by lock file (a forked child inherits them, and their fds)
 
 
+def held_by_another(folder: Path) -> bool:
+    """Whether another process holds `folder`'s lock now (this process's own lock is not another's): a folder in
+    use is never put back or cleaned up by a run that was refused, whatever it finds there."""
+    path = (folder / LOCK_FILE).absolute()
+    if path in _held:
+        return False
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return (folder / OWNER_FILE).exists()  # a filesystem without flock: its O_EXCL lock file
+    except OSError:
+        return True  # a link or something unreadable where the lock is: not ours to judge, so leave it
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError as exc:
+        return not flock_unsupported(exc) or (folder / OWNER_FILE).exists()
+    finally:
+        os.close(fd)  # closing drops the shared lock just taken
+    return False
+
+
 class DirLock:
     """An exclusive flock on `folder/.lock` for this process's lifetime; the file says who holds it.
 

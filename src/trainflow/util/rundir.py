@@ -53,7 +53,7 @@ from torch.distributed import TCPStore
 from trainflow.distributed.mesh import env_rank
 from trainflow.errors import ConfigError, TrainflowError, user_error
 from trainflow.util.files import SMALL_FILE_BYTES, cannot_write, not_a_file, read_regular
-from trainflow.util.locks import LOCK_FILE, DirLock
+from trainflow.util.locks import LOCK_FILE, DirLock, held_by_another
 
 RUN_DIR_ENV = "TRAINFLOW_RUN_DIR"  # set by our launchers for the processes they start
 RUNS_DIR = "outputs/runs"  # where runs with a stable identity live, one folder per run name
@@ -357,6 +357,8 @@ class _Before:
     sweep: bool  # a sweep folder: once a job's folder appeared there, what the jobs did is kept
 
     def restore(self) -> None:
+        if held_by_another(self.folder):
+            return  # another run holds it (the refusal may be that very lock): what it holds is its own
         now = _entries(self.folder, self.depth)
         added = now.keys() - self.entries.keys()
         if self.sweep and any(path.is_dir() and not path.is_symlink() for path in added):
