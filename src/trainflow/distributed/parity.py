@@ -59,7 +59,7 @@ class ParityCheck(Stage):
         self.steps = min(p.check_steps, t.max_steps) if self.enabled else 0
         self.tolerance = p.check_tolerance or TOLERANCE["parallelism.check"][matmul_math(env.device, t.precision)]
         self.env = env
-        self.name = layout(parallelism, env.world_size).name if self.enabled else env.strategy
+        self.layout_name = layout(parallelism, env.world_size).name if self.enabled else env.strategy
         self.result: dict[str, Any] | None = None
         self._losses: list[tuple[float, float]] = []  # (ranks' mean, reference), on rank 0
         self._seen = 0
@@ -145,8 +145,8 @@ class ParityCheck(Stage):
             (log.info if passed else log.error)(
                 "parity check %s: %s on %d ranks vs one process after %d steps, %d of the model's %d tensors "
                 "compared: loss rel diff %.1e, parameter diff %.1e of the update (%.1e of the weights; worst tensor "
-                "%s: %.1e), tolerance %.0e", "passed" if passed else "FAILED", self.name, self.env.world_size, step,
-                tensors, model_tensors, loss_diff, update_diff, param_diff, worst_name, worst, self.tolerance)
+                "%s: %.1e), tolerance %.0e", "passed" if passed else "FAILED", self.layout_name, self.env.world_size,
+                step, tensors, model_tensors, loss_diff, update_diff, param_diff, worst_name, worst, self.tolerance)
         else:
             self.result = {}
         self._release()

@@ -232,6 +232,8 @@ def own_dir(folder: str, key: str) -> None:
             user_error(f"{key}: {path.absolute()} holds files trainflow did not write ({shown}) and no {MARKER}, "
                        f"the file trainflow keeps in the folders it writes into; nothing was changed: {fix}")
     _check_writable(key, folder)
+    if path.is_dir() and held_by_another(path):
+        return  # a live run holds it: nothing is written there; taking the lock says so in one line
     mark(path, key)
 
 
