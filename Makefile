@@ -26,12 +26,11 @@ train: setup
 	$(BIN)/python train.py
 
 # Three workers on two cores: a test's processes often wait (on a signal, a peer, SLURM's queue), and a serial run
-# keeps ~1.1 of 2 cores busy. A file stays on one worker (its module fixtures are built once; tests/conftest.py makes
-# each file a group), but for the bad-input table, whose rows go to three groups; the tests marked serial
+# keeps ~1.1 of 2 cores busy. A file stays on one worker (its module fixtures are built once); the tests marked serial
 # (time bounds, signals) run alone afterwards. Both phases run, and either failing fails the target.
 test: dev
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -q -rs --durations=25 -n 3 --dist loadgroup -m 'not slow and not serial'; parallel=$$?; \
+	$(BIN)/python -m pytest -q -rs --durations=25 -n 3 --dist loadfile -m 'not slow and not serial'; parallel=$$?; \
 	$(BIN)/python -m pytest -q -rs --durations=10 -m 'serial and not slow'; serial=$$?; \
 	test $$parallel -eq 0 && test $$serial -eq 0
 

@@ -51,11 +51,3 @@ def hydra_version_unset() -> Iterator[None]:
     VersionBase.set_instance(unset)
     yield
     VersionBase.set_instance(before)
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """`make test` hands the tests to its workers by group (pytest-xdist's loadgroup): a file is one group, so its
-    module fixtures are built once, unless its tests name their own groups (the bad-input table's shares)."""
-    for item in items:
-        if item.get_closest_marker("xdist_group") is None:
-            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))

@@ -1345,12 +1345,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-# `make test` runs the rows as SHARES groups of its workers (pytest-xdist's loadgroup): the table is the longest file
-SHARES = 3
-
-
-@pytest.mark.parametrize("case", [pytest.param(c, id=c.id, marks=pytest.mark.xdist_group(f"bad_inputs_{i % SHARES}"))
-                                  for i, c in enumerate(CASES)])
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 def test_bad_input(case: Case, reference_checkpoints: Path, tmp_path: Path) -> None:
     if case.needs == "mount" and not can_mount():
         pytest.skip("needs a filesystem of its own (root with mount rights)")
