@@ -27,7 +27,7 @@ import yaml
 from trainflow.checkpoint.store import list_committed, resolve_dir
 from trainflow.config.schema import RunConfig, plain
 from trainflow.errors import ConfigError, TrainflowError
-from trainflow.report.summary_file import upgraded
+from trainflow.report.summary_file import read_summary, upgraded
 from trainflow.util.files import LOG_FILE_BYTES, read_regular
 from trainflow.util.shown import shown
 
@@ -48,9 +48,11 @@ class Earlier:
 def read_earlier(folder: Path) -> Earlier:
     """The folder's results and configs as received data: regular files of bounded size only, else unknown."""
     results = tuple(name for name in RESULTS if _size(folder / name) > 0)
-    summary = _read(folder / "summary.json", json.loads)
+    try:
+        summary: dict[str, Any] | None = read_summary(folder / "summary.json")
+    except (OSError, TrainflowError):  # none, cut off, or not one trainflow wrote: no finished result to keep
+        summary = None
     last = _read(folder / "config.yaml", yaml.safe_load)
-    summary = upgraded(summary) if isinstance(summary, dict) else None
     return Earlier(folder, summary, last if isinstance(last, dict) else None, results)
 
 
