@@ -54,7 +54,11 @@ class ForkServer:
     def stop(self) -> None:
         if self._proc is not None and self._proc.poll() is None:
             self._proc.stdin.close()
-            self._proc.wait(timeout=30)
+            try:  # its runs are in process groups of their own: nothing of a test's is lost with the server
+                self._proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:  # an interpreter with torch loaded, slow to exit on a loaded machine
+                self._proc.kill()
+                self._proc.wait()
         self._proc = None
 
     def can_fork(self, cmd: list[str], env: dict[str, str]) -> bool:
