@@ -18,9 +18,9 @@ import pytest
 from helpers.processes import left_behind, run_process
 from helpers.runs import ROOT, Run, losses_by_step, ok, train, trainflow, wait_for
 
-from trainflow.report import ledger
+from trainflow.record import ledger
+from trainflow.record.fingerprint import config_hash
 from trainflow.report.compare import NOT_JUDGED_BUSY
-from trainflow.report.fingerprint import config_hash
 from trainflow.util.shown import shell_quoted
 
 # a small MLP on synthetic data: the cheapest real run

@@ -29,7 +29,7 @@ from helpers.runs import ROOT, TINY_GPT, can_mount, ok, one_line_error, tmpfs, t
 from trainflow.checkpoint import store
 from trainflow.checkpoint.export import check_output
 from trainflow.errors import CheckpointError, ConfigError
-from trainflow.report import ledger
+from trainflow.record import ledger
 from trainflow.report.sweeps import IDENTITY_FILE, claim_checkpoint_dir
 from trainflow.util.files import write_atomic
 from trainflow.util.locks import LOCK_FILE, OWNER_FILE, DirLock

@@ -16,7 +16,7 @@ import pytest
 from helpers.processes import run_process
 from helpers.runs import ROOT, TINY_GPT, Run, one_line_error, train
 
-from trainflow.report import kept
+from trainflow.record import kept
 
 # 4 steps, a save at 2 and 4; the run's ledger beside it
 CHECKPOINTED = [*TINY_GPT, "trainer.max_steps=4", "trainer.eval_every=0", "trainer.eval_steps=1", "checkpoint=dcp",

@@ -30,7 +30,8 @@ from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
 from trainflow.cli import register_with_hydra
 from trainflow.errors import TrainflowError, typed_command, user_error
-from trainflow.report import kept, sweeps
+from trainflow.record import kept
+from trainflow.report import sweeps
 from trainflow.report.sweeps import JobFailed
 from trainflow.util.rundir import RUN_DIR_ENV, claim_run_dir, results_begin
 

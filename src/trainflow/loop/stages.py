@@ -45,8 +45,8 @@ if TYPE_CHECKING:
     from trainflow.data import DataBundle
     from trainflow.distributed import DistEnv
     from trainflow.loggers.writer import MetricsWriter
+    from trainflow.loop.meter import Throughput
     from trainflow.loop.state import LoopState, TrainState
-    from trainflow.metrics.meter import Throughput
     from trainflow.tasks import Task
 
 __all__ = ["Phase", "Stage", "StageContext", "StepHooks", "ordered"]

@@ -18,8 +18,8 @@ from trainflow.distributed.parallelism import local_loss, no_grad_sync
 from trainflow.distributed.pipeline import Pipeline
 from trainflow.loop.stages import Stage, StepHooks
 from trainflow.loop.state import LoopState
+from trainflow.metrics.regions import DATA, FWD_BWD, OPTIMIZER
 from trainflow.optim import gradient_norm
-from trainflow.profile.regions import DATA, FWD_BWD, OPTIMIZER
 from trainflow.tasks import Task, add_metrics
 
 

@@ -16,9 +16,9 @@ import torch
 from trainflow.distributed import DistEnv
 from trainflow.distributed.process_group import all_reduce_mean
 from trainflow.loggers.writer import MetricsWriter
+from trainflow.loop.meter import Counts, Throughput
 from trainflow.loop.stages import Phase, Stage, StageContext
 from trainflow.loop.state import LoopState
-from trainflow.metrics.meter import Counts, Throughput
 from trainflow.tasks import Task
 from trainflow.util.console import progress_reporter
 

@@ -29,11 +29,12 @@ from pathlib import Path
 from typing import Any
 
 from trainflow.config.schema import TrainerConfig
-from trainflow.report import checkpoints, ledger, render_compare
+from trainflow.metrics.noise import MIN_SAMPLES, Band, judge
+from trainflow.record import ledger
+from trainflow.report import checkpoints, render_compare
 from trainflow.report.bisect import bisect
 from trainflow.report.causes import Note, likely_cause, notes
 from trainflow.report.gates import FAIL, Gate, check_kind, check_validation, evaluate_gate, parse_gate
-from trainflow.report.noise import MIN_SAMPLES, Band, judge
 from trainflow.report.runs import EXIT_GATE_FAILED
 from trainflow.report.sides import CompareError, RunView, Side, pairs, resolve_side
 from trainflow.util.tolerance import TOLERANCE

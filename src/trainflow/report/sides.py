@@ -10,8 +10,8 @@ from pathlib import Path
 from typing import Any
 
 from trainflow.errors import TrainflowError
-from trainflow.report import ledger
-from trainflow.report.noise import read_metrics_log, steady_intervals
+from trainflow.metrics.noise import read_metrics_log, steady_intervals
+from trainflow.record import ledger
 from trainflow.report.runs import find_runs, load_run, read_overrides
 from trainflow.util.shown import shown
 

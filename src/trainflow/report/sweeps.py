@@ -32,7 +32,7 @@ from omegaconf import DictConfig, OmegaConf
 from trainflow.config.schema import RunConfig
 from trainflow.distributed.mesh import env_rank
 from trainflow.errors import ConfigError, TrainflowError, user_error
-from trainflow.report import kept
+from trainflow.record import kept
 from trainflow.report.ladder import check_rungs
 from trainflow.util.files import write_atomic
 from trainflow.util.rundir import existing_or_new, override_key, run_identity, run_name, run_name_problem

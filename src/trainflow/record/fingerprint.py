@@ -36,10 +36,10 @@ from trainflow.checkpoint.state import model_shapes
 from trainflow.config.schema import RunConfig, plain
 from trainflow.distributed.mesh import ranks_per_node
 from trainflow.distributed.process_group import DistEnv, node_count
+from trainflow.loop.meter import Throughput
 from trainflow.loop.stages import Phase, Stage, StageContext
 from trainflow.loop.state import LoopState
-from trainflow.metrics.meter import Throughput
-from trainflow.report.noise import Band, read_metrics, steady_intervals
+from trainflow.metrics.noise import Band, read_metrics, steady_intervals
 from trainflow.util.device import cpu_name
 
 # Keys that say where outputs go or how they are shown (and priced): runs that differ only in them ran the same config.
