@@ -31,7 +31,6 @@ from trainflow.config.compose import compose_run
 from trainflow.config.schema import FaultToleranceConfig, TextDataConfig, register_configs
 from trainflow.data.shards import prepare
 from trainflow.data.text import Corpus
-from trainflow.distributed.mesh import env_rank
 from trainflow.errors import (
     EXIT_COMMAND_LINE,
     EXIT_INTERRUPTED,
@@ -42,12 +41,14 @@ from trainflow.errors import (
     traceback_wanted,
     user_error,
 )
-from trainflow.guards.fault_tolerance import serve_lighthouse, torchft_installed
+from trainflow.guards.fault_tolerance import serve_lighthouse
 from trainflow.record import kept, ledger
 from trainflow.report import compare, sweeps
 from trainflow.report import runs as report
 from trainflow.report.ladder import register_resolvers as register_ladder_resolvers
 from trainflow.util.files import not_a_file
+from trainflow.util.optional import torchft_installed
+from trainflow.util.rank import env_rank
 from trainflow.util.rundir import RUN_DIR_ENV, note_before, undo_refused
 from trainflow.util.rundir import register_resolvers as register_run_dir_resolvers
 from trainflow.util.shown import shown

@@ -17,16 +17,15 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import InterpolationResolutionError, MissingMandatoryValue
 
+from trainflow.config.choices import BYTE_VOCAB
 from trainflow.config.command_line import command_line_keys, single_run
 from trainflow.config.schema import LadderRunConfig, ParallelismConfig, RunConfig, TextDataConfig, typed_run
 from trainflow.config.sections import check_targets_given, settled_sections
-from trainflow.data.tokenizers import BYTE_VOCAB
 from trainflow.errors import ConfigError
-from trainflow.guards.fault_tolerance import torchft_installed
-from trainflow.optim import OPTIMIZER
 from trainflow.util.files import cannot_write
+from trainflow.util.optional import torchft_installed
 from trainflow.util.rundir import run_name_problem
-from trainflow.util.targets import import_target
+from trainflow.util.targets import OPTIMIZER, import_target
 
 
 def check_optimizer(optim: dict[str, Any]) -> None:

@@ -39,7 +39,6 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from trainflow.config.schema import LadderConfig, TrainerConfig, WorkerConfig, typed
-from trainflow.distributed.mesh import env_rank
 from trainflow.errors import ConfigError, ReceivedFileError, TrainflowError
 from trainflow.loggers.mlflow import finish_sweep
 from trainflow.metrics.noise import read_metrics_log
@@ -48,6 +47,7 @@ from trainflow.report import ladder
 from trainflow.report.render import markdown, write_png
 from trainflow.util.files import SMALL_FILE_BYTES, read_regular, write_atomic
 from trainflow.util.locks import LOCK_FILE
+from trainflow.util.rank import env_rank
 from trainflow.util.shown import shown
 
 log = logging.getLogger(__name__)

@@ -30,11 +30,11 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from trainflow.config.schema import RunConfig
-from trainflow.distributed.mesh import env_rank
 from trainflow.errors import ConfigError, TrainflowError, user_error
 from trainflow.record import kept
 from trainflow.report.ladder import check_rungs
 from trainflow.util.files import write_atomic
+from trainflow.util.rank import env_rank
 from trainflow.util.rundir import existing_or_new, override_key, run_identity, run_name, run_name_problem
 
 SWEEPS_DIR = "multirun"  # where sweeps without hydra.sweep.dir live, one folder per sweep name
