@@ -1,4 +1,5 @@
-"""No import cycles inside trainflow: imports run one way (entry point -> launch -> loop -> stages -> errors).
+"""No import cycles inside trainflow, module by module (package by package, the order is the layers contract in
+pyproject.toml, checked by lint-imports).
 
 The graph is read from the source (ast), not by importing it: every import counts, also one inside a function,
 because a cycle hidden behind a lazy import still ties the two modules together. An import inside a function is

@@ -1,6 +1,6 @@
 """Nothing a run wrote is replaced unasked: a finished command run again changes nothing, another config never
 writes over a folder's results (it continues from its own checkpoint and keeps the earlier summary, or is refused in
-one line naming the difference), and a refused command leaves the folder as it was (trainflow.report.kept,
+one line naming the difference), and a refused command leaves the folder as it was (trainflow.record.kept,
 trainflow.util.rundir). Real runs of TINY_GPT in real folders."""
 
 from __future__ import annotations

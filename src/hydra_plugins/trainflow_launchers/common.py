@@ -116,7 +116,7 @@ def finished_already(job: SweepJob) -> JobReturn | None:
 
 def check_results_kept(jobs: list[SweepJob]) -> None:
     """Refuse the sweep before its first job when a job would start again over the results of another config in
-    its folder (trainflow.report.kept): one line naming the job and the difference, nothing changed."""
+    its folder (trainflow.record.kept): one line naming the job and the difference, nothing changed."""
     from trainflow.config.checks import check_config
 
     for job in jobs:

@@ -304,7 +304,7 @@ def check_checkpoint(cfg: RunConfig) -> None:
 
 
 def check_ledger(setting: str) -> None:
-    """metrics.ledger (trainflow.report.ledger): a file path must not be a folder, and its folder, where it exists,
+    """metrics.ledger (trainflow.record.ledger): a file path must not be a folder, and its folder, where it exists,
     must take files (auto and off need nothing)."""
     if setting in ("auto", "off"):
         return

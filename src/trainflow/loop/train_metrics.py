@@ -3,7 +3,7 @@ metrics.jsonl (and TensorBoard) and the progress line; the run's first and last 
 
 Between log steps nothing is read from the device: the step losses stay there, in a list, until the log step.
 Beside the interval's mean step time (its wall time over its steps) goes the mean of its steady steps' device time,
-the figure another process's load moves least (trainflow.metrics.meter).
+the figure another process's load moves least (trainflow.loop.meter).
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ splits the recorded step time into shares: waiting for data, forward/backward
 compute, optimizer compute, exposed communication, per-op overhead and
 compilation. The largest share names the bottleneck and the action to take.
 
-The analysis of a recorded window (what bounds the step) is trainflow.profile.verdict.
+The analysis of a recorded window (what bounds the step) is trainflow.metrics.verdict.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ log says so and how to name one). A path shares one ledger between runs anywhere
 filesystem). `off` writes none.
 
 A line: the run's name and folder, when it ended, its status, the model, the overrides, the fingerprint
-(trainflow.report.fingerprint: versions, device, host, commit, config and model hashes, the machine's load, the
+(trainflow.record.fingerprint: versions, device, host, commit, config and model hashes, the machine's load, the
 step-time band, the replay command), the resolved config, and the headline figures.
 
 A ledger loses only what was cut. Many writers append at once (a sweep's jobs, the rank 0s of runs on several

@@ -5,7 +5,7 @@ The sweep folder is `multirun/<sweep name>`: trainer.sweep_name, else a name mad
 (swept and fixed, short and shell-safe as a run's folder is: rundir.folder_name; SweepFolder, a Hydra callback,
 notes it at the sweep's start), so running the same `-m` command again finds the same folder. In it a job whose
 summary.json is complete (not a stop on a signal) and whose config equals the job's is skipped with one line; any
-other job runs, resuming from its committed checkpoint when it has one (trainflow.report.kept: never over the
+other job runs, resuming from its committed checkpoint when it has one (trainflow.record.kept: never over the
 results of another config). A sweep folder that holds another sweep (its multirun.yaml names other overrides) is
 refused in one line.
 
@@ -163,7 +163,7 @@ def claim_checkpoint_dir(ckpt_dir: Path, identity: str) -> None:
 
 def finished(job_dir: Path, cfg: RunConfig) -> dict[str, Any] | None:
     """The summary of a job that finished in `job_dir` with the config `cfg` (the checked one), else None: no
-    summary, a cut-off one, a stop on a signal (it resumes), or another config (see trainflow.report.kept)."""
+    summary, a cut-off one, a stop on a signal (it resumes), or another config (see trainflow.record.kept)."""
     return kept.finished(kept.read_earlier(job_dir), cfg)
 
 
