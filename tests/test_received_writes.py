@@ -278,7 +278,7 @@ def test_a_full_disk_leaves_the_ledger_whole(tmp_path: Path) -> None:
 WRITE_UNDER_A_LIMIT = """
 import resource, sys
 from pathlib import Path
-from trainflow.report import ledger
+from trainflow.record import ledger
 from trainflow.report.sweeps import IDENTITY_FILE, claim_checkpoint_dir
 resource.setrlimit(resource.RLIMIT_FSIZE, (int(sys.argv[2]), resource.RLIM_INFINITY))
 try:
