@@ -42,8 +42,8 @@ from trainflow.errors import (
     user_error,
 )
 from trainflow.guards.fault_tolerance import serve_lighthouse
-from trainflow.record import kept, ledger
-from trainflow.report import compare, sweeps
+from trainflow.record import kept
+from trainflow.report import compare, ledger_list, sweeps
 from trainflow.report import runs as report
 from trainflow.report.ladder import register_resolvers as register_ladder_resolvers
 from trainflow.util.files import not_a_file
@@ -347,7 +347,8 @@ def subcommands() -> list[Subcommand]:
             Subcommand("compare", "compare two runs, sweeps, ledger selections or checkpoints with their noise; "
                        "--fail-on gates, --bisect", compare.add_arguments, _compare,
                        "; a --bisect replay it started is stopped with it"),
-            Subcommand("ledger", "list and filter the ledger of finished runs", ledger.add_arguments, ledger.command),
+            Subcommand("ledger", "list and filter the ledger of finished runs", ledger_list.add_arguments,
+                       ledger_list.command),
             Subcommand("prepare", "tokenize a corpus once into token shards for data=shards", _prepare_arguments,
                        _prepare),
             Subcommand("lighthouse", "run torchft's lighthouse for parallelism.fault_tolerance=torchft replica groups",
