@@ -29,10 +29,10 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
+from trainflow.config.checks import check_config
 from trainflow.config.schema import RunConfig
 from trainflow.errors import ConfigError, TrainflowError, user_error
 from trainflow.record import kept
-from trainflow.report.ladder import check_rungs
 from trainflow.util.files import write_atomic
 from trainflow.util.rank import env_rank
 from trainflow.util.rundir import existing_or_new, override_key, run_identity, run_name, run_name_problem
@@ -109,9 +109,23 @@ def check_same_sweep(folder: Path, hydra_cfg: Any) -> None:
 
 def check_before_start(jobs: Iterable[tuple[int, DictConfig]]) -> None:
     """What refuses a whole sweep before its first job starts, given each job's number and task config as it will
-    run: a ladder rung that cannot run (trainflow.report.ladder). Other sweeps run their good jobs and report the
-    bad."""
+    run: a ladder rung that cannot run (check_rungs). Other sweeps run their good jobs and report the bad."""
     check_rungs(jobs)
+
+
+def check_rungs(jobs: Iterable[tuple[int, DictConfig]]) -> None:
+    """Check every rung of a ladder sweep before the first starts: a rung that cannot run as composed (a
+    profiler window past trainer.max_steps, say) fails the sweep at once, in one line naming the rung, rather
+    than after the rungs before it trained. `jobs`: each job's number and task config; jobs that are no rung
+    are left to themselves."""
+    for num, task in jobs:
+        rung = OmegaConf.select(task, "ladder.rung")
+        if not rung:
+            continue
+        try:
+            check_config(task)
+        except TrainflowError as exc:
+            user_error(f"ladder={rung} (job #{num}): {exc}")
 
 
 def is_sweep_job(hydra_cfg: Any) -> bool:
