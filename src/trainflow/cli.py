@@ -42,8 +42,8 @@ from trainflow.errors import (
     user_error,
 )
 from trainflow.guards.fault_tolerance import serve_lighthouse
-from trainflow.record import kept
-from trainflow.report import compare, ledger_list, sweeps
+from trainflow.record import kept, sweeps
+from trainflow.report import compare, ledger_list
 from trainflow.report import runs as report
 from trainflow.report.ladder import register_resolvers as register_ladder_resolvers
 from trainflow.util.files import not_a_file
