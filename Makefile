@@ -30,9 +30,11 @@ train: setup
 # (time bounds, signals) run alone afterwards. Both phases run, and either failing fails the target.
 test: dev
 	$(BIN)/ruff check .
+	$(BIN)/lint-imports
 	$(BIN)/python -m pytest -q -rs --durations=25 -n 3 --dist loadfile -m 'not slow and not serial'; parallel=$$?; \
 	$(BIN)/python -m pytest -q -rs --durations=10 -m 'serial and not slow'; serial=$$?; \
 	test $$parallel -eq 0 && test $$serial -eq 0
 
 lint: dev
 	$(BIN)/ruff check .
+	$(BIN)/lint-imports

@@ -30,9 +30,9 @@ from torch.profiler import record_function
 
 from trainflow.config.schema import ProfilerConfig
 from trainflow.distributed import DistEnv
+from trainflow.metrics.verdict import DATA, FWD_BWD, OPTIMIZER
 from trainflow.models.gpt import GPT
 from trainflow.profile.profiler import Profiler
-from trainflow.profile.verdict import DATA, FWD_BWD, OPTIMIZER
 from trainflow.tasks import cross_entropy
 
 CASES = {  # model keyword arguments, batch size

@@ -23,9 +23,9 @@ from torch.nn.parallel import DistributedDataParallel
 
 from trainflow.config.schema import StragglerConfig
 from trainflow.distributed import DistEnv
-from trainflow.distributed.stragglers import Stragglers
+from trainflow.guards.stragglers import Stragglers
+from trainflow.loop.meter import PeakMemory, Throughput
 from trainflow.loop.state import LoopState
-from trainflow.metrics.meter import PeakMemory, Throughput
 from trainflow.models.gpt import GPT
 
 CPU = torch.device("cpu")

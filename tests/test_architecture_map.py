@@ -1,5 +1,6 @@
 """docs/architecture.md is the map of the code: its layout names every module of trainflow and of its Hydra
-launchers, under the package that holds it, and names no module that is gone."""
+launchers, under the package that holds it, and names no module that is gone; the layers it draws are the ones
+pyproject.toml's import contract enforces."""
 
 from __future__ import annotations
 
@@ -57,3 +58,17 @@ def test_the_layout_names_no_module_that_is_gone() -> None:
     named = set(re.findall(r"(?<![\w/.])(\w+\.py)\b", _layout()))
     existing = {path.name for paths in _modules().values() for path in paths} | {"__main__.py", "train.py"}
     assert named <= existing, f"docs/architecture.md names modules that do not exist: {sorted(named - existing)}"
+
+
+def _contract_layers() -> list[str]:
+    """The layers of pyproject.toml's import contract, top to bottom, as written there."""
+    text = (ROOT / "pyproject.toml").read_text()
+    block = re.search(r"\[\[tool\.importlinter\.contracts\]\].*?^layers = \[(.*?)^\]", text, re.S | re.M)
+    assert block, "pyproject.toml holds no [[tool.importlinter.contracts]] with a layers list"
+    return re.findall(r'"([^"]+)"', block.group(1))
+
+
+def test_the_layers_drawn_are_the_contracts() -> None:
+    text = MAP.read_text()
+    drawn = text[text.index("Top to bottom:\n\n"):].split("\n\n")[1]
+    assert [layer.strip() for layer in drawn.split(">")] == _contract_layers()

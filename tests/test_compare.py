@@ -18,9 +18,9 @@ import pytest
 from helpers.processes import left_behind, run_process
 from helpers.runs import ROOT, Run, losses_by_step, ok, train, trainflow, wait_for
 
-from trainflow.report import ledger
+from trainflow.record import ledger
+from trainflow.record.fingerprint import config_hash
 from trainflow.report.compare import NOT_JUDGED_BUSY
-from trainflow.report.fingerprint import config_hash
 from trainflow.util.shown import shell_quoted
 
 # a small MLP on synthetic data: the cheapest real run
@@ -107,7 +107,7 @@ def test_where_the_ledger_goes(tmp_path: Path) -> None:
 WRITER = """
 import sys, time
 from pathlib import Path
-from trainflow.report.ledger import VERSION, append
+from trainflow.record.ledger import VERSION, append
 path, name, n, go = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]), Path(sys.argv[4])
 (go.parent / f"ready-{name}").touch()
 while not go.exists():  # both writers start together
@@ -144,7 +144,7 @@ def test_concurrent_writers_lose_no_line(tmp_path: Path) -> None:
 APPEND_ONE = """
 import json, sys
 from pathlib import Path
-from trainflow.report.ledger import append
+from trainflow.record.ledger import append
 append(Path(sys.argv[1]), json.loads(sys.argv[2]))
 """
 

@@ -13,8 +13,9 @@ import pytest
 import torch
 from torch import nn
 
+from trainflow.loop.meter import PeakMemory, Throughput
 from trainflow.loop.state import LoopState
-from trainflow.metrics.meter import PeakMemory, Throughput
+from trainflow.metrics.noise import judge, superiority
 from trainflow.report.causes import Note
 from trainflow.report.compare import (
     BUSY_RUN_TO_RUN,
@@ -27,7 +28,6 @@ from trainflow.report.compare import (
     run_to_run,
 )
 from trainflow.report.gates import WARN, evaluate_gate, parse_gate
-from trainflow.report.noise import judge, superiority
 from trainflow.report.sides import RunView
 
 # five intervals of one run: 10 ms give or take 1% (a spread of about 0.8%)

@@ -25,7 +25,7 @@ from helpers.runs import ROOT, wait_for, wait_for_log
 from trainflow.checkpoint import EXIT_STOPPED, list_committed
 from trainflow.config.schema import ParallelismConfig
 from trainflow.distributed import DistEnv
-from trainflow.distributed.fault_tolerance import data_share
+from trainflow.guards.fault_tolerance import data_share
 
 MAX_STEPS = 200
 KILL_AFTER = 5  # the killed replica group is killed once it logged this step (or a later one)
@@ -328,7 +328,7 @@ def test_trainflow_lighthouse_serves_groups_and_ends_once_idle(tmp_path: Path) -
 
     from torchft.coordination import LighthouseClient
 
-    from trainflow.distributed.fault_tolerance import lighthouse_ages
+    from trainflow.guards.fault_tolerance import lighthouse_ages
 
     port, out = free_port(), tmp_path / "lighthouse.out"
     with open(out, "w") as sink:

@@ -489,7 +489,7 @@ def test_a_stop_repeated_inside_a_finalizer_prints_nothing(capsys: pytest.Captur
 
     from torch.distributed.elastic.multiprocessing import SignalException
 
-    from trainflow.distributed.launch import _repeated_stops_quiet
+    from trainflow.run.launch import _repeated_stops_quiet
 
     class Timer:
         pass

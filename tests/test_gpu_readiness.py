@@ -19,11 +19,11 @@ from trainflow.config.schema import FSDPConfig, RunConfig, typed_run
 from trainflow.data import Pinned, StreamSampler, SyntheticTokens, TokenWindows, VariableLengths, make_loader
 from trainflow.distributed import DistEnv
 from trainflow.distributed.parallelism import fsdp_dtypes
-from trainflow.distributed.parity import ParityCheck
 from trainflow.distributed.process_group import cuda_index, node_count
 from trainflow.errors import ConfigError
+from trainflow.guards.parity import ParityCheck
 from trainflow.metrics.flops import gpu_peak_flops
-from trainflow.profile.verdict import verdict
+from trainflow.metrics.verdict import verdict
 from trainflow.util.device import configure_matmul, matmul_math
 from trainflow.util.float8 import fp8_refusal
 from trainflow.util.tolerance import TOLERANCE
@@ -260,7 +260,7 @@ def test_batches_are_contiguous_and_pinning_comes_after_cutting() -> None:
 def test_peak_memory_on_cpu_is_the_process_peak_and_has_no_reserved_figure() -> None:
     import resource
 
-    from trainflow.metrics.meter import PeakMemory
+    from trainflow.loop.meter import PeakMemory
 
     memory = PeakMemory(torch.device("cpu"))
     memory.reset()  # the resident-set peak cannot be reset: it stays the process's

@@ -20,9 +20,9 @@ from trainflow.conf import CONFIG_DIR
 from trainflow.config.schema import ProfilerConfig
 from trainflow.distributed import DistEnv
 from trainflow.errors import ConfigError
+from trainflow.metrics.regions import CHECKPOINT
+from trainflow.metrics.verdict import DATA, FWD_BWD, OPTIMIZER, SHARES
 from trainflow.profile.profiler import Profiler
-from trainflow.profile.regions import CHECKPOINT
-from trainflow.profile.verdict import DATA, FWD_BWD, OPTIMIZER, SHARES
 
 CPU_ENV = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}  # on a busy 2-core machine, waits at intra-op barriers would swell tiny ops

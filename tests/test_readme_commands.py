@@ -134,8 +134,8 @@ def test_page_command_parses_and_composes(page: str, command: str) -> None:
 def importable_targets(job: list[str]) -> bool:
     """Whether every `_target_` the command names imports here (README's own-code example names a user's package
     and torchvision: tests/test_own_code.py trains it with stand-ins)."""
-    from trainflow.config.targets import import_target
     from trainflow.errors import ConfigError
+    from trainflow.util.targets import import_target
 
     try:
         for key, value in (o.split("=", 1) for o in job if o.split("=")[0].endswith("._target_")):

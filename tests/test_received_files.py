@@ -29,7 +29,7 @@ import pytest
 from helpers.processes import run_process
 from helpers.runs import ok, train
 
-from trainflow.report.noise import read_metrics_log
+from trainflow.metrics.noise import read_metrics_log
 from trainflow.util.files import SMALL_FILE_BYTES
 
 HANG_S = 90  # a command that has not ended by then hangs (each ends in seconds here, on a busy machine too)

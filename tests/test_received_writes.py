@@ -29,8 +29,8 @@ from helpers.runs import ROOT, TINY_GPT, can_mount, ok, one_line_error, tmpfs, t
 from trainflow.checkpoint import store
 from trainflow.checkpoint.export import check_output
 from trainflow.errors import CheckpointError, ConfigError
-from trainflow.report import ledger
-from trainflow.report.sweeps import IDENTITY_FILE, claim_checkpoint_dir
+from trainflow.record import ledger
+from trainflow.record.sweeps import IDENTITY_FILE, claim_checkpoint_dir
 from trainflow.util.files import write_atomic
 from trainflow.util.locks import LOCK_FILE, OWNER_FILE, DirLock
 from trainflow.util.rundir import MARKER, mark
@@ -278,8 +278,8 @@ def test_a_full_disk_leaves_the_ledger_whole(tmp_path: Path) -> None:
 WRITE_UNDER_A_LIMIT = """
 import resource, sys
 from pathlib import Path
-from trainflow.report import ledger
-from trainflow.report.sweeps import IDENTITY_FILE, claim_checkpoint_dir
+from trainflow.record import ledger
+from trainflow.record.sweeps import IDENTITY_FILE, claim_checkpoint_dir
 resource.setrlimit(resource.RLIMIT_FSIZE, (int(sys.argv[2]), resource.RLIM_INFINITY))
 try:
     ledger.append(Path(sys.argv[1]), {**ledger.read(Path(sys.argv[1]))[0][0], "run": "too-big", "pad": "x" * 6000})

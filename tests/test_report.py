@@ -254,7 +254,7 @@ def test_a_summary_of_the_first_format_reads_under_todays_names(single_runs: tup
                                                                  tmp_path: Path) -> None:
     """summary.json carries its format; one written before the number (format 1, trainer.warmup_steps) is read with
     today's names, so a report puts it beside today's runs of the same command."""
-    from trainflow.report.summary_file import FORMAT, read_summary
+    from trainflow.record.summary_file import FORMAT, read_summary
 
     folder, runs = single_runs
     today = runs[0].summary

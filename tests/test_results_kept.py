@@ -1,6 +1,6 @@
 """Nothing a run wrote is replaced unasked: a finished command run again changes nothing, another config never
 writes over a folder's results (it continues from its own checkpoint and keeps the earlier summary, or is refused in
-one line naming the difference), and a refused command leaves the folder as it was (trainflow.report.kept,
+one line naming the difference), and a refused command leaves the folder as it was (trainflow.record.kept,
 trainflow.util.rundir). Real runs of TINY_GPT in real folders."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import pytest
 from helpers.processes import run_process
 from helpers.runs import ROOT, TINY_GPT, Run, one_line_error, train
 
-from trainflow.report import kept
+from trainflow.record import kept
 
 # 4 steps, a save at 2 and 4; the run's ledger beside it
 CHECKPOINTED = [*TINY_GPT, "trainer.max_steps=4", "trainer.eval_every=0", "trainer.eval_steps=1", "checkpoint=dcp",

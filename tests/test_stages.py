@@ -18,13 +18,13 @@ from trainflow.compile.compiler import Compiler
 from trainflow.conf import CONFIG_DIR
 from trainflow.config.checks import check_config
 from trainflow.config.schema import RunConfig
-from trainflow.distributed.parity import ParityCheck
+from trainflow.guards.parity import ParityCheck
 from trainflow.loop.evaluation import Evaluation
-from trainflow.loop.run import STAGES
+from trainflow.loop.meter import PeakMemory, Throughput
 from trainflow.loop.stages import Phase, Stage, StageContext
 from trainflow.loop.state import LoopState
-from trainflow.metrics.meter import PeakMemory, Throughput
 from trainflow.profile.profiler import Profiler
+from trainflow.run.assembly import STAGES
 
 CPU = torch.device("cpu")
 
@@ -105,7 +105,7 @@ class Off(Stage):
 def test_the_loop_calls_only_enabled_stages_and_any_stage_can_stop_it_and_pause_the_clock(tmp_path: Path) -> None:
     from trainflow.cli import register_with_hydra
     from trainflow.distributed.process_group import process_group
-    from trainflow.loop.run import assemble, summarize, train_loop
+    from trainflow.run.assembly import assemble, summarize, train_loop
 
     register_with_hydra()
     cfg = seed_mlp_cfg("trainer.max_steps=40", "trainer.excluded_steps=2", "trainer.log_every=5")
@@ -180,8 +180,8 @@ class EveryHook(Stage):
 def test_a_stage_of_your_own_answers_every_hook_of_the_step_and_acts_in_its_declared_phase(tmp_path: Path) -> None:
     from trainflow.cli import register_with_hydra
     from trainflow.distributed.process_group import process_group
-    from trainflow.loop.run import assemble, summarize, train_loop
     from trainflow.loop.step import unnamed
+    from trainflow.run.assembly import assemble, summarize, train_loop
 
     register_with_hydra()
     cfg = seed_mlp_cfg("trainer.max_steps=6", "trainer.grad_accum=2", "trainer.grad_clip=0",
@@ -256,7 +256,7 @@ def test_stages_hold_their_typed_sections_in_a_launched_worker(tmp_path: Path) -
     from trainflow.cli import register_with_hydra
     from trainflow.config.schema import CheckpointConfig, CompileConfig, ProfilerConfig, TrainerConfig
     from trainflow.distributed.process_group import process_group
-    from trainflow.loop.run import assemble, summarize, train_loop
+    from trainflow.run.assembly import assemble, summarize, train_loop
 
     register_with_hydra()
     validated = seed_mlp_cfg("trainer.max_steps=6", "trainer.eval_every=3", "trainer.excluded_steps=1",
@@ -304,10 +304,10 @@ def test_device_work_still_queued_counts_as_training_not_as_the_stages_pauses(
     a pause that the steady state leaves out (the first GPU run's throughput was measured this way)."""
     import trainflow.checkpoint.checkpointer as checkpointer
     import trainflow.loop.evaluation as evaluation
-    import trainflow.metrics.meter as metrics
+    import trainflow.loop.meter as metrics
     from trainflow.cli import register_with_hydra
     from trainflow.distributed.process_group import process_group
-    from trainflow.loop.run import assemble, summarize, train_loop
+    from trainflow.run.assembly import assemble, summarize, train_loop
 
     drains: list[str] = []
 

@@ -26,7 +26,7 @@ import os
 from pathlib import Path
 
 import trainflow.checkpoint.store as store
-import trainflow.loop.run as run
+import trainflow.run.assembly as run
 
 
 def stuck(*args):

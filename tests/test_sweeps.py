@@ -20,8 +20,8 @@ from helpers.processes import left_behind, run_process, start_process
 from helpers.runs import ROOT, TINY_GPT, losses_by_step, wait_for
 
 from trainflow.errors import ConfigError
+from trainflow.record.sweeps import FRESH, IDENTITY_FILE, claim_checkpoint_dir
 from trainflow.report import runs as report
-from trainflow.report.sweeps import FRESH, IDENTITY_FILE, claim_checkpoint_dir
 from trainflow.util.rundir import FOLDER_CHARS, existing_or_new, folder_name, run_name
 
 STEPS = 8

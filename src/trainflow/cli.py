@@ -29,11 +29,8 @@ from trainflow.config.checks import check_config
 from trainflow.config.command_line import explain, raised_errors, single_run
 from trainflow.config.compose import compose_run
 from trainflow.config.schema import FaultToleranceConfig, TextDataConfig, register_configs
-from trainflow.config.targets import user_folder_importable
 from trainflow.data.shards import prepare
 from trainflow.data.text import Corpus
-from trainflow.distributed.fault_tolerance import serve_lighthouse, torchft_installed
-from trainflow.distributed.mesh import env_rank
 from trainflow.errors import (
     EXIT_COMMAND_LINE,
     EXIT_INTERRUPTED,
@@ -44,13 +41,18 @@ from trainflow.errors import (
     traceback_wanted,
     user_error,
 )
-from trainflow.report import compare, kept, ledger, sweeps
+from trainflow.guards.fault_tolerance import serve_lighthouse
+from trainflow.record import kept, sweeps
+from trainflow.report import compare, ledger_list
 from trainflow.report import runs as report
 from trainflow.report.ladder import register_resolvers as register_ladder_resolvers
 from trainflow.util.files import not_a_file
+from trainflow.util.optional import torchft_installed
+from trainflow.util.rank import env_rank
 from trainflow.util.rundir import RUN_DIR_ENV, note_before, undo_refused
 from trainflow.util.rundir import register_resolvers as register_run_dir_resolvers
 from trainflow.util.shown import shown
+from trainflow.util.targets import user_folder_importable
 
 
 def register_with_hydra() -> None:
@@ -99,8 +101,8 @@ def run_from_hydra(cfg: DictConfig) -> float | None:
 def _run_job(cfg: DictConfig) -> float | None:
     """The job: check the config, catch the stop signals, train here or start the local workers; user errors as one
     line."""
-    from trainflow.distributed.launch import launch, should_launch  # lazy: ~50 ms the other commands need not pay
-    from trainflow.loop.run import train  # lazy: the loop's modules, ~60 ms the other commands need not pay
+    from trainflow.run.assembly import train  # lazy: the loop's modules, ~60 ms the other commands need not pay
+    from trainflow.run.launch import launch, should_launch  # lazy: ~50 ms the other commands need not pay
 
     user_folder_importable()  # a launcher's worker imports from the folder its sweep was started in
     hydra_cfg = HydraConfig.get()
@@ -345,7 +347,8 @@ def subcommands() -> list[Subcommand]:
             Subcommand("compare", "compare two runs, sweeps, ledger selections or checkpoints with their noise; "
                        "--fail-on gates, --bisect", compare.add_arguments, _compare,
                        "; a --bisect replay it started is stopped with it"),
-            Subcommand("ledger", "list and filter the ledger of finished runs", ledger.add_arguments, ledger.command),
+            Subcommand("ledger", "list and filter the ledger of finished runs", ledger_list.add_arguments,
+                       ledger_list.command),
             Subcommand("prepare", "tokenize a corpus once into token shards for data=shards", _prepare_arguments,
                        _prepare),
             Subcommand("lighthouse", "run torchft's lighthouse for parallelism.fault_tolerance=torchft replica groups",

@@ -12,10 +12,9 @@ import torch
 from torch import nn
 
 from trainflow.config.schema import SCHEDULE_KEYS
-from trainflow.config.targets import WHAT, call, import_target
 from trainflow.errors import ConfigError
+from trainflow.util.targets import OPTIMIZER, call, import_target
 
-OPTIMIZER = WHAT["optim"]
 FUSED_ON_CUDA = (torch.optim.AdamW, torch.optim.Adam)  # one kernel for the whole update, unless optim.fused says
 
 

@@ -23,8 +23,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from trainflow.config.schema import BuiltinTaskConfig, TaskConfig, typed
-from trainflow.config.targets import WHAT, bound_callable
 from trainflow.errors import ConfigError, DataError
+from trainflow.util.targets import WHAT, bound_callable
 
 Metrics = dict[str, torch.Tensor]
 TASK_KEYS = tuple(BuiltinTaskConfig.__dataclass_fields__)  # trainflow's keys of a task; a _target_ gets the others

@@ -90,8 +90,8 @@ def serve() -> None:
     from hydra.core.plugins import Plugins
 
     import trainflow.cli  # noqa: F401
-    import trainflow.distributed.launch  # noqa: F401  (imports trainflow.loop.run and the loop's modules)
     import trainflow.report.runs  # noqa: F401  (the summary of every run)
+    import trainflow.run.launch  # noqa: F401  (imports trainflow.run.assembly and the loop's modules)
 
     Plugins.instance()  # Hydra's scan of its plugins (our launchers, the Optuna sweeper), done at every start
 

@@ -30,8 +30,8 @@ from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
 from trainflow.cli import register_with_hydra
 from trainflow.errors import TrainflowError, typed_command, user_error
-from trainflow.report import kept, sweeps
-from trainflow.report.sweeps import JobFailed
+from trainflow.record import kept, sweeps
+from trainflow.record.sweeps import JobFailed
 from trainflow.util.rundir import RUN_DIR_ENV, claim_run_dir, results_begin
 
 log = logging.getLogger(__name__)
@@ -95,7 +95,7 @@ def job_tasks(jobs: list[SweepJob]) -> Iterator[tuple[int, DictConfig]]:
 
 def finished_already(job: SweepJob) -> JobReturn | None:
     """A completed JobReturn for a job that finished in its directory with its config (the same -m command run
-    again), said in one line; None for a job to run (trainflow.report.sweeps.finished says which)."""
+    again), said in one line; None for a job to run (trainflow.record.sweeps.finished says which)."""
     from trainflow.config.checks import check_config
 
     if not (job.dir / "summary.json").exists():
@@ -115,7 +115,7 @@ def finished_already(job: SweepJob) -> JobReturn | None:
 
 def check_results_kept(jobs: list[SweepJob]) -> None:
     """Refuse the sweep before its first job when a job would start again over the results of another config in
-    its folder (trainflow.report.kept): one line naming the job and the difference, nothing changed."""
+    its folder (trainflow.record.kept): one line naming the job and the difference, nothing changed."""
     from trainflow.config.checks import check_config
 
     for job in jobs:

@@ -44,7 +44,7 @@ from hydra_plugins.trainflow_launchers.common import (
     user_error,
 )
 from hydra_plugins.trainflow_launchers.config import KubernetesLauncherConf
-from trainflow.report import sweeps
+from trainflow.record import sweeps
 
 log = logging.getLogger(__name__)
 

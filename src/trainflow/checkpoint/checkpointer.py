@@ -70,7 +70,7 @@ from trainflow.distributed import DistEnv
 from trainflow.distributed.failures import note_save, says_peer_lost
 from trainflow.errors import CheckpointError
 from trainflow.loop.stages import Phase, Stage, StageContext
-from trainflow.profile.regions import CHECKPOINT
+from trainflow.metrics.regions import CHECKPOINT
 from trainflow.util.activity import Activity, doing
 from trainflow.util.device import device_sync
 from trainflow.util.locks import DirLock

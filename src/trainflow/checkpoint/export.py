@@ -72,12 +72,13 @@ from trainflow.checkpoint.store import (
 from trainflow.config.schema import HFDataConfig, TextDataConfig, TokenizerConfig, typed
 from trainflow.data.hf import Split, _files
 from trainflow.data.text import Corpus
-from trainflow.data.tokenizers import END_TOKENS, bpe_cache_path, byte_tokenizer, import_hf
+from trainflow.data.tokenizers import END_TOKENS, bpe_cache_path, byte_tokenizer
 from trainflow.errors import CheckpointError, ConfigError, unwritable_reason
 from trainflow.models.gpt import GPT
 from trainflow.models.hf import gpt2
 from trainflow.util.files import kind_of, not_a_file
 from trainflow.util.locks import pid_alive
+from trainflow.util.optional import import_hf
 
 FORMATS = ("torch", "safetensors", "hf", "dcp")
 WEIGHTS = "model.safetensors"

@@ -17,16 +17,15 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import InterpolationResolutionError, MissingMandatoryValue
 
+from trainflow.config.choices import BYTE_VOCAB
 from trainflow.config.command_line import command_line_keys, single_run
 from trainflow.config.schema import LadderRunConfig, ParallelismConfig, RunConfig, TextDataConfig, typed_run
 from trainflow.config.sections import check_targets_given, settled_sections
-from trainflow.config.targets import import_target
-from trainflow.data.tokenizers import BYTE_VOCAB
-from trainflow.distributed.fault_tolerance import torchft_installed
 from trainflow.errors import ConfigError
-from trainflow.optim import OPTIMIZER
 from trainflow.util.files import cannot_write
+from trainflow.util.optional import torchft_installed
 from trainflow.util.rundir import run_name_problem
+from trainflow.util.targets import OPTIMIZER, import_target
 
 
 def check_optimizer(optim: dict[str, Any]) -> None:
@@ -305,7 +304,7 @@ def check_checkpoint(cfg: RunConfig) -> None:
 
 
 def check_ledger(setting: str) -> None:
-    """metrics.ledger (trainflow.report.ledger): a file path must not be a folder, and its folder, where it exists,
+    """metrics.ledger (trainflow.record.ledger): a file path must not be a folder, and its folder, where it exists,
     must take files (auto and off need nothing)."""
     if setting in ("auto", "off"):
         return

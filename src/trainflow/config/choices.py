@@ -37,6 +37,7 @@ Fp8Recipe = choice("Fp8Recipe", "tensorwise rowwise")  # torchao's float8 scalin
 Progress = choice("Progress", "auto bar log")
 NonFinite = choice("NonFinite", "stop skip_step")
 TokenizerKind = choice("TokenizerKind", "bytes bpe file")
+BYTE_VOCAB = 256  # tokenizer=bytes: a token is a byte
 FileFormat = choice("FileFormat", "json csv parquet text")  # data=hf: what the datasets library reads the files as
 Items = choice("Items", "tuple dict")  # data=hf: what an item is
 TaskKind = choice("TaskKind", "auto lm classify")

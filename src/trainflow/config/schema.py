@@ -54,11 +54,11 @@ from trainflow.config.choices import (
     refused_choice,
     schema_node,
 )
-from trainflow.config.targets import first_line
 from trainflow.errors import ConfigError, UnknownKeyError, typed_command
 from trainflow.models.cnn import CNN
 from trainflow.models.gpt import GPT
 from trainflow.models.mlp import MLP
+from trainflow.util.targets import first_line
 
 Schema = TypeVar("Schema")
 

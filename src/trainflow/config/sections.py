@@ -30,8 +30,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from trainflow.config.command_line import group_options
 from trainflow.config.schema import LOADER_KEYS, SCHEDULE_KEYS, BuiltinTaskConfig
-from trainflow.config.targets import WHAT, import_target
 from trainflow.errors import ConfigError, UnknownKeyError
+from trainflow.util.targets import WHAT, import_target
 
 log = logging.getLogger(__name__)
 

@@ -19,7 +19,6 @@ from typing import Any
 from torch.utils.data import Dataset
 
 from trainflow.config.schema import LOADER_KEYS, MLPConfig
-from trainflow.config.targets import WHAT, call_target
 from trainflow.data.identity import Identity, cache_checksum, settings_identity, shards_identity, text_identity
 from trainflow.data.iterable import IterableBatches, IterableSource
 from trainflow.data.loaders import (
@@ -37,6 +36,7 @@ from trainflow.data.synthetic import SyntheticClassification, SyntheticTokens
 from trainflow.data.text import Corpus, TokenWindows, load_tokens
 from trainflow.data.user import Collated, user_datasets
 from trainflow.errors import ConfigError, DataError
+from trainflow.util.targets import WHAT, call_target
 
 __all__ = [
     "LOADER_KEYS", "Batch", "Collated", "DataBundle", "InProcessBatches", "IterableBatches", "IterableSource",

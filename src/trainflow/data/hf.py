@@ -21,8 +21,9 @@ import torch
 from torch.utils.data import Dataset
 
 from trainflow.data.identity import cache_checksum
-from trainflow.data.tokenizers import Tokenizer, build_once, build_tokenizer, import_hf
+from trainflow.data.tokenizers import Tokenizer, build_once, build_tokenizer
 from trainflow.errors import ConfigError, DataError
+from trainflow.util.optional import import_hf
 
 log = logging.getLogger(__name__)
 

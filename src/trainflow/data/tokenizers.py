@@ -20,23 +20,18 @@ from typing import Any
 
 import numpy as np
 
+from trainflow.config.choices import BYTE_VOCAB
 from trainflow.config.schema import TokenizerConfig, typed
 from trainflow.errors import ConfigError, DataError, home_note, unwritable_reason
 from trainflow.util.files import atomic_path
 from trainflow.util.locks import flock_unsupported
-from trainflow.util.optional import require
+from trainflow.util.optional import import_hf
 
 log = logging.getLogger(__name__)
 
-BYTE_VOCAB = 256
 END_OF_TEXT = "<|endoftext|>"  # bpe: the special token between documents (id 0)
 # What a user's tokenizer.json may call the token that ends a document.
 END_TOKENS = (END_OF_TEXT, "</s>", "<eos>", "[SEP]")
-
-
-def import_hf(module: str, key: str) -> ModuleType:
-    """A library of the `hf` extra, or one line naming the key that needs it and the pip install that brings it."""
-    return require(module, "hf", key)
 
 
 @dataclass(frozen=True)

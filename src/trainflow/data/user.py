@@ -17,9 +17,9 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset, IterableDataset, default_collate
 
-from trainflow.config.targets import bound_callable
 from trainflow.data.iterable import IterableSource
 from trainflow.errors import ConfigError, DataError
+from trainflow.util.targets import bound_callable
 
 
 class Collated(Dataset):

@@ -2,7 +2,7 @@
 
 - process_group: this process as one rank (DistEnv, the checks that need the world size or the hardware,
   joining and leaving the group, the collectives the stages share);
-- launch: starting the ranks on this machine through torch's elastic agent, when no launcher did;
+- health: the start-up check that the ranks agree;
 - failures: each rank's failure record and the one error the launching process makes of them;
 - parallelism: tensor parallel, activation checkpointing, DDP, FSDP2 and HSDP wrapping, gradient sync control;
 - mesh: the degrees (replicate x shard x tp) on one named device mesh, and what a layout does (the one module
@@ -10,11 +10,11 @@
 - tensor: tensor parallel by the model's plan;
 - memory_estimate: the per-rank bytes of one layout (data parallel, TP), before training;
 - memory_plan: parallelism=auto, the ladder of layouts, the choice and its check after training;
-- parity: the parallel run checked against one process, and the parallel part of the summary.
-- stragglers: every rank's own time per step, gathered at log steps, and a rank the others wait for named.
+- pipeline: pipeline stages and their schedule.
 
-Imports run one way: launch -> the training loop -> parallelism / parity -> process_group. The stages take a
-`DistEnv`, the one name the package itself exports.
+The package sits below the training loop (pyproject.toml's layers): the stages that watch a distributed run
+(watchdog, stragglers, parity, fault tolerance) are trainflow.guards, the launch is trainflow.run.launch. The stages
+take a `DistEnv`, the one name the package itself exports.
 """
 
 from trainflow.distributed.process_group import DistEnv

@@ -204,7 +204,7 @@ def reset_peak(device: torch.device) -> int:
 
 def measured_peak(device: torch.device, training_peak: int | None = None) -> int:
     """CUDA: the training loop's own peak when given (it resets the allocator's peak per log interval, see
-    trainflow.metrics.meter.PeakMemory), else the allocator's. CPU: the peak resident set since the plan."""
+    trainflow.loop.meter.PeakMemory), else the allocator's. CPU: the peak resident set since the plan."""
     if device.type == "cuda":
         return training_peak if training_peak is not None else int(torch.cuda.max_memory_allocated(device))
     for line in Path("/proc/self/status").read_text().splitlines():

@@ -122,12 +122,6 @@ def mesh_shape(world_size: int, ranks_per_node: int, shard_size: int | None,
     return replicate_size, shard_size
 
 
-def env_rank() -> int:
-    """This process's global rank, as its launcher exported it (torchrun, SLURM tasks and trainflow's own launch all
-    set RANK); 0 when no launcher started it (one process, or the process that launches)."""
-    return int(os.environ.get("RANK", "0"))
-
-
 def ranks_per_node(world_size: int) -> int:
     """Ranks of this node, as the launcher says (torchrun, SLURM tasks and trainflow's own launch set it)."""
     return int(os.environ.get("LOCAL_WORLD_SIZE", world_size) or world_size)

@@ -26,7 +26,6 @@ from trainflow.distributed.mesh import (
     CPU_GROUP_RANKS,
     GROUP_STRATEGIES,
     SHARDED,
-    env_rank,
     layout,
     local_ranks,
     ranks_per_node,
@@ -34,6 +33,7 @@ from trainflow.distributed.mesh import (
 from trainflow.errors import ConfigError, TrainflowError
 from trainflow.util.device import emulated_bf16_warning
 from trainflow.util.float8 import check_fp8
+from trainflow.util.rank import env_rank
 
 log = logging.getLogger(__name__)
 

@@ -19,8 +19,8 @@ from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-from trainflow.config.targets import call_target
 from trainflow.errors import ConfigError
+from trainflow.util.targets import call_target
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh

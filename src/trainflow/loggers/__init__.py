@@ -21,10 +21,10 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import OmegaConf
 
 from trainflow.config.schema import RunConfig, TrainerConfig, plain
-from trainflow.config.targets import arguments, call, import_target
 from trainflow.errors import ConfigError
 from trainflow.loggers.process import ANSWER_TIMEOUT_S, LOGGER_CLASS, ProcessLogger
 from trainflow.util.rundir import run_identity
+from trainflow.util.targets import arguments, call, import_target
 
 IDS_FILE = "loggers.json"  # {logger name: its tracked run's id}, in the run directory
 NAME_BYTES = 200  # a sweep job's folder name: one level, within the usual 255-byte limit of a file name
@@ -224,7 +224,7 @@ def finite(values: Mapping[str, Any]) -> dict[str, float]:
 
 def profiler_text(profiler: dict[str, Any] | None) -> str | None:
     """The verdict as printed at the end of a run, and the top operators as a Markdown table."""
-    from trainflow.profile.verdict import format_verdict  # it imports torch, which a logger's process needs not
+    from trainflow.metrics.verdict import format_verdict  # it imports torch, which a logger's process needs not
 
     verdict = (profiler or {}).get("verdict")
     if not verdict:

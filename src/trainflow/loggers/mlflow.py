@@ -32,10 +32,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from trainflow.config.targets import first_line
 from trainflow.errors import ConfigError, unwritable_reason
 from trainflow.loggers import RunInfo, history
 from trainflow.util.files import cannot_write
+from trainflow.util.targets import first_line
 
 log = logging.getLogger(__name__)
 

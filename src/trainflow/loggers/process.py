@@ -42,7 +42,7 @@ import time
 from collections.abc import Callable
 from typing import Any, BinaryIO
 
-from trainflow.config.targets import call_target
+from trainflow.util.targets import call_target
 
 LOGGER_CLASS = "a logger class (see docs/loggers.md)"  # what a logger's _target_ must name, as errors say it
 MAX_UNANSWERED = 1024  # calls in flight before a new one is dropped (a log step's call: ~1 KB)

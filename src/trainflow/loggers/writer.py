@@ -18,12 +18,12 @@ import signal
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from trainflow.config.targets import first_line
 from trainflow.errors import ConfigError, TrainflowError
 from trainflow.loggers import FINISHED, IDS_FILE, KILLED, final_figures, finite, kept_ids, profiler_text, run_info
 from trainflow.loggers.interrupts import CtrlC, CutShort, stops_cut_short
 from trainflow.loggers.process import MAX_UNANSWERED, ProcessLogger
 from trainflow.util.files import run_dir_error, write_atomic, write_json_atomic
+from trainflow.util.targets import first_line
 
 if TYPE_CHECKING:
     from trainflow.config.schema import RunConfig

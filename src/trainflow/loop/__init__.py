@@ -1,3 +1,4 @@
-"""The one training loop: `run` (the assembly of a run, the loop and the summary), `step` (one optimizer step),
-`stages` (the interface every stage answers), `state` (what a step leaves for the stages), and the loop's own stages:
-`evaluation`, `nonfinite` (the non-finite guard) and `train_metrics`."""
+"""The one training loop: `step` (one optimizer step), `stages` (the interface every stage answers), `state` (what a
+step leaves for the stages), `meter` (the throughput meter that times every step), `configured` (the config's
+`stages` list), and the loop's own stages: `evaluation` and `train_metrics`. The assembly that runs it is
+trainflow.run.assembly."""

@@ -15,9 +15,9 @@ import inspect
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from trainflow.config.targets import call, first_line, import_target
 from trainflow.errors import ConfigError, StageError, TrainflowError
 from trainflow.loop.stages import Stage, StageContext
+from trainflow.util.targets import call, first_line, import_target
 
 WHAT = "a trainflow.loop.stages.Stage subclass, e.g. mypackage.MyStage"
 ORDER_KEYS = ("before", "after")  # the assembly's keys of a stage's section, never given to its class

@@ -16,7 +16,7 @@ ones, in phase order; the throughput meter leaves out of the steady state the mo
 under `summary_key` (a dotted key nests it: `parallelism.check`). Stages tell each other things only through the
 loop state (trainflow.loop.state).
 
-Every stage has a `name` (trainflow's own: their key in trainflow.loop.run.STAGES; a stage of the config's
+Every stage has a `name` (trainflow's own: their key in trainflow.run.assembly.STAGES; a stage of the config's
 `stages` list: its key there) and may declare the stages it acts `before` and `after`: `ordered` sorts by phase,
 then by those declarations, then as listed, and refuses in one line a declaration that contradicts the phases or
 another. A stage from the config (trainflow.loop.configured) is made by calling its `_target_` with its keys and is
@@ -45,8 +45,8 @@ if TYPE_CHECKING:
     from trainflow.data import DataBundle
     from trainflow.distributed import DistEnv
     from trainflow.loggers.writer import MetricsWriter
+    from trainflow.loop.meter import Throughput
     from trainflow.loop.state import LoopState, TrainState
-    from trainflow.metrics.meter import Throughput
     from trainflow.tasks import Task
 
 __all__ = ["Phase", "Stage", "StageContext", "StepHooks", "ordered"]

@@ -1,4 +1,4 @@
-"""One optimizer step, and what it reads: the loop's (trainflow.loop.run) and the parity check's reference."""
+"""One optimizer step, and what it reads: the loop's (trainflow.run.assembly) and the parity check's reference."""
 
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ from trainflow.distributed.parallelism import local_loss, no_grad_sync
 from trainflow.distributed.pipeline import Pipeline
 from trainflow.loop.stages import Stage, StepHooks
 from trainflow.loop.state import LoopState
+from trainflow.metrics.regions import DATA, FWD_BWD, OPTIMIZER
 from trainflow.optim import gradient_norm
-from trainflow.profile.regions import DATA, FWD_BWD, OPTIMIZER
 from trainflow.tasks import Task, add_metrics
 
 

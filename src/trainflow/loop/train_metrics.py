@@ -3,7 +3,7 @@ metrics.jsonl (and TensorBoard) and the progress line; the run's first and last 
 
 Between log steps nothing is read from the device: the step losses stay there, in a list, until the log step.
 Beside the interval's mean step time (its wall time over its steps) goes the mean of its steady steps' device time,
-the figure another process's load moves least (trainflow.metrics.meter).
+the figure another process's load moves least (trainflow.loop.meter).
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ import torch
 from trainflow.distributed import DistEnv
 from trainflow.distributed.process_group import all_reduce_mean
 from trainflow.loggers.writer import MetricsWriter
+from trainflow.loop.meter import Counts, Throughput
 from trainflow.loop.stages import Phase, Stage, StageContext
 from trainflow.loop.state import LoopState
-from trainflow.metrics.meter import Counts, Throughput
 from trainflow.tasks import Task
 from trainflow.util.console import progress_reporter
 

@@ -7,8 +7,8 @@ from typing import Any
 
 from torch import nn
 
-from trainflow.config.targets import WHAT, call_target
 from trainflow.errors import ConfigError
+from trainflow.util.targets import WHAT, call_target
 
 
 def build_model(section: Mapping[str, Any]) -> nn.Module:

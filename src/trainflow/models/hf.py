@@ -6,8 +6,8 @@ from typing import Any
 
 from torch import nn
 
-from trainflow.data.tokenizers import import_hf
 from trainflow.errors import ConfigError
+from trainflow.util.optional import import_hf
 
 
 def gpt2(**config: Any) -> nn.Module:

@@ -1,2 +1,2 @@
-"""torch.profiler on a schedule: `profiler` (the profile stage: windows, traces, the operator table) and `verdict`
-(what bounds the step, in shares of its time, and the action to take)."""
+"""torch.profiler on a schedule: `profiler` (the profile stage: windows, traces, the operator table); what bounds the
+step is trainflow.metrics.verdict."""

@@ -7,7 +7,7 @@ splits the recorded step time into shares: waiting for data, forward/backward
 compute, optimizer compute, exposed communication, per-op overhead and
 compilation. The largest share names the bottleneck and the action to take.
 
-The analysis of a recorded window (what bounds the step) is trainflow.profile.verdict.
+The analysis of a recorded window (what bounds the step) is trainflow.metrics.verdict.
 """
 
 from __future__ import annotations
@@ -28,10 +28,10 @@ from torch.profiler import ProfilerActivity, profile, schedule
 from trainflow.config.schema import ProfilerConfig
 from trainflow.distributed import DistEnv
 from trainflow.errors import ConfigError
+from trainflow.loop.meter import Throughput
 from trainflow.loop.stages import Phase, Stage, StageContext
 from trainflow.loop.state import LoopState
-from trainflow.metrics.meter import Throughput
-from trainflow.profile.verdict import analyze_window, format_verdict, verdict
+from trainflow.metrics.verdict import analyze_window, format_verdict, verdict
 
 # torch's profiler (kineto) prints `USDT: ... profiler_start` and `profiler_stop` on stderr around each recording,
 # at a level above its errors: its log level 6 keeps them (and its own messages) off the console, unless the user

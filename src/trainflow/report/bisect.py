@@ -41,10 +41,10 @@ import yaml
 from trainflow.checkpoint.export import Source
 from trainflow.checkpoint.store import Committed, list_committed, resolve_dir
 from trainflow.errors import CheckpointError
+from trainflow.record.fingerprint import code_state
+from trainflow.record.summary_file import read_summary
 from trainflow.report.checkpoints import compare_sources, default_rtol
-from trainflow.report.fingerprint import code_state
 from trainflow.report.sides import CompareError
-from trainflow.report.summary_file import read_summary
 from trainflow.util.files import read_regular
 from trainflow.util.rundir import MARKER
 from trainflow.util.shown import shell_quoted, shown

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from trainflow.report.fingerprint import BUSY_SHARE, hashed_config
+from trainflow.record.fingerprint import BUSY_SHARE, hashed_config
 
 if TYPE_CHECKING:
     from trainflow.report.sides import RunView

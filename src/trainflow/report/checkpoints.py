@@ -24,8 +24,8 @@ import torch
 from trainflow.checkpoint.export import BATCH_BYTES, Source
 from trainflow.checkpoint.store import MANIFEST, list_committed, read_state
 from trainflow.errors import CheckpointError, ReceivedFileError
+from trainflow.record.summary_file import read_summary
 from trainflow.report.gates import FAIL, NOT_EVALUATED, PASS, Gate
-from trainflow.report.summary_file import read_summary
 from trainflow.util.tolerance import TOLERANCE, relative_error
 
 _STEP_DIR = re.compile(r"step_\d+")

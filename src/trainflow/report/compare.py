@@ -4,7 +4,7 @@ noise, the reasons their fingerprints give, and gates that make a regression fai
 A side is a run folder (its summary.json, metrics.jsonl, profile), a sweep folder (its jobs, paired with the other
 sweep's by their overrides), `ledger:<filters>` (runs of a ledger pooled as one side, e.g.
 `ledger:config=3f2a9c01d4e5,last=5`), or a checkpoint (a step_N folder, or a checkpoint dir: its newest;
-trainflow.report.checkpoints). Each figure of a pair of runs gets a verdict from trainflow.report.noise (faster,
+trainflow.report.checkpoints). Each figure of a pair of runs gets a verdict from trainflow.metrics.noise (faster,
 slower or the same, with the confidence the intervals give), and a figure that changed gets its likely cause: the
 first difference of the fingerprints that can explain it (the config, the code, the versions, the device, a busy
 machine, the host). `--fail-on step_time=+5%` fails (exit 1) when B's step time is more than 5% above A's and beyond
@@ -29,11 +29,12 @@ from pathlib import Path
 from typing import Any
 
 from trainflow.config.schema import TrainerConfig
-from trainflow.report import checkpoints, ledger, render_compare
+from trainflow.metrics.noise import MIN_SAMPLES, Band, judge
+from trainflow.record import ledger
+from trainflow.report import checkpoints, render_compare
 from trainflow.report.bisect import bisect
 from trainflow.report.causes import Note, likely_cause, notes
 from trainflow.report.gates import FAIL, Gate, check_kind, check_validation, evaluate_gate, parse_gate
-from trainflow.report.noise import MIN_SAMPLES, Band, judge
 from trainflow.report.runs import EXIT_GATE_FAILED
 from trainflow.report.sides import CompareError, RunView, Side, pairs, resolve_side
 from trainflow.util.tolerance import TOLERANCE
@@ -69,7 +70,7 @@ class Figure:
     tolerance: float
     min_abs: float = 0.0
     speed: bool = True
-    interval: str | None = None  # the name of its log-interval samples (trainflow.report.noise.INTERVAL_KEYS)
+    interval: str | None = None  # the name of its log-interval samples (trainflow.metrics.noise.INTERVAL_KEYS)
     directed: bool = True  # False: neither way is better (a validation metric the task does not monitor)
     wall: bool = False  # made of wall time: a busy machine's load moves it (judged then on `robust`, or not at all)
     robust: str | None = None  # the figure judged in its place when a run was timed on a busy machine
@@ -159,7 +160,7 @@ def own_value(runs: list[RunView], figure: Figure, values: list[float]) -> float
 
 
 def was_busy(runs: list[RunView]) -> bool:
-    """Whether a side's runs were timed on a busy machine (trainflow.report.fingerprint.machine_load)."""
+    """Whether a side's runs were timed on a busy machine (trainflow.record.fingerprint.machine_load)."""
     return any((r.fingerprint.get("load") or {}).get("busy") for r in runs)
 
 

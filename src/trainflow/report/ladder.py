@@ -27,16 +27,13 @@ Gates:
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import OmegaConf
 
-from trainflow.config.checks import check_config
 from trainflow.config.choices import LadderRung
 from trainflow.config.schema import LadderConfig
-from trainflow.errors import TrainflowError, user_error
 from trainflow.util.tolerance import TOLERANCE
 
 PASS, FAIL, WARN, NOT_EVALUATED = "PASS", "FAIL", "WARN", "NOT EVALUATED"
@@ -73,21 +70,6 @@ def register_resolvers() -> None:
                      ("trainflow_ladder_log_every", log_interval)):
         if not OmegaConf.has_resolver(name):
             OmegaConf.register_new_resolver(name, fn)
-
-
-def check_rungs(jobs: Iterable[tuple[int, DictConfig]]) -> None:
-    """Check every rung of a ladder sweep before the first starts: a rung that cannot run as composed (a
-    profiler window past trainer.max_steps, say) fails the sweep at once, in one line naming the rung, rather
-    than after the rungs before it trained. `jobs`: each job's number and task config; jobs that are no rung
-    are left to themselves."""
-    for num, task in jobs:
-        rung = OmegaConf.select(task, "ladder.rung")
-        if not rung:
-            continue
-        try:
-            check_config(task)
-        except TrainflowError as exc:
-            user_error(f"ladder={rung} (job #{num}): {exc}")
 
 
 @dataclass

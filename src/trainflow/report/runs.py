@@ -39,15 +39,15 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from trainflow.config.schema import LadderConfig, TrainerConfig, WorkerConfig, typed
-from trainflow.distributed.mesh import env_rank
 from trainflow.errors import ConfigError, ReceivedFileError, TrainflowError
 from trainflow.loggers.mlflow import finish_sweep
+from trainflow.metrics.noise import read_metrics_log
+from trainflow.record.summary_file import read_summary
 from trainflow.report import ladder
-from trainflow.report.noise import read_metrics_log
 from trainflow.report.render import markdown, write_png
-from trainflow.report.summary_file import read_summary
 from trainflow.util.files import SMALL_FILE_BYTES, read_regular, write_atomic
 from trainflow.util.locks import LOCK_FILE
+from trainflow.util.rank import env_rank
 from trainflow.util.shown import shown
 
 log = logging.getLogger(__name__)

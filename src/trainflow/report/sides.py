@@ -10,8 +10,9 @@ from pathlib import Path
 from typing import Any
 
 from trainflow.errors import TrainflowError
-from trainflow.report import ledger
-from trainflow.report.noise import read_metrics_log, steady_intervals
+from trainflow.metrics.noise import read_metrics_log, steady_intervals
+from trainflow.record import ledger
+from trainflow.report.ledger_list import parse_filters, select
 from trainflow.report.runs import find_runs, load_run, read_overrides
 from trainflow.util.shown import shown
 
@@ -87,10 +88,10 @@ def resolve_side(text: str, where: str, default_ledger: Path | None) -> Side:
 def _side(text: str, where: str, default_ledger: Path | None) -> Side:
     if text.startswith(LEDGER_PREFIX):
         words = [w for w in text.removeprefix(LEDGER_PREFIX).split(",") if w]
-        filters, path = ledger.parse_filters(words)
+        filters, path = parse_filters(words)
         path = path or default_ledger or ledger.default_path()
         lines, skipped = ledger.read(path)
-        chosen = ledger.select(lines, filters)
+        chosen = select(lines, filters)
         if not chosen:
             raise CompareError(f"{text} selects no run of {path} ({len(lines)} line(s)); trainflow ledger {path} "
                                "lists them")

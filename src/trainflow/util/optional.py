@@ -4,6 +4,7 @@ missing or broken, naming the key that needs it and the pip install that brings 
 from __future__ import annotations
 
 import importlib
+import os
 from types import ModuleType
 
 from trainflow.errors import ConfigError
@@ -23,3 +24,18 @@ def require(module: str, extra: str, key: str) -> ModuleType:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         raise ConfigError(f"{key}: {module} is installed but fails to import ({type(exc).__name__}: {first}); "
                           f"reinstall it: pip install --force-reinstall 'trainflow[{extra}]'") from None
+
+
+def import_hf(module: str, key: str) -> ModuleType:
+    """A library of the `hf` extra, or one line naming the key that needs it and the pip install that brings it."""
+    return require(module, "hf", key)
+
+
+def torchft_installed() -> bool:
+    """Whether torchft imports (its servers read RUST_LOG once, at import: quiet unless the user asks)."""
+    os.environ.setdefault("RUST_LOG", "warn")  # they log every quorum and commit at info
+    try:
+        import torchft  # noqa: F401 (lazy: torchft is the ft extra)
+    except ImportError:
+        return False
+    return True

@@ -50,10 +50,10 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from torch.distributed import TCPStore
 
-from trainflow.distributed.mesh import env_rank
 from trainflow.errors import ConfigError, TrainflowError, user_error
 from trainflow.util.files import SMALL_FILE_BYTES, cannot_write, not_a_file, read_regular
 from trainflow.util.locks import LOCK_FILE, DirLock, held_by_another
+from trainflow.util.rank import env_rank
 
 RUN_DIR_ENV = "TRAINFLOW_RUN_DIR"  # set by our launchers for the processes they start
 RUNS_DIR = "outputs/runs"  # where runs with a stable identity live, one folder per run name

@@ -26,6 +26,7 @@ WHAT = {"model": "an nn.Module class, e.g. mypackage.models.MyNet",
         "data": "a function or class returning (train, val) datasets",
         "task": "a callable of (model, batch) returning (loss, metrics)",
         "optim": "a torch.optim.Optimizer class, e.g. torch.optim.AdamW or mypackage.MyOptimizer"}
+OPTIMIZER = WHAT["optim"]
 
 
 # The folder a command that builds your code ran in (trainflow train, export, prepare): set once by the command,

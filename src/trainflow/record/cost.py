@@ -24,9 +24,9 @@ from typing import Any
 import torch
 
 from trainflow.distributed.process_group import DistEnv, all_reduce_mean
+from trainflow.loop.meter import Throughput
 from trainflow.loop.stages import Phase, Stage, StageContext
 from trainflow.loop.state import LoopState
-from trainflow.metrics.meter import Throughput
 
 SMI_TIMEOUT_S = 10.0
 

@@ -27,7 +27,7 @@ import yaml
 from trainflow.checkpoint.store import list_committed, resolve_dir
 from trainflow.config.schema import RunConfig, plain
 from trainflow.errors import ConfigError, TrainflowError
-from trainflow.report.summary_file import read_summary, upgraded
+from trainflow.record.summary_file import read_summary, upgraded
 from trainflow.util.files import LOG_FILE_BYTES, read_regular
 from trainflow.util.shown import shown
 

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from trainflow.report.noise import percentile
+from trainflow.metrics.noise import percentile
 from trainflow.util.device import device_sync
 
 if TYPE_CHECKING:

@@ -37,9 +37,7 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from trainflow.checkpoint.stopping import EXIT_STOPPED, catch_stop_signals
 from trainflow.config.schema import RunConfig
-from trainflow.config.targets import user_folder_importable
 from trainflow.distributed.failures import WorkerError, explain_worker_failure, record_failure
-from trainflow.distributed.mesh import env_rank
 from trainflow.distributed.process_group import (
     _preflight,
     cpu_group_note,
@@ -48,11 +46,13 @@ from trainflow.distributed.process_group import (
     resolve_device,
     resolve_nproc,
 )
-from trainflow.distributed.watchdog import hang_report
 from trainflow.errors import TrainflowError
-from trainflow.loop.run import train
+from trainflow.guards.watchdog import hang_report
+from trainflow.run.assembly import train
 from trainflow.util.console import FileOnly, RunLogHandler
+from trainflow.util.rank import env_rank
 from trainflow.util.rundir import results_begin
+from trainflow.util.targets import user_folder_importable
 
 log = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ It holds the versions (trainflow, torch, CUDA, the driver, Python), the device's
 project's git commit (and whether the checkout was dirty) when the run starts inside one, a hash of the resolved
 config (less the keys that only say where outputs go) and of the model's tensor shapes (the checkpoints' model
 fingerprint), the machine's load during the steady state, the steady log intervals' step-time band
-(trainflow.report.noise), and what a replay needs: the interpreter, the trainflow command of this job with its
+(trainflow.metrics.noise), and what a replay needs: the interpreter, the trainflow command of this job with its
 overrides, the working directory and the environment variables that change the code or the arithmetic (information:
 bisect takes only the thread counts from it).
 
@@ -36,10 +36,10 @@ from trainflow.checkpoint.state import model_shapes
 from trainflow.config.schema import RunConfig, plain
 from trainflow.distributed.mesh import ranks_per_node
 from trainflow.distributed.process_group import DistEnv, node_count
+from trainflow.loop.meter import Throughput
 from trainflow.loop.stages import Phase, Stage, StageContext
 from trainflow.loop.state import LoopState
-from trainflow.metrics.meter import Throughput
-from trainflow.report.noise import Band, read_metrics, steady_intervals
+from trainflow.metrics.noise import Band, read_metrics, steady_intervals
 from trainflow.util.device import cpu_name
 
 # Keys that say where outputs go or how they are shown (and priced): runs that differ only in them ran the same config.

@@ -5,7 +5,7 @@ The sweep folder is `multirun/<sweep name>`: trainer.sweep_name, else a name mad
 (swept and fixed, short and shell-safe as a run's folder is: rundir.folder_name; SweepFolder, a Hydra callback,
 notes it at the sweep's start), so running the same `-m` command again finds the same folder. In it a job whose
 summary.json is complete (not a stop on a signal) and whose config equals the job's is skipped with one line; any
-other job runs, resuming from its committed checkpoint when it has one (trainflow.report.kept: never over the
+other job runs, resuming from its committed checkpoint when it has one (trainflow.record.kept: never over the
 results of another config). A sweep folder that holds another sweep (its multirun.yaml names other overrides) is
 refused in one line.
 
@@ -29,12 +29,12 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
+from trainflow.config.checks import check_config
 from trainflow.config.schema import RunConfig
-from trainflow.distributed.mesh import env_rank
 from trainflow.errors import ConfigError, TrainflowError, user_error
-from trainflow.report import kept
-from trainflow.report.ladder import check_rungs
+from trainflow.record import kept
 from trainflow.util.files import write_atomic
+from trainflow.util.rank import env_rank
 from trainflow.util.rundir import existing_or_new, override_key, run_identity, run_name, run_name_problem
 
 SWEEPS_DIR = "multirun"  # where sweeps without hydra.sweep.dir live, one folder per sweep name
@@ -109,9 +109,23 @@ def check_same_sweep(folder: Path, hydra_cfg: Any) -> None:
 
 def check_before_start(jobs: Iterable[tuple[int, DictConfig]]) -> None:
     """What refuses a whole sweep before its first job starts, given each job's number and task config as it will
-    run: a ladder rung that cannot run (trainflow.report.ladder). Other sweeps run their good jobs and report the
-    bad."""
+    run: a ladder rung that cannot run (check_rungs). Other sweeps run their good jobs and report the bad."""
     check_rungs(jobs)
+
+
+def check_rungs(jobs: Iterable[tuple[int, DictConfig]]) -> None:
+    """Check every rung of a ladder sweep before the first starts: a rung that cannot run as composed (a
+    profiler window past trainer.max_steps, say) fails the sweep at once, in one line naming the rung, rather
+    than after the rungs before it trained. `jobs`: each job's number and task config; jobs that are no rung
+    are left to themselves."""
+    for num, task in jobs:
+        rung = OmegaConf.select(task, "ladder.rung")
+        if not rung:
+            continue
+        try:
+            check_config(task)
+        except TrainflowError as exc:
+            user_error(f"ladder={rung} (job #{num}): {exc}")
 
 
 def is_sweep_job(hydra_cfg: Any) -> bool:
@@ -163,7 +177,7 @@ def claim_checkpoint_dir(ckpt_dir: Path, identity: str) -> None:
 
 def finished(job_dir: Path, cfg: RunConfig) -> dict[str, Any] | None:
     """The summary of a job that finished in `job_dir` with the config `cfg` (the checked one), else None: no
-    summary, a cut-off one, a stop on a signal (it resumes), or another config (see trainflow.report.kept)."""
+    summary, a cut-off one, a stop on a signal (it resumes), or another config (see trainflow.record.kept)."""
     return kept.finished(kept.read_earlier(job_dir), cfg)
 
 

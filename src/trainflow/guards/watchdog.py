@@ -50,9 +50,9 @@ from trainflow.distributed import DistEnv
 from trainflow.distributed.failures import SaveHung, hang_line, rank_list, record_failure
 from trainflow.distributed.process_group import self_launched, watchdog_on
 from trainflow.errors import print_error
+from trainflow.loop.meter import Throughput
 from trainflow.loop.stages import Phase, Stage, StageContext
 from trainflow.loop.state import LoopState
-from trainflow.metrics.meter import Throughput
 from trainflow.util.activity import BUSY_ACTIVITIES, SAVE_ACTIVITIES, Activity, current, threads_doing
 from trainflow.util.files import write_atomic
 

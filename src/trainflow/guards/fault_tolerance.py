@@ -63,16 +63,6 @@ TORCHFT = "torchft"
 LIGHTHOUSE_START_S = 60.0  # the longest a started lighthouse may take to answer (an interpreter importing torch)
 
 
-def torchft_installed() -> bool:
-    """Whether torchft imports (its servers read RUST_LOG once, at import: quiet unless the user asks)."""
-    os.environ.setdefault("RUST_LOG", "warn")  # they log every quorum and commit at info
-    try:
-        import torchft  # noqa: F401 (lazy: torchft is the ft extra)
-    except ImportError:
-        return False
-    return True
-
-
 def replica_groups(parallelism: Any) -> int:
     """Replica groups whose ranks share the data stream and the gradients (1 without fault tolerance)."""
     return int(parallelism.ft.replica_groups) if parallelism.fault_tolerance == TORCHFT else 1

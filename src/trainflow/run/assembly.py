@@ -24,44 +24,44 @@ from trainflow.checkpoint import Checkpointer
 from trainflow.checkpoint.store import resolve_dir
 from trainflow.compile.compiler import Compiler
 from trainflow.config.schema import CompileConfig, RunConfig, TrainerConfig, plain
-from trainflow.config.targets import origins
 from trainflow.data import IterableBatches, StreamSampler, build_datasets, make_loader, to_device
 from trainflow.data.stream import STREAM_VERSION
 from trainflow.distributed import DistEnv, memory_plan
 from trainflow.distributed.failures import note_step
-from trainflow.distributed.fault_tolerance import FaultTolerance, data_share, replica_groups
 from trainflow.distributed.parallelism import loss_context_of, parallelize, unwrap
-from trainflow.distributed.parity import ParityCheck, parallelism_summary
 from trainflow.distributed.pipeline import Pipeline, StageParts
 from trainflow.distributed.process_group import per_rank_batch, process_group
-from trainflow.distributed.stragglers import Stragglers
-from trainflow.distributed.watchdog import Watchdog
+from trainflow.guards.fault_tolerance import FaultTolerance, data_share, replica_groups
+from trainflow.guards.nonfinite import NonFiniteGuard
+from trainflow.guards.parity import ParityCheck, parallelism_summary
+from trainflow.guards.stragglers import Stragglers
+from trainflow.guards.watchdog import Watchdog
 from trainflow.loggers import FAILED, FINISHED, KILLED, build_loggers
 from trainflow.loggers.writer import MetricsWriter
 from trainflow.loop.configured import configured_stages
 from trainflow.loop.evaluation import Evaluation
-from trainflow.loop.nonfinite import NonFiniteGuard
+from trainflow.loop.meter import PeakMemory, Throughput, host_load
 from trainflow.loop.stages import Stage, StageContext, StepHooks, ordered, overrides
 from trainflow.loop.state import LoopState
 from trainflow.loop.step import Training, train_step, unnamed
 from trainflow.loop.train_metrics import TrainMetrics
 from trainflow.metrics.batch_fit import check_batch
-from trainflow.metrics.cost import Cost
 from trainflow.metrics.flops import count_train_flops, mfu, peak_flops
-from trainflow.metrics.meter import PeakMemory, Throughput, host_load
 from trainflow.models import build_model
 from trainflow.optim import build_optimizer, schedule_changes_lr
 from trainflow.profile.profiler import Profiler
-from trainflow.report import ledger
-from trainflow.report.fingerprint import Fingerprint
-from trainflow.report.kept import keep_summary_aside
-from trainflow.report.summary_file import FORMAT as SUMMARY_FORMAT
+from trainflow.record import ledger
+from trainflow.record.cost import Cost
+from trainflow.record.fingerprint import Fingerprint
+from trainflow.record.kept import keep_summary_aside
+from trainflow.record.summary_file import FORMAT as SUMMARY_FORMAT
 from trainflow.tasks import build_task, probe
 from trainflow.util.console import FILE_ONLY, RunFacts, end_lines, start_header
 from trainflow.util.device import autocast_for, configure_matmul, matmul_math
 from trainflow.util.files import write_json_atomic
 from trainflow.util.rundir import results_begin
 from trainflow.util.seeding import SEED_STRIDE, seed_everything
+from trainflow.util.targets import origins
 
 log = logging.getLogger("trainflow")
 

@@ -30,7 +30,7 @@ from typing import Any
 
 from torch.autograd import DeviceType
 
-from trainflow.profile.regions import CHECKPOINT, DATA, FWD_BWD, OPTIMIZER
+from trainflow.metrics.regions import CHECKPOINT, DATA, FWD_BWD, OPTIMIZER
 
 SMALL_OP_US = 20.0  # on CPU, an operator whose self time is shorter than this is dispatch overhead
 # A call this many times slower than the same call in the other recorded steps was descheduled (a busy
