@@ -71,6 +71,26 @@ def test_a_compile_declares_itself_through_dynamos_callbacks() -> None:
     assert current(threading.get_ident()) is Activity.STEP  # over once compiled
 
 
+def test_a_compile_after_dynamos_reset_still_declares_itself() -> None:
+    """`torch._dynamo.reset()` (a user's code, a test) clears every compile callback: the next compile stage
+    registers them again, once."""
+    seen: list[Activity] = []
+
+    def backend(graph: torch.fx.GraphModule, example: list[torch.Tensor]):
+        seen.append(current(threading.get_ident()))
+        return graph.forward
+
+    _declare_compiles()
+    torch._dynamo.reset()
+    _declare_compiles()
+    _declare_compiles()
+    compiled = torch.compile(lambda x: torch.relu(x) + 1, backend=backend)
+    assert torch.equal(compiled(torch.tensor([-1.0, 3.0])), torch.tensor([1.0, 4.0]))
+    assert seen == [Activity.COMPILING]
+    assert current(threading.get_ident()) is Activity.STEP
+    assert len(torch._dynamo.callback.callback_handler.start_callbacks) == 1
+
+
 class _WatchedWriter(ChecksummingWriter):
     """DCP's writer as trainflow uses it, noting what the thread writing each shard had declared."""
 

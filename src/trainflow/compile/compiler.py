@@ -585,18 +585,22 @@ def _yaml(value: Any) -> str:
     return "null" if value is None else str(value).lower()
 
 
-_compiles_declared = False
+def _compile_started(_: object) -> None:
+    started(Activity.COMPILING)
+
+
+def _compile_ended(_: object) -> None:
+    ended(Activity.COMPILING)
 
 
 def _declare_compiles() -> None:
     """From now on, a compile (the first, and every recompile, on whichever step) declares itself to the watchdog,
-    through dynamo's own compile callbacks: it makes no step for a while and is not a hang."""
-    global _compiles_declared
-    if _compiles_declared:
-        return
+    through dynamo's own compile callbacks: it makes no step for a while and is not a hang. Registered again when
+    they are gone: `torch._dynamo.reset()` (a user's, or a test's) clears every callback."""
     # lazy: torch._dynamo costs ~0.4 s at start; only compiled runs need it
     from torch._dynamo.callback import callback_handler
 
-    callback_handler.register_start_callback(lambda _: started(Activity.COMPILING))
-    callback_handler.register_end_callback(lambda _: ended(Activity.COMPILING))
-    _compiles_declared = True
+    if _compile_started not in callback_handler.start_callbacks:
+        callback_handler.register_start_callback(_compile_started)
+    if _compile_ended not in callback_handler.end_callbacks:
+        callback_handler.register_end_callback(_compile_ended)
