@@ -7,15 +7,16 @@ from typing import Any
 
 from torch import nn
 
+from trainflow.config.schema import ModelSection
 from trainflow.config.targets import WHAT, call_target
 from trainflow.errors import ConfigError
 
 
-def build_model(section: Mapping[str, Any]) -> nn.Module:
+def build_model(section: ModelSection) -> nn.Module:
     """`model._target_(**model)`, with a one-line error naming the key when the class or its arguments are wrong.
     A key that is itself a section with a `_target_` (a backbone, say) is instantiated first, as Hydra would."""
-    target = section["_target_"]
-    kwargs = {k: _built(f"model.{k}", v) for k, v in section.items() if k != "_target_"}
+    target = str(section._target_)
+    kwargs = {k: _built(f"model.{k}", v) for k, v in section.kwargs.items()}
     model = call_target("model", target, kwargs, WHAT["model"])
     if not isinstance(model, nn.Module):
         raise ConfigError(f"model._target_: {target} is not an nn.Module (it made a {type(model).__name__} "
