@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
-from trainflow.config.schema import ModelSection
 from trainflow.config.targets import WHAT, call_target
 from trainflow.errors import ConfigError
+
+if TYPE_CHECKING:  # a type only: trainflow.config.schema imports the built-in models' classes
+    from trainflow.config.schema import ModelSection
 
 
 def build_model(section: ModelSection) -> nn.Module:
