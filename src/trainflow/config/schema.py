@@ -4,17 +4,18 @@ Each config group option's YAML starts from one of these dataclasses (registered
 unknown key, a wrong type or a value outside a closed choice (trainflow.config.choices) is refused by Hydra with the
 key's full name before any work starts. The model, data, task and optim schemas are open to keys they lack (a
 user's `_target_` takes its own); trainflow.config.sections settles which keys each `_target_` is called with.
-`typed_run` types the composed config once; the run reads that, never the DictConfig. Value checks a type cannot
-express (positive steps, combinations of groups) live in trainflow.config.checks.
+`typed_run` types the composed config once; the run reads that, never the DictConfig: a section of your code as
+its section type (ModelSection, DataSection, ...), trainflow's keys as its fields and the keys its `_target_` is
+called with in `kwargs`. Value checks a type cannot express (positive steps, combinations of groups) live in
+trainflow.config.checks.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import difflib
 import inspect
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields, make_dataclass
+from dataclasses import dataclass, field, fields, make_dataclass, replace
 from typing import Any, TypeVar, get_type_hints
 
 from hydra.core.config_store import ConfigStore
@@ -659,12 +660,12 @@ def called_section(section: Mapping[str, Any], schema: type[Called], name: str) 
     trainflow's own) as its section type `schema`: trainflow's keys typed, the others in `kwargs`."""
     group = name.split(".")[0]
     own = set(OWN_KEYS.get(group, ()))
-    given = {k: v for k, v in section.items() if k in own and k != "collate_fn"}
+    given = {k: v for k, v in section.items() if k in own and k != "collate_fn"}  # a collate's keys: yours, as given
     made = typed({**given, "_target_": section.get("_target_")}, schema, name)
     kwargs = {k: v for k, v in section.items() if k not in own and k != "_target_"}
     keys = [*section, *(k for k in DEFAULTED_KEYS.get(group, ()) if k not in section)]
     extra = {"collate_fn": section.get("collate_fn")} if schema is DataSection else {}
-    return dataclasses.replace(made, kwargs=kwargs, keys=[str(k) for k in keys], **extra)
+    return replace(made, kwargs=kwargs, keys=[str(k) for k in keys], **extra)
 
 
 def plain(cfg: RunConfig) -> dict[str, Any]:
