@@ -75,7 +75,7 @@ def handwritten_rate(cfg, steps: int, warmup: int) -> float:
     """The plain loop: the same model, optimizer, schedule, batches and threads as trainflow's run."""
     torch.manual_seed(cfg.trainer.seed)
     data = build_datasets(cfg.data, cfg.model.vocab_size is not None)
-    model = build_model(cfg.model)
+    model = build_model(cfg.model._target_, cfg.model.kwargs)
     optimizer, scheduler = build_optimizer(model, cfg.optim, steps, torch.device("cpu"))
     b, n = cfg.trainer.batch_size, len(data.train)
     per_epoch = n // b
@@ -99,7 +99,7 @@ class LiteralLoop:
 
     def __init__(self, cfg, seed: int) -> None:
         torch.manual_seed(seed)
-        self.model = build_model(cfg.model)
+        self.model = build_model(cfg.model._target_, cfg.model.kwargs)
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=cfg.optim.lr,
                                          momentum=cfg.optim.kwargs["momentum"])
         self.criterion = nn.CrossEntropyLoss()
@@ -259,7 +259,7 @@ def part_by_part(cfg_of: Callable[[int], Any], steps: int, warmup: int) -> dict[
     def literal_with(data_path: bool, optimizer_and_schedule: bool, trainflow_loss: bool,
                      metrics: bool = False) -> float:
         torch.manual_seed(cfg.trainer.seed)
-        model = build_model(cfg.model)
+        model = build_model(cfg.model._target_, cfg.model.kwargs)
         if optimizer_and_schedule:
             optimizer, scheduler = build_optimizer(model, cfg.optim, steps, torch.device("cpu"))
             scheduler = scheduler if schedule_changes_lr(cfg.optim) else None  # as train_step does

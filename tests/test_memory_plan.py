@@ -171,7 +171,7 @@ def test_slurm_four_nodes_of_eight_gpus_rendezvous_once_and_auto_picks_hsdp_8_by
     register_configs()
     with initialize_config_dir(str(CONFIG_DIR), version_base=None):
         cfg = check_config(compose("train", overrides=[*TINY_GPT, "parallelism=auto"]))
-    model = build_model(cfg.model)
+    model = build_model(cfg.model._target_, cfg.model.kwargs)
     example = (torch.zeros(1, cfg.model.block_size, dtype=torch.long),) * 2
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=32)
 

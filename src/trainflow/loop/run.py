@@ -125,7 +125,7 @@ def assemble(cfg: RunConfig, run_dir: Path, env: DistEnv,
     trainer = _set_up_process(cfg, run_dir, env)
     loggers = build_loggers(cfg.logger) if env.is_main else {}  # a missing extra stops the run here, in one line
     data = build_datasets(cfg.data, cfg.model.vocab_size is not None)
-    model = build_model(cfg.model).to(env.device)
+    model = build_model(str(cfg.model._target_), cfg.model.kwargs).to(env.device)
     parameters = sum(p.numel() for p in model.parameters())
     task = build_task(cfg.task, data.is_lm)
     first_two = data.train[torch.arange(min(2, len(data.train)))]  # two: items the collate cannot batch show
