@@ -546,8 +546,12 @@ class OptimSection(CalledSection, OptimConfig):
 class StageSection(CalledSection):
     """A `stages.<name>` section: the stage class, its arguments, and the assembly's order keys."""
 
-    before: Any = None  # a stage's name or a list of them: this stage runs before those (null: no such order)
+    before: Any = None  # a stage's name or a list of them: this stage runs before those
     after: Any = None
+
+    def order(self) -> dict[str, Any]:
+        """The order keys the section gives (a null one too: it clears the class's own order), by key."""
+        return {key: getattr(self, key) for key in ORDER_KEYS if key in self.keys}
 
 
 ORDER_KEYS = ("before", "after")  # the assembly's keys of a stage's section (StageSection), never given to its class

@@ -29,22 +29,22 @@ HOOKS = ("setup", "wrap_model", "resume", "start", "load_state_dict", "state_dic
 def configured_stages(sections: Mapping[str, StageSection], ctx: StageContext, taken_names: set[str]) -> list[Stage]:
     """Each `stages.<name>` section's stage, made and set up (`taken_names`: trainflow's own stages' names)."""
     stages = []
-    for name, keys in sections.items():
+    for name, settings in sections.items():
         if name in taken_names:
             raise ConfigError(f"stages.{name}: trainflow has a stage of that name; name yours otherwise")
-        stage = make_stage(name, keys)
+        stage = make_stage(name, settings)
         stage.setup(ctx)
         stages.append(stage)
     return stages
 
 
-def make_stage(name: str, keys: StageSection) -> Stage:
+def make_stage(name: str, settings: StageSection) -> Stage:
     """`_target_(**kwargs)` of `stages.<name>`, its keys checked, its order declarations set, its hooks guarded."""
-    section, target, kwargs = f"stages.{name}", keys._target_, keys.kwargs
+    section, target, kwargs = f"stages.{name}", settings._target_, settings.kwargs
     if not target:
         raise ConfigError(f"{section}: no _target_; give {section}._target_ the import path of {WHAT}, or leave it "
                          "out of stages=[...]")
-    order = {key: _names(section, key, getattr(keys, key)) for key in ORDER_KEYS if getattr(keys, key) is not None}
+    order = {key: _names(section, key, value) for key, value in settings.order().items()}
     stage_class = import_target(f"{section}._target_", str(target), WHAT)
     if not (inspect.isclass(stage_class) and issubclass(stage_class, Stage)):
         raise ConfigError(f"{section}._target_: {target} is not a trainflow stage; give {WHAT}")
