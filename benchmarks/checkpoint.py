@@ -33,11 +33,10 @@ from pathlib import Path
 
 import torch
 import xxhash
-from omegaconf import OmegaConf
 
 from trainflow.checkpoint import Checkpointer, TrainState, split_state
 from trainflow.checkpoint.safe_io import ChecksummingWriter
-from trainflow.config.schema import CheckpointConfig
+from trainflow.config.schema import CheckpointConfig, typed_section
 from trainflow.distributed import DistEnv
 from trainflow.models.gpt import GPT
 from trainflow.optim import build_optimizer
@@ -49,7 +48,7 @@ OPTIM = {"_target_": "torch.optim.AdamW", "lr": 1e-4, "weight_decay": 0.1, "beta
 def build(layers: int, width: int) -> TrainState:
     torch.manual_seed(0)
     model = GPT(vocab_size=256, block_size=128, n_layer=layers, n_head=8, n_embd=width)
-    optimizer, scheduler = build_optimizer(model, OmegaConf.create(OPTIM), 10_000, torch.device("cpu"))
+    optimizer, scheduler = build_optimizer(model, typed_section("optim", OPTIM), 10_000, torch.device("cpu"))
     state = TrainState(model, optimizer, scheduler)
     train_step(state, batch(4))  # AdamW allocates its moments on the first step
     return state

@@ -40,7 +40,6 @@ from typing import Any
 
 import torch
 from hydra import compose, initialize_config_dir
-from hydra.utils import instantiate
 from torch import nn
 
 from trainflow.cli import register_with_hydra
@@ -49,6 +48,7 @@ from trainflow.config.checks import check_config
 from trainflow.data import StreamSampler, build_datasets, make_loader
 from trainflow.distributed.process_group import process_group
 from trainflow.loop.stages import Stage
+from trainflow.models import build_model
 from trainflow.optim import build_optimizer, schedule_changes_lr
 from trainflow.run.assembly import assemble, train, train_loop, train_step
 from trainflow.tasks import build_task, cross_entropy
@@ -74,8 +74,8 @@ def trainflow_rate(cfg) -> float:
 def handwritten_rate(cfg, steps: int, warmup: int) -> float:
     """The plain loop: the same model, optimizer, schedule, batches and threads as trainflow's run."""
     torch.manual_seed(cfg.trainer.seed)
-    data = build_datasets(cfg.data, "vocab_size" in cfg.model)
-    model = instantiate(cfg.model)
+    data = build_datasets(cfg.data, cfg.model.vocab_size is not None)
+    model = build_model(cfg.model._target_, cfg.model.kwargs)
     optimizer, scheduler = build_optimizer(model, cfg.optim, steps, torch.device("cpu"))
     b, n = cfg.trainer.batch_size, len(data.train)
     per_epoch = n // b
@@ -99,10 +99,11 @@ class LiteralLoop:
 
     def __init__(self, cfg, seed: int) -> None:
         torch.manual_seed(seed)
-        self.model = instantiate(cfg.model)
-        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=cfg.optim["lr"], momentum=cfg.optim["momentum"])
+        self.model = build_model(cfg.model._target_, cfg.model.kwargs)
+        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=cfg.optim.lr,
+                                         momentum=cfg.optim.kwargs["momentum"])
         self.criterion = nn.CrossEntropyLoss()
-        self.shape = (cfg.trainer.batch_size, cfg.model["in_features"], cfg.model["out_features"])
+        self.shape = (cfg.trainer.batch_size, cfg.model.kwargs["in_features"], cfg.model.kwargs["out_features"])
 
     def steps(self, count: int) -> None:
         batch, features, classes = self.shape
@@ -250,7 +251,7 @@ def part_by_part(cfg_of: Callable[[int], Any], steps: int, warmup: int) -> dict[
     every step, which trainflow does only at log steps unless task.train_metrics=every_step), then
     trainflow's `train_step` alone, its `train_loop` with the stage list emptied, and the whole loop."""
     cfg = cfg_of(steps)
-    data = build_datasets(cfg.data, "vocab_size" in cfg.model)
+    data = build_datasets(cfg.data, cfg.model.vocab_size is not None)
     timed = {}
 
     task = build_task(cfg.task, data.is_lm)  # classify: the loss, accuracy and top-5 accuracy of every step
@@ -258,17 +259,18 @@ def part_by_part(cfg_of: Callable[[int], Any], steps: int, warmup: int) -> dict[
     def literal_with(data_path: bool, optimizer_and_schedule: bool, trainflow_loss: bool,
                      metrics: bool = False) -> float:
         torch.manual_seed(cfg.trainer.seed)
-        model = instantiate(cfg.model)
+        model = build_model(cfg.model._target_, cfg.model.kwargs)
         if optimizer_and_schedule:
             optimizer, scheduler = build_optimizer(model, cfg.optim, steps, torch.device("cpu"))
             scheduler = scheduler if schedule_changes_lr(cfg.optim) else None  # as train_step does
         else:
-            optimizer, scheduler = torch.optim.SGD(model.parameters(), lr=cfg.optim["lr"],
-                                                   momentum=cfg.optim["momentum"]), None
+            optimizer, scheduler = torch.optim.SGD(model.parameters(), lr=cfg.optim.lr,
+                                                   momentum=cfg.optim.kwargs["momentum"]), None
         sampler = StreamSampler(len(data.train), cfg.trainer.batch_size, 0, 1, cfg.trainer.seed)
         batches = iter(make_loader(data.train, sampler, cfg.data, False))
         criterion = nn.CrossEntropyLoss()
-        batch, features, classes = cfg.trainer.batch_size, cfg.model["in_features"], cfg.model["out_features"]
+        mlp = cfg.model.kwargs
+        batch, features, classes = cfg.trainer.batch_size, mlp["in_features"], mlp["out_features"]
         for step in range(steps):
             if step == warmup:
                 start = time.thread_time()

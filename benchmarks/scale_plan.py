@@ -32,7 +32,7 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from trainflow.config.schema import FSDPConfig, OptimConfig
+from trainflow.config.schema import FSDPConfig, OptimConfig, OptimSection
 from trainflow.distributed import DistEnv
 from trainflow.distributed.memory_estimate import Layout, estimate, local_bytes, model_facts
 from trainflow.distributed.mesh import MeshLayout, data_parallel_mesh, mesh_for
@@ -61,7 +61,7 @@ def simulate(name: str, world_size: int, strategy: str, tp: int = 1,
              ranks_per_node: int = RANKS_PER_NODE) -> dict[str, Any]:
     """Rank 0's bytes under `strategy` (fsdp | hsdp) x `tp` at `world_size` fake ranks, and the plan's estimate."""
     fsdp_cfg = OmegaConf.structured(FSDPConfig)
-    optim_cfg = OmegaConf.structured(OptimConfig)
+    optim_cfg = OptimSection(_target_=OptimConfig._target_)
     dp = world_size // tp
     shard_size = ranks_per_node // tp if strategy == "hsdp" else dp
     facts = model_facts(meta_gpt(name), optim_cfg, fsdp_cfg)  # before sharding: the model as the plan sees it
@@ -102,7 +102,7 @@ def simulate_pp(name: str, world_size: int, pp: int) -> dict[str, Any]:
     """Rank 0's bytes under FSDP x `pp` at `world_size` fake ranks (the larger of the first and the last stage),
     and the estimate."""
     fsdp_cfg = OmegaConf.structured(FSDPConfig)
-    optim_cfg = OmegaConf.structured(OptimConfig)
+    optim_cfg = OptimSection(_target_=OptimConfig._target_)
     dp = world_size // pp
     facts = model_facts(meta_gpt(name), optim_cfg, fsdp_cfg)
     layers = MODELS[name]["n_layer"]

@@ -22,6 +22,7 @@ from omegaconf import OmegaConf
 
 from trainflow.checkpoint.store import TMP_MARKER
 from trainflow.conf import CONFIG_DIR
+from trainflow.config.schema import typed_section
 from trainflow.util.locks import LOCK_FILE
 
 # 12 steps, a checkpoint every 4; evaluation only at the end, on 2 batches.
@@ -385,7 +386,7 @@ def _state(seed: int = 0):
     model = MLP(in_features=8, hidden=16, out_features=4)
     optim_cfg = OmegaConf.create({"_target_": "torch.optim.AdamW", "lr": 1e-2, "weight_decay": 0.1,
                                   "betas": [0.9, 0.95], "warmup_steps": 2, "min_lr_ratio": 0.1, "schedule": "cosine"})
-    optimizer, scheduler = build_optimizer(model, optim_cfg, 100, torch.device("cpu"))
+    optimizer, scheduler = build_optimizer(model, typed_section("optim", optim_cfg), 100, torch.device("cpu"))
     return TrainState(model, optimizer, scheduler)
 
 
@@ -398,7 +399,7 @@ def _gpt_state():
     model = GPT(vocab_size=256, block_size=32, n_layer=2, n_head=2, n_embd=64)
     optim_cfg = OmegaConf.create({"_target_": "torch.optim.AdamW", "lr": 1e-3, "weight_decay": 0.1,
                                   "betas": [0.9, 0.95], "warmup_steps": 2, "min_lr_ratio": 0.1, "schedule": "cosine"})
-    return TrainState(model, *build_optimizer(model, optim_cfg, 12, torch.device("cpu")))
+    return TrainState(model, *build_optimizer(model, typed_section("optim", optim_cfg), 12, torch.device("cpu")))
 
 
 def _step(state) -> None:

@@ -18,6 +18,7 @@ from helpers.checkpoints import checkpointer, make_state, records, rewrite_manif
 
 from trainflow.checkpoint.safe_io import RAW_RECORD, ChecksummingWriter, SafeReader, file_checksum, read_metadata
 from trainflow.checkpoint.state import FORMAT, flatten, split_state
+from trainflow.config.schema import typed_section
 from trainflow.errors import CheckpointError
 
 
@@ -203,7 +204,6 @@ def test_weights_of_another_layout_are_refused_before_loading(tmp_path: Path) ->
     all heads to head by head): a model that declares a weights_layout has it saved with each checkpoint, and one
     saved before (no layout: 1) or in another layout is refused in one line, nothing loaded."""
     from helpers.checkpoints import OPTIM
-    from omegaconf import OmegaConf
 
     from trainflow.checkpoint import TrainState
     from trainflow.models.gpt import GPT
@@ -218,7 +218,7 @@ def test_weights_of_another_layout_are_refused_before_loading(tmp_path: Path) ->
     def laid_out() -> TrainState:
         model = LaidOut(in_features=8, hidden=16, out_features=4)
         model.load_state_dict(make_state(seed=1).model.state_dict())
-        return TrainState(model, *build_optimizer(model, OmegaConf.create(OPTIM), 100, torch.device("cpu")))
+        return TrainState(model, *build_optimizer(model, typed_section("optim", OPTIM), 100, torch.device("cpu")))
 
     train_and_save(tmp_path, 2, laid_out(), save_final=False)
     folder = tmp_path / "ckpts" / "step_00000002"

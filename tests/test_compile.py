@@ -9,17 +9,17 @@ from __future__ import annotations
 import inspect
 import json
 import os
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 from helpers.runs import TINY_GPT, Run, one_line_error, train
-from omegaconf import OmegaConf
 from torch import nn
 
 from trainflow.compile.compiler import NOT_ASKED
 from trainflow.conf import CONFIG_DIR
-from trainflow.config.schema import CompileConfig, TrainerConfig
+from trainflow.config.schema import CompileConfig, DataSection, TrainerConfig
 from trainflow.data import StreamSampler, SyntheticTokens, make_loader
 from trainflow.distributed import DistEnv
 from trainflow.errors import ConfigError
@@ -411,9 +411,8 @@ def test_cache_dir_is_expanded_and_exported_for_inductor(fresh_dynamo: None, tmp
 
 def test_seq_lens_cut_micro_batches_by_stream_position() -> None:
     data = SyntheticTokens(num_samples=64, vocab_size=256, seq_len=16, seed=0)
-    cfg = OmegaConf.create({"num_workers": 0, "persistent_workers": False, "prefetch_factor": None,
-                            "seq_lens": [4, 8, 16]})
-    uncut = OmegaConf.merge(cfg, {"seq_lens": None})
+    cfg = DataSection(num_workers=0, persistent_workers=False, prefetch_factor=None, seq_lens=[4, 8, 16])
+    uncut = replace(cfg, seq_lens=None)
     full = iter(make_loader(data, StreamSampler(64, 4, 0, 2, seed=1), uncut, False))
     cut = iter(make_loader(data, StreamSampler(64, 4, 0, 2, seed=1), cfg, False))
     for k in range(5):

@@ -70,8 +70,9 @@ OPEN_SECTIONS = {"model": {"_target_": "trainflow.models.mlp.MLP", "hidden": 8},
 def test_the_run_config_is_typed_once_from_plain_values() -> None:
     """The boundary (what validation returns, what a launched worker gets): trainflow's sections as their
     dataclasses, nested ones too, the schema's defaults filling what the values leave out, closed choices as their
-    Enum members; the sections of your code stay the plain keys it is called with; torchft's settings only in a run
-    that uses it, the ladder's only in a ladder job."""
+    Enum members; the sections of your code as their section types (trainflow's keys typed, the keys your
+    `_target_` is called with apart, in `kwargs`), written back as given; torchft's settings only in a run that uses
+    it, the ladder's only in a ladder job."""
     run = config.typed_run({"trainer": {"max_steps": 7, "eval_every": 3},
                             "parallelism": {"strategy": "hsdp", "fsdp": {"wrap": "blocks"}, "hsdp": {"shard_size": 2}},
                             **OPEN_SECTIONS})
@@ -81,7 +82,10 @@ def test_the_run_config_is_typed_once_from_plain_values() -> None:
         (1_000_000, 2, 300.0)
     assert run.trainer.eval_interval() == 3 and run.trainer.batch_size == config.TrainerConfig.batch_size
     assert run.parallelism.watchdog.enabled is Auto.auto and run.parallelism.ft is None
-    assert run.model == OPEN_SECTIONS["model"] and not hasattr(run, "ladder")
+    assert config.plain(run)["model"] == OPEN_SECTIONS["model"] and not hasattr(run, "ladder")
+    assert type(run.model) is config.ModelSection and run.model.kwargs == {"hidden": 8}
+    assert (run.optim._target_, run.optim.lr, run.optim.kwargs) == ("torch.optim.SGD", 0.1, {})
+    assert (run.data._target_, run.data.num_workers, run.data.kwargs) == ("mine.data", 0, {})
     with_ft = config.typed_run({"parallelism": {"fault_tolerance": "torchft", "ft": {"replica_id": 1}},
                                 "ladder": {"rung": "ddp"}, **OPEN_SECTIONS})
     assert type(with_ft) is config.LadderRunConfig and with_ft.ladder.rung is LadderRung.ddp

@@ -10,13 +10,13 @@ from pathlib import Path
 
 import pytest
 from helpers.runs import ROOT, losses_by_step, train
-from omegaconf import OmegaConf
 from streams import ShardedNumbers, VectorStream
 from torch.utils.data import default_collate
 
+from trainflow.config.schema import DataSection
 from trainflow.data.iterable import IterableBatches, IterableSource
 
-LOADER = OmegaConf.create({"num_workers": 2, "persistent_workers": False, "prefetch_factor": 2, "seq_lens": None})
+LOADER = DataSection(num_workers=2, persistent_workers=False, prefetch_factor=2, seq_lens=None)
 BATCH = 4  # 8 shards x 8 items on 2 ranks x 2 workers: 2 shards, 4 micro-batches a worker, 8 a rank, a pass
 
 

@@ -22,6 +22,7 @@ from helpers.runs import ROOT, TINY_GPT, losses_by_step, start, train, wait_for_
 
 from trainflow.checkpoint import check_intact, list_committed
 from trainflow.conf import CONFIG_DIR
+from trainflow.config.schema import DataSection
 from trainflow.data.shards import MANIFEST, ShardWindows, prepare, read_manifest, shard_datasets, shard_name
 from trainflow.data.stream import StreamSampler
 from trainflow.data.text import Corpus
@@ -323,15 +324,13 @@ def test_a_mapped_shard_truncated_is_refused_not_a_bus_error(prepared: Path, tmp
 def test_a_loader_workers_shard_error_is_one_line(prepared: Path, tmp_path: Path) -> None:
     """A shard removed after the check at start, first read by a DataLoader worker: the error comes out as it was
     raised, one line, not torch's `Caught DataError in DataLoader worker process 0.` and the worker's traceback."""
-    from omegaconf import OmegaConf
-
     from trainflow.data import make_loader
 
     shutil.copytree(prepared, tmp_path / "prepared")
     train_set, _, manifest = shard_datasets(tmp_path / "prepared", 32, 0.05)
     for shard in manifest["shards"]:
         (tmp_path / "prepared" / shard["name"]).unlink()
-    cfg = OmegaConf.create({"num_workers": 1, "persistent_workers": False, "prefetch_factor": 2, "seq_lens": None})
+    cfg = DataSection(num_workers=1, persistent_workers=False, prefetch_factor=2, seq_lens=None)
     with pytest.raises(DataError) as raised:
         next(iter(make_loader(train_set, StreamSampler(len(train_set), 2, 0, 1, seed=0), cfg, False)))
     assert "\n" not in str(raised.value)

@@ -10,12 +10,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from omegaconf import OmegaConf
 from torch import nn
 
 from trainflow.compile.compiler import effective_mode
 from trainflow.config.checks import check_compile, check_parallelism
-from trainflow.config.schema import FSDPConfig, RunConfig, typed_run
+from trainflow.config.schema import DataSection, FSDPConfig, RunConfig, typed_run
 from trainflow.data import Pinned, StreamSampler, SyntheticTokens, TokenWindows, VariableLengths, make_loader
 from trainflow.distributed import DistEnv
 from trainflow.distributed.parallelism import fsdp_dtypes
@@ -249,8 +248,7 @@ def test_batches_are_contiguous_and_pinning_comes_after_cutting() -> None:
     synthetic = SyntheticTokens(64, 256, 16, seed=0)
     for dataset in (windows, synthetic):
         assert all(t.is_contiguous() for t in dataset[torch.arange(4)])
-    loader_cfg = OmegaConf.create({"num_workers": 0, "seq_lens": [8, 16], "persistent_workers": False,
-                                   "prefetch_factor": None})
+    loader_cfg = DataSection(num_workers=0, seq_lens=[8, 16], persistent_workers=False, prefetch_factor=None)
     loader = make_loader(synthetic, StreamSampler(64, 4, 0, 1, seed=0), loader_cfg, pin_memory=True)
     assert isinstance(loader, Pinned) and isinstance(loader.loader, VariableLengths)
     unpinned = make_loader(synthetic, StreamSampler(64, 4, 0, 1, seed=0), loader_cfg, pin_memory=False)

@@ -5,14 +5,15 @@ dataset's own state_dict; what cannot continue exactly (another world size) is s
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 from helpers.runs import ROOT, losses_by_step, train
-from omegaconf import OmegaConf
 from streams import StatefulVectorStream, VectorStream
 
+from trainflow.config.schema import DataSection
 from trainflow.data import IterableBatches, IterableSource
 from trainflow.errors import ConfigError, DataError
 
@@ -79,7 +80,7 @@ class TensorStateStream(StatefulVectorStream):
         return {"position": torch.tensor(self.position)}
 
 
-LOADER = OmegaConf.create({"num_workers": 0, "persistent_workers": False, "prefetch_factor": None})
+LOADER = DataSection(num_workers=0, persistent_workers=False, prefetch_factor=None)
 
 
 def test_a_state_json_cannot_hold_or_seq_lens_are_refused_and_ranks_share_the_stream() -> None:
@@ -89,7 +90,7 @@ def test_a_state_json_cannot_hold_or_seq_lens_are_refused_and_ranks_share_the_st
         IterableBatches(bad, 0, 1, 4, LOADER, False).check(None, 1)
     source = IterableSource(VectorStream(10, 8, 3, 0), torch.utils.data.default_collate, "streams.vector_stream")
     with pytest.raises(ConfigError, match=r"^data.seq_lens: cuts the micro-batches .* streams.vector_stream is an "):
-        IterableBatches(source, 0, 1, 4, OmegaConf.merge(LOADER, {"seq_lens": [2]}), False)
+        IterableBatches(source, 0, 1, 4, replace(LOADER, seq_lens=[2]), False)
     firsts = [next(iter(IterableBatches(source, rank, 2, 2, LOADER, False)))[0] for rank in range(2)]
     whole = source[torch.arange(4)][0]  # the first 4 items of the stream: rank 0 takes 0 and 2, rank 1 takes 1, 3
     assert torch.equal(firsts[0], whole[0::2]) and torch.equal(firsts[1], whole[1::2])

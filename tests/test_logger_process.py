@@ -24,7 +24,7 @@ from helpers.processes import left_behind
 from helpers.runs import ROOT, TINY_GPT, ok, start, train, wait_for, wait_for_log
 from omegaconf import OmegaConf
 
-from trainflow.config.schema import plain, typed_run
+from trainflow.config.schema import named_sections, plain, typed_run
 from trainflow.loggers import RunInfo, build_loggers
 from trainflow.loggers.process import ANSWER_TIMEOUT_S, MAX_UNANSWERED, ProcessLogger
 from trainflow.loggers.writer import STOPPED_FINISH_S, MetricsWriter
@@ -47,7 +47,8 @@ def calls(path: Path) -> list[list]:
 
 
 def build(path: Path) -> ProcessLogger:
-    logger = build_loggers({"recording": {"_target_": TARGET, "path": str(path)}})["recording"]
+    sections = named_sections("logger", {"recording": {"_target_": TARGET, "path": str(path)}})
+    logger = build_loggers(sections)["recording"]
     assert isinstance(logger, ProcessLogger)
     return logger
 
@@ -130,7 +131,8 @@ def test_a_failed_call_is_raised_by_the_next_and_the_child_goes(tmp_path: Path) 
 
 
 def test_a_logger_that_cannot_be_built_stops_the_start_in_one_line(tmp_path: Path) -> None:
-    logger = build_loggers({"recording": {"_target_": TARGET, "path": str(tmp_path), "colour": "red"}})["recording"]
+    keys = {"_target_": TARGET, "path": str(tmp_path), "colour": "red"}
+    logger = build_loggers(named_sections("logger", {"recording": keys}))["recording"]
     with pytest.raises(Exception, match=r"^logger.recording: helpers.recording_logger.RecordingLogger\(path=.*, "
                                         r"colour=red\) failed: TypeError: .*colour.*; "
                                         r"fix the logger.recording.\* values$"):
@@ -141,9 +143,10 @@ def test_the_child_ends_when_the_trainer_dies(tmp_path: Path) -> None:
     """A trainer killed outright (SIGKILL: no finish) closes the pipe by dying: its logger's process sends what it
     holds (`settle`) and exits too."""
     script = (f"import sys; sys.path.insert(0, {str(ROOT / 'tests')!r})\n"
+              "from trainflow.config.schema import named_sections\n"
               "from trainflow.loggers import build_loggers, RunInfo\n"
-              f"logger = build_loggers({{'recording': {{'_target_': {TARGET!r}, 'path': {str(tmp_path / 'c')!r}}}}})"
-              "['recording']\n"
+              f"keys = {{'_target_': {TARGET!r}, 'path': {str(tmp_path / 'c')!r}}}\n"
+              "logger = build_loggers(named_sections('logger', {'recording': keys}))['recording']\n"
               f"logger.start(RunInfo({str(tmp_path)!r}, {{}}, '', {{}}, 'r', None, None, None, 1))\n"
               "print(logger._child.pid, flush=True)\n"
               "import os, signal; os.kill(os.getpid(), signal.SIGKILL)\n")
@@ -163,8 +166,9 @@ def test_the_child_of_a_dead_trainer_says_nothing_of_its_broken_pipe(tmp_path: P
     two share."""
     keys = {"_target_": TARGET, "path": str(tmp_path / "c"), "stall": "scalars", "stall_s": 1.0}
     script = (f"import sys; sys.path.insert(0, {str(ROOT / 'tests')!r})\n"
+              "from trainflow.config.schema import named_sections\n"
               "from trainflow.loggers import build_loggers, RunInfo\n"
-              f"logger = build_loggers({{'recording': {keys!r}}})['recording']\n"
+              f"logger = build_loggers(named_sections('logger', {{'recording': {keys!r}}}))['recording']\n"
               f"logger.start(RunInfo({str(tmp_path)!r}, {{}}, '', {{}}, 'r', None, None, None, 1))\n"
               "logger.scalars(1, {'train/loss': 1.0})\n"
               "import os, signal, time; time.sleep(0.5); os.kill(os.getpid(), signal.SIGKILL)\n")
@@ -365,12 +369,12 @@ def test_a_logger_raising_any_base_exception_is_dropped_and_the_run_goes_on(
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(plain(CONFIG)))
-    loggers = build_loggers({
+    loggers = build_loggers(named_sections("logger", {
         name: {"_target_": f"helpers.recording_logger.{cls}", "path": str(tmp_path / f"{name}.jsonl"),
                "raises": raised, "from_step": 2}
-        for name, cls in (("here", "InProcessRecordingLogger"), ("apart", "RecordingLogger"))})
-    loggers["steady"] = build_loggers({"steady": {"_target_": "helpers.recording_logger.InProcessRecordingLogger",
-                                                  "path": str(tmp_path / "steady.jsonl")}})["steady"]
+        for name, cls in (("here", "InProcessRecordingLogger"), ("apart", "RecordingLogger"))}))
+    steady = {"_target_": "helpers.recording_logger.InProcessRecordingLogger", "path": str(tmp_path / "steady.jsonl")}
+    loggers["steady"] = build_loggers(named_sections("logger", {"steady": steady}))["steady"]
     writer = MetricsWriter(run_dir, True, loggers)
     with caplog.at_level(logging.WARNING, logger="trainflow.loggers.writer"):
         writer.start(CONFIG, 1, None)

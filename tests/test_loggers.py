@@ -21,7 +21,7 @@ from helpers.processes import run_process
 from helpers.runs import ROOT, TINY_GPT, start, wait_for
 from omegaconf import OmegaConf
 
-from trainflow.config.schema import plain, typed_run
+from trainflow.config.schema import named_sections, plain, typed_run
 from trainflow.loggers.mlflow import MLflowLogger
 from trainflow.loggers.tensorboard import TensorBoardLogger
 from trainflow.loggers.writer import MetricsWriter
@@ -329,8 +329,8 @@ def test_a_server_killed_mid_run_is_said_once_and_the_run_goes_on(server: Server
     from trainflow.loggers import build_loggers
     from trainflow.loggers.process import ProcessLogger
 
-    loggers = build_loggers({"mlflow": {"_target_": "trainflow.loggers.mlflow.MLflowLogger",
-                                        "tracking_uri": server.uri}})
+    loggers = build_loggers(named_sections("logger", {"mlflow": {"_target_": "trainflow.loggers.mlflow.MLflowLogger",
+                                                                 "tracking_uri": server.uri}}))
     assert isinstance(loggers["mlflow"], ProcessLogger)
     run = writer(tmp_path / "run", **loggers)
     run.start(CONFIG, 1, None)
@@ -355,7 +355,7 @@ def test_a_logger_of_ones_own_is_one_yaml_with_a_target(tmp_path: Path, monkeypa
 
     monkeypatch.syspath_prepend(str(ROOT / "examples" / "my_project"))
     section = OmegaConf.load(ROOT / "examples" / "my_project" / "conf" / "logger" / "csv.yaml")
-    run = writer(tmp_path / "run", **build_loggers(section))
+    run = writer(tmp_path / "run", **build_loggers(named_sections("logger", OmegaConf.to_container(section))))
     run.start(CONFIG, 1, None)
     run.write(2, {"train/loss": 1.5, "perf/mfu": float("nan"), "note": "text"})  # finite numbers only
     run.finish("FINISHED")

@@ -14,6 +14,7 @@ import pytest
 from helpers.runs import TINY_GPT, Run, ok, train
 
 from trainflow.conf import CONFIG_DIR
+from trainflow.config.schema import typed_section
 from trainflow.distributed.memory_estimate import ModelFacts
 from trainflow.distributed.memory_plan import GB
 
@@ -170,8 +171,8 @@ def test_slurm_four_nodes_of_eight_gpus_rendezvous_once_and_auto_picks_hsdp_8_by
     register_configs()
     with initialize_config_dir(str(CONFIG_DIR), version_base=None):
         cfg = check_config(compose("train", overrides=[*TINY_GPT, "parallelism=auto"]))
-    model = build_model(cfg.model)
-    example = (torch.zeros(1, cfg.model["block_size"], dtype=torch.long),) * 2
+    model = build_model(cfg.model._target_, cfg.model.kwargs)
+    example = (torch.zeros(1, cfg.model.block_size, dtype=torch.long),) * 2
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=32)
 
     def with_budget(gb: float) -> RunConfig:
@@ -204,7 +205,7 @@ def tiny_facts() -> ModelFacts:
     import torch
     from omegaconf import OmegaConf
 
-    from trainflow.config.schema import FSDPConfig, OptimConfig
+    from trainflow.config.schema import FSDPConfig, OptimSection
     from trainflow.distributed.memory_estimate import model_facts
     from trainflow.models.gpt import GPT
     from trainflow.tasks import LanguageModel
@@ -212,11 +213,11 @@ def tiny_facts() -> ModelFacts:
     torch.manual_seed(0)
     model = GPT(n_layer=2, n_head=4, n_embd=64, block_size=32)
     example = (torch.randint(0, 256, (4, 32)),) * 2
-    return model_facts(model, OmegaConf.structured(OptimConfig), OmegaConf.structured(FSDPConfig), example,
+    return model_facts(model, OptimSection(_target_="torch.optim.AdamW"), OmegaConf.structured(FSDPConfig), example,
                        LanguageModel(), contextlib.nullcontext())
 
 
-TINY = {"n_head": 4, "n_embd": 64}
+TINY = typed_section("model", {"n_head": 4, "n_embd": 64})
 
 
 def test_tp_degrees_stay_inside_a_node_and_divide_the_heads(tiny_facts: ModelFacts) -> None:
@@ -226,7 +227,8 @@ def test_tp_degrees_stay_inside_a_node_and_divide_the_heads(tiny_facts: ModelFac
 
     assert tp_degrees(tiny_facts, TINY, 8, 8) == (2, 4)  # 8 does not divide 4 heads
     assert tp_degrees(tiny_facts, TINY, 16, 2) == (2,)  # a node of 2 ranks: tp 2 at most
-    assert tp_degrees(tiny_facts, {"n_head": 6, "n_embd": 96}, 12, 6) == (2, 3, 6)  # all divide 6 heads, 96
+    six_heads = typed_section("model", {"n_head": 6, "n_embd": 96})
+    assert tp_degrees(tiny_facts, six_heads, 12, 6) == (2, 3, 6)  # all divide 6 heads, 96
     assert tp_degrees(tiny_facts, TINY, 1, 1) == ()
     assert tp_degrees(replace(tiny_facts, tp_dims=None), TINY, 8, 8) == ()  # a model without a TP plan
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 from helpers.runs import TINY_GPT, ok, train
 
+from trainflow.config.schema import typed_section
 from trainflow.optim import build_optimizer
 
 SHORT = [*TINY_GPT, "trainer.max_steps=6", "trainer.eval_steps=2", "checkpoint=dcp", "checkpoint.every_steps=6"]
@@ -71,7 +72,7 @@ def test_the_schedule_and_groups_are_trainflows_whatever_the_optimizer() -> None
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
     optim = {"_target_": "torch.optim.RMSprop", "lr": 0.1, "weight_decay": 0.0, "alpha": 0.9, "warmup_steps": 2,
              "min_lr_ratio": 0.1, "schedule": "cosine"}
-    optimizer, scheduler = build_optimizer(model, optim, 10, torch.device("cpu"))
+    optimizer, scheduler = build_optimizer(model, typed_section("optim", optim), 10, torch.device("cpu"))
     assert type(optimizer) is torch.optim.RMSprop and len(optimizer.param_groups) == 1
     assert optimizer.param_groups[0]["alpha"] == 0.9
     lrs = []

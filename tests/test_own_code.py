@@ -255,11 +255,10 @@ def test_a_nested_target_is_built_first_and_its_failure_names_its_key() -> None:
 
     layer = {"_target_": "torch.nn.TransformerEncoderLayer", "d_model": 8, "nhead": 2, "dim_feedforward": 16,
              "batch_first": True}
-    model = build_model({"_target_": "torch.nn.TransformerEncoder", "encoder_layer": layer, "num_layers": 2})
+    model = build_model("torch.nn.TransformerEncoder", {"encoder_layer": layer, "num_layers": 2})
     assert len(model.layers) == 2 and model.layers[0].linear1.out_features == 16
     with pytest.raises(ConfigError) as err:
-        build_model({"_target_": "torch.nn.TransformerEncoder", "num_layers": 2,
-                     "encoder_layer": {**layer, "nhead": 3}})
+        build_model("torch.nn.TransformerEncoder", {"num_layers": 2, "encoder_layer": {**layer, "nhead": 3}})
     assert str(err.value).startswith("model.encoder_layer: torch.nn.TransformerEncoderLayer(d_model=8, nhead=3, "
                                      "dim_feedforward=16, batch_first=True) failed: AssertionError: ")
     assert str(err.value).endswith("; fix the model.encoder_layer.* values")

@@ -5,38 +5,38 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
-from trainflow.config.schema import SCHEDULE_KEYS
+from trainflow.config.schema import OptimSection
 from trainflow.errors import ConfigError
 from trainflow.util.targets import OPTIMIZER, call, import_target
 
 FUSED_ON_CUDA = (torch.optim.AdamW, torch.optim.Adam)  # one kernel for the whole update, unless optim.fused says
 
 
-def optimizer_arguments(optim: Mapping[str, Any]) -> dict[str, Any]:
-    """What the optimizer is called with besides the parameters: the section less `_target_` and the schedule's
-    keys (lists as tuples, as torch's signatures have them: `betas`)."""
-    return {k: tuple(v) if isinstance(v, Sequence) and not isinstance(v, str) else v
-            for k, v in optim.items() if k != "_target_" and k not in SCHEDULE_KEYS}
+def optimizer_arguments(optim: OptimSection) -> dict[str, Any]:
+    """What the optimizer is called with besides the parameter groups: lr and its own arguments (lists as tuples,
+    as torch's signatures have them: `betas`); weight decay is set per group, the schedule is trainflow's."""
+    return {"lr": optim.lr, **{k: tuple(v) if isinstance(v, Sequence) and not isinstance(v, str) else v
+                               for k, v in optim.kwargs.items()}}
 
 
-def build_optimizer(model: nn.Module, optim: Mapping[str, Any], max_steps: int, device: torch.device):
+def build_optimizer(model: nn.Module, optim: OptimSection, max_steps: int, device: torch.device):
     """Build on the final (wrapped, sharded) parameters; no weight decay on biases and norms (one parameter group
     when optim.weight_decay is 0: a second group costs ~8 us a step on a small model)."""
     arguments = optimizer_arguments(optim)
-    decay = arguments.pop("weight_decay", 0.0)
+    decay = optim.weight_decay
     params = [p for p in model.parameters() if p.requires_grad]
     if decay:
         groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": decay},
                   {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
     else:
         groups = [{"params": params, "weight_decay": 0.0}]
-    target = str(optim["_target_"])
+    target = str(optim._target_)
     cls = import_target("optim._target_", target, OPTIMIZER)
     if cls in FUSED_ON_CUDA and device.type == "cuda":
         arguments.setdefault("fused", True)
@@ -46,8 +46,8 @@ def build_optimizer(model: nn.Module, optim: Mapping[str, Any], max_steps: int, 
                           f"give {OPTIMIZER}")
 
     # plain values: the schedule runs every step, and each config read costs ~20 us
-    warmup, constant = int(optim["warmup_steps"]), optim["schedule"] == "constant"
-    floor = float(optim["min_lr_ratio"])
+    warmup, constant = int(optim.warmup_steps), optim.schedule == "constant"
+    floor = float(optim.min_lr_ratio)
 
     def factor(step: int) -> float:
         if step < warmup:
@@ -61,10 +61,10 @@ def build_optimizer(model: nn.Module, optim: Mapping[str, Any], max_steps: int, 
     return optimizer, scheduler
 
 
-def schedule_changes_lr(optim: Mapping[str, Any]) -> bool:
+def schedule_changes_lr(optim: OptimSection) -> bool:
     """Whether the schedule ever changes the LR: a constant one without warm-up need not be stepped. The resume
     puts the schedule at the checkpoint's step whatever its saved position (checkpoint.state.restore_schedule)."""
-    return optim["schedule"] != "constant" or optim["warmup_steps"] > 0
+    return optim.schedule != "constant" or optim.warmup_steps > 0
 
 
 def gradient_norm(parameters: list[torch.Tensor], clip: float, counted: list[torch.Tensor] | None = None,

@@ -22,12 +22,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from trainflow.config.schema import BuiltinTaskConfig, TaskConfig, typed
+from trainflow.config.schema import TaskSection
 from trainflow.errors import ConfigError, DataError
 from trainflow.util.targets import WHAT, bound_callable
 
 Metrics = dict[str, torch.Tensor]
-TASK_KEYS = tuple(BuiltinTaskConfig.__dataclass_fields__)  # trainflow's keys of a task; a _target_ gets the others
 
 
 class Task:
@@ -151,15 +150,11 @@ class UserTask(Task):
                               "return (loss, {name: scalar tensor})")
 
 
-def build_task(section: Mapping[str, Any], lm_data: bool) -> Task:
+def build_task(task: TaskSection, lm_data: bool) -> Task:
     """The task the config names; kind=auto: lm for language-model data (a model with a vocab_size), else classify."""
-    target = section.get("_target_")
-    if target:  # the user's keyword arguments beside trainflow's keys: no schema to type it with
-        monitor, mode = (section.get(key, getattr(TaskConfig, key)) for key in ("monitor", "mode"))
-        kwargs = {k: v for k, v in section.items() if k not in (*TASK_KEYS, "_target_")}
-        fn = bound_callable("task", target, kwargs, WHAT["task"])
-        return UserTask(fn, target, monitor, mode)
-    task = typed(section, BuiltinTaskConfig, "task")
+    if task._target_:  # the user's callable, bound to its keyword arguments
+        fn = bound_callable("task", task._target_, task.kwargs, WHAT["task"])
+        return UserTask(fn, task._target_, task.monitor, task.mode)
     kind = task.kind if task.kind != "auto" else "lm" if lm_data else "classify"
     if kind == "lm":
         return LanguageModel(task.monitor, task.mode, task.loss_from_model)

@@ -13,7 +13,7 @@ from omegaconf import OmegaConf
 
 from trainflow.checkpoint import Checkpointer, TrainState
 from trainflow.checkpoint.safe_io import read_metadata
-from trainflow.config.schema import CheckpointConfig
+from trainflow.config.schema import CheckpointConfig, typed_section
 from trainflow.distributed import DistEnv
 from trainflow.models.mlp import MLP
 from trainflow.optim import build_optimizer
@@ -82,7 +82,8 @@ SGD = {**{k: v for k, v in OPTIM.items() if k != "betas"}, "_target_": "torch.op
 def make_state(seed: int = 0, base: dict = OPTIM, **optim) -> TrainState:
     torch.manual_seed(seed)
     model = MLP(in_features=8, hidden=16, out_features=4)
-    return TrainState(model, *build_optimizer(model, {**base, **optim}, 100, torch.device("cpu")))
+    optimizer = build_optimizer(model, typed_section("optim", {**base, **optim}), 100, torch.device("cpu"))
+    return TrainState(model, *optimizer)
 
 
 def step(state: TrainState) -> None:

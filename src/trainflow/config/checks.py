@@ -19,7 +19,14 @@ from omegaconf.errors import InterpolationResolutionError, MissingMandatoryValue
 
 from trainflow.config.choices import BYTE_VOCAB
 from trainflow.config.command_line import command_line_keys, single_run
-from trainflow.config.schema import LadderRunConfig, ParallelismConfig, RunConfig, TextDataConfig, typed_run
+from trainflow.config.schema import (
+    LadderRunConfig,
+    OptimSection,
+    ParallelismConfig,
+    RunConfig,
+    TextDataConfig,
+    typed_run,
+)
 from trainflow.config.sections import check_targets_given, settled_sections
 from trainflow.errors import ConfigError
 from trainflow.util.files import cannot_write
@@ -28,50 +35,51 @@ from trainflow.util.rundir import run_name_problem
 from trainflow.util.targets import OPTIMIZER, import_target
 
 
-def check_optimizer(optim: dict[str, Any]) -> None:
+def check_optimizer(optim: OptimSection) -> None:
     """optim._target_ imports as an optimizer class (whether it takes the section's keys: trainflow.config.sections)."""
-    target = str(optim["_target_"])
+    target = str(optim._target_)
     cls = import_target("optim._target_", target, OPTIMIZER)
     _require(inspect.isclass(cls) and issubclass(cls, torch.optim.Optimizer), "optim._target_",
              f"{target} is not a torch.optim.Optimizer class; give {OPTIMIZER}")
 
 
-def check_optim(optim: dict[str, Any]) -> None:
-    """The schedule's and the optimizer's values a type cannot check."""
-    _require(optim["lr"] > 0, "optim.lr", f"must be > 0; got {optim['lr']}")
-    _require(optim["weight_decay"] >= 0, "optim.weight_decay", f"must be >= 0; got {optim['weight_decay']}")
-    _require(optim["warmup_steps"] >= 0, "optim.warmup_steps", f"must be >= 0; got {optim['warmup_steps']}")
-    _require(0 <= optim["min_lr_ratio"] <= 1, "optim.min_lr_ratio", f"must be in [0, 1]; got {optim['min_lr_ratio']}")
-    if "betas" in optim:
-        betas = list(optim["betas"])
+def check_optim(optim: OptimSection) -> None:
+    """The schedule's and the optimizer's values a type cannot check (betas and momentum: the optimizer's own)."""
+    _require(optim.lr > 0, "optim.lr", f"must be > 0; got {optim.lr}")
+    _require(optim.weight_decay >= 0, "optim.weight_decay", f"must be >= 0; got {optim.weight_decay}")
+    _require(optim.warmup_steps >= 0, "optim.warmup_steps", f"must be >= 0; got {optim.warmup_steps}")
+    _require(0 <= optim.min_lr_ratio <= 1, "optim.min_lr_ratio", f"must be in [0, 1]; got {optim.min_lr_ratio}")
+    arguments = optim.kwargs
+    if "betas" in arguments:
+        betas = list(arguments["betas"])
         _require(len(betas) == 2, "optim.betas", f"must be two numbers, e.g. [0.9,0.95]; got {betas}")
         _require(all(0 <= b < 1 for b in betas), "optim.betas", f"each must be in [0, 1), e.g. [0.9,0.95]; got {betas}")
-    if "momentum" in optim:
-        _require(optim["momentum"] >= 0, "optim.momentum", f"must be >= 0; got {optim['momentum']}")
+    if "momentum" in arguments:
+        _require(arguments["momentum"] >= 0, "optim.momentum", f"must be >= 0; got {arguments['momentum']}")
     check_optimizer(optim)
 
 
 def check_task(cfg: RunConfig) -> None:
     """Task values a type cannot check; whether task.monitor exists is known once the task ran on a sample."""
     task = cfg.task
-    if task.get("_target_"):
+    if task._target_:
         return
-    _require(task["top_k"] > 0, "task.top_k", f"must be a positive integer; got {task['top_k']}")
-    lm = task["kind"] == "lm" or (task["kind"] == "auto" and "vocab_size" in cfg.model)
-    _require(not task["loss_from_model"] or lm, "task.loss_from_model",
+    _require(task.top_k > 0, "task.top_k", f"must be a positive integer; got {task.top_k}")
+    lm = task.kind == "lm" or (task.kind == "auto" and cfg.model.vocab_size is not None)
+    _require(not task.loss_from_model or lm, "task.loss_from_model",
              "is for language models (task=lm); set it to false, or task.kind=lm")
 
 
 def check_compile(cfg: RunConfig) -> None:
     """Compile values a type cannot check (the backend name is checked where dynamo is imported)."""
     data = cfg.data
-    if data.get("seq_lens") is not None:
-        lens = list(data["seq_lens"])
+    if data.seq_lens is not None:
+        lens = list(data.seq_lens)
         _require(len(lens) > 0, "data.seq_lens", "is empty: give lengths, e.g. data.seq_lens=[32,64,128], or null")
-        _require("vocab_size" in cfg.model, "data.seq_lens",
+        _require(cfg.model.vocab_size is not None, "data.seq_lens",
                  "varies sequence lengths, which needs a language model (model=gpt_*); set it to null")
-        _require(all(0 < n <= data["seq_len"] for n in lens), "data.seq_lens",
-                 f"each length must be in [1, data.seq_len={data['seq_len']}]; got {lens}")
+        _require(all(0 < n <= data.seq_len for n in lens), "data.seq_lens",
+                 f"each length must be in [1, data.seq_len={data.seq_len}]; got {lens}")
     compile_ = cfg.compile
     if not compile_.enabled:
         return
@@ -218,9 +226,9 @@ def check_pipeline(cfg: RunConfig) -> None:
     _require(not cfg.compile.enabled or cfg.compile.scope != "model", "compile.scope",
              f"model compiles the model's forward, which parallelism.pp={p.pp} splits into stages; use "
              "compile.scope=blocks (or null)")
-    _require(cfg.data.get("seq_lens") is None, "data.seq_lens", f"varies the batch's shape, and "
+    _require(cfg.data.seq_lens is None, "data.seq_lens", f"varies the batch's shape, and "
              f"parallelism.pp={p.pp} sends activations of one shape between stages; set data.seq_lens=null")
-    _require(not cfg.task.get("_target_") and not cfg.task.get("loss_from_model"), "parallelism.pp",
+    _require(not cfg.task._target_ and not cfg.task.loss_from_model, "parallelism.pp",
              f"{p.pp}: the last pipeline stage computes the loss from the model's output and the batch's targets "
              "(task=lm or classify), and this task computes it from the model itself; use task=lm or task=classify")
 
@@ -267,9 +275,9 @@ def check_fault_tolerance(cfg: RunConfig) -> None:
 def check_tp_sizes(cfg: RunConfig) -> None:
     """Tensor parallel splits trainflow's GPT by heads and hidden units: tp must divide each of them."""
     tp, model = cfg.parallelism.tp, cfg.model
-    if tp in (1, -1) or "n_head" not in model or "n_embd" not in model:
+    if tp in (1, -1) or model.n_head is None or model.n_embd is None:
         return
-    bad = [f"model.{key}={model[key]}" for key in ("n_head", "n_embd") if model[key] % tp]
+    bad = [f"model.{key}={size}" for key, size in (("n_head", model.n_head), ("n_embd", model.n_embd)) if size % tp]
     _require(not bad, "parallelism.tp", f"{tp} does not divide {' and '.join(bad)}: each TP rank takes whole heads "
              f"and an equal share of the hidden units; use a parallelism.tp that divides both, or change the model")
 
@@ -371,41 +379,43 @@ def _non_finite(node: Any, key: str = "") -> tuple[str, Any] | None:
 def check_model(cfg: RunConfig) -> None:
     """Sizes of the built-in models, and what the data asks of them, checked before anything is built."""
     model, data = cfg.model, cfg.data
-    if str(model["_target_"]).startswith("trainflow.models."):
-        for key, value in model.items():
+    if str(model._target_).startswith("trainflow.models."):
+        for key, value in model.kwargs.items():
             if isinstance(value, int) and not isinstance(value, bool):
                 _require(value > 0, f"model.{key}", f"must be a positive integer; got {value}")
-        if "dropout" in model:
-            _require(0 <= model["dropout"] < 1, "model.dropout", f"must be in [0, 1); got {model['dropout']}")
-    if "block_size" in model and data.get("seq_len") is not None:
-        _require(data["seq_len"] <= model["block_size"], "data.seq_len",
-                 f"{data['seq_len']} is longer than the model's context, model.block_size={model['block_size']}; "
-                 f"lower data.seq_len to <= {model['block_size']} or raise model.block_size")
-    if data["_target_"] == TextDataConfig._target_ and "vocab_size" in model and cfg.tokenizer.kind == "bytes":
-        _require(model["vocab_size"] >= BYTE_VOCAB, "model.vocab_size",  # other tokenizers: checked once built
-                 f"is {model['vocab_size']}, but data=text is byte-level: its tokens go up to {BYTE_VOCAB - 1}; set "
+        if model.dropout is not None:
+            _require(0 <= model.dropout < 1, "model.dropout", f"must be in [0, 1); got {model.dropout}")
+    if model.block_size is not None and data.seq_len is not None:
+        _require(data.seq_len <= model.block_size, "data.seq_len",
+                 f"{data.seq_len} is longer than the model's context, model.block_size={model.block_size}; "
+                 f"lower data.seq_len to <= {model.block_size} or raise model.block_size")
+    if data._target_ == TextDataConfig._target_ and model.vocab_size is not None and cfg.tokenizer.kind == "bytes":
+        _require(model.vocab_size >= BYTE_VOCAB, "model.vocab_size",  # other tokenizers: checked once built
+                 f"is {model.vocab_size}, but data=text is byte-level: its tokens go up to {BYTE_VOCAB - 1}; set "
                  f"model.vocab_size={BYTE_VOCAB} or more")
 
 
 def check_data(cfg: RunConfig) -> None:
     """The loader's keys, and those of trainflow's own data options."""
     data = cfg.data
-    if data.get("seq_len") is not None:
-        _require(data["seq_len"] > 0, "data.seq_len", f"must be a positive number of tokens; got {data['seq_len']}")
-    workers = data["num_workers"]
+    if data.seq_len is not None:
+        _require(data.seq_len > 0, "data.seq_len", f"must be a positive number of tokens; got {data.seq_len}")
+    workers = data.num_workers
     _require(workers >= 0, "data.num_workers", f"must be >= 0; got {workers}")
-    if data["prefetch_factor"] is not None:
+    if data.prefetch_factor is not None:
         _require(workers > 0, "data.prefetch_factor", "needs data.num_workers > 0 (or set it to null)")
-        _require(data["prefetch_factor"] > 0, "data.prefetch_factor", f"must be > 0; got {data['prefetch_factor']}")
-    _require(not data["persistent_workers"] or workers > 0, "data.persistent_workers",
+        _require(data.prefetch_factor > 0, "data.prefetch_factor", f"must be > 0; got {data.prefetch_factor}")
+    _require(not data.persistent_workers or workers > 0, "data.persistent_workers",
              "needs data.num_workers > 0 (or set it to false)")
-    if data["_target_"] == TextDataConfig._target_:
-        _require(0 < data["val_fraction"] < 1, "data.val_fraction", f"must be in (0, 1); got {data['val_fraction']}")
-        if data["paths"] is not None:
-            _require(len(data["paths"]) > 0, "data.paths",
+    arguments = data.kwargs  # the factory's: data=text's and synthetic's own checked here
+    if data._target_ == TextDataConfig._target_:
+        _require(0 < arguments["val_fraction"] < 1, "data.val_fraction",
+                 f"must be in (0, 1); got {arguments['val_fraction']}")
+        if arguments["paths"] is not None:
+            _require(len(arguments["paths"]) > 0, "data.paths",
                      "is empty: give files or folders, e.g. data.paths=[/path/to/corpus], or null for the default")
-    if "num_samples" in data:
-        _require(data["num_samples"] > 0, "data.num_samples", f"must be > 0; got {data['num_samples']}")
+    if "num_samples" in arguments:
+        _require(arguments["num_samples"] > 0, "data.num_samples", f"must be > 0; got {arguments['num_samples']}")
 
 
 def check_config(cfg: DictConfig) -> RunConfig:

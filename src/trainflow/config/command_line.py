@@ -35,7 +35,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
 
 from trainflow.config.choices import refused_choice
-from trainflow.config.schema import LadderConfig, LadderRunConfig, RunConfig
+from trainflow.config.schema import LadderConfig, LadderRunSchema, RunSchema
 from trainflow.errors import UnknownKeyError, print_error, typed_command
 
 FULL_ERROR = "HYDRA_FULL_ERROR"
@@ -91,7 +91,7 @@ def refuse_unknown_keys(config: DictConfig) -> None:
     closest valid key, as Hydra refuses the same key without the `+`. The sections of your own code take new keys
     (OPEN_SECTIONS); `+group=option` is Hydra's to check."""
     typed_ladder = "ladder" in config and OmegaConf.get_type(config, "ladder") is LadderConfig
-    schema = LadderRunConfig if typed_ladder else RunConfig
+    schema = LadderRunSchema if typed_ladder else RunSchema
     overrides = [str(o) for o in OmegaConf.to_container(config.hydra.overrides.task, resolve=False)]
     groups = set(_loader().list_groups(""))
     for given in overrides:

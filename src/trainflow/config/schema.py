@@ -4,8 +4,10 @@ Each config group option's YAML starts from one of these dataclasses (registered
 unknown key, a wrong type or a value outside a closed choice (trainflow.config.choices) is refused by Hydra with the
 key's full name before any work starts. The model, data, task and optim schemas are open to keys they lack (a
 user's `_target_` takes its own); trainflow.config.sections settles which keys each `_target_` is called with.
-`typed_run` types the composed config once; the run reads that, never the DictConfig. Value checks a type cannot
-express (positive steps, combinations of groups) live in trainflow.config.checks.
+`typed_run` types the composed config once; the run reads that, never the DictConfig: a section of your code as
+its section type (ModelSection, DataSection, ...), trainflow's keys as its fields and the keys its `_target_` is
+called with in `kwargs`. Value checks a type cannot express (positive steps, combinations of groups) live in
+trainflow.config.checks.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from __future__ import annotations
 import difflib
 import inspect
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields, is_dataclass, make_dataclass
+from dataclasses import dataclass, field, fields, make_dataclass, replace
 from typing import Any, TypeVar, get_type_hints
 
 from hydra.core.config_store import ConfigStore
@@ -61,6 +63,7 @@ from trainflow.models.mlp import MLP
 from trainflow.util.targets import first_line
 
 Schema = TypeVar("Schema")
+Called = TypeVar("Called", bound="CalledSection")
 
 
 @dataclass
@@ -477,28 +480,110 @@ class LadderConfig:
 
 
 @dataclass
+class CalledSection:
+    """A section of your code past `check_config`: its `_target_` and `kwargs`, the keyword arguments the target is
+    called with (trainflow.config.sections settles which). trainflow's own keys of the section are fields of its
+    type, typed, and never in `kwargs`."""
+
+    _target_: str | None = None
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    # the section's keys as composed, in order: `plain` writes the section back as it was given (config.yaml)
+    keys: list[str] = field(default_factory=list)
+
+
+@dataclass
+class ModelSection(CalledSection):
+    """The `model` section: the class and its arguments. What trainflow reads of a built-in model's arguments (its
+    vocabulary, context, heads, width, dropout) it reads here; None where the model takes no such argument."""
+
+    @property
+    def vocab_size(self) -> int | None:
+        """A language model's vocabulary (the model takes vocab_size); None for others."""
+        return self.kwargs.get("vocab_size")
+
+    @property
+    def block_size(self) -> int | None:
+        return self.kwargs.get("block_size")
+
+    @property
+    def n_head(self) -> int | None:
+        return self.kwargs.get("n_head")
+
+    @property
+    def n_embd(self) -> int | None:
+        return self.kwargs.get("n_embd")
+
+    @property
+    def dropout(self) -> float | None:
+        return self.kwargs.get("dropout")
+
+
+@dataclass
+class DataSection(CalledSection, WorkerConfig):
+    """The `data` section: the factory and its arguments, beside the loader's keys (trainflow's: LOADER_KEYS)."""
+
+    seq_lens: list[int] | None = None  # language models: micro-batch k is cut to seq_lens[k % n] tokens
+    collate_fn: Any = None  # a section with its own _target_: how a user's items become a batch
+
+    @property
+    def seq_len(self) -> int | None:
+        """The tokens per sample the factory is given (its seq_len argument); None when it takes none."""
+        return self.kwargs.get("seq_len")
+
+
+@dataclass
+class TaskSection(CalledSection, BuiltinTaskConfig):
+    """The `task` section: trainflow's task (no `_target_`) with its keys, or yours with the keys it is bound to."""
+
+
+@dataclass
+class OptimSection(CalledSection, OptimConfig):
+    """The `optim` section: lr and weight decay (set per parameter group) and the schedule's keys are trainflow's;
+    `kwargs` holds the optimizer's other arguments (betas, momentum, yours)."""
+
+
+@dataclass
+class StageSection(CalledSection):
+    """A `stages.<name>` section: the stage class, its arguments, and the assembly's order keys."""
+
+    before: Any = None  # a stage's name or a list of them: this stage runs before those
+    after: Any = None
+
+    def order(self) -> dict[str, Any]:
+        """The order keys the section gives (a null one too: it clears the class's own order), by key."""
+        return {key: getattr(self, key) for key in ORDER_KEYS if key in self.keys}
+
+
+ORDER_KEYS = ("before", "after")  # the assembly's keys of a stage's section (StageSection), never given to its class
+# The sections of your code, by name, as the run reads them; `logger` and `stages` hold one such section per name.
+CALLED_SECTIONS: dict[str, type[CalledSection]] = {"model": ModelSection, "data": DataSection, "task": TaskSection,
+                                                   "optim": OptimSection}
+
+
+@dataclass
 class RunConfig:
     """Everything one run is composed of: one section per config group (`trainer` holds the loop's own knobs).
 
-    The sections of your code (model, data, task, optim, logger) are open to the keys your `_target_` takes: in the
-    typed config the run reads (`typed_run`) they are plain dicts, the keys it is called with."""
+    The sections of your code (model, data, task, optim, logger, stages) are open to the keys your `_target_` takes:
+    Hydra composes them as plain keys (RunSchema); the typed config the run reads (`typed_run`) holds each as its
+    section type, your keys in its `kwargs`."""
 
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
-    model: Any = MISSING
-    data: Any = MISSING
-    task: Any = MISSING
+    model: ModelSection = field(default_factory=ModelSection)
+    data: DataSection = field(default_factory=DataSection)
+    task: TaskSection = field(default_factory=TaskSection)
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
-    optim: Any = MISSING  # an optimizer's section: its own keys (optim=adamw, sgd) or yours (optim=custom)
+    optim: OptimSection = field(default_factory=OptimSection)  # its own keys (optim=adamw, sgd) or yours (custom)
     compile: CompileConfig = field(default_factory=CompileConfig)
     profiler: ProfilerConfig = field(default_factory=ProfilerConfig)
     parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     # logger=[tensorboard,mlflow]: each chosen logger's keys under logger.<name>, its class by `_target_`
-    logger: Any = field(default_factory=dict)
+    logger: dict[str, CalledSection] = field(default_factory=dict)
     # stages=[early_stopping,ema] or +stages.mine._target_=...: each stage's keys under stages.<name>, its class by
     # `_target_` (trainflow.loop.configured)
-    stages: Any = field(default_factory=dict)
+    stages: dict[str, StageSection] = field(default_factory=dict)
 
 
 @dataclass
@@ -506,6 +591,18 @@ class LadderRunConfig(RunConfig):
     """A job of experiment=ladder: a run and its rung (the only runs whose config holds a `ladder` section)."""
 
     ladder: LadderConfig = field(default_factory=LadderConfig)
+
+
+def open_schema(schema: type) -> type:
+    """`schema` as Hydra composes it: the sections of your code as plain keys (Any), the others typed."""
+    opened = [("model", Any, field(default=MISSING)), ("data", Any, field(default=MISSING)),
+              ("task", Any, field(default=MISSING)), ("optim", Any, field(default=MISSING)),
+              ("logger", Any, field(default_factory=dict)), ("stages", Any, field(default_factory=dict))]
+    return make_dataclass(schema.__name__.replace("Config", "Schema"), opened, bases=(schema,))
+
+
+RunSchema = open_schema(RunConfig)
+LadderRunSchema = open_schema(LadderRunConfig)
 
 
 def typed(values: Mapping[str, Any], schema: type[Schema], section: str) -> Schema:
@@ -525,43 +622,78 @@ def typed(values: Mapping[str, Any], schema: type[Schema], section: str) -> Sche
         raise UnknownKeyError(f"{section}.{key}: {section} has no such key; {hint}") from None
 
 
-# trainflow's own keys of the sections of your code (the loader's, the task's, the schedule's), by section
-OWN_SCHEMAS = {"data": WorkerConfig, "task": TaskConfig, "optim": OptimConfig}
+# The keys of each section of your code that are trainflow's (typed as its section type's fields), never given to
+# its `_target_`: the loader's, the task's, the schedule's and the parameter groups'. The model has none.
+OWN_KEYS: dict[str, tuple[str, ...]] = {
+    "model": (), "data": LOADER_KEYS, "task": tuple(BuiltinTaskConfig.__dataclass_fields__),
+    "optim": (*SCHEDULE_KEYS, "lr", "weight_decay"), "stages": ORDER_KEYS}
+# trainflow's keys each such section always has in the typed config (their schema's defaults where not given)
+DEFAULTED_KEYS = {name: tuple(k for k in schema.__dataclass_fields__ if k != "_target_")
+                  for name, schema in (("data", WorkerConfig), ("task", TaskConfig), ("optim", OptimConfig))}
 
 
 def typed_run(values: Mapping[str, Any]) -> RunConfig:
-    """The composed config, resolved, as the run reads it: trainflow's sections as their dataclasses; the sections
-    of your code as plain dicts, trainflow's own keys in them typed too (with their defaults, for an option file of
-    one's own that has no schema). Fault tolerance's settings go only into a run that uses it."""
+    """The composed config, resolved, as the run reads it: each section as its dataclass; a section of your code
+    as its section type, trainflow's keys in it typed (with their defaults, for an option file of one's own that
+    has no schema) and the keys its `_target_` is called with in `kwargs`. Fault tolerance's settings go only into
+    a run that uses it."""
     schema = LadderRunConfig if "ladder" in values else RunConfig
     hints = get_type_hints(schema)
-    values = {**values, **{name: with_own_keys(values[name], own, name) for name, own in OWN_SCHEMAS.items()}}
     parallelism = values.get("parallelism") or {}
     if parallelism.get("fault_tolerance", FaultTolerance.off) == FaultTolerance.off:
         values = {**values, "parallelism": {**parallelism, "ft": None}}
-    return schema(**{f.name: typed(values.get(f.name) or {}, hints[f.name], f.name) if is_dataclass(hints[f.name])
-                     else values[f.name] if f.name in values or f.default_factory is MISSING  # type: ignore[misc]
-                     else f.default_factory() for f in fields(schema)})  # a section of yours left out: none
+    called: dict[str, Any] = {name: typed_section(name, values.get(name) or {}) for name in CALLED_SECTIONS}
+    called.update({name: named_sections(name, values.get(name) or {}) for name in ("logger", "stages")})
+    return schema(**called, **{f.name: typed(values.get(f.name) or {}, hints[f.name], f.name)
+                               for f in fields(schema) if f.name not in called})
 
 
-def with_own_keys(section: Mapping[str, Any], schema: type, name: str) -> dict[str, Any]:
-    """`section` with the keys of `schema` typed (the schema's defaults where it has none); its other keys, the
-    ones your code takes, as they are."""
-    keys = [k for k in schema.__dataclass_fields__ if k != "_target_"]
-    own = typed({k: v for k, v in section.items() if k in keys}, schema, name)
-    return {**section, **{k: getattr(own, k) for k in keys}}
+def typed_section(name: str, section: Mapping[str, Any]) -> CalledSection:
+    """The section `name` of your code (model, data, task, optim) as the run reads it (`called_section`)."""
+    return called_section(section, CALLED_SECTIONS[name], name)
+
+
+def named_sections(name: str, sections: Mapping[str, Any]) -> dict[str, CalledSection]:
+    """`logger` or `stages`: each named section (logger.mlflow, stages.ema) as its section type."""
+    schema = StageSection if name == "stages" else CalledSection
+    return {str(key): called_section(keys or {}, schema, f"{name}.{key}") for key, keys in sections.items()}
+
+
+def called_section(section: Mapping[str, Any], schema: type[Called], name: str) -> Called:
+    """`section` (the keys its `_target_` is called with, as trainflow.config.sections settled them, beside
+    trainflow's own) as its section type `schema`: trainflow's keys typed, the others in `kwargs`."""
+    group = name.split(".")[0]
+    own = set(OWN_KEYS.get(group, ()))
+    given = {k: v for k, v in section.items() if k in own and k != "collate_fn"}  # a collate's keys: yours, as given
+    made = typed({**given, "_target_": section.get("_target_")}, schema, name)
+    kwargs = {k: v for k, v in section.items() if k not in own and k != "_target_"}
+    keys = [*section, *(k for k in DEFAULTED_KEYS.get(group, ()) if k not in section)]
+    extra = {"collate_fn": section.get("collate_fn")} if schema is DataSection else {}
+    return replace(made, kwargs=kwargs, keys=[str(k) for k in keys], **extra)
 
 
 def plain(cfg: RunConfig) -> dict[str, Any]:
-    """The run's config as plain values (choices as the words they are typed as): config.yaml, summary.json."""
-    return OmegaConf.to_container(OmegaConf.structured(cfg), enum_to_str=True)
+    """The run's config as plain values (choices as the words they are typed as): config.yaml, summary.json. A
+    section of your code is written back as it was given: its keys, trainflow's and yours, in their order."""
+    values = OmegaConf.to_container(OmegaConf.structured(cfg), enum_to_str=True)
+    for name in CALLED_SECTIONS:
+        values[name] = _as_given(values[name])
+    for name in ("logger", "stages"):
+        values[name] = {key: _as_given(section) for key, section in values[name].items()}
+    return values
+
+
+def _as_given(section: dict[str, Any]) -> dict[str, Any]:
+    kwargs, keys = section.pop("kwargs"), section.pop("keys")
+    every = {**section, **kwargs}
+    return {k: every[k] for k in keys}
 
 
 def register_configs() -> None:
     """Put the schemas where the YAML defaults lists can find them."""
     cs = ConfigStore.instance()
-    cs.store(group="schema/run", name="train", node=schema_node(RunConfig))  # experiment=ladder picks "ladder"
-    cs.store(group="schema/run", name="ladder", node=schema_node(LadderRunConfig))
+    cs.store(group="schema/run", name="train", node=schema_node(RunSchema))  # experiment=ladder picks "ladder"
+    cs.store(group="schema/run", name="ladder", node=schema_node(LadderRunSchema))
     # Options whose keys differ (model and data kinds) extend these; the other groups are typed by RunConfig.
     # Open: a key the schema lacks composes, so that a user's _target_ and its keys on a built-in option reach
     # trainflow.config.sections (which drops the option's keys the target does not take, and refuses yours that it

@@ -29,23 +29,18 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from trainflow.config.command_line import group_options
-from trainflow.config.schema import LOADER_KEYS, SCHEDULE_KEYS, BuiltinTaskConfig
+from trainflow.config.schema import CALLED_SECTIONS, OWN_KEYS
 from trainflow.errors import ConfigError, UnknownKeyError
 from trainflow.util.targets import WHAT, import_target
 
 log = logging.getLogger(__name__)
-
-# Keys trainflow reads itself whatever the _target_ (the loaders', the task's, the schedule's): never given to it.
-OWN_KEYS = {"model": frozenset(), "data": frozenset(LOADER_KEYS),
-            "task": frozenset(BuiltinTaskConfig.__dataclass_fields__),
-            "optim": frozenset({*SCHEDULE_KEYS, "lr", "weight_decay"})}  # per parameter group: trainflow sets them
 
 
 def check_targets_given(cfg: DictConfig) -> None:
     """Every section names its `_target_` (a built-in task needs none): model=custom and the like say to set it
     (before anything is resolved, which would only say that a mandatory value is missing); an option of one's own
     that names none says which options there are (Hydra's repository: the project's own folder's too)."""
-    for group in OWN_KEYS:
+    for group in CALLED_SECTIONS:
         if OmegaConf.is_missing(cfg[group], "_target_"):
             raise ConfigError(f"{group}._target_: missing: {group}={_option(group, 'custom')} calls your own code; "
                               f"set {group}._target_ to the import path of {WHAT[group]}")
@@ -58,7 +53,7 @@ def settled_sections(cfg: DictConfig, values: Mapping[str, Any]) -> dict[str, di
     """The model, data, task and optim sections as their `_target_` is called (the module docstring's rule): from
     the composed `cfg` (which option each section comes from) and its resolved `values`."""
     settled = {}
-    for group in OWN_KEYS:
+    for group in CALLED_SECTIONS:
         schema = OmegaConf.get_type(cfg[group])
         option = schema.__dataclass_fields__ if dataclasses.is_dataclass(schema) else {}
         settled[group] = _settle(group, dict(values[group]), option)

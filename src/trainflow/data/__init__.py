@@ -18,7 +18,7 @@ from typing import Any
 
 from torch.utils.data import Dataset
 
-from trainflow.config.schema import LOADER_KEYS, MLPConfig
+from trainflow.config.schema import LOADER_KEYS, DataSection, MLPConfig
 from trainflow.data.identity import Identity, cache_checksum, settings_identity, shards_identity, text_identity
 from trainflow.data.iterable import IterableBatches, IterableSource
 from trainflow.data.loaders import (
@@ -58,19 +58,18 @@ class DataBundle:
     identity: Identity  # what a checkpoint records of the data, to tell a resume on other data (data/identity.py)
 
 
-def build_datasets(section: Mapping[str, Any], lm_model: bool) -> DataBundle:
+def build_datasets(section: DataSection, lm_model: bool) -> DataBundle:
     """Train and held-out datasets shaped for the model, from the data section's `_target_` called with its keys
     (less the loader's): trainflow's options return a DataBundle, a user's factory (train, val) datasets."""
-    target = str(section["_target_"])
-    kwargs = {k: v for k, v in section.items() if k not in (*LOADER_KEYS, "_target_")}
-    made = call_target("data", target, kwargs, WHAT["data"])
+    target = str(section._target_)
+    made = call_target("data", target, section.kwargs, WHAT["data"])
     if isinstance(made, DataBundle):
         return made
-    train, val = user_datasets(made, target, section.get("collate_fn"))
+    train, val = user_datasets(made, target, section.collate_fn)
     identity = settings_identity(target, {
         "data (train samples)": len(train) if not isinstance(train, IterableSource) else None,
         "data (val samples)": len(val) if val is not None else None}, getattr(train.dataset, "data_identity", None))
-    return DataBundle(train, val, lm_model, int(section.get("seq_len") or 1), target, identity)
+    return DataBundle(train, val, lm_model, int(section.seq_len or 1), target, identity)
 
 
 def text_data(paths: list[str] | None, suffixes: list[str], val_fraction: float, cache_dir: str,

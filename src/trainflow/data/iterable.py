@@ -25,12 +25,13 @@ import itertools
 import json
 import logging
 import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
+from trainflow.config.schema import DataSection
 from trainflow.data.sharded import ShardedShare, merged_position, shard_count, tagged_collate
 from trainflow.data.worker_errors import from_workers
 from trainflow.errors import ConfigError, DataError
@@ -109,16 +110,16 @@ class StatefulRankShare(RankShare):
 class IterableBatches:
     """This rank's micro-batches of an iterable dataset, pass after pass, through a StatefulDataLoader."""
 
-    def __init__(self, source: IterableSource, rank: int, world_size: int, batch_size: int, data: Mapping[str, Any],
+    def __init__(self, source: IterableSource, rank: int, world_size: int, batch_size: int, data: DataSection,
                  pin_memory: bool) -> None:
         from torchdata.stateful_dataloader import StatefulDataLoader  # IterableSource checked it is installed
 
-        if data.get("seq_lens"):
+        if data.seq_lens:
             raise ConfigError("data.seq_lens: cuts the micro-batches of the global sample stream by their position, "
                               f"and {source.name} is an iterable dataset whose batches its collate makes; remove "
                               "data.seq_lens, or vary the lengths in data.collate_fn")
         self.source, self.world_size, self.batch_size = source, world_size, batch_size
-        self.num_workers = int(data["num_workers"])
+        self.num_workers = int(data.num_workers)
         readers = world_size * max(1, self.num_workers)
         self.sharded = shard_count(source.dataset) is not None
         self.stateful = is_stateful(source.dataset) and not self.sharded
@@ -146,8 +147,8 @@ class IterableBatches:
             warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
             self.loader = StatefulDataLoader(
                 share, batch_size=batch_size, drop_last=True, collate_fn=collate, num_workers=self.num_workers,
-                pin_memory=pin_memory, persistent_workers=workers and data["persistent_workers"],
-                prefetch_factor=data["prefetch_factor"] if workers else None)
+                pin_memory=pin_memory, persistent_workers=workers and data.persistent_workers,
+                prefetch_factor=data.prefetch_factor if workers else None)
         self._resumed = False
         self._skip = 0  # micro-batches to read and drop before the next one is yielded (skip)
 

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from trainflow.config.schema import DataSection
 from trainflow.data.iterable import IterableBatches, IterableSource
 from trainflow.data.stream import StreamSampler
 from trainflow.data.worker_errors import from_workers
@@ -92,7 +93,7 @@ class Batches:
 
 
 def make_loader(
-    dataset: Dataset, sampler: StreamSampler, data: Mapping[str, Any], pin_memory: bool
+    dataset: Dataset, sampler: StreamSampler, data: DataSection, pin_memory: bool
 ) -> Iterable[Batch]:
     """A loader over whole micro-batches, as the data section's loader keys say: the sampler yields index lists the
     dataset gathers at once.
@@ -104,7 +105,7 @@ def make_loader(
     loader: Iterable[Batch]
     if isinstance(dataset, IterableSource):  # the user's stream: batched by torchdata, sharded by rank and worker
         return IterableBatches(dataset, sampler.rank, sampler.world_size, sampler.batch_size, data, pin_memory)
-    seq_lens, workers = data.get("seq_lens"), data["num_workers"]
+    seq_lens, workers = data.seq_lens, data.num_workers
     if workers == 0:
         loader = InProcessBatches(dataset, sampler)
     else:
@@ -114,8 +115,8 @@ def make_loader(
             sampler=sampler,
             num_workers=workers,
             pin_memory=pin_memory and not seq_lens,
-            persistent_workers=data["persistent_workers"],
-            prefetch_factor=data["prefetch_factor"],
+            persistent_workers=data.persistent_workers,
+            prefetch_factor=data.prefetch_factor,
         )
         loader = Batches(loader)
     if seq_lens:

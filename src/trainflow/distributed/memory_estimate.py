@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,7 +43,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from trainflow.config.choices import Strategy
-from trainflow.config.schema import FSDPConfig
+from trainflow.config.schema import FSDPConfig, OptimSection
 from trainflow.distributed.mesh import SHARDED
 from trainflow.distributed.parallelism import saved_ops, shard_units
 from trainflow.distributed.tensor import gathered_inputs, shard_dims, tp_plan
@@ -135,7 +135,7 @@ def sharded_bytes(shape: torch.Size, element_size: int, shard_size: int) -> int:
     return shard_rows(shape[0], shard_size) * rest * element_size
 
 
-def optimizer_state(model: nn.Module, optim_cfg: Mapping[str, Any]) -> tuple[list[int], int]:
+def optimizer_state(model: nn.Module, optim_cfg: OptimSection) -> tuple[list[int], int]:
     """Bytes of the optimizer state of each of `model.parameters()` that scale with it, and the scalar bytes,
     exactly: one step of the configured optimizer on a meta-device copy."""
     meta = copy.deepcopy(model).to("meta")
@@ -216,7 +216,7 @@ def kept_outputs(model: nn.Module, example: Any, task: Callable[[nn.Module, Any]
     return kept
 
 
-def model_facts(model: nn.Module, optim_cfg: Mapping[str, Any], fsdp_cfg: FSDPConfig, example: tuple | None = None,
+def model_facts(model: nn.Module, optim_cfg: OptimSection, fsdp_cfg: FSDPConfig, example: tuple | None = None,
                 task: Callable | None = None, autocast: Any = None, tp_target: Any = None) -> ModelFacts:
     """Everything the table needs from this model (the same on every rank); without an example (a model on the
     meta device) the activations are left at 0."""

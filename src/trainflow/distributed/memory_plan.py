@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from trainflow.config.choices import Strategy
-from trainflow.config.schema import ParallelismConfig, RunConfig
+from trainflow.config.schema import ModelSection, ParallelismConfig, RunConfig
 from trainflow.distributed.memory_estimate import GB, ITEMS, Layout, ModelFacts, estimate, local_bytes, model_facts
 from trainflow.distributed.parallelism import fsdp_dtypes
 from trainflow.distributed.pipeline import stages_per_rank
@@ -102,12 +102,12 @@ def pp_degrees(blocks: int, world_size: int, schedule: str) -> tuple[int, ...]:
                  if world_size % p == 0 and blocks and blocks % (p * stages_per_rank(schedule)) == 0)
 
 
-def tp_degrees(facts: ModelFacts, model_cfg: dict[str, Any], world_size: int, ranks_per_node: int) -> tuple[int, ...]:
+def tp_degrees(facts: ModelFacts, model_cfg: ModelSection, world_size: int, ranks_per_node: int) -> tuple[int, ...]:
     """The TP degrees auto may use: within a node, dividing the world and, for a model with heads, its heads
     and hidden size (each TP rank takes whole heads and an equal share of the hidden units)."""
     if facts.tp_dims is None:
         return ()
-    sizes = [model_cfg.get(key) for key in ("n_head", "n_embd")]
+    sizes = [model_cfg.n_head, model_cfg.n_embd]
     return tuple(t for t in range(2, min(ranks_per_node, world_size) + 1)
                  if world_size % t == 0 and ranks_per_node % t == 0 and all(n is None or n % t == 0 for n in sizes))
 
@@ -259,8 +259,8 @@ def apply_auto(cfg: RunConfig, env: Any, model: nn.Module, example: Any, task: C
     global_batch = global_batch_of(cfg, env.world_size)
     blocks = model_blocks(model)
     # a pipeline needs the task's loss apart from the model (task=lm or classify) and one batch shape
-    pipelines = blocks is not None and not cfg.task.get("_target_") and not cfg.task.get("loss_from_model") \
-        and cfg.data.get("seq_lens") is None
+    pipelines = blocks is not None and not cfg.task._target_ and not cfg.task.loss_from_model \
+        and cfg.data.seq_lens is None
     layouts, excluded = candidates(
         env.world_size, ranks_per_node, facts.activations(1, True) < facts.activations(1, False),
         tp_degrees(facts, cfg.model, env.world_size, ranks_per_node), global_batch, t.grad_accum,

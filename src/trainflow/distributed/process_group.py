@@ -206,9 +206,9 @@ def _preflight(cfg: RunConfig, device: torch.device, world_size: int, local_worl
         for warning in (bf16_warning(cfg, device), oversubscription_warning(device, local_world_size, usable_cores())):
             if warning:
                 log.warning(warning)
-        if p.check and cfg.model.get("dropout"):
+        if p.check and cfg.model.dropout:
             log.warning("parallelism.check: model.dropout=%s draws different masks on each rank than in one "
-                        "process, so the check cannot match; set model.dropout=0 for the check", cfg.model["dropout"])
+                        "process, so the check cannot match; set model.dropout=0 for the check", cfg.model.dropout)
     return backend
 
 

@@ -20,7 +20,7 @@ from typing import Any, Protocol
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import OmegaConf
 
-from trainflow.config.schema import RunConfig, TrainerConfig, plain
+from trainflow.config.schema import CalledSection, RunConfig, TrainerConfig, plain
 from trainflow.errors import ConfigError
 from trainflow.loggers.process import ANSWER_TIMEOUT_S, LOGGER_CLASS, ProcessLogger
 from trainflow.util.rundir import run_identity
@@ -71,16 +71,14 @@ class Logger(Protocol):
         """The run ended as FINISHED, FAILED or KILLED; flush and close."""
 
 
-def build_loggers(section: Mapping[str, Any]) -> dict[str, Logger]:
+def build_loggers(sections: Mapping[str, CalledSection]) -> dict[str, Logger]:
     """Each `logger.<name>` section's `_target_` called with its other keys (imports only the chosen ones)."""
     loggers = {}
-    for name, keys in (section or {}).items():
-        kwargs = dict(keys or {})
-        target = kwargs.pop("_target_", None)
-        if not target:
+    for name, section in sections.items():
+        if not section._target_:
             raise ConfigError(f"logger.{name}: no _target_; give logger.{name}._target_ the import path of a "
                               "logger class (see docs/loggers.md), or leave it out of logger=[...]")
-        loggers[name] = build_logger(name, target, kwargs)
+        loggers[name] = build_logger(name, section._target_, dict(section.kwargs))
     return loggers
 
 
@@ -103,7 +101,7 @@ def run_info(cfg: RunConfig, run_dir: Path, world_size: int, resumed_step: int |
     mode, choices, overrides = saved_hydra(run_dir)
     job = job_name(overrides, run_dir) if mode == "MULTIRUN" else None
     sweep = next((d for d in run_dir.parents if (d / "multirun.yaml").exists()), None) if job else None
-    hparams = hyperparameters(headline(cfg.trainer, float(cfg.optim["lr"])), choices, overrides)
+    hparams = hyperparameters(headline(cfg.trainer, float(cfg.optim.lr)), choices, overrides)
     return RunInfo(run_dir, plain(cfg), (run_dir / "config.yaml").read_text(),
                    hparams, job or readable_name(run_dir, overrides), sweep, resumed_step, tracked_id, world_size,
                    source_checkpoint, source_id)

@@ -15,37 +15,36 @@ import inspect
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from trainflow.config.schema import ORDER_KEYS, StageSection
 from trainflow.errors import ConfigError, StageError, TrainflowError
 from trainflow.loop.stages import Stage, StageContext
 from trainflow.util.targets import call, first_line, import_target
 
 WHAT = "a trainflow.loop.stages.Stage subclass, e.g. mypackage.MyStage"
-ORDER_KEYS = ("before", "after")  # the assembly's keys of a stage's section, never given to its class
 # the hooks a stage of the config may answer, each guarded: its error names the stage
 HOOKS = ("setup", "wrap_model", "resume", "start", "load_state_dict", "state_dict", "loss_context", "wants_grad_norm",
          "keeps_update", "syncs_after", "after_step", "take_paused_s", "close", "summary")
 
 
-def configured_stages(section: Mapping[str, Any] | None, ctx: StageContext, taken_names: set[str]) -> list[Stage]:
+def configured_stages(sections: Mapping[str, StageSection], ctx: StageContext, taken_names: set[str]) -> list[Stage]:
     """Each `stages.<name>` section's stage, made and set up (`taken_names`: trainflow's own stages' names)."""
     stages = []
-    for name, keys in (section or {}).items():
+    for name, settings in sections.items():
         if name in taken_names:
             raise ConfigError(f"stages.{name}: trainflow has a stage of that name; name yours otherwise")
-        stage = make_stage(str(name), dict(keys or {}))
+        stage = make_stage(name, settings)
         stage.setup(ctx)
         stages.append(stage)
     return stages
 
 
-def make_stage(name: str, kwargs: dict[str, Any]) -> Stage:
+def make_stage(name: str, settings: StageSection) -> Stage:
     """`_target_(**kwargs)` of `stages.<name>`, its keys checked, its order declarations set, its hooks guarded."""
-    section = f"stages.{name}"
-    target = kwargs.pop("_target_", None)
+    section, target, kwargs = f"stages.{name}", settings._target_, settings.kwargs
     if not target:
         raise ConfigError(f"{section}: no _target_; give {section}._target_ the import path of {WHAT}, or leave it "
                          "out of stages=[...]")
-    order = {key: _names(section, key, kwargs.pop(key)) for key in ORDER_KEYS if key in kwargs}
+    order = {key: _names(section, key, value) for key, value in settings.order().items()}
     stage_class = import_target(f"{section}._target_", str(target), WHAT)
     if not (inspect.isclass(stage_class) and issubclass(stage_class, Stage)):
         raise ConfigError(f"{section}._target_: {target} is not a trainflow stage; give {WHAT}")

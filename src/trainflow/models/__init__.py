@@ -11,11 +11,11 @@ from trainflow.errors import ConfigError
 from trainflow.util.targets import WHAT, call_target
 
 
-def build_model(section: Mapping[str, Any]) -> nn.Module:
-    """`model._target_(**model)`, with a one-line error naming the key when the class or its arguments are wrong.
-    A key that is itself a section with a `_target_` (a backbone, say) is instantiated first, as Hydra would."""
-    target = section["_target_"]
-    kwargs = {k: _built(f"model.{k}", v) for k, v in section.items() if k != "_target_"}
+def build_model(target: str, arguments: Mapping[str, Any]) -> nn.Module:
+    """`model._target_(**model.kwargs)`, with a one-line error naming the key when the class or its arguments are
+    wrong. An argument that is itself a section with a `_target_` (a backbone, say) is instantiated first, as Hydra
+    would."""
+    kwargs = {k: _built(f"model.{k}", v) for k, v in arguments.items()}
     model = call_target("model", target, kwargs, WHAT["model"])
     if not isinstance(model, nn.Module):
         raise ConfigError(f"model._target_: {target} is not an nn.Module (it made a {type(model).__name__} "

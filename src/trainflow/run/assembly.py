@@ -124,12 +124,12 @@ def assemble(cfg: RunConfig, run_dir: Path, env: DistEnv,
     cfg = replace(cfg, trainer=replace(cfg.trainer, batch_size=per_rank_batch(cfg, ranks * replicas)))
     trainer = _set_up_process(cfg, run_dir, env)
     loggers = build_loggers(cfg.logger) if env.is_main else {}  # a missing extra stops the run here, in one line
-    data = build_datasets(cfg.data, "vocab_size" in cfg.model)
-    model = build_model(cfg.model).to(env.device)
+    data = build_datasets(cfg.data, cfg.model.vocab_size is not None)
+    model = build_model(str(cfg.model._target_), cfg.model.kwargs).to(env.device)
     parameters = sum(p.numel() for p in model.parameters())
     task = build_task(cfg.task, data.is_lm)
     first_two = data.train[torch.arange(min(2, len(data.train)))]  # two: items the collate cannot batch show
-    metric_names = probe(task, model, to_device(first_two, env.device), data.name, cfg.model["_target_"])
+    metric_names = probe(task, model, to_device(first_two, env.device), data.name, str(cfg.model._target_))
     check_batch(cfg, trainer.batch_size, model, data.train, task, env.device)  # before a batch of that size
     example = data.train[torch.arange(trainer.batch_size)]
     auto_plan = None
@@ -185,7 +185,7 @@ def assemble(cfg: RunConfig, run_dir: Path, env: DistEnv,
             type(task).__name__, task.monitor, task.mode, str(env.device), env.world_size, parallelism.strategy,
             trainer.precision, _compiled(cfg.compile), global_batch, trainer.max_steps, resumed_from, run_dir,
             checkpoint_dir, tuple(cfg.logger), origins(cfg))))
-    pin = cfg.data["pin_memory"] is not False and env.device.type == "cuda"  # null: pinned on CUDA
+    pin = cfg.data.pin_memory is not False and env.device.type == "cuda"  # null: pinned on CUDA
     sampler = StreamSampler(len(data.train), trainer.batch_size, *data_share(parallelism, env), trainer.seed,
                             state.samples_seen, version=state.stream_version)
     if state.stream_version != STREAM_VERSION and env.is_main:
@@ -201,7 +201,7 @@ def assemble(cfg: RunConfig, run_dir: Path, env: DistEnv,
         trainer, state, task, iter(loader), trainable=list(model.parameters()), autocast=autocast,
         name_part=record_function if hooks.name_parts else unnamed, hooks=hooks,
         batch_device=env.device if env.device.type != "cpu" else None, pin=pin,
-        steps_schedule=schedule_changes_lr(optim), metrics_every_step=cfg.task["train_metrics"] == "every_step",
+        steps_schedule=schedule_changes_lr(optim), metrics_every_step=cfg.task.train_metrics == "every_step",
         global_batch=global_batch, loss_context=loss_context_of(model), pipeline=pipeline)
     return Assembly(ctx, training, stages, metric_names, parameters, flops_absent, auto_plan, resumed_from, started)
 

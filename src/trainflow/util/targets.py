@@ -64,7 +64,7 @@ def origin(target: str) -> str | None:
 def origins(cfg: Any) -> dict[str, str]:
     """Per section of your code in the run's config (model, data, task), what its `_target_` imported and from
     where (`origin`)."""
-    found = {name: origin(str(getattr(cfg, name).get("_target_") or "")) for name in ("model", "data", "task")}
+    found = {name: origin(str(getattr(cfg, name)._target_ or "")) for name in ("model", "data", "task")}
     return {name: text for name, text in found.items() if text}
 
 
