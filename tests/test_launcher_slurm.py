@@ -208,6 +208,23 @@ def test_sweep_of_two_jobs_each_on_two_ranks(sweep: Sweep) -> None:
     assert "#SBATCH --ntasks-per-node=2" in submitted and "#SBATCH --requeue" in submitted
 
 
+def test_the_ranks_of_a_slurm_job_print_like_a_single_run(sweep: Sweep) -> None:
+    """Job 1's two ranks (SLURM tasks; each its own console, submitit's log files): the short header once, from
+    rank 0, at most 15 lines before its first step, and the config in train.log only (trainer.print_config=false
+    reaches every rank)."""
+    job_id = slurm_ids(sweep.dir)[1]
+    consoles = [[line for name in ("out", "err")
+                 for line in (sweep.dir / ".submitit" / job_id / f"{job_id}_{rank}_log.{name}").read_text().splitlines()
+                 if not line.startswith("submitit ")]  # submitit's own lines about the task
+                for rank in (0, 1)]
+    assert sum(" trains model " in line for console in consoles for line in console) == 1
+    assert any(" trains model " in line for line in consoles[0])
+    first_step = next(i for i, line in enumerate(consoles[0]) if re.search(r"step \d+/120", line))
+    assert first_step <= 15, "\n".join(consoles[0][:first_step])
+    assert not any("max_steps: 120" in line for console in consoles for line in console)
+    assert "max_steps: 120" in (sweep.dir / "1" / "train.log").read_text()
+
+
 def _wait_for_step(proc: subprocess.Popen, job_dir: Path, step: int, timeout: float) -> None:
     """Block until the job in job_dir has logged `step` (training runs, the stop-signal handlers are in place)."""
     deadline = time.monotonic() + timeout
