@@ -136,7 +136,7 @@ class Stragglers(Stage):
         if state.log_due:
             state.figures.update(self._gather(state))
             if self.named:
-                state.shared["straggler"] = self.named[0]
+                state.straggler = self.named[0]
             now = time.perf_counter()  # the gather is not the next step's time
         self._previous = now
         return False

@@ -75,8 +75,9 @@ class LoopState(TrainState):
     # a log step's figures that stages other than the train metrics add (the ranks' own step times): written with
     # the interval's figures, then cleared
     figures: dict[str, float] = field(default_factory=dict)
-    # what a stage leaves for the others, by name ("straggler": the rank the others wait for): read, never required
-    shared: dict[str, Any] = field(default_factory=dict)
+    # the rank the others wait for, as the stragglers stage named it (rank, host, step, ratio, own and data wait
+    # times); the profiler's verdict names it as the cause of their waiting (None: no rank named)
+    straggler: dict[str, Any] | None = None
     resumed_checkpoint: Path | None = None  # the committed checkpoint the run started from (None: a fresh start)
     # why a stage stopped the run (fault tolerance: no quorum): the checkpointer saves and stops as on a stop signal
     stop_reason: str | None = None

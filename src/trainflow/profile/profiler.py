@@ -185,7 +185,7 @@ class Profiler(Stage):
         return False
 
     def close(self, state: LoopState) -> None:
-        self._straggler = state.shared.get("straggler")  # a rank the others waited for: the verdict's cause
+        self._straggler = state.straggler  # a rank the others waited for: the verdict's cause
 
     def _on_window(self, prof: Any) -> None:
         """After each window: the trace, the ops table, and this window's share of the verdict."""
