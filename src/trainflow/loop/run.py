@@ -196,13 +196,13 @@ def assemble(cfg: RunConfig, run_dir: Path, env: DistEnv,
         loader.check(parallelism.global_batch, trainer.grad_accum)
         loader.restore(state.data_state, resumed_from is not None, env.is_main, state.data_states)
         state.data_loader = loader
-    hooks = StepHooks.of(stages)
+    hooks = StepHooks.of(stages, loss_context_of(model))
     training = Training(
         trainer, state, task, iter(loader), trainable=list(model.parameters()), autocast=autocast,
         name_part=record_function if hooks.name_parts else unnamed, hooks=hooks,
         batch_device=env.device if env.device.type != "cpu" else None, pin=pin,
         steps_schedule=schedule_changes_lr(optim), metrics_every_step=cfg.task["train_metrics"] == "every_step",
-        global_batch=global_batch, loss_context=loss_context_of(model), pipeline=pipeline)
+        global_batch=global_batch, pipeline=pipeline)
     return Assembly(ctx, training, stages, metric_names, parameters, flops_absent, auto_plan, resumed_from, started)
 
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import heapq
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import IntEnum
 from pathlib import Path
@@ -182,17 +182,22 @@ class StepHooks:
     """The enabled stages that answer each hook of the step, listed once before the first step."""
 
     name_parts: bool  # a stage names the step's parts (record_function: a profiler records them)
-    loss_contexts: tuple[Stage, ...]
+    loss_contexts: tuple[Callable[[], contextlib.AbstractContextManager[Any]], ...]  # each micro-step enters them
     grad_norm: tuple[Stage, ...]
     updates: tuple[Stage, ...]
     syncs: tuple[Stage, ...]
 
     @classmethod
-    def of(cls, stages: list[Stage]) -> StepHooks:
+    def of(cls, stages: list[Stage], parallel_loss: Callable[[], contextlib.AbstractContextManager[Any]]
+           = contextlib.nullcontext) -> StepHooks:
+        """`parallel_loss`: the loss context the parallelism asks for (loss parallel under TP:
+        trainflow.distributed.parallelism.loss_context_of), entered before the stages' own."""
         enabled = [stage for stage in stages if stage.enabled]
         answering = {hook: tuple(s for s in enabled if overrides(s, hook))
                      for hook in ("loss_context", "wants_grad_norm", "keeps_update", "syncs_after")}
-        return cls(any(stage.names_step_parts for stage in enabled), answering["loss_context"],
+        parallel = () if parallel_loss is contextlib.nullcontext else (parallel_loss,)
+        return cls(any(stage.names_step_parts for stage in enabled),
+                   (*parallel, *(stage.loss_context for stage in answering["loss_context"])),
                    answering["wants_grad_norm"], answering["keeps_update"], answering["syncs_after"])
 
 

@@ -16,7 +16,7 @@ from trainflow.config.schema import TrainerConfig
 from trainflow.data import to_device
 from trainflow.distributed.parallelism import local_loss, no_grad_sync
 from trainflow.distributed.pipeline import Pipeline
-from trainflow.loop.stages import Stage, StepHooks
+from trainflow.loop.stages import StepHooks
 from trainflow.loop.state import LoopState
 from trainflow.optim import gradient_norm
 from trainflow.profile.regions import DATA, FWD_BWD, OPTIMIZER
@@ -40,7 +40,6 @@ class Training:
     steps_schedule: bool  # False: a constant schedule without warm-up is not stepped
     metrics_every_step: bool  # task.train_metrics=every_step; else the task's metrics at log steps only
     global_batch: int
-    loss_context: Callable[[], Any] = contextlib.nullcontext  # loss parallel under TP (distributed.parallelism)
     pipeline: Pipeline | None = None  # parallelism.pp > 1: the schedule runs each micro-batch's forward and backward
 
 
@@ -66,7 +65,7 @@ def train_step(training: Training) -> None:
             samples, tokens = samples + counted[0], tokens + counted[1]
         last_micro = micro == trainer.grad_accum - 1
         with name_part(FWD_BWD), no_grad_sync(model, last_micro), \
-                training.loss_context(), _loss_contexts(hooks.loss_contexts) if hooks.loss_contexts else _NO_REGION:
+                _loss_contexts(hooks.loss_contexts) if hooks.loss_contexts else _NO_REGION:
             if training.pipeline is not None:  # the stages' forward and backward, by the schedule
                 with training.autocast:
                     loss, metrics = training.pipeline.run(batch, with_metrics)
@@ -112,11 +111,11 @@ def train_step(training: Training) -> None:
 
 
 @contextlib.contextmanager
-def _loss_contexts(stages: tuple[Stage, ...]) -> Iterator[None]:
-    """The stages' loss contexts, entered in their order."""
+def _loss_contexts(makers: tuple[Callable[[], contextlib.AbstractContextManager[Any]], ...]) -> Iterator[None]:
+    """The loss contexts (the parallelism's, then the stages'), entered in their order."""
     with contextlib.ExitStack() as stack:
-        for stage in stages:
-            stack.enter_context(stage.loss_context())
+        for make in makers:
+            stack.enter_context(make())
         yield
 
 
