@@ -53,7 +53,7 @@ class StopAndPause(Stage):
     @classmethod
     def build(cls, ctx: StageContext) -> StopAndPause:
         """Its settings from the run's config, as a stage of trainflow's own would read them."""
-        stage = cls(pause_at=6, pause_s=1.5, stop_at=12, excluded=ctx.trainer.excluded_steps + 3)
+        stage = cls(pause_at=6, pause_s=1.5, stop_at=12, excluded=ctx.cfg.trainer.excluded_steps + 3)
         cls.built.append(stage)
         return stage
 

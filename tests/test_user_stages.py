@@ -34,7 +34,7 @@ class Recorder(Stage):
 
     def setup(self, ctx):
         self.summary_key = f"recorder_{self.name}"
-        self.seen["setup"] = {"max_steps": ctx.trainer.max_steps, "run_dir": str(ctx.run_dir)}
+        self.seen["setup"] = {"max_steps": ctx.cfg.trainer.max_steps, "run_dir": str(ctx.run_dir)}
 
     def wrap_model(self, model):
         self.seen["parameters"] = sum(p.numel() for p in model.parameters())

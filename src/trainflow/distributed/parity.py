@@ -81,8 +81,8 @@ class ParityCheck(Stage):
 
     @classmethod
     def build(cls, ctx: StageContext) -> ParityCheck:
-        return cls(ctx.parallelism, ctx.trainer, ctx.optim, ctx.cfg.data, ctx.env, ctx.model, ctx.data.train,
-                   ctx.task)
+        cfg = ctx.cfg
+        return cls(cfg.parallelism, cfg.trainer, cfg.optim, cfg.data, ctx.env, ctx.model, ctx.data.train, ctx.task)
 
     def _reference_step(self) -> float:
         """One step of the reference, by `train_step`; its last micro-step's loss."""

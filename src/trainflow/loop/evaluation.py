@@ -59,7 +59,7 @@ class Evaluation(Stage):
 
     @classmethod
     def build(cls, ctx: StageContext) -> Evaluation:
-        return cls(ctx.trainer, ctx.env, ctx.data, ctx.autocast, ctx.task, ctx.writer)
+        return cls(ctx.cfg.trainer, ctx.env, ctx.data, ctx.autocast, ctx.task, ctx.writer)
 
     def start(self, state: LoopState) -> None:
         self._started = time.perf_counter()

@@ -41,12 +41,11 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
-    from trainflow.config.schema import ParallelismConfig, RunConfig, TrainerConfig
+    from trainflow.config.schema import RunConfig
     from trainflow.data import DataBundle
     from trainflow.distributed import DistEnv
     from trainflow.loggers.writer import MetricsWriter
     from trainflow.loop.state import LoopState, TrainState
-    from trainflow.metrics.meter import Throughput
     from trainflow.tasks import Task
 
 __all__ = ["Phase", "Stage", "StageContext", "StepHooks", "ordered"]
@@ -72,16 +71,12 @@ class StageContext:
     cfg: RunConfig  # the typed run config, as the run decided it (its per-rank batch, parallelism=auto's layout)
     run_dir: Path
     env: DistEnv
-    trainer: TrainerConfig
-    parallelism: ParallelismConfig  # as parallelism=auto decided it
-    optim: dict[str, Any]  # the optim section: the optimizer's keys and the schedule's (trainflow.optim)
     data: DataBundle
     task: Task
     model: nn.Module  # on the device, not yet parallelized (the parity check copies it)
     example: Any  # a batch of trainer.batch_size items, on the host (compile.check runs it)
     autocast: Any  # the step's autocast context (reusable)
     writer: MetricsWriter  # closed by the assembly's owner, not by a stage
-    meter: Throughput  # its excluded steps are set once every stage is built
     flops_per_step: int | None
     peak_flops: float | None
 

@@ -5,12 +5,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import nn
 
 from trainflow.data.stream import STREAM_VERSION
+
+if TYPE_CHECKING:
+    from trainflow.metrics.meter import Throughput
 
 
 class KeepsState(Protocol):
@@ -67,6 +70,9 @@ class LoopState(TrainState):
     data_wait_s: float = 0.0  # seconds the step waited for its batches
     skipped: bool = False  # a stage kept the update out (keeps_update: a non-finite norm, a lost replica group)
     steps_this_run: int = 0
+    # the run's clock (trainflow.metrics.meter), built once every stage said which first steps to leave out of the
+    # steady state (its excluded_steps): the stages that read it, or its counts, take it from here
+    meter: Throughput | None = None
     log_due: bool = False  # a log step: the train metrics sync and are written
     sync_due: bool = False  # the step ends at a point where the host reads the device anyway (a log step, the first
     # step of the run, a stage's own: a save): device values kept for later are read then

@@ -88,7 +88,7 @@ class EMA(Stage):
             weights = [p.detach().clone() for p in _local(self.params)]
             torch._foreach_copy_(_local(self.params), _local(self.average))
             try:
-                figures = evaluate(state.model, ctx.data.val, ctx.task, ctx.trainer, ctx.env, ctx.autocast)
+                figures = evaluate(state.model, ctx.data.val, ctx.task, ctx.cfg.trainer, ctx.env, ctx.autocast)
             finally:
                 torch._foreach_copy_(_local(self.params), weights)
         state.model.train()
