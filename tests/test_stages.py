@@ -139,7 +139,8 @@ class EveryHook(Stage):
     """A stage from outside trainflow that answers every hook of the step: it names the step's parts, wraps the
     loss, wants the gradient norm on even steps, drops the update of step 3, and syncs after step 4."""
 
-    phase = Phase.GUARD  # declared: after the non-finite guard (listed before it), before the train metrics
+    phase = Phase.GUARD  # declared: after the non-finite guard, before the train metrics
+    after = ("nonfinite",)
     names_step_parts = True
     summary_key = "every_hook"
 
@@ -204,6 +205,29 @@ def test_a_stage_of_your_own_answers_every_hook_of_the_step_and_acts_in_its_decl
     assert not torch.equal(seen[4]["weights"], seen[3]["weights"])
     # the first step and its own (step 4) are the sync points: no log or save step comes before the last
     assert [seen[step]["sync"] for step in range(1, 7)] == [True, False, False, True, False, True]
+
+
+def test_stages_act_in_the_order_their_dependencies_declare_whatever_order_they_are_listed_in(
+        tmp_path: Path) -> None:
+    """The order of trainflow's stages comes from their phases and their before/after declarations (then their
+    names), never from where STAGES lists them: listed the other way round, they act in the same order."""
+    from trainflow.cli import register_with_hydra
+    from trainflow.distributed.process_group import process_group
+    from trainflow.loop.run import assemble
+
+    register_with_hydra()
+    cfg = seed_mlp_cfg("trainer.max_steps=2")
+    orders = []
+    with process_group(cfg) as env:
+        for listed in (STAGES, dict(reversed(STAGES.items()))):
+            (tmp_path / str(len(orders))).mkdir()
+            run = assemble(cfg, tmp_path / str(len(orders)), env, listed)
+            run.ctx.writer.close()
+            orders.append([stage.name for stage in run.stages])
+    # the fingerprint and the cost measure the loop's window without the profiler's start and export (entered after
+    # it, left before it); the train metrics time the log interval before the evaluation's pause is taken
+    assert orders[0] == orders[1] == ["watchdog", "compile", "parity", "profiler", "cost", "fingerprint", "nonfinite",
+                                      "stragglers", "train_metrics", "evaluation", "checkpoint", "fault_tolerance"]
 
 
 def test_meter_times_only_the_excluded_steps_and_leaves_pauses_out_of_every_clock() -> None:

@@ -41,6 +41,9 @@ class Evaluation(Stage):
     whose evaluation is dear; every rank decides alike (rank 0's clock decides)."""
 
     phase = Phase.REPORT
+    # after the train metrics: they time the log interval before this stage's pause is left out of the clocks (the
+    # meter takes it after the step's stages), and the step's train line comes before its validation line
+    after = ("train_metrics",)
     summary_key = "validation"
 
     def __init__(self, trainer: TrainerConfig, env: DistEnv, data: DataBundle, autocast: Any, task: Task,

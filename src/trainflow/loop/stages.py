@@ -17,12 +17,13 @@ under `summary_key` (a dotted key nests it: `parallelism.check`). Stages tell ea
 loop state (trainflow.loop.state).
 
 Every stage has a `name` (trainflow's own: their key in trainflow.loop.run.STAGES; a stage of the config's
-`stages` list: its key there) and may declare the stages it acts `before` and `after`: `ordered` sorts by phase,
-then by those declarations, then as listed, and refuses in one line a declaration that contradicts the phases or
-another. A stage from the config (trainflow.loop.configured) is made by calling its `_target_` with its keys and is
-handed the run's context once (`setup(ctx)`), before the model is parallelized. A stage whose own state a
-checkpoint must hold answers `state_dict()` (tensors go to the shards, other values to state.json) and gets it back
-by `load_state_dict(saved)` on a resume, before `start`.
+`stages` list: its key there) and declares the stages it depends on, those it acts `before` and `after`: `ordered`
+sorts by phase, then by those declarations, then by name (never by where a stage is listed: two stages whose order
+matters say so), and refuses in one line a declaration that contradicts the phases or another. A stage from the
+config (trainflow.loop.configured) is made by calling its `_target_` with its keys and is handed the run's context
+once (`setup(ctx)`), before the model is parallelized. A stage whose own state a checkpoint must hold answers
+`state_dict()` (tensors go to the shards, other values to state.json) and gets it back by `load_state_dict(saved)`
+on a resume, before `start`.
 """
 
 from __future__ import annotations
@@ -89,8 +90,8 @@ class Stage:
     summary_key: str | None = None  # its part of summary.json (None: it reports nothing; dotted: nested)
     names_step_parts: bool = False  # the step's parts (data, forward-backward, optimizer) are named for a profiler
     name: str = ""  # its key in STAGES or in the config's `stages` (set by the assembly)
-    before: tuple[str, ...] = ()  # stages of its phase it acts before (by name)
-    after: tuple[str, ...] = ()  # stages of its phase it acts after (by name)
+    before: tuple[str, ...] = ()  # stages it acts before (by name): they depend on what it does first
+    after: tuple[str, ...] = ()  # stages it acts after (by name): it depends on what they do first
 
     @classmethod
     def build(cls, ctx: StageContext) -> Stage:
@@ -197,8 +198,9 @@ class StepHooks:
 
 
 def ordered(stages: Sequence[Stage]) -> list[Stage]:
-    """The stages in the order they act: by phase, then by their `before`/`after` declarations, then as listed.
-    A declaration naming no stage, one across phases the other way round, or a cycle is one line."""
+    """The stages in the order they act: by phase, then by their `before`/`after` declarations, then by name, so
+    that where a stage is listed never orders it. A declaration naming no stage, one across phases the other way
+    round, or a cycle is one line."""
     by_name = {stage.name: i for i, stage in enumerate(stages)}
     follows: list[set[int]] = [set() for _ in stages]  # follows[i]: the stages that must act before stage i
     for i, stage in enumerate(stages):
@@ -214,16 +216,16 @@ def ordered(stages: Sequence[Stage]) -> list[Stage]:
                                       f"the other way; drop the declaration or give {stage.name} another phase")
                 follows[then].add(first)
     order: list[int] = []
-    ready = [(stage.phase, i) for i, stage in enumerate(stages) if not follows[i]]
+    ready = [(stage.phase, stage.name, i) for i, stage in enumerate(stages) if not follows[i]]
     heapq.heapify(ready)
     while ready:
-        _, i = heapq.heappop(ready)
+        *_, i = heapq.heappop(ready)
         order.append(i)
         for j, before in enumerate(follows):
             if i in before:
                 before.discard(i)
                 if not before:
-                    heapq.heappush(ready, (stages[j].phase, j))
+                    heapq.heappush(ready, (stages[j].phase, stages[j].name, j))
     if len(order) < len(stages):
         cycle = [stages[i].name for i in range(len(stages)) if i not in order]
         raise ConfigError(f"stages: {', '.join(cycle)} declare before/after each other in a cycle; drop one of "

@@ -101,6 +101,9 @@ class Cost(Stage):
     tokens (every rank takes part)."""
 
     phase = Phase.OBSERVE  # it only reads: the step as it was
+    # entered after the profiler and left before it: the energy is the loop's, not the profiler's start-up and trace
+    # export
+    after = ("profiler",)
     summary_key = "cost"
 
     def __init__(self, env: DistEnv, cost_per_hour: float | None) -> None:

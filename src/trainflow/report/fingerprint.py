@@ -57,6 +57,9 @@ class Fingerprint(Stage):
     start of the steady state to the end of the loop, the model's shape hash, and the step-time band at the end."""
 
     phase = Phase.OBSERVE  # it only reads: the step as it was
+    # entered after the profiler and left before it: the machine's load is the loop's, not the profiler's start-up
+    # and trace export
+    after = ("profiler",)
     summary_key = "fingerprint"
 
     def __init__(self, cfg: RunConfig, env: DistEnv, run_dir: Path) -> None:
