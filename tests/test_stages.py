@@ -182,7 +182,7 @@ def test_a_stage_of_your_own_answers_every_hook_of_the_step_and_acts_in_its_decl
     from trainflow.cli import register_with_hydra
     from trainflow.distributed.process_group import process_group
     from trainflow.loop.run import assemble, summarize, train_loop
-    from trainflow.loop.step import unnamed
+    from trainflow.loop.step import no_region
 
     register_with_hydra()
     cfg = seed_mlp_cfg("trainer.max_steps=6", "trainer.grad_accum=2", "trainer.grad_clip=0",
@@ -191,7 +191,7 @@ def test_a_stage_of_your_own_answers_every_hook_of_the_step_and_acts_in_its_decl
         run = assemble(cfg, tmp_path, env, {**STAGES, "every_hook": EveryHook})
         names = [type(stage).__name__ for stage in run.stages if stage.enabled]
         assert names == ["Fingerprint", "NonFiniteGuard", "EveryHook", "TrainMetrics", "Evaluation"]  # by phase
-        assert run.training.name_part is not unnamed  # it names the step's parts: the profiler's hook
+        assert run.step_inputs.name_part is not no_region  # it names the step's parts: the profiler's hook
         train_loop(run)
         summary = summarize(run)
         run.ctx.writer.close()
@@ -301,8 +301,8 @@ def test_stages_hold_their_typed_sections_in_a_launched_worker(tmp_path: Path) -
         assert type(profiler.cfg) is ProfilerConfig and profiler.cfg.row_limit == 7 and profiler.cfg.ranks == [0]
         assert type(checkpointer.cfg) is CheckpointConfig
         assert (checkpointer.cfg.every_steps, checkpointer.cfg.keep_last, checkpointer.cfg.mode) == (4, 5, "sync")
-        assert type(evaluation.trainer) is TrainerConfig and evaluation.trainer is run.training.trainer
-        assert (evaluation.every, evaluation.trainer.eval_steps, evaluation.trainer.batch_size) == (3, 1, 64)
+        assert type(evaluation.settings) is TrainerConfig and evaluation.settings is run.step_inputs.settings
+        assert (evaluation.every, evaluation.settings.eval_steps, evaluation.settings.batch_size) == (3, 1, 64)
         assert parity.tolerance == 0.25 and not parity.enabled  # one process: nothing to compare
         train_loop(run)
         summary = summarize(run)

@@ -106,7 +106,7 @@ def test_a_key_the_stage_does_not_take_a_target_that_is_no_stage_and_an_order_ag
                    "stages.mine._target_: collections.OrderedDict is not a trainflow stage")
     one_line_error(train(tmp_path / "order", *SEED_MLP, "trainer.max_steps=2", "stages=[early_stopping]",
                          "+stages.early_stopping.before=watchdog"),
-                   "stages.early_stopping.before: early_stopping (OWN) cannot act before watchdog (TIME)")
+                   "stages.early_stopping.before: early_stopping (CONFIGURED) cannot act before watchdog (TIME)")
 
 
 def test_a_stage_that_raises_is_one_line_naming_it_and_the_committed_checkpoints_resume(tmp_path: Path) -> None:

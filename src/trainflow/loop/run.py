@@ -45,7 +45,7 @@ from trainflow.loop.evaluation import Evaluation
 from trainflow.loop.nonfinite import NonFiniteGuard
 from trainflow.loop.stages import Stage, StageContext, StepHooks, ordered, overrides
 from trainflow.loop.state import LoopState
-from trainflow.loop.step import Training, train_step, unnamed
+from trainflow.loop.step import StepInputs, no_region, train_step
 from trainflow.loop.train_metrics import TrainMetrics
 from trainflow.metrics.batch_fit import check_batch
 from trainflow.metrics.cost import Cost
@@ -85,7 +85,7 @@ def _assemble_and_train(cfg: RunConfig, run_dir: Path, env: DistEnv) -> dict[str
         try:
             train_loop(assembly)
         except BaseException as exc:
-            note_step(exc, assembly.training.state.step + 1)  # the step it failed in, for the launcher's account of it
+            note_step(exc, assembly.step_inputs.state.step + 1)  # the step it failed in: the launcher's account
             assembly.ctx.writer.finish(KILLED if isinstance(exc, KeyboardInterrupt) else FAILED)
             raise
     return summarize(assembly)
@@ -105,7 +105,7 @@ class Assembly:
     """What the assembly built: the step's inputs, the stages and their context, and what the summary reports."""
 
     ctx: StageContext
-    training: Training
+    step_inputs: StepInputs
     stages: list[Stage]  # in the order they act after each step
     metric_names: list[str]  # what the task reports besides the loss (from a probe before training)
     parameters: int
@@ -139,18 +139,18 @@ def assemble(cfg: RunConfig, run_dir: Path, env: DistEnv,
                                           state.resumed_checkpoint, checkpoint_dir)
     _announce(run, run_dir, parts, resumed_from, checkpoint_dir)
     feed = _feed(run, parts, state, resumed_from)
-    training = _training(run, ctx, stages, trainable, state, feed)
-    return Assembly(ctx, training, stages, parts.metric_names, parts.parameters, flops.absent, run.auto_plan,
+    step_inputs = _step_inputs(run, ctx, stages, trainable, state, feed)
+    return Assembly(ctx, step_inputs, stages, parts.metric_names, parts.parameters, flops.absent, run.auto_plan,
                     resumed_from, started)
 
 
 def _set_up_process(cfg: RunConfig, env: DistEnv) -> None:
     """Determinism, matmul precision, and the seed every rank shares (the same initial weights on every rank)."""
-    trainer = cfg.trainer
-    if trainer.deterministic != torch.are_deterministic_algorithms_enabled():  # the call imports inductor: 1.5 s
-        torch.use_deterministic_algorithms(trainer.deterministic)
-    configure_matmul(env.device, trainer.precision, trainer.tf32)
-    seed_everything(trainer.seed)
+    settings = cfg.trainer
+    if settings.deterministic != torch.are_deterministic_algorithms_enabled():  # the call imports inductor: 1.5 s
+        torch.use_deterministic_algorithms(settings.deterministic)
+    configure_matmul(env.device, settings.precision, settings.tf32)
+    seed_everything(settings.seed)
 
 
 @dataclass(frozen=True)
@@ -231,9 +231,9 @@ class Flops:
 
 def _count_flops(run: Decided, parts: Parts, example: Any) -> Flops:
     counted, absent = count_train_flops(parts.model, example, parts.task)
-    trainer, env = run.cfg.trainer, run.env
-    per_step = counted * trainer.grad_accum // (env.tp * env.pp) if counted is not None else None
-    return Flops(per_step, absent, peak_flops(env.device, trainer.precision, run.cfg.metrics.peak_flops))
+    settings, env = run.cfg.trainer, run.env
+    per_step = counted * settings.grad_accum // (env.tp * env.pp) if counted is not None else None
+    return Flops(per_step, absent, peak_flops(env.device, settings.precision, run.cfg.metrics.peak_flops))
 
 
 def _stage_context(run: Decided, run_dir: Path, parts: Parts, example: Any, flops: Flops) -> StageContext:
@@ -272,23 +272,23 @@ class Trainable:
 def _trainable(run: Decided, parts: Parts, stages: list[Stage], meter: Throughput) -> Trainable:
     """The model parallelized, then wrapped by each stage in order (compile; compile.check compares eager and
     compiled on the example batch); its pipeline schedule; the optimizer on its final parameters."""
-    trainer, parallelism, env = run.cfg.trainer, run.cfg.parallelism, run.env
-    parallel = parallelize(parts.model, parallelism, env, trainer.precision, trainer.fp8_recipe)
+    settings, parallelism, env = run.cfg.trainer, run.cfg.parallelism, run.env
+    parallel = parallelize(parts.model, parallelism, env, settings.precision, settings.fp8_recipe)
     model = functools.reduce(lambda wrapped, stage: stage.wrap_model(wrapped), stages, parallel)
-    pipeline = Pipeline(model, parallelism.pp_schedule, parts.task, trainer.batch_size, trainer.grad_accum,
+    pipeline = Pipeline(model, parallelism.pp_schedule, parts.task, settings.batch_size, settings.grad_accum,
                         parallelism.microbatches, parts.metric_names, env, parts.model, meter.excluded_steps) \
         if isinstance(model, StageParts) else None
-    optimizer, scheduler = build_optimizer(model, run.cfg.optim, trainer.max_steps, env.device)
+    optimizer, scheduler = build_optimizer(model, run.cfg.optim, settings.max_steps, env.device)
     return Trainable(model, pipeline, optimizer, scheduler)
 
 
 def _loop_state(run: Decided, parts: Parts, stages: list[Stage], trainable: Trainable,
                 meter: Throughput) -> LoopState:
-    trainer = run.cfg.trainer
+    settings = run.cfg.trainer
     return LoopState(trainable.model, trainable.optimizer, trainable.scheduler,
                      data_identity=parts.data.identity,  # a resume compares them
                      stage_states={stage.name: stage for stage in stages if overrides(stage, "state_dict")},
-                     layout={"trainer.batch_size": trainer.batch_size, "trainer.grad_accum": trainer.grad_accum,
+                     layout={"trainer.batch_size": settings.batch_size, "trainer.grad_accum": settings.grad_accum,
                              "global batch": run.global_batch}, meter=meter)
 
 
@@ -308,17 +308,17 @@ def _resume_and_start(run: Decided, stages: list[Stage], state: LoopState) -> in
 def _announce(run: Decided, run_dir: Path, parts: Parts, resumed_from: int | None,
               checkpoint_dir: Path | None) -> None:
     """The run's header (rank 0), and a warning for a finished run started again."""
-    cfg, env, trainer, data = run.cfg, run.env, run.cfg.trainer, parts.data
+    cfg, env, settings, data = run.cfg, run.env, run.cfg.trainer, parts.data
     if not env.is_main:
         return
-    if resumed_from and resumed_from >= trainer.max_steps:
+    if resumed_from and resumed_from >= settings.max_steps:
         log.warning("the checkpoint is at step %d, trainer.max_steps is %d: nothing left to train; raise "
-                    "trainer.max_steps to continue this run", resumed_from, trainer.max_steps)
+                    "trainer.max_steps to continue this run", resumed_from, settings.max_steps)
     log.info("%s", start_header(RunFacts(
         type(unwrap(parts.model)).__name__, parts.parameters, data.name, len(data.train), _length(data.val),
         data.seq_len, type(parts.task).__name__, parts.task.monitor, parts.task.mode, str(env.device),
-        env.world_size, cfg.parallelism.strategy, trainer.precision, _compiled(cfg.compile), run.global_batch,
-        trainer.max_steps, resumed_from, run_dir, checkpoint_dir, tuple(cfg.logger), origins(cfg))))
+        env.world_size, cfg.parallelism.strategy, settings.precision, _compiled(cfg.compile), run.global_batch,
+        settings.max_steps, resumed_from, run_dir, checkpoint_dir, tuple(cfg.logger), origins(cfg))))
 
 
 @dataclass(frozen=True)
@@ -331,29 +331,29 @@ class Feed:
 
 def _feed(run: Decided, parts: Parts, state: LoopState, resumed_from: int | None) -> Feed:
     """The loader of this rank's share of the stream, from the position the state resumed at."""
-    cfg, env, trainer = run.cfg, run.env, run.cfg.trainer
+    cfg, env, settings = run.cfg, run.env, run.cfg.trainer
     pin = cfg.data["pin_memory"] is not False and env.device.type == "cuda"  # null: pinned on CUDA
-    sampler = StreamSampler(len(parts.data.train), trainer.batch_size, *data_share(cfg.parallelism, env),
-                            trainer.seed, state.samples_seen, version=state.stream_version)
+    sampler = StreamSampler(len(parts.data.train), settings.batch_size, *data_share(cfg.parallelism, env),
+                            settings.seed, state.samples_seen, version=state.stream_version)
     if state.stream_version != STREAM_VERSION and env.is_main:
         log.info("data: the checkpoint's stream is of version %d (an epoch's order held in memory, 8 bytes a "
                  "sample): the run continues in that order; a fresh run computes it per sample", state.stream_version)
     loader = make_loader(parts.data.train, sampler, cfg.data, pin)
     if isinstance(loader, IterableBatches):  # the user's stream: its position is checkpointed with the state
-        loader.check(cfg.parallelism.global_batch, trainer.grad_accum)
+        loader.check(cfg.parallelism.global_batch, settings.grad_accum)
         loader.restore(state.data_state, resumed_from is not None, env.is_main, state.data_states)
         state.data_loader = loader
     return Feed(loader, pin)
 
 
-def _training(run: Decided, ctx: StageContext, stages: list[Stage], trainable: Trainable, state: LoopState,
-              feed: Feed) -> Training:
+def _step_inputs(run: Decided, ctx: StageContext, stages: list[Stage], trainable: Trainable, state: LoopState,
+                 feed: Feed) -> StepInputs:
     """What `train_step` reads, each listed once before the first step."""
     cfg, device = run.cfg, run.env.device
     hooks = StepHooks.of(stages, loss_context_of(trainable.model))
-    return Training(
+    return StepInputs(
         cfg.trainer, state, ctx.task, iter(feed.loader), trainable=list(trainable.model.parameters()),
-        autocast=ctx.autocast, name_part=record_function if hooks.name_parts else unnamed, hooks=hooks,
+        autocast=ctx.autocast, name_part=record_function if hooks.name_parts else no_region, hooks=hooks,
         batch_device=device if device.type != "cpu" else None, pin=feed.pin,
         steps_schedule=schedule_changes_lr(cfg.optim), metrics_every_step=cfg.task["train_metrics"] == "every_step",
         global_batch=run.global_batch, pipeline=trainable.pipeline)
@@ -374,8 +374,8 @@ def _compiled(compile_cfg: CompileConfig) -> str:
 def train_loop(assembly: Assembly) -> None:
     """Steps until trainer.max_steps or a stage stops the run; after each, the enabled stages in order; the
     meter times it all, less what the stages report as paused. Then the stages close."""
-    training = assembly.training
-    state, max_steps, world_size = training.state, training.trainer.max_steps, assembly.ctx.env.dp_size
+    inputs = assembly.step_inputs
+    state, max_steps, world_size = inputs.state, inputs.settings.max_steps, assembly.ctx.env.dp_size
     meter = state.meter
     enabled = [stage for stage in assembly.stages if stage.enabled]  # a stage that is off costs nothing per step
     pausing = [stage for stage in enabled if overrides(stage, "take_paused_s")]
@@ -386,7 +386,7 @@ def train_loop(assembly: Assembly) -> None:
         results_begin()  # a failure from here on keeps the run directory with what the run wrote
         meter.begin()
         while state.step < max_steps:
-            train_step(training)
+            train_step(inputs)
             meter.end_step(state, state.samples * world_size, state.tokens * world_size)
             stop = False
             for stage in enabled:
@@ -402,13 +402,13 @@ def train_loop(assembly: Assembly) -> None:
 
 def summarize(assembly: Assembly) -> dict[str, Any] | None:
     """summary.json (rank 0; every rank takes part in the stages' summaries, some of which gather)."""
-    ctx, state = assembly.ctx, assembly.training.state
-    env, trainer, meter = ctx.env, ctx.cfg.trainer, state.meter
+    ctx, state = assembly.ctx, assembly.step_inputs.state
+    env, settings, meter = ctx.env, ctx.cfg.trainer, state.meter
     steady = meter.steady_state()
     peak, flops_per_step = ctx.peak_flops, ctx.flops_per_step
     achieved = flops_per_step / steady["step_time_s"] if steady and flops_per_step else 0.0
     if peak and achieved > peak:  # MFU above 1: the cached CPU peak was measured under load
-        peak = peak_flops(env.device, trainer.precision, ctx.cfg.metrics.peak_flops, at_least=achieved)
+        peak = peak_flops(env.device, settings.precision, ctx.cfg.metrics.peak_flops, at_least=achieved)
     peak_memory = meter.memory.summary()  # the training peak (CUDA: after the warm-up), also auto's check
     summary = {
         "format": SUMMARY_FORMAT,  # readers tell the formats apart: trainflow.report.summary_file
@@ -426,10 +426,10 @@ def summarize(assembly: Assembly) -> dict[str, Any] | None:
         "peak_flops": peak,
         "parameters": assembly.parameters,
         "world_size": env.world_size,
-        "global_batch": assembly.training.global_batch,
-        "parallelism": parallelism_summary(ctx.cfg.parallelism, trainer, env, steady),
+        "global_batch": assembly.step_inputs.global_batch,
+        "parallelism": parallelism_summary(ctx.cfg.parallelism, settings, env, steady),
         "device": str(env.device),
-        "matmul_math": matmul_math(env.device, trainer.precision),
+        "matmul_math": matmul_math(env.device, settings.precision),
     }
     for stage in assembly.stages:  # every stage is asked, enabled or not: some gather from all ranks
         if stage.summary_key:
@@ -440,8 +440,8 @@ def summarize(assembly: Assembly) -> dict[str, Any] | None:
             place[key] = stage.summary(steady)
     summary["host"] = host_load()  # a report warns of figures measured on an overloaded machine
     summary["config"] = plain(ctx.cfg)
-    if assembly.training.pipeline:  # every rank takes part: the ranks' stages, time and memory are gathered
-        summary["parallelism"]["pipeline"] = assembly.training.pipeline.summary(peak_memory["peak_memory_bytes"])
+    if assembly.step_inputs.pipeline:  # every rank takes part: the ranks' stages, time and memory are gathered
+        summary["parallelism"]["pipeline"] = assembly.step_inputs.pipeline.summary(peak_memory["peak_memory_bytes"])
     if assembly.auto_plan:
         summary["parallelism"]["plan"] = memory_plan.finish(assembly.auto_plan, env.device, state.model,
                                                             state.optimizer, peak_memory["peak_memory_bytes"])

@@ -60,7 +60,8 @@ class Phase(IntEnum):
     GUARD = 30  # the non-finite guard: before anything is logged or saved
     GATHER = 40  # collectives whose figures the log step writes (the ranks' own step times)
     REPORT = 50  # the train metrics and evaluation: the log step
-    OWN = 55  # a stage that declares none (yours): after the log step, before the save
+    CONFIGURED = 55  # a stage of the config's `stages` list (early stopping, the EMA, yours) and any that declares
+    # no other phase: after the log step, before the save
     SAVE = 60  # the checkpointer: the last of the stages that may stop the run (it saves before it stops)
     NEXT = 70  # fault tolerance: the quorum of the next step, once this one is saved
 
@@ -86,7 +87,7 @@ class Stage:
     """The calls every stage answers; a stage subclasses it and overrides what it does (the defaults do nothing)."""
 
     enabled: bool = True  # False: the loop and the step never call it, and never enter it
-    phase: Phase = Phase.OWN  # where it acts after each step
+    phase: Phase = Phase.CONFIGURED  # where it acts after each step
     summary_key: str | None = None  # its part of summary.json (None: it reports nothing; dotted: nested)
     names_step_parts: bool = False  # the step's parts (data, forward-backward, optimizer) are named for a profiler
     name: str = ""  # its key in STAGES or in the config's `stages` (set by the assembly)

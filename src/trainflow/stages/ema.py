@@ -33,7 +33,7 @@ def _local(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
 class EMA(Stage):
     """The average of the weights, updated after the optimizer steps, saved and resumed with the run."""
 
-    phase = Phase.OWN
+    phase = Phase.CONFIGURED
     after = ("nonfinite",)  # a step the guard dropped applied no update: nothing to average
     before = ("checkpoint",)  # each save holds the average of its step
     summary_key = "ema"
