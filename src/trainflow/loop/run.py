@@ -1,8 +1,9 @@
 """The one training loop. Every option of every stage plugs in here; none forks it.
 
-`assemble` builds everything, in order: distributed env -> data, model and task -> parallelize -> compile ->
-optimizer -> per-rank seed -> resume -> stages. Then `train_loop` calls `train_step` (one optimizer step) and the
-list of stages (stages.py) after it, and `summarize` writes summary.json.
+`assemble` builds everything in named steps, each returning what it made: the process set up -> data, model and
+task -> the run decided (per-rank batch, parallelism=auto) -> the example batch and FLOPs -> the stages -> the meter
+-> parallelize, compile, optimizer -> per-rank seed, resume -> loader -> the step inputs. Then `train_loop` calls
+`train_step` (one optimizer step) and the list of stages (stages.py) after it, and `summarize` writes summary.json.
 """
 
 from __future__ import annotations
@@ -134,9 +135,7 @@ def assemble(cfg: RunConfig, run_dir: Path, env: DistEnv,
     state = _loop_state(run, parts, stages, trainable, meter)
     resumed_from = _resume_and_start(run, stages, state)
     checkpoint_dir = resolve_dir(run.cfg.checkpoint.dir, run_dir) if run.cfg.checkpoint.enabled else None
-    # a tracker that cannot be reached stops the run here; the tracked runs' ids go into the next checkpoints
-    state.tracked_runs = ctx.writer.start(run.cfg, run.env.world_size, resumed_from, state.tracked_runs,
-                                          state.resumed_checkpoint, checkpoint_dir)
+    _start_trackers(run, ctx, state, resumed_from, checkpoint_dir)
     _announce(run, run_dir, parts, resumed_from, checkpoint_dir)
     feed = _feed(run, parts, state, resumed_from)
     step_inputs = _step_inputs(run, ctx, stages, trainable, state, feed)
@@ -303,6 +302,14 @@ def _resume_and_start(run: Decided, stages: list[Stage], state: LoopState) -> in
     for stage in stages:
         stage.start(state)
     return resumed_from
+
+
+def _start_trackers(run: Decided, ctx: StageContext, state: LoopState, resumed_from: int | None,
+                    checkpoint_dir: Path | None) -> None:
+    """The loggers start (a resume continues its tracked runs); a tracker that cannot be reached stops the run
+    here. The tracked runs' ids go into the state, for the next checkpoints."""
+    state.tracked_runs = ctx.writer.start(run.cfg, run.env.world_size, resumed_from, state.tracked_runs,
+                                          state.resumed_checkpoint, checkpoint_dir)
 
 
 def _announce(run: Decided, run_dir: Path, parts: Parts, resumed_from: int | None,
