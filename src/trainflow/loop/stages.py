@@ -68,7 +68,9 @@ class Phase(IntEnum):
 
 @dataclass
 class StageContext:
-    """Everything a stage is built from, built once by the assembly before the model is parallelized."""
+    """Everything a stage is built from, built once by the assembly before the model is parallelized. A stage reads
+    the config one way, through `cfg` (its sections: `ctx.cfg.trainer`, `ctx.cfg.parallelism`, ...); the run's
+    clock comes with the loop state (`state.meter`, at `start`), once every stage said its excluded steps."""
 
     cfg: RunConfig  # the typed run config, as the run decided it (its per-rank batch, parallelism=auto's layout)
     run_dir: Path
