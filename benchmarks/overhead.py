@@ -297,10 +297,10 @@ def part_by_part(cfg_of: Callable[[int], Any], steps: int, warmup: int) -> dict[
                 assembled = assemble(cfg_run, Path(tmp), env)
                 start = time.thread_time()
                 if part == "train_step":
-                    training = assembled.training
-                    training.state.model.train()
-                    while training.state.step < length:
-                        train_step(training)
+                    inputs = assembled.step_inputs
+                    inputs.state.model.train()
+                    while inputs.state.step < length:
+                        train_step(inputs)
                 else:
                     assembled.stages = assembled.stages if part == "train_loop" else []
                     train_loop(assembled)

@@ -53,7 +53,7 @@ class StopAndPause(Stage):
     @classmethod
     def build(cls, ctx: StageContext) -> StopAndPause:
         """Its settings from the run's config, as a stage of trainflow's own would read them."""
-        stage = cls(pause_at=6, pause_s=1.5, stop_at=12, excluded=ctx.trainer.excluded_steps + 3)
+        stage = cls(pause_at=6, pause_s=1.5, stop_at=12, excluded=ctx.cfg.trainer.excluded_steps + 3)
         cls.built.append(stage)
         return stage
 
@@ -139,7 +139,8 @@ class EveryHook(Stage):
     """A stage from outside trainflow that answers every hook of the step: it names the step's parts, wraps the
     loss, wants the gradient norm on even steps, drops the update of step 3, and syncs after step 4."""
 
-    phase = Phase.GUARD  # declared: after the non-finite guard (listed before it), before the train metrics
+    phase = Phase.GUARD  # declared: after the non-finite guard, before the train metrics
+    after = ("nonfinite",)
     names_step_parts = True
     summary_key = "every_hook"
 
@@ -180,7 +181,7 @@ class EveryHook(Stage):
 def test_a_stage_of_your_own_answers_every_hook_of_the_step_and_acts_in_its_declared_phase(tmp_path: Path) -> None:
     from trainflow.cli import register_with_hydra
     from trainflow.distributed.process_group import process_group
-    from trainflow.loop.step import unnamed
+    from trainflow.loop.step import no_region
     from trainflow.run.assembly import assemble, summarize, train_loop
 
     register_with_hydra()
@@ -190,7 +191,7 @@ def test_a_stage_of_your_own_answers_every_hook_of_the_step_and_acts_in_its_decl
         run = assemble(cfg, tmp_path, env, {**STAGES, "every_hook": EveryHook})
         names = [type(stage).__name__ for stage in run.stages if stage.enabled]
         assert names == ["Fingerprint", "NonFiniteGuard", "EveryHook", "TrainMetrics", "Evaluation"]  # by phase
-        assert run.training.name_part is not unnamed  # it names the step's parts: the profiler's hook
+        assert run.step_inputs.name_part is not no_region  # it names the step's parts: the profiler's hook
         train_loop(run)
         summary = summarize(run)
         run.ctx.writer.close()
@@ -204,6 +205,29 @@ def test_a_stage_of_your_own_answers_every_hook_of_the_step_and_acts_in_its_decl
     assert not torch.equal(seen[4]["weights"], seen[3]["weights"])
     # the first step and its own (step 4) are the sync points: no log or save step comes before the last
     assert [seen[step]["sync"] for step in range(1, 7)] == [True, False, False, True, False, True]
+
+
+def test_stages_act_in_the_order_their_dependencies_declare_whatever_order_they_are_listed_in(
+        tmp_path: Path) -> None:
+    """The order of trainflow's stages comes from their phases and their before/after declarations (then their
+    names), never from where STAGES lists them: listed the other way round, they act in the same order."""
+    from trainflow.cli import register_with_hydra
+    from trainflow.distributed.process_group import process_group
+    from trainflow.run.assembly import assemble
+
+    register_with_hydra()
+    cfg = seed_mlp_cfg("trainer.max_steps=2")
+    orders = []
+    with process_group(cfg) as env:
+        for listed in (STAGES, dict(reversed(STAGES.items()))):
+            (tmp_path / str(len(orders))).mkdir()
+            run = assemble(cfg, tmp_path / str(len(orders)), env, listed)
+            run.ctx.writer.close()
+            orders.append([stage.name for stage in run.stages])
+    # the fingerprint and the cost measure the loop's window without the profiler's start and export (entered after
+    # it, left before it); the train metrics time the log interval before the evaluation's pause is taken
+    assert orders[0] == orders[1] == ["watchdog", "compile", "parity", "profiler", "cost", "fingerprint", "nonfinite",
+                                      "stragglers", "train_metrics", "evaluation", "checkpoint", "fault_tolerance"]
 
 
 def test_meter_times_only_the_excluded_steps_and_leaves_pauses_out_of_every_clock() -> None:
@@ -277,8 +301,8 @@ def test_stages_hold_their_typed_sections_in_a_launched_worker(tmp_path: Path) -
         assert type(profiler.cfg) is ProfilerConfig and profiler.cfg.row_limit == 7 and profiler.cfg.ranks == [0]
         assert type(checkpointer.cfg) is CheckpointConfig
         assert (checkpointer.cfg.every_steps, checkpointer.cfg.keep_last, checkpointer.cfg.mode) == (4, 5, "sync")
-        assert type(evaluation.trainer) is TrainerConfig and evaluation.trainer is run.training.trainer
-        assert (evaluation.every, evaluation.trainer.eval_steps, evaluation.trainer.batch_size) == (3, 1, 64)
+        assert type(evaluation.settings) is TrainerConfig and evaluation.settings is run.step_inputs.settings
+        assert (evaluation.every, evaluation.settings.eval_steps, evaluation.settings.batch_size) == (3, 1, 64)
         assert parity.tolerance == 0.25 and not parity.enabled  # one process: nothing to compare
         train_loop(run)
         summary = summarize(run)

@@ -17,7 +17,6 @@ from trainflow.distributed import DistEnv
 from trainflow.distributed.failures import rank_list
 from trainflow.distributed.process_group import oversubscription_warning
 from trainflow.guards.stragglers import Stragglers
-from trainflow.loop.meter import PeakMemory, Throughput
 from trainflow.metrics.verdict import verdict
 
 DDP = ["parallelism=ddp", "parallelism.nproc_per_node=2"]
@@ -105,7 +104,7 @@ def test_healthy_ranks_name_nobody_and_one_process_measures_nothing(run_dir) -> 
     assert 0 < stragglers["gather_ms"] < 1000  # one all-gather of 3 numbers a rank
     assert [m["step"] for m in run.metrics() if "perf/slowest_rank" in m] == [2, 4, 6, 8, 10, 12]
     cpu = torch.device("cpu")
-    alone = Stragglers(StragglerConfig(), DistEnv(0, 1, 0, cpu), Throughput(0, cpu, PeakMemory(cpu)))
+    alone = Stragglers(StragglerConfig(), DistEnv(0, 1, 0, cpu))
     assert alone.enabled is False and alone.summary(None) is None  # never called: one process pays nothing
 
 

@@ -34,7 +34,7 @@ class Recorder(Stage):
 
     def setup(self, ctx):
         self.summary_key = f"recorder_{self.name}"
-        self.seen["setup"] = {"max_steps": ctx.trainer.max_steps, "run_dir": str(ctx.run_dir)}
+        self.seen["setup"] = {"max_steps": ctx.cfg.trainer.max_steps, "run_dir": str(ctx.run_dir)}
 
     def wrap_model(self, model):
         self.seen["parameters"] = sum(p.numel() for p in model.parameters())
@@ -106,7 +106,7 @@ def test_a_key_the_stage_does_not_take_a_target_that_is_no_stage_and_an_order_ag
                    "stages.mine._target_: collections.OrderedDict is not a trainflow stage")
     one_line_error(train(tmp_path / "order", *SEED_MLP, "trainer.max_steps=2", "stages=[early_stopping]",
                          "+stages.early_stopping.before=watchdog"),
-                   "stages.early_stopping.before: early_stopping (OWN) cannot act before watchdog (TIME)")
+                   "stages.early_stopping.before: early_stopping (CONFIGURED) cannot act before watchdog (TIME)")
 
 
 def test_a_stage_that_raises_is_one_line_naming_it_and_the_committed_checkpoints_resume(tmp_path: Path) -> None:

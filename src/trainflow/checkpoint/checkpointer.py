@@ -151,7 +151,7 @@ class Checkpointer(Stage):
 
     @classmethod
     def build(cls, ctx: StageContext) -> Checkpointer:
-        return cls(ctx.cfg.checkpoint, ctx.env, ctx.run_dir, ctx.parallelism.timeout_s)
+        return cls(ctx.cfg.checkpoint, ctx.env, ctx.run_dir, ctx.cfg.parallelism.timeout_s)
 
     def save_due(self, step: int) -> bool:
         """Whether a periodic save follows step `step` (the final one comes at close)."""

@@ -123,7 +123,7 @@ class Compiler(Stage):
     @classmethod
     def build(cls, ctx: StageContext) -> Compiler:
         seq_lens = ctx.cfg.data.seq_lens
-        compiler = cls(ctx.cfg.compile, ctx.trainer, list(seq_lens) if seq_lens else None,
+        compiler = cls(ctx.cfg.compile, ctx.cfg.trainer, list(seq_lens) if seq_lens else None,
                        ctx.env, ctx.run_dir)
         compiler._example = (ctx.example, ctx.task)
         return compiler

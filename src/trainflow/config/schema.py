@@ -102,7 +102,7 @@ class TrainerConfig:
 @dataclass
 class MetricsConfig:
     peak_flops: float | None = None  # FLOP/s per device; overrides the measured/known peak
-    # where each finished run appends its line (trainflow.report.ledger): auto (outputs/ledger.jsonl under the working
+    # where each finished run appends its line (trainflow.record.ledger): auto (outputs/ledger.jsonl under the working
     # folder for runs inside it, else a sweep folder's own) | off | a file (one ledger for runs anywhere, many machines)
     ledger: str = "auto"
 

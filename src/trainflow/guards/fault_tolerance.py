@@ -182,8 +182,8 @@ class FaultTolerance(Stage):
 
     @classmethod
     def build(cls, ctx: StageContext) -> FaultTolerance:
-        t = ctx.trainer
-        stage = cls(ctx.parallelism, ctx.env, t.batch_size * ctx.env.dp_size * replica_groups(ctx.parallelism)
+        t, parallelism = ctx.cfg.trainer, ctx.cfg.parallelism
+        stage = cls(parallelism, ctx.env, t.batch_size * ctx.env.dp_size * replica_groups(parallelism)
                     * t.grad_accum, ctx.run_dir, t.grad_accum, bool(ctx.cfg.checkpoint.enabled))
         if stage.enabled:
             stage._create_manager()

@@ -65,7 +65,7 @@ class NonFiniteGuard(Stage):
     def build(cls, ctx: StageContext) -> NonFiniteGuard:
         checkpoint = ctx.cfg.checkpoint
         folder = resolve_dir(checkpoint.dir, ctx.run_dir) if checkpoint.enabled else None
-        return cls(ctx.trainer.nonfinite, ctx.env, folder)
+        return cls(ctx.cfg.trainer.nonfinite, ctx.env, folder)
 
     # -- stop ----------------------------------------------------------------------------------------------------
 

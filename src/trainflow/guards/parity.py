@@ -21,7 +21,7 @@ from trainflow.distributed.pipeline import pipeline_of
 from trainflow.distributed.process_group import DistEnv, all_reduce_mean, node_count
 from trainflow.loop.stages import Phase, Stage, StageContext, StepHooks
 from trainflow.loop.state import LoopState
-from trainflow.loop.step import Training, train_step, unnamed
+from trainflow.loop.step import StepInputs, no_region, train_step
 from trainflow.optim import build_optimizer
 from trainflow.util.device import autocast_for, matmul_math
 from trainflow.util.tolerance import TOLERANCE, relative_error
@@ -72,22 +72,22 @@ class ParityCheck(Stage):
         optimizer, scheduler = build_optimizer(self.reference, optim, t.max_steps, env.device)
         sampler = StreamSampler(len(dataset), t.batch_size * env.dp_size, 0, 1, t.seed)
         # the loop's own step on the reference: one process, the union of the ranks' micro-batches
-        self._reference_training = Training(
+        self._reference_inputs = StepInputs(
             t, LoopState(self.reference, optimizer, scheduler), task, iter(make_loader(dataset, sampler, data, False)),
             trainable=list(self.reference.parameters()), autocast=autocast_for(env.device, t.precision),
-            name_part=unnamed, hooks=StepHooks.of([]),  # the run's own stages watch the run, not its reference
+            name_part=no_region, hooks=StepHooks.of([]),  # the run's own stages watch the run, not its reference
             batch_device=env.device if env.device.type != "cpu" else None, pin=False, steps_schedule=True,
             metrics_every_step=False, global_batch=t.batch_size * env.dp_size * t.grad_accum)
 
     @classmethod
     def build(cls, ctx: StageContext) -> ParityCheck:
-        return cls(ctx.parallelism, ctx.trainer, ctx.optim, ctx.cfg.data, ctx.env, ctx.model, ctx.data.train,
-                   ctx.task)
+        cfg = ctx.cfg
+        return cls(cfg.parallelism, cfg.trainer, cfg.optim, cfg.data, ctx.env, ctx.model, ctx.data.train, ctx.task)
 
     def _reference_step(self) -> float:
         """One step of the reference, by `train_step`; its last micro-step's loss."""
-        train_step(self._reference_training)
-        return self._reference_training.state.loss.item()
+        train_step(self._reference_inputs)
+        return self._reference_inputs.state.loss.item()
 
     def excluded_steps(self) -> int:
         """The checked steps: the reference trains beside them, which is not the parallel run's speed."""
@@ -152,7 +152,7 @@ class ParityCheck(Stage):
         self._release()
 
     def _release(self) -> None:
-        for name in ("reference", "_reference_training", "_initial"):
+        for name in ("reference", "_reference_inputs", "_initial"):
             self.__dict__.pop(name, None)
 
     def summary(self, steady: dict[str, Any] | None = None) -> dict[str, Any] | None:

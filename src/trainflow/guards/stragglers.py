@@ -35,7 +35,6 @@ from trainflow.config.schema import StragglerConfig
 from trainflow.distributed import DistEnv
 from trainflow.distributed.failures import rank_list
 from trainflow.distributed.pipeline import StageParts
-from trainflow.loop.meter import Throughput
 from trainflow.loop.stages import Phase, Stage, StageContext
 from trainflow.loop.state import LoopState
 
@@ -51,8 +50,8 @@ class Stragglers(Stage):
     phase = Phase.GATHER
     summary_key = "stragglers"
 
-    def __init__(self, cfg: StragglerConfig, env: DistEnv, meter: Throughput) -> None:
-        self.cfg, self.env, self.meter = cfg, env, meter
+    def __init__(self, cfg: StragglerConfig, env: DistEnv) -> None:
+        self.cfg, self.env = cfg, env
         self.enabled = env.world_size > 1
         self._params: list[nn.Parameter] = []
         self._hooks: list[Any] = []
@@ -68,7 +67,7 @@ class Stragglers(Stage):
 
     @classmethod
     def build(cls, ctx: StageContext) -> Stragglers:
-        return cls(ctx.parallelism.straggler, ctx.env, ctx.meter)
+        return cls(ctx.cfg.parallelism.straggler, ctx.env)
 
     # --- the marks, every step -------------------------------------------------------------------------------
 
@@ -136,7 +135,7 @@ class Stragglers(Stage):
         if state.log_due:
             state.figures.update(self._gather(state))
             if self.named:
-                state.shared["straggler"] = self.named[0]
+                state.straggler = self.named[0]
             now = time.perf_counter()  # the gather is not the next step's time
         self._previous = now
         return False
@@ -161,7 +160,7 @@ class Stragglers(Stage):
         self.last = {"step": state.step, "slowest_rank": slowest, "own_s_median": statistics.median(own),
                      "own_s_max": own[slowest], "others_own_s_median": others, "ratio_to_the_others": ratio,
                      "own_s": own, "wait_s": [wait for _, wait, _ in rows], "data_wait_s": [d for _, _, d in rows]}
-        if state.steps_this_run - n >= self.meter.excluded_steps:  # intervals of compile or warm-up steps: not judged
+        if state.steps_this_run - n >= state.meter.excluded_steps:  # intervals of compile or warm-up steps: not judged
             self._judge(slowest, ratio, state.step)
         return {"perf/slowest_rank": slowest, "perf/own_time_median_s": self.last["own_s_median"],
                 "perf/own_time_max_s": own[slowest]}

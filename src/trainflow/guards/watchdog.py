@@ -50,7 +50,6 @@ from trainflow.distributed import DistEnv
 from trainflow.distributed.failures import SaveHung, hang_line, rank_list, record_failure
 from trainflow.distributed.process_group import self_launched, watchdog_on
 from trainflow.errors import print_error
-from trainflow.loop.meter import Throughput
 from trainflow.loop.stages import Phase, Stage, StageContext
 from trainflow.loop.state import LoopState
 from trainflow.util.activity import BUSY_ACTIVITIES, SAVE_ACTIVITIES, Activity, current, threads_doing
@@ -78,8 +77,7 @@ class Watchdog(Stage):
 
     phase = Phase.TIME
 
-    def __init__(self, cfg: WatchdogConfig, env: DistEnv, run_dir: Path, meter: Throughput,
-                 timeout_s: float) -> None:
+    def __init__(self, cfg: WatchdogConfig, env: DistEnv, run_dir: Path, timeout_s: float) -> None:
         self.cfg = cfg
         self.env = env
         self.enabled = watchdog_on(cfg, env.world_size)
@@ -88,7 +86,6 @@ class Watchdog(Stage):
         self._settle_s = _SETTLE_BEATS * self.beat_s  # rank 0's wait for the other ranks' reports of a stall
         self.timeout_s = timeout_s  # parallelism.timeout_s: a collective, a save's too, waits no longer
         self.save_limit_s = 2 * timeout_s  # a save's collectives, which wait at most timeout_s, ended before
-        self.meter = meter  # its excluded steps (warm-up, compile) are known once every stage is built
         self._intervals: deque[float] = deque(maxlen=_MEDIAN_OF)
         self._longest = 0.0  # the longest step interval of the steady state (it holds the saves)
         self._last = 0.0  # when the last step ended (monotonic)
@@ -102,7 +99,7 @@ class Watchdog(Stage):
 
     @classmethod
     def build(cls, ctx: StageContext) -> Watchdog:
-        return cls(ctx.parallelism.watchdog, ctx.env, ctx.run_dir, ctx.meter, ctx.parallelism.timeout_s)
+        return cls(ctx.cfg.parallelism.watchdog, ctx.env, ctx.run_dir, ctx.cfg.parallelism.timeout_s)
 
     def __enter__(self) -> Watchdog:
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -120,7 +117,7 @@ class Watchdog(Stage):
     def after_step(self, state: LoopState) -> bool:
         now = time.monotonic()
         self._steps_seen += 1
-        if self._steps_seen > self.meter.excluded_steps:
+        if self._steps_seen > state.meter.excluded_steps:  # warm-up and compile steps: not the steady state
             self._intervals.append(now - self._last)
             self._longest = max(self._longest, now - self._last)
         self._last, self._step = now, state.step

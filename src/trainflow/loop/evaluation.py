@@ -41,13 +41,16 @@ class Evaluation(Stage):
     whose evaluation is dear; every rank decides alike (rank 0's clock decides)."""
 
     phase = Phase.REPORT
+    # after the train metrics: they time the log interval before this stage's pause is left out of the clocks (the
+    # meter takes it after the step's stages), and the step's train line comes before its validation line
+    after = ("train_metrics",)
     summary_key = "validation"
 
-    def __init__(self, trainer: TrainerConfig, env: DistEnv, data: DataBundle, autocast: Any, task: Task,
+    def __init__(self, settings: TrainerConfig, env: DistEnv, data: DataBundle, autocast: Any, task: Task,
                  writer: MetricsWriter) -> None:
-        self.trainer, self.env, self.data, self.autocast = trainer, env, data, autocast
-        self.every = trainer.eval_interval()
-        self.budgeted = trainer.eval_every == Auto.auto
+        self.settings, self.env, self.data, self.autocast = settings, env, data, autocast  # the trainer section
+        self.every = settings.eval_interval()
+        self.budgeted = settings.eval_every == Auto.auto
         self.task, self.writer = task, writer
         self.enabled = data.val is not None  # a data factory may give no validation set
         self.result: dict[str, float] | None = None  # the latest evaluation
@@ -59,7 +62,7 @@ class Evaluation(Stage):
 
     @classmethod
     def build(cls, ctx: StageContext) -> Evaluation:
-        return cls(ctx.trainer, ctx.env, ctx.data, ctx.autocast, ctx.task, ctx.writer)
+        return cls(ctx.cfg.trainer, ctx.env, ctx.data, ctx.autocast, ctx.task, ctx.writer)
 
     def start(self, state: LoopState) -> None:
         self._started = time.perf_counter()
@@ -70,7 +73,7 @@ class Evaluation(Stage):
         device_sync(self.env.device)  # the steps still queued on the device are training, not the pause
         start = time.perf_counter()
         with doing(Activity.EVALUATING):  # no step for a while, and no hang: the watchdog waits it out
-            self.result = evaluate(state.model, self.data.val, self.task, self.trainer, self.env, self.autocast)
+            self.result = evaluate(state.model, self.data.val, self.task, self.settings, self.env, self.autocast)
         state.validation = Validation(state.step, self.result)  # early stopping, the EMA's evaluation read it
         self.writer.write(state.step, {f"val/{k}": v for k, v in self.result.items()})
         if self.env.is_main:
@@ -108,18 +111,18 @@ class Evaluation(Stage):
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, dataset: Dataset, task: Task, trainer: TrainerConfig, env: DistEnv,
+def evaluate(model: nn.Module, dataset: Dataset, task: Task, settings: TrainerConfig, env: DistEnv,
              autocast) -> dict[str, float]:
     """The task's loss and metrics, means over the same held-out batches every time (rank-strided, in order)."""
     model.eval()
     pipeline = pipeline_of(model)
-    sampler = StreamSampler(len(dataset), trainer.batch_size, env.dp_rank, env.dp_size, seed=0, shuffle=False)
+    sampler = StreamSampler(len(dataset), settings.batch_size, env.dp_rank, env.dp_size, seed=0, shuffle=False)
     totals: dict[str, torch.Tensor] = {}
-    for _, indices in zip(range(trainer.eval_steps), sampler, strict=False):
+    for _, indices in zip(range(settings.eval_steps), sampler, strict=False):
         batch = to_device(dataset[indices], env.device)
         with autocast, loss_context(model):
             loss, metrics = pipeline.evaluate(batch) if pipeline else task(model, batch)
         add_metrics(totals, {"loss": local_loss(loss), **metrics})
     names = list(totals)
-    means = all_reduce_mean(torch.stack([totals[n] for n in names]) / trainer.eval_steps, env).tolist()
+    means = all_reduce_mean(torch.stack([totals[n] for n in names]) / settings.eval_steps, env).tolist()
     return task.finish(dict(zip(names, means, strict=True)))

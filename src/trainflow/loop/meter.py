@@ -16,16 +16,12 @@ import resource
 import time
 from array import array
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
 from trainflow.metrics.noise import percentile
 from trainflow.util.device import device_sync
-
-if TYPE_CHECKING:
-
-    from trainflow.loop.state import LoopState
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +84,15 @@ class Counts:
                       self.data_wait_s - earlier.data_wait_s)
 
 
+class EndedStep(Protocol):
+    """What the meter reads of the loop state after a step (trainflow.loop.state.LoopState), and writes there: the
+    loop state holds the meter, so the meter names only these fields."""
+
+    steps_this_run: int
+    data_wait_s: float
+    step_time_s: float | None
+
+
 class Throughput:
     """The run's clocks and counts: the steady state (after the excluded steps, less the stages' pauses) and each
     log interval.
@@ -124,7 +129,7 @@ class Throughput:
         self.single.mark()
         self._begin_if_due(0, now)
 
-    def end_step(self, state: LoopState, samples: int, tokens: int) -> None:
+    def end_step(self, state: EndedStep, samples: int, tokens: int) -> None:
         """After each optimizer step: an excluded step's synced wall time goes into `state.step_time_s`; a steady
         one is counted (`tokens`: of every rank) and its own times go into `single`, without a sync."""
         self._steps += 1

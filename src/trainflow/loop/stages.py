@@ -17,19 +17,20 @@ under `summary_key` (a dotted key nests it: `parallelism.check`). Stages tell ea
 loop state (trainflow.loop.state).
 
 Every stage has a `name` (trainflow's own: their key in trainflow.run.assembly.STAGES; a stage of the config's
-`stages` list: its key there) and may declare the stages it acts `before` and `after`: `ordered` sorts by phase,
-then by those declarations, then as listed, and refuses in one line a declaration that contradicts the phases or
-another. A stage from the config (trainflow.loop.configured) is made by calling its `_target_` with its keys and is
-handed the run's context once (`setup(ctx)`), before the model is parallelized. A stage whose own state a
-checkpoint must hold answers `state_dict()` (tensors go to the shards, other values to state.json) and gets it back
-by `load_state_dict(saved)` on a resume, before `start`.
+`stages` list: its key there) and declares the stages it depends on, those it acts `before` and `after`: `ordered`
+sorts by phase, then by those declarations, then by name (never by where a stage is listed: two stages whose order
+matters say so), and refuses in one line a declaration that contradicts the phases or another. A stage from the
+config (trainflow.loop.configured) is made by calling its `_target_` with its keys and is handed the run's context
+once (`setup(ctx)`), before the model is parallelized. A stage whose own state a checkpoint must hold answers
+`state_dict()` (tensors go to the shards, other values to state.json) and gets it back by `load_state_dict(saved)`
+on a resume, before `start`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import heapq
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import IntEnum
 from pathlib import Path
@@ -41,11 +42,10 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
-    from trainflow.config.schema import ParallelismConfig, RunConfig, TrainerConfig
+    from trainflow.config.schema import RunConfig
     from trainflow.data import DataBundle
     from trainflow.distributed import DistEnv
     from trainflow.loggers.writer import MetricsWriter
-    from trainflow.loop.meter import Throughput
     from trainflow.loop.state import LoopState, TrainState
     from trainflow.tasks import Task
 
@@ -60,28 +60,27 @@ class Phase(IntEnum):
     GUARD = 30  # the non-finite guard: before anything is logged or saved
     GATHER = 40  # collectives whose figures the log step writes (the ranks' own step times)
     REPORT = 50  # the train metrics and evaluation: the log step
-    OWN = 55  # a stage that declares none (yours): after the log step, before the save
+    CONFIGURED = 55  # a stage of the config's `stages` list (early stopping, the EMA, yours) and any that declares
+    # no other phase: after the log step, before the save
     SAVE = 60  # the checkpointer: the last of the stages that may stop the run (it saves before it stops)
     NEXT = 70  # fault tolerance: the quorum of the next step, once this one is saved
 
 
 @dataclass
 class StageContext:
-    """Everything a stage is built from, built once by the assembly before the model is parallelized."""
+    """Everything a stage is built from, built once by the assembly before the model is parallelized. A stage reads
+    the config one way, through `cfg` (its sections: `ctx.cfg.trainer`, `ctx.cfg.parallelism`, ...); the run's
+    clock comes with the loop state (`state.meter`, at `start`), once every stage said its excluded steps."""
 
     cfg: RunConfig  # the typed run config, as the run decided it (its per-rank batch, parallelism=auto's layout)
     run_dir: Path
     env: DistEnv
-    trainer: TrainerConfig
-    parallelism: ParallelismConfig  # as parallelism=auto decided it
-    optim: dict[str, Any]  # the optim section: the optimizer's keys and the schedule's (trainflow.optim)
     data: DataBundle
     task: Task
     model: nn.Module  # on the device, not yet parallelized (the parity check copies it)
     example: Any  # a batch of trainer.batch_size items, on the host (compile.check runs it)
     autocast: Any  # the step's autocast context (reusable)
     writer: MetricsWriter  # closed by the assembly's owner, not by a stage
-    meter: Throughput  # its excluded steps are set once every stage is built
     flops_per_step: int | None
     peak_flops: float | None
 
@@ -90,12 +89,12 @@ class Stage:
     """The calls every stage answers; a stage subclasses it and overrides what it does (the defaults do nothing)."""
 
     enabled: bool = True  # False: the loop and the step never call it, and never enter it
-    phase: Phase = Phase.OWN  # where it acts after each step
+    phase: Phase = Phase.CONFIGURED  # where it acts after each step
     summary_key: str | None = None  # its part of summary.json (None: it reports nothing; dotted: nested)
     names_step_parts: bool = False  # the step's parts (data, forward-backward, optimizer) are named for a profiler
     name: str = ""  # its key in STAGES or in the config's `stages` (set by the assembly)
-    before: tuple[str, ...] = ()  # stages of its phase it acts before (by name)
-    after: tuple[str, ...] = ()  # stages of its phase it acts after (by name)
+    before: tuple[str, ...] = ()  # stages it acts before (by name): they depend on what it does first
+    after: tuple[str, ...] = ()  # stages it acts after (by name): it depends on what they do first
 
     @classmethod
     def build(cls, ctx: StageContext) -> Stage:
@@ -182,23 +181,29 @@ class StepHooks:
     """The enabled stages that answer each hook of the step, listed once before the first step."""
 
     name_parts: bool  # a stage names the step's parts (record_function: a profiler records them)
-    loss_contexts: tuple[Stage, ...]
+    loss_contexts: tuple[Callable[[], contextlib.AbstractContextManager[Any]], ...]  # each micro-step enters them
     grad_norm: tuple[Stage, ...]
     updates: tuple[Stage, ...]
     syncs: tuple[Stage, ...]
 
     @classmethod
-    def of(cls, stages: list[Stage]) -> StepHooks:
+    def of(cls, stages: list[Stage], parallel_loss: Callable[[], contextlib.AbstractContextManager[Any]]
+           = contextlib.nullcontext) -> StepHooks:
+        """`parallel_loss`: the loss context the parallelism asks for (loss parallel under TP:
+        trainflow.distributed.parallelism.loss_context_of), entered before the stages' own."""
         enabled = [stage for stage in stages if stage.enabled]
         answering = {hook: tuple(s for s in enabled if overrides(s, hook))
                      for hook in ("loss_context", "wants_grad_norm", "keeps_update", "syncs_after")}
-        return cls(any(stage.names_step_parts for stage in enabled), answering["loss_context"],
+        parallel = () if parallel_loss is contextlib.nullcontext else (parallel_loss,)
+        return cls(any(stage.names_step_parts for stage in enabled),
+                   (*parallel, *(stage.loss_context for stage in answering["loss_context"])),
                    answering["wants_grad_norm"], answering["keeps_update"], answering["syncs_after"])
 
 
 def ordered(stages: Sequence[Stage]) -> list[Stage]:
-    """The stages in the order they act: by phase, then by their `before`/`after` declarations, then as listed.
-    A declaration naming no stage, one across phases the other way round, or a cycle is one line."""
+    """The stages in the order they act: by phase, then by their `before`/`after` declarations, then by name, so
+    that where a stage is listed never orders it. A declaration naming no stage, one across phases the other way
+    round, or a cycle is one line."""
     by_name = {stage.name: i for i, stage in enumerate(stages)}
     follows: list[set[int]] = [set() for _ in stages]  # follows[i]: the stages that must act before stage i
     for i, stage in enumerate(stages):
@@ -214,16 +219,16 @@ def ordered(stages: Sequence[Stage]) -> list[Stage]:
                                       f"the other way; drop the declaration or give {stage.name} another phase")
                 follows[then].add(first)
     order: list[int] = []
-    ready = [(stage.phase, i) for i, stage in enumerate(stages) if not follows[i]]
+    ready = [(stage.phase, stage.name, i) for i, stage in enumerate(stages) if not follows[i]]
     heapq.heapify(ready)
     while ready:
-        _, i = heapq.heappop(ready)
+        *_, i = heapq.heappop(ready)
         order.append(i)
         for j, before in enumerate(follows):
             if i in before:
                 before.discard(i)
                 if not before:
-                    heapq.heappush(ready, (stages[j].phase, j))
+                    heapq.heappush(ready, (stages[j].phase, stages[j].name, j))
     if len(order) < len(stages):
         cycle = [stages[i].name for i in range(len(stages)) if i not in order]
         raise ConfigError(f"stages: {', '.join(cycle)} declare before/after each other in a cycle; drop one of "

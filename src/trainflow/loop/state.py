@@ -5,12 +5,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import nn
 
 from trainflow.data.stream import STREAM_VERSION
+
+if TYPE_CHECKING:
+    from trainflow.loop.meter import Throughput
 
 
 class KeepsState(Protocol):
@@ -67,6 +70,9 @@ class LoopState(TrainState):
     data_wait_s: float = 0.0  # seconds the step waited for its batches
     skipped: bool = False  # a stage kept the update out (keeps_update: a non-finite norm, a lost replica group)
     steps_this_run: int = 0
+    # the run's clock (trainflow.loop.meter), built once every stage said which first steps to leave out of the
+    # steady state (its excluded_steps): the stages that read it, or its counts, take it from here
+    meter: Throughput | None = None
     log_due: bool = False  # a log step: the train metrics sync and are written
     sync_due: bool = False  # the step ends at a point where the host reads the device anyway (a log step, the first
     # step of the run, a stage's own: a save): device values kept for later are read then
@@ -75,8 +81,9 @@ class LoopState(TrainState):
     # a log step's figures that stages other than the train metrics add (the ranks' own step times): written with
     # the interval's figures, then cleared
     figures: dict[str, float] = field(default_factory=dict)
-    # what a stage leaves for the others, by name ("straggler": the rank the others wait for): read, never required
-    shared: dict[str, Any] = field(default_factory=dict)
+    # the rank the others wait for, as the stragglers stage named it (rank, host, step, ratio, own and data wait
+    # times); the profiler's verdict names it as the cause of their waiting (None: no rank named)
+    straggler: dict[str, Any] | None = None
     resumed_checkpoint: Path | None = None  # the committed checkpoint the run started from (None: a fresh start)
     # why a stage stopped the run (fault tolerance: no quorum): the checkpointer saves and stops as on a stop signal
     stop_reason: str | None = None

@@ -30,31 +30,31 @@ class TrainMetrics(Stage):
     phase = Phase.REPORT
     summary_key = "train_loss"
 
-    def __init__(self, env: DistEnv, meter: Throughput, writer: MetricsWriter, task: Task, grad_accum: int,
+    def __init__(self, env: DistEnv, writer: MetricsWriter, task: Task, grad_accum: int,
                  flops_per_step: int | None, peak_flops: float | None, max_steps: int, progress_mode: str) -> None:
-        self.env, self.meter, self.writer = env, meter, writer
+        self.env, self.writer = env, writer
         self.is_lm, self.grad_accum = task.is_lm, grad_accum
         self.flops_per_step, self.peak_flops = flops_per_step, peak_flops
         self.max_steps, self.progress_mode = max_steps, progress_mode
         self.first_loss: float | None = None  # the first step's loss, the mean over ranks
         self.last: dict[str, float] = {}  # the figures of the latest log interval
         self._state: LoopState | None = None  # its optimizer's learning rate is logged; its step starts the progress
-        self._new_interval()
 
     @classmethod
     def build(cls, ctx: StageContext) -> TrainMetrics:
-        t = ctx.trainer
-        return cls(ctx.env, ctx.meter, ctx.writer, ctx.task, t.grad_accum, ctx.flops_per_step, ctx.peak_flops,
+        t = ctx.cfg.trainer
+        return cls(ctx.env, ctx.writer, ctx.task, t.grad_accum, ctx.flops_per_step, ctx.peak_flops,
                    t.max_steps, t.progress)
 
     def start(self, state: LoopState) -> None:
         self._state = state
+        self._new_interval(state.meter)
         self.progress = progress_reporter(self.max_steps, self.progress_mode, self.env.is_main, state.step)
 
-    def _new_interval(self) -> None:
+    def _new_interval(self, meter: Throughput) -> None:
         self._step_losses: list[torch.Tensor] = []  # the applied steps' losses, on the device
         self._step_metrics: list[dict[str, torch.Tensor]] = []  # task metrics of the steps that computed them
-        self._counts_at_start = self.meter.counts()  # steps, samples, tokens and data wait: the meter counts
+        self._counts_at_start = meter.counts()  # steps, samples, tokens and data wait: the meter counts
 
     def after_step(self, state: LoopState) -> bool:
         if not state.skipped:
@@ -68,17 +68,18 @@ class TrainMetrics(Stage):
         return False
 
     def _write(self, state: LoopState) -> None:
-        elapsed = self.meter.interval_s()
-        counts = self.meter.counts().since(self._counts_at_start)
-        self.last = self._interval_figures(elapsed, counts, state.grad_norm, self.meter.memory.take())
-        device = self.meter.single.take()  # the interval's steady steps (none while excluded steps run)
+        meter = state.meter
+        elapsed = meter.interval_s()
+        counts = meter.counts().since(self._counts_at_start)
+        self.last = self._interval_figures(elapsed, counts, state.grad_norm, meter.memory.take())
+        device = meter.single.take()  # the interval's steady steps (none while excluded steps run)
         if device:
             self.last["perf/step_time_device_s"] = sum(device) / len(device)
         self.last.update(state.figures)  # what stages before this one gathered at this log step (the ranks' times)
         self.writer.write(state.step, self.last)
         self.progress(state.step, self.last)
-        self._new_interval()
-        self.meter.restart_interval()
+        self._new_interval(meter)
+        meter.restart_interval()
 
     def _interval_figures(self, elapsed: float, counts: Counts, grad_norm: torch.Tensor,
                           memory_bytes: int) -> dict[str, float]:

@@ -28,7 +28,6 @@ from torch.profiler import ProfilerActivity, profile, schedule
 from trainflow.config.schema import ProfilerConfig
 from trainflow.distributed import DistEnv
 from trainflow.errors import ConfigError
-from trainflow.loop.meter import Throughput
 from trainflow.loop.stages import Phase, Stage, StageContext
 from trainflow.loop.state import LoopState
 from trainflow.metrics.verdict import analyze_window, format_verdict, verdict
@@ -68,13 +67,13 @@ class Profiler(Stage):
     summary_key = "profiler"
 
     def __init__(self, cfg: ProfilerConfig, env: DistEnv, run_dir: Path, max_steps: int, skip_first: int = 0,
-                 start_step: int = 0, meter: Throughput | None = None, applied: frozenset[str] = frozenset()) -> None:
+                 start_step: int = 0, planned_at_start: bool = False, applied: frozenset[str] = frozenset()) -> None:
         self.cfg = cfg
         self.applied = applied  # what the run already does ("bf16", "compile"): the verdict does not advise it
         self.env = env
         self.run_dir = run_dir
         self.max_steps = max_steps
-        self._meter = meter  # given: the window is planned at start(), from its excluded steps
+        self._planned_at_start = planned_at_start  # a run's: the window is planned at start(), from its excluded steps
         self._prof: Any = None
         self._steps = 0  # steps of this run so far
         self._windows_done = 0
@@ -89,19 +88,19 @@ class Profiler(Stage):
         self.names_step_parts = self.enabled  # the step names its parts for the recorded window
         self.device = env.device.type
         self.dir = run_dir / "profile"
-        if cfg.enabled and meter is None:
+        if cfg.enabled and not planned_at_start:
             self._plan(skip_first, start_step)
 
     @classmethod
     def build(cls, ctx: StageContext) -> Profiler:
-        applied = frozenset(name for name, used in (("bf16", ctx.trainer.precision == "bf16"),
+        applied = frozenset(name for name, used in (("bf16", ctx.cfg.trainer.precision == "bf16"),
                                                     ("compile", ctx.cfg.compile.enabled)) if used)
-        return cls(ctx.cfg.profiler, ctx.env, ctx.run_dir, ctx.trainer.max_steps,
-                   meter=ctx.meter, applied=applied)
+        return cls(ctx.cfg.profiler, ctx.env, ctx.run_dir, ctx.cfg.trainer.max_steps,
+                   planned_at_start=True, applied=applied)
 
     def start(self, state: LoopState) -> None:
-        if self.cfg.enabled and self._meter is not None:  # every rank checks the window, recording or not
-            self._plan(self._meter.excluded_steps, state.step)
+        if self.cfg.enabled and self._planned_at_start:  # every rank checks the window, recording or not
+            self._plan(state.meter.excluded_steps, state.step)
 
     def _plan(self, skip_first: int, start_step: int) -> None:
         """The schedule's first skipped steps and the last window's end; refuse a window past the end of the run."""
@@ -185,7 +184,7 @@ class Profiler(Stage):
         return False
 
     def close(self, state: LoopState) -> None:
-        self._straggler = state.shared.get("straggler")  # a rank the others waited for: the verdict's cause
+        self._straggler = state.straggler  # a rank the others waited for: the verdict's cause
 
     def _on_window(self, prof: Any) -> None:
         """After each window: the trace, the ops table, and this window's share of the verdict."""

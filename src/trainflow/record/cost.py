@@ -24,7 +24,6 @@ from typing import Any
 import torch
 
 from trainflow.distributed.process_group import DistEnv, all_reduce_mean
-from trainflow.loop.meter import Throughput
 from trainflow.loop.stages import Phase, Stage, StageContext
 from trainflow.loop.state import LoopState
 
@@ -102,10 +101,13 @@ class Cost(Stage):
     tokens (every rank takes part)."""
 
     phase = Phase.OBSERVE  # it only reads: the step as it was
+    # entered after the profiler and left before it: the energy is the loop's, not the profiler's start-up and trace
+    # export
+    after = ("profiler",)
     summary_key = "cost"
 
-    def __init__(self, env: DistEnv, meter: Throughput, cost_per_hour: float | None) -> None:
-        self.env, self.meter, self.cost_per_hour = env, meter, cost_per_hour
+    def __init__(self, env: DistEnv, cost_per_hour: float | None) -> None:
+        self.env, self.cost_per_hour = env, cost_per_hour
         self.started = time.monotonic()
         self.counter = EnergyCounter(env.device)
         self.enabled = self.counter.absent is None
@@ -115,7 +117,7 @@ class Cost(Stage):
 
     @classmethod
     def build(cls, ctx: StageContext) -> Cost:
-        return cls(ctx.env, ctx.meter, ctx.trainer.cost_per_hour)
+        return cls(ctx.env, ctx.cfg.trainer.cost_per_hour)
 
     def _sample(self) -> tuple[float, float | None]:
         began = time.perf_counter()
@@ -128,7 +130,7 @@ class Cost(Stage):
         return self
 
     def after_step(self, state: LoopState) -> bool:
-        if state.steps_this_run == self.meter.excluded_steps:
+        if state.steps_this_run == state.meter.excluded_steps:
             self._steady = self._sample()
         return False
 

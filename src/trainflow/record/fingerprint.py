@@ -36,7 +36,6 @@ from trainflow.checkpoint.state import model_shapes
 from trainflow.config.schema import RunConfig, plain
 from trainflow.distributed.mesh import ranks_per_node
 from trainflow.distributed.process_group import DistEnv, node_count
-from trainflow.loop.meter import Throughput
 from trainflow.loop.stages import Phase, Stage, StageContext
 from trainflow.loop.state import LoopState
 from trainflow.metrics.noise import Band, read_metrics, steady_intervals
@@ -58,13 +57,17 @@ class Fingerprint(Stage):
     start of the steady state to the end of the loop, the model's shape hash, and the step-time band at the end."""
 
     phase = Phase.OBSERVE  # it only reads: the step as it was
+    # entered after the profiler and left before it: the machine's load is the loop's, not the profiler's start-up
+    # and trace export
+    after = ("profiler",)
     summary_key = "fingerprint"
 
-    def __init__(self, cfg: RunConfig, env: DistEnv, run_dir: Path, meter: Throughput) -> None:
-        self.cfg, self.env, self.run_dir, self.meter = cfg, env, run_dir, meter
+    def __init__(self, cfg: RunConfig, env: DistEnv, run_dir: Path) -> None:
+        self.cfg, self.env, self.run_dir = cfg, env, run_dir
         self.code = code_state(Path.cwd()) if env.is_main else None  # when the code was imported, not at the end
         self.replay = replay_command(run_dir) if env.is_main else None
         self.start_step = 0
+        self._excluded_steps = 0  # the run's, as the meter leaves them out (read at start)
         self.model_hash: str | None = None
         self._begin: CpuSample | None = None
         self._steady: CpuSample | None = None
@@ -72,10 +75,11 @@ class Fingerprint(Stage):
 
     @classmethod
     def build(cls, ctx: StageContext) -> Fingerprint:
-        return cls(ctx.cfg, ctx.env, ctx.run_dir, ctx.meter)
+        return cls(ctx.cfg, ctx.env, ctx.run_dir)
 
     def start(self, state: LoopState) -> None:
         self.start_step = state.step
+        self._excluded_steps = state.meter.excluded_steps
         self.model_hash = model_fingerprint(model_shapes(state.model))  # as a checkpoint's manifest names it
 
     def __enter__(self) -> Fingerprint:
@@ -83,7 +87,7 @@ class Fingerprint(Stage):
         return self
 
     def after_step(self, state: LoopState) -> bool:
-        if state.steps_this_run == self.meter.excluded_steps:  # the meter's steady state begins after this step
+        if state.steps_this_run == self._excluded_steps:  # the meter's steady state begins after this step
             self._steady = cpu_sample()
         return False
 
@@ -99,7 +103,7 @@ class Fingerprint(Stage):
     def summary(self, steady: dict[str, Any] | None) -> dict[str, Any] | None:
         if not self.env.is_main:
             return None
-        excluded = steady["excluded_steps"] if steady else self.meter.excluded_steps
+        excluded = steady["excluded_steps"] if steady else self._excluded_steps
         intervals = steady_intervals(read_metrics(self.run_dir / "metrics.jsonl"), self.start_step, excluded)
         times = intervals["step_time_s"]
         return {

@@ -26,7 +26,7 @@ log = logging.getLogger("trainflow")
 class EarlyStopping(Stage):
     """Stops the run after `patience` evaluations without an improvement of more than `min_delta`."""
 
-    phase = Phase.OWN
+    phase = Phase.CONFIGURED
     after = ("evaluation",)  # it reads the evaluation of the step
     before = ("checkpoint",)  # the checkpointer saves the best step
     summary_key = "early_stopping"

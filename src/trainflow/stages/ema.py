@@ -33,7 +33,7 @@ def _local(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
 class EMA(Stage):
     """The average of the weights, updated after the optimizer steps, saved and resumed with the run."""
 
-    phase = Phase.OWN
+    phase = Phase.CONFIGURED
     after = ("nonfinite",)  # a step the guard dropped applied no update: nothing to average
     before = ("checkpoint",)  # each save holds the average of its step
     summary_key = "ema"
@@ -88,7 +88,7 @@ class EMA(Stage):
             weights = [p.detach().clone() for p in _local(self.params)]
             torch._foreach_copy_(_local(self.params), _local(self.average))
             try:
-                figures = evaluate(state.model, ctx.data.val, ctx.task, ctx.trainer, ctx.env, ctx.autocast)
+                figures = evaluate(state.model, ctx.data.val, ctx.task, ctx.cfg.trainer, ctx.env, ctx.autocast)
             finally:
                 torch._foreach_copy_(_local(self.params), weights)
         state.model.train()
