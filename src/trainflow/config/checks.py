@@ -17,7 +17,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import InterpolationResolutionError, MissingMandatoryValue
 
-from trainflow.config.choices import BYTE_VOCAB
+from trainflow.config.choices import BYTE_VOCAB, Strategy
 from trainflow.config.command_line import command_line_keys, single_run
 from trainflow.config.schema import (
     LadderRunConfig,
@@ -91,7 +91,7 @@ def check_compile(cfg: RunConfig) -> None:
         key, value = (("compile.mode", compile_.mode) if compile_.mode == "reduce-overhead"
                       else ("compile.backend", compile_.backend))
         strategy = cfg.parallelism.strategy
-        _require(strategy == "single", key,
+        _require(strategy == Strategy.single, key,
                  f"{value} captures CUDA graphs, which break under parallelism={strategy} (open PyTorch issues: "
                  "cudagraph trees with DDP's hooks and FSDP's all-gathers); use "
                  "compile.mode=max-autotune-no-cudagraphs or compile=default")
@@ -139,7 +139,7 @@ def check_parallelism(cfg: RunConfig) -> None:
         value = getattr(parallelism, key)
         _require(value is None or value == -1 or value >= 1, f"parallelism.{key}",
                  f"must be a positive integer, -1 (the rest of the world){' or null' * (key != 'tp')}; got {value}")
-    _require(parallelism.tp == 1 or parallelism.strategy != "auto", "parallelism.tp",
+    _require(parallelism.tp == 1 or parallelism.strategy != Strategy.auto, "parallelism.tp",
              f"is {parallelism.tp}, but parallelism=auto chooses the TP degree itself; to fix it, pick "
              "parallelism=fsdp, ddp or hsdp with parallelism.tp")
     check_tp_sizes(cfg)
@@ -213,7 +213,7 @@ def check_pipeline(cfg: RunConfig) -> None:
              f"must be a positive integer, or null for one per pipeline stage; got {p.microbatches}")
     if p.pp == 1:
         return
-    _require(p.strategy != "auto", "parallelism.pp",
+    _require(p.strategy != Strategy.auto, "parallelism.pp",
              f"is {p.pp}, but parallelism=auto chooses the pipeline degree itself; to fix it, pick parallelism=fsdp "
              "or ddp with parallelism.pp")
     _require(p.strategy != "single", "parallelism.pp",
@@ -254,7 +254,8 @@ def check_fault_tolerance(cfg: RunConfig) -> None:
     _require(torchft_installed(), "parallelism.fault_tolerance",
              "torchft is not installed: pip install 'trainflow[ft]', or set it to off")
     with_tp = f" with tp={parallelism.tp}" if parallelism.tp > 1 else ""
-    _require(parallelism.strategy in ("single", "ddp", "fsdp") and parallelism.tp == 1, "parallelism.fault_tolerance",
+    _require(parallelism.strategy in {Strategy.single, Strategy.ddp, Strategy.fsdp} and parallelism.tp == 1,
+             "parallelism.fault_tolerance",
              f"torchft trains replica groups of one rank, of DDP ranks or of FSDP ranks (parallelism=single, ddp or "
              f"fsdp, one job per group; FSDP groups replicated by torchft are HSDP); got parallelism="
              f"{parallelism.strategy}{with_tp}: run each group as parallelism=fsdp, or set it to off")

@@ -26,6 +26,7 @@ from torch.profiler import record_function
 from trainflow.checkpoint import Checkpointer
 from trainflow.checkpoint.store import resolve_dir
 from trainflow.compile.compiler import Compiler
+from trainflow.config.choices import Strategy
 from trainflow.config.schema import CompileConfig, RunConfig, plain
 from trainflow.data import DataBundle, IterableBatches, StreamSampler, build_datasets, make_loader, to_device
 from trainflow.data.stream import STREAM_VERSION
@@ -190,7 +191,7 @@ def _decide_run(cfg: RunConfig, env: DistEnv, parts: Parts) -> Decided:
     on the micro-batch of the most data-parallel ranks it may pick (checked first: a batch the data cannot fill or
     the memory cannot hold is one line) and may give a TP group a larger one (the global batch stays)."""
     replicas = replica_groups(cfg.parallelism)  # torchft's replica groups share the data stream (1: none)
-    if cfg.parallelism.strategy != "auto":
+    if cfg.parallelism.strategy != Strategy.auto:
         batch = per_rank_batch(cfg, env.dp_size * replicas)
         decided = replace(cfg, trainer=replace(cfg.trainer, batch_size=batch))
         return Decided(decided, env, None, batch * env.dp_size * replicas * cfg.trainer.grad_accum)
