@@ -14,6 +14,9 @@ from pathlib import Path
 
 import pytest
 
+from hydra_plugins.trainflow_launchers.common import TRAINFLOW_PARALLELISM
+from trainflow.config.schema import ParallelismConfig
+
 # each launcher, with the settings its set-up requires
 LAUNCHERS = {"process": [], "torchrun": [], "slurm": [], "ray": [],
              "kubernetes": ["hydra.launcher.image=registry.example/trainflow:1", "hydra.launcher.volume_claim=runs"]}
@@ -96,3 +99,8 @@ def test_an_app_without_torch_runs_its_jobs_without_torch(tmp_path: Path, launch
     assert [job["x"] for job in jobs] == [1, 2]
     assert [job["torch"] for job in jobs] == [False, False]
     assert len({job["pid"] for job in jobs}) == 2  # each job ran in a fresh process of its own
+
+
+def test_a_trainflow_job_is_known_by_its_parallelism_sections_type() -> None:
+    """The launchers name the type rather than import it (importing it loads torch): the name is the type's."""
+    assert f"{ParallelismConfig.__module__}.{ParallelismConfig.__qualname__}" == TRAINFLOW_PARALLELISM
