@@ -247,7 +247,7 @@ def test_a_witness_whose_agent_never_reported_is_read_from_its_own_record(
     agent failed on the store with a traceback and never reported its rank 0. Rank 0's own record (written when
     it noticed) still names the step: both launchers read it, without waiting out the 30 s for a report."""
     from hydra_plugins.trainflow_launchers.torchrun_launcher import lost_rank
-    from trainflow.distributed.failures import note_step, record_failure
+    from trainflow.util.failures import note_step, record_failure
 
     logs = tmp_path / "torchrun"
     (logs / "vm-2").mkdir(parents=True)

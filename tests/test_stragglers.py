@@ -14,10 +14,10 @@ from helpers.runs import ROOT, TINY_GPT, train
 
 from trainflow.config.schema import StragglerConfig
 from trainflow.distributed import DistEnv
-from trainflow.distributed.failures import rank_list
 from trainflow.distributed.process_group import oversubscription_warning
 from trainflow.guards.stragglers import Stragglers
 from trainflow.metrics.verdict import verdict
+from trainflow.util.failures import rank_list
 
 DDP = ["parallelism=ddp", "parallelism.nproc_per_node=2"]
 SLOW_READ_S = 0.005  # per item: 8 items a step, 40 ms a step on rank 1 (the step computes in ~5-20 ms here)

@@ -42,7 +42,7 @@ from trainflow.errors import (
     user_error,
 )
 from trainflow.guards.fault_tolerance import serve_lighthouse
-from trainflow.record import kept, sweeps
+from trainflow.record import kept, sweep_outcome, sweeps
 from trainflow.report import compare, ledger_list
 from trainflow.report import runs as report
 from trainflow.report.ladder import register_resolvers as register_ladder_resolvers
@@ -117,11 +117,11 @@ def _run_job(cfg: DictConfig) -> float | None:
         earlier = kept.read_earlier(run_dir)
         if (done := kept.finished(earlier, run_cfg)) is not None:  # the same command again: its results stay
             if env_rank() == 0:
-                line = sweeps.skip_line(hydra_cfg.job.num, run_dir, done) if sweep_job else \
+                line = sweep_outcome.skip_line(hydra_cfg.job.num, run_dir, done) if sweep_job else \
                     kept.finished_line(run_dir, done)
                 print(line, flush=True)
-            return sweeps.monitor_value(done)
-        fix = sweeps.FRESH if sweep_job else \
+            return sweep_outcome.monitor_value(done)
+        fix = sweep_outcome.FRESH if sweep_job else \
             "give this run its own folder (trainer.run_name=<new name> or hydra.run.dir=<new folder>)"
         key = f"hydra.sweep.dir: job #{hydra_cfg.job.num}" if sweep_job else "hydra.run.dir"
         if (continued := kept.check_may_write(earlier, run_cfg, key, fix)) and env_rank() == 0:
@@ -138,7 +138,8 @@ def _run_job(cfg: DictConfig) -> float | None:
         if sweep_job and not os.environ.get(RUN_DIR_ENV):
             # Hydra's own launcher runs every job in this process: fail this job, not the sweep (Hydra runs the
             # rest, then exits non-zero naming the first failure)
-            raise sweeps.JobFailed(f"job #{hydra_cfg.job.num} failed (exit code {exc.exit_code}): {exc}") from None
+            raise sweep_outcome.JobFailed(
+                f"job #{hydra_cfg.job.num} failed (exit code {exc.exit_code}): {exc}") from None
         sys.exit(exc.exit_code)
     except SystemExit as exc:
         if exc.code == EXIT_USER_ERROR:  # a one-line refusal (user_error)

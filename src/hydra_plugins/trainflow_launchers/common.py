@@ -4,6 +4,12 @@ rank, and turning failures into one line.
 Each job's config is composed once, in the launching process (so `${now:}` in
 the sweep directory and every other cached value is the same for all ranks
 and nodes), then pickled with the task function to the processes that run it.
+
+Hydra's plugin scan imports the launchers at the start of every Hydra app, and
+they run the jobs of any Hydra app: what they import at the top is torch-free
+(hydra, omegaconf, trainflow's errors, files, run directory and failure records).
+trainflow's rules for its own runs (the typed config, a finished job skipped, the
+results kept) load torch: they are imported where a job is trainflow's.
 """
 
 import contextlib
@@ -28,16 +34,16 @@ from hydra.plugins.launcher import Launcher
 from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
-from trainflow.cli import register_with_hydra
 from trainflow.errors import TrainflowError, typed_command, user_error
-from trainflow.record import kept, sweeps
-from trainflow.record.sweeps import JobFailed
+from trainflow.record.sweep_outcome import FRESH, JobFailed, monitor_value, skip_line
 from trainflow.util.rundir import RUN_DIR_ENV, claim_run_dir, results_begin
 
 log = logging.getLogger(__name__)
 
 RESULT_NAME = "result.pkl"  # a job's pickled JobReturn, left beside its pickled spec by the process that ran it
 PR_SET_PDEATHSIG = 1  # prctl: the signal this process gets when the thread that started it ends
+# the type of a trainflow run's parallelism section, named rather than imported: importing it loads torch
+TRAINFLOW_PARALLELISM = "trainflow.config.schema.ParallelismConfig"
 
 
 @dataclass
@@ -96,10 +102,11 @@ def job_tasks(jobs: list[SweepJob]) -> Iterator[tuple[int, DictConfig]]:
 def finished_already(job: SweepJob) -> JobReturn | None:
     """A completed JobReturn for a job that finished in its directory with its config (the same -m command run
     again), said in one line; None for a job to run (trainflow.record.sweeps.finished says which)."""
-    from trainflow.config.checks import check_config
-
-    if not (job.dir / "summary.json").exists():
+    if not (job.dir / "summary.json").exists() or not trainflow_job(job):
         return None
+    from trainflow.config.checks import check_config  # lazy: loads torch, and only a trainflow job is checked
+    from trainflow.record import sweeps  # lazy: loads torch, and only a trainflow job is skipped when finished
+
     with as_job(job) as task:
         try:
             cfg = sweeps.with_job_checkpoint_dir(check_config(task), job.config.hydra)
@@ -108,19 +115,23 @@ def finished_already(job: SweepJob) -> JobReturn | None:
     summary = sweeps.finished(job.dir, cfg)
     if summary is None:
         return None
-    log.info("\t%s", sweeps.skip_line(job.num, job.dir, summary))
+    log.info("\t%s", skip_line(job.num, job.dir, summary))
     return JobReturn(overrides=job.overrides, cfg=task, working_dir=str(job.dir), status=JobStatus.COMPLETED,
-                     _return_value=sweeps.monitor_value(summary))
+                     _return_value=monitor_value(summary))
 
 
 def check_results_kept(jobs: list[SweepJob]) -> None:
     """Refuse the sweep before its first job when a job would start again over the results of another config in
     its folder (trainflow.record.kept): one line naming the job and the difference, nothing changed."""
-    from trainflow.config.checks import check_config
+    trainflow_jobs = [job for job in jobs if trainflow_job(job)]
+    if not trainflow_jobs:
+        return
+    from trainflow.config.checks import check_config  # lazy: loads torch, and only a trainflow job is checked
+    from trainflow.record import kept, sweeps  # lazy: load torch, and only a trainflow run's results are kept
 
-    for job in jobs:
+    for job in trainflow_jobs:
         earlier = kept.read_earlier(job.dir)
-        if not earlier.results or not trainflow_job(job):
+        if not earlier.results:
             continue
         with as_job(job) as task:
             try:
@@ -128,7 +139,7 @@ def check_results_kept(jobs: list[SweepJob]) -> None:
             except Exception:  # the job itself will say what is wrong with it
                 continue
         try:
-            kept.check_may_write(earlier, cfg, f"hydra.sweep.dir: job #{job.num}", sweeps.FRESH)
+            kept.check_may_write(earlier, cfg, f"hydra.sweep.dir: job #{job.num}", FRESH)
         except TrainflowError as exc:
             user_error(str(exc))
 
@@ -139,7 +150,10 @@ def run_job_here(hydra_context: HydraContext, task_function: TaskFunction, job: 
     Every rank of the job calls this; rank-aware resolvers keep Hydra's files and
     the log file to rank 0, and TRAINFLOW_RUN_DIR points every rank to the same directory.
     """
-    register_with_hydra()  # the job's config uses trainflow's resolvers (a fresh worker process has none yet)
+    if trainflow_job(job):
+        from trainflow.cli import register_with_hydra  # lazy: loads torch, and only a trainflow job needs it
+
+        register_with_hydra()  # the job's config uses trainflow's resolvers (a fresh worker process has none yet)
     os.environ[RUN_DIR_ENV] = str(job.dir)
     claim_run_dir(job.dir, "hydra.sweep.dir")  # rank 0, before Hydra writes the job's .hydra/ and log file
     return run_job(
@@ -177,8 +191,11 @@ class SweepLauncher(Launcher):
         configure_log(self.config.hydra.hydra_logging, self.config.hydra.verbose)
         Path(str(self.config.hydra.sweep.dir)).mkdir(parents=True, exist_ok=True)
         jobs = compose_jobs(self.hydra_context, self.config, job_overrides, initial_job_idx)
-        with contextlib.closing(job_tasks(jobs)) as tasks:  # Hydra's config is the sweep's again, even on a refusal
-            sweeps.check_before_start(tasks)
+        if any(trainflow_job(job) for job in jobs):
+            from trainflow.record import sweeps  # lazy: loads torch, and only a trainflow sweep has rungs to check
+
+            with contextlib.closing(job_tasks(jobs)) as tasks:  # Hydra's config is the sweep's again, even on a refusal
+                sweeps.check_before_start(tasks)
         check_results_kept(jobs)
         return jobs
 
@@ -269,13 +286,13 @@ def job_shape(job: SweepJob, ranks_key: str, settings: dict[str, Any], gpus: Cal
     key: `ranks_key` and max_restarts where the launcher has it; null: 1 rank, no restart). One knob each: a
     trainflow job given the launcher's setting too is refused in one line naming the key to set instead. A job
     whose shape cannot be made fails the sweep; any other bad value fails only its job, which says why itself."""
-    from trainflow.config.checks import check_launch
-    from trainflow.config.schema import ParallelismConfig, typed
-    from trainflow.distributed.mesh import local_ranks
-
     if not trainflow_job(job):
         ranks = settings[ranks_key]
         return JobShape(1 if ranks is None else ranks, settings.get("max_restarts") or 0)
+    from trainflow.config.checks import check_launch  # lazy: loads torch, and only a trainflow job's shape is typed
+    from trainflow.config.schema import ParallelismConfig, typed  # lazy: as check_launch
+    from trainflow.distributed.mesh import local_ranks  # lazy: as check_launch
+
     for key, value in settings.items():
         if value is not None:
             user_error(f"hydra.launcher.{key}: is for Hydra apps other than trainflow, and job #{job.num} is a "
@@ -291,10 +308,9 @@ def job_shape(job: SweepJob, ranks_key: str, settings: dict[str, Any], gpus: Cal
 
 def trainflow_job(job: SweepJob) -> bool:
     """Whether `job` is a trainflow run: its config holds trainflow's typed parallelism section."""
-    from trainflow.config.schema import ParallelismConfig
-
     section = OmegaConf.select(job.config, "parallelism", default=None)
-    return isinstance(section, DictConfig) and OmegaConf.get_type(section) is ParallelismConfig
+    kind = OmegaConf.get_type(section) if isinstance(section, DictConfig) else None
+    return kind is not None and f"{kind.__module__}.{kind.__qualname__}" == TRAINFLOW_PARALLELISM
 
 
 def log_outcome(name: str, ret: JobReturn, where: Path) -> None:

@@ -44,7 +44,7 @@ from hydra_plugins.trainflow_launchers.common import (
     user_error,
 )
 from hydra_plugins.trainflow_launchers.config import KubernetesLauncherConf
-from trainflow.record import sweeps
+from trainflow.record.sweep_outcome import monitor_value
 
 log = logging.getLogger(__name__)
 
@@ -132,7 +132,7 @@ def job_return(job: SweepJob, summary_text: str) -> JobReturn:
     if not isinstance(summary, dict):
         raise ValueError("a summary is a JSON object")
     return JobReturn(overrides=job.overrides, cfg=job.config, working_dir=str(job.dir), status=JobStatus.COMPLETED,
-                     _return_value=sweeps.monitor_value(summary))
+                     _return_value=monitor_value(summary))
 
 
 def job_name(sweep_dir: Path, job: SweepJob, suffix: str = "") -> str:

@@ -62,7 +62,7 @@ from hydra_plugins.trainflow_launchers.common import (
     user_error,
 )
 from hydra_plugins.trainflow_launchers.config import RayLauncherConf
-from trainflow.distributed.failures import lost_rank_error, what_it_said
+from trainflow.util.failures import lost_rank_error, what_it_said
 from trainflow.util.rundir import RUN_DIR_ENV
 
 log = logging.getLogger(__name__)

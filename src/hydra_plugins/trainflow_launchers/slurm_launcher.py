@@ -56,7 +56,7 @@ from hydra_plugins.trainflow_launchers.common import (
     user_error,
 )
 from hydra_plugins.trainflow_launchers.config import SlurmLauncherConf
-from trainflow.distributed.failures import WorkerError, lost_rank_error, noted_step, says_peer_lost
+from trainflow.util.failures import WorkerError, lost_rank_error, noted_step, says_peer_lost
 
 log = logging.getLogger(__name__)
 

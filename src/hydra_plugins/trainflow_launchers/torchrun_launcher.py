@@ -44,7 +44,7 @@ from hydra_plugins.trainflow_launchers.common import (
     user_error,
 )
 from hydra_plugins.trainflow_launchers.config import TorchrunLauncherConf
-from trainflow.distributed.failures import (
+from trainflow.util.failures import (
     WorkerError,
     lost_rank_error,
     ranks_records,

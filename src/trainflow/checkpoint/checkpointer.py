@@ -67,12 +67,12 @@ from trainflow.checkpoint.stopping import EXIT_STOPPED, LatePoll, mark_stopped, 
 from trainflow.checkpoint.store import TMP_PREFIX, Committed, check_intact, list_committed
 from trainflow.config.schema import CheckpointConfig
 from trainflow.distributed import DistEnv
-from trainflow.distributed.failures import note_save, says_peer_lost
 from trainflow.errors import CheckpointError
 from trainflow.loop.stages import Phase, Stage, StageContext
 from trainflow.metrics.regions import CHECKPOINT
 from trainflow.util.activity import Activity, doing
 from trainflow.util.device import device_sync
+from trainflow.util.failures import note_save, says_peer_lost
 from trainflow.util.locks import DirLock
 
 log = logging.getLogger(__package__)  # one name for the package: lines read [trainflow.checkpoint]

@@ -3,7 +3,6 @@
 - process_group: this process as one rank (DistEnv, the checks that need the world size or the hardware,
   joining and leaving the group, the collectives the stages share);
 - health: the start-up check that the ranks agree;
-- failures: each rank's failure record and the one error the launching process makes of them;
 - parallelism: tensor parallel, activation checkpointing, DDP, FSDP2 and HSDP wrapping, gradient sync control;
 - mesh: the degrees (replicate x shard x tp) on one named device mesh, and what a layout does (the one module
   that knows the strategy names);

@@ -17,9 +17,9 @@ import torch
 import torch.distributed as dist
 
 import trainflow
-from trainflow.distributed.failures import rank_list
 from trainflow.errors import ConfigError
 from trainflow.metrics.batch_fit import available_bytes
+from trainflow.util.failures import rank_list
 
 log = logging.getLogger("trainflow")
 

@@ -20,7 +20,6 @@ import torch.distributed as dist
 
 from trainflow.config.choices import Strategy
 from trainflow.config.schema import ParallelismConfig, RunConfig, WatchdogConfig, plain
-from trainflow.distributed.failures import linger_if_peer_lost, record_failure
 from trainflow.distributed.health import check_ranks_agree
 from trainflow.distributed.mesh import (
     CPU_GROUP_RANKS,
@@ -32,6 +31,7 @@ from trainflow.distributed.mesh import (
 )
 from trainflow.errors import ConfigError, TrainflowError
 from trainflow.util.device import emulated_bf16_warning
+from trainflow.util.failures import linger_if_peer_lost, record_failure
 from trainflow.util.float8 import check_fp8
 from trainflow.util.rank import env_rank
 

@@ -33,10 +33,10 @@ from torch import nn
 
 from trainflow.config.schema import StragglerConfig
 from trainflow.distributed import DistEnv
-from trainflow.distributed.failures import rank_list
 from trainflow.distributed.pipeline import StageParts
 from trainflow.loop.stages import Phase, Stage, StageContext
 from trainflow.loop.state import LoopState
+from trainflow.util.failures import rank_list
 
 log = logging.getLogger("trainflow")
 

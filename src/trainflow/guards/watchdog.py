@@ -47,12 +47,12 @@ import torch
 import trainflow
 from trainflow.config.schema import WatchdogConfig
 from trainflow.distributed import DistEnv
-from trainflow.distributed.failures import SaveHung, hang_line, rank_list, record_failure
 from trainflow.distributed.process_group import self_launched, watchdog_on
 from trainflow.errors import print_error
 from trainflow.loop.stages import Phase, Stage, StageContext
 from trainflow.loop.state import LoopState
 from trainflow.util.activity import BUSY_ACTIVITIES, SAVE_ACTIVITIES, Activity, current, threads_doing
+from trainflow.util.failures import SaveHung, hang_line, rank_list, record_failure
 from trainflow.util.files import write_atomic
 
 log = logging.getLogger("trainflow")

@@ -24,7 +24,6 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from hydra.errors import CompactHydraException
 from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
@@ -33,18 +32,13 @@ from trainflow.config.checks import check_config
 from trainflow.config.schema import RunConfig
 from trainflow.errors import ConfigError, TrainflowError, user_error
 from trainflow.record import kept
+from trainflow.record.sweep_outcome import FRESH
 from trainflow.util.files import write_atomic
 from trainflow.util.rank import env_rank
 from trainflow.util.rundir import existing_or_new, override_key, run_identity, run_name, run_name_problem
 
 SWEEPS_DIR = "multirun"  # where sweeps without hydra.sweep.dir live, one folder per sweep name
 IDENTITY_FILE = "run_identity"  # in a sweep job's checkpoint folder: the identity of the run it belongs to
-FRESH = "for a fresh sweep, give it another trainer.sweep_name=<name> (or hydra.sweep.dir=<folder>)"
-
-
-class JobFailed(TrainflowError, CompactHydraException):
-    """A job of a sweep failed. Hydra prints it as one line (its traceback lives in the job's logs); under Hydra's
-    own launcher, which runs every job in one process, it fails that job and not the sweep."""
 
 
 def sweep_overrides(hydra_cfg: Any) -> list[str]:
@@ -179,17 +173,6 @@ def finished(job_dir: Path, cfg: RunConfig) -> dict[str, Any] | None:
     """The summary of a job that finished in `job_dir` with the config `cfg` (the checked one), else None: no
     summary, a cut-off one, a stop on a signal (it resumes), or another config (see trainflow.record.kept)."""
     return kept.finished(kept.read_earlier(job_dir), cfg)
-
-
-def skip_line(num: Any, job_dir: Path, summary: dict[str, Any]) -> str:
-    return (f"sweep: job #{num} finished already in {job_dir} (step {summary.get('steps')}, same config): skipped, "
-            f"its results kept; {FRESH}")
-
-
-def monitor_value(summary: dict[str, Any]) -> Any:
-    """What train.py returns to sweepers for a finished job: the final value of task.monitor."""
-    val, task = summary.get("validation") or {}, summary.get("task") or {}
-    return val.get(task.get("monitor")) if val else None
 
 
 def register_resolvers() -> None:

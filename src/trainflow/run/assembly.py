@@ -31,7 +31,6 @@ from trainflow.config.schema import CompileConfig, RunConfig, plain
 from trainflow.data import DataBundle, IterableBatches, StreamSampler, build_datasets, make_loader, to_device
 from trainflow.data.stream import STREAM_VERSION
 from trainflow.distributed import DistEnv, memory_plan
-from trainflow.distributed.failures import note_step
 from trainflow.distributed.parallelism import loss_context_of, parallelize, unwrap
 from trainflow.distributed.pipeline import Pipeline, StageParts
 from trainflow.distributed.process_group import per_rank_batch, process_group
@@ -62,6 +61,7 @@ from trainflow.record.summary_file import FORMAT as SUMMARY_FORMAT
 from trainflow.tasks import Task, build_task, probe
 from trainflow.util.console import FILE_ONLY, RunFacts, end_lines, start_header
 from trainflow.util.device import autocast_for, configure_matmul, matmul_math
+from trainflow.util.failures import note_step
 from trainflow.util.files import write_json_atomic
 from trainflow.util.rundir import results_begin
 from trainflow.util.seeding import SEED_STRIDE, seed_everything

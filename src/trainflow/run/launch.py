@@ -37,7 +37,6 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from trainflow.checkpoint.stopping import EXIT_STOPPED, catch_stop_signals
 from trainflow.config.schema import RunConfig
-from trainflow.distributed.failures import WorkerError, explain_worker_failure, record_failure
 from trainflow.distributed.process_group import (
     _preflight,
     cpu_group_note,
@@ -50,6 +49,7 @@ from trainflow.errors import TrainflowError
 from trainflow.guards.watchdog import hang_report
 from trainflow.run.assembly import train
 from trainflow.util.console import FileOnly, RunLogHandler
+from trainflow.util.failures import WorkerError, explain_worker_failure, record_failure
 from trainflow.util.rank import env_rank
 from trainflow.util.rundir import results_begin
 from trainflow.util.targets import user_folder_importable

@@ -48,7 +48,6 @@ import yaml
 from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
-from torch.distributed import TCPStore
 
 from trainflow.errors import ConfigError, TrainflowError, user_error
 from trainflow.util.files import SMALL_FILE_BYTES, cannot_write, not_a_file, read_regular
@@ -81,6 +80,10 @@ def _timestamp() -> str:
 
 def _agreed_under_torchrun() -> str:
     """The name rank 0's clock gives, shared through the elastic agent's store."""
+    # lazy: only a run under torchrun needs the store, and this module must not load torch: Hydra's plugin scan
+    # imports it (through trainflow's launchers) at the start of every Hydra app
+    from torch.distributed import TCPStore
+
     run_id = os.environ["TORCHELASTIC_RUN_ID"]
     mine = _timestamp()
     try:
