@@ -24,6 +24,7 @@ from trainflow.report.compare import (
     ONLY_LOAD,
     OTHER_THREADS,
     RUN_TO_RUN,
+    SPINNING,
     judge_figure,
     run_to_run,
 )
@@ -127,7 +128,8 @@ def view(step_time: float, device: float | None = None, busy: bool = False, inte
     figures = {"step_time_s": step_time, "step_time_device_s": device, "samples_per_sec": 64 / step_time,
                "steps": 100}
     fingerprint = {"config_hash": config, "host": "h", "device": {"type": "cpu"},
-                   "load": {"busy": busy, "other_cores": other_cores, "cpu_cores": 2}}
+                   "load": {"busy": busy, "other_cores": other_cores, "cpu_cores": 2},
+                   "replay": {"env": {"OMP_NUM_THREADS": "1"}}}  # one thread: its CPU time is its work
     return RunView("run", tmp or Path("run"), figures, fingerprint, {"trainer": {"log_every": 10}},
                    {"step_time_s": scaled(wobble, step_time), "step_time_device_s": scaled(wobble, device),
                     "samples_per_sec": scaled(wobble, 64 / step_time)}, steady_from=5)
@@ -189,13 +191,27 @@ def test_a_busy_machine_judges_the_step_time_on_its_device_time_and_not_the_wall
     throughput = row(a, b, "samples_per_sec")
     assert throughput["verdict"] == NOT_JUDGED_BUSY and throughput["better"] is None and throughput["busy_only"]
     assert row(view(0.010, device=0.008), view(0.020, device=0.008), "step_time")["judged_on"] == "step_time"  # idle
-    b.fingerprint["replay"] = {"env": {"OMP_NUM_THREADS": "1"}}
+    b.fingerprint["replay"] = {"env": {"OMP_NUM_THREADS": "2"}}
     threads = row(a, b, "step_time")
     assert threads["judged_on"] == "step_time" and threads["verdict"] == NOT_JUDGED_BUSY
     assert row(a, b, "step_time_device")["verdict"] == OTHER_THREADS
     for run in (a, b):
         run.fingerprint["device"] = {"type": "cuda"}  # a GPU's time: threads do not count
     assert row(a, b, "step_time")["judged_on"] == "step_time_device"
+
+
+def test_a_busy_machine_with_torchs_threads_spinning_judges_no_step_time() -> None:
+    """CPU runs with more than one intra-op thread (OMP_NUM_THREADS unset: a thread per core) on a busy machine:
+    their CPU time counts the threads' spinning while another process holds a core, so neither it nor the wall time
+    is judged, and the row says how to get a verdict; idle, the step time is judged as always."""
+    a, b = view(0.010, device=0.008), view(0.030, device=0.024, busy=True, other_cores=0.8)
+    for run in (a, b):
+        run.fingerprint["replay"] = {"env": {}}
+    step = row(a, b, "step_time")
+    assert step["verdict"] == SPINNING and step["better"] is None and step["busy_only"]
+    assert step["judged_on"] == "step_time" and "OMP_NUM_THREADS=1" in step["verdict"]
+    b.fingerprint["load"]["busy"] = False
+    assert row(a, b, "step_time")["verdict"] == "slower"  # idle: the wall time, judged
 
 
 def test_a_change_only_the_load_explains_is_neither_slower_nor_faster() -> None:

@@ -81,6 +81,8 @@ DEVICE_STEP_TIME = "step_time_device"
 NOT_JUDGED_BUSY = "not judged: a busy machine (its wall time carries the load; see step time)"
 ONLY_LOAD = "cannot tell: only the machine's load explains the change"
 OTHER_THREADS = "not judged: other OMP_NUM_THREADS (a process's CPU time counts every thread's)"
+SPINNING = ("not judged: a busy machine, and torch's threads spin while they wait (a process's CPU time counts it): "
+            "rerun with OMP_NUM_THREADS=1, or on an idle machine")
 
 
 FIGURES = (
@@ -174,6 +176,15 @@ def same_threads(a: list[RunView], b: list[RunView]) -> bool:
     return len({((r.fingerprint.get("replay") or {}).get("env") or {}).get("OMP_NUM_THREADS") for r in runs}) == 1
 
 
+def threads_spin(runs: list[RunView]) -> bool:
+    """Whether a CPU run had more than one intra-op thread (OMP_NUM_THREADS other than 1, or unset: torch takes a
+    thread per core): its threads spin at each operator's barrier while another process holds a core, and that is CPU
+    time. The seed MLP beside one busy core of two, idle otherwise: its CPU time per step 2.1-12x the idle run's with
+    torch's two threads, 0.96-1.08x with one (benchmarks/noise_figures.py, docs/compare.md)."""
+    return any((r.fingerprint.get("device") or {}).get("type") != "cuda"
+               and ((r.fingerprint.get("replay") or {}).get("env") or {}).get("OMP_NUM_THREADS") != "1" for r in runs)
+
+
 def too_few_intervals(runs: list[RunView], figure: Figure) -> str | None:
     """`cannot tell: N intervals; run at least M steps` for one run from its folder whose steady log intervals are
     fewer than MIN_SAMPLES: two intervals cannot tell a change from noise."""
@@ -194,7 +205,9 @@ def judge_figure(figure: Figure, a: list[RunView], b: list[RunView], found: list
     run-to-run `floor`), the confidence and the verdict (None when a side lacks the figure). On a busy machine a
     wall-time figure is judged on its robust one, or not at all."""
     busy = was_busy(a) or was_busy(b)
-    judged_as = FIGURE_NAMES[figure.robust] if busy and figure.robust and same_threads(a, b) else figure
+    comparable = busy and figure.robust is not None and same_threads(a, b)
+    spinning = comparable and threads_spin([*a, *b])  # its device time carries the load too
+    judged_as = FIGURE_NAMES[figure.robust] if comparable and not spinning else figure
     (sa, known_a), (sb, known_b) = samples(a, judged_as), samples(b, judged_as)
     if judged_as is not figure and not (sa and sb):  # runs from before the device time: the wall time, not judged
         judged_as = figure
@@ -220,7 +233,7 @@ def judge_figure(figure: Figure, a: list[RunView], b: list[RunView], found: list
     cause = likely_cause(figure.speed, found) if direction else None
     only_load = bool(cause and cause.kind == "machine load")
     # what keeps a verdict back: the wall time of a busy machine, too few intervals, a change only the load explains
-    undecided = NOT_JUDGED_BUSY if busy and figure.wall and judged_as is figure \
+    undecided = SPINNING if spinning else NOT_JUDGED_BUSY if busy and figure.wall and judged_as is figure \
         else OTHER_THREADS if judged_as.name == DEVICE_STEP_TIME and not same_threads(a, b) \
         else too_few if figure.speed and too_few else ONLY_LOAD if only_load else None
     if undecided is not None:
@@ -235,7 +248,7 @@ def judge_figure(figure: Figure, a: list[RunView], b: list[RunView], found: list
             "confidence": confidence, "verdict": verdict, "better": better,
             "likely_cause": cause.text if cause else ("no difference of the fingerprints explains it: rerun both "
                                                       "to see whether it holds" if direction else None),
-            "busy_only": undecided in (NOT_JUDGED_BUSY, ONLY_LOAD), "undecided": undecided}
+            "busy_only": undecided in (NOT_JUDGED_BUSY, ONLY_LOAD, SPINNING), "undecided": undecided}
 
 
 def curve_rows(a: RunView, b: RunView, rtol: float) -> list[dict[str, Any]]:
