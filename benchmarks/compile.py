@@ -36,7 +36,7 @@ from hydra.utils import instantiate
 from trainflow.cli import register_with_hydra
 from trainflow.conf import CONFIG_DIR
 from trainflow.config.checks import check_config
-from trainflow.run.assembly import train
+from trainflow.run.training import train
 from trainflow.tasks import cross_entropy
 
 ROOT = Path(__file__).resolve().parents[1]

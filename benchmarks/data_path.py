@@ -62,7 +62,7 @@ from hydra import compose, initialize_config_dir
 from trainflow.cli import register_with_hydra
 from trainflow.conf import CONFIG_DIR
 from trainflow.config.checks import check_config
-from trainflow.run.assembly import train
+from trainflow.run.training import train
 
 ROOT = Path(__file__).resolve().parents[1]
 register_with_hydra()  # before composing configs, as train.py does

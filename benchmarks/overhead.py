@@ -48,9 +48,11 @@ from trainflow.config.checks import check_config
 from trainflow.data import StreamSampler, build_datasets, make_loader
 from trainflow.distributed.process_group import process_group
 from trainflow.loop.stages import Stage
+from trainflow.loop.step import train_step
 from trainflow.models import build_model
 from trainflow.optim import build_optimizer, schedule_changes_lr
-from trainflow.run.assembly import assemble, train, train_loop, train_step
+from trainflow.run.assembly import assemble
+from trainflow.run.training import train, train_loop
 from trainflow.tasks import build_task, cross_entropy
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -105,7 +105,8 @@ class Off(Stage):
 def test_the_loop_calls_only_enabled_stages_and_any_stage_can_stop_it_and_pause_the_clock(tmp_path: Path) -> None:
     from trainflow.cli import register_with_hydra
     from trainflow.distributed.process_group import process_group
-    from trainflow.run.assembly import assemble, summarize, train_loop
+    from trainflow.run.assembly import assemble
+    from trainflow.run.training import summarize, train_loop
 
     register_with_hydra()
     cfg = seed_mlp_cfg("trainer.max_steps=40", "trainer.excluded_steps=2", "trainer.log_every=5")
@@ -182,7 +183,8 @@ def test_a_stage_of_your_own_answers_every_hook_of_the_step_and_acts_in_its_decl
     from trainflow.cli import register_with_hydra
     from trainflow.distributed.process_group import process_group
     from trainflow.loop.step import no_region
-    from trainflow.run.assembly import assemble, summarize, train_loop
+    from trainflow.run.assembly import assemble
+    from trainflow.run.training import summarize, train_loop
 
     register_with_hydra()
     cfg = seed_mlp_cfg("trainer.max_steps=6", "trainer.grad_accum=2", "trainer.grad_clip=0",
@@ -280,7 +282,8 @@ def test_stages_hold_their_typed_sections_in_a_launched_worker(tmp_path: Path) -
     from trainflow.cli import register_with_hydra
     from trainflow.config.schema import CheckpointConfig, CompileConfig, ProfilerConfig, TrainerConfig
     from trainflow.distributed.process_group import process_group
-    from trainflow.run.assembly import assemble, summarize, train_loop
+    from trainflow.run.assembly import assemble
+    from trainflow.run.training import summarize, train_loop
 
     register_with_hydra()
     validated = seed_mlp_cfg("trainer.max_steps=6", "trainer.eval_every=3", "trainer.excluded_steps=1",
@@ -331,7 +334,8 @@ def test_device_work_still_queued_counts_as_training_not_as_the_stages_pauses(
     import trainflow.loop.meter as metrics
     from trainflow.cli import register_with_hydra
     from trainflow.distributed.process_group import process_group
-    from trainflow.run.assembly import assemble, summarize, train_loop
+    from trainflow.run.assembly import assemble
+    from trainflow.run.training import summarize, train_loop
 
     drains: list[str] = []
 

@@ -101,8 +101,8 @@ def run_from_hydra(cfg: DictConfig) -> float | None:
 def _run_job(cfg: DictConfig) -> float | None:
     """The job: check the config, catch the stop signals, train here or start the local workers; user errors as one
     line."""
-    from trainflow.run.assembly import train  # lazy: the loop's modules, ~60 ms the other commands need not pay
     from trainflow.run.launch import launch, should_launch  # lazy: ~50 ms the other commands need not pay
+    from trainflow.run.training import train  # lazy: the loop's modules, ~60 ms the other commands need not pay
 
     user_folder_importable()  # a launcher's worker imports from the folder its sweep was started in
     hydra_cfg = HydraConfig.get()

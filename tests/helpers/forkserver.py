@@ -91,7 +91,7 @@ def serve() -> None:
 
     import trainflow.cli  # noqa: F401
     import trainflow.report.runs  # noqa: F401  (the summary of every run)
-    import trainflow.run.launch  # noqa: F401  (imports trainflow.run.assembly and the loop's modules)
+    import trainflow.run.launch  # noqa: F401  (imports trainflow.run.training and the loop's modules)
 
     Plugins.instance()  # Hydra's scan of its plugins (our launchers, the Optuna sweeper), done at every start
 

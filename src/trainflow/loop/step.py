@@ -1,4 +1,4 @@
-"""One optimizer step, and what it reads: the loop's (trainflow.run.assembly) and the parity check's reference."""
+"""One optimizer step, and what it reads: the loop's (trainflow.run.training) and the parity check's reference."""
 
 from __future__ import annotations
 

@@ -47,7 +47,7 @@ from trainflow.distributed.process_group import (
 )
 from trainflow.errors import TrainflowError
 from trainflow.guards.watchdog import hang_report
-from trainflow.run.assembly import train
+from trainflow.run.training import train
 from trainflow.util.console import FileOnly, RunLogHandler
 from trainflow.util.failures import WorkerError, explain_worker_failure, record_failure
 from trainflow.util.rank import env_rank
