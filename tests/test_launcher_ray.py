@@ -122,9 +122,11 @@ def sweep(cluster: str, tmp_path_factory: pytest.TempPathFactory) -> Sweep:
            "parallelism.max_restarts=1", "hydra.launcher.shutdown_timeout_s=5", "trainer.seed=1,1",
            f"hydra.sweep.dir={sweep_dir}"]
     env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    job = sweep_dir / "1"
+    console = sweep_dir.with_name(sweep_dir.name + ".out")  # a file, not a pipe: nobody reads a pipe while it runs,
+    job = sweep_dir / "1"  # and a full one would stop the launcher at its next line (every step's, echoed)
     killed = None
+    with open(console, "w") as out:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 400
         while proc.poll() is None and time.monotonic() < deadline:
@@ -133,11 +135,11 @@ def sweep(cluster: str, tmp_path_factory: pytest.TempPathFactory) -> Sweep:
                 if killed is not None:
                     os.kill(killed, signal.SIGKILL)
             time.sleep(0.1)
-        out, _ = proc.communicate(timeout=120)
+        proc.wait(timeout=120)
     finally:
         if proc.poll() is None:
             proc.kill()
-    return Sweep(sweep_dir, proc.returncode, out, killed, cmd)
+    return Sweep(sweep_dir, proc.returncode, console.read_text(), killed, cmd)
 
 
 def test_sweep_of_two_jobs_runs_each_as_a_gang_over_both_nodes_side_by_side(sweep: Sweep) -> None:
@@ -228,20 +230,23 @@ def test_stopping_the_sweep_leaves_no_rank_actor_or_placement_behind(cluster: st
            "trainer.eval_every=0", "checkpoint=dcp", "checkpoint.every_steps=1000", "trainer.seed=1,2",
            f"hydra.sweep.dir={tmp_path}"]
     env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
-    launcher = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    console = tmp_path.with_name(tmp_path.name + ".out")  # a file: a pipe nobody reads would stop the launcher
+    with open(console, "w") as written:
+        launcher = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=written, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 240
         while not all((tmp_path / n / "metrics.jsonl").exists() and max(losses_by_step(tmp_path / n), default=0) >= 2
                       for n in ("0", "1")):
-            assert launcher.poll() is None, launcher.communicate()[0][-3000:]
+            assert launcher.poll() is None, console.read_text()[-3000:]
             assert time.monotonic() < deadline
             time.sleep(0.2)
         assert len([p for p in _job_processes(tmp_path) if p != launcher.pid]) >= 4  # 2 ranks x 2 jobs, + actors
         launcher.send_signal(stop)
-        out, _ = launcher.communicate(timeout=120)
+        launcher.wait(timeout=120)
     finally:
         if launcher.poll() is None:
             launcher.kill()
+    out = console.read_text()
     assert launcher.returncode != 0, out[-3000:]
     assert "Stopping 2 running job(s)" in out
     deadline = time.monotonic() + 30

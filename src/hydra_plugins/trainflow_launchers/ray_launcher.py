@@ -247,8 +247,9 @@ class RayLauncher(SweepLauncher):
         except KeyboardInterrupt:
             log.error("Stopping %d running job(s): each rank gets SIGTERM (a trainflow job saves at its next step "
                       "boundary); the same command resumes the sweep", len(running))
-            for gang in running:
-                self.stop_ranks(ray, gang)
+            stopping = [(gang, self.signal_stop(gang)) for gang in running]  # every gang saves at once
+            for gang, refs in stopping:
+                self.await_stop(ray, gang, refs)
                 self.release(ray, gang)
             raise
         return results
@@ -369,10 +370,19 @@ class RayLauncher(SweepLauncher):
 
     def stop_ranks(self, ray: Any, gang: Gang) -> None:
         """SIGTERM every rank still running (SIGKILL after shutdown_timeout_s) and keep their last output."""
+        self.await_stop(ray, gang, self.signal_stop(gang))
+
+    def signal_stop(self, gang: Gang) -> list[tuple[Rank, Any]]:
+        """Ask every rank still running to stop (SIGTERM, SIGKILL after shutdown_timeout_s), without waiting: the
+        ranks of several gangs save side by side."""
         running = [r for r in gang.ranks if r.exit_code is None and r.lost is None]
-        refs = [r.actor.stop.remote(self.conf.shutdown_timeout_s) for r in running]
-        for r, ref in zip(running, refs, strict=True):
+        for r in running:
             r.stopped = True
+        return [(r, r.actor.stop.remote(self.conf.shutdown_timeout_s)) for r in running]
+
+    def await_stop(self, ray: Any, gang: Gang, stopping: list[tuple[Rank, Any]]) -> None:
+        """Wait for the ranks `signal_stop` asked to stop, and keep their last output."""
+        for _, ref in stopping:
             with contextlib.suppress(ray.exceptions.RayError, TimeoutError):  # gone already: killed below anyway
                 ray.get(ref, timeout=self.conf.shutdown_timeout_s + 30)
         self.collect(ray, gang)
