@@ -171,9 +171,9 @@ def same_threads(a: list[RunView], b: list[RunView]) -> bool:
     """Whether the runs' device times compare: on a GPU (the device's time), or on CPU with the same OMP_NUM_THREADS
     (a process's CPU time per step counts each of its threads, and torch's spin while they wait)."""
     runs = (*a, *b)
-    if all((r.fingerprint.get("device") or {}).get("type") == "cuda" for r in runs):
+    if all(_on_cuda(r) for r in runs):
         return True
-    return len({((r.fingerprint.get("replay") or {}).get("env") or {}).get("OMP_NUM_THREADS") for r in runs}) == 1
+    return len({_omp_threads(r) for r in runs}) == 1
 
 
 def threads_spin(runs: list[RunView]) -> bool:
@@ -181,8 +181,16 @@ def threads_spin(runs: list[RunView]) -> bool:
     thread per core): its threads spin at each operator's barrier while another process holds a core, and that is CPU
     time. The seed MLP beside one busy core of two, idle otherwise: its CPU time per step 2.1-12x the idle run's with
     torch's two threads, 0.96-1.08x with one (benchmarks/noise_figures.py, docs/compare.md)."""
-    return any((r.fingerprint.get("device") or {}).get("type") != "cuda"
-               and ((r.fingerprint.get("replay") or {}).get("env") or {}).get("OMP_NUM_THREADS") != "1" for r in runs)
+    return any(not _on_cuda(r) and _omp_threads(r) != "1" for r in runs)
+
+
+def _on_cuda(run: RunView) -> bool:
+    return (run.fingerprint.get("device") or {}).get("type") == "cuda"
+
+
+def _omp_threads(run: RunView) -> str | None:
+    """The OMP_NUM_THREADS the run was started with (its fingerprint's replay); None: unset."""
+    return ((run.fingerprint.get("replay") or {}).get("env") or {}).get("OMP_NUM_THREADS")
 
 
 def too_few_intervals(runs: list[RunView], figure: Figure) -> str | None:
