@@ -128,7 +128,7 @@ def sweep(cluster: str, tmp_path_factory: pytest.TempPathFactory) -> Sweep:
     with open(console, "w") as out:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, text=True)
     try:
-        deadline = time.monotonic() + 400
+        deadline = time.monotonic() + 900  # a guard against a hang: beside two spinners the sweep took over 400 s
         while proc.poll() is None and time.monotonic() < deadline:
             if killed is None and (job / "metrics.jsonl").exists() and max(losses_by_step(job), default=0) >= 15:
                 killed = _rank_pid(job, rank=1, attempt=0)
@@ -234,7 +234,7 @@ def test_stopping_the_sweep_leaves_no_rank_actor_or_placement_behind(cluster: st
     with open(console, "w") as written:
         launcher = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=written, stderr=subprocess.STDOUT, text=True)
     try:
-        deadline = time.monotonic() + 240
+        deadline = time.monotonic() + 600  # a guard against a hang: beside two spinners over 240 s
         while not all((tmp_path / n / "metrics.jsonl").exists() and max(losses_by_step(tmp_path / n), default=0) >= 2
                       for n in ("0", "1")):
             assert launcher.poll() is None, console.read_text()[-3000:]
