@@ -19,7 +19,7 @@ $(VENV)/.installed: pyproject.toml
 dev: $(VENV)/.installed-dev
 
 # --no-compile: pip would byte-compile the extras' ~20,000 modules (Ray, Kubernetes, MLflow, transformers, ...) at
-# install, most of which no test imports; what is imported is compiled then, once (183-194 s -> 94 s on a 2-core machine).
+# install, most of which no test imports; what is imported is compiled then, once (183-194 s -> 94 s on 2 cores).
 $(VENV)/.installed-dev: $(VENV)/.installed
 	$(BIN)/pip install -q --no-compile -e '.[dev]'
 	touch $@
